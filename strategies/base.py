@@ -321,12 +321,12 @@ class FederatedStrategy(Strategy):
                  self.cfg["fraction-evaluate"], self.cfg["seed"])
 
     # ---- privacy accounting ------------------------------------------------------------------
-    def epsilon_entry(self, extra_local: dict[str, int] | None = None, extra_global: int = 0) -> dict:
-        """ε spent per mechanism for the releases made so far (plus hypothetical extra ones)."""
+    def epsilon_entry(self, extra_global: int = 0) -> dict:
+        """ε spent per mechanism for the releases counted so far (plus ``extra_global`` more)."""
         entry: dict = {"local": {}, "global": {}}
         by_mech: dict[str, dict[str, float]] = {}
         for client, plans in self.ledger.client_plans.items():
-            count = self.local_releases.get(client, 0) + (extra_local or {}).get(client, 0)
+            count = self.local_releases.get(client, 0)
             for name, plan in plans.items():
                 by_mech.setdefault(name, {})[client] = plan.epsilon_after(count)
         for name, per in by_mech.items():
@@ -353,12 +353,13 @@ class FederatedStrategy(Strategy):
                 f"privacy.max-epsilon, or use privacy.calibration='accountant' with privacy.epsilon <= {cap}"
             )
 
-    def next_round_would_exceed(self, nodes: Iterable[NodeInfo]) -> float | None:
+    def round_would_exceed(self) -> float | None:
+        """After ``configure_train`` counted this round's local releases: the worst epsilon the
+        round would bring (with its one global release), if that crosses max-epsilon."""
         cap = self.privacy.max_epsilon
         if not (self.privacy.enabled and cap):
             return None
-        extra = {n.name: self.local_steps(n) for n in nodes}
-        worst = self.worst_epsilon(self.epsilon_entry(extra, 1))
+        worst = self.worst_epsilon(self.epsilon_entry(extra_global=1 if self.ledger.plans else 0))
         return worst if worst > cap * (1 + 1e-9) else None
 
     def record_privacy(self, server_round: int, recorder: RunRecorder) -> None:
@@ -401,7 +402,7 @@ class FederatedStrategy(Strategy):
             current = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in self.global_arrays.items()})
             if self.spec.trains:
                 messages = list(self.configure_train(rnd, current, empty_cfg, grid))
-                over = self.next_round_would_exceed([self.nodes[m.metadata.dst_node_id] for m in messages])
+                over = self.round_would_exceed()
                 if over is not None:
                     for m in messages:  # undo the release counts of the round that will not run
                         node = self.nodes[m.metadata.dst_node_id]
