@@ -18,6 +18,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from client_app.node import node_data
+from client_app.vlm_node import vlm_node_data
 from client_app.send_guard import guarded_reply
 from runconfig import validate
 
@@ -26,9 +27,9 @@ app = ClientApp()
 
 def _setup(msg: Message, context: Context):
     cfg = validate(context.run_config)
-    node = node_data(cfg, dict(context.node_config))
-    server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
     spec = cfg.method
+    node = (vlm_node_data if spec.family == "vlm" else node_data)(cfg, dict(context.node_config))
+    server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
     client = spec.client_class()(cfg, node, context.state, server_round)
     arrays = msg.content["arrays"].to_torch_state_dict() if "arrays" in msg.content else {}
     config = dict(msg.content["config"]) if "config" in msg.content else {}
@@ -38,21 +39,7 @@ def _setup(msg: Message, context: Context):
 @app.query()
 def hello(msg: Message, context: Context) -> Message:
     cfg, spec, node, client, _, _ = _setup(msg, context)
-    # Touch the features now: the first round then measures training, not encoding.
-    n_train = len(client.features("train")[1])
-    n_test = len(client.features("test")[1])
-    n_neighbor = len(node.part.neighbor) if node.part.neighbor is not None else 0
-    if n_neighbor:
-        client.features("neighbor")
-    info = {
-        "name": node.name,
-        "backbone": client.bundle.fingerprint,
-        "dataset": node.splits.train.identity,
-        "classes": ",".join(str(c) for c in node.part.classes),
-        "device": str(client.bundle.device),
-    }
-    metrics = {"partition-id": node.partition_id, "num-train": n_train, "num-test": n_test,
-               "num-neighbor": n_neighbor, "num-classes": node.splits.n_classes}
+    info, metrics = client.hello()
     return guarded_reply(msg, {}, metrics, allowed=spec.shared, info=info)
 
 
@@ -68,7 +55,10 @@ def train(msg: Message, context: Context) -> Message:
     # reply to that as well as to the method's shared set.
     keys = config.get("reply-keys")
     requested = [k for k in keys.split(",") if k] if isinstance(keys, str) else None
-    return guarded_reply(msg, shared, metrics, allowed=spec.shared, private=client.private, requested=requested)
+    # What may leave this node: the method's shared set (a LoRA method's client names it from
+    # its model's adapter, which only the node has loaded).
+    allowed = getattr(client, "shareable", spec.shared)
+    return guarded_reply(msg, shared, metrics, allowed=allowed, private=client.private, requested=requested)
 
 
 @app.evaluate()

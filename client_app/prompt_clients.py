@@ -60,6 +60,27 @@ class PromptClient:
         self.privacy = PrivacySettings.from_config(cfg)
         self.scorer = self.scorer_class(self.bundle, self.classnames, cfg)
 
+    # --- handshake ---------------------------------------------------------------------------
+    def hello(self) -> tuple[dict, dict]:
+        """Who this node is, for the server's handshake. Touches the features now, so that the
+        first round measures training, not encoding."""
+        node = self.node
+        n_train = len(self.features("train")[1])
+        n_test = len(self.features("test")[1])
+        n_neighbor = len(node.part.neighbor) if node.part.neighbor is not None else 0
+        if n_neighbor:
+            self.features("neighbor")
+        info = {
+            "name": node.name,
+            "backbone": self.bundle.fingerprint,
+            "dataset": node.splits.train.identity,
+            "classes": ",".join(str(c) for c in node.part.classes),
+            "device": str(self.bundle.device),
+        }
+        metrics = {"partition-id": node.partition_id, "num-train": n_train, "num-test": n_test,
+                   "num-neighbor": n_neighbor, "num-classes": node.splits.n_classes}
+        return info, metrics
+
     # --- data ------------------------------------------------------------------------------
     def features(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached image features and labels of 'train', 'test' (local) or 'neighbor'.

@@ -19,6 +19,8 @@ class Family:
     name: str
     default_dataset: str
     default_partitioner: str
+    dirichlet_alpha: float  # what dirichlet-alpha = 0 means (the family's papers' value)
+    fraction_train: float  # what fraction-train = 0 means
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ def _load(path: str):
 
 
 FAMILIES: dict[str, Family] = {
-    "prompt": Family("prompt", "embedded", "pathological"),
+    "prompt": Family("prompt", "embedded", "pathological", 0.3, 1.0),
+    "vlm": Family("vlm", "embedded-captions", "dirichlet", 0.5, 0.3),
 }
 
 METHODS: dict[str, MethodSpec] = {
@@ -90,6 +93,27 @@ METHODS: dict[str, MethodSpec] = {
             "term; global DP on the global prompt, local DP on u and v.",
             "strategies.global_local:GlobalGradientStrategy", "client_app.global_local_clients:FedPGPClient",
             shared=frozenset({"global_grad"}), defaults={"prompt.local-steps": 1}, supports_dp=True,
+        ),
+        MethodSpec(
+            "fedrand", "vlm",
+            "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
+            "one randomly drawn half (all A or all B), the other half stays private; per-half averaging.",
+            "strategies.lora:FedRandStrategy", "client_app.lora_clients:FedRandClient",
+        ),
+        MethodSpec(
+            "fedavg-lora", "vlm",
+            "FedAvg on the full LoRA adapter (both halves both ways): FedRand's oracle baseline.",
+            "strategies.lora:FedAvgLoRAStrategy", "client_app.lora_clients:FedAvgLoRAClient",
+        ),
+        MethodSpec(
+            "fedper-lora", "vlm",
+            "FedPer: the top layers' LoRA is shared (fedper.shared-layers), the rest stays on the client.",
+            "strategies.lora:FedPerStrategy", "client_app.lora_clients:FedPerClient",
+        ),
+        MethodSpec(
+            "fedpara-lora", "vlm",
+            "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) (peft LoHa).",
+            "strategies.lora:FedParaStrategy", "client_app.lora_clients:FedParaClient",
         ),
     )
 }

@@ -21,8 +21,10 @@ __all__ = ["ConfigError", "RunConfig", "validate", "KEYS", "DEFAULTS"]
 
 # Datasets whose files must be supplied (or downloaded) under data-root.
 DATASETS_NEEDING_ROOT = frozenset(
-    {"caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100", "image-folder"}
+    {"caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100", "image-folder", "coco-captions"}
 )
+VLM_DATASETS = frozenset({"embedded-captions", "embedded-vqa", "coco-captions", "scienceqa"})
+DATASETS_WITH_OPTIONAL_ROOT = frozenset({"scienceqa"})
 
 
 class ConfigError(ValueError):
@@ -118,6 +120,19 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
         values["dataset"] = family.default_dataset
     if values["partitioner"] == "auto":
         values["partitioner"] = family.default_partitioner
+    if values["dirichlet-alpha"] == 0:
+        values["dirichlet-alpha"] = family.dirichlet_alpha
+    if values["fraction-train"] == 0:
+        values["fraction-train"] = family.fraction_train
+    if (values["dataset"] in VLM_DATASETS) != (method.family == "vlm"):
+        fitting = sorted(VLM_DATASETS) if method.family == "vlm" else [d for d in KEY_BY_NAME["dataset"].choices
+                                                                      if d not in VLM_DATASETS and d != "auto"]
+        raise ConfigError(
+            f"run config 'dataset' = {values['dataset']!r} does not fit method {method.name!r} "
+            f"({'image-text' if method.family == 'vlm' else 'image classification'} data needed); "
+            f"accepted: {', '.join(fitting)}")
+    if values["lora.lr"] < 0:
+        values["lora.lr"] = 3e-3 if values["vlm.model"] == "embedded-tiny-vlm" else 3e-4
     for key, value in method.defaults.items():  # -1 / "auto": the method decides
         if values[key] in (-1, "auto"):
             values[key] = value
@@ -138,7 +153,7 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
             f"run config 'dataset' = {values['dataset']!r} needs 'data-root': the directory that "
             "holds (or, with download=true, will hold) its files"
         )
-    if values["dataset"] not in DATASETS_NEEDING_ROOT and values["data-root"]:
+    if values["dataset"] not in DATASETS_NEEDING_ROOT | DATASETS_WITH_OPTIONAL_ROOT and values["data-root"]:
         raise ConfigError(
             f"run config 'data-root' = {values['data-root']!r} is set but dataset "
             f"{values['dataset']!r} is generated in-process and reads no files; remove data-root "

@@ -52,8 +52,8 @@ KEYS: tuple[Key, ...] = (
     Key("method", "promptfl", "Federated method (see the README's method table)."),
     Key("num-server-rounds", 20, "Federated rounds (zeroshot evaluates once).", min=1),
     Key("seed", 0, "Seed of every random draw: partition, sampling, initialisation, noise.", min=0),
-    Key("fraction-train", 1.0, "Fraction of connected clients sampled for training each round.",
-        min=0.0, max=1.0, min_exclusive=True),
+    Key("fraction-train", 0.0, "Fraction of connected clients sampled for training each round; 0 = the "
+        "family's papers' value (1.0 prompt methods, 0.3 VLM methods).", min=0.0, max=1.0),
     Key("fraction-evaluate", 1.0, "Fraction of clients evaluated each round.",
         min=0.0, max=1.0, min_exclusive=True),
     Key("min-nodes", 2, "Clients that must be connected before the first round starts.", min=1),
@@ -67,14 +67,16 @@ KEYS: tuple[Key, ...] = (
     # --- data ----------------------------------------------------------------------------
     Key("dataset", "auto", "Dataset; 'auto' = the method family's embedded default.",
         choices=("auto", "embedded", "embedded-shadow", "digits", "caltech101", "oxford-pets", "flowers102",
-                 "food101", "dtd", "cifar10", "cifar100", "image-folder")),
+                 "food101", "dtd", "cifar10", "cifar100", "image-folder",
+                 # the VLM methods' datasets
+                 "embedded-captions", "embedded-vqa", "coco-captions", "scienceqa")),
     Key("data-root", "", "Directory holding the dataset files (torchvision layouts or an "
         "image folder <root>/<class>/*.jpg)."),
     Key("download", False, "Let torchvision download a missing dataset into data-root."),
     Key("partitioner", "auto", "How data is split over clients; 'auto' = family default.",
         choices=("auto", "pathological", "dirichlet", "iid", "quantity-skew")),
-    Key("dirichlet-alpha", 0.3, "Concentration of the Dirichlet label split.", min=0.0,
-        min_exclusive=True),
+    Key("dirichlet-alpha", 0.0, "Concentration of the Dirichlet label split; 0 = the family's papers' "
+        "value (0.3 prompt methods, 0.5 VLM methods).", min=0.0),
     Key("quantity-ratios", "45:9:1", "Client size ratios of the quantity-skew split "
         "(one number per client).", check=_ratios),
     Key("test-fraction", 0.3, "Test share for datasets without an official split.",
@@ -126,6 +128,35 @@ KEYS: tuple[Key, ...] = (
     Key("fedotp.iters", 100, "Sinkhorn iterations.", min=1),
     Key("fedpgp.mu", 1.0, "Weight of FedPGP's prompt-wise contrastive term (0 = off).", min=0.0),
     Key("fedpgp.temperature", 0.5, "Temperature of FedPGP's contrastive term.", min=0.0, min_exclusive=True),
+    # --- VLM methods (FedRand and its baselines) ---------------------------------------------------
+    Key("vlm.model", "embedded-tiny-vlm", "Image-text-to-text model: a Hugging Face hub id or local directory "
+        "(transformers AutoModelForImageTextToText + AutoProcessor), or 'embedded-tiny-vlm' (pretrained here, offline)."),
+    Key("vlm.trust-remote-code", False, "Allow the model's own code from the hub (TinyLLaVA needs it)."),
+    Key("vlm.dtype", "auto", "Weights dtype of the frozen model ('auto' = float32).",
+        choices=("auto", "float32", "bfloat16", "float16")),
+    Key("vlm.language-model-pattern", r"(?:language_model|text_model|llm)", "Regex naming the language model's "
+        "module; LoRA goes on its layers only (vision tower and projector stay frozen)."),
+    Key("vlm.max-new-tokens", 24, "Tokens generated per caption or answer at evaluation.", min=1),
+    Key("vlm.eval-batch-size", 32, "Batch size of evaluation.", min=1),
+    Key("vlm.eval-samples", 0, "Score at most this many test samples per client (0 = all).", min=0),
+    Key("vlm.max-train", 0, "Use at most this many training samples of the dataset (0 = all).", min=0),
+    Key("vlm.max-test", 0, "Use at most this many test samples of the dataset (0 = all).", min=0),
+    Key("vlm.ood-captions", "", "COCO-style captions JSON of an out-of-domain set (NoCaps); its images in "
+        "an 'images' folder beside it."),
+    Key("vlm.hf-dataset", "derek-thomas/ScienceQA", "Hugging Face dataset id of scienceqa when data-root is empty."),
+    Key("lora.rank", 8, "LoRA rank r (FedRand: 8).", min=1),
+    Key("lora.alpha", 16.0, "LoRA scaling alpha (dW = alpha/r * B A).", min=0.0, min_exclusive=True),
+    Key("lora.dropout", 0.05, "LoRA dropout.", min=0.0, max=1.0),
+    Key("lora.target-modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "Comma-separated linear layer names of the language model that get LoRA."),
+    Key("lora.lr", -1.0, "AdamW learning rate; -1 = 3e-4 (FedRand's value) for hub models, 3e-3 for the "
+        "embedded tiny VLM."),
+    Key("lora.weight-decay", 1e-6, "AdamW weight decay (FedRand: 1e-6).", min=0.0),
+    Key("lora.batch-size", 8, "Local batch size (FedRand: 8).", min=1),
+    Key("lora.local-epochs", 1, "Local epochs per round (FedRand: 1).", min=1),
+    Key("lora.local-steps", 0, "Local steps per round; 0 = lora.local-epochs full passes.", min=0),
+    Key("fedrand.rho", 0.5, "Probability that a client is sent (and returns) the A half.", min=0.0, max=1.0),
+    Key("fedper.shared-layers", 2, "FedPer: number of top decoder layers whose LoRA is shared.", min=1),
     # --- privacy (every method that supports DP reads these) ---------------------------------
     Key("privacy.epsilon", 0.0, "Target epsilon of each DP mechanism; 0 = no noise, no clipping.",
         min=0.0),

@@ -24,7 +24,11 @@ from utils.files import atomic_torch_save, atomic_write_json
 
 log = logging.getLogger(__name__)
 
-SUMMARY_METRICS = ("local-acc", "neighbor-acc", "train-loss", "local-loss")
+SUMMARY_METRICS = ("local-acc", "neighbor-acc", "train-loss", "local-loss",
+                   # the VLM methods: the server's model and the clients' own, averaged
+                   "server-cider", "client-cider", "server-bleu-4", "client-bleu-4", "server-rouge-l", "client-rouge-l",
+                   "server-accuracy", "client-accuracy", "server-loss", "client-loss")
+VLM_PROGRESS = ("server-cider", "client-cider", "server-accuracy", "client-accuracy")
 
 
 def make_run_dir(output_dir: str, run_name: str, method: str, dataset: str, run_id: int | str) -> Path:
@@ -107,6 +111,9 @@ def progress_line(record: dict, num_rounds: int) -> str:
         parts.append(f"local {100 * m['local-acc']:.1f}%")
     if "neighbor-acc" in m:
         parts.append(f"neighbor {100 * m['neighbor-acc']:.1f}%")
+    for key in VLM_PROGRESS:
+        if key in m:
+            parts.append(f"{key} {m[key]:.1f}")
     eps = [v for k, v in m.items() if k.startswith("epsilon/")]
     if eps:
         parts.append(f"epsilon {max(eps):.3g}")
@@ -124,9 +131,16 @@ def summary_table(data: dict) -> str:
     for key in SUMMARY_METRICS:
         if key in final:
             fmt = (lambda v: f"{100 * v:.2f}%") if key.endswith("acc") else (lambda v: f"{v:.4f}")
+            if key.startswith(("server-", "client-")) and not key.endswith("loss"):
+                fmt = lambda v: f"{v:.2f}"  # noqa: E731 (already x100)
             rows.append((f"{key} (last round)", fmt(final[key])))
             rows.append((f"{key} (mean of last 10)", fmt(final[f"{key}-last10-mean"])))
     rows.append(("bytes up / down", f"{final['bytes_up']:,} / {final['bytes_down']:,}"))
+    comm = data.get("communication") or {}
+    if comm.get("up_vs_full_lora") is not None:
+        rows.append(("training traffic vs full LoRA", f"up {comm['up_vs_full_lora']:.2f}x, down {comm['down_vs_full_lora']:.2f}x "
+                     f"({comm['train_bytes_up']:,} / {comm['train_bytes_down']:,} bytes vs "
+                     f"{comm['full_lora_bytes_up']:,} / {comm['full_lora_bytes_down']:,})"))
     rows.append(("wall time", f"{final['seconds']:.1f}s"))
     width = max(len(k) for k, _ in rows)
     lines = ["-" * (width + 24)] + [f"{k.ljust(width)}  {v}" for k, v in rows] + ["-" * (width + 24)]

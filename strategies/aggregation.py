@@ -26,3 +26,21 @@ def weighted_average(updates: Sequence[Mapping[str, np.ndarray]], weights: Seque
             acc += wk * np.asarray(u[name], dtype=np.float64)
         out[name] = (acc / w.sum()).astype(np.asarray(updates[0][name]).dtype)
     return out
+
+
+def per_group_average(
+    current: Mapping[str, np.ndarray],
+    groups: Mapping[str, Sequence[str]],
+    updates: Sequence[Mapping[str, np.ndarray]],
+    weights: Sequence[float],
+    chosen: Sequence[str],
+) -> dict[str, np.ndarray]:
+    """FedRand's aggregation (paper eqs. 8-10): the tensors of group g are the weighted average
+    over the updates whose ``chosen`` group is g, normalised by those updates' weights only;
+    a group that no update chose keeps its ``current`` values."""
+    out = {k: np.asarray(v) for k, v in current.items()}
+    for group, names in groups.items():
+        members = [i for i, g in enumerate(chosen) if g == group]
+        if members:
+            out.update(weighted_average([{k: updates[i][k] for k in names} for i in members], [weights[i] for i in members]))
+    return out

@@ -121,6 +121,9 @@ class FederatedStrategy(Strategy):
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """Fold the validated updates into ``self.global_arrays``."""
 
+    def on_finish(self, recorder: RunRecorder) -> None:
+        """Called once after the last round, before the results are finalised."""
+
     def on_reply_accepted(self, node: NodeInfo, phase: str) -> None:
         """Called for every reply that passed validation (phase: 'train' or 'evaluate')."""
 
@@ -234,6 +237,8 @@ class FederatedStrategy(Strategy):
                 payload, expected = self.evaluate_payload(node, server_round), {}
             self._expected[node.node_id] = expected
             down += record_nbytes(payload)
+            phase_key = "train" if kind == MessageType.TRAIN else "evaluate"
+            self._round.setdefault("clients", {}).setdefault(node.name, {})[f"{phase_key}/bytes_down"] = record_nbytes(payload)
             config = {"server-round": server_round, "reply-keys": ",".join(sorted(expected))}
             if kind == MessageType.EVALUATE and self._round.get("final"):
                 # the last evaluation: clients publish their personalised prompts (client_app.publishing)
@@ -274,6 +279,8 @@ class FederatedStrategy(Strategy):
                 self._round.setdefault("dropped", []).append({"client": name, "phase": "train" if train else "evaluate", "reason": str(why)})
                 continue
             self._round["bytes_up"] = self._round.get("bytes_up", 0) + record_nbytes(arrays)
+            if node is not None:
+                self._round.setdefault("clients", {}).setdefault(name, {})[f"{'train' if train else 'evaluate'}/bytes_up"] = record_nbytes(arrays)
             key = f"{'train' if train else 'evaluate'}_up"
             self._round.setdefault("bytes", {})[key] = self._round["bytes"].get(key, 0) + record_nbytes(arrays)
             good.append(ClientUpdate(node, arrays, metrics))
@@ -435,6 +442,7 @@ class FederatedStrategy(Strategy):
                 break
         if self.global_arrays:
             recorder.save_arrays("final_shared.pt", self.global_arrays, rnd)
+        self.on_finish(recorder)
         return recorder.finish(status, note)
 
 

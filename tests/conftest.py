@@ -47,3 +47,12 @@ def make_cfg(cache_dir, tmp_path):
         return validate(raw)
 
     return _make
+
+
+@pytest.fixture(scope="session")
+def vlm_cache(cache_dir) -> Path:
+    """The cache with the embedded tiny VLM pretrained (about two minutes on two cores, once)."""
+    from models.tiny_vlm import ensure_pretrained
+
+    ensure_pretrained(cache_dir)
+    return cache_dir

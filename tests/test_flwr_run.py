@@ -89,3 +89,24 @@ def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_di
     else:
         assert "privacy" not in data
     assert len(list((out / "r" / "published").glob("*.pt"))) == 3
+
+
+@pytest.mark.parametrize("method", ["fedrand", "fedavg-lora", "fedper-lora", "fedpara-lora"])
+def test_flwr_run_lora_methods(flwr_env, tmp_path, vlm_cache, method):
+    out = tmp_path / "runs"
+    proc = _flwr_run(flwr_env, f"method='{method}' num-server-rounds=3 fraction-train=1.0 lora.local-steps=4 "
+                               f"vlm.eval-samples=6 output-dir='{out}' cache-dir='{vlm_cache}' run-name='r'", supernodes=3)
+    path = out / "r" / "results.json"
+    data = json.loads(path.read_text()) if path.exists() else None
+    assert data is not None and data["run"]["status"] == "finished", (proc.stdout + proc.stderr)[-3000:]
+    rounds = data["rounds"]
+    assert len(rounds) == 3 and not any(r["dropped"] for r in rounds)
+    assert rounds[-1]["metrics"]["client-loss"] < rounds[0]["metrics"]["client-loss"]
+    assert "client-cider" in rounds[-1]["metrics"] and "client-bleu-4" in rounds[-1]["metrics"]
+    comm = data["communication"]
+    if method == "fedrand":
+        assert 0.4 < comm["up_vs_full_lora"] < 0.6 and "training traffic vs full LoRA" in proc.stdout
+    elif method == "fedavg-lora":
+        assert comm["up_vs_full_lora"] == pytest.approx(1.0) and comm["down_vs_full_lora"] == pytest.approx(1.0)
+    else:  # FedPer / FedPara share a part of the adapter only
+        assert comm["train_bytes_up"] < comm["full_lora_bytes_up"]

@@ -1,0 +1,193 @@
+"""Client trainers of the LoRA family: FedRand, FedAvg-LoRA, FedPer-LoRA, FedPara-LoRA.
+
+They share ``LoRAClient``: the frozen VLM with its adapter, this node's captioning or VQA
+data, one local training loop (AdamW over every adapter tensor, one epoch by default) and one
+evaluation. What differs is only which adapter tensors come from the server, which from the
+node's private state, and which may go back:
+
+- FedAvg-LoRA: everything comes from the server and goes back.
+- FedRand: the server sends one half (all A or all B; both on a first participation); the
+  other half is this node's own trained values from its last round. Both train; the node
+  keeps both and sends back only the half the server asked for (``reply-keys``).
+- FedPer-LoRA: the top layers' adapters are shared, the rest never leave the node.
+- FedPara-LoRA: LoHa's first pair (w1) is shared, the second pair (w2) is the node's own.
+
+The node's adapter tensors live in ``context.state`` between rounds (``client_app.state``);
+the send guard refuses any reply tensor outside what the method may share or equal to a
+tensor the node has never sent.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from client_app.state import load_meta, load_private, save_meta, save_private
+from client_app.vlm_node import VLMNodeData
+from models import adapter_parts
+from models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
+from runconfig import RunConfig
+from utils.vlm_metrics import score_split
+
+
+def adapter_spec(cfg: RunConfig, kind: str) -> AdapterSpec:
+    targets = tuple(t.strip() for t in cfg["lora.target-modules"].split(",") if t.strip())
+    return AdapterSpec(kind, cfg["lora.rank"], cfg["lora.alpha"], cfg["lora.dropout"], targets,
+                       cfg["vlm.language-model-pattern"])
+
+
+class LoRAClient:
+    adapter_kind = "lora"
+
+    def __init__(self, cfg: RunConfig, node: VLMNodeData, state, server_round: int):
+        self.cfg = cfg
+        self.node = node
+        self.state = state
+        self.round = server_round
+        self.vlm, self.initial, self.backbone = load_vlm(
+            cfg["vlm.model"], cfg.cache_dir, adapter_spec(cfg, self.adapter_kind), cfg["seed"], cfg["device"],
+            cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
+        self.own = load_private(state)  # this node's adapter tensors from its last round
+        self.meta = load_meta(state)
+
+    # --- what is shared ------------------------------------------------------------------------
+    @property
+    def shareable(self) -> list[str]:
+        """Every tensor this method may ever send."""
+        return sorted(self.initial)
+
+    @property
+    def private(self) -> dict[str, torch.Tensor]:
+        """Tensors that must never appear in a reply (the guard compares bytes): the node's own
+        values of every tensor it may not share, and of tensors it has not sent since training."""
+        sent = set(str(self.meta.get("sent", "")).split(",")) - {""}
+        return {k: v for k, v in self.own.items() if k not in self.shareable or k not in sent}
+
+    # --- handshake -----------------------------------------------------------------------------
+    def hello(self) -> tuple[dict, dict]:
+        n = self.node
+        info = {"name": n.name, "backbone": self.backbone, "dataset": n.train.images.identity,
+                "classes": ",".join(str(c) for c in sorted(set(n.train.labels.tolist()))),
+                "device": str(self.vlm.device)}
+        metrics = {"partition-id": n.partition_id, "num-train": len(n.train), "num-test": len(n.test),
+                   "num-neighbor": 0, "num-classes": n.dataset.n_labels}
+        return info, metrics
+
+    # --- adapter assembly ------------------------------------------------------------------------
+    def starting_adapter(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this round starts from: the server's tensors where sent, else this node's own
+        values, else the seeded initial values (a first participation)."""
+        out = dict(self.initial)
+        out.update(self.own)
+        out.update(received)
+        return out
+
+    def num_steps(self) -> int:
+        c = self.cfg
+        if c["lora.local-steps"] > 0:
+            return c["lora.local-steps"]
+        return c["lora.local-epochs"] * math.ceil(len(self.node.train) / c["lora.batch-size"])
+
+    def train(self, arrays: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+        if not len(self.node.train):
+            raise RuntimeError(f"{self.node.name} holds no training samples")
+        self.check_received(arrays)
+        start = self.starting_adapter(arrays)
+        load_adapter_state(self.vlm.model, start)
+        params = trainable(self.vlm.model)
+        c = self.cfg
+        opt = torch.optim.AdamW(list(params.values()), lr=c["lora.lr"], weight_decay=c["lora.weight-decay"])
+        rng = np.random.default_rng([c["seed"], self.round, self.node.partition_id + 1])
+        split, bsz = self.node.train, c["lora.batch-size"]
+        order: list[int] = []
+        losses, t0 = [], time.time()
+        self.vlm.model.train()
+        for _ in range(self.num_steps()):
+            if len(order) < min(bsz, len(split)):
+                order += rng.permutation(len(split)).tolist()
+            idx, order = order[:bsz], order[bsz:]
+            batch = self.vlm.training_batch([split.images.image(i) for i in idx], [split.prompts[i] for i in idx],
+                                            [split.targets[i] for i in idx])
+            loss = self.vlm.model(**batch).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        self.vlm.model.eval()
+        trained = {k: v.detach().cpu().clone() for k, v in params.items()}
+        requested = [k for k in str(config.get("reply-keys", "")).split(",") if k]
+        self.own = self.keep(trained)
+        self.meta["sent"] = ",".join(requested)
+        self.meta["rounds-trained"] = int(self.meta.get("rounds-trained", 0)) + 1
+        save_private(self.state, self.own)
+        save_meta(self.state, self.meta)
+        reply = {k: trained[k] for k in requested}
+        metrics = {"train-loss": float(np.mean(losses)), "train-loss-first": losses[0], "train-loss-last": losses[-1],
+                   "num-examples": len(split), "steps": len(losses), "train-seconds": time.time() - t0}
+        return reply, metrics
+
+    def check_received(self, arrays: dict[str, torch.Tensor]) -> None:
+        extra = set(arrays) - set(self.shareable)
+        if extra:
+            raise RuntimeError(f"the server sent tensors this method keeps on the client: {sorted(extra)[:3]}")
+
+    def keep(self, trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the node stores for its next round (default: everything it trained)."""
+        return trained
+
+    # --- evaluation -------------------------------------------------------------------------------
+    def personal_adapter(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The node's own model: its last trained adapter (the server's shared parts where it
+        has never trained)."""
+        return self.starting_adapter({}) if self.own else self.starting_adapter(arrays)
+
+    def server_adapter(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The server's model: the global shared tensors, initial values for the rest."""
+        return {**self.initial, **arrays}
+
+    def evaluate(self, arrays: dict[str, torch.Tensor], config: dict) -> dict:
+        c, split = self.cfg, self.node.test
+        if c["vlm.eval-samples"] and len(split) > c["vlm.eval-samples"]:
+            split = split.subset(np.arange(c["vlm.eval-samples"]), f"first{c['vlm.eval-samples']}")
+        metrics: dict = {"num-examples": len(split)}
+        models = {"client": self.personal_adapter(arrays), "server": self.server_adapter(arrays)}
+        for tag, adapter in models.items():
+            if adapter is None:
+                continue
+            load_adapter_state(self.vlm.model, adapter)
+            scores = score_split(self.vlm, split, self.node.dataset.task, c["vlm.max-new-tokens"], c["vlm.eval-batch-size"])
+            metrics.update({f"{tag}-{k}": v for k, v in scores.items()})
+        return metrics
+
+
+class FedAvgLoRAClient(LoRAClient):
+    """Full LoRA both ways; the node keeps nothing of its own."""
+
+    def keep(self, trained):
+        return {}
+
+
+class FedRandClient(LoRAClient):
+    """Both halves train; the node keeps both (the unsent one is its private counterpart)."""
+
+
+class FedPerClient(LoRAClient):
+    @property
+    def shareable(self) -> list[str]:
+        return adapter_parts.top_layers(self.initial, self.cfg["fedper.shared-layers"])
+
+
+class FedParaClient(LoRAClient):
+    adapter_kind = "loha"
+
+    @property
+    def shareable(self) -> list[str]:
+        return adapter_parts.loha_global(self.initial)
+
+    def server_adapter(self, arrays):
+        # ΔW = (w1 pair) ⊙ (w2 pair): without a client's private w2 pair the server's model is
+        # the base model (w2_b starts at zero), so there is no server model to score.
+        return None

@@ -1,0 +1,64 @@
+"""FedRand's per-half aggregation and the adapter name selections, against hand-computed values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models import adapter_parts
+from strategies.aggregation import per_group_average
+
+GROUPS = {"A": ["l0.lora_A.weight"], "B": ["l0.lora_B.weight"]}
+
+
+def _update(a: float, b: float) -> dict[str, np.ndarray]:
+    return {"l0.lora_A.weight": np.full((2, 3), a, np.float32), "l0.lora_B.weight": np.full((3, 2), b, np.float32)}
+
+
+def test_each_half_is_averaged_over_the_clients_that_had_it_weighted_by_data():
+    current = _update(100.0, 200.0)
+    updates = [_update(1.0, 10.0), _update(3.0, 30.0), _update(5.0, 50.0)]
+    sizes = [10, 30, 60]
+    out = per_group_average(current, GROUPS, updates, sizes, chosen=["A", "B", "A"])
+    # A: clients 0 and 2 only, normalised by their own sizes (10 + 60)
+    assert np.allclose(out["l0.lora_A.weight"], (10 * 1.0 + 60 * 5.0) / 70)
+    # B: client 1 alone
+    assert np.allclose(out["l0.lora_B.weight"], 30.0)
+
+
+def test_a_half_nobody_selected_stays_unchanged():
+    current = _update(100.0, 200.0)
+    out = per_group_average(current, GROUPS, [_update(1.0, 10.0), _update(2.0, 20.0)], [1, 3], chosen=["A", "A"])
+    assert np.allclose(out["l0.lora_A.weight"], (1 * 1.0 + 3 * 2.0) / 4)
+    assert np.array_equal(out["l0.lora_B.weight"], current["l0.lora_B.weight"])
+
+
+def test_without_normalisation_the_result_would_differ():
+    # the ablation the paper reports: dividing by all clients' data instead of the half's
+    updates, sizes = [_update(2.0, 0.0), _update(0.0, 4.0)], [1, 1]
+    out = per_group_average(_update(0, 0), GROUPS, updates, sizes, chosen=["A", "B"])
+    assert np.allclose(out["l0.lora_A.weight"], 2.0)  # not 1.0
+    assert np.allclose(out["l0.lora_B.weight"], 4.0)
+
+
+NAMES = [f"model.language_model.layers.{i}.self_attn.{m}.lora_{h}.weight"
+         for i in range(4) for m in ("q_proj", "v_proj") for h in "AB"]
+
+
+def test_halves_split_every_layer():
+    a, b = adapter_parts.lora_half(NAMES, "A"), adapter_parts.lora_half(NAMES, "B")
+    assert len(a) == len(b) == 8 and not set(a) & set(b) and set(a) | set(b) == set(NAMES)
+    with pytest.raises(ValueError):
+        adapter_parts.lora_half(NAMES, "C")
+
+
+def test_fedper_shares_the_top_layers():
+    top = adapter_parts.top_layers(NAMES, 2)
+    assert {n.split(".layers.")[1].split(".")[0] for n in top} == {"2", "3"}
+    with pytest.raises(ValueError, match="4 adapted layers"):
+        adapter_parts.top_layers(NAMES, 5)
+
+
+def test_fedpara_shares_the_first_loha_pair():
+    names = [f"m.layers.0.q_proj.hada_{w}" for w in ("w1_a", "w1_b", "w2_a", "w2_b")]
+    assert adapter_parts.loha_global(names) == ["m.layers.0.q_proj.hada_w1_a", "m.layers.0.q_proj.hada_w1_b"]
