@@ -90,8 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-class", action="store_true", help="one attack model per class (Shokri) instead of pooled")
     p.add_argument("--shadow-data-root", help="image folder of shadow data (needed for non-embedded datasets)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=300, help="VLM runs: members and non-members per attacked model")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    family = json.loads((args.run_dir / "results.json").read_text())["run"].get("family")
+    if family == "vlm":  # FedRand and its baselines: the MaxRényi-K% attack (attacks.maxrenyi)
+        from attacks.maxrenyi import main as maxrenyi_main
+
+        return maxrenyi_main([str(args.run_dir), "--samples", str(args.samples), "--seed", str(args.seed)])
     res = run_attacks(args.run_dir, args.shadows, args.per_class, args.shadow_data_root, args.seed)
     s = res["summary"]
     print(f"membership inference on {res['method']} ({res['records_per_target_client']} records per client, "

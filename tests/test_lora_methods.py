@@ -176,3 +176,18 @@ def test_private_parts_of_fedper_and_fedpara_never_travel(vlm_cache, tmp_path, m
     else:
         layers = {int(k.split(".layers.")[1].split(".")[0]) for k in names_down}
         assert layers == {max(layers) - 1, max(layers)}  # the top two layers
+
+
+def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
+    import json
+
+    from attacks.maxrenyi import run_maxrenyi
+
+    _, recorder = fedrand_run
+    report = run_maxrenyi(recorder.dir, samples=8, clients=2)
+    assert json.loads((recorder.dir / "maxrenyi.json").read_text())["method"] == "fedrand"
+    server = report["threats"]["server"]
+    assert set(server) == {f"alpha={a},K={k}" for a in ("0.5", "1", "2", "inf") for k in (0, 10)}
+    assert all(0.0 <= r["auroc"] <= 1.0 and r["n_members"] == 8 for r in server.values())
+    clients = report["threats"]["client"]["per_client"]
+    assert clients and all(c["uploaded"] for c in clients.values())  # rebuilt from what each client sent
