@@ -25,11 +25,16 @@ import time
 import numpy as np
 import torch
 
+from client_app.local_training import batches
 from client_app.state import load_meta, load_private, save_meta, save_private
 from client_app.vlm_node import VLMNodeData
 from models import adapter_parts
 from models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
+from privacy.ledger import PrivacySettings
+from privacy.mechanisms import clip_tensor, gaussian_noise, generator_for
 from runconfig import RunConfig
+
+NOISE_STREAM_LOCAL = 1  # the generator stream of clients' local-DP noise
 from utils.vlm_metrics import score_split
 
 
@@ -102,20 +107,26 @@ class LoRAClient:
         opt = torch.optim.AdamW(list(params.values()), lr=c["lora.lr"], weight_decay=c["lora.weight-decay"])
         rng = np.random.default_rng([c["seed"], self.round, self.node.partition_id + 1])
         split, bsz = self.node.train, c["lora.batch-size"]
-        order: list[int] = []
-        losses, t0 = [], time.time()
+        settings = PrivacySettings.from_config(c)
+        sigma = float(config.get("noise.adapter", 0.0))
+        if settings.enabled and sigma <= 0:
+            raise RuntimeError("privacy is on but the server sent no noise level for this client (noise.adapter)")
+        gen = generator_for(c["seed"], self.round, self.node.partition_id + 1, NOISE_STREAM_LOCAL)
+        losses, clipped, t0 = [], [], time.time()
         self.vlm.model.train()
-        for _ in range(self.num_steps()):
-            if len(order) < min(bsz, len(split)):
-                order += rng.permutation(len(split)).tolist()
-            idx, order = order[:bsz], order[bsz:]
-            batch = self.vlm.training_batch([split.images.image(i) for i in idx], [split.prompts[i] for i in idx],
-                                            [split.targets[i] for i in idx])
-            loss = self.vlm.model(**batch).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+        for idx in batches(len(split), bsz, self.num_steps(), settings, rng):
+            if settings.enabled:
+                loss, frac = self.private_step(params, split, idx, settings, bsz, sigma, gen)
+                clipped.append(frac)
+            else:
+                batch = self.vlm.training_batch([split.images.image(i) for i in idx], [split.prompts[i] for i in idx],
+                                                [split.targets[i] for i in idx])
+                loss = self.vlm.model(**batch).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
             opt.step()
-            losses.append(loss.item())
+            if loss is not None:
+                losses.append(float(loss.detach()) if torch.is_tensor(loss) else loss)
         self.vlm.model.eval()
         trained = {k: v.detach().cpu().clone() for k, v in params.items()}
         requested = [k for k in str(config.get("reply-keys", "")).split(",") if k]
@@ -125,9 +136,42 @@ class LoRAClient:
         save_private(self.state, self.own)
         save_meta(self.state, self.meta)
         reply = {k: trained[k] for k in requested}
-        metrics = {"train-loss": float(np.mean(losses)), "train-loss-first": losses[0], "train-loss-last": losses[-1],
-                   "num-examples": len(split), "steps": len(losses), "train-seconds": time.time() - t0}
+        metrics = {"train-loss": float(np.mean(losses)) if losses else float("nan"),
+                   "train-loss-first": losses[0] if losses else float("nan"),
+                   "train-loss-last": losses[-1] if losses else float("nan"),
+                   "num-examples": len(split), "steps": self.num_steps(), "train-seconds": time.time() - t0}
+        if clipped:
+            metrics["dp-clipped-fraction"] = float(np.mean(clipped))
         return reply, metrics
+
+    def private_step(self, params: dict[str, torch.nn.Parameter], split, idx, settings: PrivacySettings,
+                     expected_batch: int, sigma: float, gen: torch.Generator) -> tuple[float | None, float]:
+        """One DP-SGD step's gradients into ``p.grad``: per-sample clipping of the whole adapter's
+        gradient to C (one sample at a time: exact, and model-agnostic), sum / expected batch size,
+        plus N(0, sigma^2) on every coordinate; or, with per-batch clipping, the batch gradient
+        clipped as a whole (the stated epsilon then does not hold; the ledger says so)."""
+        names = list(params)
+        total = {k: torch.zeros_like(p) for k, p in params.items()}
+        losses, fractions = [], []
+        groups = [[i] for i in idx] if settings.clipping == "per-sample" else ([list(idx)] if len(idx) else [])
+        for group in groups:
+            batch = self.vlm.training_batch([split.images.image(i) for i in group], [split.prompts[i] for i in group],
+                                            [split.targets[i] for i in group])
+            loss = self.vlm.model(**batch).loss
+            grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+            flat = torch.cat([(g if g is not None else torch.zeros_like(params[k])).flatten() for g, k in zip(grads, names)])
+            flat, was = clip_tensor(flat, settings.clip)
+            fractions.append(float(was))
+            offset = 0
+            for k in names:
+                n = params[k].numel()
+                total[k] += flat[offset:offset + n].view_as(params[k])
+                offset += n
+            losses.append(float(loss))
+        scale = 1.0 / expected_batch if settings.clipping == "per-sample" else 1.0
+        for k, p in params.items():
+            p.grad = total[k] * scale + gaussian_noise(p.shape, sigma, gen, p.device)
+        return (float(np.mean(losses)) if losses else None), (float(np.mean(fractions)) if fractions else 0.0)
 
     def check_received(self, arrays: dict[str, torch.Tensor]) -> None:
         extra = set(arrays) - set(self.shareable)

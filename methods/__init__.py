@@ -99,21 +99,25 @@ METHODS: dict[str, MethodSpec] = {
             "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
             "one randomly drawn half (all A or all B), the other half stays private; per-half averaging.",
             "strategies.lora:FedRandStrategy", "client_app.lora_clients:FedRandClient",
+            supports_dp=True,
         ),
         MethodSpec(
             "fedavg-lora", "vlm",
             "FedAvg on the full LoRA adapter (both halves both ways): FedRand's oracle baseline.",
             "strategies.lora:FedAvgLoRAStrategy", "client_app.lora_clients:FedAvgLoRAClient",
+            supports_dp=True,
         ),
         MethodSpec(
             "fedper-lora", "vlm",
             "FedPer: the top layers' LoRA is shared (fedper.shared-layers), the rest stays on the client.",
             "strategies.lora:FedPerStrategy", "client_app.lora_clients:FedPerClient",
+            supports_dp=True,
         ),
         MethodSpec(
             "fedpara-lora", "vlm",
             "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) (peft LoHa).",
             "strategies.lora:FedParaStrategy", "client_app.lora_clients:FedParaClient",
+            supports_dp=True,
         ),
     )
 }

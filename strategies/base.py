@@ -32,7 +32,7 @@ from flwr.serverapp.strategy import Strategy
 
 from methods import MethodSpec
 from privacy.accounting import BudgetError
-from privacy.ledger import PrivacyLedger, PrivacySettings
+from privacy.ledger import MechanismPlan, PrivacyLedger, PrivacySettings, plan_gaussian
 from runconfig import RunConfig
 from server_app.results import RunRecorder, progress_line
 from strategies.validation import ReplyRejected, check_reply, record_nbytes
@@ -138,9 +138,6 @@ class FederatedStrategy(Strategy):
         if steps and steps > 0:
             return steps
         return c.get("prompt.local-epochs", 1) * math.ceil(node.num_train / c.get("prompt.batch-size", 32))
-
-    def plan_privacy(self) -> None:
-        """Hook: add the method's mechanisms to ``self.ledger`` (called once the nodes are known)."""
 
     def nodes_per_round(self) -> int:
         """Clients sampled for training each round (the fixed denominator of a DP average)."""
@@ -326,6 +323,40 @@ class FederatedStrategy(Strategy):
         log.info("%s: method %s, %d rounds, fraction-train %.2f, fraction-evaluate %.2f, seed %d",
                  type(self).__name__, self.spec.name, self.num_rounds(), self.cfg["fraction-train"],
                  self.cfg["fraction-evaluate"], self.cfg["seed"])
+
+    # ---- local DP: one plan per client (its data size sets its sampling rate) ----------------
+    def dp_batch_size(self) -> int:
+        """The expected batch size B of a client's DP-SGD steps."""
+        return self.cfg["prompt.batch-size"]
+
+    local_dp: tuple[str, str, int] | None = None  # (mechanism name, where, number of noised tensors)
+
+    def client_plan(self, node: NodeInfo) -> MechanismPlan:
+        name, where, n_tensors = self.local_dp
+        plans = self.ledger.client_plans.get(node.name, {})
+        if name not in plans:  # planned once; a node that joins later is planned on first use
+            b = min(self.dp_batch_size(), node.num_train)
+            per_tensor = self.privacy.clip / b  # per-sample clipping to C, mean over B
+            plan = plan_gaussian(
+                self.privacy, name, where, "client",
+                sensitivity=math.sqrt(n_tensors) * per_tensor,  # each noised tensor clipped to C
+                releases=self.num_rounds() * self.local_steps(node),
+                sampling_rate=b / node.num_train,
+                per_batch_sensitivity=math.sqrt(n_tensors) * 2 * self.privacy.clip,
+                paper_sensitivity=per_tensor,
+            )
+            if n_tensors > 1:
+                plan.notes.append(f"{n_tensors} tensors are clipped to C separately and noised with the same "
+                                  "sigma: accounted as one Gaussian release of joint sensitivity sqrt(n)*C/B")
+            self.ledger.add_plan(plan, client=node.name)
+        return self.ledger.client_plans[node.name][name]
+
+    def plan_privacy(self) -> None:
+        """Add the method's mechanisms to ``self.ledger`` (called once the nodes are known);
+        subclasses with a global mechanism extend it."""
+        if self.local_dp:
+            for node in self.nodes.values():
+                self.client_plan(node)
 
     # ---- privacy accounting ------------------------------------------------------------------
     def epsilon_entry(self, extra_global: int = 0) -> dict:

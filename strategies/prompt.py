@@ -6,7 +6,6 @@ N(0, init-std^2) or a phrase), so every method and every client starts from the 
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -14,8 +13,7 @@ import torch
 from models.clip_loader import load_clip
 from models.prompt_learner import TextTower, init_context
 from strategies.aggregation import weighted_average
-from privacy.ledger import MechanismPlan, plan_gaussian
-from strategies.base import ClientUpdate, FederatedStrategy, NodeInfo
+from strategies.base import ClientUpdate, FederatedStrategy
 
 
 class PromptStrategy(FederatedStrategy):
@@ -37,34 +35,6 @@ class PromptStrategy(FederatedStrategy):
 
     def initial_arrays(self) -> dict[str, np.ndarray]:
         return {"ctx": self.initial_context()}
-
-    # ---- local DP: one plan per client (its data size sets its sampling rate) ----------------
-    local_dp: tuple[str, str, int] | None = None  # (mechanism name, where, number of noised tensors)
-
-    def client_plan(self, node: NodeInfo) -> MechanismPlan:
-        name, where, n_tensors = self.local_dp
-        plans = self.ledger.client_plans.get(node.name, {})
-        if name not in plans:  # planned once; a node that joins later is planned on first use
-            b = min(self.cfg["prompt.batch-size"], node.num_train)
-            per_tensor = self.privacy.clip / b  # per-sample clipping to C, mean over B
-            plan = plan_gaussian(
-                self.privacy, name, where, "client",
-                sensitivity=math.sqrt(n_tensors) * per_tensor,  # each noised tensor clipped to C
-                releases=self.num_rounds() * self.local_steps(node),
-                sampling_rate=b / node.num_train,
-                per_batch_sensitivity=math.sqrt(n_tensors) * 2 * self.privacy.clip,
-                paper_sensitivity=per_tensor,
-            )
-            if n_tensors > 1:
-                plan.notes.append(f"{n_tensors} tensors are clipped to C separately and noised with the same "
-                                  "sigma: accounted as one Gaussian release of joint sensitivity sqrt(n)*C/B")
-            self.ledger.add_plan(plan, client=node.name)
-        return self.ledger.client_plans[node.name][name]
-
-    def plan_privacy(self) -> None:
-        if self.local_dp:
-            for node in self.nodes.values():
-                self.client_plan(node)
 
 
 class PromptFLStrategy(PromptStrategy):

@@ -191,3 +191,27 @@ def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     assert all(0.0 <= r["auroc"] <= 1.0 and r["n_members"] == 8 for r in server.values())
     clients = report["threats"]["client"]["per_client"]
     assert clients and all(c["uploaded"] for c in clients.values())  # rebuilt from what each client sent
+
+
+def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
+    grid, recorder = _run(_raw(vlm_cache, tmp_path, "fedrand", **{"num-server-rounds": 2, "privacy.epsilon": 2.0,
+                                                                 "privacy.clip": 1.0, "lora.local-steps": 2,
+                                                                 "lora.batch-size": 4}))
+    data = recorder.data
+    assert data["run"]["status"] == "finished" and not any(r["dropped"] for r in data["rounds"])
+    ledger = data["privacy"]
+    plans = ledger["client_mechanisms"]
+    assert len(plans) == N_CLIENTS and all("ldp-adapter" in p for p in plans.values())
+    for per in plans.values():
+        plan = per["ldp-adapter"]
+        assert plan["party"] == "client" and plan["planned_epsilon"] <= 2.0 * (1 + 1e-6)
+        assert plan["releases"] == 2 * 2  # rounds x local steps
+    spent = ledger["rounds"][-1]["local"]["ldp-adapter"]
+    assert 0 < spent["max"] <= 2.0 * (1 + 1e-6)
+    trained = [c for r in data["rounds"] for c in r["clients"].values() if "train/dp-clipped-fraction" in c]
+    assert trained and all(0.0 <= c["train/dp-clipped-fraction"] <= 1.0 for c in trained)
+    # the noise each client drew with is the ledger's sigma
+    sent = [m for m in grid.sent if m.metadata.message_type == "train"]
+    for m in sent:
+        name = f"client-{grid.contexts[m.metadata.dst_node_id].node_config['partition-id']}"
+        assert m.content["config"]["noise.adapter"] == pytest.approx(plans[name]["ldp-adapter"]["sigma"])
