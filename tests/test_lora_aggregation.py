@@ -62,3 +62,51 @@ def test_fedper_shares_the_top_layers():
 def test_fedpara_shares_the_first_loha_pair():
     names = [f"m.layers.0.q_proj.hada_{w}" for w in ("w1_a", "w1_b", "w2_a", "w2_b")]
     assert adapter_parts.loha_global(names) == ["m.layers.0.q_proj.hada_w1_a", "m.layers.0.q_proj.hada_w1_b"]
+
+
+def test_vlm_family_defaults_and_dataset_mismatch():
+    from runconfig import ConfigError, validate
+
+    cfg = validate({"method": "fedrand"})
+    assert (cfg["dataset"], cfg["partitioner"], cfg["dirichlet-alpha"], cfg["fraction-train"]) == \
+        ("embedded-captions", "dirichlet", 0.5, 0.3)
+    assert cfg["lora.lr"] == 3e-3  # the embedded tiny VLM; hub models get the paper's 3e-4
+    assert validate({"method": "fedrand", "vlm.model": "org/some-vlm"})["lora.lr"] == 3e-4
+    assert validate({})["dirichlet-alpha"] == 0.3 and validate({})["fraction-train"] == 1.0
+    with pytest.raises(ConfigError, match="does not fit method 'fedrand'"):
+        validate({"method": "fedrand", "dataset": "embedded"})
+    with pytest.raises(ConfigError, match="does not fit method 'promptfl'"):
+        validate({"method": "promptfl", "dataset": "embedded-vqa"})
+    with pytest.raises(ConfigError, match="needs 'data-root'"):
+        validate({"method": "fedrand", "dataset": "coco-captions"})
+
+
+def test_missing_coco_files_name_the_path(tmp_path):
+    from data.vlm_data import VLMDataError, load_vlm_dataset
+
+    with pytest.raises(VLMDataError, match="captions_train2017.json does not exist"):
+        load_vlm_dataset("coco-captions", str(tmp_path))
+
+
+def test_coco_style_loader_reads_captions_and_largest_object(tmp_path):
+    import json
+
+    from PIL import Image
+
+    from data.vlm_data import load_coco_style
+
+    (tmp_path / "imgs").mkdir()
+    for i in (1, 2):
+        Image.new("RGB", (8, 8), (i * 50, 0, 0)).save(tmp_path / "imgs" / f"{i}.jpg")
+    caps = {"images": [{"id": 1, "file_name": "1.jpg"}, {"id": 2, "file_name": "2.jpg"}],
+            "annotations": [{"image_id": 1, "caption": "a cat. "}, {"image_id": 1, "caption": "cat"},
+                            {"image_id": 2, "caption": "a dog"}]}
+    inst = {"categories": [{"id": 7, "name": "cat"}, {"id": 9, "name": "dog"}],
+            "annotations": [{"image_id": 1, "category_id": 9, "area": 5}, {"image_id": 1, "category_id": 7, "area": 50},
+                            {"image_id": 2, "category_id": 9, "area": 3}]}
+    (tmp_path / "captions_val.json").write_text(json.dumps(caps))
+    (tmp_path / "instances_val.json").write_text(json.dumps(inst))
+    split, names = load_coco_style(tmp_path / "captions_val.json", tmp_path / "imgs", "t")
+    assert names == ["cat", "dog"] and list(split.labels) == [0, 1]
+    assert split.references[0] == ["a cat.", "cat"] and split.targets[1] == "a dog"
+    assert split.images.image(1).size == (8, 8)
