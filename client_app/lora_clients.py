@@ -204,7 +204,26 @@ class LoRAClient:
             load_adapter_state(self.vlm.model, adapter)
             scores = score_split(self.vlm, split, self.node.dataset.task, c["vlm.max-new-tokens"], c["vlm.eval-batch-size"])
             metrics.update({f"{tag}-{k}": v for k, v in scores.items()})
+        ood = self.ood_shard()
+        if ood is not None and models["server"] is not None:
+            # out-of-domain (NoCaps-style) scores of the server's model; every client scores one
+            # shard, so the test-size-weighted mean covers the whole OOD set
+            load_adapter_state(self.vlm.model, models["server"])
+            scores = score_split(self.vlm, ood, self.node.dataset.task, c["vlm.max-new-tokens"], c["vlm.eval-batch-size"])
+            metrics.update({f"server-ood-{k}": v for k, v in scores.items()})
+            metrics["ood-examples"] = len(ood)
         return metrics
+
+    def ood_shard(self):
+        ood = self.node.dataset.ood
+        n = int(self.node.config.get("num-partitions", 1) or 1)
+        if ood is None or self.node.partition_id < 0:
+            return None
+        idx = np.arange(self.node.partition_id, len(ood), n)
+        cap = self.cfg["vlm.eval-samples"]
+        if cap and len(idx) > cap:
+            idx = idx[:cap]
+        return ood.subset(idx, f"ood{self.node.partition_id}of{n}") if len(idx) else None
 
 
 class FedAvgLoRAClient(LoRAClient):

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 SUMMARY_METRICS = ("local-acc", "neighbor-acc", "train-loss", "local-loss",
                    # the VLM methods: the server's model and the clients' own, averaged
                    "server-cider", "client-cider", "server-bleu-4", "client-bleu-4", "server-rouge-l", "client-rouge-l",
-                   "server-accuracy", "client-accuracy", "server-loss", "client-loss")
+                   "server-accuracy", "client-accuracy", "server-loss", "client-loss",
+                   "server-ood-cider", "server-ood-bleu-4")
 VLM_PROGRESS = ("server-cider", "client-cider", "server-accuracy", "client-accuracy")
 
 

@@ -93,7 +93,8 @@ class LoRAStrategy(FederatedStrategy):
         metrics = {}
         for k in keys:
             have = [r for r in rows if f"eval/{k}" in r]
-            w = np.array([r["eval/num-examples"] for r in have], dtype=float)
+            weight = "eval/ood-examples" if k.startswith("server-ood-") else "eval/num-examples"
+            w = np.array([r[weight] for r in have], dtype=float)
             metrics[k] = float(np.average([r[f"eval/{k}"] for r in have], weights=w))
         self._round.setdefault("metrics", {}).update(metrics)
         return out

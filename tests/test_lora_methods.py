@@ -113,7 +113,8 @@ def test_fedrand_loss_falls_and_caption_metrics_are_written(fedrand_run):
     last = [c["train/train-loss-last"] for c in rounds[-1]["clients"].values() if "train/train-loss-last" in c]
     assert np.mean(last) < np.mean(first)
     m = rounds[-1]["metrics"]
-    for key in ("server-cider", "client-cider", "server-bleu-4", "server-rouge-l", "server-loss", "client-loss"):
+    for key in ("server-cider", "client-cider", "server-bleu-4", "server-rouge-l", "server-loss", "client-loss",
+                "server-ood-cider", "server-ood-bleu-4"):
         assert key in m and np.isfinite(m[key])
     assert rounds[-1]["metrics"]["server-loss"] < rounds[0]["metrics"]["server-loss"]
 
