@@ -110,3 +110,28 @@ def test_coco_style_loader_reads_captions_and_largest_object(tmp_path):
     assert names == ["cat", "dog"] and list(split.labels) == [0, 1]
     assert split.references[0] == ["a cat.", "cat"] and split.targets[1] == "a dog"
     assert split.images.image(1).size == (8, 8)
+
+
+def test_scienceqa_loader_reads_a_saved_hf_dataset(tmp_path):
+    import datasets
+    from PIL import Image
+
+    from data.vlm_data import load_scienceqa
+
+    def rows(n, offset):
+        return {"image": [Image.new("RGB", (6, 6), (i * 20, 0, 0)) if i % 3 else None for i in range(offset, offset + n)],
+                "question": [f"q{i}?" for i in range(n)], "choices": [["yes", "no", "maybe"]] * n,
+                "answer": [i % 3 for i in range(n)], "hint": ["" if i % 2 else "ctx" for i in range(n)],
+                "topic": ["physics" if i % 2 else "biology" for i in range(n)]}
+
+    features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
+                                  "choices": datasets.Sequence(datasets.Value("string")), "answer": datasets.Value("int64"),
+                                  "hint": datasets.Value("string"), "topic": datasets.Value("string")})
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows(9, 0), features=features),
+                               "test": datasets.Dataset.from_dict(rows(6, 0), features=features)})
+    dd.save_to_disk(str(tmp_path / "sqa"))
+    ds = load_scienceqa(str(tmp_path / "sqa"))
+    assert ds.task == "vqa" and ds.label_names == ["biology", "physics"]
+    assert len(ds.train) == 6 and len(ds.test) == 4  # questions without an image are dropped
+    assert ds.train.targets[0] in "ABC" and "A. yes" in ds.train.prompts[0]
+    assert ds.train.images.image(0).size == (6, 6)
