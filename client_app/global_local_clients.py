@@ -26,7 +26,7 @@ from client_app.scoring import OTScorer
 from client_app.state import optimizer_tensors, restore_optimizer
 from models.lowrank import factorize, rebuild_gradient
 from models.prompt_learner import clip_logits
-from privacy.mechanisms import clip_tensor, generator_for
+from privacy.mechanisms import clip_tensor, generator_for, noise_generator
 
 NOISE_STREAM_FACTOR = 2  # generator stream of the power iteration's random start
 
@@ -90,7 +90,7 @@ class GlobalLocalClient(PromptClient):
         opt = self.make_optimizer(self.local_opt_params(local))
         restore_optimizer(opt, {k: v.to(dev) for k, v in self.private.items()})
         sigma = float(config.get("noise.local", 0.0))
-        noise_gen = generator_for(self.cfg["seed"], self.round, self.node_seed(), NOISE_STREAM_LOCAL)
+        noise_gen = noise_generator(self.node.noise_source, self.cfg["seed"], self.round, self.node_seed(), NOISE_STREAM_LOCAL)
         factor_gen = generator_for(self.cfg["seed"], self.round, self.node_seed(), NOISE_STREAM_FACTOR)
         bsz = min(self.cfg["prompt.batch-size"], n)
         g_global = torch.zeros_like(p_global)

@@ -31,11 +31,11 @@ from client_app.vlm_node import VLMNodeData
 from models import adapter_parts
 from models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
 from privacy.ledger import PrivacySettings
-from privacy.mechanisms import clip_tensor, gaussian_noise, generator_for
+from privacy.mechanisms import clip_tensor, gaussian_noise, noise_generator, sampling_rng
 from runconfig import RunConfig
+from utils.vlm_metrics import score_split
 
 NOISE_STREAM_LOCAL = 1  # the generator stream of clients' local-DP noise
-from utils.vlm_metrics import score_split
 
 
 def adapter_spec(cfg: RunConfig, kind: str) -> AdapterSpec:
@@ -76,7 +76,7 @@ class LoRAClient:
         n = self.node
         info = {"name": n.name, "backbone": self.backbone, "dataset": n.train.images.identity,
                 "classes": ",".join(str(c) for c in sorted(set(n.train.labels.tolist()))),
-                "device": str(self.vlm.device)}
+                "device": str(self.vlm.device), "noise-source": n.noise_source}
         metrics = {"partition-id": n.partition_id, "num-train": len(n.train), "num-test": len(n.test),
                    "num-neighbor": 0, "num-classes": n.dataset.n_labels}
         return info, metrics
@@ -105,13 +105,13 @@ class LoRAClient:
         params = trainable(self.vlm.model)
         c = self.cfg
         opt = torch.optim.AdamW(list(params.values()), lr=c["lora.lr"], weight_decay=c["lora.weight-decay"])
-        rng = np.random.default_rng([c["seed"], self.round, self.node.partition_id + 1])
+        rng = sampling_rng(self.node.noise_source, c["seed"], self.round, self.node.partition_id + 1)
         split, bsz = self.node.train, c["lora.batch-size"]
         settings = PrivacySettings.from_config(c)
         sigma = float(config.get("noise.adapter", 0.0))
         if settings.enabled and sigma <= 0:
             raise RuntimeError("privacy is on but the server sent no noise level for this client (noise.adapter)")
-        gen = generator_for(c["seed"], self.round, self.node.partition_id + 1, NOISE_STREAM_LOCAL)
+        gen = noise_generator(self.node.noise_source, c["seed"], self.round, self.node.partition_id + 1, NOISE_STREAM_LOCAL)
         losses, clipped, t0 = [], [], time.time()
         self.vlm.model.train()
         for idx in batches(len(split), bsz, self.num_steps(), settings, rng):

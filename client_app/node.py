@@ -20,6 +20,7 @@ import numpy as np
 from data.partitioners import Partition, make_partitions
 from data.registry import DatasetSplits, load_dataset, load_image_folder
 from data.sources import limit_per_class
+from privacy.mechanisms import node_noise_source
 from runconfig import ConfigError, RunConfig
 
 
@@ -30,6 +31,7 @@ class NodeData:
     splits: DatasetSplits
     part: Partition
     config: dict  # the node config it was built from
+    noise_source: str = "seeded"  # where its DP randomness comes from (privacy.mechanisms)
 
 
 _SPLITS: dict[tuple, DatasetSplits] = {}
@@ -61,7 +63,7 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
             classes=tuple(int(c) for c in np.unique(splits.train.labels)),
         )
         name = str(node_config.get("name") or data_dir.name)
-        return NodeData(name, -1, splits, part, dict(node_config))
+        return NodeData(name, -1, splits, part, dict(node_config), _noise_source(cfg, node_config, own_data=True))
 
     if "partition-id" not in node_config or "num-partitions" not in node_config:
         raise ConfigError(
@@ -81,4 +83,11 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
             alpha=cfg["dirichlet-alpha"], ratios=cfg["quantity-ratios"],
         )
     name = str(node_config.get("name") or f"client-{pid}")
-    return NodeData(name, pid, splits, _PARTS[key][pid], dict(node_config))
+    return NodeData(name, pid, splits, _PARTS[key][pid], dict(node_config), _noise_source(cfg, node_config, own_data=False))
+
+
+def _noise_source(cfg: RunConfig, node_config: dict, own_data: bool) -> str:
+    try:
+        return node_noise_source(node_config, own_data, cfg["privacy.noise-source"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

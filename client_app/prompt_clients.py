@@ -11,6 +11,8 @@ over all classes of the dataset.
 
 from __future__ import annotations
 
+import hashlib
+
 import math
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ from data.feature_cache import encode_images
 from models.clip_loader import load_clip
 from models.prompt_learner import PromptEncoder, clip_logits
 from privacy.ledger import PrivacySettings
-from privacy.mechanisms import generator_for
+from privacy.mechanisms import noise_generator, sampling_rng
 from runconfig import RunConfig
 
 NOISE_STREAM_LOCAL = 1  # generator streams: local-DP noise on clients
@@ -75,7 +77,10 @@ class PromptClient:
             "backbone": self.bundle.fingerprint,
             "dataset": node.splits.train.identity,
             "classes": ",".join(str(c) for c in node.part.classes),
+            # label i must mean the same class on every node: the server compares this digest
+            "class-list": hashlib.sha256("\n".join(self.classnames).encode()).hexdigest()[:16],
             "device": str(self.bundle.device),
+            "noise-source": node.noise_source,
         }
         metrics = {"partition-id": node.partition_id, "num-train": n_train, "num-test": n_test,
                    "num-neighbor": n_neighbor, "num-classes": node.splits.n_classes}
@@ -107,7 +112,7 @@ class PromptClient:
         return self.scorer.encoder(ctx)
 
     def rng(self) -> np.random.Generator:
-        return np.random.default_rng([self.cfg["seed"], self.round, self.node.partition_id + 1])
+        return sampling_rng(self.node.noise_source, self.cfg["seed"], self.round, self.node.partition_id + 1)
 
     # --- training ------------------------------------------------------------------------------
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -137,7 +142,7 @@ class PromptClient:
         opt = self.make_optimizer([ctx])
         restore_optimizer(opt, {k: v.to(self.bundle.device) for k, v in self.private.items()})
         encoder = self.encoder(ctx)
-        gen = generator_for(self.cfg["seed"], self.round, self.node.partition_id + 1, NOISE_STREAM_LOCAL)
+        gen = noise_generator(self.node.noise_source, self.cfg["seed"], self.round, self.node.partition_id + 1, NOISE_STREAM_LOCAL)
         bsz = self.cfg["prompt.batch-size"]
         losses_seen, correct, seen, steps = [], 0, 0, self.num_steps(n)
         for batch in batches(n, bsz, steps, self.privacy, self.rng()):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from data.partitioners import make_partitions
 from data.vlm_data import VLMDataset, VLMSplit, load_vlm_dataset
+from privacy.mechanisms import node_noise_source
 from runconfig import ConfigError, RunConfig
 
 
@@ -22,6 +23,7 @@ class VLMNodeData:
     train: VLMSplit
     test: VLMSplit
     config: dict
+    noise_source: str = "seeded"  # where its DP randomness comes from (privacy.mechanisms)
 
 
 _DATASETS: dict[tuple, VLMDataset] = {}
@@ -58,4 +60,8 @@ def vlm_node_data(cfg: RunConfig, node_config: dict, shadow: bool = False) -> VL
         _NODES[key] = (ds.train.subset(part.train, f"p{pid}of{n}"), ds.test.subset(part.test, f"p{pid}of{n}"))
     train, test = _NODES[key]
     name = str(node_config.get("name") or f"client-{pid}")
-    return VLMNodeData(name, pid, ds, train, test, dict(node_config))
+    try:
+        source = node_noise_source(node_config, own_data=False, run_choice=cfg["privacy.noise-source"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return VLMNodeData(name, pid, ds, train, test, dict(node_config), source)

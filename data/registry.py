@@ -216,6 +216,27 @@ def _scan_class_dirs(root: Path) -> dict[str, list[Path]]:
     return classes
 
 
+def _federation_classes(root: Path, found: list[str]) -> list[str]:
+    """The class list, in label order. Organisations in one federation rarely hold every class:
+    a ``classes.txt`` (one class folder name per line, the same file on every node) fixes the
+    full list and its order, so that label i means the same class everywhere. Without it the
+    folder's own sub-folders, sorted, are the classes."""
+    listing = root / "classes.txt"
+    if not listing.is_file():
+        return found
+    names = [line.strip() for line in listing.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if not names or dupes:
+        raise DatasetError(f"{listing} must list each class once, one per line ("
+                           f"{'it is empty' if not names else 'repeated: ' + ', '.join(dupes[:5])})")
+    unknown = [c for c in found if c not in names]
+    if unknown:
+        raise DatasetError(f"image folder {str(root)!r} has class folder(s) {', '.join(unknown[:5])} that "
+                           f"{listing.name} does not list: add them to the federation's class list (the same "
+                           f"file on every node) or rename the folders")
+    return names
+
+
 def load_image_folder(root: Path, test_fraction: float, **_) -> DatasetSplits:
     root = Path(root)
     if not root.is_dir():
@@ -225,11 +246,12 @@ def load_image_folder(root: Path, test_fraction: float, **_) -> DatasetSplits:
         )
     has_split = (root / "train").is_dir() and (root / "test").is_dir()
     trees = {s: _scan_class_dirs(root / s) for s in ("train", "test")} if has_split else {"all": _scan_class_dirs(root)}
-    names = sorted(set().union(*[t.keys() for t in trees.values()]))
-    if not names:
+    found = sorted(set().union(*[t.keys() for t in trees.values()]))
+    if not found:
         raise DatasetError(
             f"image folder {str(root)!r} has no class sub-folders; expected <root>/<class name>/<image>.jpg"
         )
+    names = _federation_classes(root, found)
     for split, tree in trees.items():
         empty = [c for c, files in tree.items() if not files]
         if empty:

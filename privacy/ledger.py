@@ -146,6 +146,8 @@ class PrivacyLedger:
         self.client_plans: dict[str, dict[str, MechanismPlan]] = {}  # per-client LDP plans
         self.rounds: list[dict] = []
         self.notes: list[str] = []
+        # where each party's DP randomness comes from ('seeded' | 'os', privacy.mechanisms)
+        self.noise_sources: dict = {}
 
     def add_plan(self, plan: MechanismPlan, client: str | None = None) -> None:
         if client is None:
@@ -172,6 +174,7 @@ class PrivacyLedger:
             "settings": asdict(s),
             "mechanisms": {k: p.as_dict() for k, p in self.plans.items()},
             "client_mechanisms": {c: {k: p.as_dict() for k, p in per.items()} for c, per in self.client_plans.items()},
+            "noise_sources": self.noise_sources,
             "rounds": self.rounds,
             "notes": self.notes,
         }

@@ -1,4 +1,4 @@
-"""The Gaussian mechanism's parts on tensors: per-sample gradients, clipping, seeded noise.
+"""The Gaussian mechanism's parts on tensors: per-sample gradients, clipping, noise generators.
 
 Per-sample gradients of prompt parameters: the expensive part of a prompt-learning step is
 the text tower, shared by every sample of a batch. A sample's loss depends on the prompt
@@ -9,6 +9,7 @@ product with that sample's gradient on the features: first all samples' feature 
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,6 +53,42 @@ def clip_tensor(g: torch.Tensor, clip: float) -> tuple[torch.Tensor, bool]:
     """Scale a whole tensor to L2 norm <= ``clip``."""
     norm = float(g.norm())
     return (g * (clip / norm), True) if norm > clip else (g, False)
+
+
+# Where the randomness of a DP mechanism (its noise, and the batch sampling its amplification
+# relies on) comes from:
+# - "seeded": derived from the run's seed, so a run can be repeated exactly. Anyone who knows the
+#   run config can regenerate it, so it protects nothing against the server or other clients:
+#   for simulations and demos only.
+# - "os": fresh entropy from the operating system, unknown to everyone else: what a real
+#   organisation's data needs.
+NOISE_SOURCES = ("seeded", "os")
+
+
+def node_noise_source(node_config: dict, own_data: bool, run_choice: str = "auto") -> str:
+    """A node's noise source. The organisation decides (node config ``noise-source``); without a
+    choice, a node with its own data directory draws from the OS, a node on a partition of a
+    shared dataset (simulation, demos) is seeded. The run config can only make it stronger
+    (``privacy.noise-source = os``), never weaken what a node chose."""
+    chosen = str(node_config.get("noise-source", "") or "")
+    if chosen and chosen not in NOISE_SOURCES:
+        raise ValueError(f"node config noise-source={chosen!r} is not one of {', '.join(NOISE_SOURCES)}")
+    source = chosen or ("os" if own_data else "seeded")
+    return "os" if run_choice == "os" else source
+
+
+def noise_generator(source: str, *parts: int) -> torch.Generator:
+    """The generator of one mechanism's draws: seeded from ``parts`` or from OS entropy."""
+    if source == "os":
+        return torch.Generator().manual_seed(secrets.randbits(63))
+    return generator_for(*parts)
+
+
+def sampling_rng(source: str, *parts: int) -> np.random.Generator:
+    """The generator of a client's batch sampling (Poisson subsampling must stay secret too)."""
+    if source == "os":
+        return np.random.default_rng(secrets.randbits(128))
+    return np.random.default_rng([int(p) for p in parts])
 
 
 def generator_for(*parts: int) -> torch.Generator:

@@ -176,6 +176,11 @@ KEYS: tuple[Key, ...] = (
         "only reported, and privacy.max-epsilon stops the run when reached.", min=0.0),
     Key("privacy.max-epsilon", 0.0, "Refuse to start if the plan would exceed this epsilon, stop "
         "once it is reached; 0 = no cap.", min=0.0),
+    Key("privacy.noise-source", "auto", "Randomness of DP noise and batch sampling: 'seeded' "
+        "(from the run seed: repeatable, but anyone with the run config can regenerate it; "
+        "simulations only), 'os' (OS entropy, secret), or 'auto' (each node: 'os' when it trains "
+        "on its own data-dir or its node config says noise-source=os, else seeded; the server's "
+        "noise: 'os' as soon as one node is).", choices=("auto", "seeded", "os")),
 )
 
 KEY_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}

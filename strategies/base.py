@@ -172,6 +172,9 @@ class FederatedStrategy(Strategy):
                 elif known is not None and node.num_classes != known.num_classes:
                     self.failed_nodes[n] = (f"it has {node.num_classes} classes but {known.name} has "
                                             f"{known.num_classes}: every node must use the same class list")
+                elif known is not None and known.info.get("class-list") != node.info.get("class-list"):
+                    self.failed_nodes[n] = (f"its class list differs from {known.name}'s (same number, other names or "
+                                            f"order): give every node the same classes.txt")
                 elif any(o.name == node.name for o in self.nodes.values()):
                     self.failed_nodes[n] = f"another node already uses the name {node.name!r}"
                 else:
@@ -216,8 +219,12 @@ class FederatedStrategy(Strategy):
         connected = set(self._connected(grid))
         self.handshake(grid, connected)  # nodes that joined since the last round
         pool = sorted((n for i, n in self.nodes.items() if i in connected), key=lambda n: n.name)
-        if not pool:
-            raise FederationError("no healthy node is connected")
+        if len(pool) < self.cfg["min-nodes"]:
+            gone = sorted(n.name for i, n in self.nodes.items() if i not in connected)
+            raise FederationError(
+                f"round {server_round}: only {len(pool)} healthy node(s) still connected, fewer than min-nodes = "
+                f"{self.cfg['min-nodes']}" + (f" (disconnected: {', '.join(gone[:8])})" if gone else "")
+                + "; restart the missing SuperNodes, or lower min-nodes to let the run go on with fewer")
         k = min(len(pool), max(1, math.ceil(fraction * len(pool))))
         rng = np.random.default_rng([self.cfg["seed"], server_round, stream])
         chosen = rng.choice(len(pool), size=k, replace=False)
@@ -251,6 +258,7 @@ class FederatedStrategy(Strategy):
         self._round["bytes_down"] = self._round.get("bytes_down", 0) + down
         phase = "train" if kind == MessageType.TRAIN else "evaluate"
         self._round.setdefault("bytes", {})[f"{phase}_down"] = down
+        self._last_sent = msgs  # their ids are set when the grid pushes them; see _sender
         return msgs
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -262,10 +270,21 @@ class FederatedStrategy(Strategy):
         nodes = self.sample(grid, server_round, self.cfg["fraction-evaluate"], stream=1)
         return self._messages(nodes, server_round, MessageType.EVALUATE)
 
+    def _sender(self, reply: Message) -> int:
+        """The node a reply concerns. An error the SuperLink writes itself (e.g. 'Node Unavailable'
+        for a SuperNode that stopped sending heartbeats) comes from the SuperLink's own id: map it
+        back through the message it answers."""
+        nid = reply.metadata.src_node_id
+        if nid not in self.nodes:
+            for sent in getattr(self, "_last_sent", []):
+                if sent.metadata.message_id and sent.metadata.message_id == reply.metadata.reply_to_message_id:
+                    return sent.metadata.dst_node_id
+        return nid
+
     def _validated(self, replies: Iterable[Message], train: bool) -> list[ClientUpdate]:
         good = []
         for msg in replies:
-            nid = msg.metadata.src_node_id
+            nid = self._sender(msg)
             node = self.nodes.get(nid)
             name = node.name if node else str(nid)
             try:
@@ -400,10 +419,30 @@ class FederatedStrategy(Strategy):
         worst = self.worst_epsilon(self.epsilon_entry(extra_global=1 if self.ledger.plans else 0))
         return worst if worst > cap * (1 + 1e-9) else None
 
+    def server_noise_source(self) -> str:
+        """Randomness of the server's own noise (privacy.mechanisms.NOISE_SOURCES): with 'auto',
+        secret as soon as one node protects its own noise that way, since clients know the
+        run seed and could otherwise regenerate the server's noise."""
+        choice = self.cfg["privacy.noise-source"]
+        if choice != "auto":
+            return choice
+        return "os" if any(n.info.get("noise-source") == "os" for n in self.nodes.values()) else "seeded"
+
+    def record_noise_sources(self) -> None:
+        clients = {n.name: str(n.info.get("noise-source", "seeded")) for n in self.nodes.values()}
+        self.ledger.noise_sources = {"server": self.server_noise_source(), "clients": dict(sorted(clients.items()))}
+        if "seeded" in (self.ledger.noise_sources["server"], *clients.values()):
+            note = ("seeded noise (privacy.noise-source): derived from the run seed, so anyone who knows the run "
+                    "config can regenerate and remove it; the epsilon holds only against parties without the "
+                    "config. Use noise-source=os for real data")
+            if note not in self.ledger.notes:
+                self.ledger.notes.append(note)
+
     def record_privacy(self, server_round: int, recorder: RunRecorder) -> None:
         if not self.privacy.enabled:
             return
         entry = self.epsilon_entry()
+        self.record_noise_sources()  # nodes may have joined since the last round
         self.ledger.record_round(server_round, entry)
         metrics = self._round.setdefault("metrics", {})
         for name, v in entry["local"].items():
@@ -426,6 +465,7 @@ class FederatedStrategy(Strategy):
                               excluded_nodes={str(k): v for k, v in self.failed_nodes.items()})
         if self.privacy.enabled:
             self.plan_privacy()
+            self.record_noise_sources()
             recorder.add_section("privacy", self.ledger.as_dict())
             self.check_budget_before_start()
         timeout = self.cfg["round-timeout"]

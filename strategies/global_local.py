@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from privacy.ledger import plan_gaussian
-from privacy.mechanisms import gaussian_noise, generator_for
+from privacy.mechanisms import gaussian_noise, noise_generator
 from strategies.base import ClientUpdate
 from strategies.prompt import PromptStrategy
 
@@ -97,7 +97,8 @@ class GlobalGradientStrategy(PromptStrategy):
         grad = torch.from_numpy(mean.astype(np.float32))
         if self.privacy.enabled:
             sigma = self.ledger.plans["gdp-global"].sigma
-            grad = grad + gaussian_noise(grad.shape, sigma, generator_for(self.cfg["seed"], server_round, NOISE_STREAM_GLOBAL))
+            gen = noise_generator(self.server_noise_source(), self.cfg["seed"], server_round, NOISE_STREAM_GLOBAL)
+            grad = grad + gaussian_noise(grad.shape, sigma, gen)
             self.global_releases["gdp-global"] = self.global_releases.get("gdp-global", 0) + 1
             self._round.setdefault("metrics", {})["gdp-sigma"] = sigma
         self._server_step(grad)

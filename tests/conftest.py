@@ -56,3 +56,30 @@ def vlm_cache(cache_dir) -> Path:
 
     ensure_pretrained(cache_dir)
     return cache_dir
+
+
+@pytest.fixture(scope="module")
+def flwr_env(tmp_path_factory, cache_dir, pretrained_clip):
+    """Environment for `flwr run` with its own FLWR_HOME and a local simulation SuperLink on
+    free ports; the SuperLink and its children are stopped by PID at the end of the module."""
+    from utils.processes import free_port, kill_tree, pids_matching
+
+    # One local SuperLink for the module (each run still starts its own Ray simulation).
+    home = tmp_path_factory.mktemp("flwr") / "flwr-home"
+    env = dict(os.environ)
+    env.update({
+        "FLWR_HOME": str(home),
+        # our own ports, so that a SuperLink already running on this machine is never reused
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        # flwr starts `flower-superlink` by name: it must be the one beside this Python
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    })
+    yield env
+    for pid in pids_matching(str(home)):  # the detached local SuperLink and its children
+        kill_tree(pid)
+    assert not pids_matching(str(home)), "a Flower process survived the test"

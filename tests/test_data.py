@@ -79,6 +79,40 @@ def test_image_folder_errors(tmp_path):
         load_dataset("image-folder", data_root=str(tmp_path))
 
 
+def test_classes_txt_fixes_the_federation_label_order(tmp_path):
+    _write_folder(tmp_path, ["cat", "ant"], n=3)  # this organisation has two of the four classes
+    (tmp_path / "classes.txt").write_text("dog\ncat\n# comment\nbee\nant\n")
+    d = load_dataset("image-folder", data_root=str(tmp_path), test_fraction=0.3)
+    assert d.classnames == ["dog", "cat", "bee", "ant"] and d.n_classes == 4
+    assert sorted(set(d.train.labels.tolist()) | set(d.test.labels.tolist())) == [1, 3]
+    (tmp_path / "classes.txt").write_text("dog\ncat\n")
+    with pytest.raises(DatasetError, match="class folder\\(s\\) ant that classes.txt does not list"):
+        load_dataset("image-folder", data_root=str(tmp_path))
+    (tmp_path / "classes.txt").write_text("cat\nant\ncat\n")
+    with pytest.raises(DatasetError, match="repeated: cat"):
+        load_dataset("image-folder", data_root=str(tmp_path))
+
+
+def test_exported_partitions_hold_exactly_the_simulated_partition(tmp_path):
+    from client_app.node import node_data
+    from data.export_folder import export_partitions
+    from runconfig import validate
+
+    folders = export_partitions(tmp_path, 3, {"max-per-class": 6})
+    cfg = validate({"max-per-class": 6})
+    for pid, folder in enumerate(folders):
+        sim = node_data(cfg, {"partition-id": pid, "num-partitions": 3})
+        own = load_dataset("image-folder", data_root=str(folder))
+        assert own.classnames == sim.splits.classnames
+        assert sorted(own.train.labels.tolist()) == sorted(sim.splits.train.labels[sim.part.train].tolist())
+        assert sorted(own.test.labels.tolist()) == sorted(sim.splits.test.labels[sim.part.test].tolist())
+        # pixels survive the PNG round trip
+        first = sim.part.train[0]
+        label = sim.splits.classnames[sim.splits.train.labels[first]]
+        saved = Image.open(folder / "train" / label / "000000.png")
+        assert np.array_equal(np.asarray(saved), np.asarray(sim.splits.train.image(int(first)).convert("RGB")))
+
+
 @pytest.mark.parametrize("name", ["caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100"])
 def test_missing_torchvision_data_says_where_and_how(tmp_path, name):
     with pytest.raises(DatasetError) as err:

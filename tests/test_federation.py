@@ -194,3 +194,82 @@ def test_option_combinations_run(make_cfg, pretrained_clip, overrides):
         assert shapes == {(4, 96)}  # the phrase's four tokens set M
     if overrides.get("dataset") == "digits":
         assert rec.data["run"]["nodes"][0]["num_classes"] == 10
+
+
+def _go_offline_after_round_1(grid_ref, victims):
+    def intercept(req, reply):
+        if req.metadata.message_type == "evaluate" and int(req.content["config"]["server-round"]) == 1:
+            grid_ref[0].offline.update(victims)
+        return reply
+    return intercept
+
+
+def test_a_node_lost_mid_run_leaves_the_rounds_to_the_others(make_cfg, pretrained_clip):
+    grid_ref = []
+    cfg = make_cfg(method="promptfl", num_server_rounds=3)
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict(),
+                         intercept=_go_offline_after_round_1(grid_ref, [1002]))
+    grid_ref.append(grid)
+    rec = execute(cfg, grid, run_id="test")
+    assert rec.data["run"]["status"] == "finished"
+    assert [r["metrics"]["train-clients"] for r in rec.data["rounds"]] == [3, 2, 2]
+    assert all("client-2" not in r["clients"] for r in rec.data["rounds"][1:])
+
+
+def test_fewer_nodes_than_min_nodes_mid_run_fails_with_the_reason(make_cfg, pretrained_clip):
+    grid_ref = []
+    cfg = make_cfg(method="promptfl", num_server_rounds=3, min_nodes=2)
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 2} for i in range(2)], cfg.as_dict(),
+                         intercept=_go_offline_after_round_1(grid_ref, [1001]))
+    grid_ref.append(grid)
+    with pytest.raises(FederationError, match=r"round 2: only 1 healthy node.*min-nodes = 2 \(disconnected: client-1\)"):
+        execute(cfg, grid, run_id="test")
+
+
+def test_own_data_nodes_train_on_exactly_their_folders(make_cfg, pretrained_clip, tmp_path):
+    from data.export_folder import export_partitions
+    from data.registry import load_image_folder
+
+    folders = export_partitions(tmp_path / "orgs", 2)
+    nodes = [{"data-dir": str(f)} for f in folders]
+    rec, _ = _run(make_cfg, node_configs=nodes, method="promptfl", num_server_rounds=1)
+    joined = {n["name"]: n for n in rec.data["run"]["nodes"]}
+    for f in folders:
+        split = load_image_folder(f, 0.3)
+        assert joined[f.name]["num_train"] == len(split.train) and joined[f.name]["num_test"] == len(split.test)
+        assert joined[f.name]["partition_id"] == -1 and joined[f.name]["num_classes"] == 40
+    assert set(rec.data["rounds"][0]["clients"]) == {f.name for f in folders}
+
+
+def test_a_node_with_another_class_list_is_excluded(make_cfg, pretrained_clip, tmp_path):
+    from data.export_folder import export_partitions
+
+    folders = export_partitions(tmp_path / "orgs", 3)
+    listing = folders[2] / "classes.txt"
+    names = listing.read_text().split("\n")
+    listing.write_text("\n".join([names[1], names[0], *names[2:]]))  # same classes, two labels swapped
+    rec, _ = _run(make_cfg, node_configs=[{"data-dir": str(f)} for f in folders], method="promptfl", num_server_rounds=1)
+    excluded = rec.data["run"]["excluded_nodes"]
+    assert len(excluded) == 1 and "class list differs" in next(iter(excluded.values()))
+    assert set(rec.data["rounds"][0]["clients"]) == {"client-0", "client-1"}
+
+
+def test_own_data_nodes_draw_secret_noise_and_the_ledger_says_so(make_cfg, pretrained_clip, tmp_path):
+    from data.export_folder import export_partitions
+
+    folders = export_partitions(tmp_path / "orgs", 2, {"max-per-class": 4})
+    own = [{"data-dir": str(f)} for f in folders]
+    dp = dict(method="dpfpl", num_server_rounds=1, max_per_class=4, privacy__epsilon=1.0, prompt__local_steps=2)
+    runs = [_run(make_cfg, node_configs=own, run_name=f"own{i}", **dp)[0] for i in range(2)]
+    sources = runs[0].data["privacy"]["noise_sources"]
+    assert sources == {"server": "os", "clients": {"client-0": "os", "client-1": "os"}}
+    assert not any("seeded noise" in n for n in runs[0].data["privacy"]["notes"])
+    # same config and seed, different noise: nobody can regenerate it from the run config
+    assert runs[0].data["rounds"][0]["metrics"]["train-loss"] != runs[1].data["rounds"][0]["metrics"]["train-loss"]
+
+    sim = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
+    runs = [_run(make_cfg, node_configs=sim, run_name=f"sim{i}", **dp)[0] for i in range(2)]
+    assert runs[0].data["privacy"]["noise_sources"] == {"server": "seeded", "clients": {"client-0": "seeded", "client-1": "seeded"}}
+    assert any("seeded noise" in n for n in runs[0].data["privacy"]["notes"])
+    untimed = [{k: v for k, v in r.data["rounds"][0]["metrics"].items() if "seconds" not in k} for r in runs]
+    assert untimed[0] == untimed[1]  # seeded: the same run twice gives the same numbers

@@ -4,42 +4,16 @@ the ServerApp and ten ClientApps. Every process the test starts is stopped by PI
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from utils.processes import free_port, kill_tree, pids_matching
-
 ROOT = Path(__file__).resolve().parents[1]
 FLWR = str(Path(sys.executable).with_name("flwr"))
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def flwr_env(tmp_path_factory, cache_dir, pretrained_clip):
-    # One local SuperLink for the module (each run still starts its own Ray simulation).
-    home = tmp_path_factory.mktemp("flwr") / "flwr-home"
-    env = dict(os.environ)
-    env.update({
-        "FLWR_HOME": str(home),
-        # our own ports, so that a SuperLink already running on this machine is never reused
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        # flwr starts `flower-superlink` by name: it must be the one beside this Python
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    })
-    yield env
-    for pid in pids_matching(str(home)):  # the detached local SuperLink and its children
-        kill_tree(pid)
-    assert not pids_matching(str(home)), "a Flower process survived the test"
 
 
 def _flwr_run(env, run_config: str, supernodes: int = 10) -> subprocess.CompletedProcess:

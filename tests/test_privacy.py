@@ -118,3 +118,27 @@ def test_noise_is_roughly_gaussian_not_just_right_std():
     d = gaussian_noise((100_000,), 1.0, generator_for(5)).numpy()
     # fraction within one sigma of a normal is 0.6827
     assert np.mean(np.abs(d) < 1.0) == pytest.approx(0.6827, abs=0.005)
+
+
+def test_noise_source_of_a_node():
+    from privacy.mechanisms import node_noise_source
+
+    assert node_noise_source({}, own_data=True) == "os"  # an organisation's own data: secret noise
+    assert node_noise_source({}, own_data=False) == "seeded"  # a simulated partition: repeatable
+    assert node_noise_source({"noise-source": "os"}, own_data=False) == "os"
+    assert node_noise_source({"noise-source": "seeded"}, own_data=True) == "seeded"  # the organisation decides
+    assert node_noise_source({"noise-source": "seeded"}, own_data=True, run_choice="os") == "os"  # run config: only stronger
+    assert node_noise_source({}, own_data=True, run_choice="seeded") == "os"  # ... never weaker
+    with pytest.raises(ValueError, match="noise-source='urandom' is not one of seeded, os"):
+        node_noise_source({"noise-source": "urandom"}, own_data=False)
+
+
+def test_os_noise_cannot_be_regenerated_from_the_run_seed():
+    from privacy.mechanisms import noise_generator, sampling_rng
+
+    seeded = [torch.randn(8, generator=noise_generator("seeded", 0, 3, 1)) for _ in range(2)]
+    assert torch.equal(seeded[0], seeded[1]) and torch.equal(seeded[0], torch.randn(8, generator=generator_for(0, 3, 1)))
+    secret = [torch.randn(8, generator=noise_generator("os", 0, 3, 1)) for _ in range(2)]
+    assert not torch.equal(secret[0], secret[1]) and not torch.equal(secret[0], seeded[0])
+    assert not np.array_equal(sampling_rng("os", 0, 3).random(8), sampling_rng("os", 0, 3).random(8))
+    assert np.array_equal(sampling_rng("seeded", 0, 3).random(8), sampling_rng("seeded", 0, 3).random(8))
