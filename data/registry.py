@@ -276,8 +276,46 @@ def load_image_folder(root: Path, test_fraction: float, **_) -> DatasetSplits:
     return DatasetSplits("image-folder", [_clean(c) for c in names], train, test)
 
 
+# MedMNIST's BloodMNIST label names, in label order
+BLOODMNIST_CLASSES = ["basophil", "eosinophil", "erythroblast", "immature granulocytes", "lymphocyte",
+                      "monocyte", "neutrophil", "platelet"]
+
+
+def load_bloodmnist(root: Path, test_fraction: float = 0.3, **_) -> DatasetSplits:
+    """BloodMNIST (Reprogrammable-FL's medical task): MedMNIST's ``bloodmnist.npz`` (or any of its
+    ``bloodmnist_<size>.npz`` variants) under data-root, with its official train/test split; or
+    the same images as an image folder (<root>/<class>/*.png, optionally train/ and test/)."""
+    root = Path(root)
+    files = sorted(root.glob("bloodmnist*.npz")) if root.is_dir() else []
+    if not files:
+        if root.is_dir() and any(p.is_dir() for p in root.iterdir()):
+            splits = load_image_folder(root, test_fraction)
+            splits.name = "bloodmnist"
+            return splits
+        raise DatasetError(
+            f"BloodMNIST not found under {str(root)!r}: put MedMNIST's bloodmnist.npz there "
+            "(https://zenodo.org/records/10519652, or `pip install medmnist` and its download) or an "
+            "image folder <root>/<class>/*.png"
+        )
+    with np.load(files[0]) as z:
+        missing = [k for k in ("train_images", "train_labels", "test_images", "test_labels") if k not in z]
+        if missing:
+            raise DatasetError(f"{files[0]} lacks {', '.join(missing)}: is it a MedMNIST file?")
+        parts = {k: z[k] for k in ("train_images", "train_labels", "test_images", "test_labels")}
+
+    def rgb(images: np.ndarray) -> np.ndarray:
+        return np.repeat(images[..., None], 3, axis=-1) if images.ndim == 3 else images
+
+    tag = f"bloodmnist:{files[0].name}"
+    return DatasetSplits(
+        "bloodmnist", list(BLOODMNIST_CLASSES),
+        ArraySource(rgb(parts["train_images"]), parts["train_labels"].reshape(-1).astype(np.int64), f"{tag}/train"),
+        ArraySource(rgb(parts["test_images"]), parts["test_labels"].reshape(-1).astype(np.int64), f"{tag}/test"),
+    )
+
+
 TORCHVISION_SETS = ("caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100")
-DATASETS = ("embedded", "embedded-shadow", "digits", *TORCHVISION_SETS, "image-folder")
+DATASETS = ("embedded", "embedded-shadow", "digits", *TORCHVISION_SETS, "image-folder", "bloodmnist")
 
 
 def load_dataset(name: str, data_root: str = "", download: bool = False, test_fraction: float = 0.3,
@@ -291,6 +329,8 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, test_fr
         splits = load_torchvision(name, Path(data_root), download, test_fraction)
     elif name == "image-folder":
         splits = load_image_folder(Path(data_root), test_fraction)
+    elif name == "bloodmnist":
+        splits = load_bloodmnist(Path(data_root), test_fraction)
     else:
         raise DatasetError(f"unknown dataset {name!r}; accepted: {', '.join(DATASETS)}")
     splits.train = limit_per_class(splits.train, max_per_class, seed, lambda i: f"{i}/max{max_per_class}-s{seed}")

@@ -21,6 +21,8 @@ class Family:
     default_partitioner: str
     dirichlet_alpha: float  # what dirichlet-alpha = 0 means (the family's papers' value)
     fraction_train: float  # what fraction-train = 0 means
+    privacy_clip: float = 10.0  # what privacy.clip = -1 means
+    noise_multiplier: float = 0.0  # what privacy.noise-multiplier = -1 means (0: calibrate to epsilon)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ def _load(path: str):
 FAMILIES: dict[str, Family] = {
     "prompt": Family("prompt", "embedded", "pathological", 0.3, 1.0),
     "vlm": Family("vlm", "embedded-captions", "dirichlet", 0.5, 0.3),
+    # Reprogrammable-FL: 3 clients, IID, all of them every round, DP-SGD with C = 1, z = 1.1
+    "reprogram": Family("reprogram", "digits", "iid", 0.5, 1.0, privacy_clip=1.0, noise_multiplier=1.1),
 }
 
 METHODS: dict[str, MethodSpec] = {
@@ -118,6 +122,26 @@ METHODS: dict[str, MethodSpec] = {
             "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) (peft LoHa).",
             "strategies.lora:FedParaStrategy", "client_app.lora_clients:FedParaClient",
             supports_dp=True,
+        ),
+        *(
+            MethodSpec(
+                name, "reprogram", summary,
+                "strategies.reprogram:ReprogramStrategy", f"client_app.reprogram_clients:{cls}",
+                supports_dp=True,
+            )
+            for name, cls, summary in (
+                ("reprogram", "ReprogramClient",
+                 "Reprogrammable-FL: a frozen source classifier; only the input program tanh(M*Theta) around the "
+                 "zero-padded image and the linear output map train, with DP-SGD (Opacus) and FedAvg."),
+                ("bl-ff", "FullFineTuneClient",
+                 "Reprogrammable-FL's full fine-tune baseline: every weight of the source network (GroupNorm for "
+                 "BatchNorm) and a new head, same DP-SGD and FedAvg."),
+                ("bl-pf", "PartialFineTuneClient",
+                 "Reprogrammable-FL's partial fine-tune baseline: only a new head on the frozen source features."),
+                ("bl-ts", "FromScratchClient",
+                 "Reprogrammable-FL's from-scratch baseline: the source architecture from random weights "
+                 "(GroupNorm), every weight trains."),
+            )
         ),
     )
 }

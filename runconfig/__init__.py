@@ -21,7 +21,8 @@ __all__ = ["ConfigError", "RunConfig", "validate", "KEYS", "DEFAULTS"]
 
 # Datasets whose files must be supplied (or downloaded) under data-root.
 DATASETS_NEEDING_ROOT = frozenset(
-    {"caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100", "image-folder", "coco-captions"}
+    {"caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100", "image-folder", "coco-captions",
+     "bloodmnist"}
 )
 VLM_DATASETS = frozenset({"embedded-captions", "embedded-vqa", "coco-captions", "scienceqa"})
 DATASETS_WITH_OPTIONAL_ROOT = frozenset({"scienceqa"})
@@ -91,6 +92,31 @@ def default_output_dir() -> Path:
     return Path.home() / "fedvlm-runs"
 
 
+EMBEDDED_CLASSIFICATION = frozenset({"embedded", "embedded-shadow", "digits"})
+
+
+def _resolve_reprogram(values: dict) -> None:
+    """Reprogrammable-FL's 'auto' values and the combinations it cannot run."""
+    embedded_data = values["dataset"] in EMBEDDED_CLASSIFICATION
+    if values["reprogram.source-model"] == "auto":
+        values["reprogram.source-model"] = "embedded-tiny-resnet" if embedded_data else "resnet50"
+    tiny = values["reprogram.source-model"] == "embedded-tiny-resnet"
+    if values["reprogram.batch-size"] == -1:
+        values["reprogram.batch-size"] = 32 if embedded_data else 256
+    if values["reprogram.image-size"] == -1:
+        values["reprogram.image-size"] = 24 if tiny else 200
+    source_size = 32 if tiny else 224
+    if values["reprogram.image-size"] > source_size:
+        raise ConfigError(f"run config 'reprogram.image-size' = {values['reprogram.image-size']} exceeds the source "
+                          f"model's input size {source_size}: the image is zero-padded up to it")
+    if values["privacy.calibration"] == "paper":
+        raise ConfigError("run config 'privacy.calibration' = 'paper' is DP-FPL's closed form; Reprogrammable-FL "
+                          "runs DP-SGD with an accountant: set privacy.calibration='accountant'")
+    if values["privacy.clipping"] == "per-batch":
+        raise ConfigError("run config 'privacy.clipping' = 'per-batch' does not apply to Reprogrammable-FL: its "
+                          "DP-SGD (Opacus) always clips per sample; set privacy.clipping='per-sample'")
+
+
 def validate(raw: Mapping[str, Any]) -> RunConfig:
     """Check every key of ``raw`` (missing keys take their defaults) and resolve 'auto'."""
     unknown = [k for k in raw if k not in KEY_BY_NAME]
@@ -124,6 +150,12 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
         values["dirichlet-alpha"] = family.dirichlet_alpha
     if values["fraction-train"] == 0:
         values["fraction-train"] = family.fraction_train
+    if values["privacy.clip"] == -1:
+        values["privacy.clip"] = family.privacy_clip
+    if values["privacy.noise-multiplier"] == -1:
+        values["privacy.noise-multiplier"] = family.noise_multiplier
+    if method.family == "reprogram":
+        _resolve_reprogram(values)
     if (values["dataset"] in VLM_DATASETS) != (method.family == "vlm"):
         fitting = sorted(VLM_DATASETS) if method.family == "vlm" else [d for d in KEY_BY_NAME["dataset"].choices
                                                                       if d not in VLM_DATASETS and d != "auto"]

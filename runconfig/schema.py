@@ -31,6 +31,14 @@ class Key:
         return type(self.default)
 
 
+def _positive_or_auto(value: float) -> str | None:
+    return None if value == -1 or value > 0 else "must be > 0, or -1 for the method family's value"
+
+
+def _non_negative_or_auto(value: float) -> str | None:
+    return None if value == -1 or value >= 0 else "must be >= 0, or -1 for the method family's value"
+
+
 def _ratios(value: str) -> str | None:
     parts = value.split(":")
     try:
@@ -67,7 +75,7 @@ KEYS: tuple[Key, ...] = (
     # --- data ----------------------------------------------------------------------------
     Key("dataset", "auto", "Dataset; 'auto' = the method family's embedded default.",
         choices=("auto", "embedded", "embedded-shadow", "digits", "caltech101", "oxford-pets", "flowers102",
-                 "food101", "dtd", "cifar10", "cifar100", "image-folder",
+                 "food101", "dtd", "cifar10", "cifar100", "image-folder", "bloodmnist",
                  # the VLM methods' datasets
                  "embedded-captions", "embedded-vqa", "coco-captions", "scienceqa")),
     Key("data-root", "", "Directory holding the dataset files (torchvision layouts or an "
@@ -157,12 +165,30 @@ KEYS: tuple[Key, ...] = (
     Key("lora.local-steps", 0, "Local steps per round; 0 = lora.local-epochs full passes.", min=0),
     Key("fedrand.rho", 0.5, "Probability that a client is sent (and returns) the A half.", min=0.0, max=1.0),
     Key("fedper.shared-layers", 2, "FedPer: number of top decoder layers whose LoRA is shared.", min=1),
+    # --- Reprogrammable-FL (reprogram, bl-ff, bl-pf, bl-ts) -------------------------------------
+    Key("reprogram.source-model", "auto", "Frozen source classifier: 'embedded-tiny-resnet' (pretrained "
+        "here, offline), resnet18, resnet50, resnet152, resnext50_32x4d, resnext101_32x8d; 'auto' = the "
+        "embedded one for the embedded/digits data, resnet50 (the paper's main model) otherwise.",
+        choices=("auto", "embedded-tiny-resnet", "resnet18", "resnet50", "resnet152", "resnext50_32x4d",
+                 "resnext101_32x8d")),
+    Key("reprogram.source-weights", "auto", "Source weights: 'auto' (ImageNet from torchvision's cache or "
+        "download; pretrained here for the embedded model), 'imagenet', 'random' (labelled NOT "
+        "pretrained; tests only) or a local state-dict file."),
+    Key("reprogram.image-size", -1, "Side the target image is resized to before zero-padding to the "
+        "source input size (the paper: 200 of 224); -1 = 200 for torchvision models, 24 of 32 for "
+        "the embedded one. The baselines resize to the full source size.", check=lambda v: None
+        if v == -1 or v > 0 else "must be > 0, or -1 for the default"),
+    Key("reprogram.batch-size", -1, "Expected Poisson batch size of every DP-SGD step; -1 = 256 (the "
+        "paper's) on real data, 32 on the small embedded/digits data (a client holds ~400 digits).",
+        check=lambda v: None if v == -1 or v > 0 else "must be > 0, or -1 for the default"),
+    Key("reprogram.lr", 0.15, "SGD learning rate of DP-SGD (the paper: 0.15).", min=0.0, min_exclusive=True),
+    Key("reprogram.local-iterations", 1, "DP-SGD steps per client per round, L (the paper: 1).", min=1),
     # --- privacy (every method that supports DP reads these) ---------------------------------
     Key("privacy.epsilon", 0.0, "Target epsilon of each DP mechanism; 0 = no noise, no clipping.",
         min=0.0),
     Key("privacy.delta", 1e-5, "Target delta.", min=0.0, max=1.0, min_exclusive=True),
-    Key("privacy.clip", 10.0, "Clip norm C of every clipped gradient (DP-FPL: 10).", min=0.0,
-        min_exclusive=True),
+    Key("privacy.clip", -1.0, "Clip norm C of every clipped gradient; -1 = the family's paper value "
+        "(10, DP-FPL's, for prompt learning and LoRA; 1.0 for Reprogrammable-FL).", check=_positive_or_auto),
     Key("privacy.calibration", "accountant", "How sigma is chosen: 'accountant' (dp-accounting "
         "calibrates sigma for the target and reports epsilon spent; Poisson-sampled batches) or "
         "'paper' (DP-FPL's closed form; fixed-size batches).", choices=("accountant", "paper")),
@@ -171,9 +197,11 @@ KEYS: tuple[Key, ...] = (
         "does not hold).", choices=("per-sample", "per-batch")),
     Key("privacy.accountant", "rdp", "Accountant for calibration and reporting.",
         choices=("rdp", "pld")),
-    Key("privacy.noise-multiplier", 0.0, "Use this noise multiplier z = sigma/sensitivity for every "
+    Key("privacy.noise-multiplier", -1.0, "Use this noise multiplier z = sigma/sensitivity for every "
         "mechanism instead of calibrating to privacy.epsilon (0 = calibrate); epsilon is then "
-        "only reported, and privacy.max-epsilon stops the run when reached.", min=0.0),
+        "only reported, and privacy.max-epsilon stops the run when reached. -1 = the family's "
+        "value: 0 for prompt learning and LoRA, 1.1 for Reprogrammable-FL (its paper's DP-SGD).",
+        check=_non_negative_or_auto),
     Key("privacy.max-epsilon", 0.0, "Refuse to start if the plan would exceed this epsilon, stop "
         "once it is reached; 0 = no cap.", min=0.0),
     Key("privacy.noise-source", "auto", "Randomness of DP noise and batch sampling: 'seeded' "
