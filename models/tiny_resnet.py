@@ -44,7 +44,7 @@ class ResNetRecipe:
     steps: int = 400
     batch_size: int = 128
     lr: float = 3e-3
-    version: int = 1
+    version: int = 2
 
     def key(self) -> str:
         blob = json.dumps({**asdict(self), "domain": embedded.domain_version()}, sort_keys=True).encode()
@@ -94,8 +94,13 @@ def pretrain(recipe: ResNetRecipe = ResNetRecipe()) -> TinyResNet:
     t0 = time.time()
     torch.manual_seed(recipe.seed)
     model = TinyResNet(recipe.widths)
-    images, labels, _ = embedded.generate(recipe.images_per_class, seed=30_000 + recipe.seed, style="pretrain")
-    x, y = _normalise(images), torch.from_numpy(labels)
+    # Clean and cluttered scenes under neutral light, as the embedded CLIP saw: features for
+    # objects on busy backgrounds, not just for a plain grey field.
+    half = recipe.images_per_class // 2
+    parts = [embedded.generate(half, seed=30_000 + recipe.seed, style="pretrain"),
+             embedded.generate(recipe.images_per_class - half, seed=31_000 + recipe.seed, style="pretrain-cluttered")]
+    images = np.concatenate([p[0] for p in parts])
+    x, y = _normalise(images), torch.from_numpy(np.concatenate([p[1] for p in parts]))
     rng = np.random.default_rng(recipe.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps, pct_start=0.1)

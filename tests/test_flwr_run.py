@@ -84,3 +84,18 @@ def test_flwr_run_lora_methods(flwr_env, tmp_path, vlm_cache, method):
         assert comm["up_vs_full_lora"] == pytest.approx(1.0) and comm["down_vs_full_lora"] == pytest.approx(1.0)
     else:  # FedPer / FedPara share a part of the adapter only
         assert comm["train_bytes_up"] < comm["full_lora_bytes_up"]
+
+
+@pytest.mark.parametrize("method", ["reprogram", "bl-ff", "bl-pf", "bl-ts"])
+def test_flwr_run_reprogramming_methods(flwr_env, tmp_path, cache_dir, method):
+    out = tmp_path / "runs"
+    proc = _flwr_run(flwr_env, f"method='{method}' num-server-rounds=2 reprogram.local-iterations=2 "
+                               f"output-dir='{out}' cache-dir='{cache_dir}' run-name='r'", supernodes=3)
+    path = out / "r" / "results.json"
+    data = json.loads(path.read_text()) if path.exists() else None
+    assert data is not None and data["run"]["status"] == "finished", (proc.stdout + proc.stderr)[-3000:]
+    assert len(data["rounds"]) == 2 and not any(r["dropped"] for r in data["rounds"])
+    ledger = data["privacy"]["rounds"]
+    assert ledger[1]["local"]["dp-sgd"]["max"] > ledger[0]["local"]["dp-sgd"]["max"] > 0
+    assert set(ledger[1]["client_reported"]) == {"client-0", "client-1", "client-2"}
+    assert "epsilon" in proc.stdout

@@ -1,0 +1,205 @@
+"""Reprogrammable-FL: the models, Opacus' per-sample gradients against torch.func, the privacy
+accounting against dp-accounting, the node's accountant across rounds, and federations of
+each method through the real strategy and ClientApp."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.reprogram import InputProgram, build_model, load_source, trainable_state
+from runconfig import ConfigError, validate
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory):
+    return load_source("embedded-tiny-resnet", "random", tmp_path_factory.mktemp("c"))
+
+
+# ---- models --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,expected", [("reprogram", 160538), ("bl-pf", 20490), ("bl-ff", 23528522),
+                                             ("bl-ts", 23528522)])
+def test_trainable_parameters_match_the_papers_table_iv(tmp_path, method, expected):
+    # ResNet-50 source, CIFAR-10 (10 classes), 200 px images padded to 224 (Table IV's first column)
+    src = load_source("resnet50", "random", tmp_path)
+    model = build_model(method, src, 10, 200, seed=0)
+    assert sum(v.numel() for v in trainable_state(model).values()) == expected
+
+
+def test_input_program_pads_the_image_and_perturbs_only_the_border():
+    prog = InputProgram(source_size=8, image_size=4)
+    with torch.no_grad():
+        prog.theta.uniform_(-2, 2)
+    x = torch.rand(2, 3, 4, 4)
+    out = prog(x)
+    assert out.shape == (2, 3, 8, 8)
+    assert torch.equal(out[:, :, 2:6, 2:6], x)  # the image itself is untouched
+    border = out.clone()
+    border[:, :, 2:6, 2:6] = 0
+    expected = torch.tanh(prog.theta * prog.mask()).expand(2, -1, -1, -1)
+    assert torch.allclose(border, expected)
+    assert float(border.detach().abs().max()) < 1.0 and float(border.detach().abs().sum()) > 0
+    with pytest.raises(ValueError, match="must be in 1..8"):
+        InputProgram(8, 9)
+
+
+def test_frozen_source_stays_in_eval_mode_and_never_changes(tiny_source):
+    model = build_model("reprogram", tiny_source, 10, 24, seed=0)
+    before = {k: v.clone() for k, v in model.source.state_dict().items()}
+    model.train()
+    assert not model.source.net.training and model.program.training
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        loss = F.cross_entropy(model(torch.rand(8, 3, 24, 24)), torch.randint(0, 10, (8,)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = model.source.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights and BatchNorm statistics
+    assert set(trainable_state(model)) == {"program.theta", "output_map.weight", "output_map.bias"}
+
+
+def test_full_network_baselines_replace_batchnorm(tiny_source):
+    for method in ("bl-ff", "bl-ts"):
+        model = build_model(method, tiny_source, 10, 24, seed=0)
+        assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+        assert any(isinstance(m, torch.nn.GroupNorm) for m in model.modules())
+    pf = build_model("bl-pf", tiny_source, 10, 24, seed=0)
+    assert set(trainable_state(pf)) == {"head.weight", "head.bias"}
+    ts, ff = build_model("bl-ts", tiny_source, 10, 24, seed=0), build_model("bl-ff", tiny_source, 10, 24, seed=0)
+    conv = "body.conv1.weight"
+    assert torch.equal(trainable_state(ff)[conv], tiny_source.model.conv1.weight)
+    assert not torch.equal(trainable_state(ts)[conv], tiny_source.model.conv1.weight)
+
+
+@pytest.mark.parametrize("method", ["reprogram", "bl-pf", "bl-ff"])
+def test_opacus_per_sample_gradients_match_torch_func(tiny_source, method):
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
+    from torch.func import functional_call, grad, vmap
+
+    model = build_model(method, tiny_source, 10, 24, seed=0)
+    with torch.no_grad():
+        for p in trainable_state(model).values():
+            p.add_(0.05 * torch.randn_like(p))  # away from zero init, so tanh' matters
+    size = 24 if method == "reprogram" else 32
+    x, y = torch.rand(5, 3, size, size), torch.randint(0, 10, (5,))
+    names = list(trainable_state(model))
+    params = {k: v.detach().clone() for k, v in trainable_state(model).items()}
+
+    def loss_one(p, xi, yi):
+        out = functional_call(model, p, (xi[None],))
+        return F.cross_entropy(out, yi[None])
+
+    model.train()  # Opacus records activations in training mode; the frozen source stays in eval
+    reference = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    wrapper = GradSampleModuleExpandedWeights if method == "bl-ff" else GradSampleModule
+    gsm = wrapper(model, batch_first=True, loss_reduction="mean")
+    F.cross_entropy(gsm(x), y).backward()
+    got = dict(model.named_parameters())
+    for k in names:
+        assert got[k].grad_sample.shape == reference[k].shape, k
+        assert torch.allclose(got[k].grad_sample, reference[k], atol=1e-5, rtol=1e-4), k
+
+
+# ---- config --------------------------------------------------------------------------------
+
+def test_family_defaults_and_refusals():
+    cfg = validate({"method": "reprogram"})
+    assert cfg["dataset"] == "digits" and cfg["partitioner"] == "iid"
+    assert cfg["reprogram.source-model"] == "embedded-tiny-resnet" and cfg["reprogram.image-size"] == 24
+    assert cfg["privacy.clip"] == 1.0 and cfg["privacy.noise-multiplier"] == 1.1  # the paper's DP-SGD
+    assert cfg["reprogram.batch-size"] == 32
+    real = validate({"method": "bl-pf", "dataset": "cifar10", "data-root": "/data"})
+    assert real["reprogram.source-model"] == "resnet50" and real["reprogram.image-size"] == 200
+    assert real["reprogram.batch-size"] == 256
+    assert validate({"method": "dpfpl"})["privacy.clip"] == 10.0  # other families keep theirs
+    assert validate({"method": "dpfpl"})["privacy.noise-multiplier"] == 0.0
+    with pytest.raises(ConfigError, match="exceeds the source model's input size 32"):
+        validate({"method": "reprogram", "reprogram.image-size": 40})
+    with pytest.raises(ConfigError, match="set privacy.calibration='accountant'"):
+        validate({"method": "reprogram", "privacy.calibration": "paper"})
+    with pytest.raises(ConfigError, match="always clips per sample"):
+        validate({"method": "bl-ff", "privacy.clipping": "per-batch"})
+    with pytest.raises(ConfigError, match="does not fit method 'reprogram'"):
+        validate({"method": "reprogram", "dataset": "embedded-captions"})
+
+
+def test_bloodmnist_npz_and_missing_files(tmp_path):
+    from data.registry import DatasetError, load_dataset
+
+    with pytest.raises(DatasetError, match="bloodmnist.npz"):
+        load_dataset("bloodmnist", data_root=str(tmp_path))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "bloodmnist.npz",
+             train_images=rng.integers(0, 255, (16, 28, 28, 3), dtype=np.uint8),
+             train_labels=rng.integers(0, 8, (16, 1)), test_images=rng.integers(0, 255, (6, 28, 28, 3), dtype=np.uint8),
+             test_labels=rng.integers(0, 8, (6, 1)), val_images=np.zeros((1, 28, 28, 3), np.uint8),
+             val_labels=np.zeros((1, 1)))
+    d = load_dataset("bloodmnist", data_root=str(tmp_path))
+    assert d.n_classes == 8 and len(d.train) == 16 and len(d.test) == 6 and d.classnames[-1] == "platelet"
+    assert d.train.image(0).size == (28, 28)
+
+
+# ---- federations ---------------------------------------------------------------------------
+
+def _federation(make_cfg, n=3, **overrides):
+    from client_app.app import app as client_app
+    from server_app.app import execute
+    from utils.inprocess import InProcessGrid
+
+    cfg = make_cfg(**overrides)
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
+    return execute(cfg, grid, run_id="test"), grid
+
+
+def test_epsilon_after_k_rounds_is_dp_accountings_and_the_nodes_accountant_persists(make_cfg, cache_dir):
+    import dp_accounting
+
+    rounds, steps = 3, 2
+    rec, grid = _federation(make_cfg, method="reprogram", num_server_rounds=rounds,
+                            reprogram__local_iterations=steps)
+    ledger = rec.data["privacy"]
+    nodes = {n["name"]: n for n in rec.data["run"]["nodes"]}
+    for k, entry in enumerate(ledger["rounds"], start=1):
+        for client, figures in entry["by_accountant"].items():
+            n = nodes[client]["num_train"]
+            q = 32 / n
+            direct = {}
+            for name, acc in (("rdp", dp_accounting.rdp.RdpAccountant()),
+                              ("pld", dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3))):
+                acc.compose(dp_accounting.SelfComposedDpEvent(
+                    dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.1)), k * steps))
+                direct[name] = acc.get_epsilon(1e-5)
+            assert figures["rdp"] == pytest.approx(direct["rdp"], rel=1e-9)
+            assert figures["pld"] == pytest.approx(direct["pld"], rel=1e-9)
+            # the node's own Opacus accountant, kept in its state across rounds, agrees
+            mine = entry["client_reported"][client]
+            assert mine["rdp"] == pytest.approx(direct["rdp"], rel=2e-2)
+            assert mine["prv"] == pytest.approx(direct["pld"], rel=5e-2)
+    # the history in every node's state covers all rounds (never restarted)
+    for ctx in grid.contexts.values():
+        history = json.loads(ctx.state["meta"]["dp-history"])
+        assert sum(h[2] for h in history) == rounds * steps and all(h[0] == 1.1 for h in history)
+    eps = [r["local"]["dp-sgd"]["max"] for r in ledger["rounds"]]
+    assert eps == sorted(eps) and eps[0] > 0
+    plan = next(iter(ledger["client_mechanisms"].values()))["dp-sgd"]
+    assert plan["noise_multiplier"] == pytest.approx(1.1) and plan["clip"] == 1.0
+
+
+@pytest.mark.parametrize("method", ["reprogram", "bl-ff", "bl-pf", "bl-ts"])
+def test_each_method_federates_and_shares_only_what_trains(make_cfg, method):
+    rec, grid = _federation(make_cfg, method=method, num_server_rounds=2, reprogram__local_iterations=3)
+    rounds = rec.data["rounds"]
+    assert len(rounds) == 2 and not any(r["dropped"] for r in rounds)
+    assert all(np.isfinite(r["metrics"]["local-acc"]) for r in rounds)
+    sent = {k for m in grid.replies if not m.has_error() and "arrays" in m.content for k in m.content["arrays"].keys()}
+    from models.reprogram import initial_model
+
+    expected = set(trainable_state(initial_model(make_cfg(method=method), method, 10)))
+    assert sent == expected
+    assert rec.data["privacy"]["rounds"][-1]["local"]["dp-sgd"]["max"] > 0
