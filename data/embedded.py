@@ -92,8 +92,8 @@ def _shape_mask(shape: str, cx: float, cy: float, r: float, theta: float) -> np.
 def _rotate_hue(rgb: np.ndarray, degrees: float) -> np.ndarray:
     import colorsys
 
-    h, l, s = colorsys.rgb_to_hls(*rgb)
-    return np.array(colorsys.hls_to_rgb((h + degrees / 360.0) % 1.0, l, s))
+    h, lightness, s = colorsys.rgb_to_hls(*rgb)
+    return np.array(colorsys.hls_to_rgb((h + degrees / 360.0) % 1.0, lightness, s))
 
 
 def _background(rng: np.random.Generator, style: RenderStyle) -> np.ndarray:

@@ -19,16 +19,7 @@ import sys
 from pathlib import Path
 
 from client_app.node import node_data
-from runconfig import ConfigError, validate
-
-
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+from runconfig import ConfigError, parse_value, validate
 
 
 def export_partitions(out: Path, num_partitions: int, overrides: dict | None = None) -> list[Path]:
@@ -65,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             if "=" not in item:
                 raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
             k, v = item.split("=", 1)
-            overrides[k] = _parse_value(v)
+            overrides[k] = parse_value(v)
         folders = export_partitions(args.out, args.num_partitions, overrides)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

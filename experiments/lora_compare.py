@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.sweep import _parse_value, run_one
+from experiments.sweep import run_one
+from runconfig import parse_value
 
 METHODS = ("fedavg-lora", "fedrand", "fedper-lora", "fedpara-lora")
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {"dataset": "embedded-captions", "num-server-rounds": args.rounds, "output-dir": str(out / "runs")}
     for item in args.set:
         k, v = item.split("=", 1)
-        base[k] = _parse_value(v)
+        base[k] = parse_value(v)
     runs, rows = {}, []
     for method in [m for m in args.methods.split(",") if m]:
         raw = {**base, "method": method, "run-name": method}

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.sweep import _parse_value, run_one
+from experiments.sweep import run_one
+from runconfig import parse_value
 
 METHODS = ("reprogram", "bl-pf", "bl-ff", "bl-ts")
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {"num-server-rounds": args.rounds, "output-dir": str(out / "runs")}
     for item in args.set:
         k, v = item.split("=", 1)
-        base[k] = _parse_value(v)
+        base[k] = parse_value(v)
     curves: dict[tuple, list[dict]] = {}
     for source in args.sources.split(","):
         for method in args.methods.split(","):

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runconfig import parse_value
+
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("sweep")
 
@@ -52,15 +54,6 @@ PRESETS: dict[str, dict] = {
                                "dirichlet-alpha": 0.3, "num-server-rounds": 200, "_clients": n} for n in (25, 50)},
 }
 EPSILONS = ("none", "0.4", "0.2", "0.1", "0.05", "0.01")
-
-
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
@@ -191,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     clients = int(base.pop("_clients", args.clients))
     for item in args.set:
         key, _, value = item.partition("=")
-        base[key] = _parse_value(value)
+        base[key] = parse_value(value)
     out = args.out.expanduser().resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     epsilons = [e.strip() for e in args.epsilons.split(",")]

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import tiny_resnet
+from models.clip_loader import _hub_reachable
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +75,6 @@ class SourceModel:
         return self.model.fc.out_features
 
 
-def _download_reachable(host: str = "download.pytorch.org", timeout: float = 3.0) -> bool:
-    try:
-        with socket.create_connection((host, 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def _torchvision_source(name: str, weights: str) -> tuple[nn.Module, str, str]:
     import torchvision
 
@@ -92,7 +84,7 @@ def _torchvision_source(name: str, weights: str) -> tuple[nn.Module, str, str]:
     if weights in ("imagenet", "auto"):
         enum = getattr(torchvision.models, TORCHVISION_SOURCES[name]).DEFAULT
         cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(enum.url).name
-        if not cached.exists() and not _download_reachable():
+        if not cached.exists() and not _hub_reachable("download.pytorch.org"):
             raise SourceModelError(
                 f"ImageNet weights of {name} are not in torchvision's cache ({cached}) and "
                 f"download.pytorch.org cannot be reached: download {enum.url} to that path on a machine "

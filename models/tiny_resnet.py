@@ -3,10 +3,11 @@
 Reprogramming needs a *pretrained* source classifier: a random network gives the input
 program nothing to steer. Where torchvision's ImageNet weights cannot be downloaded, this
 stand-in plays ImageNet's role: a ResNet (BasicBlocks, BatchNorm, global pooling, an ``fc``
-head like torchvision's) trained in-process on the embedded shapes domain's clean "pretrain"
-renderings (40 source classes), cached by a hash of its recipe. The default target task is
-scikit-learn's handwritten digits, a different domain: reprogramming a shapes classifier to
-read digits is the embedded analogue of reprogramming an ImageNet model for CIFAR-10.
+head like torchvision's) trained in-process on the embedded shapes domain's clean and
+cluttered renderings under neutral light (40 source classes), cached by a hash of its recipe.
+The default target task is scikit-learn's handwritten digits, a different domain and label
+space: reprogramming a shapes classifier to read digits is the embedded analogue of
+reprogramming an ImageNet model for CIFAR-10 (a much smaller one: 64 feature channels).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from methods import FAMILIES, METHODS, UnknownMethod, get_method
 from runconfig.schema import DEFAULTS, KEY_BY_NAME, KEYS, Key
 
-__all__ = ["ConfigError", "RunConfig", "validate", "KEYS", "DEFAULTS"]
+__all__ = ["ConfigError", "RunConfig", "validate", "parse_value", "KEYS", "DEFAULTS"]
 
 # Datasets whose files must be supplied (or downloaded) under data-root.
 DATASETS_NEEDING_ROOT = frozenset(
@@ -26,6 +26,16 @@ DATASETS_NEEDING_ROOT = frozenset(
 )
 VLM_DATASETS = frozenset({"embedded-captions", "embedded-vqa", "coco-captions", "scienceqa"})
 DATASETS_WITH_OPTIONAL_ROOT = frozenset({"scienceqa"})
+
+
+def parse_value(text: str):
+    """A command-line ``KEY=VALUE``'s value: an int, a float, true/false, else the string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 class ConfigError(ValueError):
