@@ -227,6 +227,8 @@ class FineTuneNet(nn.Module):
             self.head = head
         else:
             net.requires_grad_(True)  # before fix(): the validator only replaces trainable BatchNorm
+            # one INFO line per replaced layer and per message otherwise
+            logging.getLogger("opacus.validators.module_validator").setLevel(logging.WARNING)
             net = ModuleValidator.fix(net)  # BatchNorm -> GroupNorm: per-sample gradients need it
             for m in net.modules():  # Opacus' hooks cannot follow torchvision's in-place ReLUs
                 if isinstance(m, nn.ReLU):
