@@ -89,7 +89,7 @@ class GlobalLocalClient(PromptClient):
             t.requires_grad_(True)
         opt = self.make_optimizer(self.local_opt_params(local))
         restore_optimizer(opt, {k: v.to(dev) for k, v in self.private.items()})
-        sigma = float(config.get("noise.local", 0.0))
+        sigma = self.local_sigma(config)
         noise_gen = noise_generator(self.node.noise_source, self.cfg["seed"], self.round, self.node_seed(), NOISE_STREAM_LOCAL)
         factor_gen = generator_for(self.cfg["seed"], self.round, self.node_seed(), NOISE_STREAM_FACTOR)
         bsz = min(self.cfg["prompt.batch-size"], n)

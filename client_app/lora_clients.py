@@ -32,6 +32,7 @@ from models import adapter_parts
 from models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
 from privacy.ledger import PrivacySettings
 from privacy.mechanisms import clip_tensor, gaussian_noise, noise_generator, sampling_rng
+from privacy.planner import ClientShape, client_local_sigma
 from runconfig import RunConfig
 from utils.vlm_metrics import score_split
 
@@ -99,7 +100,7 @@ class LoRAClient:
     def train(self, arrays: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
         if not len(self.node.train):
             raise RuntimeError(f"{self.node.name} holds no training samples")
-        self.check_received(arrays)
+        self.check_request(arrays, config)
         start = self.starting_adapter(arrays)
         load_adapter_state(self.vlm.model, start)
         params = trainable(self.vlm.model)
@@ -108,9 +109,7 @@ class LoRAClient:
         rng = sampling_rng(self.node.noise_source, c["seed"], self.round, self.node.partition_id + 1)
         split, bsz = self.node.train, c["lora.batch-size"]
         settings = PrivacySettings.from_config(c)
-        sigma = float(config.get("noise.adapter", 0.0))
-        if settings.enabled and sigma <= 0:
-            raise RuntimeError("privacy is on but the server sent no noise level for this client (noise.adapter)")
+        sigma = client_local_sigma(c, ClientShape(len(split), bsz, self.num_steps()), config)
         gen = noise_generator(self.node.noise_source, c["seed"], self.round, self.node.partition_id + 1, NOISE_STREAM_LOCAL)
         losses, clipped, t0 = [], [], time.time()
         self.vlm.model.train()
@@ -173,7 +172,8 @@ class LoRAClient:
             p.grad = total[k] * scale + gaussian_noise(p.shape, sigma, gen, p.device)
         return (float(np.mean(losses)) if losses else None), (float(np.mean(fractions)) if fractions else 0.0)
 
-    def check_received(self, arrays: dict[str, torch.Tensor]) -> None:
+    def check_request(self, arrays: dict[str, torch.Tensor], config: dict) -> None:
+        """Refuse a train message that breaks the method's rule on what is exchanged."""
         extra = set(arrays) - set(self.shareable)
         if extra:
             raise RuntimeError(f"the server sent tensors this method keeps on the client: {sorted(extra)[:3]}")
@@ -235,6 +235,23 @@ class FedAvgLoRAClient(LoRAClient):
 
 class FedRandClient(LoRAClient):
     """Both halves train; the node keeps both (the unsent one is its private counterpart)."""
+
+    def check_request(self, arrays, config):
+        """FedRand's rule, checked on the node so that a server cannot collect both halves: the
+        reply is one whole half (every layer's A, or every layer's B), and the server sends that
+        same half, or the whole adapter on the node's first participation."""
+        super().check_request(arrays, config)
+        requested = sorted(k for k in str(config.get("reply-keys", "")).split(",") if k)
+        halves = {h: adapter_parts.lora_half(self.shareable, h) for h in adapter_parts.HALVES}
+        half = next((h for h, names in halves.items() if requested == names), None)
+        if half is None:
+            raise RuntimeError(f"fedrand: the server asked for {len(requested)} tensors back, not one whole LoRA half "
+                               "(all A or all B); the other half must stay on this node")
+        first = not self.own
+        allowed = sorted(self.shareable) if first else halves[half]
+        if sorted(arrays) != allowed:
+            raise RuntimeError(f"fedrand: the server sent {len(arrays)} tensors with a request for half {half}; it "
+                               f"must send exactly that half{' or, at a first participation, both' if first else ''}")
 
 
 class FedPerClient(LoRAClient):

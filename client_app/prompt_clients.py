@@ -30,6 +30,7 @@ from models.clip_loader import load_clip
 from models.prompt_learner import PromptEncoder, clip_logits
 from privacy.ledger import PrivacySettings
 from privacy.mechanisms import noise_generator, sampling_rng
+from privacy.planner import ClientShape, client_local_sigma
 from runconfig import RunConfig
 
 NOISE_STREAM_LOCAL = 1  # generator streams: local-DP noise on clients
@@ -127,6 +128,12 @@ class PromptClient:
             return c["prompt.local-steps"]
         return c["prompt.local-epochs"] * math.ceil(n / c["prompt.batch-size"])
 
+    def local_sigma(self, config: dict) -> float:
+        """The std of this round's local-DP noise (0 without privacy), checked against this
+        node's own plan: a missing or smaller value than the plan needs is refused."""
+        n = len(self.features("train")[1])
+        return client_local_sigma(self.cfg, ClientShape(n, self.cfg["prompt.batch-size"], self.num_steps(n)), config)
+
     def train_context(self, ctx0: torch.Tensor, anchor: torch.Tensor | None = None, mu: float = 0.0,
                       noise_std: dict[str, float] | None = None) -> TrainResult:
         """Local steps on the context: CE over all classes (+ FedProx term when mu > 0), with
@@ -206,8 +213,7 @@ class PromptFLClient(PromptClient):
 
     def train(self, arrays: dict[str, torch.Tensor], config: dict):
         global_ctx = arrays["ctx"]
-        # With DP the server's plan fixes the std of the noise on the prompt's gradient.
-        noise = {"ctx": float(config.get("noise.ctx", 0.0))}
+        noise = {"ctx": self.local_sigma(config)}
         res = self.train_context(global_ctx, anchor=global_ctx, mu=self.cfg["prompt.fedprox-mu"], noise_std=noise)
         self.persist()
         return {"ctx": res.ctx}, self.train_metrics(res)

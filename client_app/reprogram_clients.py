@@ -32,7 +32,8 @@ from models.clip_loader import resolve_device
 from models.reprogram import METHOD_KINDS, initial_model, input_size, source_model, trainable_state
 from privacy.accounting import MEANINGLESS_EPSILON
 from privacy.ledger import PrivacySettings
-from privacy.mechanisms import noise_generator, sampling_rng
+from privacy.mechanisms import gaussian_noise, noise_generator, sampling_rng
+from privacy.planner import ClientShape, client_local_sigma
 from runconfig import RunConfig
 
 NOISE_STREAM_LOCAL = 1
@@ -145,9 +146,8 @@ class ReprogramClient:
         dp = self.settings.enabled
         expected = min(c["reprogram.batch-size"], n)
         if dp:
-            z = float(config.get("noise.multiplier", -1.0))
-            if z < 0:
-                raise RuntimeError("privacy is on but the server sent no noise multiplier (noise.multiplier)")
+            sigma = client_local_sigma(c, ClientShape(n, c["reprogram.batch-size"], steps), config)
+            z = sigma * expected / c["privacy.clip"]  # Opacus: std z*C on the sum, divided by B
             model, opt = self._make_private(opt, z, expected)
         model.train()
         losses, correct, seen = [], 0, 0
@@ -188,16 +188,28 @@ class ReprogramClient:
         """Opacus' per-sample gradients and DP optimiser around this round's model and SGD."""
         from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
         from opacus.optimizers import DPOptimizer
+        from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
         full_network = METHOD_KINDS[self.method] in ("ff", "ts")
         wrapper = GradSampleModuleExpandedWeights if full_network else GradSampleModule
         model = wrapper(self.model, batch_first=True, loss_reduction="mean")
         gen = noise_generator(self.node.noise_source, self.cfg["seed"], self.round, self.node.partition_id + 1,
                               NOISE_STREAM_LOCAL)
-        if self.device.type != "cpu":  # Opacus draws noise on the parameters' device
-            gen = torch.Generator(device=self.device).manual_seed(gen.initial_seed())
-        dp_opt = DPOptimizer(opt, noise_multiplier=z, max_grad_norm=self.cfg["privacy.clip"],
-                             expected_batch_size=expected_batch, loss_reduction="mean", generator=gen)
+
+        class NoiseFromSource(DPOptimizer):
+            """Opacus' optimiser drawing its noise from this node's noise source (seeded, or the
+            OS's secure generator), on the CPU so that seeded runs repeat on any device."""
+
+            def add_noise(self):
+                for p in self.params:
+                    _check_processed_flag(p.summed_grad)  # never noise the same sum twice
+                    noise = gaussian_noise(p.summed_grad.shape, self.noise_multiplier * self.max_grad_norm, gen,
+                                           p.summed_grad.device).to(p.summed_grad.dtype)
+                    p.grad = (p.summed_grad + noise).view_as(p)
+                    _mark_as_processed(p.summed_grad)
+
+        dp_opt = NoiseFromSource(opt, noise_multiplier=z, max_grad_norm=self.cfg["privacy.clip"],
+                                 expected_batch_size=expected_batch, loss_reduction="mean")
         return model, dp_opt
 
     # --- evaluation ----------------------------------------------------------------------------

@@ -9,7 +9,10 @@ client process never imports server code and vice versa.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from privacy.planner import LocalDP
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,13 @@ class MethodSpec:
     shared: frozenset[str] = field(default_factory=frozenset)  # tensors that may leave a client
     trains: bool = True
     defaults: dict = field(default_factory=dict)  # what -1 / "auto" keys mean for this method
-    supports_dp: bool = False
+    # the local-DP mechanism its clients run when privacy is on (a function of the run config);
+    # None: no DP mechanism
+    local_dp: Callable[[Mapping], LocalDP] | None = None
+
+    @property
+    def supports_dp(self) -> bool:
+        return self.local_dp is not None
 
     def strategy_class(self):
         return _load(self.strategy)
@@ -44,10 +53,26 @@ class MethodSpec:
         return _load(self.client)
 
 
+def _dp(name: str, where: str, tensors: int = 1) -> Callable[[Mapping], LocalDP]:
+    return lambda cfg: LocalDP(name, where, tensors)
+
+
+def _dpfpl_local(cfg: Mapping) -> LocalDP:
+    if cfg["dpfpl.rank"]:
+        return LocalDP("ldp-lowrank", "client: gradients of u and v (the local prompt's rank-k factors) at every "
+                       "local step", 2)
+    return LocalDP("ldp-local", "client: gradient of the full-rank local prompt at every local step")
+
+
 def _load(path: str):
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
+
+# DP-SGD on the whole adapter (one per-sample clip over all its tensors), so whatever part a
+# LoRA method sends is post-processing of noised steps
+_LORA_DP = _dp("ldp-adapter", "client: per-sample-clipped gradient of the whole adapter at every local step "
+               "(DP-SGD); the tensors sent are post-processing")
 
 FAMILIES: dict[str, Family] = {
     "prompt": Family("prompt", "embedded", "pathological", 0.3, 1.0),
@@ -63,7 +88,9 @@ METHODS: dict[str, MethodSpec] = {
             "promptfl", "prompt",
             "PromptFL: one shared prompt, FedAvg weighted by client data size (optional FedProx).",
             "strategies.prompt:PromptFLStrategy", "client_app.prompt_clients:PromptFLClient",
-            shared=frozenset({"ctx"}), defaults={"prompt.local-steps": 0}, supports_dp=True,
+            shared=frozenset({"ctx"}), defaults={"prompt.local-steps": 0},
+            local_dp=_dp("ldp-prompt", "client: gradient of the prompt at every local step (the shared prompt is "
+                         "post-processing)"),
         ),
         MethodSpec(
             "coop", "prompt",
@@ -82,52 +109,57 @@ METHODS: dict[str, MethodSpec] = {
             "DP-FPL: global prompt (server, global DP) + private local prompt factorised every step "
             "into u v + residual (local DP on the gradients of u and v).",
             "strategies.global_local:GlobalGradientStrategy", "client_app.global_local_clients:DPFPLClient",
-            shared=frozenset({"global_grad"}), defaults={"prompt.local-steps": 1}, supports_dp=True,
+            shared=frozenset({"global_grad"}), defaults={"prompt.local-steps": 1}, local_dp=_dpfpl_local,
         ),
         MethodSpec(
             "fedotp", "prompt",
             "FedOTP: global + local prompt per class, matched to image patches by unbalanced optimal "
             "transport; global DP on the global prompt, local DP on the local prompt.",
             "strategies.global_local:GlobalGradientStrategy", "client_app.global_local_clients:FedOTPClient",
-            shared=frozenset({"global_grad"}), defaults={"prompt.local-steps": 1}, supports_dp=True,
+            shared=frozenset({"global_grad"}), defaults={"prompt.local-steps": 1},
+            local_dp=_dp("ldp-local", "client: gradient of the full-rank local prompt at every local step"),
         ),
         MethodSpec(
             "fedpgp", "prompt",
             "FedPGP: global prompt + low-rank personal u v (factorised once) with a prompt-wise contrastive "
             "term; global DP on the global prompt, local DP on u and v.",
             "strategies.global_local:GlobalGradientStrategy", "client_app.global_local_clients:FedPGPClient",
-            shared=frozenset({"global_grad"}), defaults={"prompt.local-steps": 1}, supports_dp=True,
+            shared=frozenset({"global_grad"}), defaults={"prompt.local-steps": 1},
+            local_dp=_dp("ldp-lowrank", "client: gradients of the low-rank personal factors u and v at every local "
+                         "step", 2),
         ),
         MethodSpec(
             "fedrand", "vlm",
             "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
             "one randomly drawn half (all A or all B), the other half stays private; per-half averaging.",
             "strategies.lora:FedRandStrategy", "client_app.lora_clients:FedRandClient",
-            supports_dp=True,
+            local_dp=_LORA_DP,
         ),
         MethodSpec(
             "fedavg-lora", "vlm",
             "FedAvg on the full LoRA adapter (both halves both ways): FedRand's oracle baseline.",
             "strategies.lora:FedAvgLoRAStrategy", "client_app.lora_clients:FedAvgLoRAClient",
-            supports_dp=True,
+            local_dp=_LORA_DP,
         ),
         MethodSpec(
             "fedper-lora", "vlm",
             "FedPer: the top layers' LoRA is shared (fedper.shared-layers), the rest stays on the client.",
             "strategies.lora:FedPerStrategy", "client_app.lora_clients:FedPerClient",
-            supports_dp=True,
+            local_dp=_LORA_DP,
         ),
         MethodSpec(
             "fedpara-lora", "vlm",
             "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) (peft LoHa).",
             "strategies.lora:FedParaStrategy", "client_app.lora_clients:FedParaClient",
-            supports_dp=True,
+            local_dp=_LORA_DP,
         ),
         *(
             MethodSpec(
                 name, "reprogram", summary,
                 "strategies.reprogram:ReprogramStrategy", f"client_app.reprogram_clients:{cls}",
-                supports_dp=True,
+                local_dp=_dp("dp-sgd", "client: DP-SGD (Opacus) on every trainable parameter: each sample's whole "
+                             "gradient clipped to C, Gaussian noise on the sum of a Poisson batch, divided by its "
+                             "expected size"),
             )
             for name, cls, summary in (
                 ("reprogram", "ReprogramClient",

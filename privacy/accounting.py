@@ -17,7 +17,9 @@ Neighbouring datasets differ by adding or removing one record (dp-accounting's d
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import dp_accounting
@@ -67,22 +69,58 @@ def _accountant(name: str) -> dp_accounting.PrivacyAccountant:
     raise ValueError(f"unknown accountant {name!r}; accepted: {', '.join(ACCOUNTANTS)}")
 
 
-def epsilon_spent(releases: GaussianReleases, delta: float, accountant: str = "rdp") -> float:
-    """ε after ``releases`` at ``delta`` (0 releases: 0; infinite for z = 0)."""
-    if releases.count == 0:
+def joint_noise_multiplier(*multipliers: float) -> float:
+    """The noise multiplier of one Gaussian release made of several parts computed from the same
+    records (e.g. a local and a global gradient of one batch), each part with its own z: the
+    record's scaled contributions add in quadrature, 1/z^2 = sum 1/z_i^2."""
+    if any(z <= 0 for z in multipliers):
         return 0.0
-    if releases.noise_multiplier <= 0:
+    return float(sum(z ** -2 for z in multipliers) ** -0.5)
+
+
+def epsilon_spent(releases: GaussianReleases | Sequence[GaussianReleases], delta: float, accountant: str = "rdp") -> float:
+    """ε after ``releases`` (one group, or several groups composed) at ``delta``; 0 with no
+    release, infinite if any release has z = 0."""
+    parts = [releases] if isinstance(releases, GaussianReleases) else list(releases)
+    parts = [p for p in parts if p.count > 0]
+    if not parts:
+        return 0.0
+    if any(p.noise_multiplier <= 0 for p in parts):
         return math.inf
+    return _epsilon(tuple(parts), float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon(parts: tuple[GaussianReleases, ...], delta: float, accountant: str) -> float:
+    # Cached: every round asks again for the same few (z, q, count) combinations, and a PLD
+    # evaluation costs a large fraction of a second.
     if accountant == "pld":
         # PLD discretises the privacy-loss distribution on a grid that grows with epsilon: at
         # vanishing noise it exhausts memory for a figure that only says "no privacy". Past
         # MEANINGLESS_EPSILON the RDP bound (valid, looser) is returned instead.
-        bound = epsilon_spent(releases, delta, "rdp")
+        bound = _epsilon(parts, delta, "rdp")
         if bound > MEANINGLESS_EPSILON:
             return bound
     acc = _accountant(accountant)
-    acc.compose(releases.event())
+    acc.compose(dp_accounting.ComposedDpEvent([p.event() for p in parts]) if len(parts) > 1 else parts[0].event())
     return float(acc.get_epsilon(delta))
+
+
+def smallest_scale(epsilon_at: Callable[[float], float], target: float, tol: float = 1e-4) -> float:
+    """The smallest factor c >= 1 with ``epsilon_at(c) <= target``, for an ``epsilon_at`` that
+    falls as c (a common factor on every noise multiplier) grows. Used to calibrate several
+    mechanisms jointly: scale all their noise together until the composition meets the target."""
+    if epsilon_at(1.0) <= target:
+        return 1.0
+    lo, hi = 1.0, 2.0
+    while epsilon_at(hi) > target:
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise BudgetError(f"no noise level brings the composed epsilon down to {target}")
+    while hi / lo > 1 + tol:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if epsilon_at(mid) > target else (lo, mid)
+    return hi
 
 
 def calibrate_noise_multiplier(

@@ -14,7 +14,7 @@ does not hold (per-batch clipping).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from privacy.accounting import GaussianReleases, calibrate_noise_multiplier, epsilon_spent, paper_sigma
 
@@ -69,7 +69,7 @@ class MechanismPlan:
     accountant: str
     target_epsilon: float
     planned_epsilon: float  # accountant's ε after all releases, for this σ
-    true_sensitivity: float  # what one record can really change (differs under per-batch clipping)
+    true_sensitivity: float  # what one record can really change (privacy.ledger.valid_sensitivity)
     notes: list[str] = field(default_factory=list)
 
     def releases_obj(self, count: int) -> GaussianReleases:
@@ -79,12 +79,34 @@ class MechanismPlan:
         """ε an accountant gives after ``count`` releases with the true sensitivity."""
         return epsilon_spent(self.releases_obj(count), self.delta, self.accountant)
 
+    def scaled(self, factor: float) -> "MechanismPlan":
+        """The same mechanism with ``factor`` times the noise (a joint calibration's scaling)."""
+        if factor == 1.0:
+            return self
+        plan = replace(self, sigma=self.sigma * factor, noise_multiplier=self.noise_multiplier * factor,
+                       notes=[*self.notes, f"sigma scaled by {factor:.4f} in the joint calibration"])
+        plan.planned_epsilon = plan.epsilon_after(plan.releases)
+        return plan
+
     def as_dict(self) -> dict:
         d = asdict(self)
         for k, v in d.items():
             if isinstance(v, float) and math.isinf(v):
                 d[k] = "inf"
         return d
+
+
+def valid_sensitivity(settings: PrivacySettings, sensitivity: float, per_batch_sensitivity: float) -> float:
+    """What one record can really change in a release whose calibration assumed ``sensitivity``
+    (add/remove one record, per-sample clipping, Poisson batches):
+    - per-batch clipping: clipping the batch mean to C bounds a record's influence by 2C, not C/B;
+    - fixed-size batches (the paper's calibration): adding a record displaces another from its
+      batch, so the clipped sum moves by up to 2C: sensitivity 2C/B."""
+    if settings.clipping == "per-batch":
+        return per_batch_sensitivity
+    if settings.sampling == "uniform":
+        return 2 * sensitivity
+    return sensitivity
 
 
 def plan_gaussian(
@@ -121,21 +143,30 @@ def plan_gaussian(
     else:
         z = calibrate_noise_multiplier(s.epsilon, s.delta, releases, q, s.accountant)
         sigma = z * sensitivity
-    true_sensitivity = sensitivity
     if s.clipping == "per-batch":
-        # Clipping the batch mean to C bounds a single record's influence by 2C, not C/B:
-        # the guarantee computed from C/B does not hold (this is the public code's behaviour).
-        true_sensitivity = per_batch_sensitivity
+        # the public code's behaviour: the guarantee computed from C/B does not hold
         notes.append("per-batch clipping: one record can move the clipped batch gradient by up to 2C, "
                      "so the stated epsilon does NOT hold; planned_epsilon uses the true sensitivity")
+    elif s.sampling == "uniform":
+        notes.append("fixed-size batches: a record added to the data displaces another from its batch, so the "
+                     "valid sensitivity is twice the one sigma was calibrated for; planned_epsilon uses it")
     plan = MechanismPlan(
         name=name, where=where, party=party, clip=s.clip, clipping=s.clipping, sensitivity=sensitivity,
         sigma=float(sigma), noise_multiplier=float(sigma / sensitivity), releases=releases, sampling=s.sampling,
         sampling_rate=q, delta=s.delta, calibration="fixed-noise" if s.fixed_noise else s.calibration, accountant=s.accountant,
-        target_epsilon=s.epsilon, planned_epsilon=0.0, true_sensitivity=true_sensitivity, notes=notes,
+        target_epsilon=s.epsilon, planned_epsilon=0.0, true_sensitivity=valid_sensitivity(s, sensitivity, per_batch_sensitivity), notes=notes,
     )
     plan.planned_epsilon = plan.epsilon_after(releases)
     return plan
+
+
+RELEASED_NOTE = (
+    "These values leave every node un-noised, outside the accounted mechanisms, and the epsilon does not cover "
+    "them: the handshake (data sizes, class ids, partition id, backbone fingerprint), and with every reply the "
+    "number of examples, training loss and accuracy, evaluation metrics and timings (also stored per client in "
+    "results.json rounds[].clients). They are aggregate statistics of a node's data, each computed from many "
+    "records, but a single record can shift them; the server, and whoever reads the run folder, sees them. "
+    "Against a curious server, treat them as released without protection.")
 
 
 class PrivacyLedger:
@@ -144,10 +175,15 @@ class PrivacyLedger:
         self.method = method
         self.plans: dict[str, MechanismPlan] = {}
         self.client_plans: dict[str, dict[str, MechanismPlan]] = {}  # per-client LDP plans
+        # per client: what one round costs its records (privacy.planner.RecordAccount) and the
+        # epsilon a record would spend if the client trained in every round
+        self.records: dict[str, dict] = {}
         self.rounds: list[dict] = []
         self.notes: list[str] = []
         # where each party's DP randomness comes from ('seeded' | 'os', privacy.mechanisms)
         self.noise_sources: dict = {}
+        # values that leave nodes outside every accounted mechanism, by message (note_released)
+        self.released: dict[str, set[str]] = {}
 
     def add_plan(self, plan: MechanismPlan, client: str | None = None) -> None:
         if client is None:
@@ -155,16 +191,12 @@ class PrivacyLedger:
         else:
             self.client_plans.setdefault(client, {})[plan.name] = plan
 
-    def worst_planned_epsilon(self) -> float:
-        eps = [p.planned_epsilon for p in self.plans.values()]
-        eps += [p.planned_epsilon for per in self.client_plans.values() for p in per.values()]
-        return max(eps, default=0.0)
+    def note_released(self, message: str, keys) -> None:
+        """Record the names of values a node sent outside the noised tensors."""
+        self.released.setdefault(message, set()).update(str(k) for k in keys)
 
     def record_round(self, server_round: int, entry: dict) -> None:
         self.rounds.append({"round": server_round, **entry})
-
-    def spent(self) -> dict:
-        return self.rounds[-1] if self.rounds else {}
 
     def as_dict(self) -> dict:
         s = self.settings
@@ -174,7 +206,12 @@ class PrivacyLedger:
             "settings": asdict(s),
             "mechanisms": {k: p.as_dict() for k, p in self.plans.items()},
             "client_mechanisms": {c: {k: p.as_dict() for k, p in per.items()} for c, per in self.client_plans.items()},
+            "records": self.records,
             "noise_sources": self.noise_sources,
             "rounds": self.rounds,
+            "released_outside_mechanisms": {
+                "values": {m: sorted(keys) for m, keys in sorted(self.released.items())},
+                "note": RELEASED_NOTE,
+            },
             "notes": self.notes,
         }

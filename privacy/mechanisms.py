@@ -9,6 +9,7 @@ product with that sample's gradient on the features: first all samples' feature 
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Sequence
 
@@ -77,17 +78,35 @@ def node_noise_source(node_config: dict, own_data: bool, run_choice: str = "auto
     return "os" if run_choice == "os" else source
 
 
-def noise_generator(source: str, *parts: int) -> torch.Generator:
-    """The generator of one mechanism's draws: seeded from ``parts`` or from OS entropy."""
+class OsNoise:
+    """Gaussian noise from the operating system's cryptographically secure generator
+    (``os.urandom``): Box-Muller on 53-bit uniforms. No seed exists that anyone could recover
+    or regenerate, unlike a seeded Mersenne Twister (whose whole stream follows from 64 bits)."""
+
+    def normal(self, shape: Sequence[int]) -> torch.Tensor:
+        numel = int(np.prod(shape, dtype=np.int64))
+        pairs = (numel + 1) // 2
+        raw = np.frombuffer(os.urandom(16 * pairs), dtype=np.uint64).reshape(2, pairs)
+        u = ((raw >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0**53  # uniform on (0, 1]
+        radius = np.sqrt(-2.0 * np.log(u[0]))
+        angle = 2.0 * np.pi * u[1]
+        z = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:numel]
+        return torch.from_numpy(z.astype(np.float32)).reshape(tuple(shape))
+
+
+def noise_generator(source: str, *parts: int) -> torch.Generator | OsNoise:
+    """The generator of one mechanism's draws: seeded from ``parts`` (reproducible), or the OS's
+    secure generator."""
     if source == "os":
-        return torch.Generator().manual_seed(secrets.randbits(63))
+        return OsNoise()
     return generator_for(*parts)
 
 
 def sampling_rng(source: str, *parts: int) -> np.random.Generator:
-    """The generator of a client's batch sampling (Poisson subsampling must stay secret too)."""
+    """The generator of a client's batch sampling (Poisson subsampling must stay secret too).
+    From the OS: 256 bits of seed material from the secure generator (``secrets``)."""
     if source == "os":
-        return np.random.default_rng(secrets.randbits(128))
+        return np.random.default_rng(np.random.SeedSequence(secrets.randbits(256)))
     return np.random.default_rng([int(p) for p in parts])
 
 
@@ -98,6 +117,8 @@ def generator_for(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def gaussian_noise(shape: Sequence[int], std: float, generator: torch.Generator, device=None) -> torch.Tensor:
-    """N(0, std^2) noise drawn on the CPU from ``generator`` (reproducible on any device)."""
-    return (torch.randn(tuple(shape), generator=generator) * std).to(device or "cpu")
+def gaussian_noise(shape: Sequence[int], std: float, generator: torch.Generator | OsNoise, device=None) -> torch.Tensor:
+    """N(0, std^2) noise drawn on the CPU from ``generator`` (reproducible on any device when
+    seeded)."""
+    unit = generator.normal(shape) if isinstance(generator, OsNoise) else torch.randn(tuple(shape), generator=generator)
+    return (unit * std).to(device or "cpu")

@@ -163,7 +163,13 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
     if values["privacy.clip"] == -1:
         values["privacy.clip"] = family.privacy_clip
     if values["privacy.noise-multiplier"] == -1:
-        values["privacy.noise-multiplier"] = family.noise_multiplier
+        # the family's fixed noise is the default only when no epsilon is asked for
+        values["privacy.noise-multiplier"] = 0.0 if values["privacy.epsilon"] > 0 else family.noise_multiplier
+    elif values["privacy.noise-multiplier"] > 0 and values["privacy.epsilon"] > 0:
+        raise ConfigError(
+            f"run config sets both 'privacy.epsilon' = {values['privacy.epsilon']} (calibrate the noise to it) and "
+            f"'privacy.noise-multiplier' = {values['privacy.noise-multiplier']} (fixed noise, epsilon only reported); "
+            "set one of them, the other to 0")
     if method.family == "reprogram":
         _resolve_reprogram(values)
     if (values["dataset"] in VLM_DATASETS) != (method.family == "vlm"):

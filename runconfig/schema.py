@@ -184,7 +184,8 @@ KEYS: tuple[Key, ...] = (
     Key("reprogram.lr", 0.15, "SGD learning rate of DP-SGD (the paper: 0.15).", min=0.0, min_exclusive=True),
     Key("reprogram.local-iterations", 1, "DP-SGD steps per client per round, L (the paper: 1).", min=1),
     # --- privacy (every method that supports DP reads these) ---------------------------------
-    Key("privacy.epsilon", 0.0, "Target epsilon of each DP mechanism; 0 = no noise, no clipping.",
+    Key("privacy.epsilon", 0.0, "Target epsilon per record, every mechanism its record feeds composed; "
+        "0 = no noise, no clipping.",
         min=0.0),
     Key("privacy.delta", 1e-5, "Target delta.", min=0.0, max=1.0, min_exclusive=True),
     Key("privacy.clip", -1.0, "Clip norm C of every clipped gradient; -1 = the family's paper value "
@@ -199,8 +200,9 @@ KEYS: tuple[Key, ...] = (
         choices=("rdp", "pld")),
     Key("privacy.noise-multiplier", -1.0, "Use this noise multiplier z = sigma/sensitivity for every "
         "mechanism instead of calibrating to privacy.epsilon (0 = calibrate); epsilon is then "
-        "only reported, and privacy.max-epsilon stops the run when reached. -1 = the family's "
-        "value: 0 for prompt learning and LoRA, 1.1 for Reprogrammable-FL (its paper's DP-SGD).",
+        "only reported, and privacy.max-epsilon stops the run when reached. -1 = calibrate when "
+        "privacy.epsilon is set, else the family's value: 0 for prompt learning and LoRA, 1.1 for "
+        "Reprogrammable-FL (its paper's DP-SGD).",
         check=_non_negative_or_auto),
     Key("privacy.max-epsilon", 0.0, "Refuse to start if the plan would exceed this epsilon, stop "
         "once it is reached; 0 = no cap.", min=0.0),

@@ -32,7 +32,8 @@ from flwr.serverapp.strategy import Strategy
 
 from methods import MethodSpec
 from privacy.accounting import BudgetError
-from privacy.ledger import MechanismPlan, PrivacyLedger, PrivacySettings, plan_gaussian
+from privacy.ledger import PrivacyLedger, PrivacySettings
+from privacy.planner import LOCAL_SIGMA_KEY, ClientShape, GlobalDP, PrivacyPlanner
 from runconfig import RunConfig
 from server_app.results import RunRecorder, progress_line
 from strategies.validation import ReplyRejected, check_reply, record_nbytes
@@ -84,7 +85,6 @@ class FederatedStrategy(Strategy):
         self.spec = spec
         self.nodes: dict[int, NodeInfo] = {}
         self.failed_nodes: dict[int, str] = {}
-        self.trained_nodes: set[str] = set()
         self.global_arrays: dict[str, np.ndarray] = {}  # set after the handshake (initial_arrays)
         self._expected: dict[int, dict[str, tuple]] = {}
         self._round: dict = {}
@@ -92,8 +92,8 @@ class FederatedStrategy(Strategy):
         self.publish_dir: Path | None = None
         self.privacy = PrivacySettings.from_config(cfg)
         self.ledger = PrivacyLedger(self.privacy, spec.name)
-        self.local_releases: dict[str, int] = {}  # node name -> local-DP releases sent so far
-        self.global_releases: dict[str, int] = {}  # mechanism -> global-DP releases so far
+        self.planner: PrivacyPlanner | None = None  # set once the nodes are known (plan_privacy)
+        self.rounds_trained: dict[str, int] = {}  # node name -> rounds it was sent a train message
 
     # ---- hooks for methods -----------------------------------------------------------------
     def initial_arrays(self) -> dict[str, np.ndarray]:
@@ -128,7 +128,9 @@ class FederatedStrategy(Strategy):
         """Called for every reply that passed validation (phase: 'train' or 'evaluate')."""
 
     def train_config(self, node: NodeInfo, server_round: int) -> dict:
-        """Extra config for ``node``'s train message (e.g. the std of its local-DP noise)."""
+        """Extra config for ``node``'s train message: the std of its local-DP noise."""
+        if self.planner is not None and self.planner.local is not None:
+            return {LOCAL_SIGMA_KEY: self.planner.local_sigma(node.name)}
         return {}
 
     def local_steps(self, node: NodeInfo) -> int:
@@ -162,6 +164,7 @@ class FederatedStrategy(Strategy):
                 self.failed_nodes[n] = short_reason(msg.error.reason)
             else:
                 m, info = dict(msg.content["metrics"]), dict(msg.content["info"])
+                self.ledger.note_released("handshake", [*m, *info])
                 node = NodeInfo(n, str(info["name"]), int(m["partition-id"]), int(m["num-train"]),
                                 int(m["num-test"]), int(m["num-neighbor"]), str(info["backbone"]),
                                 int(m["num-classes"]), info)
@@ -218,6 +221,7 @@ class FederatedStrategy(Strategy):
         """Seeded choice over the healthy connected nodes, ordered by name."""
         connected = set(self._connected(grid))
         self.handshake(grid, connected)  # nodes that joined since the last round
+        self.admit_late_nodes()
         pool = sorted((n for i, n in self.nodes.items() if i in connected), key=lambda n: n.name)
         if len(pool) < self.cfg["min-nodes"]:
             gone = sorted(n.name for i, n in self.nodes.items() if i not in connected)
@@ -249,7 +253,6 @@ class FederatedStrategy(Strategy):
                 config.update({"final-round": True, "publish-dir": str(self.publish_dir or "")})
             if kind == MessageType.TRAIN:
                 config.update(self.train_config(node, server_round))
-                self.local_releases[node.name] = self.local_releases.get(node.name, 0) + self.local_steps(node)
             content = RecordDict({
                 "arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.items()}),
                 "config": ConfigRecord(config),
@@ -295,6 +298,7 @@ class FederatedStrategy(Strategy):
                 self._round.setdefault("dropped", []).append({"client": name, "phase": "train" if train else "evaluate", "reason": str(why)})
                 continue
             self._round["bytes_up"] = self._round.get("bytes_up", 0) + record_nbytes(arrays)
+            self.ledger.note_released("train" if train else "evaluate", metrics)
             if node is not None:
                 self._round.setdefault("clients", {}).setdefault(name, {})[f"{'train' if train else 'evaluate'}/bytes_up"] = record_nbytes(arrays)
             key = f"{'train' if train else 'evaluate'}_up"
@@ -307,7 +311,6 @@ class FederatedStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         updates = self._validated(replies, train=True)
         for u in updates:
-            self.trained_nodes.add(u.node.name)
             self._round.setdefault("clients", {}).setdefault(u.node.name, {}).update(
                 {f"train/{k}": v for k, v in u.metrics.items()})
         if updates:
@@ -343,80 +346,86 @@ class FederatedStrategy(Strategy):
                  type(self).__name__, self.spec.name, self.num_rounds(), self.cfg["fraction-train"],
                  self.cfg["fraction-evaluate"], self.cfg["seed"])
 
-    # ---- local DP: one plan per client (its data size sets its sampling rate) ----------------
+    # ---- privacy: one planner, composed per record (privacy.planner) ------------------------
     def dp_batch_size(self) -> int:
         """The expected batch size B of a client's DP-SGD steps."""
         return self.cfg["prompt.batch-size"]
 
-    local_dp: tuple[str, str, int] | None = None  # (mechanism name, where, number of noised tensors)
+    def global_dp(self) -> GlobalDP | None:
+        """The method's server-side mechanism, if it has one."""
+        return None
 
-    def client_plan(self, node: NodeInfo) -> MechanismPlan:
-        name, where, n_tensors = self.local_dp
-        plans = self.ledger.client_plans.get(node.name, {})
-        if name not in plans:  # planned once; a node that joins later is planned on first use
-            b = min(self.dp_batch_size(), node.num_train)
-            per_tensor = self.privacy.clip / b  # per-sample clipping to C, mean over B
-            plan = plan_gaussian(
-                self.privacy, name, where, "client",
-                sensitivity=math.sqrt(n_tensors) * per_tensor,  # each noised tensor clipped to C
-                releases=self.num_rounds() * self.local_steps(node),
-                sampling_rate=b / node.num_train,
-                per_batch_sensitivity=math.sqrt(n_tensors) * 2 * self.privacy.clip,
-                paper_sensitivity=per_tensor,
-            )
-            if n_tensors > 1:
-                plan.notes.append(f"{n_tensors} tensors are clipped to C separately and noised with the same "
-                                  "sigma: accounted as one Gaussian release of joint sensitivity sqrt(n)*C/B")
-            self.ledger.add_plan(plan, client=node.name)
-        return self.ledger.client_plans[node.name][name]
+    def client_shape(self, node: NodeInfo) -> ClientShape:
+        return ClientShape(node.num_train, self.dp_batch_size(), self.local_steps(node))
 
     def plan_privacy(self) -> None:
-        """Add the method's mechanisms to ``self.ledger`` (called once the nodes are known);
-        subclasses with a global mechanism extend it."""
-        if self.local_dp:
-            for node in self.nodes.values():
-                self.client_plan(node)
+        """Plan every mechanism for the nodes known now (called once, before round 1)."""
+        local = self.spec.local_dp(self.cfg) if self.spec.local_dp else None
+        self.planner = PrivacyPlanner(self.privacy, self.ledger, self.num_rounds(), local, self.global_dp())
+        if self.planner.global_dp is not None and self.cfg["privacy.noise-source"] == "seeded":
+            secret = sorted(n.name for n in self.nodes.values() if n.info.get("noise-source") == "os")
+            if secret:
+                raise FederationError(
+                    f"privacy.noise-source = 'seeded' makes the server's global noise regenerable by anyone with the "
+                    f"run config, while {', '.join(secret[:4])} draw their own noise from the OS (real data): "
+                    "use privacy.noise-source = 'auto' or 'os'")
+        self.planner.plan({n.name: self.client_shape(n) for n in self.nodes.values()})
 
-    # ---- privacy accounting ------------------------------------------------------------------
-    def epsilon_entry(self, extra_global: int = 0) -> dict:
-        """ε spent per mechanism for the releases counted so far (plus ``extra_global`` more)."""
-        entry: dict = {"local": {}, "global": {}}
-        by_mech: dict[str, dict[str, float]] = {}
-        for client, plans in self.ledger.client_plans.items():
-            count = self.local_releases.get(client, 0)
-            for name, plan in plans.items():
-                by_mech.setdefault(name, {})[client] = plan.epsilon_after(count)
-        for name, per in by_mech.items():
-            vals = list(per.values())
-            entry["local"][name] = {"max": max(vals), "mean": float(np.mean(vals)), "per_client": per}
-        for name, plan in self.ledger.plans.items():
-            entry["global"][name] = plan.epsilon_after(self.global_releases.get(name, 0) + extra_global)
+    def admit_late_nodes(self) -> None:
+        """Plan the nodes that joined after round 1's plan; exclude one the plan cannot cover."""
+        if self.planner is None:
+            return
+        for nid, node in list(self.nodes.items()):
+            if node.name in self.planner.clients:
+                continue
+            try:
+                if self.planner.global_dp is not None and self.cfg["privacy.noise-source"] == "seeded" \
+                        and node.info.get("noise-source") == "os":
+                    raise BudgetError("it draws OS noise but privacy.noise-source = 'seeded' makes the server's "
+                                      "global noise regenerable")
+                self.planner.admit(node.name, self.client_shape(node))
+            except BudgetError as why:
+                del self.nodes[nid]
+                self.failed_nodes[nid] = str(why)
+                log.error("node %s excluded: %s", node.name, why)
+
+    def epsilon_entry(self, extra: dict[str, int] | None = None) -> dict:
+        """What a record of each client has spent, every mechanism it feeds composed, for the
+        rounds counted so far (plus ``extra`` rounds per client)."""
+        extra = extra or {}
+        per = {name: self.planner.epsilon(name, self.rounds_trained.get(name, 0) + extra.get(name, 0))
+               for name in sorted(self.planner.clients)}
+        entry: dict = {"epsilon": max(per.values(), default=0.0), "per_client": per}
+        # each mechanism on its own, for comparison with papers that report them separately
+        components: dict = {}
+        for name, plan in self.planner.local_plans.items():
+            steps = self.planner.clients[name].steps
+            components.setdefault(plan.name, {})[name] = plan.epsilon_after(self.rounds_trained.get(name, 0) * steps)
+        if self.planner.global_plan is not None:
+            g = self.planner.global_plan
+            components[g.name] = g.epsilon_after(max(self.rounds_trained.values(), default=0))
+        entry["components"] = components
         return entry
-
-    @staticmethod
-    def worst_epsilon(entry: dict) -> float:
-        vals = [v["max"] for v in entry["local"].values()] + list(entry["global"].values())
-        return max(vals, default=0.0)
 
     def check_budget_before_start(self) -> None:
         cap = self.privacy.max_epsilon
-        planned = self.ledger.worst_planned_epsilon()
-        if self.privacy.fixed_noise:  # budget-limited run: it stops when the cap is reached
+        if self.privacy.fixed_noise or not cap:  # a budget-limited run stops when the cap is reached
             return
-        if self.privacy.enabled and cap and planned > cap * (1 + 1e-9):
+        planned = self.planner.worst_planned()
+        if planned > cap * (1 + 1e-9):
             raise BudgetError(
-                f"the privacy plan would spend epsilon = {planned:.4g} over {self.num_rounds()} rounds, above "
+                f"the privacy plan would spend epsilon = {planned:.4g} per record over {self.num_rounds()} rounds, above "
                 f"privacy.max-epsilon = {cap}; lower num-server-rounds or prompt.local-steps, raise "
                 f"privacy.max-epsilon, or use privacy.calibration='accountant' with privacy.epsilon <= {cap}"
             )
 
-    def round_would_exceed(self) -> float | None:
-        """After ``configure_train`` counted this round's local releases: the worst epsilon the
-        round would bring (with its one global release), if that crosses max-epsilon."""
+    def round_would_exceed(self, nodes: list[NodeInfo]) -> float | None:
+        """The worst per-record epsilon a round training ``nodes`` would bring, if it crosses
+        max-epsilon."""
         cap = self.privacy.max_epsilon
-        if not (self.privacy.enabled and cap):
+        if not (self.privacy.enabled and cap and nodes):
             return None
-        worst = self.worst_epsilon(self.epsilon_entry(extra_global=1 if self.ledger.plans else 0))
+        worst = self.epsilon_entry({n.name: 1 for n in nodes})["epsilon"]
         return worst if worst > cap * (1 + 1e-9) else None
 
     def server_noise_source(self) -> str:
@@ -444,11 +453,7 @@ class FederatedStrategy(Strategy):
         entry = self.epsilon_entry()
         self.record_noise_sources()  # nodes may have joined since the last round
         self.ledger.record_round(server_round, entry)
-        metrics = self._round.setdefault("metrics", {})
-        for name, v in entry["local"].items():
-            metrics[f"epsilon/{name}-max"] = v["max"]
-        for name, v in entry["global"].items():
-            metrics[f"epsilon/{name}"] = v
+        self._round.setdefault("metrics", {})["epsilon/per-record-max"] = entry["epsilon"]
         recorder.add_section("privacy", self.ledger.as_dict())
 
     # ---- the run ---------------------------------------------------------------------------
@@ -480,11 +485,9 @@ class FederatedStrategy(Strategy):
             current = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in self.global_arrays.items()})
             if self.spec.trains:
                 messages = list(self.configure_train(rnd, current, empty_cfg, grid))
-                over = self.round_would_exceed()
+                trainees = [self.nodes[m.metadata.dst_node_id] for m in messages]
+                over = self.round_would_exceed(trainees)
                 if over is not None:
-                    for m in messages:  # undo the release counts of the round that will not run
-                        node = self.nodes[m.metadata.dst_node_id]
-                        self.local_releases[node.name] -= self.local_steps(node)
                     status = "stopped"
                     note = (f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
                             f"privacy.max-epsilon = {self.privacy.max_epsilon}; stopped after round {rnd - 1}")
@@ -494,6 +497,8 @@ class FederatedStrategy(Strategy):
                     self._round = {"round": rnd, "final": True}
                     grid.send_and_receive(self.configure_evaluate(rnd, current, empty_cfg, grid), timeout=timeout)
                     break
+                for node in trainees:  # spent when sent: a lost reply may still have been computed
+                    self.rounds_trained[node.name] = self.rounds_trained.get(node.name, 0) + 1
                 replies = grid.send_and_receive(messages, timeout=timeout)
                 self.aggregate_train(rnd, replies)
             replies = grid.send_and_receive(self.configure_evaluate(rnd, current, empty_cfg, grid), timeout=timeout)

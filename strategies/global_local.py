@@ -1,14 +1,14 @@
 """Server side of the global/local prompt methods (DP-FPL, FedOTP, FedPGP).
 
 Each round the sampled clients return the clipped gradient of the global prompt. The server
-averages them over the number of clients it SAMPLED (a fixed denominator: a dropped reply
-lowers the sum, never raises one record's influence), adds global-DP noise N(0, sigma_G^2)
-once to that average, and takes one optimiser step on the global prompt (DP-FPL's
-Algorithm 1, lines 16-18). It also plans every client's local-DP noise (sent with each
-train message) and keeps the privacy ledger.
+averages them over a fixed denominator: the number of clients sampled at planning, or this
+round's sample if larger (a dropped reply or a lost node lowers the sum, never raises one
+record's influence), adds global-DP noise N(0, sigma_G^2) once to that average, and takes one
+optimiser step on the global prompt (DP-FPL's Algorithm 1, lines 16-18).
 
 Trust model, as in the paper: the server is honest and sees each client's un-noised
-global-prompt gradient; the global-DP guarantee covers the global prompt it publishes.
+global-prompt gradient. A record's batch feeds both its client's local release and the global
+one, so the epsilon reported for it is their composition (``privacy.planner``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import logging
 import numpy as np
 import torch
 
-from privacy.ledger import plan_gaussian
 from privacy.mechanisms import gaussian_noise, noise_generator
+from privacy.planner import GlobalDP
 from strategies.base import ClientUpdate
 from strategies.prompt import PromptStrategy
 
@@ -29,22 +29,12 @@ NOISE_STREAM_GLOBAL = 21
 
 
 class GlobalGradientStrategy(PromptStrategy):
-    local_dp = ("ldp-lowrank", "client: gradients of the local low-rank factors u and v at every local step", 2)
-
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
         if cfg["prompt.class-specific"]:
             raise ValueError(f"method {spec.name!r} needs a shared context (prompt.class-specific=false)")
-        rank = cfg["dpfpl.rank"]
-        if spec.name == "fedpgp" and rank == 0:
+        if spec.name == "fedpgp" and cfg["dpfpl.rank"] == 0:
             raise ValueError("fedpgp needs a low rank (dpfpl.rank >= 1): its personal part is u v")
-        if spec.name == "fedotp":
-            self.local_dp = ("ldp-local", "client: gradient of the full-rank local prompt at every local step", 1)
-        if spec.name == "dpfpl":
-            self.local_dp = ("ldp-lowrank" if rank else "ldp-local",
-                             "client: gradients of u and v (the local prompt's rank-k factors) at every local step"
-                             if rank else "client: gradient of the full-rank local prompt at every local step",
-                             2 if rank else 1)
         self._server_opt = None
         self._global_param = None
 
@@ -64,43 +54,32 @@ class GlobalGradientStrategy(PromptStrategy):
     def evaluate_payload(self, node, server_round):
         return {"global_ctx": self.global_arrays["global_ctx"]}
 
-    def train_config(self, node, server_round):
-        return {"noise.local": self.client_plan(node).sigma} if self.privacy.enabled else {}
-
     # ---- privacy plan ---------------------------------------------------------------------
+    def global_dp(self) -> GlobalDP:
+        n = self.nodes_per_round()
+        return GlobalDP("gdp-global", f"server: average of the sampled clients' clipped global-prompt gradients "
+                        f"(divided by at least {n}), once per round", denominator=n)
+
     def plan_privacy(self) -> None:
         super().plan_privacy()
-        n_round = self.nodes_per_round()
-        b = min(self.cfg["prompt.batch-size"], min(n.num_train for n in self.nodes.values()))
-        steps = [self.local_steps(n) for n in self.nodes.values()]
-        # Record-level: one record moves its client's clipped mean by <= C/B, the average of the
-        # round's clients by <= C/(N*B). Subsampling amplification is claimed only when a round
-        # is one Poisson-sampled step (local-steps = 1); the largest rate over clients is used.
-        q = max(min(self.cfg["prompt.batch-size"], n.num_train) / n.num_train for n in self.nodes.values())
-        plan = plan_gaussian(
-            self.privacy, "gdp-global",
-            f"server: average of the {n_round} sampled clients' clipped global-prompt gradients, once per round",
-            "server", sensitivity=self.privacy.clip / (n_round * b), releases=self.num_rounds(),
-            sampling_rate=q if max(steps) == 1 else 1.0,
-            per_batch_sensitivity=2 * self.privacy.clip / n_round,
-        )
-        if max(steps) > 1:
-            plan.notes.append("several local steps per round: no subsampling amplification is claimed")
-        self.ledger.add_plan(plan)
-        self.ledger.notes.append("trusted server (as in DP-FPL): it sees each client's un-noised global-prompt "
-                                 "gradient; global DP protects the published global prompt")
+        self.ledger.notes.append(
+            "trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient. A record's batch "
+            "feeds its client's local release and its share of the global release, so the per-record epsilon "
+            "(records, rounds[].per_client) composes both; it bounds what the published global prompt and the "
+            "client's published personalised prompt together reveal of a record")
 
     # ---- aggregation ----------------------------------------------------------------------
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
         sampled = max(self._round.get("sampled", len(updates)), len(updates))
+        if self.planner is not None:  # never below the denominator the noise was planned for
+            sampled = max(sampled, self.planner.global_dp.denominator)
         mean = np.sum([u.arrays["global_grad"] for u in updates], axis=0) / sampled
         grad = torch.from_numpy(mean.astype(np.float32))
-        if self.privacy.enabled:
-            sigma = self.ledger.plans["gdp-global"].sigma
+        if self.planner is not None:
+            sigma = self.planner.global_plan.sigma
             gen = noise_generator(self.server_noise_source(), self.cfg["seed"], server_round, NOISE_STREAM_GLOBAL)
             grad = grad + gaussian_noise(grad.shape, sigma, gen)
-            self.global_releases["gdp-global"] = self.global_releases.get("gdp-global", 0) + 1
-            self._round.setdefault("metrics", {})["gdp-sigma"] = sigma
+            self._round.setdefault("metrics", {}).update({"gdp-sigma": sigma, "gdp-denominator": sampled})
         self._server_step(grad)
 
     def _server_step(self, grad: torch.Tensor) -> None:

@@ -33,10 +33,6 @@ CLIENT_METRICS_PREFIX = ("client-", "server-")
 
 class LoRAStrategy(FederatedStrategy):
     adapter_kind = "lora"
-    # DP: every client runs DP-SGD on its whole adapter (one per-sample clip over all tensors),
-    # so whatever part it sends is post-processing of noised steps.
-    local_dp = ("ldp-adapter", "client: per-sample-clipped gradient of the whole adapter at every local step "
-                "(DP-SGD); the tensors sent are post-processing", 1)
 
     def __init__(self, cfg, spec):
         from client_app.lora_clients import adapter_spec
@@ -62,9 +58,6 @@ class LoRAStrategy(FederatedStrategy):
 
     def dp_batch_size(self) -> int:
         return self.cfg["lora.batch-size"]
-
-    def train_config(self, node: NodeInfo, server_round: int) -> dict:
-        return {"noise.adapter": self.client_plan(node).sigma} if self.privacy.enabled else {}
 
     def local_steps(self, node: NodeInfo) -> int:
         c = self.cfg

@@ -44,12 +44,6 @@ class PromptFLStrategy(PromptStrategy):
     every step's gradient), so the prompt it shares is already protected: noise added on the
     client before sharing, as DP-FPL's PromptFL baseline."""
 
-    local_dp = ("ldp-prompt", "client: gradient of the prompt at every local step (the shared prompt is "
-                "post-processing)", 1)
-
-    def train_config(self, node, server_round):
-        return {"noise.ctx": self.client_plan(node).sigma} if self.privacy.enabled else {}
-
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
         self.global_arrays = weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
 

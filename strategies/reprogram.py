@@ -16,15 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from models.reprogram import initial_model, source_model, trainable_state
-from privacy.accounting import epsilon_spent
 from strategies.aggregation import weighted_average
 from strategies.base import ClientUpdate, FederatedStrategy, NodeInfo
 
 
 class ReprogramStrategy(FederatedStrategy):
-    local_dp = ("dp-sgd", "client: DP-SGD (Opacus) on every trainable parameter: each sample's whole gradient "
-                "clipped to C, Gaussian noise z*C on the sum of a Poisson batch, divided by its expected size", 1)
-
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
         self.source = source_model(cfg)
@@ -44,9 +40,6 @@ class ReprogramStrategy(FederatedStrategy):
     def local_steps(self, node: NodeInfo) -> int:
         return self.cfg["reprogram.local-iterations"]
 
-    def train_config(self, node: NodeInfo, server_round: int) -> dict:
-        return {"noise.multiplier": self.client_plan(node).noise_multiplier} if self.privacy.enabled else {}
-
     def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
         return {k: v.shape for k, v in self.global_arrays.items()}
 
@@ -57,15 +50,14 @@ class ReprogramStrategy(FederatedStrategy):
         self.global_arrays.update(weighted_average([u.arrays for u in updates],
                                                    [u.metrics["num-examples"] for u in updates]))
 
-    def epsilon_entry(self, extra_global: int = 0) -> dict:
+    def epsilon_entry(self, extra: dict[str, int] | None = None) -> dict:
         """Add, per client, ε by both of dp-accounting's accountants and by the client's own
         Opacus accountants (they must agree: the test suite checks it)."""
-        entry = super().epsilon_entry(extra_global)
+        entry = super().epsilon_entry(extra)
         both = {}
-        for client, plans in self.ledger.client_plans.items():
-            plan = plans[self.local_dp[0]]
-            count = self.local_releases.get(client, 0)
-            both[client] = {acc: epsilon_spent(plan.releases_obj(count), plan.delta, acc) for acc in ("rdp", "pld")}
+        for client in self.planner.clients:
+            account, rounds = self.planner.account(client), self.rounds_trained.get(client, 0) + (extra or {}).get(client, 0)
+            both[client] = {acc: account.epsilon(rounds, self.privacy.delta, acc) for acc in ("rdp", "pld")}
         entry["by_accountant"] = both
         entry["client_reported"] = dict(self.client_reported)
         return entry

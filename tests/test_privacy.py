@@ -97,13 +97,19 @@ def test_plan_accountant_mode_records_what_it_used():
     assert plan.sampling == "poisson" and plan.sampling_rate == 0.125
 
 
-def test_plan_paper_mode_reports_the_accountants_epsilon_for_its_sigma():
+def test_plan_paper_mode_reports_the_valid_epsilon_for_its_sigma():
+    """The closed form plugs in C/B; with fixed-size batches a record added to the data
+    displaces another from its batch, so the valid sensitivity is 2C/B (the audit measured the
+    ledger's 1.77 against a valid 2.41-3.84 at the paper's scale)."""
     plan = plan_gaussian(_settings(calibration="paper"), "ldp", "client", "client", sensitivity=10 / 32,
                          releases=100, sampling_rate=0.125, per_batch_sensitivity=20.0)
     assert plan.sigma == pytest.approx(paper_sigma(10 / 32, 100, 1e-5, 0.5))
     assert plan.sampling_rate == 1.0  # fixed-size batches: no amplification claimed
-    direct = epsilon_spent(GaussianReleases(plan.sigma / (10 / 32), 100, 1.0), 1e-5)
+    assert plan.true_sensitivity == pytest.approx(2 * 10 / 32)
+    direct = epsilon_spent(GaussianReleases(plan.sigma / (2 * 10 / 32), 100, 1.0), 1e-5)
     assert plan.planned_epsilon == pytest.approx(direct)
+    assert plan.planned_epsilon > epsilon_spent(GaussianReleases(plan.sigma / (10 / 32), 100, 1.0), 1e-5)
+    assert any("displaces" in n for n in plan.notes)
 
 
 def test_per_batch_clipping_is_flagged_and_accounted_with_the_true_sensitivity():
@@ -138,7 +144,22 @@ def test_os_noise_cannot_be_regenerated_from_the_run_seed():
 
     seeded = [torch.randn(8, generator=noise_generator("seeded", 0, 3, 1)) for _ in range(2)]
     assert torch.equal(seeded[0], seeded[1]) and torch.equal(seeded[0], torch.randn(8, generator=generator_for(0, 3, 1)))
-    secret = [torch.randn(8, generator=noise_generator("os", 0, 3, 1)) for _ in range(2)]
+    secret = [gaussian_noise((8,), 1.0, noise_generator("os", 0, 3, 1)) for _ in range(2)]
     assert not torch.equal(secret[0], secret[1]) and not torch.equal(secret[0], seeded[0])
     assert not np.array_equal(sampling_rng("os", 0, 3).random(8), sampling_rng("os", 0, 3).random(8))
     assert np.array_equal(sampling_rng("seeded", 0, 3).random(8), sampling_rng("seeded", 0, 3).random(8))
+
+
+def test_os_noise_comes_from_the_secure_generator_and_is_standard_gaussian(monkeypatch):
+    """OS noise is drawn from os.urandom (no seed exists to recover), with the requested std."""
+    from scipy import stats
+
+    from privacy import mechanisms
+
+    calls = []
+    real = mechanisms.os.urandom
+    monkeypatch.setattr(mechanisms.os, "urandom", lambda n: calls.append(n) or real(n))
+    draws = gaussian_noise((100_001,), 2.5, mechanisms.noise_generator("os")).double().numpy()
+    assert calls == [16 * 50_001]  # 2 x 64 bits per pair of Gaussian draws, all from the OS
+    assert abs(draws.std() - 2.5) < 0.03 and abs(draws.mean()) < 0.03
+    assert stats.kstest(draws / 2.5, "norm").pvalue > 1e-3
