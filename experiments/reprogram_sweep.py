@@ -35,8 +35,7 @@ METHODS = ("reprogram", "bl-pf", "bl-ff", "bl-ts")
 
 def curve(data: dict) -> list[dict]:
     """Per round: epsilon spent (worst client) and the global model's test accuracy."""
-    eps = {e["round"]: max((v["max"] for v in e["local"].values()), default=0.0)
-           for e in data.get("privacy", {}).get("rounds", [])}
+    eps = {e["round"]: e["epsilon"] for e in data.get("privacy", {}).get("rounds", [])}
     out = []
     for r in data["rounds"]:
         m = r["metrics"]

@@ -209,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                "neighbor-acc-last10": data["final"].get("neighbor-acc-last10-mean"),
                "local-acc": data["final"].get("local-acc"), "status": data["run"]["status"]}
         spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
-        row["epsilon-spent-local-max"] = max([v["max"] for v in spent.get("local", {}).values()], default=None)
-        row["epsilon-spent-global"] = max(spent.get("global", {}).values(), default=None)
+        row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
         if args.mia:
             mia_path = out / "runs" / name / "mia.json"
             if not mia_path.exists():

@@ -461,13 +461,19 @@ class FederatedStrategy(Strategy):
         """Hook after each recorded round; return a reason to stop the run early."""
         return None
 
+    def record_nodes(self, recorder: RunRecorder) -> None:
+        nodes = [vars(n) | {"node_id": str(n.node_id)} for n in sorted(self.nodes.values(), key=lambda n: n.name)]
+        excluded = {str(k): v for k, v in self.failed_nodes.items()}
+        run = recorder.data["run"]
+        if run.get("nodes") != nodes or run.get("excluded_nodes") != excluded:
+            recorder.set_run_info(nodes=nodes, excluded_nodes=excluded)
+
     def run(self, grid: Grid, recorder: RunRecorder) -> dict:
         self.publish_dir = recorder.dir / "published"
         self.summary()
         self.wait_for_nodes(grid)
         self.global_arrays = {k: np.asarray(v) for k, v in self.initial_arrays().items()}
-        recorder.set_run_info(nodes=[vars(n) | {"node_id": str(n.node_id)} for n in sorted(self.nodes.values(), key=lambda n: n.name)],
-                              excluded_nodes={str(k): v for k, v in self.failed_nodes.items()})
+        self.record_nodes(recorder)
         if self.privacy.enabled:
             self.plan_privacy()
             self.record_noise_sources()
@@ -508,6 +514,7 @@ class FederatedStrategy(Strategy):
                       "bytes_up": self._round["bytes_up"], "bytes_down": self._round["bytes_down"],
                       "bytes": self._round.get("bytes", {}), "clients": self._round["clients"], "dropped": self._round["dropped"]}
             recorder.add_round(record)
+            self.record_nodes(recorder)  # nodes may have joined or been excluded since
             if self.global_arrays:
                 recorder.save_arrays("checkpoint.pt", self.global_arrays, rnd)
             log.info(progress_line(record, total))

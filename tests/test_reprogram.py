@@ -185,8 +185,11 @@ def test_epsilon_after_k_rounds_is_dp_accountings_and_the_nodes_accountant_persi
     for ctx in grid.contexts.values():
         history = json.loads(ctx.state["meta"]["dp-history"])
         assert sum(h[2] for h in history) == rounds * steps and all(h[0] == 1.1 for h in history)
-    eps = [r["local"]["dp-sgd"]["max"] for r in ledger["rounds"]]
+    eps = [r["epsilon"] for r in ledger["rounds"]]
     assert eps == sorted(eps) and eps[0] > 0
+    # no server mechanism: a record's epsilon is its client's DP-SGD alone
+    assert all(r["per_client"][c] == pytest.approx(r["by_accountant"][c]["rdp"]) for r in ledger["rounds"]
+               for c in r["per_client"])
     plan = next(iter(ledger["client_mechanisms"].values()))["dp-sgd"]
     assert plan["noise_multiplier"] == pytest.approx(1.1) and plan["clip"] == 1.0
 
@@ -202,4 +205,4 @@ def test_each_method_federates_and_shares_only_what_trains(make_cfg, method):
 
     expected = set(trainable_state(initial_model(make_cfg(method=method), method, 10)))
     assert sent == expected
-    assert rec.data["privacy"]["rounds"][-1]["local"]["dp-sgd"]["max"] > 0
+    assert rec.data["privacy"]["rounds"][-1]["epsilon"] > 0
