@@ -1,14 +1,16 @@
 """Privacy plans and the per-run privacy ledger.
 
 A ``MechanismPlan`` fixes one Gaussian mechanism of a run before round 1: where the noise is
-added, the clip norm and the sensitivity it implies, σ, the noise multiplier z = σ/S, the
-number of releases, the sampling, δ, how σ was calibrated, and the ε an accountant gives for
-exactly that noise. The server plans every mechanism once and sends each client the σ it
-must draw with, so the numbers in ``results.json`` are the numbers the noise was drawn with.
+added, the clip norm, the sensitivity the calibration assumed and the one that is valid for
+what the code does, σ, the noise multiplier z = σ/S, the number of releases, the sampling, δ,
+how σ was calibrated, and the ε an accountant gives for exactly that noise. The planner
+(``privacy.planner``) makes the plans and sends each client the σ it must draw with, so the
+numbers in ``results.json`` are the numbers the noise was drawn with.
 
-The ``PrivacyLedger`` is the ``privacy`` section of ``results.json``: the plans, ε spent after
-every round (local and global mechanisms separately), and notes where a stated guarantee
-does not hold (per-batch clipping).
+The ``PrivacyLedger`` is the ``privacy`` section of ``results.json``: the plans, each client's
+per-record account, the ε a record of every client has spent after every round (all the
+mechanisms it feeds composed, with each mechanism alone beside it), the values that leave nodes
+outside every mechanism, and notes where a stated guarantee does not hold.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def summary_table(data: dict) -> str:
             rows.append((f"{key} (mean of last 10)", fmt(final[f"{key}-last10-mean"])))
     rows.append(("bytes up / down", f"{final['bytes_up']:,} / {final['bytes_down']:,}"))
     comm = data.get("communication") or {}
-    if comm.get("up_vs_full_lora") is not None:
+    if comm.get("up_vs_full_lora") is not None and comm.get("down_vs_full_lora") is not None:
         rows.append(("training traffic vs full LoRA", f"up {comm['up_vs_full_lora']:.2f}x, down {comm['down_vs_full_lora']:.2f}x "
                      f"({comm['train_bytes_up']:,} / {comm['train_bytes_down']:,} bytes vs "
                      f"{comm['full_lora_bytes_up']:,} / {comm['full_lora_bytes_down']:,})"))

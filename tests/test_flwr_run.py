@@ -58,8 +58,8 @@ def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_di
     assert len(data["rounds"]) == 2 and not any(r["dropped"] for r in data["rounds"])
     if epsilon:
         spent = data["privacy"]["rounds"][-1]
-        eps = [v["max"] for v in spent["local"].values()] + list(spent["global"].values())
-        assert eps and max(eps) <= epsilon * (1 + 1e-6)
+        assert 0 < spent["epsilon"] == max(spent["per_client"].values()) <= epsilon * (1 + 1e-6)
+        assert len(spent["per_client"]) == 3
     else:
         assert "privacy" not in data
     assert len(list((out / "r" / "published").glob("*.pt"))) == 3
@@ -96,6 +96,6 @@ def test_flwr_run_reprogramming_methods(flwr_env, tmp_path, cache_dir, method):
     assert data is not None and data["run"]["status"] == "finished", (proc.stdout + proc.stderr)[-3000:]
     assert len(data["rounds"]) == 2 and not any(r["dropped"] for r in data["rounds"])
     ledger = data["privacy"]["rounds"]
-    assert ledger[1]["local"]["dp-sgd"]["max"] > ledger[0]["local"]["dp-sgd"]["max"] > 0
+    assert ledger[1]["epsilon"] > ledger[0]["epsilon"] > 0
     assert set(ledger[1]["client_reported"]) == {"client-0", "client-1", "client-2"}
     assert "epsilon" in proc.stdout

@@ -11,6 +11,7 @@ from flwr.app import RecordDict
 from client_app.app import app as client_app
 from client_app.state import PRIVATE
 from models.adapter_parts import lora_half
+from privacy.planner import LOCAL_SIGMA_KEY
 from server_app.app import execute
 from utils.inprocess import InProcessGrid
 
@@ -207,12 +208,40 @@ def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
         plan = per["ldp-adapter"]
         assert plan["party"] == "client" and plan["planned_epsilon"] <= 2.0 * (1 + 1e-6)
         assert plan["releases"] == 2 * 2  # rounds x local steps
-    spent = ledger["rounds"][-1]["local"]["ldp-adapter"]
-    assert 0 < spent["max"] <= 2.0 * (1 + 1e-6)
+    spent = ledger["rounds"][-1]
+    assert 0 < spent["epsilon"] <= 2.0 * (1 + 1e-6)
     trained = [c for r in data["rounds"] for c in r["clients"].values() if "train/dp-clipped-fraction" in c]
     assert trained and all(0.0 <= c["train/dp-clipped-fraction"] <= 1.0 for c in trained)
     # the noise each client drew with is the ledger's sigma
     sent = [m for m in grid.sent if m.metadata.message_type == "train"]
     for m in sent:
         name = f"client-{grid.contexts[m.metadata.dst_node_id].node_config['partition-id']}"
-        assert m.content["config"]["noise.adapter"] == pytest.approx(plans[name]["ldp-adapter"]["sigma"])
+        assert m.content["config"][LOCAL_SIGMA_KEY] == pytest.approx(plans[name]["ldp-adapter"]["sigma"])
+
+
+def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp_path, monkeypatch):
+    """A server that asks for both halves, or sends both after a first participation, could
+    rebuild a client's whole adapter: the client refuses (checked on the node, not trusted)."""
+    from strategies.lora import FedRandStrategy
+
+    monkeypatch.setattr(FedRandStrategy, "reply_shapes",
+                        lambda self, node, rnd: {k: self.global_arrays[k].shape for k in self.shared_names})
+    grid, rec = _run(_raw(vlm_cache, tmp_path / "both-up", "fedrand", **{"num-server-rounds": 1, "fraction-train": 1.0,
+                                                                        "lora.local-steps": 1}))
+    dropped = rec.data["rounds"][0]["dropped"]
+    assert len(dropped) == N_CLIENTS and all("not one whole LoRA half" in d["reason"] for d in dropped), dropped
+
+    monkeypatch.undo()
+    drawn = FedRandStrategy.train_payload
+
+    def both_halves(self, node, rnd):
+        drawn(self, node, rnd)
+        return dict(self.global_arrays)
+
+    monkeypatch.setattr(FedRandStrategy, "train_payload", both_halves)
+    grid, rec = _run(_raw(vlm_cache, tmp_path / "both-down", "fedrand", **{"num-server-rounds": 2, "fraction-train": 1.0,
+                                                                          "lora.local-steps": 1}))
+    first, second = rec.data["rounds"]
+    assert not first["dropped"]  # a first participation starts from the whole adapter
+    assert len(second["dropped"]) == N_CLIENTS
+    assert all("must send exactly that half" in d["reason"] for d in second["dropped"])

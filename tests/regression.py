@@ -1,0 +1,104 @@
+"""Regression cases: every method on the embedded default, a few seeded rounds each, with and
+without DP where it has a mechanism. ``tests/test_regression.py`` reruns them and compares every
+per-round metric with ``tests/fixtures/regression.json``, so that a refactor which should not
+change a number is shown not to.
+
+    python tests/regression.py --write     # record the fixture (after a change that SHOULD move numbers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "regression.json"
+
+PROMPT = {"num-server-rounds": 2, "max-per-class": 6}
+VLM = {"num-server-rounds": 2, "fraction-train": 0.5, "lora.local-steps": 2, "vlm.eval-samples": 3,
+       "vlm.max-new-tokens": 8}
+REPROGRAM = {"num-server-rounds": 2, "reprogram.local-iterations": 2}
+
+# name -> (run config, number of clients)
+CASES: dict[str, tuple[dict, int]] = {
+    "promptfl": ({"method": "promptfl", **PROMPT}, 4),
+    "promptfl-dp": ({"method": "promptfl", "privacy.epsilon": 1.0, "prompt.local-steps": 2, **PROMPT}, 4),
+    "coop": ({"method": "coop", **PROMPT}, 4),
+    "zeroshot": ({"method": "zeroshot", **PROMPT}, 4),
+    "dpfpl": ({"method": "dpfpl", **PROMPT}, 4),
+    "dpfpl-dp": ({"method": "dpfpl", "privacy.epsilon": 1.0, **PROMPT}, 4),
+    "fedotp-dp": ({"method": "fedotp", "privacy.epsilon": 1.0, **PROMPT}, 4),
+    "fedpgp-dp": ({"method": "fedpgp", "privacy.epsilon": 1.0, **PROMPT}, 4),
+    "fedrand": ({"method": "fedrand", **VLM}, 4),
+    "fedrand-dp": ({"method": "fedrand", "privacy.epsilon": 4.0, **VLM}, 4),
+    "fedavg-lora": ({"method": "fedavg-lora", **VLM}, 4),
+    "fedper-lora": ({"method": "fedper-lora", **VLM}, 4),
+    "fedpara-lora": ({"method": "fedpara-lora", **VLM}, 4),
+    "reprogram": ({"method": "reprogram", **REPROGRAM}, 3),
+    "bl-pf": ({"method": "bl-pf", **REPROGRAM}, 3),
+    "bl-ff": ({"method": "bl-ff", **REPROGRAM}, 3),
+    "bl-ts": ({"method": "bl-ts", **REPROGRAM}, 3),
+}
+VOLATILE = ("seconds",)  # wall-clock figures differ from run to run
+
+
+def run_case(name: str, cache_dir: Path, out_dir: Path) -> list[dict[str, float]]:
+    """The case's per-round metrics (wall-clock figures left out)."""
+    from client_app.app import app as client_app
+    from runconfig import validate
+    from server_app.app import execute
+    from utils.inprocess import InProcessGrid, ensure_task_identity
+
+    ensure_task_identity()
+    raw, n = CASES[name]
+    cfg = validate({**raw, "cache-dir": str(cache_dir), "output-dir": str(out_dir), "run-name": name})
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
+    rounds = execute(cfg, grid, run_id=name).data["rounds"]
+    return [{k: v for k, v in r["metrics"].items() if not any(t in k for t in VOLATILE) and isinstance(v, (int, float))}
+            for r in rounds]
+
+
+def differences(expected: list[dict], got: list[dict], rel: float = 1e-5, abs_: float = 1e-7) -> list[str]:
+    out = []
+    if len(expected) != len(got):
+        return [f"{len(got)} rounds, expected {len(expected)}"]
+    for i, (e, g) in enumerate(zip(expected, got), start=1):
+        for k in sorted(set(e) | set(g)):
+            if k not in e or k not in g:
+                out.append(f"round {i}: {k} only in {'the fixture' if k in e else 'this run'}")
+            elif not (math.isclose(e[k], g[k], rel_tol=rel, abs_tol=abs_) or (math.isnan(e[k]) and math.isnan(g[k]))):
+                out.append(f"round {i}: {k} = {g[k]!r}, fixture {e[k]!r}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--write", action="store_true", help="record the fixture instead of comparing")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cache-dir", default="", help="cache of the embedded models (default: a temporary one)")
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp())
+    fixture = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+    failed = False
+    for name in args.cases.split(","):
+        got = run_case(name, cache, Path(tempfile.mkdtemp()))
+        if args.write:
+            fixture[name] = got
+            print(f"{name}: recorded {len(got)} rounds", flush=True)
+        else:
+            diff = differences(fixture.get(name, []), got)
+            failed |= bool(diff)
+            print(f"{name}: {'OK' if not diff else '; '.join(diff[:5])}", flush=True)
+    if args.write:
+        FIXTURE.parent.mkdir(exist_ok=True)
+        FIXTURE.write_text(json.dumps(fixture, indent=1, sort_keys=True) + "\n")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Every method's per-round metrics on the embedded default equal the recorded fixture
+(``tests/regression.py`` says how to record it), so that a change which should not move a
+number is shown not to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from methods import get_method
+from regression import CASES, FIXTURE, differences, run_case
+
+FIXED = json.loads(FIXTURE.read_text())
+VLM_CASES = [c for c, (raw, _) in CASES.items() if get_method(raw["method"]).family == "vlm"]
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if c not in VLM_CASES])
+def test_metrics_equal_the_fixture(name, cache_dir, pretrained_clip, tmp_path):
+    assert name in FIXED, f"no fixture for {name}: python tests/regression.py --write --cases {name}"
+    got = run_case(name, cache_dir, tmp_path)
+    assert not differences(FIXED[name], got), differences(FIXED[name], got)
+
+
+@pytest.mark.parametrize("name", VLM_CASES)
+def test_lora_metrics_equal_the_fixture(name, vlm_cache, tmp_path):
+    assert name in FIXED, f"no fixture for {name}: python tests/regression.py --write --cases {name}"
+    got = run_case(name, vlm_cache, tmp_path)
+    assert not differences(FIXED[name], got), differences(FIXED[name], got)
