@@ -31,12 +31,13 @@ from client_app.vlm_node import VLMNodeData
 from models import adapter_parts
 from models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
 from privacy.ledger import PrivacySettings
-from privacy.mechanisms import clip_tensor, gaussian_noise, noise_generator, sampling_rng
+from privacy.mechanisms import clip_tensor, gaussian_noise, generator_for, noise_generator, sampling_rng
 from privacy.planner import ClientShape, client_local_sigma
 from runconfig import RunConfig
 from utils.vlm_metrics import score_split
 
 NOISE_STREAM_LOCAL = 1  # the generator stream of clients' local-DP noise
+DROPOUT_STREAM = 4  # the generator stream of LoRA dropout
 
 
 def adapter_spec(cfg: RunConfig, kind: str) -> AdapterSpec:
@@ -113,19 +114,23 @@ class LoRAClient:
         gen = noise_generator(self.node.noise_source, c["seed"], self.round, self.node.partition_id + 1, NOISE_STREAM_LOCAL)
         losses, clipped, t0 = [], [], time.time()
         self.vlm.model.train()
-        for idx in batches(len(split), bsz, self.num_steps(), settings, rng):
-            if settings.enabled:
-                loss, frac = self.private_step(params, split, idx, settings, bsz, sigma, gen)
-                clipped.append(frac)
-            else:
-                batch = self.vlm.training_batch([split.images.image(i) for i in idx], [split.prompts[i] for i in idx],
-                                                [split.targets[i] for i in idx])
-                loss = self.vlm.model(**batch).loss
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-            opt.step()
-            if loss is not None:
-                losses.append(float(loss.detach()) if torch.is_tensor(loss) else loss)
+        with torch.random.fork_rng():
+            # LoRA dropout draws from torch's global generator: seed it per node and round, so a
+            # run repeats whatever ran before in the same process
+            torch.manual_seed(generator_for(c["seed"], self.round, self.node.partition_id + 1, DROPOUT_STREAM).initial_seed())
+            for idx in batches(len(split), bsz, self.num_steps(), settings, rng):
+                if settings.enabled:
+                    loss, frac = self.private_step(params, split, idx, settings, bsz, sigma, gen)
+                    clipped.append(frac)
+                else:
+                    batch = self.vlm.training_batch([split.images.image(i) for i in idx], [split.prompts[i] for i in idx],
+                                                    [split.targets[i] for i in idx])
+                    loss = self.vlm.model(**batch).loss
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                opt.step()
+                if loss is not None:
+                    losses.append(float(loss.detach()) if torch.is_tensor(loss) else loss)
         self.vlm.model.eval()
         trained = {k: v.detach().cpu().clone() for k, v in params.items()}
         requested = [k for k in str(config.get("reply-keys", "")).split(",") if k]
