@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import tiny_clip  # noqa: E402
-from models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context  # noqa: E402
+from fedvlm.models import tiny_clip  # noqa: E402
+from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context  # noqa: E402
 
 CLASSNAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.reprogram import METHOD_KINDS, build_model, input_size, load_source, trainable_state  # noqa: E402
+from fedvlm.models.reprogram import METHOD_KINDS, build_model, input_size, load_source, trainable_state  # noqa: E402
 
 
 def step_seconds(method: str, source, batch: int, classes: int, image_size: int, steps: int, device: str) -> float:

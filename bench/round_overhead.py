@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from utils.processes import free_port, kill_tree, pids_matching  # noqa: E402
+from fedvlm.utils.processes import free_port, kill_tree, pids_matching  # noqa: E402
 
 
 def split(results: dict) -> dict:
@@ -59,10 +59,10 @@ def run_flwr(rounds: int, work: Path, cache: str) -> dict:
 
 
 def run_inprocess(rounds: int, work: Path, cache: str) -> dict:
-    from client_app.app import app
-    from runconfig import validate
-    from server_app.app import execute
-    from utils.inprocess import InProcessGrid
+    from fedvlm.client_app.app import app
+    from fedvlm.runconfig import validate
+    from fedvlm.server_app.app import execute
+    from fedvlm.utils.inprocess import InProcessGrid
 
     cfg = validate({"num-server-rounds": rounds, "output-dir": str(work / "runs"), "cache-dir": cache, "run-name": "inprocess"})
     grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 10} for i in range(10)], cfg.as_dict())

@@ -17,18 +17,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4,<2.
 RUN useradd --create-home --uid 10001 app
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY server_app ./server_app
-COPY client_app ./client_app
-COPY strategies ./strategies
-COPY models ./models
-COPY data ./data
-COPY methods ./methods
-COPY runconfig ./runconfig
-COPY utils ./utils
-COPY privacy ./privacy
-COPY attacks ./attacks
-COPY experiments ./experiments
-COPY deploy ./deploy
+COPY fedvlm ./fedvlm
 RUN pip install . && mkdir -p /state /home/app/fedvlm-runs && chown app:app /state /home/app/fedvlm-runs
 
 USER app

@@ -22,18 +22,7 @@ RUN if [ -n "$TORCH_INDEX" ]; then \
 RUN useradd --create-home --uid 10001 app
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY server_app ./server_app
-COPY client_app ./client_app
-COPY strategies ./strategies
-COPY models ./models
-COPY data ./data
-COPY methods ./methods
-COPY runconfig ./runconfig
-COPY utils ./utils
-COPY privacy ./privacy
-COPY attacks ./attacks
-COPY experiments ./experiments
-COPY deploy ./deploy
+COPY fedvlm ./fedvlm
 RUN pip install . && mkdir -p /data /home/app/.cache/fedvlm && chown -R app:app /home/app/.cache
 
 USER app

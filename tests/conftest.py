@@ -13,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from runconfig import validate  # noqa: E402
+from fedvlm.runconfig import validate  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _flower_task_identity():
-    from utils.inprocess import ensure_task_identity
+    from fedvlm.utils.inprocess import ensure_task_identity
 
     ensure_task_identity()
 
@@ -34,7 +34,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def pretrained_clip(cache_dir):
-    from models.clip_loader import load_clip
+    from fedvlm.models.clip_loader import load_clip
 
     return load_clip("embedded-tiny", "", cache_dir, "cpu")
 
@@ -52,7 +52,7 @@ def make_cfg(cache_dir, tmp_path):
 @pytest.fixture(scope="session")
 def vlm_cache(cache_dir) -> Path:
     """The cache with the embedded tiny VLM pretrained (about two minutes on two cores, once)."""
-    from models.tiny_vlm import ensure_pretrained
+    from fedvlm.models.tiny_vlm import ensure_pretrained
 
     ensure_pretrained(cache_dir)
     return cache_dir
@@ -62,7 +62,7 @@ def vlm_cache(cache_dir) -> Path:
 def flwr_env(tmp_path_factory, cache_dir, pretrained_clip):
     """Environment for `flwr run` with its own FLWR_HOME and a local simulation SuperLink on
     free ports; the SuperLink and its children are stopped by PID at the end of the module."""
-    from utils.processes import free_port, kill_tree, pids_matching
+    from fedvlm.utils.processes import free_port, kill_tree, pids_matching
 
     # One local SuperLink for the module (each run still starts its own Ray simulation).
     home = tmp_path_factory.mktemp("flwr") / "flwr-home"

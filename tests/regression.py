@@ -48,10 +48,10 @@ VOLATILE = ("seconds",)  # wall-clock figures differ from run to run
 
 def run_case(name: str, cache_dir: Path, out_dir: Path) -> list[dict[str, float]]:
     """The case's per-round metrics (wall-clock figures left out)."""
-    from client_app.app import app as client_app
-    from runconfig import validate
-    from server_app.app import execute
-    from utils.inprocess import InProcessGrid, ensure_task_identity
+    from fedvlm.client_app.app import app as client_app
+    from fedvlm.runconfig import validate
+    from fedvlm.server_app.app import execute
+    from fedvlm.utils.inprocess import InProcessGrid, ensure_task_identity
 
     ensure_task_identity()
     raw, n = CASES[name]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strategies.aggregation import weighted_average
+from fedvlm.strategies.aggregation import weighted_average
 
 
 def test_weighted_average_by_hand():

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from attacks.membership import Records, ShadowAttack, attack_metrics, client_records
-from attacks.run import run_attacks
-from client_app.app import app as client_app
-from server_app.app import execute
-from utils.inprocess import InProcessGrid
+from fedvlm.attacks.membership import Records, ShadowAttack, attack_metrics, client_records
+from fedvlm.attacks.run import run_attacks
+from fedvlm.client_app.app import app as client_app
+from fedvlm.server_app.app import execute
+from fedvlm.utils.inprocess import InProcessGrid
 
 
 def test_metrics_on_known_scores():
@@ -49,7 +49,7 @@ def test_members_and_non_members_are_explicit_and_disjoint(make_cfg, pretrained_
     cfg = make_cfg(method="coop", num_server_rounds=1, max_per_class=4)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 2} for i in range(2)], cfg.as_dict())
     rec = execute(cfg, grid, run_id="t")
-    from attacks.membership import load_published
+    from fedvlm.attacks.membership import load_published
 
     pub = load_published(rec.dir / "published")
     assert set(pub) == {"client-0", "client-1"}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from models import clip_loader
-from models.clip_loader import BackboneError, load_clip
+from fedvlm.models import clip_loader
+from fedvlm.models.clip_loader import BackboneError, load_clip
 
 
 def test_embedded_clip_is_pretrained_cached_and_frozen(pretrained_clip, cache_dir):
@@ -24,7 +24,7 @@ def test_embedded_clip_is_pretrained_cached_and_frozen(pretrained_clip, cache_di
 
 
 def test_pretraining_is_deterministic(tmp_path):
-    from models import tiny_clip
+    from fedvlm.models import tiny_clip
 
     recipe = tiny_clip.PretrainRecipe(steps=3, images_per_class=4)
     a = tiny_clip.pretrain(recipe, progress=False).state_dict()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from runconfig import ConfigError, validate
-from runconfig.__main__ import main as runconfig_cli
-from runconfig.schema import DEFAULTS, KEYS
+from fedvlm.runconfig import ConfigError, validate
+from fedvlm.runconfig.__main__ import main as runconfig_cli
+from fedvlm.runconfig.schema import DEFAULTS, KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 

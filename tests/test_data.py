@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data import embedded
-from data.registry import DatasetError, load_dataset
+from fedvlm.data import embedded
+from fedvlm.data.registry import DatasetError, load_dataset
 
 
 def test_embedded_is_deterministic_and_rich_enough():
@@ -94,9 +94,9 @@ def test_classes_txt_fixes_the_federation_label_order(tmp_path):
 
 
 def test_exported_partitions_hold_exactly_the_simulated_partition(tmp_path):
-    from client_app.node import node_data
-    from data.export_folder import export_partitions
-    from runconfig import validate
+    from fedvlm.client_app.node import node_data
+    from fedvlm.data.export_folder import export_partitions
+    from fedvlm.runconfig import validate
 
     folders = export_partitions(tmp_path, 3, {"max-per-class": 6})
     cfg = validate({"max-per-class": 6})

@@ -22,8 +22,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-from deploy.credentials import CredentialsError, generate
-from utils.processes import pids_matching
+from fedvlm.deploy.credentials import CredentialsError, generate
+from fedvlm.utils.processes import pids_matching
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -148,7 +148,7 @@ pytest_e2e = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory, cache_dir, pretrained_clip):
-    from deploy.local_federation import LocalFederation
+    from fedvlm.deploy.local_federation import LocalFederation
 
     work = tmp_path_factory.mktemp("federation")
     fed = LocalFederation(work, ["org-0", "org-1"], {
@@ -224,8 +224,8 @@ def test_an_unregistered_supernode_is_refused(federation):
 
 @pytest_e2e
 def test_own_data_nodes_join_and_a_killed_node_leaves_the_rounds_to_the_others(federation, tmp_path, cache_dir):
-    from data.export_folder import export_partitions
-    from data.registry import load_image_folder
+    from fedvlm.data.export_folder import export_partitions
+    from fedvlm.data.registry import load_image_folder
 
     own = export_partitions(tmp_path / "org-data", 2)[0]
     for name in ("org-own", "org-bad"):

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-import strategies.global_local as global_local
-from client_app.app import app as client_app
-from models.lowrank import factorize, rebuild_gradient
-from privacy.accounting import BudgetError
-from server_app.app import execute
-from utils.inprocess import InProcessGrid
+import fedvlm.strategies.global_local as global_local
+from fedvlm.client_app.app import app as client_app
+from fedvlm.models.lowrank import factorize, rebuild_gradient
+from fedvlm.privacy.accounting import BudgetError
+from fedvlm.server_app.app import execute
+from fedvlm.utils.inprocess import InProcessGrid
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4, 8])
@@ -89,7 +89,7 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     cfg = make_cfg(method="dpfpl", privacy__epsilon=0.05, dpfpl__server_lr=1.0)
     spec = cfg.method
     strategy = spec.strategy_class()(cfg, spec)
-    from strategies.base import ClientUpdate, NodeInfo
+    from fedvlm.strategies.base import ClientUpdate, NodeInfo
 
     strategy.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data import feature_cache
-from data.registry import load_dataset
+from fedvlm.data import feature_cache
+from fedvlm.data.registry import load_dataset
 
 
 def test_features_computed_once_then_reused(pretrained_clip, tmp_path, monkeypatch):

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
-from client_app.app import app as client_app
-from server_app.app import execute
-from strategies.base import FederationError
-from utils.inprocess import InProcessGrid
+from fedvlm.client_app.app import app as client_app
+from fedvlm.server_app.app import execute
+from fedvlm.strategies.base import FederationError
+from fedvlm.utils.inprocess import InProcessGrid
 
 N = 10
 
@@ -124,7 +124,7 @@ def test_bad_replies_are_dropped_and_the_round_goes_on(make_cfg, pretrained_clip
 
 
 def test_send_guard_stops_a_leaking_client(make_cfg, pretrained_clip, monkeypatch):
-    from client_app import prompt_clients
+    from fedvlm.client_app import prompt_clients
 
     def leaky_train(self, arrays, config):
         ctx = self._own_ctx(arrays)
@@ -227,8 +227,8 @@ def test_fewer_nodes_than_min_nodes_mid_run_fails_with_the_reason(make_cfg, pret
 
 
 def test_own_data_nodes_train_on_exactly_their_folders(make_cfg, pretrained_clip, tmp_path):
-    from data.export_folder import export_partitions
-    from data.registry import load_image_folder
+    from fedvlm.data.export_folder import export_partitions
+    from fedvlm.data.registry import load_image_folder
 
     folders = export_partitions(tmp_path / "orgs", 2)
     nodes = [{"data-dir": str(f)} for f in folders]
@@ -242,7 +242,7 @@ def test_own_data_nodes_train_on_exactly_their_folders(make_cfg, pretrained_clip
 
 
 def test_a_node_with_another_class_list_is_excluded(make_cfg, pretrained_clip, tmp_path):
-    from data.export_folder import export_partitions
+    from fedvlm.data.export_folder import export_partitions
 
     folders = export_partitions(tmp_path / "orgs", 3)
     listing = folders[2] / "classes.txt"
@@ -255,7 +255,7 @@ def test_a_node_with_another_class_list_is_excluded(make_cfg, pretrained_clip, t
 
 
 def test_own_data_nodes_draw_secret_noise_and_the_ledger_says_so(make_cfg, pretrained_clip, tmp_path):
-    from data.export_folder import export_partitions
+    from fedvlm.data.export_folder import export_partitions
 
     folders = export_partitions(tmp_path / "orgs", 2, {"max-per-class": 4})
     own = [{"data-dir": str(f)} for f in folders]

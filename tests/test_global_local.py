@@ -6,12 +6,12 @@ import open_clip
 import pytest
 import torch
 
-from client_app.app import app as client_app
-from models import tiny_clip
-from models.optimal_transport import unbalanced_sinkhorn
-from models.patch_tokens import encode_patch_tokens
-from server_app.app import execute
-from utils.inprocess import InProcessGrid
+from fedvlm.client_app.app import app as client_app
+from fedvlm.models import tiny_clip
+from fedvlm.models.optimal_transport import unbalanced_sinkhorn
+from fedvlm.models.patch_tokens import encode_patch_tokens
+from fedvlm.server_app.app import execute
+from fedvlm.utils.inprocess import InProcessGrid
 
 
 def test_balanced_transport_meets_its_marginals_and_beats_the_uniform_plan():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import adapter_parts
-from strategies.aggregation import per_group_average
+from fedvlm.models import adapter_parts
+from fedvlm.strategies.aggregation import per_group_average
 
 GROUPS = {"A": ["l0.lora_A.weight"], "B": ["l0.lora_B.weight"]}
 
@@ -65,7 +65,7 @@ def test_fedpara_shares_the_first_loha_pair():
 
 
 def test_vlm_family_defaults_and_dataset_mismatch():
-    from runconfig import ConfigError, validate
+    from fedvlm.runconfig import ConfigError, validate
 
     cfg = validate({"method": "fedrand"})
     assert (cfg["dataset"], cfg["partitioner"], cfg["dirichlet-alpha"], cfg["fraction-train"]) == \
@@ -82,7 +82,7 @@ def test_vlm_family_defaults_and_dataset_mismatch():
 
 
 def test_missing_coco_files_name_the_path(tmp_path):
-    from data.vlm_data import VLMDataError, load_vlm_dataset
+    from fedvlm.data.vlm_data import VLMDataError, load_vlm_dataset
 
     with pytest.raises(VLMDataError, match="captions_train2017.json does not exist"):
         load_vlm_dataset("coco-captions", str(tmp_path))
@@ -93,7 +93,7 @@ def test_coco_style_loader_reads_captions_and_largest_object(tmp_path):
 
     from PIL import Image
 
-    from data.vlm_data import load_coco_style
+    from fedvlm.data.vlm_data import load_coco_style
 
     (tmp_path / "imgs").mkdir()
     for i in (1, 2):
@@ -116,7 +116,7 @@ def test_scienceqa_loader_reads_a_saved_hf_dataset(tmp_path):
     import datasets
     from PIL import Image
 
-    from data.vlm_data import load_scienceqa
+    from fedvlm.data.vlm_data import load_scienceqa
 
     def rows(n, offset):
         return {"image": [Image.new("RGB", (6, 6), (i * 20, 0, 0)) if i % 3 else None for i in range(offset, offset + n)],

@@ -8,12 +8,12 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from client_app.app import app as client_app
-from client_app.state import PRIVATE
-from models.adapter_parts import lora_half
-from privacy.planner import LOCAL_SIGMA_KEY
-from server_app.app import execute
-from utils.inprocess import InProcessGrid
+from fedvlm.client_app.app import app as client_app
+from fedvlm.client_app.state import PRIVATE
+from fedvlm.models.adapter_parts import lora_half
+from fedvlm.privacy.planner import LOCAL_SIGMA_KEY
+from fedvlm.server_app.app import execute
+from fedvlm.utils.inprocess import InProcessGrid
 
 N_CLIENTS = 4
 
@@ -27,7 +27,7 @@ def _raw(cache_dir, tmp_path, method: str, **extra) -> dict:
 
 
 def _run(raw: dict):
-    from runconfig import validate
+    from fedvlm.runconfig import validate
 
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N_CLIENTS} for i in range(N_CLIENTS)], raw)
     recorder = execute(validate(raw), grid, raw["method"])
@@ -121,9 +121,9 @@ def test_fedrand_loss_falls_and_caption_metrics_are_written(fedrand_run):
 
 
 def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
-    from methods import get_method
-    from runconfig import validate
-    from strategies.base import NodeInfo
+    from fedvlm.methods import get_method
+    from fedvlm.runconfig import validate
+    from fedvlm.strategies.base import NodeInfo
 
     nodes = [NodeInfo(i, f"client-{i}", i, 10, 5, 0, "x", 4) for i in range(8)]
 
@@ -138,9 +138,9 @@ def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
 
 
 def test_lora_state_survives_between_rounds_in_the_node_state(vlm_cache):
-    from client_app.lora_clients import FedRandClient
-    from client_app.vlm_node import vlm_node_data
-    from runconfig import validate
+    from fedvlm.client_app.lora_clients import FedRandClient
+    from fedvlm.client_app.vlm_node import vlm_node_data
+    from fedvlm.runconfig import validate
 
     cfg = validate({"method": "fedrand", "cache-dir": str(vlm_cache), "lora.local-steps": 2})
     node = vlm_node_data(cfg, {"partition-id": 0, "num-partitions": 4})
@@ -183,7 +183,7 @@ def test_private_parts_of_fedper_and_fedpara_never_travel(vlm_cache, tmp_path, m
 def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     import json
 
-    from attacks.maxrenyi import run_maxrenyi
+    from fedvlm.attacks.maxrenyi import run_maxrenyi
 
     _, recorder = fedrand_run
     report = run_maxrenyi(recorder.dir, samples=8, clients=2)
@@ -222,7 +222,7 @@ def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
 def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp_path, monkeypatch):
     """A server that asks for both halves, or sends both after a first participation, could
     rebuild a client's whole adapter: the client refuses (checked on the node, not trusted)."""
-    from strategies.lora import FedRandStrategy
+    from fedvlm.strategies.lora import FedRandStrategy
 
     monkeypatch.setattr(FedRandStrategy, "reply_shapes",
                         lambda self, node, rnd: {k: self.global_arrays[k].shape for k in self.shared_names})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.maxrenyi import ALPHAS, max_k_percent, renyi_entropy
+from fedvlm.attacks.maxrenyi import ALPHAS, max_k_percent, renyi_entropy
 
 
 def test_renyi_entropy_closed_forms():
@@ -34,8 +34,8 @@ def test_max_k_percent():
 def _memorisation_task(vlm_cache):
     """Scenes whose targets are random word strings keyed by a random code in the prompt:
     nothing but memorisation of the training pairs predicts them."""
-    from client_app.vlm_node import vlm_dataset
-    from runconfig import validate
+    from fedvlm.client_app.vlm_node import vlm_dataset
+    from fedvlm.runconfig import validate
 
     cfg = validate({"method": "fedavg-lora", "cache-dir": str(vlm_cache), "lora.dropout": 0.0})
     ds = vlm_dataset(cfg)
@@ -51,8 +51,8 @@ def _memorisation_task(vlm_cache):
 
 
 def test_maxrenyi_separates_members_of_an_overfit_model_and_not_of_an_untrained_one(vlm_cache):
-    from attacks.maxrenyi import auroc_and_tpr, sample_scores
-    from models.vlm import VLM, load_model_and_processor
+    from fedvlm.attacks.maxrenyi import auroc_and_tpr, sample_scores
+    from fedvlm.models.vlm import VLM, load_model_and_processor
 
     cfg, members, nonmembers = _memorisation_task(vlm_cache)
     # a private copy of the model (the cached one is shared by other tests)

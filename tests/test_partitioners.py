@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data.partitioners import PartitionError, make_partitions
+from fedvlm.data.partitioners import PartitionError, make_partitions
 
 N_CLASSES = 40
 TRAIN = np.repeat(np.arange(N_CLASSES), 30)

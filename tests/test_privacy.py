@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from privacy.accounting import BudgetError, GaussianReleases, calibrate_noise_multiplier, epsilon_spent, paper_sigma
-from privacy.ledger import PrivacySettings, plan_gaussian
-from privacy.mechanisms import clip_per_sample, gaussian_noise, generator_for, per_sample_grads
+from fedvlm.privacy.accounting import BudgetError, GaussianReleases, calibrate_noise_multiplier, epsilon_spent, paper_sigma
+from fedvlm.privacy.ledger import PrivacySettings, plan_gaussian
+from fedvlm.privacy.mechanisms import clip_per_sample, gaussian_noise, per_sample_grads
+from fedvlm.utils.rng import generator_for
 
 
 def test_paper_sigma_by_hand():
@@ -51,13 +52,13 @@ def test_impossible_budget_is_a_clear_error():
 
 def test_noise_has_the_std_the_ledger_claims():
     sigma = 0.37
-    draws = gaussian_noise((200_000,), sigma, generator_for(0, 1, 2))
+    draws = gaussian_noise((200_000,), sigma, generator_for([0, 1, 2]))
     # sample std of 2e5 normals is within 0.5% of sigma with overwhelming probability
     assert float(draws.std()) == pytest.approx(sigma, rel=0.005)
     assert abs(float(draws.mean())) < 0.005
-    again = gaussian_noise((200_000,), sigma, generator_for(0, 1, 2))
+    again = gaussian_noise((200_000,), sigma, generator_for([0, 1, 2]))
     assert torch.equal(draws, again)  # seeded
-    assert not torch.equal(draws, gaussian_noise((200_000,), sigma, generator_for(0, 1, 3)))
+    assert not torch.equal(draws, gaussian_noise((200_000,), sigma, generator_for([0, 1, 3])))
 
 
 def test_per_sample_grads_match_one_backward_per_sample():
@@ -121,13 +122,13 @@ def test_per_batch_clipping_is_flagged_and_accounted_with_the_true_sensitivity()
 
 
 def test_noise_is_roughly_gaussian_not_just_right_std():
-    d = gaussian_noise((100_000,), 1.0, generator_for(5)).numpy()
+    d = gaussian_noise((100_000,), 1.0, generator_for([5])).numpy()
     # fraction within one sigma of a normal is 0.6827
     assert np.mean(np.abs(d) < 1.0) == pytest.approx(0.6827, abs=0.005)
 
 
 def test_noise_source_of_a_node():
-    from privacy.mechanisms import node_noise_source
+    from fedvlm.privacy.mechanisms import node_noise_source
 
     assert node_noise_source({}, own_data=True) == "os"  # an organisation's own data: secret noise
     assert node_noise_source({}, own_data=False) == "seeded"  # a simulated partition: repeatable
@@ -140,21 +141,21 @@ def test_noise_source_of_a_node():
 
 
 def test_os_noise_cannot_be_regenerated_from_the_run_seed():
-    from privacy.mechanisms import noise_generator, sampling_rng
+    from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 
-    seeded = [torch.randn(8, generator=noise_generator("seeded", 0, 3, 1)) for _ in range(2)]
-    assert torch.equal(seeded[0], seeded[1]) and torch.equal(seeded[0], torch.randn(8, generator=generator_for(0, 3, 1)))
-    secret = [gaussian_noise((8,), 1.0, noise_generator("os", 0, 3, 1)) for _ in range(2)]
+    seeded = [torch.randn(8, generator=noise_generator("seeded", [0, 3, 1])) for _ in range(2)]
+    assert torch.equal(seeded[0], seeded[1]) and torch.equal(seeded[0], torch.randn(8, generator=generator_for([0, 3, 1])))
+    secret = [gaussian_noise((8,), 1.0, noise_generator("os", [0, 3, 1])) for _ in range(2)]
     assert not torch.equal(secret[0], secret[1]) and not torch.equal(secret[0], seeded[0])
-    assert not np.array_equal(sampling_rng("os", 0, 3).random(8), sampling_rng("os", 0, 3).random(8))
-    assert np.array_equal(sampling_rng("seeded", 0, 3).random(8), sampling_rng("seeded", 0, 3).random(8))
+    assert not np.array_equal(sampling_rng("os", [0, 3]).random(8), sampling_rng("os", [0, 3]).random(8))
+    assert np.array_equal(sampling_rng("seeded", [0, 3]).random(8), sampling_rng("seeded", [0, 3]).random(8))
 
 
 def test_os_noise_comes_from_the_secure_generator_and_is_standard_gaussian(monkeypatch):
     """OS noise is drawn from os.urandom (no seed exists to recover), with the requested std."""
     from scipy import stats
 
-    from privacy import mechanisms
+    from fedvlm.privacy import mechanisms
 
     calls = []
     real = mechanisms.os.urandom

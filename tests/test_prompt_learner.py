@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data.embedded import CLASSNAMES
-from models import tiny_clip
-from models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context
+from fedvlm.data.embedded import CLASSNAMES
+from fedvlm.models import tiny_clip
+from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context
 
 NAMES = ["red circle", "blue square", "airplane", "golden retriever dog"]
 

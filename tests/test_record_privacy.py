@@ -9,12 +9,12 @@ import math
 import dp_accounting
 import pytest
 
-from client_app.app import app as client_app
-from privacy.planner import LOCAL_SIGMA_KEY
-from runconfig import ConfigError, validate
-from server_app.app import execute
-from strategies.base import FederatedStrategy, FederationError
-from utils.inprocess import InProcessGrid
+from fedvlm.client_app.app import app as client_app
+from fedvlm.privacy.planner import LOCAL_SIGMA_KEY
+from fedvlm.runconfig import ConfigError, validate
+from fedvlm.server_app.app import execute
+from fedvlm.strategies.base import FederatedStrategy, FederationError
+from fedvlm.utils.inprocess import InProcessGrid
 
 DELTA = 1e-5
 
@@ -129,7 +129,7 @@ def test_a_lost_node_does_not_shrink_the_global_denominator(make_cfg, pretrained
 def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip):
     import numpy as np
 
-    from strategies.base import ClientUpdate, NodeInfo
+    from fedvlm.strategies.base import ClientUpdate, NodeInfo
 
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, dpfpl__server_lr=1.0, dpfpl__server_optimizer="sgd")
     strategy = cfg.method.strategy_class()(cfg, cfg.method)

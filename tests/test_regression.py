@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from methods import get_method
+from fedvlm.methods import get_method
 from regression import CASES, FIXTURE, differences, run_case
 
 FIXED = json.loads(FIXTURE.read_text())

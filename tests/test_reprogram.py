@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.reprogram import InputProgram, build_model, load_source, trainable_state
-from runconfig import ConfigError, validate
+from fedvlm.models.reprogram import InputProgram, build_model, load_source, trainable_state
+from fedvlm.runconfig import ConfigError, validate
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_family_defaults_and_refusals():
 
 
 def test_bloodmnist_npz_and_missing_files(tmp_path):
-    from data.registry import DatasetError, load_dataset
+    from fedvlm.data.registry import DatasetError, load_dataset
 
     with pytest.raises(DatasetError, match="bloodmnist.npz"):
         load_dataset("bloodmnist", data_root=str(tmp_path))
@@ -148,9 +148,9 @@ def test_bloodmnist_npz_and_missing_files(tmp_path):
 # ---- federations ---------------------------------------------------------------------------
 
 def _federation(make_cfg, n=3, **overrides):
-    from client_app.app import app as client_app
-    from server_app.app import execute
-    from utils.inprocess import InProcessGrid
+    from fedvlm.client_app.app import app as client_app
+    from fedvlm.server_app.app import execute
+    from fedvlm.utils.inprocess import InProcessGrid
 
     cfg = make_cfg(**overrides)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
@@ -201,7 +201,7 @@ def test_each_method_federates_and_shares_only_what_trains(make_cfg, method):
     assert len(rounds) == 2 and not any(r["dropped"] for r in rounds)
     assert all(np.isfinite(r["metrics"]["local-acc"]) for r in rounds)
     sent = {k for m in grid.replies if not m.has_error() and "arrays" in m.content for k in m.content["arrays"].keys()}
-    from models.reprogram import initial_model
+    from fedvlm.models.reprogram import initial_model
 
     expected = set(trainable_state(initial_model(make_cfg(method=method), method, 10)))
     assert sent == expected

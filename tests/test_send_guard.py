@@ -6,7 +6,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from client_app.send_guard import PrivacyGuardError, check_outgoing, guarded_reply
+from fedvlm.client_app.send_guard import PrivacyGuardError, check_outgoing, guarded_reply
 
 
 def test_allowed_tensor_passes_and_is_sent():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
-from strategies.validation import ReplyRejected, check_reply
+from fedvlm.strategies.validation import ReplyRejected, check_reply
 
 
 def _request():
@@ -52,7 +52,7 @@ def test_error_reply_is_rejected():
 
 
 def test_short_reason_keeps_the_original_exception_line():
-    from strategies.base import short_reason
+    from fedvlm.strategies.base import short_reason
 
     ray_style = (
         "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::ClientAppActor.run()\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from utils.vlm_metrics import answer_letter, caption_scores, caption_tokens, vqa_accuracy
+from fedvlm.utils.vlm_metrics import answer_letter, caption_scores, caption_tokens, vqa_accuracy
 
 
 def test_identical_captions_score_perfectly_and_wrong_ones_do_not():

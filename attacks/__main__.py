@@ -1,5 +1,0 @@
-import sys
-
-from attacks.run import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from fedvlm.attacks.run import main
+
+sys.exit(main())

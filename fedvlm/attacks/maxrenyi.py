@@ -1,0 +1,191 @@
+"""MaxRényi-K%: a reference-free membership attack on VLMs (Li et al., 2024; FedRand's MIA).
+
+For every token of a sample's target text (the caption or the answer), the model's
+next-token distribution p has a Rényi entropy
+
+    H_a(p) = log(sum_i p_i^a) / (1 - a)   (a = 1: Shannon; a = inf: -log max_i p_i).
+
+MaxRényi-K% is the mean of the K% largest per-token entropies (K = 0: the largest one). A
+model is more certain on what it was trained on, so a lower score means "member"; AUROC and
+TPR at 5% FPR are computed with -score as the member score.
+
+Threats (METHODS.md), both from what the server of a run holds:
+- ``server``: the final shared adapter (``final_shared.pt``), the client-only parts at their
+  seeded initial values;
+- ``client``: each client's model as the server can rebuild it from the client's last
+  uploads (``reconstructed/<client>.pt``): FedAvg-LoRA exactly, FedRand from its last A and
+  last B uploads (a half it never uploaded taken from the final server adapter), FedPer and
+  FedPara the server-side parts only.
+
+Members are the attacked client's training samples (the union of all clients' for the server
+model), non-members held-out test samples of the same distribution, balanced.
+
+    python -m fedvlm.attacks.maxrenyi <run-dir> [--samples 300]      -> <run-dir>/maxrenyi.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.metrics import roc_auc_score, roc_curve
+
+from fedvlm.utils.files import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+ALPHAS = (0.5, 1.0, 2.0, math.inf)
+KS = (0, 10)
+
+
+def renyi_entropy(logits: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Rényi entropy of softmax(logits) along the last dimension."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if alpha == 1.0:
+        return -(logp.exp() * logp).sum(-1)
+    if math.isinf(alpha):
+        return -logp.max(dim=-1).values
+    return torch.logsumexp(alpha * logp, dim=-1) / (1.0 - alpha)
+
+
+def max_k_percent(values: torch.Tensor, k: float) -> float:
+    """Mean of the largest k% of ``values`` (k = 0: the maximum; at least one value)."""
+    n = values.numel()
+    take = max(1, int(math.ceil(n * k / 100.0))) if k > 0 else 1
+    return float(values.topk(min(take, n)).values.mean())
+
+
+@torch.no_grad()
+def sample_scores(vlm, split, idx: np.ndarray, batch_size: int = 16) -> dict[str, np.ndarray]:
+    """MaxRényi-K% of every sample in ``idx`` for each (alpha, K): {'a=0.5,K=0': [n], ...}."""
+    out: dict[str, list[float]] = {f"alpha={a:g},K={k}": [] for a in ALPHAS for k in KS}
+    for s in range(0, len(idx), batch_size):
+        chunk = [int(i) for i in idx[s:s + batch_size]]
+        batch = vlm.training_batch([split.images.image(i) for i in chunk], [split.prompts[i] for i in chunk],
+                                   [split.targets[i] for i in chunk])
+        logits, targets = vlm.token_logits(batch)
+        mask = targets != -100
+        for a in ALPHAS:
+            ent = renyi_entropy(logits, a)
+            for row in range(len(chunk)):
+                vals = ent[row][mask[row]]
+                for k in KS:
+                    out[f"alpha={a:g},K={k}"].append(max_k_percent(vals, k))
+    return {key: np.asarray(v) for key, v in out.items()}
+
+
+def auroc_and_tpr(member_scores: np.ndarray, nonmember_scores: np.ndarray, fpr_at: float = 0.05) -> dict:
+    """Lower MaxRényi = member: the attack's member score is its negation."""
+    y = np.r_[np.ones(len(member_scores)), np.zeros(len(nonmember_scores))]
+    s = -np.r_[member_scores, nonmember_scores]
+    fpr, tpr, _ = roc_curve(y, s)
+    return {"auroc": float(roc_auc_score(y, s)), f"tpr@{fpr_at:.0%}fpr": float(np.interp(fpr_at, fpr, tpr)),
+            "n_members": int(len(member_scores)), "n_nonmembers": int(len(nonmember_scores))}
+
+
+def attack(vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: int, seed: int) -> dict:
+    """Every (alpha, K) attack on one model: ``members``/``nonmembers`` are VLMSplits."""
+    from fedvlm.models.vlm import load_adapter_state
+
+    load_adapter_state(vlm.model, adapter)
+    rng = np.random.default_rng(seed)
+    n = min(samples, len(members), len(nonmembers))
+    mi = rng.choice(len(members), n, replace=False)
+    ni = rng.choice(len(nonmembers), n, replace=False)
+    ms, ns = sample_scores(vlm, members, mi), sample_scores(vlm, nonmembers, ni)
+    return {key: auroc_and_tpr(ms[key], ns[key]) for key in ms}
+
+
+def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
+    from fedvlm.client_app.lora_clients import adapter_spec
+    from fedvlm.client_app.vlm_node import vlm_node_data
+    from fedvlm.models.vlm import load_vlm
+    from fedvlm.runconfig import validate
+
+    run_dir = Path(run_dir)
+    data = json.loads((run_dir / "results.json").read_text())
+    cfg = validate(data["config"])
+    spec = cfg.method
+    if spec.family != "vlm":
+        raise ValueError(f"MaxRényi attacks the VLM methods; run {run_dir} used {spec.name!r} (use `python -m fedvlm.attacks`)")
+    kind = spec.client_class().adapter_kind
+    vlm, initial, _ = load_vlm(cfg["vlm.model"], cfg.cache_dir, adapter_spec(cfg, kind), cfg["seed"], cfg["device"],
+                               cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
+    shared = {k: v for k, v in torch.load(run_dir / "final_shared.pt", weights_only=True)["arrays"].items()}
+    nodes = [n for n in data["run"]["nodes"] if n["partition_id"] >= 0]
+    num = len(nodes)
+    parts = {n["name"]: vlm_node_data(cfg, {"partition-id": n["partition_id"], "num-partitions": num}) for n in nodes}
+    report: dict = {"run": str(run_dir), "method": spec.name, "samples": samples, "alphas": [str(a) for a in ALPHAS],
+                    "ks": list(KS), "threats": {}}
+
+    # (a) the server model: members = every client's training data
+    union = _concat([p.train for p in parts.values()])
+    test = next(iter(parts.values())).dataset.test
+    if kind == "loha":
+        report["threats"]["server"] = {"skipped": "FedPara's server holds only the w1 pair; with the private w2 pair "
+                                                  "at its initial zero the server model is the base model"}
+    else:
+        report["threats"]["server"] = attack(vlm, {**initial, **shared}, union, test, samples, seed)
+        log.info("server model: %s", _headline(report["threats"]["server"]))
+
+    # (b) each client's model as the server can rebuild it from the client's uploads
+    recon_dir = run_dir / "reconstructed"
+    per_client = {}
+    for i, (name, part) in enumerate(sorted(parts.items())):
+        if clients and i >= clients:
+            break
+        path = recon_dir / f"{name}.pt"
+        if not path.exists():
+            continue
+        uploads = torch.load(path, weights_only=True)["arrays"]
+        adapter = {**initial, **shared, **uploads}
+        per_client[name] = attack(vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i)
+        per_client[name]["uploaded"] = sorted({k.split(".")[-2] for k in uploads})
+        log.info("client %s: %s", name, _headline(per_client[name]))
+    if per_client:
+        keys = [k for k in next(iter(per_client.values())) if k.startswith("alpha=")]
+        report["threats"]["client"] = {
+            "mean": {k: {"auroc": float(np.mean([c[k]["auroc"] for c in per_client.values()])),
+                         "tpr@5%fpr": float(np.mean([c[k]["tpr@5%fpr"] for c in per_client.values()]))} for k in keys},
+            "per_client": per_client,
+        }
+    atomic_write_json(report, run_dir / "maxrenyi.json")
+    return report
+
+
+def _concat(splits):
+    from fedvlm.data.sources import ArraySource
+    from fedvlm.data.vlm_data import VLMSplit
+
+    idx_sources = [(s, i) for s in splits for i in range(len(s))]
+    images = np.stack([np.asarray(s.images.image(i)) for s, i in idx_sources])
+    labels = np.concatenate([s.labels for s in splits])
+    return VLMSplit(ArraySource(images, labels, "union"), [s.prompts[i] for s, i in idx_sources],
+                    [s.targets[i] for s, i in idx_sources], [s.references[i] for s, i in idx_sources])
+
+
+def _headline(res: dict) -> str:
+    k = "alpha=0.5,K=10"
+    return f"MaxRényi-10% (alpha 0.5) AUROC {res[k]['auroc']:.3f}, TPR@5%FPR {res[k]['tpr@5%fpr']:.3f}" if k in res else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.attacks.maxrenyi", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--samples", type=int, default=300, help="members and non-members per attacked model")
+    p.add_argument("--clients", type=int, default=0, help="attack at most this many clients' models (0 = all)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    report = run_maxrenyi(args.run_dir, args.samples, args.clients, args.seed)
+    print(json.dumps({t: (v.get("mean", v) if isinstance(v, dict) else v) for t, v in report["threats"].items()}, indent=1)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""Membership inference against published prompts (DP-FPL's threat model, its appendix A.3).
+
+The adversary is a user who received a client's published personalised prompt and has the
+public CLIP backbone. Given an image with its label it must tell whether the image was in
+that client's training data.
+
+Target data: for every client that published a prompt, members are images of its training
+set and non-members are images of its test set (the same classes, never trained on). The
+two sets are explicit and disjoint, and balanced by subsampling the larger one with a fixed
+seed. (DP-FPL's public code draws its "members" from images the model never trained on;
+this does not.)
+
+Attacks:
+- Shokri et al. (2017): shadow federations are trained exactly like the target (same
+  method, config, number of clients and rounds) on disjoint shadow data; every shadow
+  client's published prompt labels its own members/non-members; an attack model, a
+  2-layer MLP on the prediction vector, learns to separate them, either one model per class
+  (``per_class``, Shokri's original) or one pooled model on the class-aligned vector (the
+  true class's probability first, then the others sorted).
+- Loss threshold (Yeom et al., 2018): score = -cross-entropy; the threshold is chosen on the
+  shadow clients. A cheap second opinion that needs no attack model.
+
+Reported per attack: accuracy, ROC AUC and TPR at 1% FPR, averaged over target clients and
+computed on all target records pooled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.metrics import roc_auc_score, roc_curve
+
+from fedvlm.client_app.node import node_data
+from fedvlm.methods import get_method
+from fedvlm.models.clip_loader import load_clip
+from fedvlm.runconfig import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Records:
+    """Prediction vectors of labelled images under one published prompt, with membership."""
+
+    probs: np.ndarray  # [n, C] softmax over all classes
+    labels: np.ndarray  # [n]
+    member: np.ndarray  # [n] bool
+    client: str
+
+    @property
+    def losses(self) -> np.ndarray:
+        return -np.log(np.clip(self.probs[np.arange(len(self.labels)), self.labels], 1e-12, None))
+
+
+def load_published(folder: Path) -> dict[str, dict]:
+    return {p.stem: torch.load(p, map_location="cpu", weights_only=False) for p in sorted(Path(folder).glob("*.pt"))}
+
+
+@torch.no_grad()
+def client_records(cfg: RunConfig, published: dict, num_partitions: int, seed: int) -> Records:
+    """The balanced member/non-member records of one published client prompt."""
+    node = node_data(cfg, {"partition-id": published["partition_id"], "num-partitions": num_partitions})
+    bundle = load_clip(cfg["clip.model"], cfg["clip.pretrained"], cfg.cache_dir, cfg["device"])
+    if bundle.fingerprint != published["backbone"]:
+        raise ValueError(f"{published['node']} was published for backbone {published['backbone']}, "
+                         f"this config loads {bundle.fingerprint}")
+    rng = np.random.default_rng([seed, published["partition_id"] + 1])
+    members, non_members = node.part.train, node.part.test
+    k = min(len(members), len(non_members))
+    members = np.sort(rng.choice(members, size=k, replace=False))
+    non_members = np.sort(rng.choice(non_members, size=k, replace=False))
+    scorer = get_method(published["method"]).client_class().scorer_class(bundle, node.splits.classnames, cfg)
+    probs, labels = [], []
+    for split, idx in ((node.splits.train, members), (node.splits.test, non_members)):
+        feats = scorer.image_features(split, idx, cfg.cache_dir).to(bundle.device)
+        probs.append(F.softmax(scorer.logits(published["prompts"], feats), dim=-1).cpu().numpy())
+        labels.append(split.labels[idx])
+    return Records(np.concatenate(probs), np.concatenate(labels), np.r_[np.ones(k, bool), np.zeros(k, bool)],
+                   published["node"])
+
+
+def _aligned(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Class-agnostic features: the true class's probability, then the rest sorted."""
+    true = probs[np.arange(len(labels)), labels]
+    rest = probs.copy()
+    rest[np.arange(len(labels)), labels] = -1.0
+    rest = -np.sort(-rest, axis=1)[:, :-1]
+    return np.log(np.clip(np.c_[true, rest], 1e-12, None))
+
+
+class AttackMLP(torch.nn.Module):
+    def __init__(self, d_in: int, hidden: int = 64):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                                       torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def _fit_mlp(x: np.ndarray, y: np.ndarray, seed: int, epochs: int = 300) -> AttackMLP:
+    torch.manual_seed(seed)
+    xt, yt = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
+    mu, sd = xt.mean(0), xt.std(0) + 1e-6
+    model = AttackMLP(x.shape[1])
+    model.register_buffer("mu", mu)
+    model.register_buffer("sd", sd)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3, weight_decay=1e-4)
+    for _ in range(epochs):
+        loss = F.binary_cross_entropy_with_logits(model((xt - mu) / sd), yt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+@torch.no_grad()
+def _score_mlp(model: AttackMLP, x: np.ndarray) -> np.ndarray:
+    xt = torch.tensor(x, dtype=torch.float32)
+    return torch.sigmoid(model((xt - model.mu) / model.sd)).numpy()
+
+
+def attack_metrics(scores: np.ndarray, member: np.ndarray, threshold: float) -> dict:
+    """Accuracy at ``threshold``, ROC AUC and TPR at 1% FPR (higher score = member)."""
+    if len(np.unique(member)) < 2:
+        return {"accuracy": float("nan"), "auc": float("nan"), "tpr@1%fpr": float("nan"), "n": int(len(member))}
+    fpr, tpr, _ = roc_curve(member, scores)
+    return {
+        "accuracy": float(np.mean((scores >= threshold) == member)),
+        "auc": float(roc_auc_score(member, scores)),
+        "tpr@1%fpr": float(np.interp(0.01, fpr, tpr)),
+        "n": int(len(member)),
+    }
+
+
+def _best_threshold(scores: np.ndarray, member: np.ndarray) -> float:
+    cands = np.unique(scores)
+    accs = [np.mean((scores >= t) == member) for t in cands]
+    return float(cands[int(np.argmax(accs))])
+
+
+class ShadowAttack:
+    """Shokri's attack model(s) trained on shadow records; plus the loss-threshold attack."""
+
+    def __init__(self, shadow: list[Records], per_class: bool, n_classes: int, seed: int = 0):
+        self.per_class = per_class
+        probs = np.concatenate([r.probs for r in shadow])
+        labels = np.concatenate([r.labels for r in shadow])
+        member = np.concatenate([r.member for r in shadow]).astype(float)
+        self.models: dict[int, AttackMLP] = {}
+        if per_class:
+            for c in range(n_classes):
+                m = labels == c
+                if m.sum() >= 4 and len(np.unique(member[m])) == 2:
+                    self.models[c] = _fit_mlp(np.log(np.clip(probs[m], 1e-12, None)), member[m], seed + c)
+        self.pooled = _fit_mlp(_aligned(probs, labels), member, seed)
+        neg_loss = -np.concatenate([r.losses for r in shadow])
+        self.loss_threshold = _best_threshold(neg_loss, member.astype(bool))
+
+    def scores(self, rec: Records) -> np.ndarray:
+        out = _score_mlp(self.pooled, _aligned(rec.probs, rec.labels))
+        if self.per_class:
+            for c, model in self.models.items():  # classes without a shadow model keep the pooled score
+                m = rec.labels == c
+                if m.any():
+                    out[m] = _score_mlp(model, np.log(np.clip(rec.probs[m], 1e-12, None)))
+        return out
+
+    def evaluate(self, targets: list[Records]) -> dict:
+        per_client = {}
+        for rec in targets:
+            per_client[rec.client] = {
+                "shokri": attack_metrics(self.scores(rec), rec.member, 0.5),
+                "loss-threshold": attack_metrics(-rec.losses, rec.member, self.loss_threshold),
+                "train-test-gap": float(rec.losses[~rec.member].mean() - rec.losses[rec.member].mean()),
+            }
+        pooled = Records(np.concatenate([r.probs for r in targets]), np.concatenate([r.labels for r in targets]),
+                         np.concatenate([r.member for r in targets]), "all")
+        summary = {}
+        for name in ("shokri", "loss-threshold"):
+            vals = [v[name] for v in per_client.values()]
+            summary[name] = {k: float(np.nanmean([v[k] for v in vals])) for k in ("accuracy", "auc", "tpr@1%fpr")}
+        summary["shokri"]["pooled"] = attack_metrics(self.scores(pooled), pooled.member, 0.5)
+        summary["loss-threshold"]["pooled"] = attack_metrics(-pooled.losses, pooled.member, self.loss_threshold)
+        return {"summary": summary, "per_client": per_client}

@@ -1,0 +1,70 @@
+"""The ClientApp: Flower's entry point on every node, simulated or deployed.
+
+Three message types:
+- ``query`` (once per node, before training): the node validates the run config, loads its
+  data and backbone, and reports who it is (name, sizes, backbone fingerprint). Any problem
+  (bad config, missing data, unknown weights) surfaces here as a failed reply, so the
+  server stops before the first round with the node's own error message.
+- ``train`` / ``evaluate``: the method's client trainer runs on the arrays the server sent
+  this node; the reply goes through the send guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fedvlm.client_app.node import node_data
+from fedvlm.client_app.vlm_node import vlm_node_data
+from fedvlm.client_app.send_guard import guarded_reply
+from fedvlm.runconfig import validate
+
+log = logging.getLogger(__name__)
+app = ClientApp()
+
+def _setup(msg: Message, context: Context):
+    cfg = validate(context.run_config)
+    spec = cfg.method
+    node = (vlm_node_data if spec.family == "vlm" else node_data)(cfg, dict(context.node_config))
+    server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
+    client = spec.client_class()(cfg, node, context.state, server_round)
+    arrays = msg.content["arrays"].to_torch_state_dict() if "arrays" in msg.content else {}
+    config = dict(msg.content["config"]) if "config" in msg.content else {}
+    return cfg, spec, node, client, arrays, config
+
+
+@app.query()
+def hello(msg: Message, context: Context) -> Message:
+    cfg, spec, node, client, _, _ = _setup(msg, context)
+    info, metrics = client.hello()
+    return guarded_reply(msg, {}, metrics, allowed=spec.shared, info=info)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    t0 = time.time()
+    cfg, spec, node, client, arrays, config = _setup(msg, context)
+    shared, metrics = client.train(arrays, config)
+    # Everything this node spent on the message (setup included): the rest of a round's
+    # wall time is Flower/Ray/network overhead.
+    metrics["compute-seconds"] = time.time() - t0
+    # The server names what it expects back this round ("" = nothing): the guard holds the
+    # reply to that as well as to the method's shared set.
+    keys = config.get("reply-keys")
+    requested = [k for k in keys.split(",") if k] if isinstance(keys, str) else None
+    # What may leave this node: the method's shared set (a LoRA method's client names it from
+    # its model's adapter, which only the node has loaded).
+    allowed = getattr(client, "shareable", spec.shared)
+    return guarded_reply(msg, shared, metrics, allowed=allowed, private=client.private, requested=requested)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    t0 = time.time()
+    cfg, spec, node, client, arrays, config = _setup(msg, context)
+    metrics = client.evaluate(arrays, config)
+    metrics["compute-seconds"] = time.time() - t0
+    return guarded_reply(msg, {}, metrics, allowed=spec.shared)

@@ -1,0 +1,249 @@
+"""Clients of the global/local prompt methods: DP-FPL and its baselines (FedOTP, FedPGP).
+
+All share one training loop (``GlobalLocalClient.train``), which is DP-FPL's Algorithm 1
+generalised to ``local-steps`` steps per round:
+- the global prompt p_G arrives from the server; the local part stays in the node's private
+  state and never leaves it;
+- every step: sample a batch, build the method's forward from p_G and the local leaves,
+  compute per-sample (or per-batch) clipped gradients of every leaf, add local-DP noise to
+  the local leaves' gradients only, update the local part, and accumulate p_G's clipped
+  gradient;
+- the reply is p_G's gradient (averaged over the round's steps and clipped to C); the server
+  averages, adds global-DP noise and steps p_G.
+
+Methods differ in ``local_leaves`` (what is trained locally and noised), ``forward`` (how p_G
+and the local part make logits) and ``apply_local`` (how the local part is updated).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fedvlm.client_app.local_training import batches, private_gradients
+from fedvlm.client_app.prompt_clients import PromptClient, TrainResult
+from fedvlm.client_app.scoring import OTScorer
+from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
+from fedvlm.models.lowrank import factorize, rebuild_gradient
+from fedvlm.models.prompt_learner import clip_logits
+from fedvlm.privacy.mechanisms import clip_tensor, noise_generator
+from fedvlm.utils.rng import NodeStream, generator_for, node_key
+
+
+
+class GlobalLocalClient(PromptClient):
+    local_name = "local_ctx"  # the private tensor kept in context.state
+
+    # ---- method hooks ---------------------------------------------------------------------
+    def init_local(self, global_ctx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The private local part at first contact: N(0, init-std^2), seeded per node."""
+        gen = generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_INIT))
+        return {self.local_name: torch.randn(global_ctx.shape, generator=gen) * self.cfg["prompt.init-std"]}
+
+    def local_leaves(self, local: dict[str, torch.Tensor], step_gen: torch.Generator) -> tuple[dict, dict]:
+        """(leaves, context): the locally trained tensors of this step (each gets local-DP
+        noise) and whatever ``forward``/``apply_local`` need besides."""
+        raise NotImplementedError
+
+    def forward(self, p_global: torch.Tensor, leaves: dict, ctx: dict, feats: torch.Tensor, labels: torch.Tensor):
+        """(per-sample losses, logits, text features the leaves reach the losses through)."""
+        raise NotImplementedError
+
+    def apply_local(self, local: dict, leaves: dict, ctx: dict, grads: dict, opt) -> None:
+        raise NotImplementedError
+
+    def personal_prompt(self, p_global: torch.Tensor, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The prompt this client evaluates (and publishes)."""
+        raise NotImplementedError
+
+    def local_opt_params(self, local: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [local[self.local_name]]
+
+    def regularizer(self, p_global: torch.Tensor, leaves: dict, ctx: dict, forward_out) -> torch.Tensor | None:
+        """A data-independent loss term (e.g. FedPGP's prompt contrast). Its gradient is added
+        after clipping and noise: it reveals nothing about the data and costs no privacy."""
+        return None
+
+    # ---- shared machinery -------------------------------------------------------------------
+    def load_local(self, global_ctx: torch.Tensor) -> dict[str, torch.Tensor]:
+        keys = [k for k in self.private if not k.startswith("opt.")]  # everything but optimiser state
+        if not keys:
+            return {k: v.to(self.bundle.device) for k, v in self.init_local(global_ctx).items()}
+        return {k: self.private[k].to(self.bundle.device) for k in keys}
+
+    def store_local(self, local: dict[str, torch.Tensor]) -> None:
+        self.private.update({k: v.detach().cpu() for k, v in local.items()})
+
+    def train(self, arrays, config):
+        feats, labels = self.features("train")
+        n = len(labels)
+        dev = self.bundle.device
+        p_global = arrays["global_ctx"].to(dev)
+        local = self.load_local(p_global)
+        for t in local.values():
+            t.requires_grad_(True)
+        opt = self.make_optimizer(self.local_opt_params(local))
+        restore_optimizer(opt, {k: v.to(dev) for k, v in self.private.items()})
+        sigma = self.local_sigma(config)
+        noise_gen = noise_generator(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
+        factor_gen = generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.POWER_ITERATION, self.round))
+        bsz = min(self.cfg["prompt.batch-size"], n)
+        g_global = torch.zeros_like(p_global)
+        losses_seen, correct, seen, steps = [], 0, 0, self.num_steps(n)
+        for batch in batches(n, self.cfg["prompt.batch-size"], steps, self.privacy, self.rng()):
+            leaves, ctx = self.local_leaves(local, factor_gen)
+            g_leaf = p_global.clone().requires_grad_(True)
+            losses, logits, via = self.forward(g_leaf, leaves, ctx, feats[batch], labels[batch])
+            grads, _ = private_gradients(losses, {"global": g_leaf, **leaves}, via, self.privacy, bsz,
+                                         {k: sigma for k in leaves}, noise_gen)
+            reg = self.regularizer(g_leaf, leaves, ctx, via)
+            if reg is not None:
+                names = ["global", *leaves]
+                extra = torch.autograd.grad(reg, [g_leaf, *leaves.values()], allow_unused=True)
+                for k, g in zip(names, extra):
+                    if g is not None:
+                        grads[k] = grads[k] + g.detach()
+            g_global += grads.pop("global")
+            self.apply_local(local, leaves, ctx, grads, opt)
+            if len(batch):
+                losses_seen.append(float(losses.detach().mean()))
+                correct += int((logits.detach().argmax(1) == labels[batch]).sum())
+                seen += len(batch)
+        g_global /= steps
+        if self.privacy.enabled:  # the average of clipped steps has norm <= C; clip again for safety
+            g_global, _ = clip_tensor(g_global, self.privacy.clip)
+        self.store_local({k: v.detach() for k, v in local.items()})
+        self.private.update({k: v.cpu() for k, v in optimizer_tensors(opt).items()})
+        self.persist()
+        res = TrainResult(g_global.cpu(), float(sum(losses_seen) / max(len(losses_seen), 1)), correct / max(seen, 1), steps, n)
+        return {"global_grad": res.ctx}, self.train_metrics(res)
+
+    def personal_prompts(self, arrays):
+        p_global = arrays["global_ctx"].to(self.bundle.device)
+        local = self.load_local(p_global)
+        self.store_local(local)  # first contact: keep the initial local part
+        return self.published_prompts(p_global, local)
+
+    def published_prompts(self, p_global: torch.Tensor, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"ctx": self.personal_prompt(p_global, local)}
+
+
+class DPFPLClient(GlobalLocalClient):
+    """DP-FPL: p = p_G + u v + r with (u, v, r) from a rank-k power iteration of the private
+    full-rank local prompt every step; local DP on the gradients of u and v; the local
+    prompt's gradient rebuilt by eq. 4 (``models.lowrank``). ``dpfpl.rank = 0``: no
+    factorisation, local DP on the full local prompt's gradient."""
+
+    def local_leaves(self, local, step_gen):
+        p_local = local[self.local_name]
+        rank = self.cfg["dpfpl.rank"]
+        if rank == 0:
+            return {"local": p_local.detach().clone().requires_grad_(True)}, {}
+        u, v, r = factorize(p_local, rank, step_gen)
+        return {"u": u.requires_grad_(True), "v": v.requires_grad_(True)}, {"u": u.detach(), "v": v.detach(), "r": r}
+
+    def forward(self, p_global, leaves, ctx, feats, labels):
+        if "local" in leaves:
+            prompt = p_global + leaves["local"]
+        else:
+            prompt = p_global + leaves["u"] @ leaves["v"]
+            if self.cfg["dpfpl.residual"]:
+                prompt = prompt + ctx["r"]  # a constant: no gradient flows into r
+        text = self.encoder(prompt)(prompt)
+        logits = clip_logits(feats, text, self.scale)
+        return F.cross_entropy(logits, labels, reduction="none"), logits, [text]
+
+    def apply_local(self, local, leaves, ctx, grads, opt):
+        p_local = local[self.local_name]
+        if "local" in grads:
+            g = grads["local"]
+        else:
+            g = rebuild_gradient(grads["u"], grads["v"], ctx["u"], ctx["v"])
+        opt.zero_grad(set_to_none=True)
+        p_local.grad = g
+        opt.step()
+
+    def personal_prompt(self, p_global, local):
+        p_local = local[self.local_name]
+        rank = self.cfg["dpfpl.rank"]
+        if rank == 0 or self.cfg["dpfpl.residual"]:
+            return p_global + p_local  # u v + r = p_L exactly
+        # no-residual ablation: the forward only ever sees the rank-k part
+        u, v, _ = factorize(p_local, rank, generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.ABLATION_FACTOR, self.round)))
+        return p_global + u @ v
+
+
+class FedOTPClient(GlobalLocalClient):
+    """FedOTP: a global and a full-rank local prompt; each class scores an image by unbalanced
+    optimal transport between the image's patch embeddings and the class's two prompt
+    features (``client_app.scoring.OTScorer``). Local DP on the local prompt's gradient."""
+
+    scorer_class = OTScorer
+
+    def local_leaves(self, local, step_gen):
+        return {"local": local[self.local_name].detach().clone().requires_grad_(True)}, {}
+
+    def forward(self, p_global, leaves, ctx, feats, labels):
+        text = torch.stack([self.scorer.text(p_global), self.scorer.text(leaves["local"])])
+        logits = self.scorer.ot_logits(feats, text)
+        return F.cross_entropy(logits, labels, reduction="none"), logits, [text]
+
+    def apply_local(self, local, leaves, ctx, grads, opt):
+        opt.zero_grad(set_to_none=True)
+        local[self.local_name].grad = grads["local"]
+        opt.step()
+
+    def published_prompts(self, p_global, local):
+        return {"global": p_global, "local": local[self.local_name]}
+
+
+class FedPGPClient(GlobalLocalClient):
+    """FedPGP: p = p_G + u v with low-rank u (M x k), v (k x d) trained directly, factorised
+    once from the initial local prompt (no residual, no refactorisation); plus a prompt-wise
+    contrastive term that keeps the global prompt's class features near CLIP's hand-written
+    prompt's and away from the personalised ones. Local DP on the gradients of u and v."""
+
+    def init_local(self, global_ctx):
+        p_local = super().init_local(global_ctx)[self.local_name]
+        u, v, _ = factorize(p_local, self.cfg["dpfpl.rank"], generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.PGP_FACTOR_INIT)))
+        # u v has unit singular values; scale it to the initial prompt's size so the
+        # personalised prompt starts as small a perturbation as the other methods'
+        return {"u": u * p_local.norm() / (u @ v).norm(), "v": v}
+
+    def local_opt_params(self, local):
+        return [local["u"], local["v"]]
+
+    def local_leaves(self, local, step_gen):
+        return {k: local[k].detach().clone().requires_grad_(True) for k in ("u", "v")}, {}
+
+    def forward(self, p_global, leaves, ctx, feats, labels):
+        text = self.scorer.text(p_global + leaves["u"] @ leaves["v"])
+        logits = clip_logits(feats, text, self.scale)
+        return F.cross_entropy(logits, labels, reduction="none"), logits, [text]
+
+    def handcrafted_text(self) -> torch.Tensor:
+        if not hasattr(self, "_handcrafted"):
+            template = self.cfg["zeroshot.template"]
+            tokens = self.bundle.tokenizer([template.format(c) for c in self.classnames]).to(self.bundle.device)
+            with torch.no_grad():
+                self._handcrafted = F.normalize(self.bundle.model.encode_text(tokens).float(), dim=-1)
+        return self._handcrafted
+
+    def regularizer(self, p_global, leaves, ctx, via):
+        mu = self.cfg["fedpgp.mu"]
+        if mu == 0:
+            return None
+        tau = self.cfg["fedpgp.temperature"]
+        text_global = self.scorer.text(p_global)
+        text_personal = via[0]
+        pos = (text_global * self.handcrafted_text()).sum(-1) / tau
+        neg = (text_global * text_personal).sum(-1) / tau
+        return mu * (torch.logsumexp(torch.stack([pos, neg]), 0) - pos).mean()
+
+    def apply_local(self, local, leaves, ctx, grads, opt):
+        opt.zero_grad(set_to_none=True)
+        local["u"].grad, local["v"].grad = grads["u"], grads["v"]
+        opt.step()
+
+    def personal_prompt(self, p_global, local):
+        return p_global + local["u"] @ local["v"]

@@ -1,0 +1,277 @@
+"""Client trainers of the LoRA family: FedRand, FedAvg-LoRA, FedPer-LoRA, FedPara-LoRA.
+
+They share ``LoRAClient``: the frozen VLM with its adapter, this node's captioning or VQA
+data, one local training loop (AdamW over every adapter tensor, one epoch by default) and one
+evaluation. What differs is only which adapter tensors come from the server, which from the
+node's private state, and which may go back:
+
+- FedAvg-LoRA: everything comes from the server and goes back.
+- FedRand: the server sends one half (all A or all B; both on a first participation); the
+  other half is this node's own trained values from its last round. Both train; the node
+  keeps both and sends back only the half the server asked for (``reply-keys``).
+- FedPer-LoRA: the top layers' adapters are shared, the rest never leave the node.
+- FedPara-LoRA: LoHa's first pair (w1) is shared, the second pair (w2) is the node's own.
+
+The node's adapter tensors live in ``context.state`` between rounds (``client_app.state``);
+the send guard refuses any reply tensor outside what the method may share or equal to a
+tensor the node has never sent.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from fedvlm.client_app.local_training import batches
+from fedvlm.client_app.state import load_meta, load_private, save_meta, save_private
+from fedvlm.client_app.vlm_node import VLMNodeData
+from fedvlm.models import adapter_parts
+from fedvlm.models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
+from fedvlm.privacy.ledger import PrivacySettings
+from fedvlm.privacy.mechanisms import clip_tensor, gaussian_noise, noise_generator, sampling_rng
+from fedvlm.utils.rng import NodeStream, generator_for, node_key
+from fedvlm.privacy.planner import ClientShape, client_local_sigma
+from fedvlm.runconfig import RunConfig
+from fedvlm.utils.vlm_metrics import score_split
+
+
+
+def adapter_spec(cfg: RunConfig, kind: str) -> AdapterSpec:
+    targets = tuple(t.strip() for t in cfg["lora.target-modules"].split(",") if t.strip())
+    return AdapterSpec(kind, cfg["lora.rank"], cfg["lora.alpha"], cfg["lora.dropout"], targets,
+                       cfg["vlm.language-model-pattern"])
+
+
+class LoRAClient:
+    adapter_kind = "lora"
+
+    def __init__(self, cfg: RunConfig, node: VLMNodeData, state, server_round: int):
+        self.cfg = cfg
+        self.node = node
+        self.state = state
+        self.round = server_round
+        self.vlm, self.initial, self.backbone = load_vlm(
+            cfg["vlm.model"], cfg.cache_dir, adapter_spec(cfg, self.adapter_kind), cfg["seed"], cfg["device"],
+            cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
+        self.own = load_private(state)  # this node's adapter tensors from its last round
+        self.meta = load_meta(state)
+
+    # --- what is shared ------------------------------------------------------------------------
+    @property
+    def shareable(self) -> list[str]:
+        """Every tensor this method may ever send."""
+        return sorted(self.initial)
+
+    @property
+    def private(self) -> dict[str, torch.Tensor]:
+        """Tensors that must never appear in a reply (the guard compares bytes): the node's own
+        values of every tensor it may not share, and of tensors it has not sent since training."""
+        sent = set(str(self.meta.get("sent", "")).split(",")) - {""}
+        return {k: v for k, v in self.own.items() if k not in self.shareable or k not in sent}
+
+    # --- handshake -----------------------------------------------------------------------------
+    def hello(self) -> tuple[dict, dict]:
+        n = self.node
+        info = {"name": n.name, "backbone": self.backbone, "dataset": n.train.images.identity,
+                "classes": ",".join(str(c) for c in sorted(set(n.train.labels.tolist()))),
+                "device": str(self.vlm.device), "noise-source": n.noise_source}
+        metrics = {"partition-id": n.partition_id, "num-train": len(n.train), "num-test": len(n.test),
+                   "num-neighbor": 0, "num-classes": n.dataset.n_labels}
+        return info, metrics
+
+    # --- adapter assembly ------------------------------------------------------------------------
+    def starting_adapter(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this round starts from: the server's tensors where sent, else this node's own
+        values, else the seeded initial values (a first participation)."""
+        out = dict(self.initial)
+        out.update(self.own)
+        out.update(received)
+        return out
+
+    def num_steps(self) -> int:
+        c = self.cfg
+        if c["lora.local-steps"] > 0:
+            return c["lora.local-steps"]
+        return c["lora.local-epochs"] * math.ceil(len(self.node.train) / c["lora.batch-size"])
+
+    def train(self, arrays: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+        if not len(self.node.train):
+            raise RuntimeError(f"{self.node.name} holds no training samples")
+        self.check_request(arrays, config)
+        start = self.starting_adapter(arrays)
+        load_adapter_state(self.vlm.model, start)
+        params = trainable(self.vlm.model)
+        c = self.cfg
+        opt = torch.optim.AdamW(list(params.values()), lr=c["lora.lr"], weight_decay=c["lora.weight-decay"])
+        rng = sampling_rng(self.node.noise_source, [c["seed"], self.round, self.node.seed])
+        split, bsz = self.node.train, c["lora.batch-size"]
+        settings = PrivacySettings.from_config(c)
+        sigma = client_local_sigma(c, ClientShape(len(split), bsz, self.num_steps()), config)
+        gen = noise_generator(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
+        losses, clipped, t0 = [], [], time.time()
+        self.vlm.model.train()
+        with torch.random.fork_rng():
+            # LoRA dropout draws from torch's global generator: seed it per node and round, so a
+            # run repeats whatever ran before in the same process
+            torch.manual_seed(generator_for(node_key(c["seed"], self.node.seed, NodeStream.LORA_DROPOUT, self.round)).initial_seed())
+            for idx in batches(len(split), bsz, self.num_steps(), settings, rng):
+                if settings.enabled:
+                    loss, frac = self.private_step(params, split, idx, settings, bsz, sigma, gen)
+                    clipped.append(frac)
+                else:
+                    batch = self.vlm.training_batch([split.images.image(i) for i in idx], [split.prompts[i] for i in idx],
+                                                    [split.targets[i] for i in idx])
+                    loss = self.vlm.model(**batch).loss
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                opt.step()
+                if loss is not None:
+                    losses.append(float(loss.detach()) if torch.is_tensor(loss) else loss)
+        self.vlm.model.eval()
+        trained = {k: v.detach().cpu().clone() for k, v in params.items()}
+        requested = [k for k in str(config.get("reply-keys", "")).split(",") if k]
+        self.own = self.keep(trained)
+        self.meta["sent"] = ",".join(requested)
+        self.meta["rounds-trained"] = int(self.meta.get("rounds-trained", 0)) + 1
+        save_private(self.state, self.own)
+        save_meta(self.state, self.meta)
+        reply = {k: trained[k] for k in requested}
+        metrics = {"train-loss": float(np.mean(losses)) if losses else float("nan"),
+                   "train-loss-first": losses[0] if losses else float("nan"),
+                   "train-loss-last": losses[-1] if losses else float("nan"),
+                   "num-examples": len(split), "steps": self.num_steps(), "train-seconds": time.time() - t0}
+        if clipped:
+            metrics["dp-clipped-fraction"] = float(np.mean(clipped))
+        return reply, metrics
+
+    def private_step(self, params: dict[str, torch.nn.Parameter], split, idx, settings: PrivacySettings,
+                     expected_batch: int, sigma: float, gen: torch.Generator) -> tuple[float | None, float]:
+        """One DP-SGD step's gradients into ``p.grad``: per-sample clipping of the whole adapter's
+        gradient to C (one sample at a time: exact, and model-agnostic), sum / expected batch size,
+        plus N(0, sigma^2) on every coordinate; or, with per-batch clipping, the batch gradient
+        clipped as a whole (the stated epsilon then does not hold; the ledger says so)."""
+        names = list(params)
+        total = {k: torch.zeros_like(p) for k, p in params.items()}
+        losses, fractions = [], []
+        groups = [[i] for i in idx] if settings.clipping == "per-sample" else ([list(idx)] if len(idx) else [])
+        for group in groups:
+            batch = self.vlm.training_batch([split.images.image(i) for i in group], [split.prompts[i] for i in group],
+                                            [split.targets[i] for i in group])
+            loss = self.vlm.model(**batch).loss
+            grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+            flat = torch.cat([(g if g is not None else torch.zeros_like(params[k])).flatten() for g, k in zip(grads, names)])
+            flat, was = clip_tensor(flat, settings.clip)
+            fractions.append(float(was))
+            offset = 0
+            for k in names:
+                n = params[k].numel()
+                total[k] += flat[offset:offset + n].view_as(params[k])
+                offset += n
+            losses.append(float(loss))
+        scale = 1.0 / expected_batch if settings.clipping == "per-sample" else 1.0
+        for k, p in params.items():
+            p.grad = total[k] * scale + gaussian_noise(p.shape, sigma, gen, p.device)
+        return (float(np.mean(losses)) if losses else None), (float(np.mean(fractions)) if fractions else 0.0)
+
+    def check_request(self, arrays: dict[str, torch.Tensor], config: dict) -> None:
+        """Refuse a train message that breaks the method's rule on what is exchanged."""
+        extra = set(arrays) - set(self.shareable)
+        if extra:
+            raise RuntimeError(f"the server sent tensors this method keeps on the client: {sorted(extra)[:3]}")
+
+    def keep(self, trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the node stores for its next round (default: everything it trained)."""
+        return trained
+
+    # --- evaluation -------------------------------------------------------------------------------
+    def personal_adapter(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The node's own model: its last trained adapter (the server's shared parts where it
+        has never trained)."""
+        return self.starting_adapter({}) if self.own else self.starting_adapter(arrays)
+
+    def server_adapter(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The server's model: the global shared tensors, initial values for the rest."""
+        return {**self.initial, **arrays}
+
+    def evaluate(self, arrays: dict[str, torch.Tensor], config: dict) -> dict:
+        c, split = self.cfg, self.node.test
+        if c["vlm.eval-samples"] and len(split) > c["vlm.eval-samples"]:
+            split = split.subset(np.arange(c["vlm.eval-samples"]), f"first{c['vlm.eval-samples']}")
+        metrics: dict = {"num-examples": len(split)}
+        models = {"client": self.personal_adapter(arrays), "server": self.server_adapter(arrays)}
+        for tag, adapter in models.items():
+            if adapter is None:
+                continue
+            load_adapter_state(self.vlm.model, adapter)
+            scores = score_split(self.vlm, split, self.node.dataset.task, c["vlm.max-new-tokens"], c["vlm.eval-batch-size"])
+            metrics.update({f"{tag}-{k}": v for k, v in scores.items()})
+        ood = self.ood_shard()
+        if ood is not None and models["server"] is not None:
+            # out-of-domain (NoCaps-style) scores of the server's model; every client scores one
+            # shard, so the test-size-weighted mean covers the whole OOD set
+            load_adapter_state(self.vlm.model, models["server"])
+            scores = score_split(self.vlm, ood, self.node.dataset.task, c["vlm.max-new-tokens"], c["vlm.eval-batch-size"])
+            metrics.update({f"server-ood-{k}": v for k, v in scores.items()})
+            metrics["ood-examples"] = len(ood)
+        return metrics
+
+    def ood_shard(self):
+        ood = self.node.dataset.ood
+        n = int(self.node.config.get("num-partitions", 1) or 1)
+        if ood is None or self.node.partition_id < 0:
+            return None
+        idx = np.arange(self.node.partition_id, len(ood), n)
+        cap = self.cfg["vlm.eval-samples"]
+        if cap and len(idx) > cap:
+            idx = idx[:cap]
+        return ood.subset(idx, f"ood{self.node.partition_id}of{n}") if len(idx) else None
+
+
+class FedAvgLoRAClient(LoRAClient):
+    """Full LoRA both ways; the node keeps nothing of its own."""
+
+    def keep(self, trained):
+        return {}
+
+
+class FedRandClient(LoRAClient):
+    """Both halves train; the node keeps both (the unsent one is its private counterpart)."""
+
+    def check_request(self, arrays, config):
+        """FedRand's rule, checked on the node so that a server cannot collect both halves: the
+        reply is one whole half (every layer's A, or every layer's B), and the server sends that
+        same half, or the whole adapter on the node's first participation."""
+        super().check_request(arrays, config)
+        requested = sorted(k for k in str(config.get("reply-keys", "")).split(",") if k)
+        halves = {h: adapter_parts.lora_half(self.shareable, h) for h in adapter_parts.HALVES}
+        half = next((h for h, names in halves.items() if requested == names), None)
+        if half is None:
+            raise RuntimeError(f"fedrand: the server asked for {len(requested)} tensors back, not one whole LoRA half "
+                               "(all A or all B); the other half must stay on this node")
+        first = not self.own
+        allowed = sorted(self.shareable) if first else halves[half]
+        if sorted(arrays) != allowed:
+            raise RuntimeError(f"fedrand: the server sent {len(arrays)} tensors with a request for half {half}; it "
+                               f"must send exactly that half{' or, at a first participation, both' if first else ''}")
+
+
+class FedPerClient(LoRAClient):
+    @property
+    def shareable(self) -> list[str]:
+        return adapter_parts.top_layers(self.initial, self.cfg["fedper.shared-layers"])
+
+
+class FedParaClient(LoRAClient):
+    adapter_kind = "loha"
+
+    @property
+    def shareable(self) -> list[str]:
+        return adapter_parts.loha_global(self.initial)
+
+    def server_adapter(self, arrays):
+        # ΔW = (w1 pair) ⊙ (w2 pair): without a client's private w2 pair the server's model is
+        # the base model (w2_b starts at zero), so there is no server model to score.
+        return None

@@ -1,0 +1,99 @@
+"""What a client node is: its name, its data and its backbone, built from the Flower context.
+
+Two ways a node gets data, one code path:
+- simulation (or a deployment that shares a known dataset): node config holds
+  ``partition-id`` and ``num-partitions``; the node loads the run's dataset and takes its
+  partition (every process computes the same split from the seed);
+- an organisation's own data: node config holds ``data-dir`` (an image folder); the node
+  trains and tests on exactly that folder, no partition involved.
+
+Everything here is cached per process: a Ray worker serves many simulated nodes and rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedvlm.data.partitioners import Partition, make_partitions
+from fedvlm.data.registry import DatasetSplits, load_dataset, load_image_folder
+from fedvlm.data.sources import limit_per_class
+from fedvlm.privacy.mechanisms import node_noise_source
+from fedvlm.runconfig import ConfigError, RunConfig
+from fedvlm.utils.rng import node_seed
+
+
+@dataclass
+class NodeData:
+    name: str
+    partition_id: int  # -1 for a node with its own data directory
+    splits: DatasetSplits
+    part: Partition
+    config: dict  # the node config it was built from
+    noise_source: str = "seeded"  # where its DP randomness comes from (privacy.mechanisms)
+
+    @property
+    def seed(self) -> int:
+        """The integer that stands for this node in its random draws' keys (``utils.rng``)."""
+        return node_seed(self.partition_id, self.name)
+
+
+_SPLITS: dict[tuple, DatasetSplits] = {}
+_PARTS: dict[tuple, list[Partition]] = {}
+
+
+def _dataset(cfg: RunConfig) -> DatasetSplits:
+    key = (cfg["dataset"], cfg["data-root"], cfg["download"], cfg["test-fraction"], cfg["max-per-class"], cfg["seed"])
+    if key not in _SPLITS:
+        _SPLITS[key] = load_dataset(
+            cfg["dataset"], data_root=cfg["data-root"], download=cfg["download"],
+            test_fraction=cfg["test-fraction"], max_per_class=cfg["max-per-class"], seed=cfg["seed"],
+        )
+    return _SPLITS[key]
+
+
+def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
+    """This node's data, from its node config (see the module docstring)."""
+    if node_config.get("data-dir"):
+        data_dir = Path(str(node_config["data-dir"])).expanduser()
+        key = ("own", str(data_dir), cfg["test-fraction"], cfg["max-per-class"], cfg["seed"])
+        if key not in _SPLITS:
+            splits = load_image_folder(data_dir, cfg["test-fraction"])
+            splits.train = limit_per_class(splits.train, cfg["max-per-class"], cfg["seed"], lambda i: f"{i}/max{cfg['max-per-class']}")
+            _SPLITS[key] = splits
+        splits = _SPLITS[key]
+        part = Partition(
+            train=np.arange(len(splits.train)), test=np.arange(len(splits.test)), neighbor=None,
+            classes=tuple(int(c) for c in np.unique(splits.train.labels)),
+        )
+        name = str(node_config.get("name") or data_dir.name)
+        return NodeData(name, -1, splits, part, dict(node_config), _noise_source(cfg, node_config, own_data=True))
+
+    if "partition-id" not in node_config or "num-partitions" not in node_config:
+        raise ConfigError(
+            "this SuperNode has neither 'data-dir' nor 'partition-id'/'num-partitions' in its node "
+            "config: start it with --node-config \"data-dir='/path/to/images'\" (its own image folder) "
+            "or \"partition-id=0 num-partitions=N\" (a partition of the run's dataset)"
+        )
+    pid, n = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    if not 0 <= pid < n:
+        raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
+    splits = _dataset(cfg)
+    key = (cfg["dataset"], cfg["data-root"], cfg["test-fraction"], cfg["max-per-class"], cfg["partitioner"],
+           n, cfg["seed"], cfg["dirichlet-alpha"], cfg["quantity-ratios"])
+    if key not in _PARTS:
+        _PARTS[key] = make_partitions(
+            cfg["partitioner"], splits.train.labels, splits.test.labels, splits.n_classes, n, cfg["seed"],
+            alpha=cfg["dirichlet-alpha"], ratios=cfg["quantity-ratios"],
+        )
+    name = str(node_config.get("name") or f"client-{pid}")
+    return NodeData(name, pid, splits, _PARTS[key][pid], dict(node_config), _noise_source(cfg, node_config, own_data=False))
+
+
+def _noise_source(cfg: RunConfig, node_config: dict, own_data: bool) -> str:
+    try:
+        return node_noise_source(node_config, own_data, cfg["privacy.noise-source"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

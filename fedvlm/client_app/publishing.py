@@ -1,0 +1,43 @@
+"""Publishing a client's personalised prompt at the end of a run.
+
+In DP-FPL's threat model a client hands its trained prompt to users, and that prompt is
+what membership-inference attacks target. On the last round the client writes its prompts
+(the tensors it evaluates with) to a file on ITS OWN disk; nothing crosses the network.
+
+Where: the node config's ``publish-dir`` if set (a deployed organisation chooses); else, for
+a simulated node (one with a partition id), the run folder's ``published/`` that the server
+names in the last round's config; a deployed node without ``publish-dir`` publishes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedvlm.utils.files import atomic_torch_save
+
+
+def publish_dir(node_config: dict, config: dict, partition_id: int) -> Path | None:
+    if node_config.get("publish-dir"):
+        return Path(str(node_config["publish-dir"])).expanduser()
+    if partition_id >= 0 and config.get("publish-dir"):
+        return Path(str(config["publish-dir"]))
+    return None
+
+
+def publish(client, prompts: dict, config: dict) -> Path | None:
+    if not config.get("final-round") or not prompts:
+        return None
+    where = publish_dir(client.node.config, config, client.node.partition_id)
+    if where is None:
+        return None
+    path = where / f"{client.node.name}.pt"
+    atomic_torch_save({
+        "method": client.cfg["method"],
+        "node": client.node.name,
+        "partition_id": client.node.partition_id,
+        "round": client.round,
+        "prompts": {k: v.detach().cpu() for k, v in prompts.items()},
+        "classnames": list(client.classnames),
+        "backbone": client.bundle.fingerprint,
+    }, path)
+    return path

@@ -1,0 +1,70 @@
+"""Write a federation's partitions as image folders, one per organisation.
+
+    python -m fedvlm.data.export_folder --out ~/fedvlm-demo-data --num-partitions 2
+    python -m fedvlm.data.export_folder --out /data/split --num-partitions 5 --set dataset=cifar10 data-root=/data
+
+For a deployment demo without real organisations: each SuperNode then starts with
+``--node-config "data-dir='<out>/client-<i>'"`` and trains on exactly that folder, the code path a
+real organisation's own images take. The partition is the one a simulation with the same run
+config computes (dataset, partitioner, seed, ...: ``--set`` takes run-config keys), and every
+folder gets the federation's ``classes.txt`` so that labels mean the same class on every node.
+
+Layout: ``<out>/client-<i>/{train,test}/<class>/<index>.png`` plus ``<out>/client-<i>/classes.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fedvlm.client_app.node import node_data
+from fedvlm.runconfig import ConfigError, parse_value, validate
+
+
+def export_partitions(out: Path, num_partitions: int, overrides: dict | None = None) -> list[Path]:
+    cfg = validate(dict(overrides or {}))
+    if cfg.method.family != "prompt":
+        raise ConfigError("data.export_folder writes image-classification partitions (the prompt-learning "
+                          "methods); the VLM methods read captions/VQA files instead")
+    written = []
+    for pid in range(num_partitions):
+        node = node_data(cfg, {"partition-id": pid, "num-partitions": num_partitions})
+        folder = Path(out).expanduser() / f"client-{pid}"
+        names = node.splits.classnames
+        for split_name, source, idx in (("train", node.splits.train, node.part.train),
+                                        ("test", node.splits.test, node.part.test)):
+            for k, i in enumerate(idx):
+                label = int(source.labels[i])
+                path = folder / split_name / names[label] / f"{k:06d}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                source.image(int(i)).convert("RGB").save(path)
+        (folder / "classes.txt").write_text("\n".join(names) + "\n")
+        written.append(folder)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.data.export_folder", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--num-partitions", type=int, required=True)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config keys (dataset, seed, ...)")
+    args = p.parse_args(argv)
+    try:
+        overrides = {}
+        for item in args.set:
+            if "=" not in item:
+                raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+            k, v = item.split("=", 1)
+            overrides[k] = parse_value(v)
+        folders = export_partitions(args.out, args.num_partitions, overrides)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for f in folders:
+        print(f"wrote {f}  (start its SuperNode with --node-config \"data-dir='{f}'\")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

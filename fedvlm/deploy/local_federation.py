@@ -1,0 +1,192 @@
+"""A real deployment on one machine: a SuperLink with TLS and SuperNode authentication plus
+SuperNodes as separate processes on 127.0.0.1, for trying the deployment path before using
+several machines, and for the loopback integration test.
+
+    python -m fedvlm.deploy.local_federation --workdir /tmp/fedvlm-fed --supernodes 2 \\
+        --run-config "num-server-rounds=2"
+
+does, in order, what docs/deployment.md tells organisations to do on their own machines:
+credentials (``deploy.credentials``), ``flower-superlink`` with TLS and
+``--enable-supernode-auth``, a researcher's connection in ``$FLWR_HOME/config.toml``,
+``flwr supernode register`` for every SuperNode's public key, ``flower-supernode`` with the CA
+certificate and its private key, then ``flwr run . <connection>``. Every process is started
+in its own session and stopped by PID, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedvlm.deploy.credentials import generate
+from fedvlm.utils.processes import free_port, kill_tree
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+CONNECTION = "loopback"
+
+
+def flower_env(home: Path) -> dict[str, str]:
+    """Environment for every Flower process: our own FLWR_HOME, no telemetry or update checks
+    (machines may be offline), no runtime dependency installation (the app's dependencies are
+    installed on every machine beforehand)."""
+    env = dict(os.environ)
+    env.update({
+        "FLWR_HOME": str(home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    })
+    return env
+
+
+class LocalFederation:
+    """A SuperLink and SuperNodes as real processes on loopback (see the module docstring)."""
+
+    def __init__(self, workdir: Path, supernodes: list[str], node_configs: dict[str, str] | None = None):
+        self.dir = Path(workdir).resolve()
+        self.names = list(supernodes)
+        self.node_configs = dict(node_configs or {})
+        self.creds = self.dir / "credentials"
+        self.home = self.dir / "flwr-home"
+        self.env = flower_env(self.home)
+        self.port = free_port()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    # ---- processes -------------------------------------------------------------------------
+    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = self.dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.logs[name] = log
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir,
+                                    start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def log_text(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace") if name in self.logs and self.logs[name].exists() else ""
+
+    def stop(self, name: str) -> None:
+        proc = self.procs.get(name)
+        if proc is not None:
+            kill_tree(proc.pid)
+            proc.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for name in list(self.procs)[::-1]:  # SuperNodes before the SuperLink
+            self.stop(name)
+
+    def pids(self) -> dict[str, int]:
+        return {n: p.pid for n, p in self.procs.items()}
+
+    # ---- the steps of docs/deployment.md ------------------------------------------------------
+    def make_credentials(self, extra: list[str] = ()) -> None:
+        generate(self.creds, ["localhost"], ["127.0.0.1"], [*self.names, *extra])
+
+    def start_superlink(self) -> None:
+        c = self.creds
+        self._start("superlink", [
+            str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port),
+            "--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "server.crt"),
+            "--ssl-keyfile", str(c / "server.key"), "--enable-supernode-auth",
+            "--database", str(self.dir / "superlink-state.db"), "--disable-runtime-dependency-installation",
+        ])
+        self._wait_for_port(self.port, "superlink")
+
+    def write_connection(self) -> Path:
+        """The researcher's side: a named SuperLink connection that verifies the server with our CA."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        path = self.home / "config.toml"
+        path.write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "127.0.0.1:{self.port}"\nroot-certificates = "{self.creds / "ca.crt"}"\n'
+        )
+        return path
+
+    def register(self, name: str) -> subprocess.CompletedProcess:
+        return self.flwr("supernode", "register", str(self.creds / "supernodes" / f"{name}.pub"), CONNECTION,
+                         "--name", name, timeout=120)
+
+    def start_supernode(self, name: str, node_config: str | None = None) -> subprocess.Popen:
+        cfg = node_config if node_config is not None else self.node_configs.get(name, f"name='{name}'")
+        return self._start(name, [
+            str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
+            "--root-certificates", str(self.creds / "ca.crt"),
+            "--auth-supernode-private-key", str(self.creds / "supernodes" / name),
+            "--port", str(free_port()), "--node-config", cfg, "--max-retries", "30",
+        ])
+
+    def flwr(self, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "flwr"), *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def run_app(self, run_config: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+        """`flwr run . loopback --stream`: the researcher's command against this federation."""
+        return self.flwr("run", str(ROOT), CONNECTION, "--stream", "--run-config", run_config, timeout=timeout)
+
+    def up(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.make_credentials()
+        self.start_superlink()
+        self.write_connection()
+        for name in self.names:
+            reg = self.register(name)
+            if reg.returncode != 0:
+                raise RuntimeError(f"registering SuperNode {name} failed:\n{reg.stdout}\n{reg.stderr}")
+        for name in self.names:
+            self.start_supernode(name)
+
+    def _wait_for_port(self, port: int, name: str, timeout: float = 60) -> None:
+        import socket
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{self.log_text(name)[-3000:]}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.3)
+        raise RuntimeError(f"{name} did not open port {port} within {timeout:.0f} s:\n{self.log_text(name)[-3000:]}")
+
+    def __enter__(self) -> "LocalFederation":
+        try:
+            self.up()
+        except BaseException:
+            self.stop_all()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.local_federation", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, required=True, help="credentials, Flower state, logs")
+    p.add_argument("--supernodes", type=int, default=2)
+    p.add_argument("--node-config", action="append", default=[],
+                   help="node config of the i-th SuperNode (repeatable; default: partition-id=i num-partitions=N)")
+    p.add_argument("--run-config", default="", help="run-config overrides passed to flwr run")
+    args = p.parse_args(argv)
+    names = [f"org-{i}" for i in range(args.supernodes)]
+    configs = {n: (args.node_config[i] if i < len(args.node_config)
+                   else f"partition-id={i} num-partitions={args.supernodes}") for i, n in enumerate(names)}
+    with LocalFederation(args.workdir, names, configs) as fed:
+        print(f"SuperLink on 127.0.0.1:{fed.port} (TLS, SuperNode auth), SuperNodes: {', '.join(names)}; "
+              f"PIDs {json.dumps(fed.pids())}; logs in {fed.dir / 'logs'}", flush=True)
+        proc = fed.run_app(args.run_config)
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+        return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""FedRand against its baselines: the same VLM task, rounds and seed for every LoRA method, then
+the MaxRényi-K% membership attack on each run; writes a table (Markdown and CSV) and a plot.
+
+    python -m fedvlm.experiments.lora_compare --out ~/fedvlm-lora                     # embedded captions
+    python -m fedvlm.experiments.lora_compare --set dataset=embedded-vqa --rounds 10
+    python -m fedvlm.experiments.lora_compare --set vlm.model=HuggingFaceTB/SmolVLM-256M-Instruct \\
+        dataset=coco-captions data-root=/data/coco --rounds 50 --clients 10
+
+Columns: the last round's server-model and mean client-model metrics (CIDEr and BLEU-4 for
+captions, exact match for VQA; the server model also on the out-of-domain split), training
+traffic against full LoRA, and the attack's best AUROC over (alpha, K) against the server model
+and against the client models the server can rebuild. Finished runs are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from fedvlm.experiments.sweep import run_one
+from fedvlm.runconfig import parse_value
+
+METHODS = ("fedavg-lora", "fedrand", "fedper-lora", "fedpara-lora")
+
+
+def _best(threat: dict | None) -> tuple[float, str] | None:
+    """Highest AUROC over the (alpha, K) grid, with its setting; the attacker picks the best."""
+    if not threat or "skipped" in threat:
+        return None
+    grid = threat.get("mean", threat)
+    scored = [(v["auroc"], k) for k, v in grid.items() if k.startswith("alpha=")]
+    return max(scored) if scored else None
+
+
+def summarise(method: str, data: dict, mia: dict | None) -> dict:
+    last = data["rounds"][-1]["metrics"]
+    comm = data.get("communication", {})
+    task = "vqa" if "server-vqa-acc" in last or "client-vqa-acc" in last else "captions"
+    row = {"method": method, "rounds": len(data["rounds"]), "task": task,
+           "client-loss": last.get("client-loss"), "server-loss": last.get("server-loss")}
+    keys = ("vqa-acc",) if task == "vqa" else ("cider", "bleu-4", "rouge-l")
+    for who in ("server", "client", "server-ood"):
+        for k in keys:
+            if f"{who}-{k}" in last:
+                row[f"{who}-{k}"] = last[f"{who}-{k}"]
+    row["up-vs-full-lora"] = comm.get("up_vs_full_lora")
+    row["down-vs-full-lora"] = comm.get("down_vs_full_lora")
+    row["seconds"] = round(sum(r["seconds"] for r in data["rounds"]), 1)
+    if mia:
+        for threat in ("server", "client"):
+            best = _best(mia["threats"].get(threat))
+            row[f"mia-{threat}-auroc"] = best[0] if best else None
+            row[f"mia-{threat}-setting"] = best[1] if best else "n/a"
+    return row
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def write_table(rows: list[dict], out: Path) -> None:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / "lora_compare.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    (out / "lora_compare.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(runs: dict[str, dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, data in runs.items():
+        last = data["rounds"][-1]["metrics"]
+        key = next((k for k in ("server-cider", "server-vqa-acc", "client-loss") if k in last), None)
+        if key is None:
+            continue
+        ax.plot([r["round"] for r in data["rounds"]], [r["metrics"].get(key) for r in data["rounds"]], label=method)
+        ax.set_ylabel(key)
+    ax.set_xlabel("round")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "lora_compare.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.lora_compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("~/fedvlm-lora").expanduser())
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for every run")
+    p.add_argument("--engine", choices=("inprocess", "flwr"), default="inprocess")
+    p.add_argument("--mia-samples", type=int, default=100, help="members and non-members per attacked model (0 = no attack)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    out = args.out.expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    base = {"dataset": "embedded-captions", "num-server-rounds": args.rounds, "output-dir": str(out / "runs")}
+    for item in args.set:
+        k, v = item.split("=", 1)
+        base[k] = parse_value(v)
+    runs, rows = {}, []
+    for method in [m for m in args.methods.split(",") if m]:
+        raw = {**base, "method": method, "run-name": method}
+        path = out / "runs" / method / "results.json"
+        t0 = time.time()
+        data = json.loads(path.read_text()) if path.exists() else None
+        if data is None or data["run"].get("status") != "finished":
+            data = run_one(raw, args.clients, args.engine, out)
+        mia = None
+        if args.mia_samples:
+            from fedvlm.attacks.maxrenyi import run_maxrenyi
+
+            report = out / "runs" / method / "maxrenyi.json"
+            mia = json.loads(report.read_text()) if report.exists() else run_maxrenyi(out / "runs" / method, args.mia_samples)
+        runs[method] = data
+        rows.append(summarise(method, data, mia))
+        print(f"{method}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in rows[-1].items() if k != "method")
+              + f" ({time.time() - t0:.0f}s)", flush=True)
+        write_table(rows, out)
+    plot(runs, out)
+    print(f"tables: {out / 'lora_compare.md'}, {out / 'lora_compare.csv'}; plot: {out / 'lora_compare.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

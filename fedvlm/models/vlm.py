@@ -1,0 +1,256 @@
+"""Vision-language models for the LoRA methods (FedRand and its baselines).
+
+One code path for every model: a Hugging Face image-text-to-text checkpoint (hub id or local
+directory, loaded by ``AutoModelForImageTextToText`` and ``AutoProcessor``) or the embedded
+tiny VLM, which ``models.tiny_vlm`` pretrains here and saves in the same format. Everything is
+frozen; an adapter (LoRA, or LoHa for FedPara's Hadamard product) goes on the language
+model's linear layers only, so the vision tower and the projector never train.
+
+``VLM`` turns (image, prompt, target) triples into model batches: the processor's chat
+template (or ``<image> prompt`` for a processor without one) makes the prompt, the target and
+the end-of-sequence token follow it, and only the target's tokens carry labels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_VLM_NAME = "embedded-tiny-vlm"
+# Where the language model's decoder layers sit in the module tree of common VLM families
+# (LLaVA: model.language_model.layers.N, Idefics3/SmolVLM: model.text_model.layers.N,
+# TinyLLaVA: language_model.model.layers.N or llm...).
+DEFAULT_LM_PATTERN = r"(?:language_model|text_model|llm)"
+LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+class VLMLoadError(RuntimeError):
+    """A model that cannot be loaded; the message says what to fetch or change."""
+
+
+def _hf_offline_context():
+    from fedvlm.models.clip_loader import _hf_offline, _hub_reachable
+
+    return _hf_offline() if not _hub_reachable() else _nullcontext()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def resolve_model_path(name: str, cache_dir: Path) -> str:
+    """The embedded model's directory (pretrained on first use), or ``name`` unchanged."""
+    if name == EMBEDDED_VLM_NAME:
+        from fedvlm.models import tiny_vlm
+
+        return str(tiny_vlm.ensure_pretrained(cache_dir))
+    return name
+
+
+def load_model_and_processor(name: str, cache_dir: Path, trust_remote_code: bool = False, dtype: str = "auto"):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = resolve_model_path(name, cache_dir)
+    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
+    try:
+        with _hf_offline_context():
+            processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForImageTextToText.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch_dtype)
+    except (OSError, ValueError) as err:
+        local = Path(path).expanduser().exists()
+        hint = ("the directory exists but is not a transformers checkpoint with a processor" if local else
+                "it is neither a local directory nor in the Hugging Face cache, and this machine may be offline; "
+                f"on a machine with network run `huggingface-cli download {path}` (or save_pretrained the model "
+                "and processor to a directory) and set vlm.model to that directory")
+        extra = "" if trust_remote_code else "; models with custom code (TinyLLaVA) also need vlm.trust-remote-code=true"
+        raise VLMLoadError(f"vlm.model = {name!r} could not be loaded: {hint}{extra} ({type(err).__name__}: {err})") from err
+    return model, processor
+
+
+def lora_target_regex(targets: list[str], lm_pattern: str = DEFAULT_LM_PATTERN) -> str:
+    """A peft ``target_modules`` regex: the named linear layers inside the language model only."""
+    names = "|".join(re.escape(t) for t in targets)
+    return rf".*{lm_pattern}\..*\.(?:{names})$"
+
+
+def layer_of(param_name: str) -> int | None:
+    m = LAYER_INDEX.search(param_name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    kind: str  # "lora" | "loha"
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    lm_pattern: str = DEFAULT_LM_PATTERN
+
+
+def add_adapter(model: torch.nn.Module, spec: AdapterSpec, seed: int) -> torch.nn.Module:
+    """Wrap ``model`` with a peft adapter; every base weight stays frozen. The adapter's
+    initial values come from ``seed`` so that the server and every client agree on them."""
+    from peft import LoHaConfig, LoraConfig, get_peft_model
+
+    regex = lora_target_regex(list(spec.targets), spec.lm_pattern)
+    if spec.kind == "lora":
+        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=regex)
+    elif spec.kind == "loha":
+        config = LoHaConfig(r=spec.rank, alpha=spec.alpha, rank_dropout=0.0, module_dropout=0.0, target_modules=regex)
+    else:
+        raise ValueError(f"unknown adapter kind {spec.kind!r}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as err:
+        raise VLMLoadError(
+            f"no layer of the language model matches lora.target-modules={','.join(spec.targets)} "
+            f"(pattern {regex}); list the model's linear layer names (e.g. q_proj,v_proj) or set "
+            f"vlm.language-model-pattern ({err})") from err
+    finally:
+        torch.random.set_rng_state(state)
+    return wrapped
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under stable names (peft's, without the 'base_model.model.' prefix
+    and the adapter name), on the CPU."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            out[_short(name)] = p.detach().cpu().clone()
+    return out
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("base_model.model.").replace(".default.", ".").replace(".default", "")
+
+
+def load_adapter_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    params = {_short(n): p for n, p in model.named_parameters() if p.requires_grad}
+    unknown = set(tensors) - set(params)
+    if unknown:
+        raise KeyError(f"adapter tensors not in this model: {sorted(unknown)[:3]}")
+    with torch.no_grad():
+        for k, v in tensors.items():
+            params[k].copy_(v.to(params[k].device, params[k].dtype))
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {_short(n): p for n, p in model.named_parameters() if p.requires_grad}
+
+
+class VLM:
+    """A frozen VLM with an adapter, and the batching that turns triples into model inputs."""
+
+    def __init__(self, model, processor, name: str, device: torch.device, max_length: int = 512):
+        self.model = model.to(device)
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.name = name
+        self.device = device
+        self.max_length = max_length
+        self.model.eval()  # no dropout in the frozen parts; the adapter's own dropout is a config key
+
+    # --- text -------------------------------------------------------------------------------
+    def prompt_text(self, prompt: str) -> str:
+        if getattr(self.processor, "chat_template", None):
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+            return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        image_token = getattr(self.processor, "image_token", "<image>")
+        return f"{image_token}\n{prompt}"
+
+    def _encode(self, images: list[Image.Image], texts: list[str], padding_side: str) -> dict:
+        self.tokenizer.padding_side = padding_side
+        batch = self.processor(images=[img.convert("RGB") for img in images], text=texts, return_tensors="pt", padding=True)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def training_batch(self, images: list[Image.Image], prompts: list[str], targets: list[str]) -> dict:
+        """Inputs with labels on the target tokens (and the end-of-sequence token) only."""
+        eos = self.tokenizer.eos_token or ""
+        heads = [self.prompt_text(p) for p in prompts]
+        full = [h + t + eos for h, t in zip(heads, targets)]
+        batch = self._encode(images, full, "right")
+        head_ids = self._encode(images, heads, "right")
+        head_len = head_ids["attention_mask"].sum(dim=1)
+        labels = batch["input_ids"].clone()
+        positions = torch.arange(labels.shape[1], device=labels.device)[None, :]
+        labels[positions < head_len[:, None]] = -100
+        labels[batch["attention_mask"] == 0] = -100
+        batch["labels"] = labels
+        return batch
+
+    def token_logits(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits predicting each next token [B, L-1, V], target ids [B, L-1] with -100 where
+        no label)."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = self.model(**inputs).logits
+        return logits[:, :-1].float(), batch["labels"][:, 1:]
+
+    def per_sample_loss(self, batch: dict) -> torch.Tensor:
+        logits, targets = self.token_logits(batch)
+        loss = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+        n = (targets != -100).sum(dim=1).clamp(min=1)
+        return loss.sum(dim=1) / n
+
+    @torch.no_grad()
+    def generate(self, images: list[Image.Image], prompts: list[str], max_new_tokens: int) -> list[str]:
+        batch = self._encode(images, [self.prompt_text(p) for p in prompts], "left")
+        out = self.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=self.tokenizer.pad_token_id)
+        new = out[:, batch["input_ids"].shape[1]:]
+        return [t.strip() for t in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
+
+
+def fingerprint(model: torch.nn.Module, name: str) -> str:
+    """A short hash of the frozen base weights (every node must hold the same model)."""
+    h = hashlib.sha256(name.encode())
+    for k, p in sorted(model.state_dict().items())[:64]:
+        if "lora_" in k or "hada_" in k:
+            continue
+        h.update(k.encode())
+        h.update(p.detach().float().cpu().flatten()[:256].numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+_LOADED: dict[tuple, tuple["VLM", dict[str, torch.Tensor], str]] = {}
+
+
+def resolve_device(name: str) -> torch.device:
+    from fedvlm.models.clip_loader import resolve_device as clip_device
+
+    return clip_device(name)
+
+
+def load_vlm(name: str, cache_dir: Path, adapter: AdapterSpec, seed: int, device: str = "auto",
+             trust_remote_code: bool = False, dtype: str = "auto") -> tuple[VLM, dict[str, torch.Tensor], str]:
+    """The frozen VLM with its adapter, the adapter's initial values (seeded: every process
+    gets the same) and the base model's fingerprint. Cached per process: simulated nodes that
+    share a worker share the model and load their own adapter values before each use."""
+    dev = resolve_device(device)
+    key = (name, str(cache_dir), adapter, seed, str(dev), trust_remote_code, dtype)
+    if key not in _LOADED:
+        model, processor = load_model_and_processor(name, cache_dir, trust_remote_code, dtype)
+        fp = fingerprint(model, name)
+        wrapped = add_adapter(model, adapter, seed)
+        initial = adapter_state(wrapped)
+        _LOADED[key] = (VLM(wrapped, processor, name, dev), initial, fp)
+    return _LOADED[key]

@@ -1,0 +1,219 @@
+"""Privacy plans and the per-run privacy ledger.
+
+A ``MechanismPlan`` fixes one Gaussian mechanism of a run before round 1: where the noise is
+added, the clip norm, the sensitivity the calibration assumed and the one that is valid for
+what the code does, σ, the noise multiplier z = σ/S, the number of releases, the sampling, δ,
+how σ was calibrated, and the ε an accountant gives for exactly that noise. The planner
+(``privacy.planner``) makes the plans and sends each client the σ it must draw with, so the
+numbers in ``results.json`` are the numbers the noise was drawn with.
+
+The ``PrivacyLedger`` is the ``privacy`` section of ``results.json``: the plans, each client's
+per-record account, the ε a record of every client has spent after every round (all the
+mechanisms it feeds composed, with each mechanism alone beside it), the values that leave nodes
+outside every mechanism, and notes where a stated guarantee does not hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from fedvlm.privacy.accounting import GaussianReleases, calibrate_noise_multiplier, epsilon_spent, paper_sigma
+
+
+@dataclass(frozen=True)
+class PrivacySettings:
+    epsilon: float  # 0 = no noise
+    delta: float
+    clip: float
+    calibration: str  # "paper" | "accountant"
+    clipping: str  # "per-sample" | "per-batch"
+    max_epsilon: float  # 0 = no cap
+    accountant: str  # "rdp" | "pld"
+    noise_multiplier: float = 0.0  # > 0: fixed z, no calibration (a budget-limited run)
+
+    @property
+    def enabled(self) -> bool:
+        return self.epsilon > 0 or self.noise_multiplier > 0
+
+    @property
+    def fixed_noise(self) -> bool:
+        return self.noise_multiplier > 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "PrivacySettings":
+        return cls(cfg["privacy.epsilon"], cfg["privacy.delta"], cfg["privacy.clip"], cfg["privacy.calibration"],
+                   cfg["privacy.clipping"], cfg["privacy.max-epsilon"], cfg["privacy.accountant"],
+                   cfg["privacy.noise-multiplier"])
+
+    @property
+    def sampling(self) -> str:
+        """Record sampling of local steps: Poisson (what the accountant assumes) unless the
+        paper's calibration is used, which goes with fixed-size uniform minibatches (its code)."""
+        return "uniform" if self.calibration == "paper" and not self.fixed_noise else "poisson"
+
+
+@dataclass
+class MechanismPlan:
+    name: str
+    where: str
+    party: str  # "client" (local DP) or "server" (global DP)
+    clip: float
+    clipping: str
+    sensitivity: float  # L2 sensitivity of one release, as the calibration assumes
+    sigma: float
+    noise_multiplier: float
+    releases: int
+    sampling: str
+    sampling_rate: float  # used by the accountant (1.0: no amplification claimed)
+    delta: float
+    calibration: str
+    accountant: str
+    target_epsilon: float
+    planned_epsilon: float  # accountant's ε after all releases, for this σ
+    true_sensitivity: float  # what one record can really change (privacy.ledger.valid_sensitivity)
+    notes: list[str] = field(default_factory=list)
+
+    def releases_obj(self, count: int) -> GaussianReleases:
+        return GaussianReleases(self.sigma / self.true_sensitivity, count, self.sampling_rate)
+
+    def epsilon_after(self, count: int) -> float:
+        """ε an accountant gives after ``count`` releases with the true sensitivity."""
+        return epsilon_spent(self.releases_obj(count), self.delta, self.accountant)
+
+    def scaled(self, factor: float) -> "MechanismPlan":
+        """The same mechanism with ``factor`` times the noise (a joint calibration's scaling)."""
+        if factor == 1.0:
+            return self
+        plan = replace(self, sigma=self.sigma * factor, noise_multiplier=self.noise_multiplier * factor,
+                       notes=[*self.notes, f"sigma scaled by {factor:.4f} in the joint calibration"])
+        plan.planned_epsilon = plan.epsilon_after(plan.releases)
+        return plan
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, float) and math.isinf(v):
+                d[k] = "inf"
+        return d
+
+
+def valid_sensitivity(settings: PrivacySettings, sensitivity: float, per_batch_sensitivity: float) -> float:
+    """What one record can really change in a release whose calibration assumed ``sensitivity``
+    (add/remove one record, per-sample clipping, Poisson batches):
+    - per-batch clipping: clipping the batch mean to C bounds a record's influence by 2C, not C/B;
+    - fixed-size batches (the paper's calibration): adding a record displaces another from its
+      batch, so the clipped sum moves by up to 2C: sensitivity 2C/B."""
+    if settings.clipping == "per-batch":
+        return per_batch_sensitivity
+    if settings.sampling == "uniform":
+        return 2 * sensitivity
+    return sensitivity
+
+
+def plan_gaussian(
+    settings: PrivacySettings,
+    name: str,
+    where: str,
+    party: str,
+    sensitivity: float,
+    releases: int,
+    sampling_rate: float,
+    per_batch_sensitivity: float,
+    paper_sensitivity: float | None = None,
+) -> MechanismPlan:
+    """Plan one mechanism.
+
+    ``sensitivity``: L2 sensitivity of one release under per-sample clipping (what the
+    calibration assumes); ``per_batch_sensitivity``: what one record can really change when
+    the batch gradient is clipped as a whole instead; ``paper_sensitivity``: what the paper's
+    closed form plugs in (DP-FPL's S_L = C/B, S_G = C/(N·B), per released tensor); defaults
+    to ``sensitivity``.
+    """
+    s = settings
+    notes: list[str] = []
+    q = sampling_rate if s.sampling == "poisson" else 1.0
+    if s.sampling != "poisson":
+        notes.append("fixed-size minibatches: the accountant claims no subsampling amplification")
+    if s.fixed_noise:
+        sigma = s.noise_multiplier * sensitivity
+        notes.append("fixed noise multiplier (privacy.noise-multiplier): epsilon is reported, not targeted")
+    elif s.calibration == "paper":
+        sigma = paper_sigma(paper_sensitivity if paper_sensitivity is not None else sensitivity, releases, s.delta, s.epsilon)
+        notes.append("sigma from DP-FPL's closed form sigma = S*sqrt(T*ln(1/delta))/epsilon (constant 1); "
+                     "planned_epsilon is what an accountant gives for that sigma")
+    else:
+        z = calibrate_noise_multiplier(s.epsilon, s.delta, releases, q, s.accountant)
+        sigma = z * sensitivity
+    if s.clipping == "per-batch":
+        # the public code's behaviour: the guarantee computed from C/B does not hold
+        notes.append("per-batch clipping: one record can move the clipped batch gradient by up to 2C, "
+                     "so the stated epsilon does NOT hold; planned_epsilon uses the true sensitivity")
+    elif s.sampling == "uniform":
+        notes.append("fixed-size batches: a record added to the data displaces another from its batch, so the "
+                     "valid sensitivity is twice the one sigma was calibrated for; planned_epsilon uses it")
+    plan = MechanismPlan(
+        name=name, where=where, party=party, clip=s.clip, clipping=s.clipping, sensitivity=sensitivity,
+        sigma=float(sigma), noise_multiplier=float(sigma / sensitivity), releases=releases, sampling=s.sampling,
+        sampling_rate=q, delta=s.delta, calibration="fixed-noise" if s.fixed_noise else s.calibration, accountant=s.accountant,
+        target_epsilon=s.epsilon, planned_epsilon=0.0, true_sensitivity=valid_sensitivity(s, sensitivity, per_batch_sensitivity), notes=notes,
+    )
+    plan.planned_epsilon = plan.epsilon_after(releases)
+    return plan
+
+
+RELEASED_NOTE = (
+    "These values leave every node un-noised, outside the accounted mechanisms, and the epsilon does not cover "
+    "them: the handshake (data sizes, class ids, partition id, backbone fingerprint), and with every reply the "
+    "number of examples, training loss and accuracy, evaluation metrics and timings (also stored per client in "
+    "results.json rounds[].clients). They are aggregate statistics of a node's data, each computed from many "
+    "records, but a single record can shift them; the server, and whoever reads the run folder, sees them. "
+    "Against a curious server, treat them as released without protection.")
+
+
+class PrivacyLedger:
+    def __init__(self, settings: PrivacySettings, method: str):
+        self.settings = settings
+        self.method = method
+        self.plans: dict[str, MechanismPlan] = {}
+        self.client_plans: dict[str, dict[str, MechanismPlan]] = {}  # per-client LDP plans
+        # per client: what one round costs its records (privacy.planner.RecordAccount) and the
+        # epsilon a record would spend if the client trained in every round
+        self.records: dict[str, dict] = {}
+        self.rounds: list[dict] = []
+        self.notes: list[str] = []
+        # where each party's DP randomness comes from ('seeded' | 'os', privacy.mechanisms)
+        self.noise_sources: dict = {}
+        # values that leave nodes outside every accounted mechanism, by message (note_released)
+        self.released: dict[str, set[str]] = {}
+
+    def add_plan(self, plan: MechanismPlan, client: str | None = None) -> None:
+        if client is None:
+            self.plans[plan.name] = plan
+        else:
+            self.client_plans.setdefault(client, {})[plan.name] = plan
+
+    def note_released(self, message: str, keys) -> None:
+        """Record the names of values a node sent outside the noised tensors."""
+        self.released.setdefault(message, set()).update(str(k) for k in keys)
+
+    def record_round(self, server_round: int, entry: dict) -> None:
+        self.rounds.append({"round": server_round, **entry})
+
+    def as_dict(self) -> dict:
+        s = self.settings
+        return {
+            "method": self.method,
+            "enabled": s.enabled,
+            "settings": asdict(s),
+            "mechanisms": {k: p.as_dict() for k, p in self.plans.items()},
+            "client_mechanisms": {c: {k: p.as_dict() for k, p in per.items()} for c, per in self.client_plans.items()},
+            "records": self.records,
+            "noise_sources": self.noise_sources,
+            "rounds": self.rounds,
+            "released_outside_mechanisms": {
+                "values": {m: sorted(keys) for m, keys in sorted(self.released.items())},
+                "note": RELEASED_NOTE,
+            },
+            "notes": self.notes,
+        }

@@ -1,0 +1,297 @@
+"""The privacy planner: the noise of every mechanism of a run, and the epsilon a record gets.
+
+Terms. Client k holds n_k records and takes s_k local steps per round on batches of expected
+size B_k = min(B, n_k), Poisson-sampled with rate q_k = B_k / n_k (with the paper's
+calibration: fixed-size uniform batches, q = 1, no amplification claimed). T rounds.
+
+Mechanisms (``privacy.ledger.MechanismPlan``):
+- local (client) DP: every local step, the per-sample-clipped gradient of the method's local
+  tensors gets N(0, sigma_L,k^2); sensitivity sqrt(tensors) * C / B_k;
+- global (server) DP, DP-FPL and its baselines: once per round the server adds N(0, sigma_G^2)
+  to the average of the sampled clients' clipped global gradients, divided by a denominator N
+  frozen at planning; a record of client k moves it by at most C / (N * B_k).
+
+What protects a record is the composition of everything its records feed: a record of client
+k spends, in every round k trains, its local steps AND its share of the global release.
+``RecordAccount`` is that per-client view; with one local step per round the local and global
+gradients come from the same Poisson batch, so a round is one subsampled Gaussian release with
+the joint noise multiplier (z_L^-2 + z_G^-2)^-1/2 (``accounting.joint_noise_multiplier``);
+otherwise the s_k local releases and the (unamplified) global one are composed.
+
+Calibration (``privacy.calibration = accountant``): every mechanism is first calibrated alone to
+``privacy.epsilon``, then all of them are scaled by one factor c >= 1 until every client's
+composed epsilon meets the target. A client therefore always gets at least the local noise it
+would compute for its own mechanism alone, which is what it checks (``required_local_sigma``)
+before it trains: client-side DP protects against the server, so it must not rest on the
+server's word.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from fedvlm.privacy.accounting import BudgetError, GaussianReleases, epsilon_spent, joint_noise_multiplier, smallest_scale
+from fedvlm.privacy.ledger import MechanismPlan, PrivacyLedger, PrivacySettings, plan_gaussian, valid_sensitivity
+
+# The config key of the train message that carries the std of the client's local-DP noise.
+LOCAL_SIGMA_KEY = "dp.local-sigma"
+
+
+class NoiseRefused(RuntimeError):
+    """A client was asked to train with less noise than its own plan requires."""
+
+
+@dataclass(frozen=True)
+class LocalDP:
+    """A method's local-DP mechanism: Gaussian noise on the per-sample-clipped gradients of
+    ``tensors`` tensors (each clipped to C separately) at every local step."""
+
+    name: str
+    where: str
+    tensors: int = 1
+
+
+@dataclass(frozen=True)
+class ClientShape:
+    """What a privacy plan needs to know of one client."""
+
+    n_train: int
+    batch_size: int  # the configured B
+    steps: int  # local steps per round
+
+    @property
+    def expected_batch(self) -> int:
+        return min(self.batch_size, self.n_train)
+
+    def sampling_rate(self, settings: PrivacySettings) -> float:
+        if settings.sampling != "poisson" or self.n_train <= self.batch_size:
+            return 1.0
+        return self.batch_size / self.n_train
+
+
+@functools.lru_cache(maxsize=1024)
+def local_plan(settings: PrivacySettings, local: LocalDP, client: ClientShape, rounds: int) -> MechanismPlan:
+    """A client's local mechanism planned on its own, from the run config and its data size
+    alone: the server plans with it, and the client recomputes it to check what it is sent."""
+    if client.n_train < 1:
+        raise BudgetError("a client with no training records cannot be planned")
+    per_tensor = settings.clip / client.expected_batch  # per-sample clipping to C, sum / B
+    plan = plan_gaussian(
+        settings, local.name, local.where, "client",
+        sensitivity=math.sqrt(local.tensors) * per_tensor,
+        releases=rounds * client.steps,
+        sampling_rate=client.sampling_rate(settings),
+        per_batch_sensitivity=math.sqrt(local.tensors) * 2 * settings.clip,
+        paper_sensitivity=per_tensor,
+    )
+    if local.tensors > 1:
+        plan.notes.append(f"{local.tensors} tensors are clipped to C separately and noised with the same sigma: "
+                          "accounted as one Gaussian release of joint sensitivity sqrt(n)*C/B")
+    return plan
+
+
+def required_local_sigma(settings: PrivacySettings, local: LocalDP, client: ClientShape, rounds: int,
+                         received: object) -> float:
+    """Client side: the std of the local noise to draw. The server's value is accepted when it is
+    at least what the client's own plan needs; a missing, non-positive or smaller value is
+    refused (DP fails closed)."""
+    need = local_plan(settings, local, client, rounds).sigma
+    try:
+        sigma = float(received)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        sigma = float("nan")
+    if not sigma > 0 or not math.isfinite(sigma):
+        raise NoiseRefused(f"privacy is on but the server sent no usable local noise level ({LOCAL_SIGMA_KEY} = "
+                           f"{received!r}); refusing to train without noise")
+    if sigma < need * (1 - 1e-9):
+        raise NoiseRefused(
+            f"the server asked for local noise sigma = {sigma:.6g}, below the {need:.6g} this node's own plan needs "
+            f"for {local.name} (epsilon {settings.epsilon}, delta {settings.delta}, clip {settings.clip}, "
+            f"{rounds} rounds x {client.steps} steps, batch {client.expected_batch} of {client.n_train} records); "
+            "refusing to train")
+    return sigma
+
+
+@dataclass(frozen=True)
+class RecordAccount:
+    """What each round a client trains costs one of its records."""
+
+    sampling_rate: float
+    steps: int
+    z_local: float | None  # None: no local mechanism
+    z_global: float | None  # None: no global mechanism
+
+    @property
+    def shared_batch(self) -> bool:
+        """One local step per round: the local and global gradients come from one batch."""
+        return self.z_local is not None and self.z_global is not None and self.steps == 1
+
+    def releases(self, rounds: int) -> list[GaussianReleases]:
+        if self.shared_batch:
+            return [GaussianReleases(joint_noise_multiplier(self.z_local, self.z_global), rounds, self.sampling_rate)]
+        out = []
+        if self.z_local is not None:
+            out.append(GaussianReleases(self.z_local, rounds * self.steps, self.sampling_rate))
+        if self.z_global is not None:
+            # several local steps: the record may sit in any of them, so no amplification
+            out.append(GaussianReleases(self.z_global, rounds, 1.0 if self.z_local is not None else self.sampling_rate))
+        return out
+
+    def epsilon(self, rounds: int, delta: float, accountant: str) -> float:
+        return epsilon_spent(self.releases(rounds), delta, accountant)
+
+    def as_dict(self) -> dict:
+        d = {"sampling_rate": self.sampling_rate, "steps_per_round": self.steps, "z_local": self.z_local,
+             "z_global": self.z_global, "shared_batch": self.shared_batch}
+        if self.shared_batch:
+            d["z_joint"] = joint_noise_multiplier(self.z_local, self.z_global)
+        return d
+
+
+@dataclass(frozen=True)
+class GlobalDP:
+    """A method's server-side mechanism: noise on the average of the sampled clients' clipped
+    gradients, once per round, divided by ``denominator`` (frozen at planning)."""
+
+    name: str
+    where: str
+    denominator: int
+
+
+class PrivacyPlanner:
+    """Plans every mechanism of a run (before round 1, and for a node that joins later), writes
+    the plans into the ledger and answers what each client's records have spent."""
+
+    def __init__(self, settings: PrivacySettings, ledger: PrivacyLedger, rounds: int,
+                 local: LocalDP | None, global_dp: GlobalDP | None = None):
+        self.settings = settings
+        self.ledger = ledger
+        self.rounds = rounds
+        self.local = local
+        self.global_dp = global_dp
+        self.clients: dict[str, ClientShape] = {}
+        self.local_plans: dict[str, MechanismPlan] = {}
+        self.global_plan: MechanismPlan | None = None
+        self.scale = 1.0  # the joint calibration's common factor c on every noise level
+
+    # ---- planning --------------------------------------------------------------------------
+    def plan(self, clients: dict[str, ClientShape]) -> None:
+        """Plan every mechanism for the nodes known before round 1."""
+        s = self.settings
+        self.clients = dict(clients)
+        base = {name: local_plan(s, self.local, shape, self.rounds) for name, shape in clients.items()} if self.local else {}
+        if self.global_dp is not None:
+            self.global_plan = self._plan_global()
+        if self.global_dp is not None and self.local is not None and s.calibration == "accountant" and not s.fixed_noise:
+            # Every mechanism alone meets the target; together they would not. Scale all noise by one
+            # factor until the worst client's composed epsilon does.
+            def worst(c: float) -> float:
+                return max(self._account(shape, base[name].sigma * c, self.global_plan.sigma * c)
+                           .epsilon(self.rounds, s.delta, s.accountant) for name, shape in clients.items())
+
+            self.scale = smallest_scale(worst, s.epsilon)
+            self.global_plan = self.global_plan.scaled(self.scale)
+            self.ledger.notes.append(
+                f"local and global noise calibrated jointly: each mechanism's sigma, calibrated alone to epsilon = "
+                f"{s.epsilon}, is multiplied by {self.scale:.4f} so that the composition a record of every client "
+                "undergoes (its local steps and its share of the global release) meets the target")
+        for name, plan in base.items():
+            self._set_local(name, plan.scaled(self.scale))
+        if self.global_plan is not None:
+            self.ledger.add_plan(self.global_plan)
+        for name in clients:
+            self._record(name)
+
+    def admit(self, name: str, shape: ClientShape) -> None:
+        """Plan a node that joined after round 1's plan: its local noise is calibrated so that
+        its composed epsilon, with the global noise already fixed, meets the target. Raises
+        ``BudgetError`` (the node must be excluded) if no local noise can."""
+        if name in self.clients:
+            return
+        s = self.settings
+        plan = local_plan(s, self.local, shape, self.rounds) if self.local else None
+        if self.global_plan is not None and self.local is not None and s.calibration == "accountant" and not s.fixed_noise:
+            alone = self._account(shape, None, self.global_plan.sigma).epsilon(self.rounds, s.delta, s.accountant)
+            if alone > s.epsilon * (1 + 1e-9):
+                raise BudgetError(
+                    f"it joined after the privacy plan was made and its records would spend epsilon = {alone:.4g} in the "
+                    f"global mechanism alone ({shape.n_train} records, batch {shape.expected_batch}), above "
+                    f"privacy.epsilon = {s.epsilon}: start every node before the run, or give it more data")
+            c = smallest_scale(lambda c: self._account(shape, plan.sigma * c, self.global_plan.sigma)
+                               .epsilon(self.rounds, s.delta, s.accountant), s.epsilon)
+            plan = plan.scaled(c)
+        cap = s.max_epsilon
+        if cap and not s.fixed_noise:
+            planned = self._account(shape, plan.sigma if plan else None, self.global_plan.sigma if self.global_plan else None)
+            eps = planned.epsilon(self.rounds, s.delta, s.accountant)
+            if eps > cap * (1 + 1e-9):
+                raise BudgetError(f"it joined after the privacy plan was made and its records would spend epsilon = "
+                                  f"{eps:.4g}, above privacy.max-epsilon = {cap}")
+        self.clients[name] = shape
+        if plan is not None:
+            self._set_local(name, plan)
+        self._record(name)
+
+    def _plan_global(self) -> MechanismPlan:
+        s, g = self.settings, self.global_dp
+        b = min(shape.expected_batch for shape in self.clients.values())
+        one_step = all(shape.steps == 1 for shape in self.clients.values())
+        q = max(shape.sampling_rate(s) for shape in self.clients.values())
+        plan = plan_gaussian(
+            s, g.name, g.where, "server", sensitivity=s.clip / (g.denominator * b), releases=self.rounds,
+            sampling_rate=q if one_step else 1.0, per_batch_sensitivity=2 * s.clip / g.denominator,
+        )
+        if not one_step:
+            plan.notes.append("several local steps per round: no subsampling amplification is claimed")
+        plan.notes.append(f"the average is always divided by at least {g.denominator} (the clients sampled at "
+                          "planning), also in rounds where fewer are sampled, so the sensitivity stays as planned")
+        return plan
+
+    def _set_local(self, name: str, plan: MechanismPlan) -> None:
+        self.local_plans[name] = plan
+        self.ledger.add_plan(plan, client=name)
+
+    def _record(self, name: str) -> None:
+        acc = self.account(name)
+        self.ledger.records[name] = {
+            **acc.as_dict(), "planned_epsilon": acc.epsilon(self.rounds, self.settings.delta, self.settings.accountant)}
+
+    # ---- accounting ------------------------------------------------------------------------
+    def _account(self, shape: ClientShape, sigma_local: float | None, sigma_global: float | None) -> RecordAccount:
+        s = self.settings
+        z_local = z_global = None
+        if sigma_local is not None:
+            tensors = self.local.tensors
+            z_local = sigma_local / valid_sensitivity(s, math.sqrt(tensors) * s.clip / shape.expected_batch,
+                                                      math.sqrt(tensors) * 2 * s.clip)
+        if sigma_global is not None:
+            n = self.global_dp.denominator
+            z_global = sigma_global / valid_sensitivity(s, s.clip / (n * shape.expected_batch), 2 * s.clip / n)
+        return RecordAccount(shape.sampling_rate(s), shape.steps, z_local, z_global)
+
+    def account(self, name: str) -> RecordAccount:
+        plan = self.local_plans.get(name)
+        return self._account(self.clients[name], plan.sigma if plan else None,
+                             self.global_plan.sigma if self.global_plan else None)
+
+    def local_sigma(self, name: str) -> float:
+        return self.local_plans[name].sigma
+
+    def epsilon(self, name: str, rounds: int) -> float:
+        """What a record of client ``name`` has spent after it trained in ``rounds`` rounds."""
+        return self.account(name).epsilon(rounds, self.settings.delta, self.settings.accountant)
+
+    def worst_planned(self) -> float:
+        return max((r["planned_epsilon"] for r in self.ledger.records.values()), default=0.0)
+
+
+def client_local_sigma(cfg, shape: ClientShape, message_config: dict) -> float:
+    """What a client draws its local noise with this round: 0 without privacy, else the
+    server's sigma once checked against the client's own plan (``required_local_sigma``)."""
+    settings = PrivacySettings.from_config(cfg)
+    if not settings.enabled:
+        return 0.0
+    local = cfg.method.local_dp(cfg)
+    return required_local_sigma(settings, local, shape, cfg["num-server-rounds"], message_config.get(LOCAL_SIGMA_KEY))

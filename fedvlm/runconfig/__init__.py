@@ -1,0 +1,221 @@
+"""Run-config validation: one place that turns Flower's flat run config into checked values.
+
+``validate(raw)`` fails with a ``ConfigError`` that names the key, the value and what is
+accepted, for: unknown keys, wrong types, values out of range or not among the choices,
+unknown methods, and combinations that cannot work. It also resolves the 'auto' values
+(dataset, partitioner) from the method's family, and the default directories.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterator
+
+from fedvlm.methods import FAMILIES, METHODS, UnknownMethod, get_method
+from fedvlm.runconfig.schema import DEFAULTS, KEY_BY_NAME, KEYS, Key
+
+__all__ = ["ConfigError", "RunConfig", "validate", "parse_value", "KEYS", "DEFAULTS"]
+
+# Datasets whose files must be supplied (or downloaded) under data-root.
+DATASETS_NEEDING_ROOT = frozenset(
+    {"caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100", "image-folder", "coco-captions",
+     "bloodmnist"}
+)
+VLM_DATASETS = frozenset({"embedded-captions", "embedded-vqa", "coco-captions", "scienceqa"})
+DATASETS_WITH_OPTIONAL_ROOT = frozenset({"scienceqa"})
+
+
+def parse_value(text: str):
+    """A command-line ``KEY=VALUE``'s value: an int, a float, true/false, else the string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be run; the message says which key and how to fix it."""
+
+
+class RunConfig(Mapping):
+    """Validated, resolved run config: read-only, indexed by the flat key names."""
+
+    def __init__(self, values: dict[str, Any]):
+        self._values = dict(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def method(self):
+        return get_method(self._values["method"])
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self._values["cache-dir"])
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+def _type_ok(key: Key, value: Any) -> bool:
+    if key.kind is bool:
+        return isinstance(value, bool)
+    if key.kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if key.kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, key.kind)
+
+
+def _check_value(key: Key, value: Any) -> str | None:
+    if not _type_ok(key, value):
+        return f"must be of type {key.kind.__name__}, got {type(value).__name__} {value!r}"
+    if key.choices is not None and value not in key.choices:
+        return f"accepted values: {', '.join(repr(c) for c in key.choices)}"
+    if key.min is not None:
+        if value < key.min or (key.min_exclusive and value == key.min):
+            return f"must be {'>' if key.min_exclusive else '>='} {key.min}"
+    if key.max is not None and value > key.max:
+        return f"must be <= {key.max}"
+    if key.check is not None:
+        return key.check(value)
+    return None
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("FEDVLM_CACHE") or Path.home() / ".cache" / "fedvlm")
+
+
+def default_output_dir() -> Path:
+    return Path.home() / "fedvlm-runs"
+
+
+EMBEDDED_CLASSIFICATION = frozenset({"embedded", "embedded-shadow", "digits"})
+
+
+def _resolve_reprogram(values: dict) -> None:
+    """Reprogrammable-FL's 'auto' values and the combinations it cannot run."""
+    embedded_data = values["dataset"] in EMBEDDED_CLASSIFICATION
+    if values["reprogram.source-model"] == "auto":
+        values["reprogram.source-model"] = "embedded-tiny-resnet" if embedded_data else "resnet50"
+    tiny = values["reprogram.source-model"] == "embedded-tiny-resnet"
+    if values["reprogram.batch-size"] == -1:
+        values["reprogram.batch-size"] = 32 if embedded_data else 256
+    if values["reprogram.image-size"] == -1:
+        values["reprogram.image-size"] = 24 if tiny else 200
+    source_size = 32 if tiny else 224
+    if values["reprogram.image-size"] > source_size:
+        raise ConfigError(f"run config 'reprogram.image-size' = {values['reprogram.image-size']} exceeds the source "
+                          f"model's input size {source_size}: the image is zero-padded up to it")
+    if values["privacy.calibration"] == "paper":
+        raise ConfigError("run config 'privacy.calibration' = 'paper' is DP-FPL's closed form; Reprogrammable-FL "
+                          "runs DP-SGD with an accountant: set privacy.calibration='accountant'")
+    if values["privacy.clipping"] == "per-batch":
+        raise ConfigError("run config 'privacy.clipping' = 'per-batch' does not apply to Reprogrammable-FL: its "
+                          "DP-SGD (Opacus) always clips per sample; set privacy.clipping='per-sample'")
+
+
+def validate(raw: Mapping[str, Any]) -> RunConfig:
+    """Check every key of ``raw`` (missing keys take their defaults) and resolve 'auto'."""
+    unknown = [k for k in raw if k not in KEY_BY_NAME]
+    if unknown:
+        lines = []
+        for k in sorted(unknown):
+            close = difflib.get_close_matches(k, KEY_BY_NAME, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"unknown run-config key {k!r}{hint}")
+        raise ConfigError("; ".join(lines) + ". `python -m fedvlm.runconfig keys` lists every key.")
+
+    values = {**DEFAULTS, **dict(raw)}
+    errors = []
+    for key in KEYS:
+        problem = _check_value(key, values[key.name])
+        if problem:
+            errors.append(f"run config {key.name!r} = {values[key.name]!r}: {problem}")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+    try:
+        method = get_method(values["method"])
+    except UnknownMethod as err:
+        raise ConfigError(str(err)) from None
+    family = FAMILIES[method.family]
+    if values["dataset"] == "auto":
+        values["dataset"] = family.default_dataset
+    if values["partitioner"] == "auto":
+        values["partitioner"] = family.default_partitioner
+    if values["dirichlet-alpha"] == 0:
+        values["dirichlet-alpha"] = family.dirichlet_alpha
+    if values["fraction-train"] == 0:
+        values["fraction-train"] = family.fraction_train
+    if values["privacy.clip"] == -1:
+        values["privacy.clip"] = family.privacy_clip
+    if values["privacy.noise-multiplier"] == -1:
+        # the family's fixed noise is the default only when no epsilon is asked for
+        values["privacy.noise-multiplier"] = 0.0 if values["privacy.epsilon"] > 0 else family.noise_multiplier
+    elif values["privacy.noise-multiplier"] > 0 and values["privacy.epsilon"] > 0:
+        raise ConfigError(
+            f"run config sets both 'privacy.epsilon' = {values['privacy.epsilon']} (calibrate the noise to it) and "
+            f"'privacy.noise-multiplier' = {values['privacy.noise-multiplier']} (fixed noise, epsilon only reported); "
+            "set one of them, the other to 0")
+    if method.family == "reprogram":
+        _resolve_reprogram(values)
+    if (values["dataset"] in VLM_DATASETS) != (method.family == "vlm"):
+        fitting = sorted(VLM_DATASETS) if method.family == "vlm" else [d for d in KEY_BY_NAME["dataset"].choices
+                                                                      if d not in VLM_DATASETS and d != "auto"]
+        raise ConfigError(
+            f"run config 'dataset' = {values['dataset']!r} does not fit method {method.name!r} "
+            f"({'image-text' if method.family == 'vlm' else 'image classification'} data needed); "
+            f"accepted: {', '.join(fitting)}")
+    if values["lora.lr"] < 0:
+        values["lora.lr"] = 3e-3 if values["vlm.model"] == "embedded-tiny-vlm" else 3e-4
+    for key, value in method.defaults.items():  # -1 / "auto": the method decides
+        if values[key] in (-1, "auto"):
+            values[key] = value
+    if (values["privacy.epsilon"] > 0 or values["privacy.noise-multiplier"] > 0) and not method.supports_dp:
+        dp_methods = ", ".join(m.name for m in METHODS.values() if m.supports_dp)
+        raise ConfigError(
+            f"run config 'privacy.epsilon' = {values['privacy.epsilon']} but method {method.name!r} "
+            f"has no DP mechanism; set privacy.epsilon=0 or use one of: {dp_methods}"
+        )
+    if values["privacy.max-epsilon"] and values["privacy.epsilon"] > values["privacy.max-epsilon"]:
+        raise ConfigError(
+            f"run config 'privacy.epsilon' = {values['privacy.epsilon']} exceeds 'privacy.max-epsilon' = "
+            f"{values['privacy.max-epsilon']}; lower privacy.epsilon or raise privacy.max-epsilon"
+        )
+
+    if values["dataset"] in DATASETS_NEEDING_ROOT and not values["data-root"]:
+        raise ConfigError(
+            f"run config 'dataset' = {values['dataset']!r} needs 'data-root': the directory that "
+            "holds (or, with download=true, will hold) its files"
+        )
+    if values["dataset"] not in DATASETS_NEEDING_ROOT | DATASETS_WITH_OPTIONAL_ROOT and values["data-root"]:
+        raise ConfigError(
+            f"run config 'data-root' = {values['data-root']!r} is set but dataset "
+            f"{values['dataset']!r} is generated in-process and reads no files; remove data-root "
+            "or pick a file-backed dataset"
+        )
+    for path_key in ("output-dir", "cache-dir", "data-root"):
+        if values[path_key] and not Path(values[path_key]).expanduser().is_absolute():
+            raise ConfigError(
+                f"run config {path_key!r} = {values[path_key]!r} must be an absolute path: the "
+                "ServerApp and ClientApps run in whatever directory their Flower process was started in"
+            )
+    values["cache-dir"] = str(Path(values["cache-dir"]).expanduser() if values["cache-dir"] else default_cache_dir())
+    values["output-dir"] = str(Path(values["output-dir"]).expanduser() if values["output-dir"] else default_output_dir())
+    if values["data-root"]:
+        values["data-root"] = str(Path(values["data-root"]).expanduser())
+    return RunConfig(values)
+

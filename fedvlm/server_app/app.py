@@ -1,0 +1,63 @@
+"""The ServerApp: validate the run config, build the method's strategy, run the rounds and
+write the run folder (results.json, shared parameters, plots, a printed summary)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import flwr
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedvlm.runconfig import ConfigError, RunConfig, validate
+from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
+
+log = logging.getLogger("fedvlm")
+app = ServerApp()
+
+
+def _setup_logging() -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        for name in ("fedvlm", "strategies", "server_app", "models", "data", "privacy"):
+            lg = logging.getLogger(name)
+            lg.addHandler(handler)
+            lg.setLevel(logging.INFO)
+            lg.propagate = False
+
+
+def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
+    """Run a validated config on a grid (Flower's, or an in-process one) and write the run
+    folder; returns the recorder holding everything that was written."""
+    spec = cfg.method
+    run_dir = make_run_dir(cfg["output-dir"], cfg["run-name"], spec.name, cfg["dataset"], run_id)
+    log.info("run folder: %s", run_dir)
+    strategy = spec.strategy_class()(cfg, spec)
+    backbone = getattr(strategy, "bundle", None)
+    recorder = RunRecorder(run_dir, cfg.as_dict(), {
+        "method": spec.name, "family": spec.family, "summary": spec.summary, "run_id": str(run_id),
+        "flwr": flwr.__version__,
+        "backbone": {"name": backbone.name, "pretrained": backbone.pretrained, "fingerprint": backbone.fingerprint} if backbone else None,
+    })
+    try:
+        strategy.run(grid, recorder)
+    except BaseException as err:
+        recorder.finish("failed", f"{type(err).__name__}: {err}")
+        log.error("run failed: %s (results so far: %s)", err, recorder.path)
+        raise
+    print(summary_table(recorder.data), flush=True)
+    log.info("results: %s", recorder.path)
+    return recorder
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    _setup_logging()
+    try:
+        cfg = validate(context.run_config)
+    except ConfigError as err:
+        log.error("invalid run config: %s", err)
+        raise
+    execute(cfg, grid, context.run_id)

@@ -1,0 +1,148 @@
+"""A run's outputs: one folder holding results.json, the shared parameters and plots.
+
+``results.json`` is rewritten (atomically) after every round, so a crashed run keeps every
+round it finished. Top-level keys:
+- ``config``: the validated, resolved run config;
+- ``run``: method, backbone, nodes, versions, start time, status;
+- ``rounds``: one object per round with ``round``, ``metrics``, ``seconds``, ``bytes_up``,
+  ``bytes_down``, ``clients`` (per-client metrics), ``dropped`` (rejected replies and why);
+- ``final``: the summary (last-round and mean-of-last-10-rounds metrics, totals).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+SUMMARY_METRICS = ("local-acc", "neighbor-acc", "train-loss", "local-loss",
+                   # the VLM methods: the server's model and the clients' own, averaged
+                   "server-cider", "client-cider", "server-bleu-4", "client-bleu-4", "server-rouge-l", "client-rouge-l",
+                   "server-accuracy", "client-accuracy", "server-loss", "client-loss",
+                   "server-ood-cider", "server-ood-bleu-4")
+VLM_PROGRESS = ("server-cider", "client-cider", "server-accuracy", "client-accuracy")
+
+
+def make_run_dir(output_dir: str, run_name: str, method: str, dataset: str, run_id: int | str) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = run_name or f"{method}-{dataset}-{stamp}-{run_id}"
+    path = Path(output_dir) / name
+    if path.exists() and any(path.iterdir()):
+        path = Path(output_dir) / f"{name}-{stamp}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+class RunRecorder:
+    def __init__(self, run_dir: Path, config: dict, run_info: dict):
+        self.dir = Path(run_dir)
+        self.data = {"config": config, "run": {**run_info, "status": "running",
+                                                "started": datetime.now(timezone.utc).isoformat(),
+                                                "python": platform.python_version(),
+                                                "torch": torch.__version__}, "rounds": [], "final": {}}
+        self.t0 = time.time()
+        self.write()
+
+    @property
+    def path(self) -> Path:
+        return self.dir / "results.json"
+
+    def write(self) -> None:
+        atomic_write_json(self.data, self.path)
+
+    def set_run_info(self, **info) -> None:
+        self.data["run"].update(info)
+        self.write()
+
+    def add_section(self, key: str, value) -> None:
+        self.data[key] = value
+        self.write()
+
+    def add_round(self, record: dict) -> None:
+        self.data["rounds"].append(record)
+        self.write()
+
+    def save_arrays(self, name: str, arrays: dict[str, np.ndarray], server_round: int) -> None:
+        atomic_torch_save({"round": server_round, "arrays": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}},
+                          self.dir / name)
+
+    def final_summary(self) -> dict:
+        rounds = self.data["rounds"]
+        final: dict = {"rounds": len(rounds), "seconds": round(time.time() - self.t0, 2),
+                       "bytes_up": int(sum(r["bytes_up"] for r in rounds)),
+                       "bytes_down": int(sum(r["bytes_down"] for r in rounds))}
+        for key in SUMMARY_METRICS:
+            series = [r["metrics"][key] for r in rounds if key in r["metrics"]]
+            if series:
+                final[f"{key}"] = series[-1]
+                final[f"{key}-last10-mean"] = float(np.mean(series[-10:]))
+        return final
+
+    def finish(self, status: str = "finished", note: str = "") -> dict:
+        self.data["final"] = self.final_summary()
+        self.data["run"]["status"] = status
+        if note:
+            self.data["run"]["note"] = note
+        self.data["run"]["ended"] = datetime.now(timezone.utc).isoformat()
+        self.write()
+        try:
+            from fedvlm.server_app.plots import plot_run
+
+            plot_run(self.data, self.dir)
+        except Exception as err:  # a plot must never lose the results
+            log.warning("could not draw plots: %s", err)
+        return self.data["final"]
+
+
+def progress_line(record: dict, num_rounds: int) -> str:
+    m = record["metrics"]
+    parts = [f"[round {record['round']}/{num_rounds}]"]
+    if "train-loss" in m:
+        parts.append(f"train loss {m['train-loss']:.3f}")
+    if "local-acc" in m:
+        parts.append(f"local {100 * m['local-acc']:.1f}%")
+    if "neighbor-acc" in m:
+        parts.append(f"neighbor {100 * m['neighbor-acc']:.1f}%")
+    for key in VLM_PROGRESS:
+        if key in m:
+            parts.append(f"{key} {m[key]:.1f}")
+    eps = [v for k, v in m.items() if k.startswith("epsilon/")]
+    if eps:
+        parts.append(f"epsilon {max(eps):.3g}")
+    parts.append(f"{record['seconds']:.1f}s")
+    parts.append(f"up {record['bytes_up'] / 1024:.1f} KiB down {record['bytes_down'] / 1024:.1f} KiB")
+    if record.get("dropped"):
+        parts.append(f"{len(record['dropped'])} dropped")
+    return " | ".join(parts)
+
+
+def summary_table(data: dict) -> str:
+    final = data["final"]
+    rows = [("method", data["config"]["method"]), ("dataset", data["config"]["dataset"]),
+            ("rounds", str(final.get("rounds")))]
+    for key in SUMMARY_METRICS:
+        if key in final:
+            fmt = (lambda v: f"{100 * v:.2f}%") if key.endswith("acc") else (lambda v: f"{v:.4f}")
+            if key.startswith(("server-", "client-")) and not key.endswith("loss"):
+                fmt = lambda v: f"{v:.2f}"  # noqa: E731 (already x100)
+            rows.append((f"{key} (last round)", fmt(final[key])))
+            rows.append((f"{key} (mean of last 10)", fmt(final[f"{key}-last10-mean"])))
+    rows.append(("bytes up / down", f"{final['bytes_up']:,} / {final['bytes_down']:,}"))
+    comm = data.get("communication") or {}
+    if comm.get("up_vs_full_lora") is not None and comm.get("down_vs_full_lora") is not None:
+        rows.append(("training traffic vs full LoRA", f"up {comm['up_vs_full_lora']:.2f}x, down {comm['down_vs_full_lora']:.2f}x "
+                     f"({comm['train_bytes_up']:,} / {comm['train_bytes_down']:,} bytes vs "
+                     f"{comm['full_lora_bytes_up']:,} / {comm['full_lora_bytes_down']:,})"))
+    rows.append(("wall time", f"{final['seconds']:.1f}s"))
+    width = max(len(k) for k, _ in rows)
+    lines = ["-" * (width + 24)] + [f"{k.ljust(width)}  {v}" for k, v in rows] + ["-" * (width + 24)]
+    return "\n".join(lines)

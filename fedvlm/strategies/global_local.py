@@ -1,0 +1,94 @@
+"""Server side of the global/local prompt methods (DP-FPL, FedOTP, FedPGP).
+
+Each round the sampled clients return the clipped gradient of the global prompt. The server
+averages them over a fixed denominator: the number of clients sampled at planning, or this
+round's sample if larger (a dropped reply or a lost node lowers the sum, never raises one
+record's influence), adds global-DP noise N(0, sigma_G^2) once to that average, and takes one
+optimiser step on the global prompt (DP-FPL's Algorithm 1, lines 16-18).
+
+Trust model, as in the paper: the server is honest and sees each client's un-noised
+global-prompt gradient. A record's batch feeds both its client's local release and the global
+one, so the epsilon reported for it is their composition (``privacy.planner``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from fedvlm.privacy.mechanisms import gaussian_noise, noise_generator
+from fedvlm.utils.rng import ServerStream, server_key
+from fedvlm.privacy.planner import GlobalDP
+from fedvlm.strategies.base import ClientUpdate
+from fedvlm.strategies.prompt import PromptStrategy
+
+log = logging.getLogger(__name__)
+
+
+
+class GlobalGradientStrategy(PromptStrategy):
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        if cfg["prompt.class-specific"]:
+            raise ValueError(f"method {spec.name!r} needs a shared context (prompt.class-specific=false)")
+        if spec.name == "fedpgp" and cfg["dpfpl.rank"] == 0:
+            raise ValueError("fedpgp needs a low rank (dpfpl.rank >= 1): its personal part is u v")
+        self._server_opt = None
+        self._global_param = None
+
+    def initial_arrays(self):
+        ctx = self.initial_context()
+        if self.spec.name in ("dpfpl", "fedpgp") and self.cfg["dpfpl.rank"] > ctx.shape[0]:
+            raise ValueError(f"dpfpl.rank = {self.cfg['dpfpl.rank']} exceeds the {ctx.shape[0]} context tokens; "
+                             f"use a rank of at most {ctx.shape[0]} (or 0 for full rank)")
+        return {"global_ctx": ctx}
+
+    def reply_shapes(self, node, server_round):
+        return {"global_grad": self.global_arrays["global_ctx"].shape}
+
+    def train_payload(self, node, server_round):
+        return {"global_ctx": self.global_arrays["global_ctx"]}
+
+    def evaluate_payload(self, node, server_round):
+        return {"global_ctx": self.global_arrays["global_ctx"]}
+
+    # ---- privacy plan ---------------------------------------------------------------------
+    def global_dp(self) -> GlobalDP:
+        n = self.nodes_per_round()
+        return GlobalDP("gdp-global", f"server: average of the sampled clients' clipped global-prompt gradients "
+                        f"(divided by at least {n}), once per round", denominator=n)
+
+    def plan_privacy(self) -> None:
+        super().plan_privacy()
+        self.ledger.notes.append(
+            "trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient. A record's batch "
+            "feeds its client's local release and its share of the global release, so the per-record epsilon "
+            "(records, rounds[].per_client) composes both; it bounds what the published global prompt and the "
+            "client's published personalised prompt together reveal of a record")
+
+    # ---- aggregation ----------------------------------------------------------------------
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        sampled = max(self._round.get("sampled", len(updates)), len(updates))
+        if self.planner is not None:  # never below the denominator the noise was planned for
+            sampled = max(sampled, self.planner.global_dp.denominator)
+        mean = np.sum([u.arrays["global_grad"] for u in updates], axis=0) / sampled
+        grad = torch.from_numpy(mean.astype(np.float32))
+        if self.planner is not None:
+            sigma = self.planner.global_plan.sigma
+            gen = noise_generator(self.server_noise_source(), server_key(self.cfg["seed"], server_round, ServerStream.GLOBAL_NOISE))
+            grad = grad + gaussian_noise(grad.shape, sigma, gen)
+            self._round.setdefault("metrics", {}).update({"gdp-sigma": sigma, "gdp-denominator": sampled})
+        self._server_step(grad)
+
+    def _server_step(self, grad: torch.Tensor) -> None:
+        if self._global_param is None:
+            self._global_param = torch.nn.Parameter(torch.from_numpy(self.global_arrays["global_ctx"].copy()))
+            lr = self.cfg["dpfpl.server-lr"]
+            self._server_opt = (torch.optim.Adam([self._global_param], lr=lr) if self.cfg["dpfpl.server-optimizer"] == "adam"
+                                else torch.optim.SGD([self._global_param], lr=lr))
+        self._server_opt.zero_grad()
+        self._global_param.grad = grad
+        self._server_opt.step()
+        self.global_arrays = {"global_ctx": self._global_param.detach().numpy().copy()}

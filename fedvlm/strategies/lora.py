@@ -1,0 +1,170 @@
+"""Server strategies of the LoRA family: FedAvg-LoRA, FedPer-LoRA, FedPara-LoRA and FedRand.
+
+The server loads the frozen VLM once on the CPU (for the adapter's seeded initial values and
+the fingerprint every client must match) and holds the shared adapter tensors. Every method
+averages what it receives weighted by the clients' data sizes; FedRand does so per half.
+
+FedRand (METHODS.md): each round the server draws a_k ~ Bernoulli(rho) for every sampled
+client (seeded by run seed and round), sends only the drawn half (all A if a_k = 1, all B
+otherwise; both on a client's first participation) and asks for that half back. Then
+
+    A <- sum_{k: a_k=1} n_k A_k / sum_{k: a_k=1} n_k,   B likewise over a_k = 0,
+
+and a half that no client returned stays as it was. The server also keeps every client's last
+uploaded A and B: the client model it could reconstruct (the membership attack's second
+threat), saved at the end of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from fedvlm.models import adapter_parts
+from fedvlm.models.vlm import load_vlm
+from fedvlm.strategies.aggregation import per_group_average, weighted_average
+from fedvlm.strategies.base import ClientUpdate, FederatedStrategy, NodeInfo
+from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
+
+log = logging.getLogger(__name__)
+
+CLIENT_METRICS_PREFIX = ("client-", "server-")
+
+
+class LoRAStrategy(FederatedStrategy):
+    adapter_kind = "lora"
+
+    def __init__(self, cfg, spec):
+        from fedvlm.client_app.lora_clients import adapter_spec
+
+        super().__init__(cfg, spec)
+        _, initial, fp = load_vlm(cfg["vlm.model"], cfg.cache_dir, adapter_spec(cfg, self.adapter_kind), cfg["seed"],
+                                  "cpu", cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
+        self.server_fingerprint = fp
+        self.adapter_initial = {k: v.numpy() for k, v in initial.items()}
+        self.shared_names = self.select_shared(sorted(initial))
+        self.last_upload: dict[str, dict[str, np.ndarray]] = {}  # client -> its latest uploaded tensors
+        self.participated: set[str] = set()
+        self.train_messages = 0  # train messages sent, for the communication summary
+
+    def select_shared(self, names: list[str]) -> list[str]:
+        return names
+
+    def adapter_bytes(self) -> int:
+        return int(sum(v.nbytes for v in self.adapter_initial.values()))
+
+    def initial_arrays(self) -> dict[str, np.ndarray]:
+        return {k: self.adapter_initial[k].copy() for k in self.shared_names}
+
+    def dp_batch_size(self) -> int:
+        return self.cfg["lora.batch-size"]
+
+    def local_steps(self, node: NodeInfo) -> int:
+        c = self.cfg
+        if c["lora.local-steps"] > 0:
+            return c["lora.local-steps"]
+        return c["lora.local-epochs"] * -(-node.num_train // c["lora.batch-size"])
+
+    def train_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
+        self.train_messages += 1
+        return dict(self.global_arrays)
+
+    def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
+        return {k: v.shape for k, v in self.global_arrays.items()}
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        for u in updates:
+            self.last_upload.setdefault(u.node.name, {}).update(u.arrays)
+        avg = weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
+        self.global_arrays.update(avg)
+
+    def aggregate_evaluate(self, server_round, replies):
+        out = super().aggregate_evaluate(server_round, replies)
+        # weighted by test size: the federation's figure for the union of the clients' test sets
+        rows = [c for c in self._round.get("clients", {}).values() if "eval/num-examples" in c]
+        keys = sorted({k[5:] for r in rows for k in r if k.startswith(("eval/client-", "eval/server-"))})
+        metrics = {}
+        for k in keys:
+            have = [r for r in rows if f"eval/{k}" in r]
+            weight = "eval/ood-examples" if k.startswith("server-ood-") else "eval/num-examples"
+            w = np.array([r[weight] for r in have], dtype=float)
+            metrics[k] = float(np.average([r[f"eval/{k}"] for r in have], weights=w))
+        self._round.setdefault("metrics", {}).update(metrics)
+        return out
+
+    def on_finish(self, recorder) -> None:
+        """Save what the server could reconstruct of each client's model (its last uploads)."""
+        for name, arrays in self.last_upload.items():
+            recorder.save_arrays(f"reconstructed/{name}.pt", arrays, self._round.get("round", 0))
+        full = self.adapter_bytes()
+        rounds = recorder.data["rounds"]
+        up = sum(r.get("bytes", {}).get("train_up", 0) for r in rounds)
+        down = sum(r.get("bytes", {}).get("train_down", 0) for r in rounds)
+        trained = sum(r["metrics"].get("train-clients", 0) for r in rounds)
+        sent = self.train_messages
+        recorder.add_section("communication", {
+            "adapter_bytes": full,
+            "train_bytes_up": int(up), "train_bytes_down": int(down),
+            "full_lora_bytes_up": int(full * trained), "full_lora_bytes_down": int(full * sent),
+            "up_vs_full_lora": up / (full * trained) if trained else None,
+            "down_vs_full_lora": down / (full * sent) if sent else None,
+        })
+
+
+class FedAvgLoRAStrategy(LoRAStrategy):
+    pass
+
+
+class FedPerStrategy(LoRAStrategy):
+    def select_shared(self, names):
+        return adapter_parts.top_layers(names, self.cfg["fedper.shared-layers"])
+
+
+class FedParaStrategy(LoRAStrategy):
+    adapter_kind = "loha"
+
+    def select_shared(self, names):
+        return adapter_parts.loha_global(names)
+
+
+class FedRandStrategy(LoRAStrategy):
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        self.halves = {h: adapter_parts.lora_half(self.shared_names, h) for h in adapter_parts.HALVES}
+        self.draws: dict[int, dict[str, str]] = {}  # round -> client -> half drawn ('A' | 'B')
+
+    def draw(self, node: NodeInfo, server_round: int) -> str:
+        """The half ``node`` gets this round: A with probability rho. Seeded by (seed, round,
+        node name) so the draw does not depend on which other clients were sampled."""
+        per_round = self.draws.setdefault(server_round, {})
+        if node.name not in per_round:
+            name_key = int.from_bytes(node.name.encode()[:16].ljust(16, b"\0"), "little") % (2**63)
+            rng = numpy_rng(server_key(self.cfg["seed"], server_round, ServerStream.FEDRAND_HALF, name_key))
+            per_round[node.name] = "A" if rng.random() < self.cfg["fedrand.rho"] else "B"
+        return per_round[node.name]
+
+    def train_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
+        self.train_messages += 1
+        half = self.draw(node, server_round)
+        first = node.name not in self.participated
+        self.participated.add(node.name)
+        self._round.setdefault("clients", {}).setdefault(node.name, {}).update({"fedrand/half": half, "fedrand/first": first})
+        names = self.shared_names if first else self.halves[half]
+        return {k: self.global_arrays[k] for k in names}
+
+    def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
+        return {k: self.global_arrays[k].shape for k in self.halves[self.draw(node, server_round)]}
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        for u in updates:
+            self.last_upload.setdefault(u.node.name, {}).update(u.arrays)
+        chosen = [self.draws[server_round][u.node.name] for u in updates]
+        for half in self.halves:
+            if half not in chosen:
+                log.info("round %d: no client returned half %s; it stays unchanged", server_round, half)
+        self.global_arrays = per_group_average(self.global_arrays, self.halves, [u.arrays for u in updates],
+                                               [u.metrics["num-examples"] for u in updates], chosen)
+        self._round.setdefault("metrics", {}).update({
+            "fedrand/clients-A": sum(self.draws[server_round][u.node.name] == "A" for u in updates),
+            "fedrand/clients-B": sum(self.draws[server_round][u.node.name] == "B" for u in updates)})

@@ -1,0 +1,83 @@
+"""Server strategies of the prompt-learning family.
+
+All start from one initial context built on the server from the run's seed (random
+N(0, init-std^2) or a phrase), so every method and every client starts from the same point.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+
+from fedvlm.models.clip_loader import load_clip
+from fedvlm.models.prompt_learner import TextTower, init_context
+from fedvlm.strategies.aggregation import weighted_average
+from fedvlm.strategies.base import ClientUpdate, FederatedStrategy
+
+
+class PromptStrategy(FederatedStrategy):
+    """Loads the backbone on the server (CPU) once, for the initial context and the
+    fingerprint every client must match."""
+
+    def __init__(self, cfg, spec):
+        self.bundle = load_clip(cfg["clip.model"], cfg["clip.pretrained"], cfg.cache_dir, "cpu")
+        super().__init__(cfg, spec)
+        self.server_fingerprint = self.bundle.fingerprint
+
+    def initial_context(self) -> np.ndarray:
+        c = self.cfg
+        n_classes = self.num_classes() if c["prompt.class-specific"] else 0
+        gen = torch.Generator().manual_seed(c["seed"])
+        ctx = init_context(TextTower.from_open_clip(self.bundle.model), self.bundle.tokenizer, c["prompt.n-ctx"],
+                           phrase=c["prompt.ctx-init"], n_classes=n_classes, std=c["prompt.init-std"], generator=gen)
+        return ctx.numpy().astype(np.float32)
+
+    def initial_arrays(self) -> dict[str, np.ndarray]:
+        return {"ctx": self.initial_context()}
+
+
+class PromptFLStrategy(PromptStrategy):
+    """FedAvg of the prompt, weighted by each client's number of training examples.
+
+    With DP each client runs DP-SGD on the prompt (per-sample clipping, Gaussian noise on
+    every step's gradient), so the prompt it shares is already protected: noise added on the
+    client before sharing, as DP-FPL's PromptFL baseline."""
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        self.global_arrays = weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
+
+
+class LocalOnlyStrategy(PromptStrategy):
+    """Local CoOp: clients keep their prompts. The server hands a node the public initial
+    prompt until the node has answered once (so a node whose first reply failed still gets
+    it); replies carry metrics only."""
+
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        self.initialised: set[str] = set()
+
+    def on_reply_accepted(self, node, phase):
+        self.initialised.add(node.name)
+
+    def train_payload(self, node, server_round):
+        return {} if node.name in self.initialised else dict(self.global_arrays)
+
+    def evaluate_payload(self, node, server_round):
+        return self.train_payload(node, server_round)
+
+    def reply_shapes(self, node, server_round):
+        return {}
+
+
+class EvaluateOnlyStrategy(PromptStrategy):
+    """Zero-shot: one evaluation round, nothing sent either way but metrics."""
+
+    def initial_arrays(self):
+        return {}
+
+    def num_rounds(self) -> int:
+        return 1
+
+    def evaluate_payload(self, node, server_round):
+        return {}

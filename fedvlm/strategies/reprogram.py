@@ -1,0 +1,63 @@
+"""Server strategy of Reprogrammable-FL (and its baselines): DP-FedAvg.
+
+The server builds the method's model once on the CPU for the seeded initial values of the
+trainable parameters (and the source model's fingerprint every client must match), sends them
+to the sampled clients, and averages what comes back weighted by the clients' data sizes
+(Algorithm 2). Each client runs DP-SGD; the server plans every client's mechanism (its Poisson
+sampling rate from its data size, its L steps a round, the noise multiplier from
+``privacy.noise-multiplier`` or calibrated to ``privacy.epsilon``) and reports after every
+round the ε each client has spent by dp-accounting's RDP and PLD accountants, next to the
+figures the clients' own Opacus accountants (RDP and PRV) report. Record-level DP: a record's
+influence is bounded within its client's updates, the server adds no noise of its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedvlm.models.reprogram import initial_model, source_model, trainable_state
+from fedvlm.strategies.aggregation import weighted_average
+from fedvlm.strategies.base import ClientUpdate, FederatedStrategy, NodeInfo
+
+
+class ReprogramStrategy(FederatedStrategy):
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        self.source = source_model(cfg)
+        self.server_fingerprint = self.source.fingerprint
+        self.client_reported: dict[str, dict[str, float]] = {}
+        self._initial: dict[str, np.ndarray] | None = None
+
+    def initial_arrays(self) -> dict[str, np.ndarray]:
+        if self._initial is None:
+            model = initial_model(self.cfg, self.spec.name, self.num_classes())
+            self._initial = {k: v.numpy().copy() for k, v in trainable_state(model).items()}
+        return {k: v.copy() for k, v in self._initial.items()}
+
+    def dp_batch_size(self) -> int:
+        return self.cfg["reprogram.batch-size"]
+
+    def local_steps(self, node: NodeInfo) -> int:
+        return self.cfg["reprogram.local-iterations"]
+
+    def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
+        return {k: v.shape for k, v in self.global_arrays.items()}
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        for u in updates:
+            if "epsilon-rdp" in u.metrics:
+                self.client_reported[u.node.name] = {"rdp": u.metrics["epsilon-rdp"], "prv": u.metrics["epsilon-prv"]}
+        self.global_arrays.update(weighted_average([u.arrays for u in updates],
+                                                   [u.metrics["num-examples"] for u in updates]))
+
+    def epsilon_entry(self, extra: dict[str, int] | None = None) -> dict:
+        """Add, per client, ε by both of dp-accounting's accountants and by the client's own
+        Opacus accountants (they must agree: the test suite checks it)."""
+        entry = super().epsilon_entry(extra)
+        both = {}
+        for client in self.planner.clients:
+            account, rounds = self.planner.account(client), self.rounds_trained.get(client, 0) + (extra or {}).get(client, 0)
+            both[client] = {acc: account.epsilon(rounds, self.privacy.delta, acc) for acc in ("rdp", "pld")}
+        entry["by_accountant"] = both
+        entry["client_reported"] = dict(self.client_reported)
+        return entry

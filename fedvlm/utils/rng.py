@@ -1,0 +1,73 @@
+"""Every random draw of a run, named in one place.
+
+A seeded draw's generator is keyed by a tuple of integers that starts with the run's ``seed``:
+the server's draws by ``(seed, round, stream, *extra)``, a node's by
+``(seed, [round,] node_seed, stream)``. Two draws share randomness only if their keys are
+equal, so each enum below lists its streams once, and a stream number never changes (it is
+part of every key: renumbering one changes every seeded run's numbers, which the regression
+fixture in ``tests/fixtures/regression.json`` would catch).
+
+Whether a DP draw is seeded at all is decided elsewhere (``privacy.mechanisms``: with
+``privacy.noise-source = 'os'`` noise and batch sampling ignore the key and come from the OS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+
+class ServerStream(IntEnum):
+    """The server's draws, keyed ``(seed, round, stream, *extra)``."""
+
+    TRAIN_SAMPLE = 0  # which nodes train this round
+    EVALUATE_SAMPLE = 1  # which nodes evaluate this round
+    FEDRAND_HALF = 11  # FedRand's A-or-B draw; extra = the node's name key
+    GLOBAL_NOISE = 21  # the server's global-DP noise
+
+
+class NodeStream(IntEnum):
+    """A node's draws, keyed ``(seed, round, node_seed, stream)``, or ``(seed, node_seed,
+    stream)`` for a draw made once per node (its private state at first contact)."""
+
+    LOCAL_NOISE = 1  # local-DP noise on the node's gradients
+    POWER_ITERATION = 2  # DP-FPL's random start of each step's rank-k factorisation
+    ABLATION_FACTOR = 3  # DP-FPL's no-residual ablation: the factorisation it evaluates
+    LORA_DROPOUT = 4  # LoRA dropout masks
+    LOCAL_INIT = 11  # once per node: the private local prompt
+    PGP_FACTOR_INIT = 12  # once per node: FedPGP's factorisation of that prompt
+
+
+def name_key(name: str) -> int:
+    """A 63-bit integer that stands for a node name in a key (all of the name counts)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") % (2**63)
+
+
+def node_seed(partition_id: int, name: str) -> int:
+    """The integer that stands for a node in its keys: ``partition_id + 1`` for a partition
+    of the run's dataset (so a simulation's numbers do not depend on how Flower names nodes),
+    else the node's name key (a node with its own data folder has no partition)."""
+    return partition_id + 1 if partition_id >= 0 else name_key(name)
+
+
+def server_key(seed: int, server_round: int, stream: ServerStream, *extra: int) -> list[int]:
+    return [int(seed), int(server_round), int(stream), *(int(e) for e in extra)]
+
+
+def node_key(seed: int, node: int, stream: NodeStream, server_round: int | None = None) -> list[int]:
+    head = [int(seed)] if server_round is None else [int(seed), int(server_round)]
+    return [*head, int(node), int(stream)]
+
+
+def generator_for(key: list[int]) -> torch.Generator:
+    """A torch generator seeded from ``key`` through numpy's SeedSequence (which mixes every
+    integer of the key into the state)."""
+    seed = int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] % (2**63))
+    return torch.Generator().manual_seed(seed)
+
+
+def numpy_rng(key: list[int]) -> np.random.Generator:
+    return np.random.default_rng(key)
