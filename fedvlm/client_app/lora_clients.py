@@ -106,7 +106,7 @@ class LoRAClient:
         params = trainable(self.vlm.model)
         c = self.cfg
         opt = torch.optim.AdamW(list(params.values()), lr=c["lora.lr"], weight_decay=c["lora.weight-decay"])
-        rng = sampling_rng(self.node.noise_source, [c["seed"], self.round, self.node.seed])
+        rng = sampling_rng(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.BATCHES, self.round))
         split, bsz = self.node.train, c["lora.batch-size"]
         settings = PrivacySettings.from_config(c)
         sigma = client_local_sigma(c, ClientShape(len(split), bsz, self.num_steps()), config)

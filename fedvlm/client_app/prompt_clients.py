@@ -113,7 +113,7 @@ class PromptClient:
         return self.scorer.encoder(ctx)
 
     def rng(self) -> np.random.Generator:
-        return sampling_rng(self.node.noise_source, [self.cfg["seed"], self.round, self.node.seed])
+        return sampling_rng(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.BATCHES, self.round))
 
     # --- training ------------------------------------------------------------------------------
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -139,7 +139,7 @@ class ReprogramClient:
         if n == 0:
             raise RuntimeError(f"{self.node.name} holds no training images")
         steps = c["reprogram.local-iterations"]
-        rng = sampling_rng(self.node.noise_source, [c["seed"], self.round, self.node.seed])
+        rng = sampling_rng(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.BATCHES, self.round))
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=c["reprogram.lr"])
         model = self.model

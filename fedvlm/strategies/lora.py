@@ -25,7 +25,7 @@ from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import load_vlm
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
 from fedvlm.strategies.base import ClientUpdate, FederatedStrategy, NodeInfo
-from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
+from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +135,12 @@ class FedRandStrategy(LoRAStrategy):
         self.draws: dict[int, dict[str, str]] = {}  # round -> client -> half drawn ('A' | 'B')
 
     def draw(self, node: NodeInfo, server_round: int) -> str:
-        """The half ``node`` gets this round: A with probability rho. Seeded by (seed, round,
-        node name) so the draw does not depend on which other clients were sampled."""
+        """The half ``node`` gets this round: A with probability rho. Keyed by (seed, round, the
+        node's seed) so the draw does not depend on which other clients were sampled."""
         per_round = self.draws.setdefault(server_round, {})
         if node.name not in per_round:
-            name_key = int.from_bytes(node.name.encode()[:16].ljust(16, b"\0"), "little") % (2**63)
-            rng = numpy_rng(server_key(self.cfg["seed"], server_round, ServerStream.FEDRAND_HALF, name_key))
+            key = server_key(self.cfg["seed"], server_round, ServerStream.FEDRAND_HALF, node_seed(node.partition_id, node.name))
+            rng = numpy_rng(key)
             per_round[node.name] = "A" if rng.random() < self.cfg["fedrand.rho"] else "B"
         return per_round[node.name]
 

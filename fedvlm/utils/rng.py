@@ -1,11 +1,12 @@
 """Every random draw of a run, named in one place.
 
-A seeded draw's generator is keyed by a tuple of integers that starts with the run's ``seed``:
-the server's draws by ``(seed, round, stream, *extra)``, a node's by
-``(seed, [round,] node_seed, stream)``. Two draws share randomness only if their keys are
-equal, so each enum below lists its streams once, and a stream number never changes (it is
-part of every key: renumbering one changes every seeded run's numbers, which the regression
-fixture in ``tests/fixtures/regression.json`` would catch).
+A seeded draw's generator is keyed by a list of integers: ``[seed, SERVER, round, stream,
+*extra]`` for the server's draws, ``[seed, NODE, round, node_seed, stream]`` for a node's
+(round 0 for a draw made once per node, at first contact). The domain tag keeps a server key
+from ever equalling a node key, and each stream below has one fixed key length, so two draws
+share randomness only if they are the same draw. A stream number never changes: it is part of
+every key, so renumbering one changes every seeded run's numbers (which the regression fixture
+``tests/fixtures/regression.json`` would catch).
 
 Whether a DP draw is seeded at all is decided elsewhere (``privacy.mechanisms``: with
 ``privacy.noise-source = 'os'`` noise and batch sampling ignore the key and come from the OS).
@@ -14,14 +15,15 @@ Whether a DP draw is seeded at all is decided elsewhere (``privacy.mechanisms``:
 from __future__ import annotations
 
 import hashlib
-from enum import IntEnum
+from enum import IntEnum, unique
 
 import numpy as np
 import torch
 
 
+@unique
 class ServerStream(IntEnum):
-    """The server's draws, keyed ``(seed, round, stream, *extra)``."""
+    """The server's draws."""
 
     TRAIN_SAMPLE = 0  # which nodes train this round
     EVALUATE_SAMPLE = 1  # which nodes evaluate this round
@@ -29,14 +31,15 @@ class ServerStream(IntEnum):
     GLOBAL_NOISE = 21  # the server's global-DP noise
 
 
+@unique
 class NodeStream(IntEnum):
-    """A node's draws, keyed ``(seed, round, node_seed, stream)``, or ``(seed, node_seed,
-    stream)`` for a draw made once per node (its private state at first contact)."""
+    """A node's draws."""
 
     LOCAL_NOISE = 1  # local-DP noise on the node's gradients
     POWER_ITERATION = 2  # DP-FPL's random start of each step's rank-k factorisation
     ABLATION_FACTOR = 3  # DP-FPL's no-residual ablation: the factorisation it evaluates
     LORA_DROPOUT = 4  # LoRA dropout masks
+    BATCHES = 5  # which records form each local batch (Poisson or shuffled)
     LOCAL_INIT = 11  # once per node: the private local prompt
     PGP_FACTOR_INIT = 12  # once per node: FedPGP's factorisation of that prompt
 
@@ -53,13 +56,16 @@ def node_seed(partition_id: int, name: str) -> int:
     return partition_id + 1 if partition_id >= 0 else name_key(name)
 
 
+SERVER, NODE = 0, 1  # key domains
+
+
 def server_key(seed: int, server_round: int, stream: ServerStream, *extra: int) -> list[int]:
-    return [int(seed), int(server_round), int(stream), *(int(e) for e in extra)]
+    return [int(seed), SERVER, int(server_round), int(stream), *(int(e) for e in extra)]
 
 
-def node_key(seed: int, node: int, stream: NodeStream, server_round: int | None = None) -> list[int]:
-    head = [int(seed)] if server_round is None else [int(seed), int(server_round)]
-    return [*head, int(node), int(stream)]
+def node_key(seed: int, node: int, stream: NodeStream, server_round: int = 0) -> list[int]:
+    """A node's key; ``server_round`` 0 (no round) for a draw made once per node."""
+    return [int(seed), NODE, int(server_round), int(node), int(stream)]
 
 
 def generator_for(key: list[int]) -> torch.Generator:
