@@ -60,7 +60,7 @@ def run_flwr(rounds: int, work: Path, cache: str) -> dict:
 
 def run_inprocess(rounds: int, work: Path, cache: str) -> dict:
     from fedvlm.client_app.app import app
-    from fedvlm.runconfig import validate
+    from fedvlm.methods.registry import validate
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
 

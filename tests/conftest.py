@@ -1,5 +1,12 @@
 """Shared fixtures. The embedded tiny CLIP is pretrained once per test session into a
-temporary cache (about 30 s on two cores); every test that needs it shares that cache."""
+temporary cache (about 30 s on two cores); every test that needs it shares that cache.
+
+Tests live by kind: ``unit/`` (one module, real components, seconds), ``integration/``
+(in-process federations through the real strategies and ClientApp), ``e2e/`` (``flwr run``
+and SuperLink/SuperNode processes). Each test is marked with its directory's name, so
+``pytest -m unit`` runs the fast ones; tests that take more than about 20 s are also marked
+``slow``, as is every e2e test (``pytest -m "not slow"`` skips them).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedvlm.runconfig import validate  # noqa: E402
+from fedvlm.methods.registry import validate  # noqa: E402
+
+
+KINDS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kind = Path(str(item.fspath)).parent.name
+        if kind in KINDS:
+            item.add_marker(kind)
+        if kind == "e2e":  # processes, Ray, a SuperLink: never quick
+            item.add_marker("slow")
 
 
 @pytest.fixture(autouse=True, scope="session")

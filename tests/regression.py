@@ -49,7 +49,7 @@ VOLATILE = ("seconds",)  # wall-clock figures differ from run to run
 def run_case(name: str, cache_dir: Path, out_dir: Path) -> list[dict[str, float]]:
     """The case's per-round metrics (wall-clock figures left out)."""
     from fedvlm.client_app.app import app as client_app
-    from fedvlm.runconfig import validate
+    from fedvlm.methods.registry import validate
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid, ensure_task_identity
 

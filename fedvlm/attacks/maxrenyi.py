@@ -102,19 +102,17 @@ def attack(vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: 
 
 
 def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
-    from fedvlm.client_app.lora_clients import adapter_spec
     from fedvlm.client_app.vlm_node import vlm_node_data
-    from fedvlm.models.vlm import load_vlm
-    from fedvlm.runconfig import validate
+    from fedvlm.models.vlm import AdapterSpec, load_vlm
+    from fedvlm.methods.registry import validate
 
     run_dir = Path(run_dir)
     data = json.loads((run_dir / "results.json").read_text())
     cfg = validate(data["config"])
     spec = cfg.method
-    if spec.family != "vlm":
+    if not spec.adapter:
         raise ValueError(f"MaxRényi attacks the VLM methods; run {run_dir} used {spec.name!r} (use `python -m fedvlm.attacks`)")
-    kind = spec.client_class().adapter_kind
-    vlm, initial, _ = load_vlm(cfg["vlm.model"], cfg.cache_dir, adapter_spec(cfg, kind), cfg["seed"], cfg["device"],
+    vlm, initial, _ = load_vlm(cfg["vlm.model"], cfg.cache_dir, AdapterSpec.from_config(cfg), cfg["seed"], cfg["device"],
                                cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
     shared = {k: v for k, v in torch.load(run_dir / "final_shared.pt", weights_only=True)["arrays"].items()}
     nodes = [n for n in data["run"]["nodes"] if n["partition_id"] >= 0]
@@ -126,7 +124,7 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
     # (a) the server model: members = every client's training data
     union = _concat([p.train for p in parts.values()])
     test = next(iter(parts.values())).dataset.test
-    if kind == "loha":
+    if spec.adapter == "loha":
         report["threats"]["server"] = {"skipped": "FedPara's server holds only the w1 pair; with the private w2 pair "
                                                   "at its initial zero the server model is the base model"}
     else:

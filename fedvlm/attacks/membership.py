@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedvlm.client_app.node import node_data
-from fedvlm.methods import get_method
+from fedvlm.methods.registry import get_method
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.runconfig import RunConfig
 
@@ -74,7 +74,7 @@ def client_records(cfg: RunConfig, published: dict, num_partitions: int, seed: i
     k = min(len(members), len(non_members))
     members = np.sort(rng.choice(members, size=k, replace=False))
     non_members = np.sort(rng.choice(non_members, size=k, replace=False))
-    scorer = get_method(published["method"]).client_class().scorer_class(bundle, node.splits.classnames, cfg)
+    scorer = get_method(published["method"]).client.scorer_class(bundle, node.splits.classnames, cfg)
     probs, labels = [], []
     for split, idx in ((node.splits.train, members), (node.splits.test, non_members)):
         feats = scorer.image_features(split, idx, cfg.cache_dir).to(bundle.device)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from fedvlm.attacks.membership import ShadowAttack, client_records, load_published
-from fedvlm.runconfig import validate
+from fedvlm.methods.registry import get_method, validate
 from fedvlm.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=300, help="VLM runs: members and non-members per attacked model")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    family = json.loads((args.run_dir / "results.json").read_text())["run"].get("family")
-    if family == "vlm":  # FedRand and its baselines: the MaxRényi-K% attack (attacks.maxrenyi)
+    method = get_method(json.loads((args.run_dir / "results.json").read_text())["run"]["method"])
+    if method.adapter:  # FedRand and its LoRA baselines: the MaxRényi-K% attack (attacks.maxrenyi)
         from fedvlm.attacks.maxrenyi import main as maxrenyi_main
 
         return maxrenyi_main([str(args.run_dir), "--samples", str(args.samples), "--seed", str(args.seed)])

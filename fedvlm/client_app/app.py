@@ -17,10 +17,8 @@ import time
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedvlm.client_app.node import node_data
-from fedvlm.client_app.vlm_node import vlm_node_data
 from fedvlm.client_app.send_guard import guarded_reply
-from fedvlm.runconfig import validate
+from fedvlm.methods.registry import validate
 
 log = logging.getLogger(__name__)
 app = ClientApp()
@@ -28,9 +26,9 @@ app = ClientApp()
 def _setup(msg: Message, context: Context):
     cfg = validate(context.run_config)
     spec = cfg.method
-    node = (vlm_node_data if spec.family == "vlm" else node_data)(cfg, dict(context.node_config))
+    node = spec.family.node_data(cfg, dict(context.node_config))
     server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
-    client = spec.client_class()(cfg, node, context.state, server_round)
+    client = spec.client(cfg, node, context.state, server_round)
     arrays = msg.content["arrays"].to_torch_state_dict() if "arrays" in msg.content else {}
     config = dict(msg.content["config"]) if "config" in msg.content else {}
     return cfg, spec, node, client, arrays, config
@@ -40,7 +38,7 @@ def _setup(msg: Message, context: Context):
 def hello(msg: Message, context: Context) -> Message:
     cfg, spec, node, client, _, _ = _setup(msg, context)
     info, metrics = client.hello()
-    return guarded_reply(msg, {}, metrics, allowed=spec.shared, info=info)
+    return guarded_reply(msg, {}, metrics, allowed=frozenset(), info=info)
 
 
 @app.train()
@@ -55,9 +53,9 @@ def train(msg: Message, context: Context) -> Message:
     # reply to that as well as to the method's shared set.
     keys = config.get("reply-keys")
     requested = [k for k in keys.split(",") if k] if isinstance(keys, str) else None
-    # What may leave this node: the method's shared set (a LoRA method's client names it from
-    # its model's adapter, which only the node has loaded).
-    allowed = getattr(client, "shareable", spec.shared)
+    # What may leave this node: the method's sharing rule over the tensors its model has
+    # (a LoRA adapter's names are known only where the model is loaded).
+    allowed = spec.shares(cfg, client.tensor_names)
     return guarded_reply(msg, shared, metrics, allowed=allowed, private=client.private, requested=requested)
 
 
@@ -67,4 +65,4 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg, spec, node, client, arrays, config = _setup(msg, context)
     metrics = client.evaluate(arrays, config)
     metrics["compute-seconds"] = time.time() - t0
-    return guarded_reply(msg, {}, metrics, allowed=spec.shared)
+    return guarded_reply(msg, {}, metrics, allowed=frozenset())

@@ -205,7 +205,7 @@ class FedPGPClient(GlobalLocalClient):
 
     def init_local(self, global_ctx):
         p_local = super().init_local(global_ctx)[self.local_name]
-        u, v, _ = factorize(p_local, self.cfg["dpfpl.rank"], generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.PGP_FACTOR_INIT)))
+        u, v, _ = factorize(p_local, self.cfg["fedpgp.rank"], generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.PGP_FACTOR_INIT)))
         # u v has unit singular values; scale it to the initial prompt's size so the
         # personalised prompt starts as small a perturbation as the other methods'
         return {"u": u * p_local.norm() / (u @ v).norm(), "v": v}

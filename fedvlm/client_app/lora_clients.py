@@ -39,14 +39,9 @@ from fedvlm.utils.vlm_metrics import score_split
 
 
 
-def adapter_spec(cfg: RunConfig, kind: str) -> AdapterSpec:
-    targets = tuple(t.strip() for t in cfg["lora.target-modules"].split(",") if t.strip())
-    return AdapterSpec(kind, cfg["lora.rank"], cfg["lora.alpha"], cfg["lora.dropout"], targets,
-                       cfg["vlm.language-model-pattern"])
-
-
 class LoRAClient:
-    adapter_kind = "lora"
+    """A LoRA method's client: the adapter kind and what it may share come from the method's
+    registry entry (``MethodSpec.adapter``, ``MethodSpec.shares``)."""
 
     def __init__(self, cfg: RunConfig, node: VLMNodeData, state, server_round: int):
         self.cfg = cfg
@@ -54,15 +49,16 @@ class LoRAClient:
         self.state = state
         self.round = server_round
         self.vlm, self.initial, self.backbone = load_vlm(
-            cfg["vlm.model"], cfg.cache_dir, adapter_spec(cfg, self.adapter_kind), cfg["seed"], cfg["device"],
+            cfg["vlm.model"], cfg.cache_dir, AdapterSpec.from_config(cfg), cfg["seed"], cfg["device"],
             cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
         self.own = load_private(state)  # this node's adapter tensors from its last round
+        self.shareable = sorted(cfg.method.shares(cfg, self.initial))  # every tensor it may ever send
         self.meta = load_meta(state)
 
     # --- what is shared ------------------------------------------------------------------------
     @property
-    def shareable(self) -> list[str]:
-        """Every tensor this method may ever send."""
+    def tensor_names(self) -> list[str]:
+        """The adapter's tensors (what the method's sharing rule chooses from)."""
         return sorted(self.initial)
 
     @property
@@ -183,8 +179,10 @@ class LoRAClient:
             raise RuntimeError(f"the server sent tensors this method keeps on the client: {sorted(extra)[:3]}")
 
     def keep(self, trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What the node stores for its next round (default: everything it trained)."""
-        return trained
+        """What the node stores for its next round: everything it trained (its personal model
+        is its last trained adapter, and the next round starts from its private part), or
+        nothing where it shares every tensor each round (FedAvg: its model is the server's)."""
+        return {} if self.shareable == self.tensor_names else trained
 
     # --- evaluation -------------------------------------------------------------------------------
     def personal_adapter(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -230,15 +228,11 @@ class LoRAClient:
         return ood.subset(idx, f"ood{self.node.partition_id}of{n}") if len(idx) else None
 
 
-class FedAvgLoRAClient(LoRAClient):
-    """Full LoRA both ways; the node keeps nothing of its own."""
-
-    def keep(self, trained):
-        return {}
-
-
 class FedRandClient(LoRAClient):
     """Both halves train; the node keeps both (the unsent one is its private counterpart)."""
+
+    def keep(self, trained):
+        return trained
 
     def check_request(self, arrays, config):
         """FedRand's rule, checked on the node so that a server cannot collect both halves: the
@@ -258,19 +252,7 @@ class FedRandClient(LoRAClient):
                                f"must send exactly that half{' or, at a first participation, both' if first else ''}")
 
 
-class FedPerClient(LoRAClient):
-    @property
-    def shareable(self) -> list[str]:
-        return adapter_parts.top_layers(self.initial, self.cfg["fedper.shared-layers"])
-
-
 class FedParaClient(LoRAClient):
-    adapter_kind = "loha"
-
-    @property
-    def shareable(self) -> list[str]:
-        return adapter_parts.loha_global(self.initial)
-
     def server_adapter(self, arrays):
         # ΔW = (w1 pair) ⊙ (w2 pair): without a client's private w2 pair the server's model is
         # the base model (w2_b starts at zero), so there is no server model to score.

@@ -50,6 +50,9 @@ class PromptClient:
 
     scorer_class = PromptScorer
 
+    # a prompt method's sharing rule names its tensors itself (MethodSpec.shares)
+    tensor_names: tuple[str, ...] = ()
+
     def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int):
         self.cfg = cfg
         self.node = node

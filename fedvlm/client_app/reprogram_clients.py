@@ -29,7 +29,7 @@ from fedvlm.client_app.local_training import batches
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.state import load_meta, save_meta
 from fedvlm.models.clip_loader import resolve_device
-from fedvlm.models.reprogram import METHOD_KINDS, initial_model, input_size, source_model, trainable_state
+from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
 from fedvlm.privacy.accounting import MEANINGLESS_EPSILON
 from fedvlm.privacy.ledger import PrivacySettings
 from fedvlm.privacy.mechanisms import gaussian_noise, noise_generator, sampling_rng
@@ -79,20 +79,22 @@ class Accountants:
 
 
 class ReprogramClient:
-    method = "reprogram"
+    """Reprogrammable-FL and its baselines: what trains is the method's ``model_kind``."""
 
     def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int):
         self.cfg, self.node, self.state, self.round = cfg, node, state, server_round
         self.device = resolve_device(cfg["device"])
         self.source = source_model(cfg)
-        self.model = initial_model(cfg, self.method, node.splits.n_classes).to(self.device)
-        self.size = input_size(self.method, self.source, cfg["reprogram.image-size"])
+        self.kind = cfg.method.model_kind
+        self.model = initial_model(cfg, node.splits.n_classes).to(self.device)
+        self.size = input_size(self.kind, self.source, cfg["reprogram.image-size"])
         self.settings = PrivacySettings.from_config(cfg)
         self.meta = load_meta(state)
         self.private: dict[str, torch.Tensor] = {}  # nothing tensor-valued is private here
 
     @property
-    def shareable(self) -> frozenset[str]:
+    def tensor_names(self) -> frozenset[str]:
+        """The model's tensors (what the method's sharing rule chooses from)."""
         return frozenset(trainable_state(self.model))
 
     # --- handshake -----------------------------------------------------------------------------
@@ -190,7 +192,7 @@ class ReprogramClient:
         from opacus.optimizers import DPOptimizer
         from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
-        full_network = METHOD_KINDS[self.method] in ("ff", "ts")
+        full_network = self.kind in ("ff", "ts")
         wrapper = GradSampleModuleExpandedWeights if full_network else GradSampleModule
         model = wrapper(self.model, batch_first=True, loss_reduction="mean")
         gen = noise_generator(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
@@ -225,18 +227,6 @@ class ReprogramClient:
             correct += int((logits.argmax(1) == y).sum())
         acc = correct / n if n else float("nan")
         return {"local-acc": acc, "local-loss": loss / n if n else float("nan"), "local-n": n, "num-examples": n}
-
-
-class FullFineTuneClient(ReprogramClient):
-    method = "bl-ff"
-
-
-class PartialFineTuneClient(ReprogramClient):
-    method = "bl-pf"
-
-
-class FromScratchClient(ReprogramClient):
-    method = "bl-ts"
 
 
 def accountant_epsilon(history: list[tuple[float, float, int]], delta: float) -> dict[str, float]:

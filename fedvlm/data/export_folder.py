@@ -19,14 +19,15 @@ import sys
 from pathlib import Path
 
 from fedvlm.client_app.node import node_data
-from fedvlm.runconfig import ConfigError, parse_value, validate
+from fedvlm.runconfig import ConfigError, parse_value
+from fedvlm.methods.registry import validate
 
 
 def export_partitions(out: Path, num_partitions: int, overrides: dict | None = None) -> list[Path]:
     cfg = validate(dict(overrides or {}))
-    if cfg.method.family != "prompt":
-        raise ConfigError("data.export_folder writes image-classification partitions (the prompt-learning "
-                          "methods); the VLM methods read captions/VQA files instead")
+    if cfg.method.family.image_text:
+        raise ConfigError("data.export_folder writes image-classification partitions; the VLM methods read "
+                          "captions/VQA files instead")
     written = []
     for pid in range(num_partitions):
         node = node_data(cfg, {"partition-id": pid, "num-partitions": num_partitions})

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 from fedvlm.experiments.sweep import run_one
+from fedvlm.methods.registry import VLM, methods_of
 from fedvlm.runconfig import parse_value
 
-METHODS = ("fedavg-lora", "fedrand", "fedper-lora", "fedpara-lora")
+METHODS = tuple(m.name for m in methods_of(VLM))
 
 
 def _best(threat: dict | None) -> tuple[float, str] | None:

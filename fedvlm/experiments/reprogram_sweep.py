@@ -28,9 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from fedvlm.experiments.sweep import run_one
+from fedvlm.methods.registry import REPROGRAM, methods_of
 from fedvlm.runconfig import parse_value
 
-METHODS = ("reprogram", "bl-pf", "bl-ff", "bl-ts")
+METHODS = tuple(m.name for m in methods_of(REPROGRAM))
 
 
 def curve(data: dict) -> list[dict]:

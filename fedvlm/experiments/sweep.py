@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedvlm.runconfig import parse_value
+from fedvlm.methods.registry import PROMPT, get_method, methods_of, validate
+from fedvlm.runconfig import KEY_BY_NAME, parse_value
 
 ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger("sweep")
@@ -58,7 +59,6 @@ EPSILONS = ("none", "0.4", "0.2", "0.1", "0.05", "0.01")
 
 def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
     """Run one config; returns its results.json content."""
-    from fedvlm.runconfig import validate
 
     cfg = validate(raw)
     if engine == "inprocess":
@@ -90,13 +90,17 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
 
 
 def _variants(methods, ranks, residuals):
+    """(name, method, overrides): the rank axis for every low-rank method, and the residual
+    ablation for a method that has a '<method>.residual' key (DP-FPL)."""
     for m in methods:
-        if m == "dpfpl":
-            for r, res in itertools.product(ranks, residuals):
-                name = f"dpfpl-r{r}" + ("" if res else "-nores")
-                yield name, m, {"dpfpl.rank": r, "dpfpl.residual": res}
-        else:
+        spec = get_method(m)
+        residual_key = f"{m}.residual" if f"{m}.residual" in KEY_BY_NAME else ""
+        if not spec.rank_key:
             yield m, m, {}
+            continue
+        for r, res in itertools.product(ranks, residuals if residual_key else [True]):
+            overrides = {spec.rank_key: r, **({residual_key: res} if residual_key else {})}
+            yield f"{m}-r{r}" + ("" if res else "-nores"), m, overrides
 
 
 def _fmt(vals: list[float]) -> str:
@@ -164,7 +168,7 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path.home() / "fedvlm-sweeps" / "sweep")
-    p.add_argument("--methods", default="promptfl,fedotp,fedpgp,dpfpl")
+    p.add_argument("--methods", default=",".join(m.name for m in methods_of(PROMPT) if m.supports_dp))
     p.add_argument("--epsilons", default=",".join(EPSILONS), help="'none' = no noise")
     p.add_argument("--seeds", default="0")
     p.add_argument("--ranks", default="8")

@@ -53,7 +53,7 @@ TORCHVISION_SOURCES = {
 SOURCE_MODELS = (tiny_resnet.NAME, *TORCHVISION_SOURCES)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-METHOD_KINDS = {"reprogram": "mr", "bl-ff": "ff", "bl-pf": "pf", "bl-ts": "ts"}
+MODEL_KINDS = ("mr", "ff", "pf", "ts")  # reprogramming, full / partial fine-tune, from scratch
 
 
 class SourceModelError(RuntimeError):
@@ -241,9 +241,9 @@ class FineTuneNet(nn.Module):
         return self.head(out) if self.head is not None else out
 
 
-def build_model(method: str, source: SourceModel, num_classes: int, image_size: int, seed: int) -> nn.Module:
-    """The client model of ``method`` with seeded initial values of its trainable parameters."""
-    kind = METHOD_KINDS[method]
+def build_model(kind: str, source: SourceModel, num_classes: int, image_size: int, seed: int) -> nn.Module:
+    """The client model of one of ``MODEL_KINDS`` with seeded initial values of its trainable
+    parameters."""
     torch.manual_seed(seed)
     model = ReprogramNet(source, image_size, num_classes) if kind == "mr" else FineTuneNet(source, num_classes, kind)
     return model
@@ -254,10 +254,10 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
 
 
-def input_size(method: str, source: SourceModel, image_size: int) -> int:
+def input_size(kind: str, source: SourceModel, image_size: int) -> int:
     """The size target images are resized to: s for reprogramming (then padded), S for the
     baselines (the paper upsamples to the source model's input size)."""
-    return image_size if METHOD_KINDS[method] == "mr" else source.input_size
+    return image_size if kind == "mr" else source.input_size
 
 
 def source_model(cfg) -> SourceModel:
@@ -265,7 +265,7 @@ def source_model(cfg) -> SourceModel:
     return cached_source(cfg["reprogram.source-model"], cfg["reprogram.source-weights"], cfg.cache_dir)
 
 
-def initial_model(cfg, method: str, num_classes: int) -> nn.Module:
-    """``method``'s model for the run config, with the run's seeded initial values: the server
-    sends these to every client in round 1, so every process builds the same ones."""
-    return build_model(method, source_model(cfg), num_classes, cfg["reprogram.image-size"], cfg["seed"])
+def initial_model(cfg, num_classes: int) -> nn.Module:
+    """The run's method's model (its ``model_kind``), with the run's seeded initial values: the
+    server sends these to every client in round 1, so every process builds the same ones."""
+    return build_model(cfg.method.model_kind, source_model(cfg), num_classes, cfg["reprogram.image-size"], cfg["seed"])

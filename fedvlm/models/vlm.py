@@ -101,6 +101,13 @@ class AdapterSpec:
     targets: tuple[str, ...]
     lm_pattern: str = DEFAULT_LM_PATTERN
 
+    @classmethod
+    def from_config(cls, cfg) -> AdapterSpec:
+        """The run's adapter: the method's kind, the ``lora.*`` keys."""
+        targets = tuple(t.strip() for t in cfg["lora.target-modules"].split(",") if t.strip())
+        return cls(cfg.method.adapter, cfg["lora.rank"], cfg["lora.alpha"], cfg["lora.dropout"], targets,
+                   cfg["vlm.language-model-pattern"])
+
 
 def add_adapter(model: torch.nn.Module, spec: AdapterSpec, seed: int) -> torch.nn.Module:
     """Wrap ``model`` with a peft adapter; every base weight stays frozen. The adapter's

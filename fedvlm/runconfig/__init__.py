@@ -1,9 +1,10 @@
-"""Run-config validation: one place that turns Flower's flat run config into checked values.
+"""The run config: the checked, read-only ``RunConfig`` and the checks that need no method.
 
-``validate(raw)`` fails with a ``ConfigError`` that names the key, the value and what is
-accepted, for: unknown keys, wrong types, values out of range or not among the choices,
-unknown methods, and combinations that cannot work. It also resolves the 'auto' values
-(dataset, partitioner) from the method's family, and the default directories.
+``check_keys`` fails with a ``ConfigError`` that names the key, the value and what is accepted,
+for unknown keys, wrong types and values out of range or not among the choices; ``finish``
+checks what the resolved values must satisfy (data roots, absolute paths) and fills in the
+default directories. What a family or method decides, and the combinations it cannot run, are
+applied between the two by ``methods.registry.validate``, the one entry point.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
-from fedvlm.methods import FAMILIES, METHODS, UnknownMethod, get_method
 from fedvlm.runconfig.schema import DEFAULTS, KEY_BY_NAME, KEYS, Key
 
-__all__ = ["ConfigError", "RunConfig", "validate", "parse_value", "KEYS", "DEFAULTS"]
+__all__ = ["ConfigError", "RunConfig", "check_keys", "finish", "parse_value", "KEYS", "KEY_BY_NAME", "DEFAULTS"]
 
 # Datasets whose files must be supplied (or downloaded) under data-root.
 DATASETS_NEEDING_ROOT = frozenset(
@@ -45,8 +45,9 @@ class ConfigError(ValueError):
 class RunConfig(Mapping):
     """Validated, resolved run config: read-only, indexed by the flat key names."""
 
-    def __init__(self, values: dict[str, Any]):
+    def __init__(self, values: dict[str, Any], method):
         self._values = dict(values)
+        self.method = method  # its methods.spec.MethodSpec
 
     def __getitem__(self, key: str) -> Any:
         return self._values[key]
@@ -56,10 +57,6 @@ class RunConfig(Mapping):
 
     def __len__(self) -> int:
         return len(self._values)
-
-    @property
-    def method(self):
-        return get_method(self._values["method"])
 
     @property
     def cache_dir(self) -> Path:
@@ -105,7 +102,7 @@ def default_output_dir() -> Path:
 EMBEDDED_CLASSIFICATION = frozenset({"embedded", "embedded-shadow", "digits"})
 
 
-def _resolve_reprogram(values: dict) -> None:
+def resolve_reprogram(values: dict) -> None:
     """Reprogrammable-FL's 'auto' values and the combinations it cannot run."""
     embedded_data = values["dataset"] in EMBEDDED_CLASSIFICATION
     if values["reprogram.source-model"] == "auto":
@@ -127,8 +124,9 @@ def _resolve_reprogram(values: dict) -> None:
                           "DP-SGD (Opacus) always clips per sample; set privacy.clipping='per-sample'")
 
 
-def validate(raw: Mapping[str, Any]) -> RunConfig:
-    """Check every key of ``raw`` (missing keys take their defaults) and resolve 'auto'."""
+def check_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Every key of ``raw`` known and of the right type and range; missing keys take their
+    defaults."""
     unknown = [k for k in raw if k not in KEY_BY_NAME]
     if unknown:
         lines = []
@@ -146,50 +144,11 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
             errors.append(f"run config {key.name!r} = {values[key.name]!r}: {problem}")
     if errors:
         raise ConfigError("; ".join(errors))
+    return values
 
-    try:
-        method = get_method(values["method"])
-    except UnknownMethod as err:
-        raise ConfigError(str(err)) from None
-    family = FAMILIES[method.family]
-    if values["dataset"] == "auto":
-        values["dataset"] = family.default_dataset
-    if values["partitioner"] == "auto":
-        values["partitioner"] = family.default_partitioner
-    if values["dirichlet-alpha"] == 0:
-        values["dirichlet-alpha"] = family.dirichlet_alpha
-    if values["fraction-train"] == 0:
-        values["fraction-train"] = family.fraction_train
-    if values["privacy.clip"] == -1:
-        values["privacy.clip"] = family.privacy_clip
-    if values["privacy.noise-multiplier"] == -1:
-        # the family's fixed noise is the default only when no epsilon is asked for
-        values["privacy.noise-multiplier"] = 0.0 if values["privacy.epsilon"] > 0 else family.noise_multiplier
-    elif values["privacy.noise-multiplier"] > 0 and values["privacy.epsilon"] > 0:
-        raise ConfigError(
-            f"run config sets both 'privacy.epsilon' = {values['privacy.epsilon']} (calibrate the noise to it) and "
-            f"'privacy.noise-multiplier' = {values['privacy.noise-multiplier']} (fixed noise, epsilon only reported); "
-            "set one of them, the other to 0")
-    if method.family == "reprogram":
-        _resolve_reprogram(values)
-    if (values["dataset"] in VLM_DATASETS) != (method.family == "vlm"):
-        fitting = sorted(VLM_DATASETS) if method.family == "vlm" else [d for d in KEY_BY_NAME["dataset"].choices
-                                                                      if d not in VLM_DATASETS and d != "auto"]
-        raise ConfigError(
-            f"run config 'dataset' = {values['dataset']!r} does not fit method {method.name!r} "
-            f"({'image-text' if method.family == 'vlm' else 'image classification'} data needed); "
-            f"accepted: {', '.join(fitting)}")
-    if values["lora.lr"] < 0:
-        values["lora.lr"] = 3e-3 if values["vlm.model"] == "embedded-tiny-vlm" else 3e-4
-    for key, value in method.defaults.items():  # -1 / "auto": the method decides
-        if values[key] in (-1, "auto"):
-            values[key] = value
-    if (values["privacy.epsilon"] > 0 or values["privacy.noise-multiplier"] > 0) and not method.supports_dp:
-        dp_methods = ", ".join(m.name for m in METHODS.values() if m.supports_dp)
-        raise ConfigError(
-            f"run config 'privacy.epsilon' = {values['privacy.epsilon']} but method {method.name!r} "
-            f"has no DP mechanism; set privacy.epsilon=0 or use one of: {dp_methods}"
-        )
+
+def finish(values: dict[str, Any]) -> dict[str, Any]:
+    """The checks on resolved values that no method changes, and the default directories."""
     if values["privacy.max-epsilon"] and values["privacy.epsilon"] > values["privacy.max-epsilon"]:
         raise ConfigError(
             f"run config 'privacy.epsilon' = {values['privacy.epsilon']} exceeds 'privacy.max-epsilon' = "
@@ -217,5 +176,5 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
     values["output-dir"] = str(Path(values["output-dir"]).expanduser() if values["output-dir"] else default_output_dir())
     if values["data-root"]:
         values["data-root"] = str(Path(values["data-root"]).expanduser())
-    return RunConfig(values)
+    return values
 

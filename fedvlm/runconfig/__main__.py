@@ -15,7 +15,9 @@ import sys
 
 from flwr.common.config import parse_config_args
 
-from fedvlm.runconfig import ConfigError, validate
+from fedvlm.runconfig import ConfigError
+
+from fedvlm.methods.registry import validate
 from fedvlm.runconfig.schema import KEYS
 
 

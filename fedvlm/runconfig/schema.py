@@ -2,7 +2,7 @@
 
 This table is the single source of truth: ``pyproject.toml``'s ``[tool.flwr.app.config]``
 must list exactly these keys with these defaults (a test checks it), the README's key table
-is checked against it, and ``runconfig.validate`` enforces it on the server and on every
+is checked against it, and ``methods.registry.validate`` enforces it on the server and on every
 client before any work starts.
 
 Keys are flat strings; a dot groups them (``prompt.lr`` is written ``prompt.lr = 0.01`` in
@@ -122,7 +122,7 @@ KEYS: tuple[Key, ...] = (
         check=_template),
     # --- DP-FPL and the global/local prompt baselines ----------------------------------------
     Key("dpfpl.rank", 8, "Rank k of DP-FPL's factorisation of the local prompt (0 = full rank, no "
-        "factorisation) and of FedPGP's personal u v.", min=0),
+        "factorisation).", min=0),
     Key("dpfpl.residual", True, "Keep the residual r = p_L - u v in the forward prompt (false = "
         "the no-residual ablation)."),
     Key("dpfpl.server-optimizer", "sgd", "Server step on the noisy averaged global-prompt gradient.",
@@ -134,6 +134,7 @@ KEYS: tuple[Key, ...] = (
     Key("fedotp.tau", 1.0, "Marginal relaxation of FedOTP's unbalanced OT (KL weight; larger = "
         "closer to balanced).", min=0.0, min_exclusive=True),
     Key("fedotp.iters", 100, "Sinkhorn iterations.", min=1),
+    Key("fedpgp.rank", 8, "Rank k of FedPGP's personal low-rank prompt u v.", min=1),
     Key("fedpgp.mu", 1.0, "Weight of FedPGP's prompt-wise contrastive term (0 = off).", min=0.0),
     Key("fedpgp.temperature", 0.5, "Temperature of FedPGP's contrastive term.", min=0.0, min_exclusive=True),
     # --- VLM methods (FedRand and its baselines) ---------------------------------------------------

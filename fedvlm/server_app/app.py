@@ -10,7 +10,9 @@ import flwr
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedvlm.runconfig import ConfigError, RunConfig, validate
+from fedvlm.runconfig import ConfigError, RunConfig
+
+from fedvlm.methods.registry import validate
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 
 log = logging.getLogger("fedvlm")
@@ -34,10 +36,10 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     spec = cfg.method
     run_dir = make_run_dir(cfg["output-dir"], cfg["run-name"], spec.name, cfg["dataset"], run_id)
     log.info("run folder: %s", run_dir)
-    strategy = spec.strategy_class()(cfg, spec)
+    strategy = spec.strategy(cfg, spec)
     backbone = getattr(strategy, "bundle", None)
     recorder = RunRecorder(run_dir, cfg.as_dict(), {
-        "method": spec.name, "family": spec.family, "summary": spec.summary, "run_id": str(run_id),
+        "method": spec.name, "family": spec.family.name, "summary": spec.summary, "run_id": str(run_id),
         "flwr": flwr.__version__,
         "backbone": {"name": backbone.name, "pretrained": backbone.pretrained, "fingerprint": backbone.fingerprint} if backbone else None,
     })

@@ -30,7 +30,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedvlm.methods import MethodSpec
+from fedvlm.methods.spec import MethodSpec
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.ledger import PrivacyLedger, PrivacySettings
 from fedvlm.privacy.planner import LOCAL_SIGMA_KEY, ClientShape, GlobalDP, PrivacyPlanner
@@ -114,7 +114,7 @@ class FederatedStrategy(Strategy):
 
     def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
         """Tensors ``node`` must send back, with shapes (default: the shared global arrays)."""
-        return {k: v.shape for k, v in self.global_arrays.items() if k in self.spec.shared}
+        return {k: v.shape for k, v in self.global_arrays.items() if k in self.spec.shares(self.cfg, self.global_arrays)}
 
     def evaluate_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
         return dict(self.global_arrays)

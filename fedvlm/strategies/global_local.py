@@ -33,17 +33,11 @@ class GlobalGradientStrategy(PromptStrategy):
         super().__init__(cfg, spec)
         if cfg["prompt.class-specific"]:
             raise ValueError(f"method {spec.name!r} needs a shared context (prompt.class-specific=false)")
-        if spec.name == "fedpgp" and cfg["dpfpl.rank"] == 0:
-            raise ValueError("fedpgp needs a low rank (dpfpl.rank >= 1): its personal part is u v")
         self._server_opt = None
         self._global_param = None
 
     def initial_arrays(self):
-        ctx = self.initial_context()
-        if self.spec.name in ("dpfpl", "fedpgp") and self.cfg["dpfpl.rank"] > ctx.shape[0]:
-            raise ValueError(f"dpfpl.rank = {self.cfg['dpfpl.rank']} exceeds the {ctx.shape[0]} context tokens; "
-                             f"use a rank of at most {ctx.shape[0]} (or 0 for full rank)")
-        return {"global_ctx": ctx}
+        return {"global_ctx": self.initial_context()}
 
     def reply_shapes(self, node, server_round):
         return {"global_grad": self.global_arrays["global_ctx"].shape}

@@ -22,7 +22,7 @@ import logging
 import numpy as np
 
 from fedvlm.models import adapter_parts
-from fedvlm.models.vlm import load_vlm
+from fedvlm.models.vlm import AdapterSpec, load_vlm
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
 from fedvlm.strategies.base import ClientUpdate, FederatedStrategy, NodeInfo
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
@@ -33,23 +33,19 @@ CLIENT_METRICS_PREFIX = ("client-", "server-")
 
 
 class LoRAStrategy(FederatedStrategy):
-    adapter_kind = "lora"
+    """FedAvg-LoRA, FedPer-LoRA and FedPara-LoRA: the method's sharing rule picks the adapter
+    tensors that travel (``MethodSpec.shares``); each is averaged weighted by data size."""
 
     def __init__(self, cfg, spec):
-        from fedvlm.client_app.lora_clients import adapter_spec
-
         super().__init__(cfg, spec)
-        _, initial, fp = load_vlm(cfg["vlm.model"], cfg.cache_dir, adapter_spec(cfg, self.adapter_kind), cfg["seed"],
+        _, initial, fp = load_vlm(cfg["vlm.model"], cfg.cache_dir, AdapterSpec.from_config(cfg), cfg["seed"],
                                   "cpu", cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
         self.server_fingerprint = fp
         self.adapter_initial = {k: v.numpy() for k, v in initial.items()}
-        self.shared_names = self.select_shared(sorted(initial))
+        self.shared_names = sorted(spec.shares(cfg, initial))
         self.last_upload: dict[str, dict[str, np.ndarray]] = {}  # client -> its latest uploaded tensors
         self.participated: set[str] = set()
         self.train_messages = 0  # train messages sent, for the communication summary
-
-    def select_shared(self, names: list[str]) -> list[str]:
-        return names
 
     def adapter_bytes(self) -> int:
         return int(sum(v.nbytes for v in self.adapter_initial.values()))
@@ -110,22 +106,6 @@ class LoRAStrategy(FederatedStrategy):
             "up_vs_full_lora": up / (full * trained) if trained else None,
             "down_vs_full_lora": down / (full * sent) if sent else None,
         })
-
-
-class FedAvgLoRAStrategy(LoRAStrategy):
-    pass
-
-
-class FedPerStrategy(LoRAStrategy):
-    def select_shared(self, names):
-        return adapter_parts.top_layers(names, self.cfg["fedper.shared-layers"])
-
-
-class FedParaStrategy(LoRAStrategy):
-    adapter_kind = "loha"
-
-    def select_shared(self, names):
-        return adapter_parts.loha_global(names)
 
 
 class FedRandStrategy(LoRAStrategy):

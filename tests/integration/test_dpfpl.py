@@ -1,4 +1,4 @@
-"""DP-FPL: the factorisation, the rebuilt gradient, where noise goes, and what leaves clients."""
+"""DP-FPL in federations: where noise goes, what leaves clients, the budget, and its effect."""
 
 from __future__ import annotations
 
@@ -8,47 +8,9 @@ import torch
 
 import fedvlm.strategies.global_local as global_local
 from fedvlm.client_app.app import app as client_app
-from fedvlm.models.lowrank import factorize, rebuild_gradient
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid
-
-
-@pytest.mark.parametrize("rank", [1, 2, 4, 8])
-def test_factorisation_properties(rank):
-    p = torch.randn(16, 96, dtype=torch.float64)
-    u, v, r = factorize(p, rank, torch.Generator().manual_seed(rank))
-    assert u.shape == (16, rank) and v.shape == (rank, 96)
-    torch.testing.assert_close(u.t() @ u, torch.eye(rank, dtype=p.dtype))  # orthonormal columns
-    torch.testing.assert_close(v @ v.t(), torch.eye(rank, dtype=p.dtype))  # orthonormal rows
-    torch.testing.assert_close(u @ v + r, p, rtol=0, atol=1e-12)  # exact reconstruction
-
-
-def test_rebuilt_gradient_is_the_projection_of_the_true_gradient():
-    torch.manual_seed(0)
-    p_local = torch.randn(16, 32, dtype=torch.float64)
-    target = torch.randn(16, 32, dtype=torch.float64)
-    u, v, r = factorize(p_local, 4, torch.Generator().manual_seed(1))
-    u_, v_ = u.clone().requires_grad_(True), v.clone().requires_grad_(True)
-
-    def loss_of(prompt):
-        return (torch.sin(prompt) * target).sum() + 0.5 * (prompt ** 2).sum()
-
-    loss_of(u_ @ v_ + r).backward()
-    true_g = torch.autograd.functional.jacobian(loss_of, u @ v + r)  # G at the forward prompt
-    rebuilt = rebuild_gradient(u_.grad, v_.grad, u, v)
-    p_u, p_v = u @ u.t(), v.t() @ v
-    torch.testing.assert_close(rebuilt, p_u @ true_g + true_g @ p_v - p_u @ true_g @ p_v)
-    # and the minus sign matters: the public code's "+" gives something else
-    plus = u_.grad @ v + u @ v_.grad + u @ (u.t() @ u_.grad) @ v
-    assert not torch.allclose(plus, rebuilt)
-
-
-def test_full_rank_rebuild_is_the_true_gradient():
-    p = torch.randn(8, 8, dtype=torch.float64)
-    u, v, _ = factorize(p, 8, torch.Generator().manual_seed(0))
-    g = torch.randn(8, 8, dtype=torch.float64)
-    torch.testing.assert_close(rebuild_gradient(g @ v.t(), u.t() @ g, u, v), g)
 
 
 def _grid(cfg, n):
@@ -88,7 +50,7 @@ def test_private_parts_never_leave_and_server_noise_is_drawn_once_per_round(make
 def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     cfg = make_cfg(method="dpfpl", privacy__epsilon=0.05, dpfpl__server_lr=1.0)
     spec = cfg.method
-    strategy = spec.strategy_class()(cfg, spec)
+    strategy = spec.strategy(cfg, spec)
     from fedvlm.strategies.base import ClientUpdate, NodeInfo
 
     strategy.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
@@ -103,16 +65,30 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     assert float(step.std()) == pytest.approx(sigma, rel=0.05)  # 1536 draws
 
 
-def test_noise_costs_accuracy_and_dpfpl_beats_noisy_promptfl(make_cfg, pretrained_clip):
-    def final_local(**kw):
-        cfg = make_cfg(num_server_rounds=10, **kw)
-        return execute(cfg, _grid(cfg, 5), run_id="t").data["final"]["local-acc"]
+def _mean_local(cfg, n, last):
+    """Mean local accuracy of the last ``last`` rounds (one round's evaluation is noisy)."""
+    rounds = execute(cfg, _grid(cfg, n), run_id="t").data["rounds"]
+    return float(np.mean([r["metrics"]["local-acc"] for r in rounds[-last:]]))
 
-    clean = final_local(method="dpfpl")
-    noisy = final_local(method="dpfpl", privacy__epsilon=0.05)
-    promptfl = final_local(method="promptfl", prompt__local_steps=1, privacy__epsilon=0.05)
-    assert noisy < clean - 0.05, (clean, noisy)
-    assert noisy > promptfl, (noisy, promptfl)
+
+@pytest.mark.slow
+def test_noise_costs_accuracy(make_cfg, pretrained_clip):
+    """Five local steps a round, so that the clean run learns well past zero-shot (about 41%
+    against 24% on seed 0); epsilon 0.05 takes it back to zero-shot."""
+    kw = {"method": "dpfpl", "num_server_rounds": 10, "prompt__local_steps": 5}
+    clean = _mean_local(make_cfg(**kw), 5, 5)
+    noisy = _mean_local(make_cfg(privacy__epsilon=0.05, **kw), 5, 5)
+    assert noisy < clean - 0.1, (clean, noisy)
+
+
+@pytest.mark.slow
+def test_dpfpl_beats_noisy_promptfl_at_the_same_epsilon(make_cfg, pretrained_clip):
+    """The paper's headline in the README sweep's setting (10 clients, 20 rounds, one local
+    step, epsilon 0.4 per record): DP-FPL about 33% against PromptFL's 24% on seed 0."""
+    kw = {"num_server_rounds": 20, "prompt__local_steps": 1, "privacy__epsilon": 0.4}
+    dpfpl = _mean_local(make_cfg(method="dpfpl", **kw), 10, 10)
+    promptfl = _mean_local(make_cfg(method="promptfl", **kw), 10, 10)
+    assert dpfpl > promptfl + 0.04, (dpfpl, promptfl)
 
 
 def test_budget_that_the_schedule_would_exceed_refuses_to_start(make_cfg, pretrained_clip):

@@ -65,7 +65,8 @@ def test_fedpara_shares_the_first_loha_pair():
 
 
 def test_vlm_family_defaults_and_dataset_mismatch():
-    from fedvlm.runconfig import ConfigError, validate
+    from fedvlm.runconfig import ConfigError
+    from fedvlm.methods.registry import validate
 
     cfg = validate({"method": "fedrand"})
     assert (cfg["dataset"], cfg["partitioner"], cfg["dirichlet-alpha"], cfg["fraction-train"]) == \

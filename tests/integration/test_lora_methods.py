@@ -27,7 +27,7 @@ def _raw(cache_dir, tmp_path, method: str, **extra) -> dict:
 
 
 def _run(raw: dict):
-    from fedvlm.runconfig import validate
+    from fedvlm.methods.registry import validate
 
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N_CLIENTS} for i in range(N_CLIENTS)], raw)
     recorder = execute(validate(raw), grid, raw["method"])
@@ -121,15 +121,15 @@ def test_fedrand_loss_falls_and_caption_metrics_are_written(fedrand_run):
 
 
 def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
-    from fedvlm.methods import get_method
-    from fedvlm.runconfig import validate
+    from fedvlm.methods.registry import get_method
+    from fedvlm.methods.registry import validate
     from fedvlm.strategies.base import NodeInfo
 
     nodes = [NodeInfo(i, f"client-{i}", i, 10, 5, 0, "x", 4) for i in range(8)]
 
     def draws(seed):
         cfg = validate({"method": "fedrand", "seed": seed, "cache-dir": str(vlm_cache)})
-        s = get_method("fedrand").strategy_class()(cfg, get_method("fedrand"))
+        s = get_method("fedrand").strategy(cfg, get_method("fedrand"))
         return [s.draw(n, r) for r in range(1, 6) for n in nodes]
 
     a, b, c = draws(0), draws(0), draws(1)
@@ -140,7 +140,7 @@ def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
 def test_lora_state_survives_between_rounds_in_the_node_state(vlm_cache):
     from fedvlm.client_app.lora_clients import FedRandClient
     from fedvlm.client_app.vlm_node import vlm_node_data
-    from fedvlm.runconfig import validate
+    from fedvlm.methods.registry import validate
 
     cfg = validate({"method": "fedrand", "cache-dir": str(vlm_cache), "lora.local-steps": 2})
     node = vlm_node_data(cfg, {"partition-id": 0, "num-partitions": 4})
@@ -160,6 +160,7 @@ def test_lora_state_survives_between_rounds_in_the_node_state(vlm_cache):
     assert set(second.private) == set(b_from_server)  # the unsent B half is the private counterpart
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedper-lora", "fedpara-lora"])
 def test_private_parts_of_fedper_and_fedpara_never_travel(vlm_cache, tmp_path, method):
     grid, recorder = _run(_raw(vlm_cache, tmp_path, method, **{"num-server-rounds": 2}))
@@ -195,6 +196,7 @@ def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     assert clients and all(c["uploaded"] for c in clients.values())  # rebuilt from what each client sent
 
 
+@pytest.mark.slow
 def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
     grid, recorder = _run(_raw(vlm_cache, tmp_path, "fedrand", **{"num-server-rounds": 2, "privacy.epsilon": 2.0,
                                                                  "privacy.clip": 1.0, "lora.local-steps": 2,
@@ -219,6 +221,7 @@ def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
         assert m.content["config"][LOCAL_SIGMA_KEY] == pytest.approx(plans[name]["ldp-adapter"]["sigma"])
 
 
+@pytest.mark.slow
 def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp_path, monkeypatch):
     """A server that asks for both halves, or sends both after a first participation, could
     rebuild a client's whole adapter: the client refuses (checked on the node, not trusted)."""

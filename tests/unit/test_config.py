@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fedvlm.runconfig import ConfigError, validate
+from fedvlm.runconfig import ConfigError
+
+from fedvlm.methods.registry import validate
 from fedvlm.runconfig.__main__ import main as runconfig_cli
 from fedvlm.runconfig.schema import DEFAULTS, KEYS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_valid_and_resolve_auto():

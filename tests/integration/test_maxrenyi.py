@@ -35,7 +35,7 @@ def _memorisation_task(vlm_cache):
     """Scenes whose targets are random word strings keyed by a random code in the prompt:
     nothing but memorisation of the training pairs predicts them."""
     from fedvlm.client_app.vlm_node import vlm_dataset
-    from fedvlm.runconfig import validate
+    from fedvlm.methods.registry import validate
 
     cfg = validate({"method": "fedavg-lora", "cache-dir": str(vlm_cache), "lora.dropout": 0.0})
     ds = vlm_dataset(cfg)
@@ -50,6 +50,7 @@ def _memorisation_task(vlm_cache):
     return cfg, members, nonmembers
 
 
+@pytest.mark.slow
 def test_maxrenyi_separates_members_of_an_overfit_model_and_not_of_an_untrained_one(vlm_cache):
     from fedvlm.attacks.maxrenyi import auroc_and_tpr, sample_scores
     from fedvlm.models.vlm import VLM, load_model_and_processor

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from fedvlm.methods import get_method
+from fedvlm.methods.registry import get_method
 from regression import CASES, FIXTURE, differences, run_case
 
 FIXED = json.loads(FIXTURE.read_text())
-VLM_CASES = [c for c, (raw, _) in CASES.items() if get_method(raw["method"]).family == "vlm"]
+VLM_CASES = [c for c, (raw, _) in CASES.items() if get_method(raw["method"]).family.image_text]
 
 
 @pytest.mark.parametrize("name", [c for c in CASES if c not in VLM_CASES])

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from fedvlm.models.reprogram import InputProgram, build_model, load_source, trainable_state
-from fedvlm.runconfig import ConfigError, validate
+from fedvlm.runconfig import ConfigError
+from fedvlm.methods.registry import validate
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +23,11 @@ def tiny_source(tmp_path_factory):
 
 # ---- models --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method,expected", [("reprogram", 160538), ("bl-pf", 20490), ("bl-ff", 23528522),
-                                             ("bl-ts", 23528522)])
-def test_trainable_parameters_match_the_papers_table_iv(tmp_path, method, expected):
+@pytest.mark.parametrize("kind,expected", [("mr", 160538), ("pf", 20490), ("ff", 23528522), ("ts", 23528522)])
+def test_trainable_parameters_match_the_papers_table_iv(tmp_path, kind, expected):
     # ResNet-50 source, CIFAR-10 (10 classes), 200 px images padded to 224 (Table IV's first column)
     src = load_source("resnet50", "random", tmp_path)
-    model = build_model(method, src, 10, 200, seed=0)
+    model = build_model(kind, src, 10, 200, seed=0)
     assert sum(v.numel() for v in trainable_state(model).values()) == expected
 
 
@@ -49,7 +49,7 @@ def test_input_program_pads_the_image_and_perturbs_only_the_border():
 
 
 def test_frozen_source_stays_in_eval_mode_and_never_changes(tiny_source):
-    model = build_model("reprogram", tiny_source, 10, 24, seed=0)
+    model = build_model("mr", tiny_source, 10, 24, seed=0)
     before = {k: v.clone() for k, v in model.source.state_dict().items()}
     model.train()
     assert not model.source.net.training and model.program.training
@@ -65,28 +65,28 @@ def test_frozen_source_stays_in_eval_mode_and_never_changes(tiny_source):
 
 
 def test_full_network_baselines_replace_batchnorm(tiny_source):
-    for method in ("bl-ff", "bl-ts"):
-        model = build_model(method, tiny_source, 10, 24, seed=0)
+    for kind in ("ff", "ts"):
+        model = build_model(kind, tiny_source, 10, 24, seed=0)
         assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
         assert any(isinstance(m, torch.nn.GroupNorm) for m in model.modules())
-    pf = build_model("bl-pf", tiny_source, 10, 24, seed=0)
+    pf = build_model("pf", tiny_source, 10, 24, seed=0)
     assert set(trainable_state(pf)) == {"head.weight", "head.bias"}
-    ts, ff = build_model("bl-ts", tiny_source, 10, 24, seed=0), build_model("bl-ff", tiny_source, 10, 24, seed=0)
+    ts, ff = build_model("ts", tiny_source, 10, 24, seed=0), build_model("ff", tiny_source, 10, 24, seed=0)
     conv = "body.conv1.weight"
     assert torch.equal(trainable_state(ff)[conv], tiny_source.model.conv1.weight)
     assert not torch.equal(trainable_state(ts)[conv], tiny_source.model.conv1.weight)
 
 
-@pytest.mark.parametrize("method", ["reprogram", "bl-pf", "bl-ff"])
-def test_opacus_per_sample_gradients_match_torch_func(tiny_source, method):
+@pytest.mark.parametrize("kind", ["mr", "pf", "ff"])
+def test_opacus_per_sample_gradients_match_torch_func(tiny_source, kind):
     from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
     from torch.func import functional_call, grad, vmap
 
-    model = build_model(method, tiny_source, 10, 24, seed=0)
+    model = build_model(kind, tiny_source, 10, 24, seed=0)
     with torch.no_grad():
         for p in trainable_state(model).values():
             p.add_(0.05 * torch.randn_like(p))  # away from zero init, so tanh' matters
-    size = 24 if method == "reprogram" else 32
+    size = 24 if kind == "mr" else 32
     x, y = torch.rand(5, 3, size, size), torch.randint(0, 10, (5,))
     names = list(trainable_state(model))
     params = {k: v.detach().clone() for k, v in trainable_state(model).items()}
@@ -97,7 +97,7 @@ def test_opacus_per_sample_gradients_match_torch_func(tiny_source, method):
 
     model.train()  # Opacus records activations in training mode; the frozen source stays in eval
     reference = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
-    wrapper = GradSampleModuleExpandedWeights if method == "bl-ff" else GradSampleModule
+    wrapper = GradSampleModuleExpandedWeights if kind == "ff" else GradSampleModule
     gsm = wrapper(model, batch_first=True, loss_reduction="mean")
     F.cross_entropy(gsm(x), y).backward()
     got = dict(model.named_parameters())
@@ -203,6 +203,6 @@ def test_each_method_federates_and_shares_only_what_trains(make_cfg, method):
     sent = {k for m in grid.replies if not m.has_error() and "arrays" in m.content for k in m.content["arrays"].keys()}
     from fedvlm.models.reprogram import initial_model
 
-    expected = set(trainable_state(initial_model(make_cfg(method=method), method, 10)))
+    expected = set(trainable_state(initial_model(make_cfg(method=method), 10)))
     assert sent == expected
     assert rec.data["privacy"]["rounds"][-1]["epsilon"] > 0

@@ -11,7 +11,8 @@ import pytest
 
 from fedvlm.client_app.app import app as client_app
 from fedvlm.privacy.planner import LOCAL_SIGMA_KEY
-from fedvlm.runconfig import ConfigError, validate
+from fedvlm.runconfig import ConfigError
+from fedvlm.methods.registry import validate
 from fedvlm.server_app.app import execute
 from fedvlm.strategies.base import FederatedStrategy, FederationError
 from fedvlm.utils.inprocess import InProcessGrid
@@ -64,6 +65,7 @@ def _expected(data, client, rounds, denominator, tensors=2):
         accountant=cfg["privacy.accountant"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accountant,steps", [("pld", 1), ("rdp", 2)])
 def test_reported_epsilon_is_the_composition_of_local_and_global_and_meets_the_target(
         make_cfg, pretrained_clip, accountant, steps):
@@ -89,6 +91,7 @@ def test_reported_epsilon_is_the_composition_of_local_and_global_and_meets_the_t
     assert data["rounds"][-1]["metrics"]["epsilon/per-record-max"] == privacy["rounds"][-1]["epsilon"]
 
 
+@pytest.mark.slow
 def test_budget_limited_run_never_exceeds_max_epsilon_per_record(make_cfg, pretrained_clip):
     """Audit: a budget-limited run reported 1.957 <= 2.0 while records had spent 2.3-2.9."""
     rec, _ = _run(make_cfg, 2, method="dpfpl", privacy__noise_multiplier=1.2, privacy__max_epsilon=2.0,
@@ -132,7 +135,7 @@ def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip)
     from fedvlm.strategies.base import ClientUpdate, NodeInfo
 
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, dpfpl__server_lr=1.0, dpfpl__server_optimizer="sgd")
-    strategy = cfg.method.strategy_class()(cfg, cfg.method)
+    strategy = cfg.method.strategy(cfg, cfg.method)
     strategy.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
     strategy.plan_privacy()
@@ -166,6 +169,7 @@ def _run_late(make_cfg, late_partition, **overrides):
     return execute(cfg, grid, run_id="t").data
 
 
+@pytest.mark.slow
 def test_a_late_node_that_the_plan_cannot_cover_is_excluded(make_cfg, pretrained_clip):
     """Audit: quantity skew 45:9:1, the small node joining at round 2: ledger 1.000, true 6.23."""
     data = _run_late(make_cfg, late_partition=2)  # 46 records, batch 32: q = 0.7
@@ -175,6 +179,7 @@ def test_a_late_node_that_the_plan_cannot_cover_is_excluded(make_cfg, pretrained
     assert all(r["metrics"]["train-clients"] == 2 for r in data["rounds"])
 
 
+@pytest.mark.slow
 def test_a_late_node_gets_local_noise_that_keeps_its_records_within_the_target(make_cfg, pretrained_clip):
     data = _run_late(make_cfg, late_partition=1)  # 418 records join at round 2
     assert [r["metrics"]["train-clients"] for r in data["rounds"]] == [2, 3, 3]
@@ -224,6 +229,7 @@ def test_every_client_refuses_less_noise_than_its_own_plan(make_cfg, pretrained_
     assert rec.data["rounds"][0]["metrics"]["train-clients"] == 0
 
 
+@pytest.mark.slow
 def test_lora_clients_refuse_less_noise_than_their_own_plan(vlm_cache, tmp_path, monkeypatch):
     monkeypatch.setattr(FederatedStrategy, "train_config", _lower_noise(0.5))
     raw = {"method": "fedavg-lora", "num-server-rounds": 1, "lora.local-steps": 1, "vlm.eval-samples": 2,
