@@ -18,6 +18,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedvlm.client_app.send_guard import guarded_reply
+from fedvlm.protocol import SERVER_ROUND, EvaluateInstruction, TrainInstruction
 from fedvlm.methods.registry import validate
 
 log = logging.getLogger(__name__)
@@ -27,42 +28,41 @@ def _setup(msg: Message, context: Context):
     cfg = validate(context.run_config)
     spec = cfg.method
     node = spec.family.node_data(cfg, dict(context.node_config))
-    server_round = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
-    client = spec.client(cfg, node, context.state, server_round)
-    arrays = msg.content["arrays"].to_torch_state_dict() if "arrays" in msg.content else {}
     config = dict(msg.content["config"]) if "config" in msg.content else {}
-    return cfg, spec, node, client, arrays, config
+    client = spec.client(cfg, node, context.state, int(config.get(SERVER_ROUND, 0)))
+    arrays = msg.content["arrays"].to_torch_state_dict() if "arrays" in msg.content else {}
+    return cfg, spec, client, arrays, config
 
 
 @app.query()
 def hello(msg: Message, context: Context) -> Message:
-    cfg, spec, node, client, _, _ = _setup(msg, context)
-    info, metrics = client.hello()
+    _, _, client, _, _ = _setup(msg, context)
+    info, metrics = client.hello().to_records()
     return guarded_reply(msg, {}, metrics, allowed=frozenset(), info=info)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     t0 = time.time()
-    cfg, spec, node, client, arrays, config = _setup(msg, context)
-    shared, metrics = client.train(arrays, config)
+    cfg, spec, client, arrays, config = _setup(msg, context)
+    instruction = TrainInstruction.from_config(config)
+    shared, metrics = client.train(arrays, instruction)
     # Everything this node spent on the message (setup included): the rest of a round's
     # wall time is Flower/Ray/network overhead.
     metrics["compute-seconds"] = time.time() - t0
-    # The server names what it expects back this round ("" = nothing): the guard holds the
-    # reply to that as well as to the method's shared set.
-    keys = config.get("reply-keys")
-    requested = [k for k in keys.split(",") if k] if isinstance(keys, str) else None
+    # The server names what it expects back this round (none named = nothing may leave):
+    # the guard holds the reply to that as well as to the method's shared set.
     # What may leave this node: the method's sharing rule over the tensors its model has
     # (a LoRA adapter's names are known only where the model is loaded).
     allowed = spec.shares(cfg, client.tensor_names)
-    return guarded_reply(msg, shared, metrics, allowed=allowed, private=client.private, requested=requested)
+    return guarded_reply(msg, shared, metrics, allowed=allowed, private=client.private,
+                         requested=instruction.reply_keys)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     t0 = time.time()
-    cfg, spec, node, client, arrays, config = _setup(msg, context)
-    metrics = client.evaluate(arrays, config)
+    _, _, client, arrays, config = _setup(msg, context)
+    metrics = client.evaluate(arrays, EvaluateInstruction.from_config(config))
     metrics["compute-seconds"] = time.time() - t0
     return guarded_reply(msg, {}, metrics, allowed=frozenset())

@@ -74,7 +74,7 @@ class GlobalLocalClient(PromptClient):
     def store_local(self, local: dict[str, torch.Tensor]) -> None:
         self.private.update({k: v.detach().cpu() for k, v in local.items()})
 
-    def train(self, arrays, config):
+    def train(self, arrays, instruction):
         feats, labels = self.features("train")
         n = len(labels)
         dev = self.bundle.device
@@ -84,7 +84,7 @@ class GlobalLocalClient(PromptClient):
             t.requires_grad_(True)
         opt = self.make_optimizer(self.local_opt_params(local))
         restore_optimizer(opt, {k: v.to(dev) for k, v in self.private.items()})
-        sigma = self.local_sigma(config)
+        sigma = self.local_sigma(instruction)
         noise_gen = noise_generator(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
         factor_gen = generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.POWER_ITERATION, self.round))
         bsz = min(self.cfg["prompt.batch-size"], n)

@@ -34,6 +34,7 @@ from fedvlm.privacy.ledger import PrivacySettings
 from fedvlm.privacy.mechanisms import clip_tensor, gaussian_noise, noise_generator, sampling_rng
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 from fedvlm.privacy.planner import ClientShape, client_local_sigma
+from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
 from fedvlm.runconfig import RunConfig
 from fedvlm.utils.vlm_metrics import score_split
 
@@ -69,14 +70,12 @@ class LoRAClient:
         return {k: v for k, v in self.own.items() if k not in self.shareable or k not in sent}
 
     # --- handshake -----------------------------------------------------------------------------
-    def hello(self) -> tuple[dict, dict]:
+    def hello(self) -> HelloReport:
         n = self.node
-        info = {"name": n.name, "backbone": self.backbone, "dataset": n.train.images.identity,
-                "classes": ",".join(str(c) for c in sorted(set(n.train.labels.tolist()))),
-                "device": str(self.vlm.device), "noise-source": n.noise_source}
-        metrics = {"partition-id": n.partition_id, "num-train": len(n.train), "num-test": len(n.test),
-                   "num-neighbor": 0, "num-classes": n.dataset.n_labels}
-        return info, metrics
+        details = {"dataset": n.train.images.identity, "device": str(self.vlm.device), "noise-source": n.noise_source,
+                   "classes": ",".join(str(c) for c in sorted(set(n.train.labels.tolist())))}
+        return HelloReport(n.name, n.partition_id, len(n.train), len(n.test), 0, n.dataset.n_labels, self.backbone,
+                           details)
 
     # --- adapter assembly ------------------------------------------------------------------------
     def starting_adapter(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,10 +92,10 @@ class LoRAClient:
             return c["lora.local-steps"]
         return c["lora.local-epochs"] * math.ceil(len(self.node.train) / c["lora.batch-size"])
 
-    def train(self, arrays: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> tuple[dict[str, torch.Tensor], dict]:
         if not len(self.node.train):
             raise RuntimeError(f"{self.node.name} holds no training samples")
-        self.check_request(arrays, config)
+        self.check_request(arrays, instruction)
         start = self.starting_adapter(arrays)
         load_adapter_state(self.vlm.model, start)
         params = trainable(self.vlm.model)
@@ -105,7 +104,7 @@ class LoRAClient:
         rng = sampling_rng(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.BATCHES, self.round))
         split, bsz = self.node.train, c["lora.batch-size"]
         settings = PrivacySettings.from_config(c)
-        sigma = client_local_sigma(c, ClientShape(len(split), bsz, self.num_steps()), config)
+        sigma = client_local_sigma(c, ClientShape(len(split), bsz, self.num_steps()), instruction.local_sigma)
         gen = noise_generator(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
         losses, clipped, t0 = [], [], time.time()
         self.vlm.model.train()
@@ -128,7 +127,7 @@ class LoRAClient:
                     losses.append(float(loss.detach()) if torch.is_tensor(loss) else loss)
         self.vlm.model.eval()
         trained = {k: v.detach().cpu().clone() for k, v in params.items()}
-        requested = [k for k in str(config.get("reply-keys", "")).split(",") if k]
+        requested = list(instruction.reply_keys)
         self.own = self.keep(trained)
         self.meta["sent"] = ",".join(requested)
         self.meta["rounds-trained"] = int(self.meta.get("rounds-trained", 0)) + 1
@@ -172,7 +171,7 @@ class LoRAClient:
             p.grad = total[k] * scale + gaussian_noise(p.shape, sigma, gen, p.device)
         return (float(np.mean(losses)) if losses else None), (float(np.mean(fractions)) if fractions else 0.0)
 
-    def check_request(self, arrays: dict[str, torch.Tensor], config: dict) -> None:
+    def check_request(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> None:
         """Refuse a train message that breaks the method's rule on what is exchanged."""
         extra = set(arrays) - set(self.shareable)
         if extra:
@@ -194,7 +193,7 @@ class LoRAClient:
         """The server's model: the global shared tensors, initial values for the rest."""
         return {**self.initial, **arrays}
 
-    def evaluate(self, arrays: dict[str, torch.Tensor], config: dict) -> dict:
+    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> dict:
         c, split = self.cfg, self.node.test
         if c["vlm.eval-samples"] and len(split) > c["vlm.eval-samples"]:
             split = split.subset(np.arange(c["vlm.eval-samples"]), f"first{c['vlm.eval-samples']}")
@@ -234,12 +233,12 @@ class FedRandClient(LoRAClient):
     def keep(self, trained):
         return trained
 
-    def check_request(self, arrays, config):
+    def check_request(self, arrays, instruction):
         """FedRand's rule, checked on the node so that a server cannot collect both halves: the
         reply is one whole half (every layer's A, or every layer's B), and the server sends that
         same half, or the whole adapter on the node's first participation."""
-        super().check_request(arrays, config)
-        requested = sorted(k for k in str(config.get("reply-keys", "")).split(",") if k)
+        super().check_request(arrays, instruction)
+        requested = sorted(instruction.reply_keys)
         halves = {h: adapter_parts.lora_half(self.shareable, h) for h in adapter_parts.HALVES}
         half = next((h for h, names in halves.items() if requested == names), None)
         if half is None:

@@ -25,13 +25,14 @@ from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.scoring import PromptScorer, TemplateScorer
 from fedvlm.client_app.state import load_meta, load_private, optimizer_tensors, restore_optimizer, save_meta, save_private
-from fedvlm.data.feature_cache import encode_images
+from fedvlm.models.feature_cache import encode_images
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
 from fedvlm.privacy.ledger import PrivacySettings
 from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.utils.rng import NodeStream, node_key
 from fedvlm.privacy.planner import ClientShape, client_local_sigma
+from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
 from fedvlm.runconfig import RunConfig
 
 
@@ -67,7 +68,7 @@ class PromptClient:
         self.scorer = self.scorer_class(self.bundle, self.classnames, cfg)
 
     # --- handshake ---------------------------------------------------------------------------
-    def hello(self) -> tuple[dict, dict]:
+    def hello(self) -> HelloReport:
         """Who this node is, for the server's handshake. Touches the features now, so that the
         first round measures training, not encoding."""
         node = self.node
@@ -76,9 +77,7 @@ class PromptClient:
         n_neighbor = len(node.part.neighbor) if node.part.neighbor is not None else 0
         if n_neighbor:
             self.features("neighbor")
-        info = {
-            "name": node.name,
-            "backbone": self.bundle.fingerprint,
+        details = {
             "dataset": node.splits.train.identity,
             "classes": ",".join(str(c) for c in node.part.classes),
             # label i must mean the same class on every node: the server compares this digest
@@ -86,9 +85,8 @@ class PromptClient:
             "device": str(self.bundle.device),
             "noise-source": node.noise_source,
         }
-        metrics = {"partition-id": node.partition_id, "num-train": n_train, "num-test": n_test,
-                   "num-neighbor": n_neighbor, "num-classes": node.splits.n_classes}
-        return info, metrics
+        return HelloReport(node.name, node.partition_id, n_train, n_test, n_neighbor, node.splits.n_classes,
+                           self.bundle.fingerprint, details)
 
     # --- data ------------------------------------------------------------------------------
     def features(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,11 +129,11 @@ class PromptClient:
             return c["prompt.local-steps"]
         return c["prompt.local-epochs"] * math.ceil(n / c["prompt.batch-size"])
 
-    def local_sigma(self, config: dict) -> float:
+    def local_sigma(self, instruction: TrainInstruction) -> float:
         """The std of this round's local-DP noise (0 without privacy), checked against this
         node's own plan: a missing or smaller value than the plan needs is refused."""
         n = len(self.features("train")[1])
-        return client_local_sigma(self.cfg, ClientShape(n, self.cfg["prompt.batch-size"], self.num_steps(n)), config)
+        return client_local_sigma(self.cfg, ClientShape(n, self.cfg["prompt.batch-size"], self.num_steps(n)), instruction.local_sigma)
 
     def train_context(self, ctx0: torch.Tensor, anchor: torch.Tensor | None = None, mu: float = 0.0,
                       noise_std: dict[str, float] | None = None) -> TrainResult:
@@ -195,10 +193,10 @@ class PromptClient:
         out["num-examples"] = out.get("local-n", 0)
         return out
 
-    def evaluate(self, arrays: dict[str, torch.Tensor], config: dict) -> dict[str, float]:
+    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> dict[str, float]:
         prompts = self.personal_prompts(arrays)
         save_private(self.state, self.private)  # a first contact may have initialised private parts
-        publish(self, prompts, config)
+        publish(self, prompts, instruction)
         return self.evaluate_prompts(prompts)
 
     def persist(self) -> None:
@@ -214,9 +212,9 @@ class PromptClient:
 class PromptFLClient(PromptClient):
     """Trains the received global prompt; sends it back for weighted averaging."""
 
-    def train(self, arrays: dict[str, torch.Tensor], config: dict):
+    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction):
         global_ctx = arrays["ctx"]
-        noise = {"ctx": self.local_sigma(config)}
+        noise = {"ctx": self.local_sigma(instruction)}
         res = self.train_context(global_ctx, anchor=global_ctx, mu=self.cfg["prompt.fedprox-mu"], noise_std=noise)
         self.persist()
         return {"ctx": res.ctx}, self.train_metrics(res)
@@ -238,7 +236,7 @@ class CoOpClient(PromptClient):
             self.private["ctx"] = arrays["ctx"].clone()
         return self.private["ctx"]
 
-    def train(self, arrays, config):
+    def train(self, arrays, instruction):
         res = self.train_context(self._own_ctx(arrays))
         self.private["ctx"] = res.ctx
         self.persist()
@@ -253,7 +251,7 @@ class ZeroShotClient(PromptClient):
 
     scorer_class = TemplateScorer
 
-    def train(self, arrays, config):
+    def train(self, arrays, instruction):
         raise RuntimeError("zeroshot does not train; the server should not send it train messages")
 
     def personal_prompts(self, arrays):

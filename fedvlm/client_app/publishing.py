@@ -13,21 +13,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fedvlm.protocol import PUBLISH_DIR, EvaluateInstruction
 from fedvlm.utils.files import atomic_torch_save
 
 
-def publish_dir(node_config: dict, config: dict, partition_id: int) -> Path | None:
-    if node_config.get("publish-dir"):
-        return Path(str(node_config["publish-dir"])).expanduser()
-    if partition_id >= 0 and config.get("publish-dir"):
-        return Path(str(config["publish-dir"]))
+def publish_dir(node_config: dict, instruction: EvaluateInstruction, partition_id: int) -> Path | None:
+    if node_config.get(PUBLISH_DIR):
+        return Path(str(node_config[PUBLISH_DIR])).expanduser()
+    if partition_id >= 0 and instruction.publish_dir:
+        return Path(instruction.publish_dir)
     return None
 
 
-def publish(client, prompts: dict, config: dict) -> Path | None:
-    if not config.get("final-round") or not prompts:
+def publish(client, prompts: dict, instruction: EvaluateInstruction) -> Path | None:
+    if not instruction.final_round or not prompts:
         return None
-    where = publish_dir(client.node.config, config, client.node.partition_id)
+    where = publish_dir(client.node.config, instruction, client.node.partition_id)
     if where is None:
         return None
     path = where / f"{client.node.name}.pt"

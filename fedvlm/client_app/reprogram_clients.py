@@ -35,6 +35,7 @@ from fedvlm.privacy.ledger import PrivacySettings
 from fedvlm.privacy.mechanisms import gaussian_noise, noise_generator, sampling_rng
 from fedvlm.utils.rng import NodeStream, node_key
 from fedvlm.privacy.planner import ClientShape, client_local_sigma
+from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
 from fedvlm.runconfig import RunConfig
 
 _IMAGES: dict[tuple, torch.Tensor] = {}
@@ -98,14 +99,13 @@ class ReprogramClient:
         return frozenset(trainable_state(self.model))
 
     # --- handshake -----------------------------------------------------------------------------
-    def hello(self) -> tuple[dict, dict]:
+    def hello(self) -> HelloReport:
         n = self.node
-        info = {"name": n.name, "backbone": self.source.fingerprint, "source-weights": self.source.weights,
-                "dataset": n.splits.train.identity, "device": str(self.device), "noise-source": n.noise_source,
-                "classes": ",".join(str(c) for c in n.part.classes)}
-        metrics = {"partition-id": n.partition_id, "num-train": len(n.part.train), "num-test": len(n.part.test),
-                   "num-neighbor": 0, "num-classes": n.splits.n_classes}
-        return info, metrics
+        details = {"source-weights": self.source.weights, "dataset": n.splits.train.identity,
+                   "device": str(self.device), "noise-source": n.noise_source,
+                   "classes": ",".join(str(c) for c in n.part.classes)}
+        return HelloReport(n.name, n.partition_id, len(n.part.train), len(n.part.test), 0, n.splits.n_classes,
+                           self.source.fingerprint, details)
 
     # --- data ----------------------------------------------------------------------------------
     def _images(self, split: str, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +133,7 @@ class ReprogramClient:
                 params[k].copy_(v.to(params[k].device, params[k].dtype))
 
     # --- training ------------------------------------------------------------------------------
-    def train(self, arrays: dict[str, torch.Tensor], config: dict) -> tuple[dict, dict]:
+    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> tuple[dict, dict]:
         t0 = time.time()
         c = self.cfg
         self._load_global(arrays)
@@ -148,7 +148,7 @@ class ReprogramClient:
         dp = self.settings.enabled
         expected = min(c["reprogram.batch-size"], n)
         if dp:
-            sigma = client_local_sigma(c, ClientShape(n, c["reprogram.batch-size"], steps), config)
+            sigma = client_local_sigma(c, ClientShape(n, c["reprogram.batch-size"], steps), instruction.local_sigma)
             z = sigma * expected / c["privacy.clip"]  # Opacus: std z*C on the sum, divided by B
             model, opt = self._make_private(opt, z, expected)
         model.train()
@@ -215,7 +215,7 @@ class ReprogramClient:
 
     # --- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, arrays: dict[str, torch.Tensor], config: dict) -> dict:
+    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> dict:
         self._load_global(arrays)
         self.model.eval()
         n = len(self.node.part.test)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.data.feature_cache import image_features
+from fedvlm.models.feature_cache import image_features
 from fedvlm.models.clip_loader import ClipBundle
 from fedvlm.models.optimal_transport import unbalanced_sinkhorn
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits

@@ -102,7 +102,7 @@ def build_model(recipe: VLMRecipe, tokenizer):
 
 def pretrain(recipe: VLMRecipe, out_dir: Path) -> None:
     """Pretrain every weight on the domain's tags and one-word answers; save model + processor."""
-    from fedvlm.models.vlm import VLM
+    from fedvlm.models.vlm_batching import VLM
 
     t0 = time.time()
     corpus = scenes.generate("pretrain", recipe.samples, seed=30_000 + recipe.seed)

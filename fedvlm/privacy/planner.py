@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 from fedvlm.privacy.accounting import BudgetError, GaussianReleases, epsilon_spent, joint_noise_multiplier, smallest_scale
 from fedvlm.privacy.ledger import MechanismPlan, PrivacyLedger, PrivacySettings, plan_gaussian, valid_sensitivity
+from fedvlm.protocol import LOCAL_SIGMA
 
 # The config key of the train message that carries the std of the client's local-DP noise.
-LOCAL_SIGMA_KEY = "dp.local-sigma"
 
 
 class NoiseRefused(RuntimeError):
@@ -93,7 +93,7 @@ def local_plan(settings: PrivacySettings, local: LocalDP, client: ClientShape, r
 
 
 def required_local_sigma(settings: PrivacySettings, local: LocalDP, client: ClientShape, rounds: int,
-                         received: object) -> float:
+                         received: float | None) -> float:
     """Client side: the std of the local noise to draw. The server's value is accepted when it is
     at least what the client's own plan needs; a missing, non-positive or smaller value is
     refused (DP fails closed)."""
@@ -103,7 +103,7 @@ def required_local_sigma(settings: PrivacySettings, local: LocalDP, client: Clie
     except (TypeError, ValueError):
         sigma = float("nan")
     if not sigma > 0 or not math.isfinite(sigma):
-        raise NoiseRefused(f"privacy is on but the server sent no usable local noise level ({LOCAL_SIGMA_KEY} = "
+        raise NoiseRefused(f"privacy is on but the server sent no usable local noise level ({LOCAL_SIGMA} = "
                            f"{received!r}); refusing to train without noise")
     if sigma < need * (1 - 1e-9):
         raise NoiseRefused(
@@ -287,11 +287,11 @@ class PrivacyPlanner:
         return max((r["planned_epsilon"] for r in self.ledger.records.values()), default=0.0)
 
 
-def client_local_sigma(cfg, shape: ClientShape, message_config: dict) -> float:
+def client_local_sigma(cfg, shape: ClientShape, received: float | None) -> float:
     """What a client draws its local noise with this round: 0 without privacy, else the
     server's sigma once checked against the client's own plan (``required_local_sigma``)."""
     settings = PrivacySettings.from_config(cfg)
     if not settings.enabled:
         return 0.0
     local = cfg.method.local_dp(cfg)
-    return required_local_sigma(settings, local, shape, cfg["num-server-rounds"], message_config.get(LOCAL_SIGMA_KEY))
+    return required_local_sigma(settings, local, shape, cfg["num-server-rounds"], received)

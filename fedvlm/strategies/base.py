@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,27 +32,16 @@ from flwr.serverapp.strategy import Strategy
 from fedvlm.methods.spec import MethodSpec
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.ledger import PrivacyLedger, PrivacySettings
-from fedvlm.privacy.planner import LOCAL_SIGMA_KEY, ClientShape, GlobalDP, PrivacyPlanner
+from fedvlm.privacy.planner import ClientShape, GlobalDP, PrivacyPlanner
+from fedvlm.protocol import SERVER_ROUND, EvaluateInstruction, HelloReport, TrainInstruction
 from fedvlm.runconfig import RunConfig
 from fedvlm.server_app.results import RunRecorder, progress_line
-from fedvlm.strategies.validation import ReplyRejected, check_reply, record_nbytes
+from fedvlm.strategies.validation import ReplyRejected, check_reply, record_nbytes, short_reason
 from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
 
 log = logging.getLogger(__name__)
 
 
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.+)$")
-
-
-def short_reason(reason: str) -> str:
-    """The useful line of a client's error. Flower passes whole tracebacks (wrapped by Ray
-    in simulation); keep the last ``SomeError: message`` line of the original exception."""
-    lines = [ln.strip() for ln in (reason or "").strip().splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        m = _EXC_LINE.match(ln)
-        if m and not m.group(1).endswith("ClientAppException"):
-            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}".rstrip("'>")
-    return lines[-1][-500:] if lines else "unknown error"
 
 
 class FederationError(RuntimeError):
@@ -128,11 +116,11 @@ class FederatedStrategy(Strategy):
     def on_reply_accepted(self, node: NodeInfo, phase: str) -> None:
         """Called for every reply that passed validation (phase: 'train' or 'evaluate')."""
 
-    def train_config(self, node: NodeInfo, server_round: int) -> dict:
-        """Extra config for ``node``'s train message: the std of its local-DP noise."""
+    def local_sigma(self, node: NodeInfo) -> float | None:
+        """The std of ``node``'s local-DP noise this round (None: no local DP)."""
         if self.planner is not None and self.planner.local is not None:
-            return {LOCAL_SIGMA_KEY: self.planner.local_sigma(node.name)}
-        return {}
+            return self.planner.local_sigma(node.name)
+        return None
 
     def local_steps(self, node: NodeInfo) -> int:
         """Local steps ``node`` takes per round (each one a local-DP release when DP is on)."""
@@ -154,7 +142,7 @@ class FederatedStrategy(Strategy):
         node_ids = [n for n in node_ids if n not in self.nodes and n not in self.failed_nodes]
         if not node_ids:
             return
-        msgs = [Message(RecordDict({"config": ConfigRecord({"server-round": 0})}), dst_node_id=n,
+        msgs = [Message(RecordDict({"config": ConfigRecord({SERVER_ROUND: 0})}), dst_node_id=n,
                         message_type=MessageType.QUERY) for n in node_ids]
         replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(msgs, timeout=self.cfg["round-timeout"])}
         for n in node_ids:
@@ -166,9 +154,9 @@ class FederatedStrategy(Strategy):
             else:
                 m, info = dict(msg.content["metrics"]), dict(msg.content["info"])
                 self.ledger.note_released("handshake", [*m, *info])
-                node = NodeInfo(n, str(info["name"]), int(m["partition-id"]), int(m["num-train"]),
-                                int(m["num-test"]), int(m["num-neighbor"]), str(info["backbone"]),
-                                int(m["num-classes"]), info)
+                hello = HelloReport.from_records(info, m)
+                node = NodeInfo(n, hello.name, hello.partition_id, hello.num_train, hello.num_test,
+                                hello.num_neighbor, hello.backbone, hello.num_classes, info)
                 known = next(iter(self.nodes.values()), None)
                 if self.server_fingerprint and node.backbone != self.server_fingerprint:
                     self.failed_nodes[n] = (f"backbone {node.backbone} differs from the server's "
@@ -248,12 +236,11 @@ class FederatedStrategy(Strategy):
             down += record_nbytes(payload)
             phase_key = "train" if kind == MessageType.TRAIN else "evaluate"
             self._round.setdefault("clients", {}).setdefault(node.name, {})[f"{phase_key}/bytes_down"] = record_nbytes(payload)
-            config = {"server-round": server_round, "reply-keys": ",".join(sorted(expected))}
-            if kind == MessageType.EVALUATE and self._round.get("final"):
-                # the last evaluation: clients publish their personalised prompts (client_app.publishing)
-                config.update({"final-round": True, "publish-dir": str(self.publish_dir or "")})
             if kind == MessageType.TRAIN:
-                config.update(self.train_config(node, server_round))
+                config = TrainInstruction(server_round, tuple(sorted(expected)), self.local_sigma(node)).to_config()
+            else:  # on the last evaluation clients publish their personalised prompts (client_app.publishing)
+                final = bool(self._round.get("final"))
+                config = EvaluateInstruction(server_round, final, str(self.publish_dir or "") if final else "").to_config()
             content = RecordDict({
                 "arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.items()}),
                 "config": ConfigRecord(config),

@@ -7,6 +7,7 @@ strategy drops that reply, logs and records the reason, and the round goes on.""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -24,8 +25,6 @@ def record_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
 
 def check_reply(msg: Message, expected: Mapping[str, tuple[int, ...]], need_examples: bool = True) -> tuple[dict[str, np.ndarray], dict]:
     if msg.has_error():
-        from fedvlm.strategies.base import short_reason
-
         raise ReplyRejected(f"the client failed: {short_reason(msg.error.reason)}")
     content = msg.content
     arrays: dict[str, np.ndarray] = {}
@@ -57,3 +56,17 @@ def check_reply(msg: Message, expected: Mapping[str, tuple[int, ...]], need_exam
         if not isinstance(n, int) or n <= 0:
             raise ReplyRejected(f"metric 'num-examples' must be a positive integer, got {n!r}")
     return arrays, metrics
+
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.+)$")
+
+
+def short_reason(reason: str) -> str:
+    """The useful line of a client's error. Flower passes whole tracebacks (wrapped by Ray
+    in simulation); keep the last ``SomeError: message`` line of the original exception."""
+    lines = [ln.strip() for ln in (reason or "").strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        m = _EXC_LINE.match(ln)
+        if m and not m.group(1).endswith("ClientAppException"):
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}".rstrip("'>")
+    return lines[-1][-500:] if lines else "unknown error"

@@ -96,7 +96,7 @@ def test_an_unregistered_supernode_is_refused(federation):
 
 
 def test_own_data_nodes_join_and_a_killed_node_leaves_the_rounds_to_the_others(federation, tmp_path, cache_dir):
-    from fedvlm.data.export_folder import export_partitions
+    from fedvlm.deploy.export_folder import export_partitions
     from fedvlm.data.registry import load_image_folder
 
     own = export_partitions(tmp_path / "org-data", 2)[0]

@@ -10,6 +10,7 @@ import pytest
 from flwr.app import Array, ArrayRecord
 
 from fedvlm.client_app.app import app as client_app
+from fedvlm.protocol import SERVER_ROUND
 from fedvlm.server_app.app import execute
 from fedvlm.strategies.base import FederationError
 from fedvlm.utils.inprocess import InProcessGrid
@@ -198,7 +199,7 @@ def test_option_combinations_run(make_cfg, pretrained_clip, overrides):
 
 def _go_offline_after_round_1(grid_ref, victims):
     def intercept(req, reply):
-        if req.metadata.message_type == "evaluate" and int(req.content["config"]["server-round"]) == 1:
+        if req.metadata.message_type == "evaluate" and int(req.content["config"][SERVER_ROUND]) == 1:
             grid_ref[0].offline.update(victims)
         return reply
     return intercept
@@ -227,7 +228,7 @@ def test_fewer_nodes_than_min_nodes_mid_run_fails_with_the_reason(make_cfg, pret
 
 
 def test_own_data_nodes_train_on_exactly_their_folders(make_cfg, pretrained_clip, tmp_path):
-    from fedvlm.data.export_folder import export_partitions
+    from fedvlm.deploy.export_folder import export_partitions
     from fedvlm.data.registry import load_image_folder
 
     folders = export_partitions(tmp_path / "orgs", 2)
@@ -242,7 +243,7 @@ def test_own_data_nodes_train_on_exactly_their_folders(make_cfg, pretrained_clip
 
 
 def test_a_node_with_another_class_list_is_excluded(make_cfg, pretrained_clip, tmp_path):
-    from fedvlm.data.export_folder import export_partitions
+    from fedvlm.deploy.export_folder import export_partitions
 
     folders = export_partitions(tmp_path / "orgs", 3)
     listing = folders[2] / "classes.txt"
@@ -255,7 +256,7 @@ def test_a_node_with_another_class_list_is_excluded(make_cfg, pretrained_clip, t
 
 
 def test_own_data_nodes_draw_secret_noise_and_the_ledger_says_so(make_cfg, pretrained_clip, tmp_path):
-    from fedvlm.data.export_folder import export_partitions
+    from fedvlm.deploy.export_folder import export_partitions
 
     folders = export_partitions(tmp_path / "orgs", 2, {"max-per-class": 4})
     own = [{"data-dir": str(f)} for f in folders]

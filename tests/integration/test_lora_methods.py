@@ -11,7 +11,7 @@ from flwr.app import RecordDict
 from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.state import PRIVATE
 from fedvlm.models.adapter_parts import lora_half
-from fedvlm.privacy.planner import LOCAL_SIGMA_KEY
+from fedvlm.protocol import LOCAL_SIGMA, REPLY_KEYS, SERVER_ROUND, TrainInstruction
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -55,7 +55,7 @@ def test_fedrand_sends_each_client_exactly_its_drawn_half(fedrand_run):
     pairs = [(m, r) for m, r in zip(grid.sent, grid.replies) if m.metadata.message_type == "train"]
     assert pairs
     for msg, reply in pairs:
-        rnd = int(msg.content["config"]["server-round"])
+        rnd = int(msg.content["config"][SERVER_ROUND])
         name = f"client-{grid.contexts[msg.metadata.dst_node_id].node_config['partition-id']}"
         half = data["rounds"][rnd - 1]["clients"][name]["fedrand/half"]
         down = set(_arrays(msg))
@@ -67,7 +67,7 @@ def test_fedrand_sends_each_client_exactly_its_drawn_half(fedrand_run):
         seen.add(name)
         up = set(_arrays(reply))
         assert up and up == set(lora_half(up, half)), (name, rnd, half)
-        assert msg.content["config"]["reply-keys"] == ",".join(sorted(up))
+        assert msg.content["config"][REPLY_KEYS] == ",".join(sorted(up))
 
 
 def test_fedrand_private_counterpart_never_leaves_the_client(fedrand_run):
@@ -147,7 +147,7 @@ def test_lora_state_survives_between_rounds_in_the_node_state(vlm_cache):
     state = RecordDict()
     first = FedRandClient(cfg, node, state, 1)
     a_names = lora_half(first.initial, "A")
-    reply, _ = first.train(dict(first.initial), {"reply-keys": ",".join(a_names)})
+    reply, _ = first.train(dict(first.initial), TrainInstruction(1, tuple(a_names)))
     assert set(reply) == set(a_names)
     second = FedRandClient(cfg, node, state, 2)  # a new round: a new client object, the same node state
     b_from_server = {k: torch.zeros_like(v) for k, v in second.initial.items() if ".lora_B." in k}
@@ -218,7 +218,7 @@ def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
     sent = [m for m in grid.sent if m.metadata.message_type == "train"]
     for m in sent:
         name = f"client-{grid.contexts[m.metadata.dst_node_id].node_config['partition-id']}"
-        assert m.content["config"][LOCAL_SIGMA_KEY] == pytest.approx(plans[name]["ldp-adapter"]["sigma"])
+        assert m.content["config"][LOCAL_SIGMA] == pytest.approx(plans[name]["ldp-adapter"]["sigma"])
 
 
 @pytest.mark.slow

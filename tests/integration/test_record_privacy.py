@@ -10,7 +10,7 @@ import dp_accounting
 import pytest
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.privacy.planner import LOCAL_SIGMA_KEY
+from fedvlm.protocol import SERVER_ROUND
 from fedvlm.runconfig import ConfigError
 from fedvlm.methods.registry import validate
 from fedvlm.server_app.app import execute
@@ -112,7 +112,7 @@ def test_a_lost_node_does_not_shrink_the_global_denominator(make_cfg, pretrained
     lost = 1001
 
     def lose_after_round_1(req, reply):
-        if req.metadata.message_type == "evaluate" and req.content["config"]["server-round"] == 1:
+        if req.metadata.message_type == "evaluate" and req.content["config"][SERVER_ROUND] == 1:
             grid.offline.add(lost)
         return reply
 
@@ -153,7 +153,7 @@ def _late(node, at_round):
     """An intercept that keeps ``node`` offline until ``at_round`` starts."""
     def hook(grid):
         def intercept(req, reply):
-            if req.metadata.message_type == "evaluate" and req.content["config"]["server-round"] == at_round - 1:
+            if req.metadata.message_type == "evaluate" and req.content["config"][SERVER_ROUND] == at_round - 1:
                 grid.offline.discard(node)
             return reply
         grid.offline.add(node)
@@ -196,15 +196,11 @@ def test_a_late_node_gets_local_noise_that_keeps_its_records_within_the_target(m
 # ---- clients enforce their own noise -------------------------------------------------------
 
 def _lower_noise(factor):
-    real = FederatedStrategy.train_config
+    """A server that sends no local noise level (factor None) or ``factor`` times the planned one."""
+    real = FederatedStrategy.local_sigma
 
-    def patched(self, node, server_round):
-        cfg = real(self, node, server_round)
-        if factor is None:
-            cfg.pop(LOCAL_SIGMA_KEY, None)
-        else:
-            cfg[LOCAL_SIGMA_KEY] = cfg[LOCAL_SIGMA_KEY] * factor
-        return cfg
+    def patched(self, node):
+        return None if factor is None else real(self, node) * factor
     return patched
 
 
@@ -220,7 +216,7 @@ FAMILIES = [
 @pytest.mark.parametrize("method,overrides", FAMILIES, ids=[m for m, _ in FAMILIES])
 def test_every_client_refuses_less_noise_than_its_own_plan(make_cfg, pretrained_clip, monkeypatch, method,
                                                            overrides, factor, reason):
-    monkeypatch.setattr(FederatedStrategy, "train_config", _lower_noise(factor))
+    monkeypatch.setattr(FederatedStrategy, "local_sigma", _lower_noise(factor))
     rec, grid = _run(make_cfg, 2, method=method, num_server_rounds=1, **overrides)
     train = [m for m in grid.replies if m.metadata.message_type == "train"]
     assert len(train) == 2 and all(m.has_error() for m in train)
@@ -231,7 +227,7 @@ def test_every_client_refuses_less_noise_than_its_own_plan(make_cfg, pretrained_
 
 @pytest.mark.slow
 def test_lora_clients_refuse_less_noise_than_their_own_plan(vlm_cache, tmp_path, monkeypatch):
-    monkeypatch.setattr(FederatedStrategy, "train_config", _lower_noise(0.5))
+    monkeypatch.setattr(FederatedStrategy, "local_sigma", _lower_noise(0.5))
     raw = {"method": "fedavg-lora", "num-server-rounds": 1, "lora.local-steps": 1, "vlm.eval-samples": 2,
            "vlm.max-new-tokens": 4, "privacy.epsilon": 1.0, "cache-dir": str(vlm_cache),
            "output-dir": str(tmp_path), "fraction-train": 1.0}

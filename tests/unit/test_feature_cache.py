@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedvlm.data import feature_cache
+from fedvlm.models import feature_cache
 from fedvlm.data.registry import load_dataset
 
 

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
+from fedvlm.protocol import SERVER_ROUND
 from fedvlm.strategies.validation import ReplyRejected, check_reply
 
 
 def _request():
-    return Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=7, message_type=MessageType.TRAIN)
+    return Message(RecordDict({"config": ConfigRecord({SERVER_ROUND: 1})}), dst_node_id=7, message_type=MessageType.TRAIN)
 
 
 def _reply(arrays=None, metrics=None):
@@ -52,7 +53,7 @@ def test_error_reply_is_rejected():
 
 
 def test_short_reason_keeps_the_original_exception_line():
-    from fedvlm.strategies.base import short_reason
+    from fedvlm.strategies.validation import short_reason
 
     ray_style = (
         "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::ClientAppActor.run()\n"

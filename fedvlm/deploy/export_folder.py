@@ -1,7 +1,7 @@
 """Write a federation's partitions as image folders, one per organisation.
 
-    python -m fedvlm.data.export_folder --out ~/fedvlm-demo-data --num-partitions 2
-    python -m fedvlm.data.export_folder --out /data/split --num-partitions 5 --set dataset=cifar10 data-root=/data
+    python -m fedvlm.deploy.export_folder --out ~/fedvlm-demo-data --num-partitions 2
+    python -m fedvlm.deploy.export_folder --out /data/split --num-partitions 5 --set dataset=cifar10 data-root=/data
 
 For a deployment demo without real organisations: each SuperNode then starts with
 ``--node-config "data-dir='<out>/client-<i>'"`` and trains on exactly that folder, the code path a
@@ -26,7 +26,7 @@ from fedvlm.methods.registry import validate
 def export_partitions(out: Path, num_partitions: int, overrides: dict | None = None) -> list[Path]:
     cfg = validate(dict(overrides or {}))
     if cfg.method.family.image_text:
-        raise ConfigError("data.export_folder writes image-classification partitions; the VLM methods read "
+        raise ConfigError("deploy.export_folder writes image-classification partitions; the VLM methods read "
                           "captions/VQA files instead")
     written = []
     for pid in range(num_partitions):
@@ -46,7 +46,7 @@ def export_partitions(out: Path, num_partitions: int, overrides: dict | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedvlm.data.export_folder", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.export_folder", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--num-partitions", type=int, required=True)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config keys (dataset, seed, ...)")

@@ -1,0 +1,96 @@
+"""The messages between the ServerApp and the ClientApps, each key written once.
+
+Three exchanges (``docs/architecture.md`` has the table):
+
+- handshake: the server's QUERY carries round 0; the node answers a ``HelloReport`` (who it
+  is, its data sizes, its backbone's fingerprint) before any training;
+- train: a ``TrainInstruction`` (the round, the tensors the server expects back, the local-DP
+  noise the server planned) plus the arrays; the reply holds the shared tensors and metrics;
+- evaluate: an ``EvaluateInstruction`` (the round; on the last one, where simulated nodes
+  publish their personalised prompts) plus the arrays; the reply holds metrics only.
+
+Every field travels in the message's ``config`` record (``to_config`` / ``from_config``); a
+missing key reads as the field's default, so a client refuses what it needs and lacks
+(``privacy.planner.required_local_sigma``) instead of guessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# The config-record keys: the one place they are spelled.
+SERVER_ROUND = "server-round"
+REPLY_KEYS = "reply-keys"
+LOCAL_SIGMA = "dp.local-sigma"
+FINAL_ROUND = "final-round"
+PUBLISH_DIR = "publish-dir"
+
+
+def _names(text) -> tuple[str, ...]:
+    return tuple(k for k in str(text or "").split(",") if k)
+
+
+@dataclass(frozen=True)
+class TrainInstruction:
+    server_round: int
+    reply_keys: tuple[str, ...] = ()  # the tensors the server expects back, sorted
+    local_sigma: float | None = None  # std of the local-DP noise the server planned; None: none sent
+
+    def to_config(self) -> dict:
+        out = {SERVER_ROUND: self.server_round, REPLY_KEYS: ",".join(self.reply_keys)}
+        if self.local_sigma is not None:
+            out[LOCAL_SIGMA] = float(self.local_sigma)
+        return out
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> TrainInstruction:
+        sigma = config.get(LOCAL_SIGMA)
+        return cls(int(config.get(SERVER_ROUND, 0)), _names(config.get(REPLY_KEYS)),
+                   None if sigma is None else float(sigma))
+
+
+@dataclass(frozen=True)
+class EvaluateInstruction:
+    server_round: int
+    final_round: bool = False  # the last evaluation: clients publish their personalised prompts
+    publish_dir: str = ""  # where a simulated node publishes them (client_app.publishing)
+
+    def to_config(self) -> dict:
+        out = {SERVER_ROUND: self.server_round}
+        if self.final_round:
+            out.update({FINAL_ROUND: True, PUBLISH_DIR: self.publish_dir})
+        return out
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> EvaluateInstruction:
+        return cls(int(config.get(SERVER_ROUND, 0)), bool(config.get(FINAL_ROUND, False)),
+                   str(config.get(PUBLISH_DIR, "")))
+
+
+@dataclass(frozen=True)
+class HelloReport:
+    """A node's answer to the handshake: numbers travel as metrics, words as info."""
+
+    name: str
+    partition_id: int  # -1 for a node with its own data folder
+    num_train: int
+    num_test: int
+    num_neighbor: int
+    num_classes: int
+    backbone: str  # fingerprint of the loaded weights; every node must match the server's
+    details: dict = field(default_factory=dict)  # family-specific words (device, dataset, noise source, ...)
+
+    def to_records(self) -> tuple[dict, dict]:
+        """(info, metrics): the two records of the reply."""
+        info = {**self.details, "name": self.name, "backbone": self.backbone}
+        metrics = {"partition-id": self.partition_id, "num-train": self.num_train, "num-test": self.num_test,
+                   "num-neighbor": self.num_neighbor, "num-classes": self.num_classes}
+        return info, metrics
+
+    @classmethod
+    def from_records(cls, info: Mapping, metrics: Mapping) -> HelloReport:
+        details = {k: v for k, v in info.items() if k not in ("name", "backbone")}
+        return cls(str(info["name"]), int(metrics["partition-id"]), int(metrics["num-train"]),
+                   int(metrics["num-test"]), int(metrics["num-neighbor"]), int(metrics["num-classes"]),
+                   str(info["backbone"]), details)

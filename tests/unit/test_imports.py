@@ -1,0 +1,86 @@
+"""The package's import graph: no cycles between modules, and the layers the architecture
+names (docs/architecture.md) import only downwards."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "fedvlm"
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the fedvlm modules it imports, at any depth of its code (a function-level
+    import is an edge too)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph = {m: set() for m in modules}
+    for m, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            graph[m] |= {t for t in targets if t in modules and t != m}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _imports_between(graph, source: str, target: str) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith(source) for t in ts if t.startswith(target))
+
+
+def test_layers_import_only_downwards():
+    graph = _graph()
+    forbidden = [
+        ("fedvlm.strategies", "fedvlm.client_app"),  # the server never runs client code
+        ("fedvlm.data", "fedvlm.models"),  # data knows no model
+        ("fedvlm.privacy", "fedvlm.strategies"),
+        ("fedvlm.privacy", "fedvlm.client_app"),
+        ("fedvlm.models", "fedvlm.client_app"),
+        ("fedvlm.methods.spec", "fedvlm.strategies"),  # both sides type against the spec
+        ("fedvlm.methods.spec", "fedvlm.client_app"),
+    ]
+    found = [edge for source, target in forbidden for edge in _imports_between(graph, source, target)]
+    assert not found, found
