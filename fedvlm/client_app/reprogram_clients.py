@@ -227,9 +227,3 @@ class ReprogramClient:
             correct += int((logits.argmax(1) == y).sum())
         acc = correct / n if n else float("nan")
         return {"local-acc": acc, "local-loss": loss / n if n else float("nan"), "local-n": n, "num-examples": n}
-
-
-def accountant_epsilon(history: list[tuple[float, float, int]], delta: float) -> dict[str, float]:
-    """ε of a DP-SGD history by Opacus' RDP and PRV accountants (used by tests and reports)."""
-    acc = Accountants({"dp-history": json.dumps(history)})
-    return acc.epsilon(delta) if history else {"rdp": 0.0, "prv": 0.0}

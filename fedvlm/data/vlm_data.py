@@ -18,7 +18,6 @@ lists: prompts, training targets and reference answers.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,7 +196,3 @@ def load_vlm_dataset(name: str, data_root: str = "", ood_captions: str = "", max
     if max_train and len(ds.train) > max_train:
         ds.train = ds.train.subset(np.arange(max_train), f"first{max_train}")
     return ds
-
-
-def label_counts(split: VLMSplit) -> dict[int, int]:
-    return dict(Counter(int(x) for x in split.labels))

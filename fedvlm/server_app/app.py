@@ -23,11 +23,10 @@ def _setup_logging() -> None:
     if not log.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-        for name in ("fedvlm", "strategies", "server_app", "models", "data", "privacy"):
-            lg = logging.getLogger(name)
-            lg.addHandler(handler)
-            lg.setLevel(logging.INFO)
-            lg.propagate = False
+        # every module logs under "fedvlm.<package>.<module>", children of this one logger
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:

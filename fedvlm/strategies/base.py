@@ -445,10 +445,6 @@ class FederatedStrategy(Strategy):
         recorder.add_section("privacy", self.ledger.as_dict())
 
     # ---- the run ---------------------------------------------------------------------------
-    def after_round(self, server_round: int, record: dict) -> str | None:
-        """Hook after each recorded round; return a reason to stop the run early."""
-        return None
-
     def record_nodes(self, recorder: RunRecorder) -> None:
         nodes = [vars(n) | {"node_id": str(n.node_id)} for n in sorted(self.nodes.values(), key=lambda n: n.name)]
         excluded = {str(k): v for k, v in self.failed_nodes.items()}
@@ -506,11 +502,6 @@ class FederatedStrategy(Strategy):
             if self.global_arrays:
                 recorder.save_arrays("checkpoint.pt", self.global_arrays, rnd)
             log.info(progress_line(record, total))
-            stop = self.after_round(rnd, record)
-            if stop:
-                status, note = "stopped", stop
-                log.warning("stopping after round %d: %s", rnd, stop)
-                break
         if self.global_arrays:
             recorder.save_arrays("final_shared.pt", self.global_arrays, rnd)
         self.on_finish(recorder)
