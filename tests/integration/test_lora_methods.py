@@ -88,6 +88,14 @@ def test_fedrand_private_counterpart_never_leaves_the_client(fedrand_run):
     assert checked > 0
 
 
+def test_fedavg_lora_sends_the_whole_adapter_both_ways(vlm_cache, tmp_path):
+    """FedRand's oracle baseline: every tensor up and down every round, nothing kept on the node."""
+    grid, recorder = _run(_raw(vlm_cache, tmp_path, "fedavg-lora", **{"num-server-rounds": 1}))
+    comm = recorder.data["communication"]
+    assert comm["up_vs_full_lora"] == pytest.approx(1.0) and comm["down_vs_full_lora"] == pytest.approx(1.0)
+    assert all(PRIVATE not in ctx.state or not ctx.state[PRIVATE].to_torch_state_dict() for ctx in grid.contexts.values())
+
+
 def test_fedrand_traffic_is_about_half_of_full_lora(fedrand_run):
     _, recorder = fedrand_run
     comm = recorder.data["communication"]
