@@ -1,4 +1,5 @@
-"""Benchmark: one prompt-learning step, ours against a naive CoOp-style step, side by side.
+"""Benchmark: one prompt-learning step, ours against a naive CoOp-style step, and its DP-SGD
+cost, side by side in one process.
 
 Both steps do the same thing: a batch of images, class prompts with the learnable context
 spliced in, CLIP logits, cross-entropy, backward into the context, one SGD step.
@@ -6,6 +7,11 @@ spliced in, CLIP logits, cross-entropy, backward into the context, one SGD step.
   batch, and the text tower over the full 77-token context;
 - ours: image features come from the feature cache (computed once per client), and the
   text tower stops at the last end-of-text token (no number changes; see prompt_learner).
+
+DP-SGD (``privacy.dpsgd``): per-sample gradients of the context, clipping, noise, one SGD step.
+Its floor is about B backward passes through the text tower over the C class prompts; printed:
+DP step / non-DP step, DP step / (B x non-DP step), and the batched VJP (vmap, what clients
+run) against a loop of B vector-Jacobian products (what they ran before).
 
 Usage:
     python bench/prompt_step.py                       # embedded tiny CLIP and ViT-B/16
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedvlm.models import tiny_clip  # noqa: E402
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context  # noqa: E402
+from fedvlm.privacy.dpsgd import DPStep, functional_per_sample, privatize  # noqa: E402
 
 CLASSNAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -109,14 +116,41 @@ def bench(name: str, device: str, batch: int, steps: int, n_ctx: int = 16) -> di
         loss.backward()
         opt_b.step()
 
+    ctx_c = ctx0.clone().requires_grad_(True)
+    opt_c = torch.optim.SGD([ctx_c], lr=0.002, momentum=0.9)
+    dp = DPStep(clip=1.0, expected_batch=batch, sigma=0.1, groups=(("ctx",),), noised=frozenset({"ctx"}))
+    noise = torch.Generator().manual_seed(0)
+
+    def dp_step(per_sample):
+        text = encoder(ctx_c)
+        losses = F.cross_entropy(clip_logits(cached, text, scale), labels, reduction="none")
+        update, _ = privatize(per_sample(losses, text), dp, noise, {"ctx": ctx_c.shape})
+        opt_c.zero_grad()
+        ctx_c.grad = update["ctx"]
+        opt_c.step()
+
+    def batched(losses, text):  # what clients run
+        return functional_per_sample(losses, {"ctx": ctx_c}, [text])
+
+    def loop(losses, text):  # the previous CPU path: B vector-Jacobian products
+        eye = torch.eye(len(losses), device=losses.device)
+        (cot,) = torch.autograd.grad(losses, [text], grad_outputs=eye, is_grads_batched=True, retain_graph=True)
+        return {"ctx": torch.stack([torch.autograd.grad([text], [ctx_c], grad_outputs=[c], retain_graph=True)[0]
+                                    for c in cot])}
+
     t_naive = _time(naive_step, steps, device)
     t_ours = _time(our_step, steps, device)
+    t_dp = _time(lambda: dp_step(batched), steps, device)
+    t_loop = _time(lambda: dp_step(loop), steps, device)
     # same numbers: the same first step from the same context gives the same gradient
     return {
         "model": name, "device": device, "batch": batch, "classes": len(CLASSNAMES),
         "text_tokens_naive": int(naive.ids.shape[1]), "text_tokens_ours": int(encoder.token_ids.shape[1]),
         "naive_s_per_step": round(t_naive, 5), "ours_s_per_step": round(t_ours, 5),
-        "speedup": round(t_naive / t_ours, 2), "threads": torch.get_num_threads(),
+        "speedup": round(t_naive / t_ours, 2), "dp_s_per_step": round(t_dp, 5),
+        "dp_over_nondp": round(t_dp / t_ours, 2), "dp_over_b_nondp": round(t_dp / (batch * t_ours), 3),
+        "loop_dp_s_per_step": round(t_loop, 5), "vmap_speedup_over_loop": round(t_loop / t_dp, 2),
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -135,6 +169,9 @@ def main() -> None:
         print(f"{name:14s} {args.device}: naive {row['naive_s_per_step']:.4f} s/step "
               f"({row['text_tokens_naive']} text tokens, images re-encoded) | ours {row['ours_s_per_step']:.4f} s/step "
               f"({row['text_tokens_ours']} tokens, cached features) | speed-up x{row['speedup']}", flush=True)
+        print(f"{'':14s} DP-SGD: {row['dp_s_per_step']:.4f} s/step = x{row['dp_over_nondp']} the non-DP step = "
+              f"{row['dp_over_b_nondp']} x (B x non-DP step) | loop of B VJPs {row['loop_dp_s_per_step']:.4f} s/step "
+              f"(vmap x{row['vmap_speedup_over_loop']} faster)", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

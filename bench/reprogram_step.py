@@ -1,8 +1,8 @@
 """Benchmark: one DP-SGD step of model reprogramming against full fine-tuning, side by side.
 
-Each model kind takes the same Poisson-sized batch through the same Opacus machinery a client
-uses (``client_app.reprogram_clients``): per-sample gradients of every trainable parameter,
-per-sample clipping to C, Gaussian noise, one SGD step. Printed per source model: seconds per
+Each model kind takes the same batch through the DP-SGD module every client uses
+(``privacy.dpsgd``): per-sample gradients of every trainable parameter (Opacus hooks, or
+ExpandedWeights for the full network), per-sample clipping to C, Gaussian noise, one SGD step. Printed per source model: seconds per
 step of ``mr`` (reprogramming), ``pf`` (bl-pf) and ``ff`` (bl-ff, the same network as bl-ts),
 the ratio ff / mr, and the trainable parameter counts (the paper's Table IV).
 
@@ -28,31 +28,38 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedvlm.models.reprogram import build_model, input_size, load_source, trainable_state  # noqa: E402
+from fedvlm.privacy.dpsgd import DPStep, ModuleGradients, privatize  # noqa: E402
 
 
 def step_seconds(kind: str, source, batch: int, classes: int, image_size: int, steps: int, device: str) -> float:
-    from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
-    from opacus.optimizers import DPOptimizer
-
-    model = build_model(kind, source, classes, image_size, seed=0).to(device)
-    wrapper = GradSampleModuleExpandedWeights if kind in ("ff", "ts") else GradSampleModule
-    gsm = wrapper(model, batch_first=True, loss_reduction="mean")
-    opt = DPOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.15),
-                      noise_multiplier=1.1, max_grad_norm=1.0, expected_batch_size=batch)
+    model = build_model(kind, source, classes, image_size, seed=0).to(device).train()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    shapes = {k: p.shape for k, p in params.items()}
+    # C = 1, z = 1.1: the noise std on the clipped sum / B is z * C / B
+    step = DPStep(clip=1.0, expected_batch=batch, sigma=1.1 / batch, groups=(tuple(params),), noised=frozenset(params))
+    opt = torch.optim.SGD(list(params.values()), lr=0.15)
     size = input_size(kind, source, image_size)
     x = torch.rand(batch, 3, size, size, device=device)
     y = torch.randint(0, classes, (batch,), device=device)
-    gsm.train()
+    grads = ModuleGradients(model)
+    net = grads.attach()
+    noise = torch.Generator().manual_seed(0)
     times = []
-    for i in range(steps + 1):  # the first step warms up
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(gsm(x), y).backward()
-        opt.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t0)
+    try:
+        for i in range(steps + 1):  # the first step warms up
+            t0 = time.perf_counter()
+            losses = F.cross_entropy(net(x), y, reduction="none")
+            per = grads.per_sample(params, None, torch.arange(batch).numpy(), losses)
+            update, _ = privatize(per, step, noise, shapes)
+            for k, p in params.items():
+                p.grad = update[k]
+            opt.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        grads.detach()
     return sorted(times)[len(times) // 2]
 
 

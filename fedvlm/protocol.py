@@ -4,8 +4,11 @@ Three exchanges (``docs/architecture.md`` has the table):
 
 - handshake: the server's QUERY carries round 0; the node answers a ``HelloReport`` (who it
   is, its data sizes, its backbone's fingerprint) before any training;
-- train: a ``TrainInstruction`` (the round, the tensors the server expects back, the local-DP
-  noise the server planned) plus the arrays; the reply holds the shared tensors and metrics;
+- train: a ``TrainInstruction`` (the round, the tensors the server expects back, and the
+  server's plan for this node: local steps, batch size, the record count the plan assumed, the
+  local-DP noise) plus the arrays; the client executes the plan, never recomputes it, and
+  refuses one its data or its own privacy check cannot honour; the reply holds the shared
+  tensors and metrics;
 - evaluate: an ``EvaluateInstruction`` (the round; on the last one, where simulated nodes
   publish their personalised prompts) plus the arrays; the reply holds metrics only.
 
@@ -23,6 +26,9 @@ from dataclasses import dataclass, field
 SERVER_ROUND = "server-round"
 REPLY_KEYS = "reply-keys"
 LOCAL_SIGMA = "dp.local-sigma"
+LOCAL_STEPS = "plan.local-steps"
+BATCH_SIZE = "plan.batch-size"
+NUM_TRAIN = "plan.num-train"
 FINAL_ROUND = "final-round"
 PUBLISH_DIR = "publish-dir"
 
@@ -35,10 +41,14 @@ def _names(text) -> tuple[str, ...]:
 class TrainInstruction:
     server_round: int
     reply_keys: tuple[str, ...] = ()  # the tensors the server expects back, sorted
+    local_steps: int = 0  # local steps this round (0: none planned; the client refuses)
+    batch_size: int = 0  # the configured batch size B (expected batch: min(B, num_train))
+    num_train: int = 0  # the training records the plan assumed (the node's handshake)
     local_sigma: float | None = None  # std of the local-DP noise the server planned; None: none sent
 
     def to_config(self) -> dict:
-        out = {SERVER_ROUND: self.server_round, REPLY_KEYS: ",".join(self.reply_keys)}
+        out = {SERVER_ROUND: self.server_round, REPLY_KEYS: ",".join(self.reply_keys), LOCAL_STEPS: self.local_steps,
+               BATCH_SIZE: self.batch_size, NUM_TRAIN: self.num_train}
         if self.local_sigma is not None:
             out[LOCAL_SIGMA] = float(self.local_sigma)
         return out
@@ -46,7 +56,8 @@ class TrainInstruction:
     @classmethod
     def from_config(cls, config: Mapping) -> TrainInstruction:
         sigma = config.get(LOCAL_SIGMA)
-        return cls(int(config.get(SERVER_ROUND, 0)), _names(config.get(REPLY_KEYS)),
+        return cls(int(config.get(SERVER_ROUND, 0)), _names(config.get(REPLY_KEYS)), int(config.get(LOCAL_STEPS, 0)),
+                   int(config.get(BATCH_SIZE, 0)), int(config.get(NUM_TRAIN, 0)),
                    None if sigma is None else float(sigma))
 
 

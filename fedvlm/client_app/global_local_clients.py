@@ -1,7 +1,7 @@
 """Clients of the global/local prompt methods: DP-FPL and its baselines (FedOTP, FedPGP).
 
-All share one training loop (``GlobalLocalClient.train``), which is DP-FPL's Algorithm 1
-generalised to ``local-steps`` steps per round:
+All share one set of training hooks (``GlobalLocalClient``, run by ``client_app.trainer``),
+which is DP-FPL's Algorithm 1 generalised to ``local-steps`` steps per round:
 - the global prompt p_G arrives from the server; the local part stays in the node's private
   state and never leaves it;
 - every step: sample a batch, build the method's forward from p_G and the local leaves,
@@ -11,24 +11,25 @@ generalised to ``local-steps`` steps per round:
 - the reply is p_G's gradient (averaged over the round's steps and clipped to C); the server
   averages, adds global-DP noise and steps p_G.
 
-Methods differ in ``local_leaves`` (what is trained locally and noised), ``forward`` (how p_G
+Methods differ in ``local_leaves`` (what is trained locally and noised), ``score`` (how p_G
 and the local part make logits) and ``apply_local`` (how the local part is updated).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.local_training import batches, private_gradients
-from fedvlm.client_app.prompt_clients import PromptClient, TrainResult
+from fedvlm.client_app.prompt_clients import PromptClient
 from fedvlm.client_app.scoring import OTScorer
 from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
+from fedvlm.client_app.trainer import StepOutput, local_round
 from fedvlm.models.lowrank import factorize, rebuild_gradient
 from fedvlm.models.prompt_learner import clip_logits
-from fedvlm.privacy.mechanisms import clip_tensor, noise_generator
+from fedvlm.privacy.mechanisms import clip_tensor
+from fedvlm.privacy.planner import client_plan
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
-
 
 
 class GlobalLocalClient(PromptClient):
@@ -42,10 +43,10 @@ class GlobalLocalClient(PromptClient):
 
     def local_leaves(self, local: dict[str, torch.Tensor], step_gen: torch.Generator) -> tuple[dict, dict]:
         """(leaves, context): the locally trained tensors of this step (each gets local-DP
-        noise) and whatever ``forward``/``apply_local`` need besides."""
+        noise) and whatever ``score``/``apply_local`` need besides."""
         raise NotImplementedError
 
-    def forward(self, p_global: torch.Tensor, leaves: dict, ctx: dict, feats: torch.Tensor, labels: torch.Tensor):
+    def score(self, p_global: torch.Tensor, leaves: dict, ctx: dict, feats: torch.Tensor, labels: torch.Tensor):
         """(per-sample losses, logits, text features the leaves reach the losses through)."""
         raise NotImplementedError
 
@@ -75,48 +76,51 @@ class GlobalLocalClient(PromptClient):
         self.private.update({k: v.detach().cpu() for k, v in local.items()})
 
     def train(self, arrays, instruction):
-        feats, labels = self.features("train")
-        n = len(labels)
+        _, labels = self.train_data()
+        shape, sigma = client_plan(self.cfg, len(labels), instruction)
         dev = self.bundle.device
-        p_global = arrays["global_ctx"].to(dev)
-        local = self.load_local(p_global)
-        for t in local.values():
+        self._p_global = arrays["global_ctx"].to(dev)
+        self._local = self.load_local(self._p_global)
+        for t in self._local.values():
             t.requires_grad_(True)
-        opt = self.make_optimizer(self.local_opt_params(local))
-        restore_optimizer(opt, {k: v.to(dev) for k, v in self.private.items()})
-        sigma = self.local_sigma(instruction)
-        noise_gen = noise_generator(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
-        factor_gen = generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.POWER_ITERATION, self.round))
-        bsz = min(self.cfg["prompt.batch-size"], n)
-        g_global = torch.zeros_like(p_global)
-        losses_seen, correct, seen, steps = [], 0, 0, self.num_steps(n)
-        for batch in batches(n, self.cfg["prompt.batch-size"], steps, self.privacy, self.rng()):
-            leaves, ctx = self.local_leaves(local, factor_gen)
-            g_leaf = p_global.clone().requires_grad_(True)
-            losses, logits, via = self.forward(g_leaf, leaves, ctx, feats[batch], labels[batch])
-            grads, _ = private_gradients(losses, {"global": g_leaf, **leaves}, via, self.privacy, bsz,
-                                         {k: sigma for k in leaves}, noise_gen)
-            reg = self.regularizer(g_leaf, leaves, ctx, via)
-            if reg is not None:
-                names = ["global", *leaves]
-                extra = torch.autograd.grad(reg, [g_leaf, *leaves.values()], allow_unused=True)
-                for k, g in zip(names, extra):
-                    if g is not None:
-                        grads[k] = grads[k] + g.detach()
-            g_global += grads.pop("global")
-            self.apply_local(local, leaves, ctx, grads, opt)
-            if len(batch):
-                losses_seen.append(float(losses.detach().mean()))
-                correct += int((logits.detach().argmax(1) == labels[batch]).sum())
-                seen += len(batch)
-        g_global /= steps
+        self._opt = self.make_optimizer(self.local_opt_params(self._local))
+        restore_optimizer(self._opt, {k: v.to(dev) for k, v in self.private.items()})
+        self._factor_gen = generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.POWER_ITERATION, self.round))
+        self._g_global = torch.zeros_like(self._p_global)
+        stats = local_round(self, shape, self.privacy, sigma, self.rng(), self.noise())
+        g_global = self._g_global / shape.steps
         if self.privacy.enabled:  # the average of clipped steps has norm <= C; clip again for safety
             g_global, _ = clip_tensor(g_global, self.privacy.clip)
-        self.store_local({k: v.detach() for k, v in local.items()})
-        self.private.update({k: v.cpu() for k, v in optimizer_tensors(opt).items()})
+        self.store_local({k: v.detach() for k, v in self._local.items()})
+        self.private.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
         self.persist()
-        res = TrainResult(g_global.cpu(), float(sum(losses_seen) / max(len(losses_seen), 1)), correct / max(seen, 1), steps, n)
-        return {"global_grad": res.ctx}, self.train_metrics(res)
+        return {"global_grad": g_global.cpu()}, self.train_metrics(stats)
+
+    # ---- Learner hooks (client_app.trainer) -------------------------------------------------
+    def begin_step(self) -> dict[str, torch.Tensor]:
+        self._leaves, self._step_ctx = self.local_leaves(self._local, self._factor_gen)
+        self._g_leaf = self._p_global.clone().requires_grad_(True)
+        return {"global": self._g_leaf, **self._leaves}
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        y = self._labels[batch]
+        losses, logits, self._via = self.score(self._g_leaf, self._leaves, self._step_ctx, self._feats[batch], y)
+        return StepOutput(losses, self._via, correct=int((logits.detach().argmax(1) == y).sum()))
+
+    def noised(self, names):
+        return frozenset(names) - {"global"}  # p_G's gradient is noised on the server (global DP)
+
+    def extra_gradients(self) -> dict[str, torch.Tensor]:
+        reg = self.regularizer(self._g_leaf, self._leaves, self._step_ctx, self._via)
+        if reg is None:
+            return {}
+        names = ["global", *self._leaves]
+        extra = torch.autograd.grad(reg, [self._g_leaf, *self._leaves.values()], allow_unused=True)
+        return {k: g for k, g in zip(names, extra) if g is not None}
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        self._g_global += grads.pop("global")
+        self.apply_local(self._local, self._leaves, self._step_ctx, grads, self._opt)
 
     def personal_prompts(self, arrays):
         p_global = arrays["global_ctx"].to(self.bundle.device)
@@ -142,7 +146,7 @@ class DPFPLClient(GlobalLocalClient):
         u, v, r = factorize(p_local, rank, step_gen)
         return {"u": u.requires_grad_(True), "v": v.requires_grad_(True)}, {"u": u.detach(), "v": v.detach(), "r": r}
 
-    def forward(self, p_global, leaves, ctx, feats, labels):
+    def score(self, p_global, leaves, ctx, feats, labels):
         if "local" in leaves:
             prompt = p_global + leaves["local"]
         else:
@@ -183,7 +187,7 @@ class FedOTPClient(GlobalLocalClient):
     def local_leaves(self, local, step_gen):
         return {"local": local[self.local_name].detach().clone().requires_grad_(True)}, {}
 
-    def forward(self, p_global, leaves, ctx, feats, labels):
+    def score(self, p_global, leaves, ctx, feats, labels):
         text = torch.stack([self.scorer.text(p_global), self.scorer.text(leaves["local"])])
         logits = self.scorer.ot_logits(feats, text)
         return F.cross_entropy(logits, labels, reduction="none"), logits, [text]
@@ -216,7 +220,7 @@ class FedPGPClient(GlobalLocalClient):
     def local_leaves(self, local, step_gen):
         return {k: local[k].detach().clone().requires_grad_(True) for k in ("u", "v")}, {}
 
-    def forward(self, p_global, leaves, ctx, feats, labels):
+    def score(self, p_global, leaves, ctx, feats, labels):
         text = self.scorer.text(p_global + leaves["u"] @ leaves["v"])
         logits = clip_logits(feats, text, self.scale)
         return F.cross_entropy(logits, labels, reduction="none"), logits, [text]

@@ -1,7 +1,8 @@
 """Client trainers of the LoRA family: FedRand, FedAvg-LoRA, FedPer-LoRA, FedPara-LoRA.
 
 They share ``LoRAClient``: the frozen VLM with its adapter, this node's captioning or VQA
-data, one local training loop (AdamW over every adapter tensor, one epoch by default) and one
+data, the training hooks (AdamW over every adapter tensor, one epoch by default; the loop is
+``client_app.trainer``, DP-SGD clips the whole adapter's per-sample gradient as one) and one
 evaluation. What differs is only which adapter tensors come from the server, which from the
 node's private state, and which may go back:
 
@@ -19,28 +20,26 @@ tensor the node has never sent.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 import torch
 
-from fedvlm.client_app.local_training import batches
 from fedvlm.client_app.state import load_meta, load_private, save_meta, save_private
+from fedvlm.client_app.trainer import Learner, StepOutput, local_round
 from fedvlm.client_app.vlm_node import VLMNodeData
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
 from fedvlm.privacy.ledger import PrivacySettings
-from fedvlm.privacy.mechanisms import clip_tensor, gaussian_noise, noise_generator, sampling_rng
-from fedvlm.utils.rng import NodeStream, generator_for, node_key
-from fedvlm.privacy.planner import ClientShape, client_local_sigma
+from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
+from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
 from fedvlm.runconfig import RunConfig
+from fedvlm.utils.rng import NodeStream, generator_for, node_key
 from fedvlm.utils.vlm_metrics import score_split
 
 
-
-class LoRAClient:
+class LoRAClient(Learner):
     """A LoRA method's client: the adapter kind and what it may share come from the method's
     registry entry (``MethodSpec.adapter``, ``MethodSpec.shares``)."""
 
@@ -86,47 +85,26 @@ class LoRAClient:
         out.update(received)
         return out
 
-    def num_steps(self) -> int:
-        c = self.cfg
-        if c["lora.local-steps"] > 0:
-            return c["lora.local-steps"]
-        return c["lora.local-epochs"] * math.ceil(len(self.node.train) / c["lora.batch-size"])
-
     def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> tuple[dict[str, torch.Tensor], dict]:
         if not len(self.node.train):
             raise RuntimeError(f"{self.node.name} holds no training samples")
         self.check_request(arrays, instruction)
-        start = self.starting_adapter(arrays)
-        load_adapter_state(self.vlm.model, start)
-        params = trainable(self.vlm.model)
-        c = self.cfg
-        opt = torch.optim.AdamW(list(params.values()), lr=c["lora.lr"], weight_decay=c["lora.weight-decay"])
+        c, split = self.cfg, self.node.train
+        shape, sigma = client_plan(c, len(split), instruction)
+        load_adapter_state(self.vlm.model, self.starting_adapter(arrays))
+        self._params = trainable(self.vlm.model)
+        self._opt = torch.optim.AdamW(list(self._params.values()), lr=c["lora.lr"], weight_decay=c["lora.weight-decay"])
         rng = sampling_rng(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.BATCHES, self.round))
-        split, bsz = self.node.train, c["lora.batch-size"]
-        settings = PrivacySettings.from_config(c)
-        sigma = client_local_sigma(c, ClientShape(len(split), bsz, self.num_steps()), instruction.local_sigma)
-        gen = noise_generator(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
-        losses, clipped, t0 = [], [], time.time()
+        noise = noise_generator(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
+        t0 = time.time()
         self.vlm.model.train()
         with torch.random.fork_rng():
             # LoRA dropout draws from torch's global generator: seed it per node and round, so a
             # run repeats whatever ran before in the same process
             torch.manual_seed(generator_for(node_key(c["seed"], self.node.seed, NodeStream.LORA_DROPOUT, self.round)).initial_seed())
-            for idx in batches(len(split), bsz, self.num_steps(), settings, rng):
-                if settings.enabled:
-                    loss, frac = self.private_step(params, split, idx, settings, bsz, sigma, gen)
-                    clipped.append(frac)
-                else:
-                    batch = self.vlm.training_batch([split.images.image(i) for i in idx], [split.prompts[i] for i in idx],
-                                                    [split.targets[i] for i in idx])
-                    loss = self.vlm.model(**batch).loss
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                opt.step()
-                if loss is not None:
-                    losses.append(float(loss.detach()) if torch.is_tensor(loss) else loss)
+            stats = local_round(self, shape, PrivacySettings.from_config(c), sigma, rng, noise)
         self.vlm.model.eval()
-        trained = {k: v.detach().cpu().clone() for k, v in params.items()}
+        trained = {k: v.detach().cpu().clone() for k, v in self._params.items()}
         requested = list(instruction.reply_keys)
         self.own = self.keep(trained)
         self.meta["sent"] = ",".join(requested)
@@ -134,42 +112,32 @@ class LoRAClient:
         save_private(self.state, self.own)
         save_meta(self.state, self.meta)
         reply = {k: trained[k] for k in requested}
-        metrics = {"train-loss": float(np.mean(losses)) if losses else float("nan"),
-                   "train-loss-first": losses[0] if losses else float("nan"),
-                   "train-loss-last": losses[-1] if losses else float("nan"),
-                   "num-examples": len(split), "steps": self.num_steps(), "train-seconds": time.time() - t0}
-        if clipped:
-            metrics["dp-clipped-fraction"] = float(np.mean(clipped))
-        return reply, metrics
+        return reply, {**stats.metrics(len(split)), "train-seconds": time.time() - t0}
 
-    def private_step(self, params: dict[str, torch.nn.Parameter], split, idx, settings: PrivacySettings,
-                     expected_batch: int, sigma: float, gen: torch.Generator) -> tuple[float | None, float]:
-        """One DP-SGD step's gradients into ``p.grad``: per-sample clipping of the whole adapter's
-        gradient to C (one sample at a time: exact, and model-agnostic), sum / expected batch size,
-        plus N(0, sigma^2) on every coordinate; or, with per-batch clipping, the batch gradient
-        clipped as a whole (the stated epsilon then does not hold; the ledger says so)."""
-        names = list(params)
-        total = {k: torch.zeros_like(p) for k, p in params.items()}
-        losses, fractions = [], []
-        groups = [[i] for i in idx] if settings.clipping == "per-sample" else ([list(idx)] if len(idx) else [])
-        for group in groups:
-            batch = self.vlm.training_batch([split.images.image(i) for i in group], [split.prompts[i] for i in group],
-                                            [split.targets[i] for i in group])
-            loss = self.vlm.model(**batch).loss
-            grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
-            flat = torch.cat([(g if g is not None else torch.zeros_like(params[k])).flatten() for g, k in zip(grads, names)])
-            flat, was = clip_tensor(flat, settings.clip)
-            fractions.append(float(was))
-            offset = 0
-            for k in names:
-                n = params[k].numel()
-                total[k] += flat[offset:offset + n].view_as(params[k])
-                offset += n
-            losses.append(float(loss))
-        scale = 1.0 / expected_batch if settings.clipping == "per-sample" else 1.0
-        for k, p in params.items():
-            p.grad = total[k] * scale + gaussian_noise(p.shape, sigma, gen, p.device)
-        return (float(np.mean(losses)) if losses else None), (float(np.mean(fractions)) if fractions else 0.0)
+    # --- Learner hooks (client_app.trainer) ----------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.vlm.model
+
+    def begin_step(self) -> dict[str, torch.Tensor]:
+        return self._params
+
+    def clip_groups(self, names):
+        return (tuple(names),)  # the whole adapter's per-sample gradient is clipped as one
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        if not len(batch):
+            return StepOutput(torch.zeros(0, device=self.vlm.device))
+        split = self.node.train
+        inputs = self.vlm.training_batch([split.images.image(i) for i in batch], [split.prompts[i] for i in batch],
+                                         [split.targets[i] for i in batch])
+        per_sample, token_mean = self.vlm.losses(inputs)
+        return StepOutput(per_sample, objective=token_mean)
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        for k, p in self._params.items():
+            p.grad = grads[k]
+        self._opt.step()
 
     def check_request(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> None:
         """Refuse a train message that breaks the method's rule on what is exchanged."""

@@ -1,8 +1,9 @@
 """Client trainers of the prompt-learning family (PromptFL, local CoOp, zero-shot).
 
 They share ``PromptClient``: the frozen backbone, the prompt encoder over all class names,
-the cached image features of this node, one local training loop and one evaluation. A
-method only says which context it trains, what it keeps private and what it sends.
+the cached image features of this node, the training hooks of one context (the loop itself is
+``client_app.trainer``) and one evaluation. A method only says which context it trains, what it
+keeps private and what it sends.
 
 Evaluation follows DP-FPL: accuracy on the node's own test classes ("local") and, for a
 pathological split, on every other node's test classes ("neighbor"); the argmax is always
@@ -13,14 +14,10 @@ from __future__ import annotations
 
 import hashlib
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.local_training import batches, private_gradients
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.scoring import PromptScorer, TemplateScorer
@@ -29,25 +26,18 @@ from fedvlm.models.feature_cache import encode_images
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
 from fedvlm.privacy.ledger import PrivacySettings
+from fedvlm.client_app.trainer import Learner, RoundStats, StepOutput, local_round
 from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
-from fedvlm.utils.rng import NodeStream, node_key
-from fedvlm.privacy.planner import ClientShape, client_local_sigma
+from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
 from fedvlm.runconfig import RunConfig
+from fedvlm.utils.rng import NodeStream, node_key
 
 
-@dataclass
-class TrainResult:
-    ctx: torch.Tensor
-    loss: float
-    accuracy: float
-    steps: int
-    examples: int
-
-
-class PromptClient:
+class PromptClient(Learner):
     """Shared machinery; subclasses implement ``train`` and ``personal_prompts`` (what the
-    client evaluates with and, at the end of a run, publishes)."""
+    client evaluates with and, at the end of a run, publishes). The ``Learner`` hooks here train
+    one context ``ctx`` (PromptFL, CoOp); the global/local methods override them."""
 
     scorer_class = PromptScorer
 
@@ -114,7 +104,12 @@ class PromptClient:
         return self.scorer.encoder(ctx)
 
     def rng(self) -> np.random.Generator:
+        """This round's batch sampling (secret with the node's OS noise source)."""
         return sampling_rng(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.BATCHES, self.round))
+
+    def noise(self):
+        """This round's local-DP noise generator."""
+        return noise_generator(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
 
     # --- training ------------------------------------------------------------------------------
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -123,55 +118,52 @@ class PromptClient:
             return torch.optim.Adam(params, lr=c["prompt.lr"], weight_decay=c["prompt.weight-decay"])
         return torch.optim.SGD(params, lr=c["prompt.lr"], momentum=c["prompt.momentum"], weight_decay=c["prompt.weight-decay"])
 
-    def num_steps(self, n: int) -> int:
-        c = self.cfg
-        if c["prompt.local-steps"] > 0:
-            return c["prompt.local-steps"]
-        return c["prompt.local-epochs"] * math.ceil(n / c["prompt.batch-size"])
-
-    def local_sigma(self, instruction: TrainInstruction) -> float:
-        """The std of this round's local-DP noise (0 without privacy), checked against this
-        node's own plan: a missing or smaller value than the plan needs is refused."""
-        n = len(self.features("train")[1])
-        return client_local_sigma(self.cfg, ClientShape(n, self.cfg["prompt.batch-size"], self.num_steps(n)), instruction.local_sigma)
-
-    def train_context(self, ctx0: torch.Tensor, anchor: torch.Tensor | None = None, mu: float = 0.0,
-                      noise_std: dict[str, float] | None = None) -> TrainResult:
-        """Local steps on the context: CE over all classes (+ FedProx term when mu > 0), with
-        clipping and local-DP noise when privacy is on (``noise_std`` from the server's plan).
-
-        The optimiser state (momentum / Adam moments) persists in the node's private state.
-        """
+    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         feats, labels = self.features("train")
-        n = len(labels)
-        if n == 0:
+        if len(labels) == 0:
             raise RuntimeError(f"{self.node.name} holds no training images")
-        ctx = ctx0.detach().clone().to(self.bundle.device).requires_grad_(True)
-        opt = self.make_optimizer([ctx])
-        restore_optimizer(opt, {k: v.to(self.bundle.device) for k, v in self.private.items()})
-        encoder = self.encoder(ctx)
-        gen = noise_generator(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
-        bsz = self.cfg["prompt.batch-size"]
-        losses_seen, correct, seen, steps = [], 0, 0, self.num_steps(n)
-        for batch in batches(n, bsz, steps, self.privacy, self.rng()):
-            x = self._augmented_batch(batch) if self.cfg["prompt.augment"] else feats[batch]
-            text = encoder(ctx)
-            logits = clip_logits(x, text, self.scale)
-            losses = F.cross_entropy(logits, labels[batch], reduction="none")
-            grads, _ = private_gradients(losses, {"ctx": ctx}, [text], self.privacy, min(bsz, n), noise_std or {}, gen)
-            g = grads["ctx"]
-            if mu > 0 and anchor is not None:  # FedProx: data-independent, added after privatisation
-                g = g + mu * (ctx.detach() - anchor.to(ctx.device))
-            opt.zero_grad(set_to_none=True)
-            ctx.grad = g
-            opt.step()
-            if len(batch):
-                losses_seen.append(float(losses.detach().mean()))
-                correct += int((logits.argmax(1) == labels[batch]).sum())
-                seen += len(batch)
-        self.private.update({k: v.cpu() for k, v in optimizer_tensors(opt).items()})
-        return TrainResult(ctx.detach().cpu(), float(np.mean(losses_seen)) if losses_seen else float("nan"),
-                           correct / max(seen, 1), steps, n)
+        self._feats, self._labels = feats, labels
+        return feats, labels
+
+    def train_context(self, ctx0: torch.Tensor, instruction: TrainInstruction, anchor: torch.Tensor | None = None,
+                      mu: float = 0.0) -> tuple[torch.Tensor, RoundStats]:
+        """The plan's local steps on the context: CE over all classes (+ FedProx term when mu > 0),
+        with clipping and local-DP noise when privacy is on. The optimiser state (momentum / Adam
+        moments) persists in the node's private state."""
+        _, labels = self.train_data()
+        shape, sigma = client_plan(self.cfg, len(labels), instruction)
+        self._ctx = ctx0.detach().clone().to(self.bundle.device).requires_grad_(True)
+        self._opt = self.make_optimizer([self._ctx])
+        restore_optimizer(self._opt, {k: v.to(self.bundle.device) for k, v in self.private.items()})
+        self._encoder = self.encoder(self._ctx)
+        self._anchor, self._mu = anchor, mu
+        stats = local_round(self, shape, self.privacy, sigma, self.rng(), self.noise())
+        self.private.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
+        return self._ctx.detach().cpu(), stats
+
+    def batch_features(self, batch: np.ndarray) -> torch.Tensor:
+        return self._augmented_batch(batch) if self.cfg["prompt.augment"] else self._feats[batch]
+
+    # --- Learner hooks (client_app.trainer) ----------------------------------------------------
+    def begin_step(self) -> dict[str, torch.Tensor]:
+        return {"ctx": self._ctx}
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        text = self._encoder(self._ctx)  # [C, d]
+        logits = clip_logits(self.batch_features(batch), text, self.scale)  # [b, C]
+        y = self._labels[batch]
+        return StepOutput(F.cross_entropy(logits, y, reduction="none"), [text],
+                          correct=int((logits.argmax(1) == y).sum()))
+
+    def extra_gradients(self) -> dict[str, torch.Tensor]:
+        if self._mu > 0 and self._anchor is not None:  # FedProx's proximal term
+            return {"ctx": self._mu * (self._ctx.detach() - self._anchor.to(self._ctx.device))}
+        return {}
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        self._opt.zero_grad(set_to_none=True)
+        self._ctx.grad = grads["ctx"]
+        self._opt.step()
 
     # --- evaluation and publishing -----------------------------------------------------------
     def personal_prompts(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -204,9 +196,8 @@ class PromptClient:
         save_private(self.state, self.private)
         save_meta(self.state, self.meta)
 
-    def train_metrics(self, res: TrainResult) -> dict[str, float]:
-        return {"num-examples": res.examples, "train-loss": res.loss, "train-acc": res.accuracy,
-                "steps": res.steps, "rounds-trained": int(self.meta.get("rounds-trained", 0))}
+    def train_metrics(self, stats: RoundStats) -> dict[str, float]:
+        return {**stats.metrics(len(self._labels)), "rounds-trained": int(self.meta.get("rounds-trained", 0))}
 
 
 class PromptFLClient(PromptClient):
@@ -214,10 +205,9 @@ class PromptFLClient(PromptClient):
 
     def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction):
         global_ctx = arrays["ctx"]
-        noise = {"ctx": self.local_sigma(instruction)}
-        res = self.train_context(global_ctx, anchor=global_ctx, mu=self.cfg["prompt.fedprox-mu"], noise_std=noise)
+        ctx, stats = self.train_context(global_ctx, instruction, anchor=global_ctx, mu=self.cfg["prompt.fedprox-mu"])
         self.persist()
-        return {"ctx": res.ctx}, self.train_metrics(res)
+        return {"ctx": ctx}, self.train_metrics(stats)
 
     def personal_prompts(self, arrays):
         return {"ctx": arrays["ctx"]}
@@ -237,10 +227,10 @@ class CoOpClient(PromptClient):
         return self.private["ctx"]
 
     def train(self, arrays, instruction):
-        res = self.train_context(self._own_ctx(arrays))
-        self.private["ctx"] = res.ctx
+        ctx, stats = self.train_context(self._own_ctx(arrays), instruction)
+        self.private["ctx"] = ctx
         self.persist()
-        return {}, self.train_metrics(res)
+        return {}, self.train_metrics(stats)
 
     def personal_prompts(self, arrays):
         return {"ctx": self._own_ctx(arrays)}

@@ -8,6 +8,7 @@ the family's and the method's defaults and checks applied.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ from fedvlm.client_app.reprogram_clients import ReprogramClient
 from fedvlm.client_app.vlm_node import vlm_node_data
 from fedvlm.methods.spec import Family, MethodSpec, shares_all, shares_only
 from fedvlm.models import adapter_parts
-from fedvlm.privacy.planner import LocalDP
+from fedvlm.privacy.planner import ClientShape, LocalDP
 from fedvlm.runconfig import (
     KEY_BY_NAME,
     VLM_DATASETS,
@@ -67,11 +68,28 @@ def _vlm_resolve(values: dict) -> None:
         values["lora.lr"] = 3e-3 if values["vlm.model"] == "embedded-tiny-vlm" else 3e-4
 
 
-PROMPT = Family("prompt", False, "embedded", "pathological", 0.3, 1.0, node_data)
-VLM = Family("vlm", True, "embedded-captions", "dirichlet", 0.5, 0.3, vlm_node_data, resolve=_vlm_resolve)
+def _steps_or_epochs(section: str) -> Callable[[Mapping, int], ClientShape]:
+    """``<section>.local-steps`` steps per round, or (0) ``<section>.local-epochs`` passes over the
+    node's records in batches of ``<section>.batch-size``."""
+    def shape(cfg: Mapping, n_train: int) -> ClientShape:
+        batch = cfg[f"{section}.batch-size"]
+        steps = cfg[f"{section}.local-steps"]
+        if steps <= 0:
+            steps = cfg[f"{section}.local-epochs"] * math.ceil(n_train / batch)
+        return ClientShape(n_train, batch, steps)
+    return shape
+
+
+def _reprogram_shape(cfg: Mapping, n_train: int) -> ClientShape:
+    return ClientShape(n_train, cfg["reprogram.batch-size"], cfg["reprogram.local-iterations"])
+
+
+PROMPT = Family("prompt", False, "embedded", "pathological", 0.3, 1.0, node_data, _steps_or_epochs("prompt"))
+VLM = Family("vlm", True, "embedded-captions", "dirichlet", 0.5, 0.3, vlm_node_data, _steps_or_epochs("lora"),
+             resolve=_vlm_resolve)
 # Reprogrammable-FL: 3 clients, IID, all of them every round, DP-SGD with C = 1, z = 1.1
-REPROGRAM = Family("reprogram", False, "digits", "iid", 0.5, 1.0, node_data, privacy_clip=1.0, noise_multiplier=1.1,
-                   resolve=resolve_reprogram)
+REPROGRAM = Family("reprogram", False, "digits", "iid", 0.5, 1.0, node_data, _reprogram_shape, privacy_clip=1.0,
+                   noise_multiplier=1.1, resolve=resolve_reprogram)
 FAMILIES: dict[str, Family] = {f.name: f for f in (PROMPT, VLM, REPROGRAM)}
 
 # DP-SGD on the whole adapter (one per-sample clip over all its tensors), so whatever part a

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedvlm.privacy.planner import LocalDP
+from fedvlm.privacy.planner import ClientShape, LocalDP
 
 # (run config, names of the tensors the client's model has) -> names that may leave a client.
 # The server, the client and the send guard all evaluate this one rule.
@@ -46,6 +46,9 @@ class Family:
     dirichlet_alpha: float  # what dirichlet-alpha = 0 means (the family's papers' value)
     fraction_train: float  # what fraction-train = 0 means
     node_data: Callable[[Any, dict], Any]  # (run config, node config) -> the node's data
+    # (run config, a node's training records) -> its local training per round: batch size and
+    # steps. The server plans with it and sends the result; clients never recompute it.
+    local_shape: Callable[[Mapping, int], ClientShape]
     privacy_clip: float = 10.0  # what privacy.clip = -1 means
     noise_multiplier: float = 0.0  # what privacy.noise-multiplier = -1 means (0: calibrate to epsilon)
     # the family's own 'auto' values and the combinations it cannot run (raises ConfigError)

@@ -226,6 +226,9 @@ class FineTuneNet(nn.Module):
             self.body = FrozenEval(net)
             self.head = head
         else:
+            # torchvision's residual blocks add in place, which Opacus' backward hooks cannot
+            # follow: per-sample gradients of the whole network come from ExpandedWeights
+            self.per_sample_backend = "expanded"
             net.requires_grad_(True)  # before fix(): the validator only replaces trainable BatchNorm
             # one INFO line per replaced layer and per message otherwise
             logging.getLogger("opacus.validators.module_validator").setLevel(logging.WARNING)

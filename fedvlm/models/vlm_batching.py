@@ -56,11 +56,17 @@ class VLM:
         logits = self.model(**inputs).logits
         return logits[:, :-1].float(), batch["labels"][:, 1:]
 
-    def per_sample_loss(self, batch: dict) -> torch.Tensor:
+    def losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-sample loss [B]: each sample's mean over its target tokens, the batch's mean over
+        all target tokens): DP-SGD needs the first (a record's loss must not depend on the
+        others'), plain fine-tuning minimises the second, from one forward."""
         logits, targets = self.token_logits(batch)
-        loss = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
-        n = (targets != -100).sum(dim=1).clamp(min=1)
-        return loss.sum(dim=1) / n
+        loss = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none").sum(dim=1)
+        n = (targets != -100).sum(dim=1)
+        return loss / n.clamp(min=1), loss.sum() / n.sum().clamp(min=1)
+
+    def per_sample_loss(self, batch: dict) -> torch.Tensor:
+        return self.losses(batch)[0]
 
     @torch.no_grad()
     def generate(self, images: list[Image.Image], prompts: list[str], max_new_tokens: int) -> list[str]:

@@ -1,11 +1,5 @@
-"""The Gaussian mechanism's parts on tensors: per-sample gradients, clipping, noise generators.
-
-Per-sample gradients of prompt parameters: the expensive part of a prompt-learning step is
-the text tower, shared by every sample of a batch. A sample's loss depends on the prompt
-only through the text features, so its gradient is the text tower's vector-Jacobian
-product with that sample's gradient on the features: first all samples' feature gradients
-(cheap, batched), then one VJP per sample through the text tower (retaining its graph).
-"""
+"""The Gaussian mechanism's parts on tensors: clipping a whole tensor, and where the noise
+(and the secret batch sampling) comes from. DP-SGD itself is ``privacy.dpsgd``."""
 
 from __future__ import annotations
 
@@ -17,39 +11,6 @@ import numpy as np
 import torch
 
 from fedvlm.utils.rng import generator_for, numpy_rng
-
-
-def per_sample_grads(losses: torch.Tensor, leaves: Sequence[torch.Tensor], via: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-sample gradients [B, *leaf.shape] of ``losses`` [B] w.r.t. each leaf.
-
-    ``via``: the tensors (text features) through which every leaf reaches the losses.
-    """
-    batch = losses.shape[0]
-    eye = torch.eye(batch, device=losses.device, dtype=losses.dtype)
-    # d loss_i / d via, for all i at once (a small graph: logits only)
-    cotangents = torch.autograd.grad(losses, list(via), grad_outputs=eye, is_grads_batched=True, retain_graph=True)
-    out: list[list[torch.Tensor]] = [[] for _ in leaves]
-    if losses.device.type == "cuda":
-        # one batched VJP through the text tower (vmap over the cotangents)
-        grads = torch.autograd.grad(list(via), list(leaves), grad_outputs=list(cotangents),
-                                    is_grads_batched=True, retain_graph=True, allow_unused=True)
-        return [g if g is not None else torch.zeros(batch, *leaf.shape, device=leaf.device) for g, leaf in zip(grads, leaves)]
-    # On CPU a loop of plain VJPs over the retained graph is faster than vmap.
-    for i in range(batch):
-        grads = torch.autograd.grad(list(via), list(leaves), grad_outputs=[c[i] for c in cotangents],
-                                    retain_graph=True, allow_unused=True)
-        for j, (g, leaf) in enumerate(zip(grads, leaves)):
-            out[j].append(g if g is not None else torch.zeros_like(leaf))
-    return [torch.stack(o) for o in out]
-
-
-def clip_per_sample(grads: torch.Tensor, clip: float) -> tuple[torch.Tensor, float]:
-    """Scale each sample's gradient to L2 norm <= ``clip``; returns (clipped [B, ...], fraction clipped)."""
-    flat = grads.reshape(grads.shape[0], -1)
-    norms = flat.norm(dim=1)
-    factors = (clip / (norms + 1e-12)).clamp(max=1.0)
-    clipped = grads * factors.view(-1, *([1] * (grads.dim() - 1)))
-    return clipped, float((norms > clip).float().mean())
 
 
 def clip_tensor(g: torch.Tensor, clip: float) -> tuple[torch.Tensor, bool]:

@@ -34,13 +34,12 @@ from dataclasses import dataclass
 
 from fedvlm.privacy.accounting import BudgetError, GaussianReleases, epsilon_spent, joint_noise_multiplier, smallest_scale
 from fedvlm.privacy.ledger import MechanismPlan, PrivacyLedger, PrivacySettings, plan_gaussian, valid_sensitivity
-from fedvlm.protocol import LOCAL_SIGMA
-
-# The config key of the train message that carries the std of the client's local-DP noise.
+from fedvlm.protocol import LOCAL_SIGMA, LOCAL_STEPS, NUM_TRAIN, TrainInstruction
 
 
 class NoiseRefused(RuntimeError):
-    """A client was asked to train with less noise than its own plan requires."""
+    """A client was asked to train with less noise than its own plan requires, or with a plan
+    its data cannot honour."""
 
 
 @dataclass(frozen=True)
@@ -287,11 +286,21 @@ class PrivacyPlanner:
         return max((r["planned_epsilon"] for r in self.ledger.records.values()), default=0.0)
 
 
-def client_local_sigma(cfg, shape: ClientShape, received: float | None) -> float:
-    """What a client draws its local noise with this round: 0 without privacy, else the
-    server's sigma once checked against the client's own plan (``required_local_sigma``)."""
+def client_plan(cfg, n_train: int, instruction: TrainInstruction) -> tuple[ClientShape, float]:
+    """What a client executes this round: the server's plan (steps, batch size) and the std of its
+    local-DP noise (0 without privacy). Refused when the plan is missing, was made for another
+    record count than this node holds, or carries less noise than the node's own plan for that
+    shape needs (``required_local_sigma``)."""
+    if instruction.local_steps < 1 or instruction.batch_size < 1:
+        raise NoiseRefused(f"the server's train message carries no plan ({LOCAL_STEPS} = {instruction.local_steps}, "
+                           f"batch size {instruction.batch_size}); refusing to guess how much to train")
+    if instruction.num_train != n_train:
+        raise NoiseRefused(f"the server planned this round for {instruction.num_train} training records ({NUM_TRAIN}) "
+                           f"but this node holds {n_train}: its handshake is stale; restart the run so that the "
+                           "server plans with this node's data")
+    shape = ClientShape(n_train, instruction.batch_size, instruction.local_steps)
     settings = PrivacySettings.from_config(cfg)
     if not settings.enabled:
-        return 0.0
+        return shape, 0.0
     local = cfg.method.local_dp(cfg)
-    return required_local_sigma(settings, local, shape, cfg["num-server-rounds"], received)
+    return shape, required_local_sigma(settings, local, shape, cfg["num-server-rounds"], instruction.local_sigma)

@@ -122,14 +122,6 @@ class FederatedStrategy(Strategy):
             return self.planner.local_sigma(node.name)
         return None
 
-    def local_steps(self, node: NodeInfo) -> int:
-        """Local steps ``node`` takes per round (each one a local-DP release when DP is on)."""
-        c = self.cfg
-        steps = c.get("prompt.local-steps", 0)
-        if steps and steps > 0:
-            return steps
-        return c.get("prompt.local-epochs", 1) * math.ceil(node.num_train / c.get("prompt.batch-size", 32))
-
     def nodes_per_round(self) -> int:
         """Clients sampled for training each round (the fixed denominator of a DP average)."""
         return min(len(self.nodes), max(1, math.ceil(self.cfg["fraction-train"] * len(self.nodes))))
@@ -237,7 +229,9 @@ class FederatedStrategy(Strategy):
             phase_key = "train" if kind == MessageType.TRAIN else "evaluate"
             self._round.setdefault("clients", {}).setdefault(node.name, {})[f"{phase_key}/bytes_down"] = record_nbytes(payload)
             if kind == MessageType.TRAIN:
-                config = TrainInstruction(server_round, tuple(sorted(expected)), self.local_sigma(node)).to_config()
+                shape = self.client_shape(node)
+                config = TrainInstruction(server_round, tuple(sorted(expected)), shape.steps, shape.batch_size,
+                                          node.num_train, self.local_sigma(node)).to_config()
             else:  # on the last evaluation clients publish their personalised prompts (client_app.publishing)
                 final = bool(self._round.get("final"))
                 config = EvaluateInstruction(server_round, final, str(self.publish_dir or "") if final else "").to_config()
@@ -335,16 +329,13 @@ class FederatedStrategy(Strategy):
                  self.cfg["fraction-evaluate"], self.cfg["seed"])
 
     # ---- privacy: one planner, composed per record (privacy.planner) ------------------------
-    def dp_batch_size(self) -> int:
-        """The expected batch size B of a client's DP-SGD steps."""
-        return self.cfg["prompt.batch-size"]
-
     def global_dp(self) -> GlobalDP | None:
         """The method's server-side mechanism, if it has one."""
         return None
 
     def client_shape(self, node: NodeInfo) -> ClientShape:
-        return ClientShape(node.num_train, self.dp_batch_size(), self.local_steps(node))
+        """``node``'s local training per round (batch size, steps): planned here, sent to it."""
+        return self.spec.family.local_shape(self.cfg, node.num_train)
 
     def plan_privacy(self) -> None:
         """Plan every mechanism for the nodes known now (called once, before round 1)."""

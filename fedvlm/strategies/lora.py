@@ -53,15 +53,6 @@ class LoRAStrategy(FederatedStrategy):
     def initial_arrays(self) -> dict[str, np.ndarray]:
         return {k: self.adapter_initial[k].copy() for k in self.shared_names}
 
-    def dp_batch_size(self) -> int:
-        return self.cfg["lora.batch-size"]
-
-    def local_steps(self, node: NodeInfo) -> int:
-        c = self.cfg
-        if c["lora.local-steps"] > 0:
-            return c["lora.local-steps"]
-        return c["lora.local-epochs"] * -(-node.num_train // c["lora.batch-size"])
-
     def train_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
         self.train_messages += 1
         return dict(self.global_arrays)

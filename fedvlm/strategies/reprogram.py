@@ -34,12 +34,6 @@ class ReprogramStrategy(FederatedStrategy):
             self._initial = {k: v.numpy().copy() for k, v in trainable_state(model).items()}
         return {k: v.copy() for k, v in self._initial.items()}
 
-    def dp_batch_size(self) -> int:
-        return self.cfg["reprogram.batch-size"]
-
-    def local_steps(self, node: NodeInfo) -> int:
-        return self.cfg["reprogram.local-iterations"]
-
     def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
         return {k: v.shape for k, v in self.global_arrays.items()}
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 
+import dataclasses
+
 import dp_accounting
 import pytest
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.protocol import SERVER_ROUND
+from fedvlm.protocol import SERVER_ROUND, TrainInstruction
 from fedvlm.runconfig import ConfigError
 from fedvlm.methods.registry import validate
 from fedvlm.server_app.app import execute
@@ -223,6 +225,40 @@ def test_every_client_refuses_less_noise_than_its_own_plan(make_cfg, pretrained_
     dropped = rec.data["rounds"][0]["dropped"]
     assert len(dropped) == 2 and all(reason in d["reason"] for d in dropped), dropped
     assert rec.data["rounds"][0]["metrics"]["train-clients"] == 0
+
+
+def _altered_plan(**change):
+    """A server whose train messages carry a plan other than the one it made (and noised for)."""
+    real = TrainInstruction.to_config
+
+    def patched(self):
+        return real(dataclasses.replace(self, **{k: f(self) for k, f in change.items()}))
+    return patched
+
+
+@pytest.mark.parametrize("change,reason", [
+    # far more steps than the noise was planned for (more steps may still be covered: DP-FPL's joint
+    # calibration gives the local noise headroom over what its local mechanism alone needs at 50
+    # Poisson steps of q = 0.025, and the node accepts what its own check covers)
+    ({"local_steps": lambda i: i.local_steps * 1000}, "below the"),
+    ({"num_train": lambda i: i.num_train + 7}, "handshake is stale"),  # a plan for another record count
+    ({"local_steps": lambda i: 0}, "carries no plan"),
+], ids=["more-steps", "other-record-count", "no-plan"])
+@pytest.mark.parametrize("method,overrides", FAMILIES[:2], ids=[m for m, _ in FAMILIES[:2]])
+def test_clients_execute_only_a_plan_they_can_honour(make_cfg, pretrained_clip, monkeypatch, method, overrides,
+                                                      change, reason):
+    monkeypatch.setattr(TrainInstruction, "to_config", _altered_plan(**change))
+    rec, grid = _run(make_cfg, 2, method=method, num_server_rounds=1, **overrides)
+    dropped = rec.data["rounds"][0]["dropped"]
+    assert len(dropped) == 2 and all(reason in d["reason"] for d in dropped), dropped
+
+
+def test_clients_take_the_steps_the_plan_sends(make_cfg, pretrained_clip, monkeypatch):
+    """Without DP too, the number of local steps is the server's: a client never recomputes it."""
+    monkeypatch.setattr(TrainInstruction, "to_config", _altered_plan(local_steps=lambda i: 3))
+    rec, grid = _run(make_cfg, 2, method="promptfl", num_server_rounds=1, prompt__local_steps=1)
+    train = [m for m in grid.replies if m.metadata.message_type == "train"]
+    assert len(train) == 2 and all(m.content["metrics"]["steps"] == 3 for m in train)
 
 
 @pytest.mark.slow
