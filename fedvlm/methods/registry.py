@@ -112,6 +112,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec(
         "promptfl", PROMPT, "PromptFL: one shared prompt, FedAvg weighted by client data size (optional FedProx).",
         PromptFLStrategy, PromptFLClient, shares=shares_only("ctx"), defaults=_FULL_EPOCH,
+        dp_defaults=_ONE_STEP,  # DP-FPL's baselines under DP: one local step per round (Algorithm 1)
         local_dp=_dp("ldp-prompt", "client: gradient of the prompt at every local step (the shared prompt is "
                      "post-processing)"),
     ),
@@ -227,10 +228,11 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
             f"run config 'dataset' = {values['dataset']!r} does not fit method {method.name!r} "
             f"({'image-text' if family.image_text else 'image classification'} data needed); "
             f"accepted: {', '.join(fitting)}")
-    for key, value in method.defaults.items():  # -1 / "auto": the method decides
-        if values[key] in (-1, "auto"):
+    private = values["privacy.epsilon"] > 0 or values["privacy.noise-multiplier"] > 0
+    for key, value in {**method.defaults, **(method.dp_defaults if private else {})}.items():
+        if values[key] in (-1, "auto"):  # the method decides
             values[key] = value
-    if (values["privacy.epsilon"] > 0 or values["privacy.noise-multiplier"] > 0) and not method.supports_dp:
+    if private and not method.supports_dp:
         dp_methods = ", ".join(m.name for m in METHODS.values() if m.supports_dp)
         raise ConfigError(
             f"run config 'privacy.epsilon' = {values['privacy.epsilon']} but method {method.name!r} "

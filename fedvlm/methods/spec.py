@@ -65,6 +65,7 @@ class MethodSpec:
     shares: SharedRule = shares_nothing  # which tensors may leave a client
     trains: bool = True
     defaults: dict = field(default_factory=dict)  # what the 'method decides' sentinel means per key
+    dp_defaults: dict = field(default_factory=dict)  # ... with privacy on, where it differs
     # the local-DP mechanism its clients run when privacy is on (a function of the run config);
     # None: no DP mechanism
     local_dp: Callable[[Mapping], LocalDP] | None = None

@@ -113,7 +113,8 @@ KEYS: tuple[Key, ...] = (
     Key("prompt.batch-size", 32, "Local batch size B.", min=1),
     Key("prompt.local-epochs", 1, "Local epochs per round (used when local-steps is 0).", min=1),
     Key("prompt.local-steps", -1, "Local steps per round; 0 = local-epochs full passes; -1 = the "
-        "method's default (1 for dpfpl/fedotp/fedpgp, DP-FPL's Algorithm 1; 0 otherwise).", min=-1),
+        "method's default (1 for dpfpl/fedotp/fedpgp, DP-FPL's Algorithm 1, and for promptfl with "
+        "privacy on, as DP-FPL's baselines; 0 otherwise).", min=-1),
     Key("prompt.augment", False, "Random crop/flip while training; re-encodes images every "
         "step instead of using the feature cache (slow)."),
     Key("prompt.fedprox-mu", 0.0, "FedProx proximal weight for promptfl (0 = plain FedAvg).",

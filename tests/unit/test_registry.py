@@ -60,3 +60,13 @@ def test_fedpgp_has_its_own_rank_key():
     with pytest.raises(ConfigError, match=r"'fedpgp.rank' = 0: must be >= 1"):
         validate({"method": "fedpgp", "fedpgp.rank": 0})
     validate({"method": "dpfpl", "dpfpl.rank": 0})  # DP-FPL's full-rank variant
+
+
+@pytest.mark.parametrize("raw,steps", [
+    ({"method": "promptfl"}, 0),  # full local epochs, PromptFL's own setting
+    ({"method": "promptfl", "privacy.epsilon": 1.0}, 1),  # under DP, as DP-FPL's baselines: one step a round
+    ({"method": "promptfl", "privacy.epsilon": 1.0, "prompt.local-steps": 5}, 5),  # an explicit choice stands
+    ({"method": "dpfpl"}, 1),
+])
+def test_the_method_decides_its_local_steps_with_and_without_privacy(raw, steps):
+    assert validate(raw)["prompt.local-steps"] == steps
