@@ -49,7 +49,8 @@ def step_seconds(kind: str, source, batch: int, classes: int, image_size: int, s
         for i in range(steps + 1):  # the first step warms up
             t0 = time.perf_counter()
             losses = F.cross_entropy(net(x), y, reduction="none")
-            per = grads.per_sample(params, None, torch.arange(batch).numpy(), losses)
+            per = grads.per_sample(params, lambda i: F.cross_entropy(net(x[i]), y[i], reduction="none"),
+                                   torch.arange(batch).numpy(), losses)
             update, _ = privatize(per, step, noise, shapes)
             for k, p in params.items():
                 p.grad = update[k]

@@ -21,8 +21,9 @@ Per-sample gradients, exactly, three ways (``backend_for``):
   (``bench/prompt_step.py``): all B at once is up to 1.6x slower than one at a time with 40
   class prompts (the batched backward's activations outgrow the cache), chunks of 4 are as
   fast as one at a time; an accelerator takes them all at once;
-- ``hooks`` (``nn.Module``s whose trainable layers Opacus has a rule for, e.g. peft LoRA's
-  ``Linear`` layers, reprogramming's program and output map): Opacus' ``GradSampleModule``;
+- ``hooks`` (``nn.Module``s whose trainable layers Opacus can hook, e.g. peft LoRA's ``Linear``
+  layers, reprogramming's program and output map): Opacus' ``GradSampleModule`` (its own rule
+  per layer type, or vmap over the layer's forward for a custom layer);
   ``expanded``: Opacus' ExpandedWeights mode, for networks whose in-place residual additions
   backward hooks cannot follow (a model says so with ``per_sample_backend = "expanded"``);
 - ``microbatch``: one backward per record, model-agnostic, for trainable layers Opacus has no
@@ -152,10 +153,11 @@ def backend_for(module: nn.Module) -> str:
         if declared not in BACKENDS:
             raise ValueError(f"{type(module).__name__}.per_sample_backend = {declared!r} is not one of {BACKENDS}")
         return declared
-    from opacus.grad_sample import GradSampleModule
-
+    # Opacus hooks every module that holds trainable parameters itself: by its own rule (Linear,
+    # Conv, LayerNorm, ...) or by vmap over that module's forward (e.g. reprogramming's input
+    # program). A parameter container (ParameterDict/List) is never called, so nothing fires.
     for m in module.modules():
-        if any(p.requires_grad for p in m.parameters(recurse=False)) and type(m) not in GradSampleModule.GRAD_SAMPLERS:
+        if isinstance(m, (nn.ParameterDict, nn.ParameterList)) and any(p.requires_grad for p in m.parameters()):
             return "microbatch"
     return "hooks"
 

@@ -13,6 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedvlm.runconfig import ConfigError, RunConfig
 
 from fedvlm.methods.registry import validate
+from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 
 log = logging.getLogger("fedvlm")
@@ -43,7 +44,7 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
         "backbone": {"name": backbone.name, "pretrained": backbone.pretrained, "fingerprint": backbone.fingerprint} if backbone else None,
     })
     try:
-        strategy.run(grid, recorder)
+        run_rounds(strategy, grid, recorder)
     except BaseException as err:
         recorder.finish("failed", f"{type(err).__name__}: {err}")
         log.error("run failed: %s (results so far: %s)", err, recorder.path)

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from fedvlm.privacy.mechanisms import gaussian_noise, noise_generator
-from fedvlm.utils.rng import ServerStream, server_key
 from fedvlm.privacy.planner import GlobalDP
-from fedvlm.strategies.base import ClientUpdate
 from fedvlm.strategies.prompt import PromptStrategy
+from fedvlm.strategies.records import ClientUpdate
+from fedvlm.utils.rng import ServerStream, server_key
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +64,16 @@ class GlobalGradientStrategy(PromptStrategy):
 
     # ---- aggregation ----------------------------------------------------------------------
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        sampled = max(self._round.get("sampled", len(updates)), len(updates))
-        if self.planner is not None:  # never below the denominator the noise was planned for
-            sampled = max(sampled, self.planner.global_dp.denominator)
+        sampled = max(self.current.sampled, len(updates))
+        if self.budget is not None:  # never below the denominator the noise was planned for
+            sampled = max(sampled, self.budget.planner.global_dp.denominator)
         mean = np.sum([u.arrays["global_grad"] for u in updates], axis=0) / sampled
         grad = torch.from_numpy(mean.astype(np.float32))
-        if self.planner is not None:
-            sigma = self.planner.global_plan.sigma
+        if self.budget is not None:
+            sigma = self.budget.planner.global_plan.sigma
             gen = noise_generator(self.server_noise_source(), server_key(self.cfg["seed"], server_round, ServerStream.GLOBAL_NOISE))
             grad = grad + gaussian_noise(grad.shape, sigma, gen)
-            self._round.setdefault("metrics", {}).update({"gdp-sigma": sigma, "gdp-denominator": sampled})
+            self.current.metrics.update({"gdp-sigma": sigma, "gdp-denominator": sampled})
         self._server_step(grad)
 
     def _server_step(self, grad: torch.Tensor) -> None:

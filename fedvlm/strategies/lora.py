@@ -24,7 +24,9 @@ import numpy as np
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_vlm
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
-from fedvlm.strategies.base import ClientUpdate, FederatedStrategy, NodeInfo
+from fedvlm.strategies.base import FederatedStrategy
+from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class LoRAStrategy(FederatedStrategy):
         super().__init__(cfg, spec)
         _, initial, fp = load_vlm(cfg["vlm.model"], cfg.cache_dir, AdapterSpec.from_config(cfg), cfg["seed"],
                                   "cpu", cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
-        self.server_fingerprint = fp
+        self.registry.server_fingerprint = fp
         self.adapter_initial = {k: v.numpy() for k, v in initial.items()}
         self.shared_names = sorted(spec.shares(cfg, initial))
         self.last_upload: dict[str, dict[str, np.ndarray]] = {}  # client -> its latest uploaded tensors
@@ -69,7 +71,7 @@ class LoRAStrategy(FederatedStrategy):
     def aggregate_evaluate(self, server_round, replies):
         out = super().aggregate_evaluate(server_round, replies)
         # weighted by test size: the federation's figure for the union of the clients' test sets
-        rows = [c for c in self._round.get("clients", {}).values() if "eval/num-examples" in c]
+        rows = [c for c in self.current.clients.values() if "eval/num-examples" in c]
         keys = sorted({k[5:] for r in rows for k in r if k.startswith(("eval/client-", "eval/server-"))})
         metrics = {}
         for k in keys:
@@ -77,26 +79,26 @@ class LoRAStrategy(FederatedStrategy):
             weight = "eval/ood-examples" if k.startswith("server-ood-") else "eval/num-examples"
             w = np.array([r[weight] for r in have], dtype=float)
             metrics[k] = float(np.average([r[f"eval/{k}"] for r in have], weights=w))
-        self._round.setdefault("metrics", {}).update(metrics)
+        self.current.metrics.update(metrics)
         return out
 
-    def on_finish(self, recorder) -> None:
-        """Save what the server could reconstruct of each client's model (its last uploads)."""
-        for name, arrays in self.last_upload.items():
-            recorder.save_arrays(f"reconstructed/{name}.pt", arrays, self._round.get("round", 0))
+    def outputs(self, rounds: list[dict]) -> RunOutputs:
+        """What the server could reconstruct of each client's model (its last uploads), and what
+        the run's communication cost against sending the whole adapter."""
         full = self.adapter_bytes()
-        rounds = recorder.data["rounds"]
         up = sum(r.get("bytes", {}).get("train_up", 0) for r in rounds)
         down = sum(r.get("bytes", {}).get("train_down", 0) for r in rounds)
         trained = sum(r["metrics"].get("train-clients", 0) for r in rounds)
         sent = self.train_messages
-        recorder.add_section("communication", {
+        communication = {
             "adapter_bytes": full,
             "train_bytes_up": int(up), "train_bytes_down": int(down),
             "full_lora_bytes_up": int(full * trained), "full_lora_bytes_down": int(full * sent),
             "up_vs_full_lora": up / (full * trained) if trained else None,
             "down_vs_full_lora": down / (full * sent) if sent else None,
-        })
+        }
+        return RunOutputs({f"reconstructed/{name}.pt": arrays for name, arrays in self.last_upload.items()},
+                          {"communication": communication})
 
 
 class FedRandStrategy(LoRAStrategy):
@@ -120,7 +122,7 @@ class FedRandStrategy(LoRAStrategy):
         half = self.draw(node, server_round)
         first = node.name not in self.participated
         self.participated.add(node.name)
-        self._round.setdefault("clients", {}).setdefault(node.name, {}).update({"fedrand/half": half, "fedrand/first": first})
+        self.current.client(node.name).update({"fedrand/half": half, "fedrand/first": first})
         names = self.shared_names if first else self.halves[half]
         return {k: self.global_arrays[k] for k in names}
 
@@ -136,6 +138,6 @@ class FedRandStrategy(LoRAStrategy):
                 log.info("round %d: no client returned half %s; it stays unchanged", server_round, half)
         self.global_arrays = per_group_average(self.global_arrays, self.halves, [u.arrays for u in updates],
                                                [u.metrics["num-examples"] for u in updates], chosen)
-        self._round.setdefault("metrics", {}).update({
+        self.current.metrics.update({
             "fedrand/clients-A": sum(self.draws[server_round][u.node.name] == "A" for u in updates),
             "fedrand/clients-B": sum(self.draws[server_round][u.node.name] == "B" for u in updates)})

@@ -13,7 +13,8 @@ import torch
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.prompt_learner import TextTower, init_context
 from fedvlm.strategies.aggregation import weighted_average
-from fedvlm.strategies.base import ClientUpdate, FederatedStrategy
+from fedvlm.strategies.base import FederatedStrategy
+from fedvlm.strategies.records import ClientUpdate
 
 
 class PromptStrategy(FederatedStrategy):
@@ -23,7 +24,7 @@ class PromptStrategy(FederatedStrategy):
     def __init__(self, cfg, spec):
         self.bundle = load_clip(cfg["clip.model"], cfg["clip.pretrained"], cfg.cache_dir, "cpu")
         super().__init__(cfg, spec)
-        self.server_fingerprint = self.bundle.fingerprint
+        self.registry.server_fingerprint = self.bundle.fingerprint
 
     def initial_context(self) -> np.ndarray:
         c = self.cfg

@@ -17,14 +17,16 @@ import numpy as np
 
 from fedvlm.models.reprogram import initial_model, source_model, trainable_state
 from fedvlm.strategies.aggregation import weighted_average
-from fedvlm.strategies.base import ClientUpdate, FederatedStrategy, NodeInfo
+from fedvlm.strategies.base import FederatedStrategy
+from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.records import ClientUpdate
 
 
 class ReprogramStrategy(FederatedStrategy):
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
         self.source = source_model(cfg)
-        self.server_fingerprint = self.source.fingerprint
+        self.registry.server_fingerprint = self.source.fingerprint
         self.client_reported: dict[str, dict[str, float]] = {}
         self._initial: dict[str, np.ndarray] | None = None
 
@@ -44,13 +46,14 @@ class ReprogramStrategy(FederatedStrategy):
         self.global_arrays.update(weighted_average([u.arrays for u in updates],
                                                    [u.metrics["num-examples"] for u in updates]))
 
-    def epsilon_entry(self, extra: dict[str, int] | None = None) -> dict:
+    def privacy_entry(self, extra: dict[str, int] | None = None) -> dict:
         """Add, per client, ε by both of dp-accounting's accountants and by the client's own
         Opacus accountants (they must agree: the test suite checks it)."""
-        entry = super().epsilon_entry(extra)
+        entry = super().privacy_entry(extra)
         both = {}
-        for client in self.planner.clients:
-            account, rounds = self.planner.account(client), self.rounds_trained.get(client, 0) + (extra or {}).get(client, 0)
+        planner, trained = self.budget.planner, self.budget.rounds_trained
+        for client in planner.clients:
+            account, rounds = planner.account(client), trained.get(client, 0) + (extra or {}).get(client, 0)
             both[client] = {acc: account.epsilon(rounds, self.privacy.delta, acc) for acc in ("rdp", "pld")}
         entry["by_accountant"] = both
         entry["client_reported"] = dict(self.client_reported)

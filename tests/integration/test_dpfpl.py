@@ -51,14 +51,15 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     cfg = make_cfg(method="dpfpl", privacy__epsilon=0.05, dpfpl__server_lr=1.0)
     spec = cfg.method
     strategy = spec.strategy(cfg, spec)
-    from fedvlm.strategies.base import ClientUpdate, NodeInfo
+    from fedvlm.strategies.nodes import NodeInfo
+    from fedvlm.strategies.records import ClientUpdate, RoundRecord
 
-    strategy.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
+    strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
     strategy.plan_privacy()
     before = strategy.global_arrays["global_ctx"].copy()
     zero = [ClientUpdate(n, {"global_grad": np.zeros((16, 96), np.float32)}, {"num-examples": 64}) for n in strategy.nodes.values()]
-    strategy._round = {"sampled": 4}
+    strategy.current = RoundRecord(1, sampled=4)
     strategy.aggregate(1, zero)
     step = before - strategy.global_arrays["global_ctx"]  # sgd, lr 1: exactly the noise
     sigma = strategy.ledger.plans["gdp-global"].sigma

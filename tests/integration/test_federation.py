@@ -12,7 +12,7 @@ from flwr.app import Array, ArrayRecord
 from fedvlm.client_app.app import app as client_app
 from fedvlm.protocol import SERVER_ROUND
 from fedvlm.server_app.app import execute
-from fedvlm.strategies.base import FederationError
+from fedvlm.strategies.nodes import FederationError
 from fedvlm.utils.inprocess import InProcessGrid
 
 N = 10

@@ -131,7 +131,7 @@ def test_fedrand_loss_falls_and_caption_metrics_are_written(fedrand_run):
 def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
     from fedvlm.methods.registry import get_method
     from fedvlm.methods.registry import validate
-    from fedvlm.strategies.base import NodeInfo
+    from fedvlm.strategies.nodes import NodeInfo
 
     nodes = [NodeInfo(i, f"client-{i}", i, 10, 5, 0, "x", 4) for i in range(8)]
 

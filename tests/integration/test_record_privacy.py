@@ -16,7 +16,8 @@ from fedvlm.protocol import SERVER_ROUND, TrainInstruction
 from fedvlm.runconfig import ConfigError
 from fedvlm.methods.registry import validate
 from fedvlm.server_app.app import execute
-from fedvlm.strategies.base import FederatedStrategy, FederationError
+from fedvlm.privacy.accounting import BudgetError
+from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.utils.inprocess import InProcessGrid
 
 DELTA = 1e-5
@@ -134,18 +135,19 @@ def test_a_lost_node_does_not_shrink_the_global_denominator(make_cfg, pretrained
 def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip):
     import numpy as np
 
-    from fedvlm.strategies.base import ClientUpdate, NodeInfo
+    from fedvlm.strategies.nodes import NodeInfo
+    from fedvlm.strategies.records import ClientUpdate, RoundRecord
 
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, dpfpl__server_lr=1.0, dpfpl__server_optimizer="sgd")
     strategy = cfg.method.strategy(cfg, cfg.method)
-    strategy.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
+    strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
     strategy.plan_privacy()
-    strategy.planner.global_plan = type(strategy.planner.global_plan)(**{
-        **vars(strategy.planner.global_plan), "sigma": 0.0})  # isolate the average from the noise
+    planner = strategy.budget.planner
+    planner.global_plan = type(planner.global_plan)(**{**vars(planner.global_plan), "sigma": 0.0})  # isolate the average from the noise
     before = strategy.global_arrays["global_ctx"].copy()
     ones = np.ones((16, 96), np.float32)
-    strategy._round = {"sampled": 2}  # two of the four planned nodes are left
+    strategy.current = RoundRecord(1, sampled=2)  # two of the four planned nodes are left
     strategy.aggregate(1, [ClientUpdate(n, {"global_grad": ones}, {"num-examples": 64})
                            for n in list(strategy.nodes.values())[:2]])
     np.testing.assert_allclose(before - strategy.global_arrays["global_ctx"], 2 / 4, rtol=1e-6)
@@ -294,7 +296,7 @@ def test_reprogramming_honours_privacy_epsilon(make_cfg, pretrained_clip):
 
 def test_seeded_server_noise_is_refused_when_a_node_draws_os_noise(make_cfg, pretrained_clip):
     nodes = [{"partition-id": 0, "num-partitions": 2, "noise-source": "os"}, {"partition-id": 1, "num-partitions": 2}]
-    with pytest.raises(FederationError, match="regenerable"):
+    with pytest.raises(BudgetError, match="regenerable"):
         _run(make_cfg, 2, node_configs=nodes, method="dpfpl", privacy__epsilon=1.0, privacy__noise_source="seeded",
              num_server_rounds=1)
 

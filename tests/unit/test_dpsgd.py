@@ -85,8 +85,22 @@ class _Factors(nn.Module):
         return x @ (self.w["u"] @ self.w["v"])
 
 
+class _Program(nn.Module):
+    """A custom layer using its own parameter (like reprogramming's input program): Opacus
+    takes its per-sample gradients by vmap over the layer's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = nn.Parameter(torch.randn(5))
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(x + torch.tanh(self.theta))
+
+
 @pytest.mark.parametrize("module,backend", [
     (nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), "hooks"),
+    (_Program(), "hooks"),
     (_Parallel(), "expanded"),
     (_Factors(), "microbatch"),
 ])
@@ -113,6 +127,7 @@ def test_every_module_backend_equals_one_backward_per_record(module, backend):
 
 def test_backend_choice_follows_what_opacus_can_hook():
     assert backend_for(nn.Sequential(nn.Linear(2, 2))) == "hooks"
+    assert backend_for(_Program()) == "hooks"
     assert backend_for(_Factors()) == "microbatch"
     declared = nn.Linear(2, 2)
     declared.per_sample_backend = "expanded"

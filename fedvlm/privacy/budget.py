@@ -1,0 +1,121 @@
+"""A run's privacy on the server: the plan of every mechanism, what each client's records have
+spent so far, the budget stop, and where the noise comes from, all written to the ledger.
+
+The strategy owns one ``RunBudget`` when privacy is on; the planner (``privacy.planner``) does
+the calibration and the per-record composition, this module keeps the run's state around it:
+which nodes are planned, how many rounds each has been sent, and the ledger entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from fedvlm.privacy.accounting import BudgetError
+from fedvlm.privacy.ledger import PrivacyLedger, PrivacySettings
+from fedvlm.privacy.mechanisms import NOISE_SOURCES
+from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP, PrivacyPlanner
+
+SEEDED_NOTE = ("seeded noise (privacy.noise-source): derived from the run seed, so anyone who knows the run config can "
+               "regenerate and remove it; the epsilon holds only against parties without the config. Use "
+               "noise-source=os for real data")
+
+
+class RunBudget:
+    def __init__(self, settings: PrivacySettings, ledger: PrivacyLedger, rounds: int, local: LocalDP | None,
+                 global_dp: GlobalDP | None, noise_choice: str):
+        if noise_choice not in (*NOISE_SOURCES, "auto"):
+            raise ValueError(f"privacy.noise-source = {noise_choice!r} is not one of auto, {', '.join(NOISE_SOURCES)}")
+        self.settings = settings
+        self.ledger = ledger
+        self.rounds = rounds
+        self.noise_choice = noise_choice  # the run config's privacy.noise-source
+        self.planner = PrivacyPlanner(settings, ledger, rounds, local, global_dp)
+        self.rounds_trained: dict[str, int] = {}  # node name -> rounds it was sent a train message
+
+    # ---- planning -------------------------------------------------------------------------
+    def _check_sources(self, sources: Mapping[str, str]) -> None:
+        if self.planner.global_dp is not None and self.noise_choice == "seeded":
+            secret = sorted(name for name, src in sources.items() if src == "os")
+            if secret:
+                raise BudgetError(
+                    f"privacy.noise-source = 'seeded' makes the server's global noise regenerable by anyone with the "
+                    f"run config, while {', '.join(secret[:4])} draw their own noise from the OS (real data): "
+                    "use privacy.noise-source = 'auto' or 'os'")
+
+    def plan(self, shapes: Mapping[str, ClientShape], sources: Mapping[str, str]) -> None:
+        """Plan every mechanism for the nodes known before round 1 (``sources``: each node's
+        noise source) and refuse a schedule past ``privacy.max-epsilon``."""
+        self._check_sources(sources)
+        self.planner.plan(dict(shapes))
+        self.record_noise_sources(sources)
+        cap = self.settings.max_epsilon
+        if self.settings.fixed_noise or not cap:  # a budget-limited run stops when the cap is reached
+            return
+        planned = self.planner.worst_planned()
+        if planned > cap * (1 + 1e-9):
+            raise BudgetError(
+                f"the privacy plan would spend epsilon = {planned:.4g} per record over {self.rounds} rounds, above "
+                f"privacy.max-epsilon = {cap}; lower num-server-rounds or prompt.local-steps, raise "
+                f"privacy.max-epsilon, or use privacy.calibration='accountant' with privacy.epsilon <= {cap}")
+
+    def admit(self, name: str, shape: ClientShape, source: str) -> None:
+        """Plan a node that joined after round 1's plan; ``BudgetError`` if it cannot be covered."""
+        if name in self.planner.clients:
+            return
+        if self.planner.global_dp is not None and self.noise_choice == "seeded" and source == "os":
+            raise BudgetError("it draws OS noise but privacy.noise-source = 'seeded' makes the server's global noise "
+                              "regenerable")
+        self.planner.admit(name, shape)
+
+    def is_planned(self, name: str) -> bool:
+        return name in self.planner.clients
+
+    # ---- spending ---------------------------------------------------------------------------
+    def spend(self, names: Iterable[str]) -> None:
+        """One round for each of ``names``: spent when sent, since a lost reply may still have
+        been computed."""
+        for name in names:
+            self.rounds_trained[name] = self.rounds_trained.get(name, 0) + 1
+
+    def entry(self, extra: Mapping[str, int] | None = None) -> dict:
+        """What a record of each client has spent, every mechanism it feeds composed, for the
+        rounds counted so far (plus ``extra`` rounds per client)."""
+        extra = extra or {}
+        planner = self.planner
+        per = {name: planner.epsilon(name, self.rounds_trained.get(name, 0) + extra.get(name, 0))
+               for name in sorted(planner.clients)}
+        out: dict = {"epsilon": max(per.values(), default=0.0), "per_client": per}
+        # each mechanism on its own, for comparison with papers that report them separately
+        components: dict = {}
+        for name, plan in planner.local_plans.items():
+            steps = planner.clients[name].steps
+            components.setdefault(plan.name, {})[name] = plan.epsilon_after(self.rounds_trained.get(name, 0) * steps)
+        if planner.global_plan is not None:
+            g = planner.global_plan
+            components[g.name] = g.epsilon_after(max(self.rounds_trained.values(), default=0))
+        out["components"] = components
+        return out
+
+    def would_exceed(self, names: Iterable[str]) -> float | None:
+        """The worst per-record epsilon a round training ``names`` would bring, if it crosses
+        max-epsilon."""
+        cap = self.settings.max_epsilon
+        names = list(names)
+        if not (cap and names):
+            return None
+        worst = self.entry({n: 1 for n in names})["epsilon"]
+        return worst if worst > cap * (1 + 1e-9) else None
+
+    # ---- noise sources ------------------------------------------------------------------------
+    def server_noise_source(self, sources: Mapping[str, str]) -> str:
+        """Randomness of the server's own noise: with 'auto', secret as soon as one node protects
+        its own noise that way, since clients know the run seed and could otherwise regenerate
+        the server's noise."""
+        if self.noise_choice != "auto":
+            return self.noise_choice
+        return "os" if "os" in sources.values() else "seeded"
+
+    def record_noise_sources(self, sources: Mapping[str, str]) -> None:
+        self.ledger.noise_sources = {"server": self.server_noise_source(sources), "clients": dict(sorted(sources.items()))}
+        if "seeded" in (self.ledger.noise_sources["server"], *sources.values()) and SEEDED_NOTE not in self.ledger.notes:
+            self.ledger.notes.append(SEEDED_NOTE)

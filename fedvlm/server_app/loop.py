@@ -1,0 +1,91 @@
+"""The round loop: the strategy's Flower hooks, round after round, with the privacy budget's
+stop, and every round written to the run folder before the next.
+
+A round: sample and build the train messages (``configure_train``); stop here if they would
+take a record past ``privacy.max-epsilon``; send, validate and aggregate the replies; evaluate;
+record the round (metrics, bytes, per-client figures, dropped replies, the ledger) and the
+shared state (``checkpoint.pt``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+
+from fedvlm.server_app.results import RunRecorder, progress_line
+from fedvlm.strategies.base import FederatedStrategy
+
+log = logging.getLogger(__name__)
+
+
+def _record_nodes(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
+    nodes, excluded = strategy.registry.table()
+    run = recorder.data["run"]
+    if run.get("nodes") != nodes or run.get("excluded_nodes") != excluded:
+        recorder.set_run_info(nodes=nodes, excluded_nodes=excluded)
+
+
+def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: RunRecorder) -> None:
+    budget = strategy.budget
+    if budget is None:
+        return
+    entry = strategy.privacy_entry()
+    budget.record_noise_sources(strategy.noise_sources())  # nodes may have joined since the last round
+    strategy.ledger.record_round(server_round, entry)
+    strategy.current.metrics["epsilon/per-record-max"] = entry["epsilon"]
+    recorder.add_section("privacy", strategy.ledger.as_dict())
+
+
+def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -> dict:
+    """Run every round of ``strategy`` on ``grid``; returns the finished results."""
+    strategy.publish_dir = str(recorder.dir / "published")
+    strategy.start(grid)
+    _record_nodes(strategy, recorder)
+    if strategy.budget is not None:
+        recorder.add_section("privacy", strategy.ledger.as_dict())
+    timeout = strategy.cfg["round-timeout"]
+    total = strategy.num_rounds()
+    empty = ConfigRecord()
+    status, note, rnd = "finished", "", 0
+    for rnd in range(1, total + 1):
+        t0 = time.time()
+        strategy.begin_round(rnd, final=rnd == total)
+        current = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in strategy.global_arrays.items()})
+        if strategy.spec.trains:
+            messages = list(strategy.configure_train(rnd, current, empty, grid))
+            trainees = [strategy.nodes[m.metadata.dst_node_id].name for m in messages]
+            over = strategy.budget.would_exceed(trainees) if strategy.budget is not None else None
+            if over is not None:
+                status = "stopped"
+                note = (f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
+                        f"privacy.max-epsilon = {strategy.privacy.max_epsilon}; stopped after round {rnd - 1}")
+                log.warning(note)
+                rnd -= 1
+                # one more evaluation of the state reached, so that clients publish it
+                strategy.begin_round(rnd, final=True)
+                grid.send_and_receive(strategy.configure_evaluate(rnd, current, empty, grid), timeout=timeout)
+                break
+            if strategy.budget is not None:
+                strategy.budget.spend(trainees)
+            strategy.aggregate_train(rnd, grid.send_and_receive(messages, timeout=timeout))
+        replies = grid.send_and_receive(strategy.configure_evaluate(rnd, current, empty, grid), timeout=timeout)
+        strategy.aggregate_evaluate(rnd, replies)
+        _record_privacy(strategy, rnd, recorder)
+        record = strategy.current.as_dict(time.time() - t0)
+        recorder.add_round(record)
+        _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
+        if strategy.global_arrays:
+            recorder.save_arrays("checkpoint.pt", strategy.global_arrays, rnd)
+        log.info(progress_line(record, total))
+    if strategy.global_arrays:
+        recorder.save_arrays("final_shared.pt", strategy.global_arrays, rnd)
+    outputs = strategy.outputs(recorder.data["rounds"])
+    for name, arrays in outputs.arrays.items():
+        recorder.save_arrays(name, arrays, rnd)
+    for key, section in outputs.sections.items():
+        recorder.add_section(key, section)
+    return recorder.finish(status, note)

@@ -1,0 +1,156 @@
+"""The server's node registry: who the nodes are (a handshake before any training), waiting
+for enough of them, and the seeded choice of each round's clients.
+
+Every node answers a QUERY with its ``HelloReport`` (name, data sizes, backbone fingerprint,
+class list); one whose backbone or classes differ from the others', or that fails, is excluded
+with its own reason, and the run stops before round 1 if fewer than ``min-nodes`` remain.
+Sampling is a seeded draw over node names, so the same config samples the same clients in
+simulation and deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedvlm.privacy.ledger import PrivacyLedger
+from fedvlm.protocol import SERVER_ROUND, HelloReport
+from fedvlm.runconfig import RunConfig
+from fedvlm.strategies.validation import short_reason
+from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
+
+log = logging.getLogger(__name__)
+
+
+class FederationError(RuntimeError):
+    """The federation cannot run (too few healthy nodes, mismatched backbones...)."""
+
+
+@dataclass
+class NodeInfo:
+    node_id: int
+    name: str
+    partition_id: int
+    num_train: int
+    num_test: int
+    num_neighbor: int
+    backbone: str
+    num_classes: int
+    info: dict = field(default_factory=dict)
+
+
+class NodeRegistry:
+    def __init__(self, cfg: RunConfig, ledger: PrivacyLedger):
+        self.cfg = cfg
+        self.ledger = ledger  # what a node reveals in its handshake is recorded there
+        self.nodes: dict[int, NodeInfo] = {}
+        self.failed: dict[int, str] = {}  # node id -> why it was excluded
+        self.server_fingerprint: str | None = None  # the backbone every node must load, where the server knows it
+
+    def exclude(self, node_id: int, reason: str) -> None:
+        node = self.nodes.pop(node_id, None)
+        self.failed[node_id] = reason
+        log.error("node %s excluded: %s", node.name if node else node_id, reason)
+
+    def handshake(self, grid: Grid, node_ids: Iterable[int]) -> None:
+        """Query the nodes not seen yet; admit or exclude each."""
+        node_ids = [n for n in node_ids if n not in self.nodes and n not in self.failed]
+        if not node_ids:
+            return
+        msgs = [Message(RecordDict({"config": ConfigRecord({SERVER_ROUND: 0})}), dst_node_id=n,
+                        message_type=MessageType.QUERY) for n in node_ids]
+        replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(msgs, timeout=self.cfg["round-timeout"])}
+        for n in node_ids:
+            msg = replies.get(n)
+            if msg is None:
+                self.exclude(n, "no reply to the handshake within round-timeout")
+            elif msg.has_error():
+                self.exclude(n, short_reason(msg.error.reason))
+            else:
+                m, info = dict(msg.content["metrics"]), dict(msg.content["info"])
+                self.ledger.note_released("handshake", [*m, *info])
+                hello = HelloReport.from_records(info, m)
+                node = NodeInfo(n, hello.name, hello.partition_id, hello.num_train, hello.num_test,
+                                hello.num_neighbor, hello.backbone, hello.num_classes, info)
+                why = self._mismatch(node)
+                if why:
+                    self.exclude(n, why)
+                else:
+                    self.nodes[n] = node
+                    log.info("node %s joined: %d train / %d test images", node.name, node.num_train, node.num_test)
+
+    def _mismatch(self, node: NodeInfo) -> str:
+        known = next(iter(self.nodes.values()), None)
+        if self.server_fingerprint and node.backbone != self.server_fingerprint:
+            return (f"backbone {node.backbone} differs from the server's {self.server_fingerprint}: every node must "
+                    "load the same weights")
+        if known is not None and node.num_classes != known.num_classes:
+            return (f"it has {node.num_classes} classes but {known.name} has {known.num_classes}: every node must "
+                    "use the same class list")
+        if known is not None and known.info.get("class-list") != node.info.get("class-list"):
+            return (f"its class list differs from {known.name}'s (same number, other names or order): give every "
+                    "node the same classes.txt")
+        if any(o.name == node.name for o in self.nodes.values()):
+            return f"another node already uses the name {node.name!r}"
+        return ""
+
+    def wait(self, grid: Grid) -> None:
+        """Handshake connected nodes until ``min-nodes`` are healthy; stop with every reason if
+        they cannot be (all failed, or the stragglers' time is up)."""
+        need = self.cfg["min-nodes"]
+        t0, last = time.time(), -1
+        while True:
+            connected = sorted(grid.get_node_ids())
+            self.handshake(grid, connected)
+            healthy = [n for n in connected if n in self.nodes]
+            if len(healthy) >= need:
+                return
+            everyone_failed = bool(connected) and not healthy
+            if self.failed and (everyone_failed or not self._more_may_join(t0)):
+                reasons: dict[str, list[str]] = {}
+                for n, r in self.failed.items():
+                    reasons.setdefault(r, []).append(str(n))
+                detail = "\n".join(f"  {len(ids)} node(s) ({', '.join(ids[:4])}{'...' if len(ids) > 4 else ''}): {r}"
+                                   for r, ids in reasons.items())
+                raise FederationError(
+                    f"only {len(healthy)} healthy node(s), {need} needed (min-nodes); excluded nodes:\n{detail}")
+            if len(connected) != last:
+                log.info("waiting for nodes: %d connected, %d healthy, %d needed", len(connected), len(healthy), need)
+                last = len(connected)
+            time.sleep(1.0)
+
+    def _more_may_join(self, t0: float) -> bool:
+        # In simulation every node exists from the start; in deployment give stragglers the
+        # round timeout to connect before giving up.
+        return time.time() - t0 < self.cfg["round-timeout"]
+
+    def refresh(self, grid: Grid) -> set[int]:
+        """Handshake the nodes that connected since the last call; the connected ids."""
+        connected = set(grid.get_node_ids())
+        self.handshake(grid, connected)
+        return connected
+
+    def choose(self, connected: set[int], server_round: int, fraction: float, stream: ServerStream) -> list[NodeInfo]:
+        """Seeded choice of ``fraction`` of the healthy connected nodes, ordered by name."""
+        pool = sorted((n for i, n in self.nodes.items() if i in connected), key=lambda n: n.name)
+        if len(pool) < self.cfg["min-nodes"]:
+            gone = sorted(n.name for i, n in self.nodes.items() if i not in connected)
+            raise FederationError(
+                f"round {server_round}: only {len(pool)} healthy node(s) still connected, fewer than min-nodes = "
+                f"{self.cfg['min-nodes']}" + (f" (disconnected: {', '.join(gone[:8])})" if gone else "")
+                + "; restart the missing SuperNodes, or lower min-nodes to let the run go on with fewer")
+        k = min(len(pool), max(1, math.ceil(fraction * len(pool))))
+        rng = numpy_rng(server_key(self.cfg["seed"], server_round, stream))
+        chosen = rng.choice(len(pool), size=k, replace=False)
+        return [pool[i] for i in sorted(chosen)]
+
+    def table(self) -> tuple[list[dict], dict[str, str]]:
+        """(nodes, excluded) as results.json records them."""
+        nodes = [vars(n) | {"node_id": str(n.node_id)} for n in sorted(self.nodes.values(), key=lambda n: n.name)]
+        return nodes, {str(k): v for k, v in self.failed.items()}
