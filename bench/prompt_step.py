@@ -148,12 +148,20 @@ def bench(name: str, device: str, batch: int, steps: int, classes: int = 10, n_c
     t_loop = _time(lambda: dp_step(chunked(1)), steps, device)
     # same numbers: the same first step from the same context gives the same gradient
     return {
-        "model": name, "device": device, "batch": batch, "classes": classes,
-        "text_tokens_naive": int(naive.ids.shape[1]), "text_tokens_ours": int(encoder.token_ids.shape[1]),
-        "naive_s_per_step": round(t_naive, 5), "ours_s_per_step": round(t_ours, 5),
-        "speedup": round(t_naive / t_ours, 2), "dp_s_per_step": round(t_dp, 5),
-        "dp_over_nondp": round(t_dp / t_ours, 2), "dp_over_b_nondp": round(t_dp / (batch * t_ours), 3),
-        "chunk": per_sample_chunk(torch.device(device), batch), "vmap_dp_s_per_step": round(t_vmap, 5),
+        "model": name,
+        "device": device,
+        "batch": batch,
+        "classes": classes,
+        "text_tokens_naive": int(naive.ids.shape[1]),
+        "text_tokens_ours": int(encoder.token_ids.shape[1]),
+        "naive_s_per_step": round(t_naive, 5),
+        "ours_s_per_step": round(t_ours, 5),
+        "speedup": round(t_naive / t_ours, 2),
+        "dp_s_per_step": round(t_dp, 5),
+        "dp_over_nondp": round(t_dp / t_ours, 2),
+        "dp_over_b_nondp": round(t_dp / (batch * t_ours), 3),
+        "chunk": per_sample_chunk(torch.device(device), batch),
+        "vmap_dp_s_per_step": round(t_vmap, 5),
         "loop_dp_s_per_step": round(t_loop, 5),
         "threads": torch.get_num_threads(),
     }
@@ -172,13 +180,19 @@ def main() -> None:
     for name in args.models:
         row = bench(name, args.device, args.batch, args.steps, args.classes)
         rows.append(row)
-        print(f"{name:14s} {args.device}, {args.classes} classes: naive {row['naive_s_per_step']:.4f} s/step "
-              f"({row['text_tokens_naive']} text tokens, images re-encoded) | ours {row['ours_s_per_step']:.4f} s/step "
-              f"({row['text_tokens_ours']} tokens, cached features) | speed-up x{row['speedup']}", flush=True)
-        print(f"{'':14s} DP-SGD: {row['dp_s_per_step']:.4f} s/step = x{row['dp_over_nondp']} the non-DP step = "
-              f"{row['dp_over_b_nondp']} x (B x non-DP step) | VJPs {row['chunk']} records at a time (what clients "
-              f"run here); all {args.batch} at once {row['vmap_dp_s_per_step']:.4f} s/step, one at a time "
-              f"{row['loop_dp_s_per_step']:.4f} s/step", flush=True)
+        print(
+            f"{name:14s} {args.device}, {args.classes} classes: naive {row['naive_s_per_step']:.4f} s/step "
+            f"({row['text_tokens_naive']} text tokens, images re-encoded) | ours {row['ours_s_per_step']:.4f} s/step "
+            f"({row['text_tokens_ours']} tokens, cached features) | speed-up x{row['speedup']}",
+            flush=True,
+        )
+        print(
+            f"{'':14s} DP-SGD: {row['dp_s_per_step']:.4f} s/step = x{row['dp_over_nondp']} the non-DP step = "
+            f"{row['dp_over_b_nondp']} x (B x non-DP step) | VJPs {row['chunk']} records at a time (what clients "
+            f"run here); all {args.batch} at once {row['vmap_dp_s_per_step']:.4f} s/step, one at a time "
+            f"{row['loop_dp_s_per_step']:.4f} s/step",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -2,9 +2,10 @@
 
 Each model kind takes the same batch through the DP-SGD module every client uses
 (``privacy.dpsgd``): per-sample gradients of every trainable parameter (Opacus hooks, or
-ExpandedWeights for the full network), per-sample clipping to C, Gaussian noise, one SGD step. Printed per source model: seconds per
-step of ``mr`` (reprogramming), ``pf`` (bl-pf) and ``ff`` (bl-ff, the same network as bl-ts),
-the ratio ff / mr, and the trainable parameter counts (the paper's Table IV).
+ExpandedWeights for the full network), per-sample clipping to C, Gaussian noise, one SGD step.
+Printed per source model: seconds per step of ``mr`` (reprogramming), ``pf`` (bl-pf) and ``ff``
+(bl-ff, the same network as bl-ts), the ratio ff / mr, and the trainable parameter counts (the
+paper's Table IV).
 
 Usage:
     python bench/reprogram_step.py                                # embedded tiny ResNet and ResNet-18
@@ -49,8 +50,12 @@ def step_seconds(kind: str, source, batch: int, classes: int, image_size: int, s
         for i in range(steps + 1):  # the first step warms up
             t0 = time.perf_counter()
             losses = F.cross_entropy(net(x), y, reduction="none")
-            per = grads.per_sample(params, lambda i: F.cross_entropy(net(x[i]), y[i], reduction="none"),
-                                   torch.arange(batch).numpy(), losses)
+            per = grads.per_sample(
+                params,
+                lambda i: F.cross_entropy(net(x[i]), y[i], reduction="none"),
+                torch.arange(batch).numpy(),
+                losses,
+            )
             update, _ = privatize(per, step, noise, shapes)
             for k, p in params.items():
                 p.grad = update[k]
@@ -83,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             for kind in ("mr", "pf", "ff"):
                 model = build_model(kind, source, args.classes, image_size, seed=0)
                 row[f"{kind} params"] = sum(v.numel() for v in trainable_state(model).values())
-                row[f"{kind} s/step"] = round(step_seconds(kind, source, args.batch, args.classes, image_size,
-                                                           args.steps, args.device), 4)
+                row[f"{kind} s/step"] = round(
+                    step_seconds(kind, source, args.batch, args.classes, image_size, args.steps, args.device), 4
+                )
             row["ff / mr time"] = round(row["ff s/step"] / row["mr s/step"], 2)
             row["ff / mr params"] = round(row["ff params"] / row["mr params"], 1)
             rows.append(row)

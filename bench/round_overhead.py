@@ -31,27 +31,50 @@ from fedvlm.utils.processes import free_port, kill_tree, pids_matching  # noqa: 
 def split(results: dict) -> dict:
     rounds = results["rounds"][1:]  # round 1 includes warm-up work; report steady state
     wall = np.array([r["seconds"] for r in rounds])
-    compute = np.array([r["metrics"].get("train-compute-seconds", 0) + r["metrics"].get("eval-compute-seconds", 0)
-                        for r in rounds])
-    return {"rounds": len(rounds), "wall_s_per_round": round(float(wall.mean()), 3),
-            "client_compute_s_per_round": round(float(compute.mean()), 3),
-            "overhead_s_per_round": round(float((wall - compute).mean()), 3),
-            "overhead_share": round(float((wall - compute).sum() / wall.sum()), 3)}
+    compute = np.array(
+        [r["metrics"].get("train-compute-seconds", 0) + r["metrics"].get("eval-compute-seconds", 0) for r in rounds]
+    )
+    return {
+        "rounds": len(rounds),
+        "wall_s_per_round": round(float(wall.mean()), 3),
+        "client_compute_s_per_round": round(float(compute.mean()), 3),
+        "overhead_s_per_round": round(float((wall - compute).mean()), 3),
+        "overhead_share": round(float((wall - compute).sum() / wall.sum()), 3),
+    }
 
 
 def run_flwr(rounds: int, work: Path, cache: str) -> dict:
     home = work / "flwr-home"
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
-               FLWR_LOCAL_CONTROL_API_PORT=str(free_port()), FLWR_TELEMETRY_ENABLED="0",
-               FLWR_DISABLE_UPDATE_CHECK="1", FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        FLWR_HOME=str(home),
+        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
+        FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
     out = work / "runs"
     try:
-        subprocess.run([str(Path(sys.executable).with_name("flwr")), "run", str(ROOT), "--stream",
-                        "--federation-config", "num-supernodes=10", "--run-config",
-                        f"num-server-rounds={rounds} output-dir='{out}' cache-dir='{cache}' run-name='flwr'"],
-                       env=env, cwd=ROOT, check=True, capture_output=True, timeout=1800)
+        subprocess.run(
+            [
+                str(Path(sys.executable).with_name("flwr")),
+                "run",
+                str(ROOT),
+                "--stream",
+                "--federation-config",
+                "num-supernodes=10",
+                "--run-config",
+                f"num-server-rounds={rounds} output-dir='{out}' cache-dir='{cache}' run-name='flwr'",
+            ],
+            env=env,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            timeout=1800,
+        )
     finally:
         for pid in pids_matching(str(home)):
             kill_tree(pid)
@@ -64,7 +87,9 @@ def run_inprocess(rounds: int, work: Path, cache: str) -> dict:
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
 
-    cfg = validate({"num-server-rounds": rounds, "output-dir": str(work / "runs"), "cache-dir": cache, "run-name": "inprocess"})
+    cfg = validate(
+        {"num-server-rounds": rounds, "output-dir": str(work / "runs"), "cache-dir": cache, "run-name": "inprocess"}
+    )
     grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 10} for i in range(10)], cfg.as_dict())
     return execute(cfg, grid, "bench").data
 
@@ -76,11 +101,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rows = {"in-process (no Ray)": split(run_inprocess(args.rounds, work, args.cache_dir)),
-                "flwr run (Ray simulation)": split(run_flwr(args.rounds, work, args.cache_dir))}
+        rows = {
+            "in-process (no Ray)": split(run_inprocess(args.rounds, work, args.cache_dir)),
+            "flwr run (Ray simulation)": split(run_flwr(args.rounds, work, args.cache_dir)),
+        }
     for name, row in rows.items():
-        print(f"{name:28s} {row['wall_s_per_round']:.3f} s/round = client compute {row['client_compute_s_per_round']:.3f} s"
-              f" + overhead {row['overhead_s_per_round']:.3f} s ({100 * row['overhead_share']:.0f}% overhead)")
+        print(
+            f"{name:28s} {row['wall_s_per_round']:.3f} s/round = "
+            f"client compute {row['client_compute_s_per_round']:.3f} s"
+            f" + overhead {row['overhead_s_per_round']:.3f} s ({100 * row['overhead_share']:.0f}% overhead)"
+        )
     a, b = rows["flwr run (Ray simulation)"], rows["in-process (no Ray)"]
     print(f"flwr/Ray round time vs in-process: x{a['wall_s_per_round'] / b['wall_s_per_round']:.2f}")
 

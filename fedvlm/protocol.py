@@ -47,8 +47,13 @@ class TrainInstruction:
     local_sigma: float | None = None  # std of the local-DP noise the server planned; None: none sent
 
     def to_config(self) -> dict:
-        out = {SERVER_ROUND: self.server_round, REPLY_KEYS: ",".join(self.reply_keys), LOCAL_STEPS: self.local_steps,
-               BATCH_SIZE: self.batch_size, NUM_TRAIN: self.num_train}
+        out = {
+            SERVER_ROUND: self.server_round,
+            REPLY_KEYS: ",".join(self.reply_keys),
+            LOCAL_STEPS: self.local_steps,
+            BATCH_SIZE: self.batch_size,
+            NUM_TRAIN: self.num_train,
+        }
         if self.local_sigma is not None:
             out[LOCAL_SIGMA] = float(self.local_sigma)
         return out
@@ -56,9 +61,14 @@ class TrainInstruction:
     @classmethod
     def from_config(cls, config: Mapping) -> TrainInstruction:
         sigma = config.get(LOCAL_SIGMA)
-        return cls(int(config.get(SERVER_ROUND, 0)), _names(config.get(REPLY_KEYS)), int(config.get(LOCAL_STEPS, 0)),
-                   int(config.get(BATCH_SIZE, 0)), int(config.get(NUM_TRAIN, 0)),
-                   None if sigma is None else float(sigma))
+        return cls(
+            int(config.get(SERVER_ROUND, 0)),
+            _names(config.get(REPLY_KEYS)),
+            int(config.get(LOCAL_STEPS, 0)),
+            int(config.get(BATCH_SIZE, 0)),
+            int(config.get(NUM_TRAIN, 0)),
+            None if sigma is None else float(sigma),
+        )
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,9 @@ class EvaluateInstruction:
 
     @classmethod
     def from_config(cls, config: Mapping) -> EvaluateInstruction:
-        return cls(int(config.get(SERVER_ROUND, 0)), bool(config.get(FINAL_ROUND, False)),
-                   str(config.get(PUBLISH_DIR, "")))
+        return cls(
+            int(config.get(SERVER_ROUND, 0)), bool(config.get(FINAL_ROUND, False)), str(config.get(PUBLISH_DIR, ""))
+        )
 
 
 @dataclass(frozen=True)
@@ -95,13 +106,25 @@ class HelloReport:
     def to_records(self) -> tuple[dict, dict]:
         """(info, metrics): the two records of the reply."""
         info = {**self.details, "name": self.name, "backbone": self.backbone}
-        metrics = {"partition-id": self.partition_id, "num-train": self.num_train, "num-test": self.num_test,
-                   "num-neighbor": self.num_neighbor, "num-classes": self.num_classes}
+        metrics = {
+            "partition-id": self.partition_id,
+            "num-train": self.num_train,
+            "num-test": self.num_test,
+            "num-neighbor": self.num_neighbor,
+            "num-classes": self.num_classes,
+        }
         return info, metrics
 
     @classmethod
     def from_records(cls, info: Mapping, metrics: Mapping) -> HelloReport:
         details = {k: v for k, v in info.items() if k not in ("name", "backbone")}
-        return cls(str(info["name"]), int(metrics["partition-id"]), int(metrics["num-train"]),
-                   int(metrics["num-test"]), int(metrics["num-neighbor"]), int(metrics["num-classes"]),
-                   str(info["backbone"]), details)
+        return cls(
+            str(info["name"]),
+            int(metrics["partition-id"]),
+            int(metrics["num-train"]),
+            int(metrics["num-test"]),
+            int(metrics["num-neighbor"]),
+            int(metrics["num-classes"]),
+            str(info["backbone"]),
+            details,
+        )

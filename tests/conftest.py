@@ -22,7 +22,6 @@ if str(ROOT) not in sys.path:
 
 from fedvlm.methods.registry import validate  # noqa: E402
 
-
 KINDS = ("unit", "integration", "e2e")
 
 
@@ -86,18 +85,20 @@ def flwr_env(tmp_path_factory, cache_dir, pretrained_clip):
     # One local SuperLink for the module (each run still starts its own Ray simulation).
     home = tmp_path_factory.mktemp("flwr") / "flwr-home"
     env = dict(os.environ)
-    env.update({
-        "FLWR_HOME": str(home),
-        # our own ports, so that a SuperLink already running on this machine is never reused
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        # flwr starts `flower-superlink` by name: it must be the one beside this Python
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    })
+    env.update(
+        {
+            "FLWR_HOME": str(home),
+            # our own ports, so that a SuperLink already running on this machine is never reused
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            # flwr starts `flower-superlink` by name: it must be the one beside this Python
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+    )
     yield env
     for pid in pids_matching(str(home)):  # the detached local SuperLink and its children
         kill_tree(pid)

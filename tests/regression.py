@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "regression.json"
 
 PROMPT = {"num-server-rounds": 2, "max-per-class": 6}
-VLM = {"num-server-rounds": 2, "fraction-train": 0.5, "lora.local-steps": 2, "vlm.eval-samples": 3,
-       "vlm.max-new-tokens": 8}
+VLM = {
+    "num-server-rounds": 2,
+    "fraction-train": 0.5,
+    "lora.local-steps": 2,
+    "vlm.eval-samples": 3,
+    "vlm.max-new-tokens": 8,
+}
 REPROGRAM = {"num-server-rounds": 2, "reprogram.local-iterations": 2}
 
 # name -> (run config, number of clients)
@@ -58,15 +63,17 @@ def run_case(name: str, cache_dir: Path, out_dir: Path) -> list[dict[str, float]
     cfg = validate({**raw, "cache-dir": str(cache_dir), "output-dir": str(out_dir), "run-name": name})
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
     rounds = execute(cfg, grid, run_id=name).data["rounds"]
-    return [{k: v for k, v in r["metrics"].items() if not any(t in k for t in VOLATILE) and isinstance(v, (int, float))}
-            for r in rounds]
+    return [
+        {k: v for k, v in r["metrics"].items() if not any(t in k for t in VOLATILE) and isinstance(v, (int, float))}
+        for r in rounds
+    ]
 
 
 def differences(expected: list[dict], got: list[dict], rel: float = 1e-5, abs_: float = 1e-7) -> list[str]:
     out = []
     if len(expected) != len(got):
         return [f"{len(got)} rounds, expected {len(expected)}"]
-    for i, (e, g) in enumerate(zip(expected, got), start=1):
+    for i, (e, g) in enumerate(zip(expected, got, strict=True), start=1):
         for k in sorted(set(e) | set(g)):
             if k not in e or k not in g:
                 out.append(f"round {i}: {k} only in {'the fixture' if k in e else 'this run'}")

@@ -65,9 +65,10 @@ def sample_scores(vlm, split, idx: np.ndarray, batch_size: int = 16) -> dict[str
     """MaxRényi-K% of every sample in ``idx`` for each (alpha, K): {'a=0.5,K=0': [n], ...}."""
     out: dict[str, list[float]] = {f"alpha={a:g},K={k}": [] for a in ALPHAS for k in KS}
     for s in range(0, len(idx), batch_size):
-        chunk = [int(i) for i in idx[s:s + batch_size]]
-        batch = vlm.training_batch([split.images.image(i) for i in chunk], [split.prompts[i] for i in chunk],
-                                   [split.targets[i] for i in chunk])
+        chunk = [int(i) for i in idx[s : s + batch_size]]
+        batch = vlm.training_batch(
+            [split.images.image(i) for i in chunk], [split.prompts[i] for i in chunk], [split.targets[i] for i in chunk]
+        )
         logits, targets = vlm.token_logits(batch)
         mask = targets != -100
         for a in ALPHAS:
@@ -84,8 +85,12 @@ def auroc_and_tpr(member_scores: np.ndarray, nonmember_scores: np.ndarray, fpr_a
     y = np.r_[np.ones(len(member_scores)), np.zeros(len(nonmember_scores))]
     s = -np.r_[member_scores, nonmember_scores]
     fpr, tpr, _ = roc_curve(y, s)
-    return {"auroc": float(roc_auc_score(y, s)), f"tpr@{fpr_at:.0%}fpr": float(np.interp(fpr_at, fpr, tpr)),
-            "n_members": int(len(member_scores)), "n_nonmembers": int(len(nonmember_scores))}
+    return {
+        "auroc": float(roc_auc_score(y, s)),
+        f"tpr@{fpr_at:.0%}fpr": float(np.interp(fpr_at, fpr, tpr)),
+        "n_members": int(len(member_scores)),
+        "n_nonmembers": int(len(nonmember_scores)),
+    }
 
 
 def attack(vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: int, seed: int) -> dict:
@@ -103,30 +108,47 @@ def attack(vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: 
 
 def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
     from fedvlm.client_app.vlm_node import vlm_node_data
-    from fedvlm.models.vlm import AdapterSpec, load_vlm
     from fedvlm.methods.registry import validate
+    from fedvlm.models.vlm import AdapterSpec, load_vlm
 
     run_dir = Path(run_dir)
     data = json.loads((run_dir / "results.json").read_text())
     cfg = validate(data["config"])
-    spec = cfg.method
+    spec = cfg.spec
     if not spec.adapter:
-        raise ValueError(f"MaxRényi attacks the VLM methods; run {run_dir} used {spec.name!r} (use `python -m fedvlm.attacks`)")
-    vlm, initial, _ = load_vlm(cfg["vlm.model"], cfg.cache_dir, AdapterSpec.from_config(cfg), cfg["seed"], cfg["device"],
-                               cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
+        raise ValueError(
+            f"MaxRényi attacks the VLM methods; run {run_dir} used {spec.name!r} (use `python -m fedvlm.attacks`)"
+        )
+    vlm, initial, _ = load_vlm(
+        cfg.vlm.model,
+        cfg.cache_path,
+        AdapterSpec.from_config(cfg),
+        cfg.seed,
+        cfg.device,
+        cfg.vlm.trust_remote_code,
+        cfg.vlm.dtype,
+    )
     shared = {k: v for k, v in torch.load(run_dir / "final_shared.pt", weights_only=True)["arrays"].items()}
     nodes = [n for n in data["run"]["nodes"] if n["partition_id"] >= 0]
     num = len(nodes)
     parts = {n["name"]: vlm_node_data(cfg, {"partition-id": n["partition_id"], "num-partitions": num}) for n in nodes}
-    report: dict = {"run": str(run_dir), "method": spec.name, "samples": samples, "alphas": [str(a) for a in ALPHAS],
-                    "ks": list(KS), "threats": {}}
+    report: dict = {
+        "run": str(run_dir),
+        "method": spec.name,
+        "samples": samples,
+        "alphas": [str(a) for a in ALPHAS],
+        "ks": list(KS),
+        "threats": {},
+    }
 
     # (a) the server model: members = every client's training data
     union = _concat([p.train for p in parts.values()])
     test = next(iter(parts.values())).dataset.test
     if spec.adapter == "loha":
-        report["threats"]["server"] = {"skipped": "FedPara's server holds only the w1 pair; with the private w2 pair "
-                                                  "at its initial zero the server model is the base model"}
+        report["threats"]["server"] = {
+            "skipped": "FedPara's server holds only the w1 pair; with the private w2 pair "
+            "at its initial zero the server model is the base model"
+        }
     else:
         report["threats"]["server"] = attack(vlm, {**initial, **shared}, union, test, samples, seed)
         log.info("server model: %s", _headline(report["threats"]["server"]))
@@ -142,14 +164,21 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
             continue
         uploads = torch.load(path, weights_only=True)["arrays"]
         adapter = {**initial, **shared, **uploads}
-        per_client[name] = attack(vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i)
+        per_client[name] = attack(
+            vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i
+        )
         per_client[name]["uploaded"] = sorted({k.split(".")[-2] for k in uploads})
         log.info("client %s: %s", name, _headline(per_client[name]))
     if per_client:
         keys = [k for k in next(iter(per_client.values())) if k.startswith("alpha=")]
         report["threats"]["client"] = {
-            "mean": {k: {"auroc": float(np.mean([c[k]["auroc"] for c in per_client.values()])),
-                         "tpr@5%fpr": float(np.mean([c[k]["tpr@5%fpr"] for c in per_client.values()]))} for k in keys},
+            "mean": {
+                k: {
+                    "auroc": float(np.mean([c[k]["auroc"] for c in per_client.values()])),
+                    "tpr@5%fpr": float(np.mean([c[k]["tpr@5%fpr"] for c in per_client.values()])),
+                }
+                for k in keys
+            },
             "per_client": per_client,
         }
     atomic_write_json(report, run_dir / "maxrenyi.json")
@@ -163,13 +192,19 @@ def _concat(splits):
     idx_sources = [(s, i) for s in splits for i in range(len(s))]
     images = np.stack([np.asarray(s.images.image(i)) for s, i in idx_sources])
     labels = np.concatenate([s.labels for s in splits])
-    return VLMSplit(ArraySource(images, labels, "union"), [s.prompts[i] for s, i in idx_sources],
-                    [s.targets[i] for s, i in idx_sources], [s.references[i] for s, i in idx_sources])
+    return VLMSplit(
+        ArraySource(images, labels, "union"),
+        [s.prompts[i] for s, i in idx_sources],
+        [s.targets[i] for s, i in idx_sources],
+        [s.references[i] for s, i in idx_sources],
+    )
 
 
 def _headline(res: dict) -> str:
     k = "alpha=0.5,K=10"
-    return f"MaxRényi-10% (alpha 0.5) AUROC {res[k]['auroc']:.3f}, TPR@5%FPR {res[k]['tpr@5%fpr']:.3f}" if k in res else ""
+    return (
+        f"MaxRényi-10% (alpha 0.5) AUROC {res[k]['auroc']:.3f}, TPR@5%FPR {res[k]['tpr@5%fpr']:.3f}" if k in res else ""
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     report = run_maxrenyi(args.run_dir, args.samples, args.clients, args.seed)
-    print(json.dumps({t: (v.get("mean", v) if isinstance(v, dict) else v) for t, v in report["threats"].items()}, indent=1)[:4000])
+    print(
+        json.dumps(
+            {t: (v.get("mean", v) if isinstance(v, dict) else v) for t, v in report["threats"].items()}, indent=1
+        )[:4000]
+    )
     return 0
 
 

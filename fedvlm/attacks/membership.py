@@ -65,10 +65,12 @@ def load_published(folder: Path) -> dict[str, dict]:
 def client_records(cfg: RunConfig, published: dict, num_partitions: int, seed: int) -> Records:
     """The balanced member/non-member records of one published client prompt."""
     node = node_data(cfg, {"partition-id": published["partition_id"], "num-partitions": num_partitions})
-    bundle = load_clip(cfg["clip.model"], cfg["clip.pretrained"], cfg.cache_dir, cfg["device"])
+    bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
     if bundle.fingerprint != published["backbone"]:
-        raise ValueError(f"{published['node']} was published for backbone {published['backbone']}, "
-                         f"this config loads {bundle.fingerprint}")
+        raise ValueError(
+            f"{published['node']} was published for backbone {published['backbone']}, "
+            f"this config loads {bundle.fingerprint}"
+        )
     rng = np.random.default_rng([seed, published["partition_id"] + 1])
     members, non_members = node.part.train, node.part.test
     k = min(len(members), len(non_members))
@@ -77,11 +79,12 @@ def client_records(cfg: RunConfig, published: dict, num_partitions: int, seed: i
     scorer = get_method(published["method"]).client.scorer_class(bundle, node.splits.classnames, cfg)
     probs, labels = [], []
     for split, idx in ((node.splits.train, members), (node.splits.test, non_members)):
-        feats = scorer.image_features(split, idx, cfg.cache_dir).to(bundle.device)
+        feats = scorer.image_features(split, idx, cfg.cache_path).to(bundle.device)
         probs.append(F.softmax(scorer.logits(published["prompts"], feats), dim=-1).cpu().numpy())
         labels.append(split.labels[idx])
-    return Records(np.concatenate(probs), np.concatenate(labels), np.r_[np.ones(k, bool), np.zeros(k, bool)],
-                   published["node"])
+    return Records(
+        np.concatenate(probs), np.concatenate(labels), np.r_[np.ones(k, bool), np.zeros(k, bool)], published["node"]
+    )
 
 
 def _aligned(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -96,8 +99,13 @@ def _aligned(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
 class AttackMLP(torch.nn.Module):
     def __init__(self, d_in: int, hidden: int = 64):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
-                                       torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(d_in, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 1),
+        )
 
     def forward(self, x):
         return self.net(x).squeeze(-1)
@@ -179,8 +187,12 @@ class ShadowAttack:
                 "loss-threshold": attack_metrics(-rec.losses, rec.member, self.loss_threshold),
                 "train-test-gap": float(rec.losses[~rec.member].mean() - rec.losses[rec.member].mean()),
             }
-        pooled = Records(np.concatenate([r.probs for r in targets]), np.concatenate([r.labels for r in targets]),
-                         np.concatenate([r.member for r in targets]), "all")
+        pooled = Records(
+            np.concatenate([r.probs for r in targets]),
+            np.concatenate([r.labels for r in targets]),
+            np.concatenate([r.member for r in targets]),
+            "all",
+        )
         summary = {}
         for name in ("shokri", "loss-threshold"):
             vals = [v[name] for v in per_client.values()]

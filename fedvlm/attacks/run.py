@@ -38,13 +38,20 @@ def shadow_config(target_cfg: dict, shadow_index: int, out_dir: Path, shadow_dat
             f"shadow models need data disjoint from the target's; dataset {cfg['dataset']!r} has no built-in "
             "shadow split: pass --shadow-data-root with an image folder from the same distribution"
         )
-    cfg.update({"seed": int(cfg["seed"]) + 1000 + shadow_index, "output-dir": str(out_dir),
-                "run-name": f"shadow-{shadow_index}", "privacy.max-epsilon": 0.0})
+    cfg.update(
+        {
+            "seed": int(cfg["seed"]) + 1000 + shadow_index,
+            "output-dir": str(out_dir),
+            "run-name": f"shadow-{shadow_index}",
+            "privacy.max-epsilon": 0.0,
+        }
+    )
     return cfg
 
 
-def run_attacks(run_dir: Path, shadows: int = 2, per_class: bool = False, shadow_data_root: str | None = None,
-                seed: int = 0) -> dict:
+def run_attacks(
+    run_dir: Path, shadows: int = 2, per_class: bool = False, shadow_data_root: str | None = None, seed: int = 0
+) -> dict:
     from fedvlm.client_app.app import app as client_app
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
@@ -63,7 +70,9 @@ def run_attacks(run_dir: Path, shadows: int = 2, per_class: bool = False, shadow
     with tempfile.TemporaryDirectory() as tmp:
         for s in range(shadows):
             scfg = validate(shadow_config(cfg.as_dict(), s, Path(tmp), shadow_data_root))
-            grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], scfg.as_dict())
+            grid = InProcessGrid(
+                client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], scfg.as_dict()
+            )
             log.info("training shadow federation %d/%d", s + 1, shadows)
             with contextlib.redirect_stdout(io.StringIO()):
                 rec = execute(scfg, grid, run_id=f"shadow-{s}")
@@ -71,14 +80,22 @@ def run_attacks(run_dir: Path, shadows: int = 2, per_class: bool = False, shadow
                 shadow_records.append(client_records(scfg, pub, n, seed + 1 + s))
     attack = ShadowAttack(shadow_records, per_class, len(targets[0].probs[0]), seed)
     result = attack.evaluate(targets)
-    result.update({
-        "target_run": str(run_dir), "method": cfg["method"], "privacy": data.get("privacy", {}).get("settings"),
-        "epsilon_spent": (data.get("privacy", {}).get("rounds") or [{}])[-1],
-        "shadows": {"federations": shadows, "clients": len(shadow_records),
-                    "dataset": "image-folder" if shadow_data_root else f"{cfg['dataset']}-shadow"},
-        "attack_model": "per-class MLPs (Shokri)" if per_class else "pooled MLP on class-aligned log-probabilities",
-        "records_per_target_client": int(len(targets[0].member)), "seconds": round(time.time() - t0, 1),
-    })
+    result.update(
+        {
+            "target_run": str(run_dir),
+            "method": cfg.method,
+            "privacy": data.get("privacy", {}).get("settings"),
+            "epsilon_spent": (data.get("privacy", {}).get("rounds") or [{}])[-1],
+            "shadows": {
+                "federations": shadows,
+                "clients": len(shadow_records),
+                "dataset": "image-folder" if shadow_data_root else f"{cfg.dataset}-shadow",
+            },
+            "attack_model": "per-class MLPs (Shokri)" if per_class else "pooled MLP on class-aligned log-probabilities",
+            "records_per_target_client": int(len(targets[0].member)),
+            "seconds": round(time.time() - t0, 1),
+        }
+    )
     atomic_write_json(result, run_dir / "mia.json")
     return result
 
@@ -100,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         return maxrenyi_main([str(args.run_dir), "--samples", str(args.samples), "--seed", str(args.seed)])
     res = run_attacks(args.run_dir, args.shadows, args.per_class, args.shadow_data_root, args.seed)
     s = res["summary"]
-    print(f"membership inference on {res['method']} ({res['records_per_target_client']} records per client, "
-          f"chance = 50%):")
+    print(
+        f"membership inference on {res['method']} ({res['records_per_target_client']} records per client, "
+        f"chance = 50%):"
+    )
     for name in ("shokri", "loss-threshold"):
-        print(f"  {name:15s} accuracy {100 * s[name]['accuracy']:.1f}%  AUC {s[name]['auc']:.3f}  "
-              f"TPR@1%FPR {100 * s[name]['tpr@1%fpr']:.1f}%")
+        print(
+            f"  {name:15s} accuracy {100 * s[name]['accuracy']:.1f}%  AUC {s[name]['auc']:.3f}  "
+            f"TPR@1%FPR {100 * s[name]['tpr@1%fpr']:.1f}%"
+        )
     print(f"written: {args.run_dir / 'mia.json'}")
     return 0
 

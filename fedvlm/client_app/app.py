@@ -18,15 +18,16 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedvlm.client_app.send_guard import guarded_reply
-from fedvlm.protocol import SERVER_ROUND, EvaluateInstruction, TrainInstruction
 from fedvlm.methods.registry import validate
+from fedvlm.protocol import SERVER_ROUND, EvaluateInstruction, TrainInstruction
 
 log = logging.getLogger(__name__)
 app = ClientApp()
 
+
 def _setup(msg: Message, context: Context):
     cfg = validate(context.run_config)
-    spec = cfg.method
+    spec = cfg.spec
     node = spec.family.node_data(cfg, dict(context.node_config))
     config = dict(msg.content["config"]) if "config" in msg.content else {}
     client = spec.client(cfg, node, context.state, int(config.get(SERVER_ROUND, 0)))
@@ -55,8 +56,9 @@ def train(msg: Message, context: Context) -> Message:
     # What may leave this node: the method's sharing rule over the tensors its model has
     # (a LoRA adapter's names are known only where the model is loaded).
     allowed = spec.shares(cfg, client.tensor_names)
-    return guarded_reply(msg, shared, metrics, allowed=allowed, private=client.private,
-                         requested=instruction.reply_keys)
+    return guarded_reply(
+        msg, shared, metrics, allowed=allowed, private=client.private, requested=instruction.reply_keys
+    )
 
 
 @app.evaluate()

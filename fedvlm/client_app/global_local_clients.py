@@ -38,8 +38,8 @@ class GlobalLocalClient(PromptClient):
     # ---- method hooks ---------------------------------------------------------------------
     def init_local(self, global_ctx: torch.Tensor) -> dict[str, torch.Tensor]:
         """The private local part at first contact: N(0, init-std^2), seeded per node."""
-        gen = generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_INIT))
-        return {self.local_name: torch.randn(global_ctx.shape, generator=gen) * self.cfg["prompt.init-std"]}
+        gen = generator_for(node_key(self.cfg.seed, self.node.seed, NodeStream.LOCAL_INIT))
+        return {self.local_name: torch.randn(global_ctx.shape, generator=gen) * self.cfg.prompt.init_std}
 
     def local_leaves(self, local: dict[str, torch.Tensor], step_gen: torch.Generator) -> tuple[dict, dict]:
         """(leaves, context): the locally trained tensors of this step (each gets local-DP
@@ -85,7 +85,9 @@ class GlobalLocalClient(PromptClient):
             t.requires_grad_(True)
         self._opt = self.make_optimizer(self.local_opt_params(self._local))
         restore_optimizer(self._opt, {k: v.to(dev) for k, v in self.private.items()})
-        self._factor_gen = generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.POWER_ITERATION, self.round))
+        self._factor_gen = generator_for(
+            node_key(self.cfg.seed, self.node.seed, NodeStream.POWER_ITERATION, self.round)
+        )
         self._g_global = torch.zeros_like(self._p_global)
         stats = local_round(self, shape, self.privacy, sigma, self.rng(), self.noise())
         g_global = self._g_global / shape.steps
@@ -116,7 +118,7 @@ class GlobalLocalClient(PromptClient):
             return {}
         names = ["global", *self._leaves]
         extra = torch.autograd.grad(reg, [self._g_leaf, *self._leaves.values()], allow_unused=True)
-        return {k: g for k, g in zip(names, extra) if g is not None}
+        return {k: g for k, g in zip(names, extra, strict=True) if g is not None}
 
     def apply(self, grads: dict[str, torch.Tensor]) -> None:
         self._g_global += grads.pop("global")
@@ -140,7 +142,7 @@ class DPFPLClient(GlobalLocalClient):
 
     def local_leaves(self, local, step_gen):
         p_local = local[self.local_name]
-        rank = self.cfg["dpfpl.rank"]
+        rank = self.cfg.dpfpl.rank
         if rank == 0:
             return {"local": p_local.detach().clone().requires_grad_(True)}, {}
         u, v, r = factorize(p_local, rank, step_gen)
@@ -151,7 +153,7 @@ class DPFPLClient(GlobalLocalClient):
             prompt = p_global + leaves["local"]
         else:
             prompt = p_global + leaves["u"] @ leaves["v"]
-            if self.cfg["dpfpl.residual"]:
+            if self.cfg.dpfpl.residual:
                 prompt = prompt + ctx["r"]  # a constant: no gradient flows into r
         text = self.encoder(prompt)(prompt)
         logits = clip_logits(feats, text, self.scale)
@@ -169,11 +171,15 @@ class DPFPLClient(GlobalLocalClient):
 
     def personal_prompt(self, p_global, local):
         p_local = local[self.local_name]
-        rank = self.cfg["dpfpl.rank"]
-        if rank == 0 or self.cfg["dpfpl.residual"]:
+        rank = self.cfg.dpfpl.rank
+        if rank == 0 or self.cfg.dpfpl.residual:
             return p_global + p_local  # u v + r = p_L exactly
         # no-residual ablation: the forward only ever sees the rank-k part
-        u, v, _ = factorize(p_local, rank, generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.ABLATION_FACTOR, self.round)))
+        u, v, _ = factorize(
+            p_local,
+            rank,
+            generator_for(node_key(self.cfg.seed, self.node.seed, NodeStream.ABLATION_FACTOR, self.round)),
+        )
         return p_global + u @ v
 
 
@@ -209,7 +215,11 @@ class FedPGPClient(GlobalLocalClient):
 
     def init_local(self, global_ctx):
         p_local = super().init_local(global_ctx)[self.local_name]
-        u, v, _ = factorize(p_local, self.cfg["fedpgp.rank"], generator_for(node_key(self.cfg["seed"], self.node.seed, NodeStream.PGP_FACTOR_INIT)))
+        u, v, _ = factorize(
+            p_local,
+            self.cfg.fedpgp.rank,
+            generator_for(node_key(self.cfg.seed, self.node.seed, NodeStream.PGP_FACTOR_INIT)),
+        )
         # u v has unit singular values; scale it to the initial prompt's size so the
         # personalised prompt starts as small a perturbation as the other methods'
         return {"u": u * p_local.norm() / (u @ v).norm(), "v": v}
@@ -227,17 +237,17 @@ class FedPGPClient(GlobalLocalClient):
 
     def handcrafted_text(self) -> torch.Tensor:
         if not hasattr(self, "_handcrafted"):
-            template = self.cfg["zeroshot.template"]
+            template = self.cfg.zeroshot.template
             tokens = self.bundle.tokenizer([template.format(c) for c in self.classnames]).to(self.bundle.device)
             with torch.no_grad():
                 self._handcrafted = F.normalize(self.bundle.model.encode_text(tokens).float(), dim=-1)
         return self._handcrafted
 
     def regularizer(self, p_global, leaves, ctx, via):
-        mu = self.cfg["fedpgp.mu"]
+        mu = self.cfg.fedpgp.mu
         if mu == 0:
             return None
-        tau = self.cfg["fedpgp.temperature"]
+        tau = self.cfg.fedpgp.temperature
         text_global = self.scorer.text(p_global)
         text_personal = via[0]
         pos = (text_global * self.handcrafted_text()).sum(-1) / tau

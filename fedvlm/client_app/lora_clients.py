@@ -30,7 +30,6 @@ from fedvlm.client_app.trainer import Learner, StepOutput, local_round
 from fedvlm.client_app.vlm_node import VLMNodeData
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
-from fedvlm.privacy.ledger import PrivacySettings
 from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
@@ -49,10 +48,16 @@ class LoRAClient(Learner):
         self.state = state
         self.round = server_round
         self.vlm, self.initial, self.backbone = load_vlm(
-            cfg["vlm.model"], cfg.cache_dir, AdapterSpec.from_config(cfg), cfg["seed"], cfg["device"],
-            cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
+            cfg.vlm.model,
+            cfg.cache_path,
+            AdapterSpec.from_config(cfg),
+            cfg.seed,
+            cfg.device,
+            cfg.vlm.trust_remote_code,
+            cfg.vlm.dtype,
+        )
         self.own = load_private(state)  # this node's adapter tensors from its last round
-        self.shareable = sorted(cfg.method.shares(cfg, self.initial))  # every tensor it may ever send
+        self.shareable = sorted(cfg.spec.shares(cfg, self.initial))  # every tensor it may ever send
         self.meta = load_meta(state)
 
     # --- what is shared ------------------------------------------------------------------------
@@ -71,10 +76,15 @@ class LoRAClient(Learner):
     # --- handshake -----------------------------------------------------------------------------
     def hello(self) -> HelloReport:
         n = self.node
-        details = {"dataset": n.train.images.identity, "device": str(self.vlm.device), "noise-source": n.noise_source,
-                   "classes": ",".join(str(c) for c in sorted(set(n.train.labels.tolist())))}
-        return HelloReport(n.name, n.partition_id, len(n.train), len(n.test), 0, n.dataset.n_labels, self.backbone,
-                           details)
+        details = {
+            "dataset": n.train.images.identity,
+            "device": str(self.vlm.device),
+            "noise-source": n.noise_source,
+            "classes": ",".join(str(c) for c in sorted(set(n.train.labels.tolist()))),
+        }
+        return HelloReport(
+            n.name, n.partition_id, len(n.train), len(n.test), 0, n.dataset.n_labels, self.backbone, details
+        )
 
     # --- adapter assembly ------------------------------------------------------------------------
     def starting_adapter(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,7 +95,9 @@ class LoRAClient(Learner):
         out.update(received)
         return out
 
-    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> tuple[dict[str, torch.Tensor], dict]:
+    def train(
+        self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction
+    ) -> tuple[dict[str, torch.Tensor], dict]:
         if not len(self.node.train):
             raise RuntimeError(f"{self.node.name} holds no training samples")
         self.check_request(arrays, instruction)
@@ -93,16 +105,20 @@ class LoRAClient(Learner):
         shape, sigma = client_plan(c, len(split), instruction)
         load_adapter_state(self.vlm.model, self.starting_adapter(arrays))
         self._params = trainable(self.vlm.model)
-        self._opt = torch.optim.AdamW(list(self._params.values()), lr=c["lora.lr"], weight_decay=c["lora.weight-decay"])
-        rng = sampling_rng(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.BATCHES, self.round))
-        noise = noise_generator(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
+        self._opt = torch.optim.AdamW(list(self._params.values()), lr=c.lora.lr, weight_decay=c.lora.weight_decay)
+        rng = sampling_rng(self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.BATCHES, self.round))
+        noise = noise_generator(
+            self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.LOCAL_NOISE, self.round)
+        )
         t0 = time.time()
         self.vlm.model.train()
         with torch.random.fork_rng():
             # LoRA dropout draws from torch's global generator: seed it per node and round, so a
             # run repeats whatever ran before in the same process
-            torch.manual_seed(generator_for(node_key(c["seed"], self.node.seed, NodeStream.LORA_DROPOUT, self.round)).initial_seed())
-            stats = local_round(self, shape, PrivacySettings.from_config(c), sigma, rng, noise)
+            torch.manual_seed(
+                generator_for(node_key(c.seed, self.node.seed, NodeStream.LORA_DROPOUT, self.round)).initial_seed()
+            )
+            stats = local_round(self, shape, c.privacy, sigma, rng, noise)
         self.vlm.model.eval()
         trained = {k: v.detach().cpu().clone() for k, v in self._params.items()}
         requested = list(instruction.reply_keys)
@@ -129,8 +145,9 @@ class LoRAClient(Learner):
         if not len(batch):
             return StepOutput(torch.zeros(0, device=self.vlm.device))
         split = self.node.train
-        inputs = self.vlm.training_batch([split.images.image(i) for i in batch], [split.prompts[i] for i in batch],
-                                         [split.targets[i] for i in batch])
+        inputs = self.vlm.training_batch(
+            [split.images.image(i) for i in batch], [split.prompts[i] for i in batch], [split.targets[i] for i in batch]
+        )
         per_sample, token_mean = self.vlm.losses(inputs)
         return StepOutput(per_sample, objective=token_mean)
 
@@ -163,22 +180,22 @@ class LoRAClient(Learner):
 
     def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> dict:
         c, split = self.cfg, self.node.test
-        if c["vlm.eval-samples"] and len(split) > c["vlm.eval-samples"]:
-            split = split.subset(np.arange(c["vlm.eval-samples"]), f"first{c['vlm.eval-samples']}")
+        if c.vlm.eval_samples and len(split) > c.vlm.eval_samples:
+            split = split.subset(np.arange(c.vlm.eval_samples), f"first{c.vlm.eval_samples}")
         metrics: dict = {"num-examples": len(split)}
         models = {"client": self.personal_adapter(arrays), "server": self.server_adapter(arrays)}
         for tag, adapter in models.items():
             if adapter is None:
                 continue
             load_adapter_state(self.vlm.model, adapter)
-            scores = score_split(self.vlm, split, self.node.dataset.task, c["vlm.max-new-tokens"], c["vlm.eval-batch-size"])
+            scores = score_split(self.vlm, split, self.node.dataset.task, c.vlm.max_new_tokens, c.vlm.eval_batch_size)
             metrics.update({f"{tag}-{k}": v for k, v in scores.items()})
         ood = self.ood_shard()
         if ood is not None and models["server"] is not None:
             # out-of-domain (NoCaps-style) scores of the server's model; every client scores one
             # shard, so the test-size-weighted mean covers the whole OOD set
             load_adapter_state(self.vlm.model, models["server"])
-            scores = score_split(self.vlm, ood, self.node.dataset.task, c["vlm.max-new-tokens"], c["vlm.eval-batch-size"])
+            scores = score_split(self.vlm, ood, self.node.dataset.task, c.vlm.max_new_tokens, c.vlm.eval_batch_size)
             metrics.update({f"server-ood-{k}": v for k, v in scores.items()})
             metrics["ood-examples"] = len(ood)
         return metrics
@@ -189,7 +206,7 @@ class LoRAClient(Learner):
         if ood is None or self.node.partition_id < 0:
             return None
         idx = np.arange(self.node.partition_id, len(ood), n)
-        cap = self.cfg["vlm.eval-samples"]
+        cap = self.cfg.vlm.eval_samples
         if cap and len(idx) > cap:
             idx = idx[:cap]
         return ood.subset(idx, f"ood{self.node.partition_id}of{n}") if len(idx) else None
@@ -210,13 +227,17 @@ class FedRandClient(LoRAClient):
         halves = {h: adapter_parts.lora_half(self.shareable, h) for h in adapter_parts.HALVES}
         half = next((h for h, names in halves.items() if requested == names), None)
         if half is None:
-            raise RuntimeError(f"fedrand: the server asked for {len(requested)} tensors back, not one whole LoRA half "
-                               "(all A or all B); the other half must stay on this node")
+            raise RuntimeError(
+                f"fedrand: the server asked for {len(requested)} tensors back, not one whole LoRA half "
+                "(all A or all B); the other half must stay on this node"
+            )
         first = not self.own
         allowed = sorted(self.shareable) if first else halves[half]
         if sorted(arrays) != allowed:
-            raise RuntimeError(f"fedrand: the server sent {len(arrays)} tensors with a request for half {half}; it "
-                               f"must send exactly that half{' or, at a first participation, both' if first else ''}")
+            raise RuntimeError(
+                f"fedrand: the server sent {len(arrays)} tensors with a request for half {half}; it "
+                f"must send exactly that half{' or, at a first participation, both' if first else ''}"
+            )
 
 
 class FedParaClient(LoRAClient):

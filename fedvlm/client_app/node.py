@@ -45,11 +45,15 @@ _PARTS: dict[tuple, list[Partition]] = {}
 
 
 def _dataset(cfg: RunConfig) -> DatasetSplits:
-    key = (cfg["dataset"], cfg["data-root"], cfg["download"], cfg["test-fraction"], cfg["max-per-class"], cfg["seed"])
+    key = (cfg.dataset, cfg.data_root, cfg.download, cfg.test_fraction, cfg.max_per_class, cfg.seed)
     if key not in _SPLITS:
         _SPLITS[key] = load_dataset(
-            cfg["dataset"], data_root=cfg["data-root"], download=cfg["download"],
-            test_fraction=cfg["test-fraction"], max_per_class=cfg["max-per-class"], seed=cfg["seed"],
+            cfg.dataset,
+            data_root=cfg.data_root,
+            download=cfg.download,
+            test_fraction=cfg.test_fraction,
+            max_per_class=cfg.max_per_class,
+            seed=cfg.seed,
         )
     return _SPLITS[key]
 
@@ -58,14 +62,18 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
     """This node's data, from its node config (see the module docstring)."""
     if node_config.get("data-dir"):
         data_dir = Path(str(node_config["data-dir"])).expanduser()
-        key = ("own", str(data_dir), cfg["test-fraction"], cfg["max-per-class"], cfg["seed"])
+        key = ("own", str(data_dir), cfg.test_fraction, cfg.max_per_class, cfg.seed)
         if key not in _SPLITS:
-            splits = load_image_folder(data_dir, cfg["test-fraction"])
-            splits.train = limit_per_class(splits.train, cfg["max-per-class"], cfg["seed"], lambda i: f"{i}/max{cfg['max-per-class']}")
+            splits = load_image_folder(data_dir, cfg.test_fraction)
+            splits.train = limit_per_class(
+                splits.train, cfg.max_per_class, cfg.seed, lambda i: f"{i}/max{cfg.max_per_class}"
+            )
             _SPLITS[key] = splits
         splits = _SPLITS[key]
         part = Partition(
-            train=np.arange(len(splits.train)), test=np.arange(len(splits.test)), neighbor=None,
+            train=np.arange(len(splits.train)),
+            test=np.arange(len(splits.test)),
+            neighbor=None,
             classes=tuple(int(c) for c in np.unique(splits.train.labels)),
         )
         name = str(node_config.get("name") or data_dir.name)
@@ -75,25 +83,42 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
         raise ConfigError(
             "this SuperNode has neither 'data-dir' nor 'partition-id'/'num-partitions' in its node "
             "config: start it with --node-config \"data-dir='/path/to/images'\" (its own image folder) "
-            "or \"partition-id=0 num-partitions=N\" (a partition of the run's dataset)"
+            'or "partition-id=0 num-partitions=N" (a partition of the run\'s dataset)'
         )
     pid, n = int(node_config["partition-id"]), int(node_config["num-partitions"])
     if not 0 <= pid < n:
         raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
     splits = _dataset(cfg)
-    key = (cfg["dataset"], cfg["data-root"], cfg["test-fraction"], cfg["max-per-class"], cfg["partitioner"],
-           n, cfg["seed"], cfg["dirichlet-alpha"], cfg["quantity-ratios"])
+    key = (
+        cfg.dataset,
+        cfg.data_root,
+        cfg.test_fraction,
+        cfg.max_per_class,
+        cfg.partitioner,
+        n,
+        cfg.seed,
+        cfg.dirichlet_alpha,
+        cfg.quantity_ratios,
+    )
     if key not in _PARTS:
         _PARTS[key] = make_partitions(
-            cfg["partitioner"], splits.train.labels, splits.test.labels, splits.n_classes, n, cfg["seed"],
-            alpha=cfg["dirichlet-alpha"], ratios=cfg["quantity-ratios"],
+            cfg.partitioner,
+            splits.train.labels,
+            splits.test.labels,
+            splits.n_classes,
+            n,
+            cfg.seed,
+            alpha=cfg.dirichlet_alpha,
+            ratios=cfg.quantity_ratios,
         )
     name = str(node_config.get("name") or f"client-{pid}")
-    return NodeData(name, pid, splits, _PARTS[key][pid], dict(node_config), _noise_source(cfg, node_config, own_data=False))
+    return NodeData(
+        name, pid, splits, _PARTS[key][pid], dict(node_config), _noise_source(cfg, node_config, own_data=False)
+    )
 
 
 def _noise_source(cfg: RunConfig, node_config: dict, own_data: bool) -> str:
     try:
-        return node_noise_source(node_config, own_data, cfg["privacy.noise-source"])
+        return node_noise_source(node_config, own_data, cfg.privacy.noise_source)
     except ValueError as e:
         raise ConfigError(str(e)) from e

@@ -21,12 +21,18 @@ import torch.nn.functional as F
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.scoring import PromptScorer, TemplateScorer
-from fedvlm.client_app.state import load_meta, load_private, optimizer_tensors, restore_optimizer, save_meta, save_private
-from fedvlm.models.feature_cache import encode_images
-from fedvlm.models.clip_loader import load_clip
-from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
-from fedvlm.privacy.ledger import PrivacySettings
+from fedvlm.client_app.state import (
+    load_meta,
+    load_private,
+    optimizer_tensors,
+    restore_optimizer,
+    save_meta,
+    save_private,
+)
 from fedvlm.client_app.trainer import Learner, RoundStats, StepOutput, local_round
+from fedvlm.models.clip_loader import load_clip
+from fedvlm.models.feature_cache import encode_images
+from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
 from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
@@ -49,12 +55,12 @@ class PromptClient(Learner):
         self.node = node
         self.state = state
         self.round = server_round
-        self.bundle = load_clip(cfg["clip.model"], cfg["clip.pretrained"], cfg.cache_dir, cfg["device"])
+        self.bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
         self.scale = self.bundle.logit_scale
         self.classnames = node.splits.classnames
         self.private = load_private(state)
         self.meta = load_meta(state)
-        self.privacy = PrivacySettings.from_config(cfg)
+        self.privacy = cfg.privacy
         self.scorer = self.scorer_class(self.bundle, self.classnames, cfg)
 
     # --- handshake ---------------------------------------------------------------------------
@@ -75,8 +81,16 @@ class PromptClient(Learner):
             "device": str(self.bundle.device),
             "noise-source": node.noise_source,
         }
-        return HelloReport(node.name, node.partition_id, n_train, n_test, n_neighbor, node.splits.n_classes,
-                           self.bundle.fingerprint, details)
+        return HelloReport(
+            node.name,
+            node.partition_id,
+            n_train,
+            n_test,
+            n_neighbor,
+            node.splits.n_classes,
+            self.bundle.fingerprint,
+            details,
+        )
 
     # --- data ------------------------------------------------------------------------------
     def features(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,25 +112,31 @@ class PromptClient(Learner):
 
     def _augmented_batch(self, batch_idx: np.ndarray) -> torch.Tensor:
         split = self.node.splits.train
-        return encode_images(self.bundle, split, self.node.part.train[batch_idx], len(batch_idx), transform=self.bundle.augment).to(self.bundle.device)
+        return encode_images(
+            self.bundle, split, self.node.part.train[batch_idx], len(batch_idx), transform=self.bundle.augment
+        ).to(self.bundle.device)
 
     def encoder(self, ctx: torch.Tensor) -> PromptEncoder:
         return self.scorer.encoder(ctx)
 
     def rng(self) -> np.random.Generator:
         """This round's batch sampling (secret with the node's OS noise source)."""
-        return sampling_rng(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.BATCHES, self.round))
+        return sampling_rng(
+            self.node.noise_source, node_key(self.cfg.seed, self.node.seed, NodeStream.BATCHES, self.round)
+        )
 
     def noise(self):
         """This round's local-DP noise generator."""
-        return noise_generator(self.node.noise_source, node_key(self.cfg["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
+        return noise_generator(
+            self.node.noise_source, node_key(self.cfg.seed, self.node.seed, NodeStream.LOCAL_NOISE, self.round)
+        )
 
     # --- training ------------------------------------------------------------------------------
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.cfg
-        if c["prompt.optimizer"] == "adam":
-            return torch.optim.Adam(params, lr=c["prompt.lr"], weight_decay=c["prompt.weight-decay"])
-        return torch.optim.SGD(params, lr=c["prompt.lr"], momentum=c["prompt.momentum"], weight_decay=c["prompt.weight-decay"])
+        if c.prompt.optimizer == "adam":
+            return torch.optim.Adam(params, lr=c.prompt.lr, weight_decay=c.prompt.weight_decay)
+        return torch.optim.SGD(params, lr=c.prompt.lr, momentum=c.prompt.momentum, weight_decay=c.prompt.weight_decay)
 
     def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         feats, labels = self.features("train")
@@ -125,8 +145,9 @@ class PromptClient(Learner):
         self._feats, self._labels = feats, labels
         return feats, labels
 
-    def train_context(self, ctx0: torch.Tensor, instruction: TrainInstruction, anchor: torch.Tensor | None = None,
-                      mu: float = 0.0) -> tuple[torch.Tensor, RoundStats]:
+    def train_context(
+        self, ctx0: torch.Tensor, instruction: TrainInstruction, anchor: torch.Tensor | None = None, mu: float = 0.0
+    ) -> tuple[torch.Tensor, RoundStats]:
         """The plan's local steps on the context: CE over all classes (+ FedProx term when mu > 0),
         with clipping and local-DP noise when privacy is on. The optimiser state (momentum / Adam
         moments) persists in the node's private state."""
@@ -142,7 +163,7 @@ class PromptClient(Learner):
         return self._ctx.detach().cpu(), stats
 
     def batch_features(self, batch: np.ndarray) -> torch.Tensor:
-        return self._augmented_batch(batch) if self.cfg["prompt.augment"] else self._feats[batch]
+        return self._augmented_batch(batch) if self.cfg.prompt.augment else self._feats[batch]
 
     # --- Learner hooks (client_app.trainer) ----------------------------------------------------
     def begin_step(self) -> dict[str, torch.Tensor]:
@@ -152,8 +173,9 @@ class PromptClient(Learner):
         text = self._encoder(self._ctx)  # [C, d]
         logits = clip_logits(self.batch_features(batch), text, self.scale)  # [b, C]
         y = self._labels[batch]
-        return StepOutput(F.cross_entropy(logits, y, reduction="none"), [text],
-                          correct=int((logits.argmax(1) == y).sum()))
+        return StepOutput(
+            F.cross_entropy(logits, y, reduction="none"), [text], correct=int((logits.argmax(1) == y).sum())
+        )
 
     def extra_gradients(self) -> dict[str, torch.Tensor]:
         if self._mu > 0 and self._anchor is not None:  # FedProx's proximal term
@@ -205,7 +227,7 @@ class PromptFLClient(PromptClient):
 
     def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction):
         global_ctx = arrays["ctx"]
-        ctx, stats = self.train_context(global_ctx, instruction, anchor=global_ctx, mu=self.cfg["prompt.fedprox-mu"])
+        ctx, stats = self.train_context(global_ctx, instruction, anchor=global_ctx, mu=self.cfg.prompt.fedprox_mu)
         self.persist()
         return {"ctx": ctx}, self.train_metrics(stats)
 

@@ -32,13 +32,16 @@ def publish(client, prompts: dict, instruction: EvaluateInstruction) -> Path | N
     if where is None:
         return None
     path = where / f"{client.node.name}.pt"
-    atomic_torch_save({
-        "method": client.cfg["method"],
-        "node": client.node.name,
-        "partition_id": client.node.partition_id,
-        "round": client.round,
-        "prompts": {k: v.detach().cpu() for k, v in prompts.items()},
-        "classnames": list(client.classnames),
-        "backbone": client.bundle.fingerprint,
-    }, path)
+    atomic_torch_save(
+        {
+            "method": client.cfg.method,
+            "node": client.node.name,
+            "partition_id": client.node.partition_id,
+            "round": client.round,
+            "prompts": {k: v.detach().cpu() for k, v in prompts.items()},
+            "classnames": list(client.classnames),
+            "backbone": client.bundle.fingerprint,
+        },
+        path,
+    )
     return path

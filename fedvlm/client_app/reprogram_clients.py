@@ -29,7 +29,6 @@ from fedvlm.client_app.trainer import Learner, StepOutput, local_round
 from fedvlm.models.clip_loader import resolve_device
 from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
 from fedvlm.privacy.dpsgd import NodeAccountant
-from fedvlm.privacy.ledger import PrivacySettings
 from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
@@ -45,13 +44,13 @@ class ReprogramClient(Learner):
 
     def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int):
         self.cfg, self.node, self.state, self.round = cfg, node, state, server_round
-        self.device = resolve_device(cfg["device"])
+        self.device = resolve_device(cfg.device)
         self.source = source_model(cfg)
-        self.kind = cfg.method.model_kind
+        self.kind = cfg.spec.model_kind
         self.model = initial_model(cfg, node.splits.n_classes).to(self.device)
         self.module = self.net = self.model
-        self.size = input_size(self.kind, self.source, cfg["reprogram.image-size"])
-        self.settings = PrivacySettings.from_config(cfg)
+        self.size = input_size(self.kind, self.source, cfg.reprogram.image_size)
+        self.settings = cfg.privacy
         self.meta = load_meta(state)
         self.private: dict[str, torch.Tensor] = {}  # nothing tensor-valued is private here
 
@@ -63,11 +62,23 @@ class ReprogramClient(Learner):
     # --- handshake -----------------------------------------------------------------------------
     def hello(self) -> HelloReport:
         n = self.node
-        details = {"source-weights": self.source.weights, "dataset": n.splits.train.identity,
-                   "device": str(self.device), "noise-source": n.noise_source,
-                   "classes": ",".join(str(c) for c in n.part.classes)}
-        return HelloReport(n.name, n.partition_id, len(n.part.train), len(n.part.test), 0, n.splits.n_classes,
-                           self.source.fingerprint, details)
+        details = {
+            "source-weights": self.source.weights,
+            "dataset": n.splits.train.identity,
+            "device": str(self.device),
+            "noise-source": n.noise_source,
+            "classes": ",".join(str(c) for c in n.part.classes),
+        }
+        return HelloReport(
+            n.name,
+            n.partition_id,
+            len(n.part.train),
+            len(n.part.test),
+            0,
+            n.splits.n_classes,
+            self.source.fingerprint,
+            details,
+        )
 
     # --- data ----------------------------------------------------------------------------------
     def _images(self, split: str, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,10 +88,13 @@ class ReprogramClient(Learner):
         picked = rows[idx]
         labels = torch.from_numpy(source.labels[picked]).to(self.device)
         key = (source.identity, self.size)
-        if key not in _IMAGES and len(source) * 3 * self.size ** 2 <= CACHE_LIMIT_BYTES:
+        if key not in _IMAGES and len(source) * 3 * self.size**2 <= CACHE_LIMIT_BYTES:
             _IMAGES[key] = torch.stack([self._load(source, i) for i in range(len(source))])
-        pixels = _IMAGES[key][torch.from_numpy(picked)] if key in _IMAGES else \
-            torch.stack([self._load(source, int(i)) for i in picked])
+        pixels = (
+            _IMAGES[key][torch.from_numpy(picked)]
+            if key in _IMAGES
+            else torch.stack([self._load(source, int(i)) for i in picked])
+        )
         return pixels.to(self.device).float().div_(255.0), labels
 
     def _load(self, source, i: int) -> torch.Tensor:
@@ -103,17 +117,21 @@ class ReprogramClient(Learner):
         if n == 0:
             raise RuntimeError(f"{self.node.name} holds no training images")
         shape, sigma = client_plan(c, n, instruction)
-        rng = sampling_rng(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.BATCHES, self.round))
-        noise = noise_generator(self.node.noise_source, node_key(c["seed"], self.node.seed, NodeStream.LOCAL_NOISE, self.round))
+        rng = sampling_rng(self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.BATCHES, self.round))
+        noise = noise_generator(
+            self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.LOCAL_NOISE, self.round)
+        )
         self._params = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
-        self._opt = torch.optim.SGD(list(self._params.values()), lr=c["reprogram.lr"])
+        self._opt = torch.optim.SGD(list(self._params.values()), lr=c.reprogram.lr)
         self.model.train()
         stats = local_round(self, shape, self.settings, sigma, rng, noise)
         metrics = {**stats.metrics(n), "local-steps": shape.steps, "train-seconds": time.time() - t0}
         if self.settings.enabled:
             # the node's own account, by Opacus' accountants: z = sigma / (C / B)
             accountant = NodeAccountant(self.meta.get("dp-history"))
-            accountant.step(sigma * shape.expected_batch / c["privacy.clip"], shape.sampling_rate(self.settings), shape.steps)
+            accountant.step(
+                sigma * shape.expected_batch / c.privacy.clip, shape.sampling_rate(self.settings), shape.steps
+            )
             self.meta["dp-history"] = accountant.save()
             save_meta(self.state, self.meta)
             eps = accountant.epsilon(self.settings.delta)

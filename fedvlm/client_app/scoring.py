@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.models.feature_cache import image_features
 from fedvlm.models.clip_loader import ClipBundle
+from fedvlm.models.feature_cache import image_features
 from fedvlm.models.optimal_transport import unbalanced_sinkhorn
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits
 
@@ -46,7 +46,7 @@ class PromptScorer:
 
     def image_features(self, split, indices: np.ndarray, cache_dir) -> torch.Tensor:
         """What ``logits`` takes for these images (cached): pooled features [n, D]."""
-        return image_features(self.bundle, split, indices, cache_dir, self.cfg["clip.image-batch-size"])
+        return image_features(self.bundle, split, indices, cache_dir, self.cfg.clip.image_batch_size)
 
     def logits(self, prompts: dict[str, torch.Tensor], feats: torch.Tensor) -> torch.Tensor:
         return clip_logits(feats, self.text(prompts["ctx"]), self.scale)
@@ -57,7 +57,7 @@ class TemplateScorer(PromptScorer):
 
     @torch.no_grad()
     def logits(self, prompts, feats):
-        template = self.cfg["zeroshot.template"]
+        template = self.cfg.zeroshot.template
         tokens = self.bundle.tokenizer([template.format(c) for c in self.classnames]).to(self.bundle.device)
         text = F.normalize(self.bundle.model.encode_text(tokens).float(), dim=-1)
         return clip_logits(feats, text, self.scale)
@@ -69,8 +69,9 @@ class OTScorer(PromptScorer):
     the plan-weighted similarity."""
 
     def image_features(self, split, indices, cache_dir):
-        return image_features(self.bundle, split, indices, cache_dir, self.cfg["clip.image-batch-size"],
-                              kind="patch-tokens")
+        return image_features(
+            self.bundle, split, indices, cache_dir, self.cfg.clip.image_batch_size, kind="patch-tokens"
+        )
 
     def logits(self, prompts, feats):
         text = torch.stack([self.text(prompts["global"]), self.text(prompts["local"])])  # [2, C, D]
@@ -79,7 +80,7 @@ class OTScorer(PromptScorer):
     def ot_logits(self, patches: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """patches [B, P, D], text [N=2, C, D] (both normalised) -> logits [B, C]."""
         sim = torch.einsum("bpd,ncd->bcpn", patches, text)  # [B, C, P, N]
-        plan = unbalanced_sinkhorn(1.0 - sim.detach(), self.cfg["fedotp.eps"], self.cfg["fedotp.tau"], self.cfg["fedotp.iters"])
+        plan = unbalanced_sinkhorn(1.0 - sim.detach(), self.cfg.fedotp.eps, self.cfg.fedotp.tau, self.cfg.fedotp.iters)
         # balanced plans have mass 1 (the score is a plan-weighted mean cosine, like CLIP's);
         # the KL-relaxed plan moves more mass between well-matched pairs, less between poor ones
         return self.scale * (plan * sim).sum(dim=(-1, -2))

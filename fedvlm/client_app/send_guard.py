@@ -66,7 +66,9 @@ def guarded_reply(
     check_outgoing(arrays, allowed, private, requested)
     content = RecordDict()
     content["arrays"] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
-    content["metrics"] = MetricRecord({k: (float(v) if isinstance(v, (float, np.floating)) else int(v)) for k, v in metrics.items()})
+    content["metrics"] = MetricRecord(
+        {k: (float(v) if isinstance(v, (float, np.floating)) else int(v)) for k, v in metrics.items()}
+    )
     if info:
         content["info"] = ConfigRecord(dict(info))
     return Message(content, reply_to=msg)

@@ -44,7 +44,7 @@ def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tenso
     for name, v in tensors.items():
         if not name.startswith(prefix):
             continue
-        pid, key = name[len(prefix):].split(".", 1)
+        pid, key = name[len(prefix) :].split(".", 1)
         state.setdefault(int(pid), {})[key] = v
     if state:
         sd["state"] = state

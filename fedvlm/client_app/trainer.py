@@ -33,12 +33,14 @@ import torch
 from torch import nn
 
 from fedvlm.privacy.dpsgd import DPStep, ModuleGradients, functional_per_sample, privatize, privatize_batch
-from fedvlm.privacy.ledger import PrivacySettings
 from fedvlm.privacy.mechanisms import OsNoise
 from fedvlm.privacy.planner import ClientShape
+from fedvlm.runconfig.schema import PrivacyConfig
 
 
-def batches(n: int, batch_size: int, steps: int, settings: PrivacySettings, rng: np.random.Generator) -> Iterator[np.ndarray]:
+def batches(
+    n: int, batch_size: int, steps: int, settings: PrivacyConfig, rng: np.random.Generator
+) -> Iterator[np.ndarray]:
     """Indices of the batch of each local step (see the module docstring)."""
     bsz = min(batch_size, n)
     if settings.enabled and settings.sampling == "poisson":
@@ -121,9 +123,13 @@ class RoundStats:
         return self.correct / self.seen if self.seen else float("nan")
 
     def metrics(self, num_examples: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"num-examples": num_examples, "train-loss": self.loss, "steps": self.steps,
-                               "train-loss-first": self.losses[0] if self.losses else float("nan"),
-                               "train-loss-last": self.losses[-1] if self.losses else float("nan")}
+        out: dict[str, Any] = {
+            "num-examples": num_examples,
+            "train-loss": self.loss,
+            "steps": self.steps,
+            "train-loss-first": self.losses[0] if self.losses else float("nan"),
+            "train-loss-last": self.losses[-1] if self.losses else float("nan"),
+        }
         if self.classified:
             out["train-acc"] = self.accuracy
         if self.clipped:
@@ -131,8 +137,14 @@ class RoundStats:
         return out
 
 
-def local_round(learner: Learner, shape: ClientShape, privacy: PrivacySettings, sigma: float,
-                sampling: np.random.Generator, noise: torch.Generator | OsNoise) -> RoundStats:
+def local_round(
+    learner: Learner,
+    shape: ClientShape,
+    privacy: PrivacyConfig,
+    sigma: float,
+    sampling: np.random.Generator,
+    noise: torch.Generator | OsNoise,
+) -> RoundStats:
     """Run the plan's local steps (see the module docstring). ``sigma``: the std of this node's
     local-DP noise, already checked against its own plan (0 without privacy)."""
     stats = RoundStats(steps=shape.steps)
@@ -150,19 +162,29 @@ def local_round(learner: Learner, shape: ClientShape, privacy: PrivacySettings, 
             if not privacy.enabled:
                 grads = _gradients(objective, leaves)
             else:
-                step = DPStep(privacy.clip, shape.expected_batch, sigma, learner.clip_groups(list(leaves)),
-                              learner.noised(list(leaves)))
+                step = DPStep(
+                    privacy.clip,
+                    shape.expected_batch,
+                    sigma,
+                    learner.clip_groups(list(leaves)),
+                    learner.noised(list(leaves)),
+                )
                 if per_sample:
                     if len(batch) == 0:
                         samples = {k: torch.zeros((0, *v.shape), device=v.device) for k, v in leaves.items()}
                     elif module_grads is not None:
-                        samples = module_grads.per_sample(leaves, lambda idx: learner.forward(idx).losses, batch, out.losses)
+                        samples = module_grads.per_sample(
+                            leaves, lambda idx: learner.forward(idx).losses, batch, out.losses
+                        )
                     else:
                         samples = functional_per_sample(out.losses, leaves, out.via)
                     grads, frac = privatize(samples, step, noise, {k: v.shape for k, v in leaves.items()})
                 else:
-                    batch_grads = (_gradients(objective, leaves) if len(batch)
-                                   else {k: torch.zeros_like(v) for k, v in leaves.items()})
+                    batch_grads = (
+                        _gradients(objective, leaves)
+                        if len(batch)
+                        else {k: torch.zeros_like(v) for k, v in leaves.items()}
+                    )
                     grads, frac = privatize_batch(batch_grads, step, noise)
                 stats.clipped.append(frac)
             for k, g in learner.extra_gradients().items():
@@ -186,4 +208,4 @@ def _gradients(objective: torch.Tensor, leaves: dict[str, torch.Tensor]) -> dict
     """The ordinary gradient (the graph is kept: a method's extra term may go through it)."""
     names = list(leaves)
     g = torch.autograd.grad(objective, [leaves[k] for k in names], allow_unused=True, retain_graph=True)
-    return {k: (gi if gi is not None else torch.zeros_like(leaves[k])).detach() for k, gi in zip(names, g)}
+    return {k: (gi if gi is not None else torch.zeros_like(leaves[k])).detach() for k, gi in zip(names, g, strict=True)}

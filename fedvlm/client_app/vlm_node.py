@@ -37,11 +37,12 @@ _NODES: dict[tuple, tuple[VLMSplit, VLMSplit]] = {}
 
 
 def vlm_dataset(cfg: RunConfig, shadow: bool = False) -> VLMDataset:
-    name = cfg["dataset"] + ("-shadow" if shadow else "")
-    key = (name, cfg["data-root"], cfg["vlm.ood-captions"], cfg["vlm.max-train"], cfg["vlm.max-test"], cfg["vlm.hf-dataset"])
+    name = cfg.dataset + ("-shadow" if shadow else "")
+    key = (name, cfg.data_root, cfg.vlm.ood_captions, cfg.vlm.max_train, cfg.vlm.max_test, cfg.vlm.hf_dataset)
     if key not in _DATASETS:
-        _DATASETS[key] = load_vlm_dataset(name, cfg["data-root"], cfg["vlm.ood-captions"], cfg["vlm.max-train"],
-                                          cfg["vlm.max-test"], cfg["vlm.hf-dataset"])
+        _DATASETS[key] = load_vlm_dataset(
+            name, cfg.data_root, cfg.vlm.ood_captions, cfg.vlm.max_train, cfg.vlm.max_test, cfg.vlm.hf_dataset
+        )
     return _DATASETS[key]
 
 
@@ -50,24 +51,35 @@ def vlm_node_data(cfg: RunConfig, node_config: dict, shadow: bool = False) -> VL
         raise ConfigError(
             "node config 'data-dir' (an organisation's own image folder) is supported by the prompt-learning "
             "methods; a VLM node takes a partition of the run's dataset: start it with "
-            "--node-config \"partition-id=0 num-partitions=N\" and point data-root at its copy of the data")
+            '--node-config "partition-id=0 num-partitions=N" and point data-root at its copy of the data'
+        )
     if "partition-id" not in node_config or "num-partitions" not in node_config:
-        raise ConfigError("this SuperNode's node config lacks 'partition-id'/'num-partitions': start it with "
-                          "--node-config \"partition-id=0 num-partitions=N\"")
+        raise ConfigError(
+            "this SuperNode's node config lacks 'partition-id'/'num-partitions': start it with "
+            '--node-config "partition-id=0 num-partitions=N"'
+        )
     pid, n = int(node_config["partition-id"]), int(node_config["num-partitions"])
     if not 0 <= pid < n:
         raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
     ds = vlm_dataset(cfg, shadow)
-    key = (id(ds), cfg["partitioner"], n, pid, cfg["seed"], cfg["dirichlet-alpha"], cfg["quantity-ratios"])
+    key = (id(ds), cfg.partitioner, n, pid, cfg.seed, cfg.dirichlet_alpha, cfg.quantity_ratios)
     if key not in _NODES:
-        parts = make_partitions(cfg["partitioner"], ds.train.labels, ds.test.labels, ds.n_labels, n, cfg["seed"],
-                                alpha=cfg["dirichlet-alpha"], ratios=cfg["quantity-ratios"])
+        parts = make_partitions(
+            cfg.partitioner,
+            ds.train.labels,
+            ds.test.labels,
+            ds.n_labels,
+            n,
+            cfg.seed,
+            alpha=cfg.dirichlet_alpha,
+            ratios=cfg.quantity_ratios,
+        )
         part = parts[pid]
         _NODES[key] = (ds.train.subset(part.train, f"p{pid}of{n}"), ds.test.subset(part.test, f"p{pid}of{n}"))
     train, test = _NODES[key]
     name = str(node_config.get("name") or f"client-{pid}")
     try:
-        source = node_noise_source(node_config, own_data=False, run_choice=cfg["privacy.noise-source"])
+        source = node_noise_source(node_config, own_data=False, run_choice=cfg.privacy.noise_source)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return VLMNodeData(name, pid, ds, train, test, dict(node_config), source)

@@ -151,14 +151,13 @@ def domain_version() -> str:
     caches keyed by it are invalidated whenever the domain changes."""
     import hashlib
 
-    blob = repr((sorted(STYLES.items()), CLASSNAMES, sorted(COLORS.items()), IMAGE_SIZE,
-                 _TEMPLATES, _PREFIXES, _SUFFIXES)).encode()
+    blob = repr(
+        (sorted(STYLES.items()), CLASSNAMES, sorted(COLORS.items()), IMAGE_SIZE, _TEMPLATES, _PREFIXES, _SUFFIXES)
+    ).encode()
     return hashlib.sha256(blob).hexdigest()[:10]
 
 
-def generate(
-    n_per_class: int, seed: int, style: str = "task"
-) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+def generate(n_per_class: int, seed: int, style: str = "task") -> tuple[np.ndarray, np.ndarray, list[dict]]:
     """Generate ``n_per_class`` images per class: (uint8 [N,32,32,3], int64 labels, attrs)."""
     rng = np.random.default_rng(seed)
     labels = np.repeat(np.arange(len(CLASSNAMES)), n_per_class)
@@ -186,10 +185,22 @@ _TEMPLATES = (
 )
 # Prefixes and suffixes vary the caption length, so that every text position a prompt with
 # 16 context tokens uses (up to about 24) is trained, as web captions train a real CLIP's.
-_PREFIXES = ("", "", "this image shows", "in this picture we can see", "here is", "look at this",
-             "a simple synthetic scene with nothing in it but")
-_SUFFIXES = ("", "", "on a background", "in the frame of a small square image",
-             "drawn with a single flat colour and no outline at all")
+_PREFIXES = (
+    "",
+    "",
+    "this image shows",
+    "in this picture we can see",
+    "here is",
+    "look at this",
+    "a simple synthetic scene with nothing in it but",
+)
+_SUFFIXES = (
+    "",
+    "",
+    "on a background",
+    "in the frame of a small square image",
+    "drawn with a single flat colour and no outline at all",
+)
 
 
 def caption(attrs: dict, rng: np.random.Generator) -> str:

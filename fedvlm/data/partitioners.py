@@ -86,8 +86,13 @@ def dirichlet(train_labels, test_labels, n_classes, num_partitions, seed, alpha)
 
     min_size = max(1, min(10, len(train_labels) // (4 * num_partitions)))
     part = DirichletPartitioner(
-        num_partitions=num_partitions, partition_by="label", alpha=alpha,
-        min_partition_size=min_size, self_balancing=False, shuffle=True, seed=seed,
+        num_partitions=num_partitions,
+        partition_by="label",
+        alpha=alpha,
+        min_partition_size=min_size,
+        self_balancing=False,
+        shuffle=True,
+        seed=seed,
     )
     part.dataset = _as_dataset(train_labels, np.arange(len(train_labels)))
     try:
@@ -103,16 +108,20 @@ def dirichlet(train_labels, test_labels, n_classes, num_partitions, seed, alpha)
     test_parts: list[list[int]] = [[] for _ in range(num_partitions)]
     for c in range(n_classes):
         idx = rng.permutation(np.flatnonzero(test_labels == c))
-        share = counts[:, c] / counts[:, c].sum() if counts[:, c].sum() > 0 else np.full(num_partitions, 1 / num_partitions)
+        share = (
+            counts[:, c] / counts[:, c].sum() if counts[:, c].sum() > 0 else np.full(num_partitions, 1 / num_partitions)
+        )
         cuts = np.round(np.cumsum(share) * len(idx)).astype(int)[:-1]
         for pid, chunk in enumerate(np.split(idx, cuts)):
             test_parts[pid].extend(chunk.tolist())
     return [
         Partition(
-            train=tp, test=np.sort(np.array(te, dtype=np.int64)), neighbor=None,
+            train=tp,
+            test=np.sort(np.array(te, dtype=np.int64)),
+            neighbor=None,
             classes=tuple(int(c) for c in np.unique(train_labels[tp])),
         )
-        for tp, te in zip(train_parts, test_parts)
+        for tp, te in zip(train_parts, test_parts, strict=True)
     ]
 
 
@@ -122,7 +131,7 @@ def iid(train_labels, test_labels, num_partitions, seed) -> list[Partition]:
     test = _equal_shards(len(test_labels), num_partitions, rng)
     return [
         Partition(tr, te, None, tuple(int(c) for c in np.unique(train_labels[tr])))
-        for tr, te in zip(train, test)
+        for tr, te in zip(train, test, strict=True)
     ]
 
 
@@ -148,7 +157,7 @@ def quantity_skew(train_labels, test_labels, num_partitions, seed, ratios) -> li
     test = _equal_shards(len(test_labels), num_partitions, rng)
     return [
         Partition(tr, te, None, tuple(int(c) for c in np.unique(train_labels[tr])))
-        for tr, te in zip(train, test)
+        for tr, te in zip(train, test, strict=True)
     ]
 
 

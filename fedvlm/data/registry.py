@@ -16,8 +16,8 @@ Class names always come with the data: they are what the prompts say.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -83,7 +83,10 @@ def load_digits(test_fraction: float = 0.3, **_) -> DatasetSplits:
 
 # dataset -> (split file name, image directories relative to data-root to try)
 COOP_SPLITS = {
-    "caltech101": ("split_zhou_Caltech101.json", ["caltech101/101_ObjectCategories", "caltech-101/101_ObjectCategories", "101_ObjectCategories"]),
+    "caltech101": (
+        "split_zhou_Caltech101.json",
+        ["caltech101/101_ObjectCategories", "caltech-101/101_ObjectCategories", "101_ObjectCategories"],
+    ),
     "oxford-pets": ("split_zhou_OxfordPets.json", ["oxford-iiit-pet/images", "oxford_pets/images", "images"]),
     "flowers102": ("split_zhou_OxfordFlowers.json", ["flowers-102/jpg", "oxford_flowers/jpg", "jpg"]),
     "food101": ("split_zhou_Food101.json", ["food-101/images", "images"]),
@@ -115,7 +118,9 @@ def _load_coop_split(name: str, split_path: Path, image_dir: Path) -> DatasetSpl
         rows = spec[split]
         for _, label, cname in rows:
             names[int(label)] = cname
-        out[split] = FileSource([image_dir / p for p, _, _ in rows], np.array([int(r[1]) for r in rows]), f"{name}/coop-{split}")
+        out[split] = FileSource(
+            [image_dir / p for p, _, _ in rows], np.array([int(r[1]) for r in rows]), f"{name}/coop-{split}"
+        )
     classnames = [_clean(names[i]) for i in range(len(names))]
     return DatasetSplits(name, classnames, out["train"], out["test"])
 
@@ -167,12 +172,20 @@ def load_torchvision(name: str, root: Path, download: bool, test_fraction: float
         folder = "cifar-10-batches-py" if name == "cifar10" else "cifar-100-python"
         train = _open(name, lambda download: cls(r, train=True, download=download), root, download, f"{r}/{folder}/")
         test = _open(name, lambda download: cls(r, train=False, download=download), root, download, f"{r}/{folder}/")
-        return DatasetSplits(name, [_clean(c) for c in train.classes],
-                             DatasetSource(train, _labels_of(train), f"{name}/train"),
-                             DatasetSource(test, _labels_of(test), f"{name}/test"))
+        return DatasetSplits(
+            name,
+            [_clean(c) for c in train.classes],
+            DatasetSource(train, _labels_of(train), f"{name}/train"),
+            DatasetSource(test, _labels_of(test), f"{name}/test"),
+        )
     if name == "caltech101":
-        ds = _open(name, lambda download: tvd.Caltech101(r, target_type="category", download=download),
-                   root, download, f"{r}/caltech101/101_ObjectCategories/<class>/*.jpg")
+        ds = _open(
+            name,
+            lambda download: tvd.Caltech101(r, target_type="category", download=download),
+            root,
+            download,
+            f"{r}/caltech101/101_ObjectCategories/<class>/*.jpg",
+        )
         keep_classes = [c for c in ds.categories if c not in CALTECH_IGNORED]
         old_to_new = {ds.categories.index(c): i for i, c in enumerate(keep_classes)}
         labels = _labels_of(ds)
@@ -181,18 +194,33 @@ def load_torchvision(name: str, root: Path, download: bool, test_fraction: float
         base = DatasetSource(ds, labels, "caltech101/all")
         tr, te = stratified_split(new_labels, test_fraction, seed=0)
         names = [_clean(CALTECH_RENAMED.get(c, c)).lower() for c in keep_classes]
-        return DatasetSplits(name, names,
-                             SubsetSource(base, keep[tr], new_labels[tr], f"caltech101/tf{test_fraction}/train"),
-                             SubsetSource(base, keep[te], new_labels[te], f"caltech101/tf{test_fraction}/test"))
+        return DatasetSplits(
+            name,
+            names,
+            SubsetSource(base, keep[tr], new_labels[tr], f"caltech101/tf{test_fraction}/train"),
+            SubsetSource(base, keep[te], new_labels[te], f"caltech101/tf{test_fraction}/test"),
+        )
     official = {
-        "oxford-pets": (lambda s, d: tvd.OxfordIIITPet(r, split=s, target_types="category", download=d),
-                        ("trainval", "test"), f"{r}/oxford-iiit-pet/images/*.jpg + annotations/"),
-        "flowers102": (lambda s, d: tvd.Flowers102(r, split=s, download=d), ("train", "test"),
-                       f"{r}/flowers-102/jpg/*.jpg + imagelabels.mat + setid.mat"),
-        "food101": (lambda s, d: tvd.Food101(r, split=s, download=d), ("train", "test"),
-                    f"{r}/food-101/images/<class>/*.jpg + meta/"),
-        "dtd": (lambda s, d: tvd.DTD(r, split=s, partition=1, download=d), ("train", "test"),
-                f"{r}/dtd/dtd/images/<class>/*.jpg + labels/"),
+        "oxford-pets": (
+            lambda s, d: tvd.OxfordIIITPet(r, split=s, target_types="category", download=d),
+            ("trainval", "test"),
+            f"{r}/oxford-iiit-pet/images/*.jpg + annotations/",
+        ),
+        "flowers102": (
+            lambda s, d: tvd.Flowers102(r, split=s, download=d),
+            ("train", "test"),
+            f"{r}/flowers-102/jpg/*.jpg + imagelabels.mat + setid.mat",
+        ),
+        "food101": (
+            lambda s, d: tvd.Food101(r, split=s, download=d),
+            ("train", "test"),
+            f"{r}/food-101/images/<class>/*.jpg + meta/",
+        ),
+        "dtd": (
+            lambda s, d: tvd.DTD(r, split=s, partition=1, download=d),
+            ("train", "test"),
+            f"{r}/dtd/dtd/images/<class>/*.jpg + labels/",
+        ),
     }
     if name not in official:
         raise DatasetError(f"unknown torchvision dataset {name!r}")
@@ -200,9 +228,12 @@ def load_torchvision(name: str, root: Path, download: bool, test_fraction: float
     train = _open(name, lambda download: factory(s_train, download), root, download, expected)
     test = _open(name, lambda download: factory(s_test, download), root, download, expected)
     classnames = [_clean(c) for c in train.classes]
-    return DatasetSplits(name, classnames,
-                         DatasetSource(train, _labels_of(train), f"{name}/{s_train}"),
-                         DatasetSource(test, _labels_of(test), f"{name}/{s_test}"))
+    return DatasetSplits(
+        name,
+        classnames,
+        DatasetSource(train, _labels_of(train), f"{name}/{s_train}"),
+        DatasetSource(test, _labels_of(test), f"{name}/{s_test}"),
+    )
 
 
 # --- image folders --------------------------------------------------------------------------
@@ -227,13 +258,17 @@ def _federation_classes(root: Path, found: list[str]) -> list[str]:
     names = [line.strip() for line in listing.read_text().splitlines() if line.strip() and not line.startswith("#")]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if not names or dupes:
-        raise DatasetError(f"{listing} must list each class once, one per line ("
-                           f"{'it is empty' if not names else 'repeated: ' + ', '.join(dupes[:5])})")
+        raise DatasetError(
+            f"{listing} must list each class once, one per line ("
+            f"{'it is empty' if not names else 'repeated: ' + ', '.join(dupes[:5])})"
+        )
     unknown = [c for c in found if c not in names]
     if unknown:
-        raise DatasetError(f"image folder {str(root)!r} has class folder(s) {', '.join(unknown[:5])} that "
-                           f"{listing.name} does not list: add them to the federation's class list (the same "
-                           f"file on every node) or rename the folders")
+        raise DatasetError(
+            f"image folder {str(root)!r} has class folder(s) {', '.join(unknown[:5])} that "
+            f"{listing.name} does not list: add them to the federation's class list (the same "
+            f"file on every node) or rename the folders"
+        )
     return names
 
 
@@ -277,8 +312,16 @@ def load_image_folder(root: Path, test_fraction: float, **_) -> DatasetSplits:
 
 
 # MedMNIST's BloodMNIST label names, in label order
-BLOODMNIST_CLASSES = ["basophil", "eosinophil", "erythroblast", "immature granulocytes", "lymphocyte",
-                      "monocyte", "neutrophil", "platelet"]
+BLOODMNIST_CLASSES = [
+    "basophil",
+    "eosinophil",
+    "erythroblast",
+    "immature granulocytes",
+    "lymphocyte",
+    "monocyte",
+    "neutrophil",
+    "platelet",
+]
 
 
 def load_bloodmnist(root: Path, test_fraction: float = 0.3, **_) -> DatasetSplits:
@@ -308,7 +351,8 @@ def load_bloodmnist(root: Path, test_fraction: float = 0.3, **_) -> DatasetSplit
 
     tag = f"bloodmnist:{files[0].name}"
     return DatasetSplits(
-        "bloodmnist", list(BLOODMNIST_CLASSES),
+        "bloodmnist",
+        list(BLOODMNIST_CLASSES),
         ArraySource(rgb(parts["train_images"]), parts["train_labels"].reshape(-1).astype(np.int64), f"{tag}/train"),
         ArraySource(rgb(parts["test_images"]), parts["test_labels"].reshape(-1).astype(np.int64), f"{tag}/test"),
     )
@@ -318,8 +362,14 @@ TORCHVISION_SETS = ("caltech101", "oxford-pets", "flowers102", "food101", "dtd",
 DATASETS = ("embedded", "embedded-shadow", "digits", *TORCHVISION_SETS, "image-folder", "bloodmnist")
 
 
-def load_dataset(name: str, data_root: str = "", download: bool = False, test_fraction: float = 0.3,
-                 max_per_class: int = 0, seed: int = 0) -> DatasetSplits:
+def load_dataset(
+    name: str,
+    data_root: str = "",
+    download: bool = False,
+    test_fraction: float = 0.3,
+    max_per_class: int = 0,
+    seed: int = 0,
+) -> DatasetSplits:
     """Load a registered dataset by name (see the module docstring)."""
     if name in ("embedded", "embedded-shadow"):
         splits = load_embedded(shadow=name == "embedded-shadow")
@@ -335,4 +385,3 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, test_fr
         raise DatasetError(f"unknown dataset {name!r}; accepted: {', '.join(DATASETS)}")
     splits.train = limit_per_class(splits.train, max_per_class, seed, lambda i: f"{i}/max{max_per_class}-s{seed}")
     return splits
-

@@ -71,7 +71,9 @@ def draw_objects(rng: np.random.Generator, ood: bool | None = False) -> list[Sce
     ``ood``: True = only the held-out shape pairs, False = never them, None = anything."""
     while True:
         if rng.random() < 1 / 3 and not ood:
-            return [SceneObject(SCENE_COLORS[rng.integers(len(SCENE_COLORS))], SHAPES[rng.integers(len(SHAPES))], "middle")]
+            return [
+                SceneObject(SCENE_COLORS[rng.integers(len(SCENE_COLORS))], SHAPES[rng.integers(len(SHAPES))], "middle")
+            ]
         s1, s2 = (SHAPES[i] for i in rng.choice(len(SHAPES), 2, replace=False))
         if ood is not None and ((s1, s2) in OOD_PAIRS) != bool(ood):
             continue
@@ -177,8 +179,13 @@ def vocabulary() -> list[str]:
     """Every word the domain's texts use (the embedded tokenizer's training corpus adds the
     generated texts themselves; this list guarantees no word is ever unknown)."""
     words = set(SCENE_COLORS) | set(SHAPES) | set(COUNT_WORDS) | set(SIDES) | set(LETTERS) | {"top"}
-    for text in (CAPTION_PROMPT, PRETRAIN_PROMPT, "a on the and in the middle .", "question : options : answer :",
-                 "what color is the ? what shape is where is the how many objects are there ?"):
+    for text in (
+        CAPTION_PROMPT,
+        PRETRAIN_PROMPT,
+        "a on the and in the middle .",
+        "question : options : answer :",
+        "what color is the ? what shape is where is the how many objects are there ?",
+    ):
         words.update(text.split())
     return sorted(words)
 

@@ -7,9 +7,9 @@ content (dataset, split and version) and keys the feature cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 from PIL import Image
@@ -104,7 +104,9 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int = 0) ->
     return np.sort(np.array(train, dtype=np.int64)), np.sort(np.array(test, dtype=np.int64))
 
 
-def limit_per_class(source: ImageSource, max_per_class: int, seed: int, make_identity: Callable[[str], str]) -> ImageSource:
+def limit_per_class(
+    source: ImageSource, max_per_class: int, seed: int, make_identity: Callable[[str], str]
+) -> ImageSource:
     """Keep at most ``max_per_class`` images of each class (few-shot training sets)."""
     if max_per_class <= 0:
         return source

@@ -47,10 +47,14 @@ class VLMSplit:
     def labels(self) -> np.ndarray:
         return self.images.labels
 
-    def subset(self, idx: np.ndarray, tag: str) -> "VLMSplit":
+    def subset(self, idx: np.ndarray, tag: str) -> VLMSplit:
         idx = np.asarray(idx, dtype=np.int64)
-        return VLMSplit(SubsetSource(self.images, idx, self.images.labels[idx], f"{self.images.identity}/{tag}"),
-                        [self.prompts[i] for i in idx], [self.targets[i] for i in idx], [self.references[i] for i in idx])
+        return VLMSplit(
+            SubsetSource(self.images, idx, self.images.labels[idx], f"{self.images.identity}/{tag}"),
+            [self.prompts[i] for i in idx],
+            [self.targets[i] for i in idx],
+            [self.references[i] for i in idx],
+        )
 
 
 @dataclass
@@ -68,7 +72,9 @@ class VLMDataset:
 
 
 def _from_corpus(corpus: scenes.SceneCorpus, identity: str) -> VLMSplit:
-    return VLMSplit(ArraySource(corpus.images, corpus.labels, identity), corpus.prompts, corpus.targets, corpus.references)
+    return VLMSplit(
+        ArraySource(corpus.images, corpus.labels, identity), corpus.prompts, corpus.targets, corpus.references
+    )
 
 
 def load_embedded(task: str, shadow: bool = False) -> VLMDataset:
@@ -99,11 +105,14 @@ def _largest_category(instances: Path) -> tuple[dict[int, int], list[str]]:
 CAPTION_PROMPT_REAL = "Write a short caption for this image."
 
 
-def load_coco_style(captions_json: Path, image_dir: Path, identity: str, max_images: int = 0,
-                    prompt: str = CAPTION_PROMPT_REAL) -> tuple[VLMSplit, list[str]]:
+def load_coco_style(
+    captions_json: Path, image_dir: Path, identity: str, max_images: int = 0, prompt: str = CAPTION_PROMPT_REAL
+) -> tuple[VLMSplit, list[str]]:
     if not captions_json.is_file():
-        raise VLMDataError(f"captions file {captions_json} does not exist: download the COCO (or NoCaps) captions "
-                           "annotations and point data-root (or vlm.ood-captions) at them")
+        raise VLMDataError(
+            f"captions file {captions_json} does not exist: download the COCO (or NoCaps) captions "
+            "annotations and point data-root (or vlm.ood-captions) at them"
+        )
     if not image_dir.is_dir():
         raise VLMDataError(f"image folder {image_dir} for {captions_json.name} does not exist")
     blob = json.loads(captions_json.read_text())
@@ -164,8 +173,10 @@ def load_scienceqa(source: str, max_train: int = 0, max_test: int = 0) -> VLMDat
     except Exception as err:  # datasets raises many types for a missing/offline dataset
         raise VLMDataError(
             f"ScienceQA could not be loaded from {source!r} ({type(err).__name__}: {err}); on a machine with network "
-            "run `python -c \"import datasets; datasets.load_dataset('derek-thomas/ScienceQA').save_to_disk('scienceqa')\"` "
-            "and set data-root to that directory") from err
+            'run `python -c "import datasets; '
+            "datasets.load_dataset('derek-thomas/ScienceQA').save_to_disk('scienceqa')\"` "
+            "and set data-root to that directory"
+        ) from err
     topics: list[str] = sorted({t for split in ("train", "test") for t in ds[split]["topic"]})
 
     def split(name: str, limit: int) -> VLMSplit:
@@ -175,15 +186,18 @@ def load_scienceqa(source: str, max_train: int = 0, max_test: int = 0) -> VLMDat
             keep = keep[:limit]
         rows = rows.select(keep)
         labels = np.array([topics.index(t) for t in rows["topic"]], dtype=np.int64)
-        prompts = [scienceqa_prompt(q, c, h) for q, c, h in zip(rows["question"], rows["choices"], rows["hint"])]
+        prompts = [
+            scienceqa_prompt(q, c, h) for q, c, h in zip(rows["question"], rows["choices"], rows["hint"], strict=True)
+        ]
         answers = ["ABCDE"[a] for a in rows["answer"]]
         return VLMSplit(_HFImages(rows, labels, f"scienceqa:{source}/{name}"), prompts, answers, [[a] for a in answers])
 
     return VLMDataset("scienceqa", "vqa", topics, split("train", max_train), split("test", max_test))
 
 
-def load_vlm_dataset(name: str, data_root: str = "", ood_captions: str = "", max_train: int = 0, max_test: int = 0,
-                     hf_dataset: str = "") -> VLMDataset:
+def load_vlm_dataset(
+    name: str, data_root: str = "", ood_captions: str = "", max_train: int = 0, max_test: int = 0, hf_dataset: str = ""
+) -> VLMDataset:
     if name in ("embedded-captions", "embedded-vqa", "embedded-captions-shadow", "embedded-vqa-shadow"):
         task = "caption" if "captions" in name else "vqa"
         ds = load_embedded(task, shadow=name.endswith("-shadow"))

@@ -62,7 +62,9 @@ def _write_public(path: Path, data: bytes) -> None:
 
 
 def _pem_key(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _now() -> dt.datetime:
@@ -74,13 +76,27 @@ def make_ca(out: Path, days: int) -> tuple[x509.Certificate, ec.EllipticCurvePri
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedvlm federation CA")])
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - dt.timedelta(minutes=5)).not_valid_after(_now() + dt.timedelta(days=days))
+        .not_valid_before(_now() - dt.timedelta(minutes=5))
+        .not_valid_after(_now() + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA384())
     )
@@ -97,21 +113,28 @@ def load_ca(out: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
 
 def make_server_cert(out: Path, ca_cert, ca_key, names: list[str], ips: list[str], days: int) -> x509.Certificate:
     if not names and not ips:
-        raise CredentialsError("the SuperLink certificate needs at least one --server-name or --server-ip "
-                               "(the address SuperNodes and researchers dial)")
+        raise CredentialsError(
+            "the SuperLink certificate needs at least one --server-name or --server-ip "
+            "(the address SuperNodes and researchers dial)"
+        )
     sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
     for ip in ips:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(ip)))
         except ValueError as e:
-            raise CredentialsError(f"--server-ip {ip!r} is not an IP address ({e}); put host names in --server-name") from e
+            raise CredentialsError(
+                f"--server-ip {ip!r} is not an IP address ({e}); put host names in --server-name"
+            ) from e
     key = ec.generate_private_key(ec.SECP384R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, (names or ips)[0])])
     cert = (
         x509.CertificateBuilder()
-        .subject_name(subject).issuer_name(ca_cert.subject).public_key(key.public_key())
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - dt.timedelta(minutes=5)).not_valid_after(_now() + dt.timedelta(days=days))
+        .not_valid_before(_now() - dt.timedelta(minutes=5))
+        .not_valid_after(_now() + dt.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -129,22 +152,34 @@ def make_supernode_key(out: Path, name: str) -> Path:
         raise CredentialsError(f"SuperNode name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
     key = ec.generate_private_key(ec.SECP384R1())
     priv = out / "supernodes" / name
-    _write_private(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                           serialization.NoEncryption()))
+    _write_private(
+        priv,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )
     pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     _write_public(priv.with_suffix(".pub"), pub + f" {name}\n".encode())
     return priv
 
 
-def generate(out: Path, server_names: list[str], server_ips: list[str], supernodes: list[str],
-             days: int = 365, force: bool = False) -> dict[str, list[str]]:
+def generate(
+    out: Path,
+    server_names: list[str],
+    server_ips: list[str],
+    supernodes: list[str],
+    days: int = 365,
+    force: bool = False,
+) -> dict[str, list[str]]:
     """Create what is missing under ``out``; returns what was created and what was kept."""
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
     made, kept = [], []
     if (out / "ca.crt").exists() != (out / "ca.key").exists():
-        raise CredentialsError(f"{out} holds only one of ca.crt and ca.key: restore the other or remove both to start a new CA")
+        raise CredentialsError(
+            f"{out} holds only one of ca.crt and ca.key: restore the other or remove both to start a new CA"
+        )
     if (out / "ca.crt").exists():
         ca_cert, ca_key = load_ca(out)
         kept.append("ca.crt")
@@ -170,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="folder for the credentials (created 0700)")
     p.add_argument("--server-name", action="append", default=[], help="DNS name of the SuperLink (repeatable)")
     p.add_argument("--server-ip", action="append", default=[], help="IP address of the SuperLink (repeatable)")
-    p.add_argument("--supernode", action="append", default=[], help="name of a SuperNode to make a key for (repeatable)")
+    p.add_argument(
+        "--supernode", action="append", default=[], help="name of a SuperNode to make a key for (repeatable)"
+    )
     p.add_argument("--days", type=int, default=365, help="validity of the certificates")
     p.add_argument("--force", action="store_true", help="reissue the SuperLink certificate (keeps the CA and the keys)")
     args = p.parse_args(argv)
@@ -184,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"created {out / what}")
     for what in done["kept"]:
         print(f"kept    {out / what} (exists)")
-    print(f"SuperLink machine: {out}/ca.crt, server.crt, server.key. "
-          f"Each SuperNode: {out}/ca.crt and its supernodes/<name>. Keep ca.key offline.")
+    print(
+        f"SuperLink machine: {out}/ca.crt, server.crt, server.key. "
+        f"Each SuperNode: {out}/ca.crt and its supernodes/<name>. Keep ca.key offline."
+    )
     return 0
 
 

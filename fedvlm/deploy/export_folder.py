@@ -19,22 +19,26 @@ import sys
 from pathlib import Path
 
 from fedvlm.client_app.node import node_data
-from fedvlm.runconfig import ConfigError, parse_value
 from fedvlm.methods.registry import validate
+from fedvlm.runconfig import ConfigError, parse_value
 
 
 def export_partitions(out: Path, num_partitions: int, overrides: dict | None = None) -> list[Path]:
     cfg = validate(dict(overrides or {}))
-    if cfg.method.family.image_text:
-        raise ConfigError("deploy.export_folder writes image-classification partitions; the VLM methods read "
-                          "captions/VQA files instead")
+    if cfg.spec.family.image_text:
+        raise ConfigError(
+            "deploy.export_folder writes image-classification partitions; the VLM methods read "
+            "captions/VQA files instead"
+        )
     written = []
     for pid in range(num_partitions):
         node = node_data(cfg, {"partition-id": pid, "num-partitions": num_partitions})
         folder = Path(out).expanduser() / f"client-{pid}"
         names = node.splits.classnames
-        for split_name, source, idx in (("train", node.splits.train, node.part.train),
-                                        ("test", node.splits.test, node.part.test)):
+        for split_name, source, idx in (
+            ("train", node.splits.train, node.part.train),
+            ("test", node.splits.test, node.part.test),
+        ):
             for k, i in enumerate(idx):
                 label = int(source.labels[i])
                 path = folder / split_name / names[label] / f"{k:06d}.png"

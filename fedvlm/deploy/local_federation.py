@@ -36,13 +36,15 @@ def flower_env(home: Path) -> dict[str, str]:
     (machines may be offline), no runtime dependency installation (the app's dependencies are
     installed on every machine beforehand)."""
     env = dict(os.environ)
-    env.update({
-        "FLWR_HOME": str(home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-    })
+    env.update(
+        {
+            "FLWR_HOME": str(home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+    )
     return env
 
 
@@ -66,8 +68,9 @@ class LocalFederation:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.logs[name] = log
         with open(log, "wb") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir, start_new_session=True
+            )
         self.procs[name] = proc
         return proc
 
@@ -93,12 +96,26 @@ class LocalFederation:
 
     def start_superlink(self) -> None:
         c = self.creds
-        self._start("superlink", [
-            str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port),
-            "--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "server.crt"),
-            "--ssl-keyfile", str(c / "server.key"), "--enable-supernode-auth",
-            "--database", str(self.dir / "superlink-state.db"), "--disable-runtime-dependency-installation",
-        ])
+        self._start(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--ssl-ca-certfile",
+                str(c / "ca.crt"),
+                "--ssl-certfile",
+                str(c / "server.crt"),
+                "--ssl-keyfile",
+                str(c / "server.key"),
+                "--enable-supernode-auth",
+                "--database",
+                str(self.dir / "superlink-state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+        )
         self._wait_for_port(self.port, "superlink")
 
     def write_connection(self) -> Path:
@@ -112,21 +129,41 @@ class LocalFederation:
         return path
 
     def register(self, name: str) -> subprocess.CompletedProcess:
-        return self.flwr("supernode", "register", str(self.creds / "supernodes" / f"{name}.pub"), CONNECTION,
-                         "--name", name, timeout=120)
+        return self.flwr(
+            "supernode",
+            "register",
+            str(self.creds / "supernodes" / f"{name}.pub"),
+            CONNECTION,
+            "--name",
+            name,
+            timeout=120,
+        )
 
     def start_supernode(self, name: str, node_config: str | None = None) -> subprocess.Popen:
         cfg = node_config if node_config is not None else self.node_configs.get(name, f"name='{name}'")
-        return self._start(name, [
-            str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
-            "--root-certificates", str(self.creds / "ca.crt"),
-            "--auth-supernode-private-key", str(self.creds / "supernodes" / name),
-            "--port", str(free_port()), "--node-config", cfg, "--max-retries", "30",
-        ])
+        return self._start(
+            name,
+            [
+                str(BIN / "flower-supernode"),
+                "--superlink",
+                f"127.0.0.1:{self.port}",
+                "--root-certificates",
+                str(self.creds / "ca.crt"),
+                "--auth-supernode-private-key",
+                str(self.creds / "supernodes" / name),
+                "--port",
+                str(free_port()),
+                "--node-config",
+                cfg,
+                "--max-retries",
+                "30",
+            ],
+        )
 
     def flwr(self, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / "flwr"), *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            [str(BIN / "flwr"), *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
 
     def run_app(self, run_config: str, timeout: float = 1800) -> subprocess.CompletedProcess:
         """`flwr run . loopback --stream`: the researcher's command against this federation."""
@@ -146,6 +183,7 @@ class LocalFederation:
 
     def _wait_for_port(self, port: int, name: str, timeout: float = 60) -> None:
         import socket
+
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.procs[name].poll() is not None:
@@ -156,7 +194,7 @@ class LocalFederation:
             time.sleep(0.3)
         raise RuntimeError(f"{name} did not open port {port} within {timeout:.0f} s:\n{self.log_text(name)[-3000:]}")
 
-    def __enter__(self) -> "LocalFederation":
+    def __enter__(self) -> LocalFederation:
         try:
             self.up()
         except BaseException:
@@ -172,16 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.local_federation", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, required=True, help="credentials, Flower state, logs")
     p.add_argument("--supernodes", type=int, default=2)
-    p.add_argument("--node-config", action="append", default=[],
-                   help="node config of the i-th SuperNode (repeatable; default: partition-id=i num-partitions=N)")
+    p.add_argument(
+        "--node-config",
+        action="append",
+        default=[],
+        help="node config of the i-th SuperNode (repeatable; default: partition-id=i num-partitions=N)",
+    )
     p.add_argument("--run-config", default="", help="run-config overrides passed to flwr run")
     args = p.parse_args(argv)
     names = [f"org-{i}" for i in range(args.supernodes)]
-    configs = {n: (args.node_config[i] if i < len(args.node_config)
-                   else f"partition-id={i} num-partitions={args.supernodes}") for i, n in enumerate(names)}
+    configs = {
+        n: (args.node_config[i] if i < len(args.node_config) else f"partition-id={i} num-partitions={args.supernodes}")
+        for i, n in enumerate(names)
+    }
     with LocalFederation(args.workdir, names, configs) as fed:
-        print(f"SuperLink on 127.0.0.1:{fed.port} (TLS, SuperNode auth), SuperNodes: {', '.join(names)}; "
-              f"PIDs {json.dumps(fed.pids())}; logs in {fed.dir / 'logs'}", flush=True)
+        print(
+            f"SuperLink on 127.0.0.1:{fed.port} (TLS, SuperNode auth), SuperNodes: {', '.join(names)}; "
+            f"PIDs {json.dumps(fed.pids())}; logs in {fed.dir / 'logs'}",
+            flush=True,
+        )
         proc = fed.run_app(args.run_config)
         sys.stdout.write(proc.stdout)
         sys.stderr.write(proc.stderr)

@@ -42,8 +42,13 @@ def summarise(method: str, data: dict, mia: dict | None) -> dict:
     last = data["rounds"][-1]["metrics"]
     comm = data.get("communication", {})
     task = "vqa" if "server-vqa-acc" in last or "client-vqa-acc" in last else "captions"
-    row = {"method": method, "rounds": len(data["rounds"]), "task": task,
-           "client-loss": last.get("client-loss"), "server-loss": last.get("server-loss")}
+    row = {
+        "method": method,
+        "rounds": len(data["rounds"]),
+        "task": task,
+        "client-loss": last.get("client-loss"),
+        "server-loss": last.get("server-loss"),
+    }
     keys = ("vqa-acc",) if task == "vqa" else ("cider", "bleu-4", "rouge-l")
     for who in ("server", "client", "server-ood"):
         for k in keys:
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for every run")
     p.add_argument("--engine", choices=("inprocess", "flwr"), default="inprocess")
-    p.add_argument("--mia-samples", type=int, default=100, help="members and non-members per attacked model (0 = no attack)")
+    p.add_argument(
+        "--mia-samples", type=int, default=100, help="members and non-members per attacked model (0 = no attack)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     out = args.out.expanduser()
@@ -130,11 +137,19 @@ def main(argv: list[str] | None = None) -> int:
             from fedvlm.attacks.maxrenyi import run_maxrenyi
 
             report = out / "runs" / method / "maxrenyi.json"
-            mia = json.loads(report.read_text()) if report.exists() else run_maxrenyi(out / "runs" / method, args.mia_samples)
+            mia = (
+                json.loads(report.read_text())
+                if report.exists()
+                else run_maxrenyi(out / "runs" / method, args.mia_samples)
+            )
         runs[method] = data
         rows.append(summarise(method, data, mia))
-        print(f"{method}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in rows[-1].items() if k != "method")
-              + f" ({time.time() - t0:.0f}s)", flush=True)
+        print(
+            f"{method}: "
+            + ", ".join(f"{k} {_fmt(v)}" for k, v in rows[-1].items() if k != "method")
+            + f" ({time.time() - t0:.0f}s)",
+            flush=True,
+        )
         write_table(rows, out)
     plot(runs, out)
     print(f"tables: {out / 'lora_compare.md'}, {out / 'lora_compare.csv'}; plot: {out / 'lora_compare.png'}")

@@ -59,7 +59,7 @@ def plot(curves: dict[tuple, list[dict]], out: Path, every: int) -> None:
 
     sources = sorted({k[0] for k in curves})
     fig, axes = plt.subplots(1, len(sources), figsize=(5 * len(sources), 4), squeeze=False)
-    for ax, source in zip(axes[0], sources):
+    for ax, source in zip(axes[0], sources, strict=True):
         for (src, method, seed), pts in sorted(curves.items()):
             if src != source or seed != min(k[2] for k in curves if k[:2] == (src, method)):
                 continue
@@ -75,15 +75,21 @@ def plot(curves: dict[tuple, list[dict]], out: Path, every: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.reprogram_sweep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m fedvlm.experiments.reprogram_sweep", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--out", type=Path, default=Path("~/fedvlm-reprogram").expanduser())
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--sources", default="auto", help="comma-separated reprogram.source-model values")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--seeds", default="0")
-    p.add_argument("--epsilon", type=float, default=0.0, help="Table I's fixed epsilon (0 = the smallest "
-                   "final epsilon over the runs, so every method has a value)")
+    p.add_argument(
+        "--epsilon",
+        type=float,
+        default=0.0,
+        help="Table I's fixed epsilon (0 = the smallest final epsilon over the runs, so every method has a value)",
+    )
     p.add_argument("--every", type=int, default=10, help="plot a point every this many rounds")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for every run")
     p.add_argument("--engine", choices=("inprocess", "flwr"), default="inprocess")
@@ -107,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                     data = run_one(raw, args.clients, args.engine, out)
                 resolved = data["config"]["reprogram.source-model"]
                 curves[(resolved, method, seed)] = pts = curve(data)
-                print(f"{name}: epsilon {pts[-1]['epsilon']:.3g}, accuracy {100 * pts[-1]['accuracy']:.2f}%", flush=True)
+                print(
+                    f"{name}: epsilon {pts[-1]['epsilon']:.3g}, accuracy {100 * pts[-1]['accuracy']:.2f}%", flush=True
+                )
     with open(out / "curves.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["source", "method", "seed", "round", "epsilon", "accuracy"])
@@ -123,12 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         for src in sources:
             vals = [at_epsilon(pts, target) for (s, m, _), pts in curves.items() if s == src and m == method]
             vals = [100 * v for v in vals if v is not None]
-            row.append("-" if not vals else f"{np.mean(vals):.2f}" + (f" ± {np.std(vals):.2f}" if len(vals) > 1 else ""))
+            row.append(
+                "-" if not vals else f"{np.mean(vals):.2f}" + (f" ± {np.std(vals):.2f}" if len(vals) > 1 else "")
+            )
         table.append(row)
     with open(out / "table_at_epsilon.csv", "w", newline="") as f:
         csv.writer(f).writerows(table)
-    md = [f"Test accuracy (%) at epsilon = {target:.3g} (delta from the run config), mean ± std over seeds", "",
-          "| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    md = [
+        f"Test accuracy (%) at epsilon = {target:.3g} (delta from the run config), mean ± std over seeds",
+        "",
+        "| " + " | ".join(table[0]) + " |",
+        "|" + "---|" * len(table[0]),
+    ]
     md += ["| " + " | ".join(r) + " |" for r in table[1:]]
     (out / "table_at_epsilon.md").write_text("\n".join(md) + "\n")
     plot(curves, out, args.every)

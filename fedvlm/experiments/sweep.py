@@ -43,16 +43,40 @@ log = logging.getLogger("sweep")
 # including its noise calibration and per-batch clipping, so its epsilon claims do NOT hold
 # for them (the ledger says so); add --set privacy.calibration=accountant
 # privacy.clipping=per-sample for runs whose epsilon does hold.
-_PAPER = {"clip.pretrained": "openai", "partitioner": "pathological", "num-server-rounds": 100,
-          "prompt.batch-size": 32, "prompt.optimizer": "sgd", "prompt.lr": 1e-4, "prompt.momentum": 0.0,
-          "dpfpl.server-optimizer": "sgd", "dpfpl.server-lr": 1e-4, "prompt.local-steps": 1,
-          "privacy.clip": 10.0, "privacy.delta": 1e-5, "privacy.calibration": "paper",
-          "privacy.clipping": "per-batch", "prompt.n-ctx": 16}
+_PAPER = {
+    "clip.pretrained": "openai",
+    "partitioner": "pathological",
+    "num-server-rounds": 100,
+    "prompt.batch-size": 32,
+    "prompt.optimizer": "sgd",
+    "prompt.lr": 1e-4,
+    "prompt.momentum": 0.0,
+    "dpfpl.server-optimizer": "sgd",
+    "dpfpl.server-lr": 1e-4,
+    "prompt.local-steps": 1,
+    "privacy.clip": 10.0,
+    "privacy.delta": 1e-5,
+    "privacy.calibration": "paper",
+    "privacy.clipping": "per-batch",
+    "prompt.n-ctx": 16,
+}
 PRESETS: dict[str, dict] = {
-    **{f"paper-{d}": {**_PAPER, "dataset": d, "clip.model": "ViT-B-16"}
-       for d in ("caltech101", "oxford-pets", "flowers102", "food101")},
-    **{f"paper-cifar100-{n}": {**_PAPER, "dataset": "cifar100", "clip.model": "RN50", "partitioner": "dirichlet",
-                               "dirichlet-alpha": 0.3, "num-server-rounds": 200, "_clients": n} for n in (25, 50)},
+    **{
+        f"paper-{d}": {**_PAPER, "dataset": d, "clip.model": "ViT-B-16"}
+        for d in ("caltech101", "oxford-pets", "flowers102", "food101")
+    },
+    **{
+        f"paper-cifar100-{n}": {
+            **_PAPER,
+            "dataset": "cifar100",
+            "clip.model": "RN50",
+            "partitioner": "dirichlet",
+            "dirichlet-alpha": 0.3,
+            "num-server-rounds": 200,
+            "_clients": n,
+        }
+        for n in (25, 50)
+    },
 }
 EPSILONS = ("none", "0.4", "0.2", "0.1", "0.05", "0.01")
 
@@ -66,23 +90,47 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
         from fedvlm.server_app.app import execute
         from fedvlm.utils.inprocess import InProcessGrid
 
-        grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": clients} for i in range(clients)], cfg.as_dict())
+        grid = InProcessGrid(
+            client_app, [{"partition-id": i, "num-partitions": clients} for i in range(clients)], cfg.as_dict()
+        )
         with contextlib.redirect_stdout(io.StringIO()):
             return execute(cfg, grid, run_id=raw["run-name"]).data
     from fedvlm.utils.processes import free_port, kill_tree, pids_matching
 
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, FLWR_HOME=tmp, FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
-                   FLWR_LOCAL_CONTROL_API_PORT=str(free_port()), FLWR_TELEMETRY_ENABLED="0",
-                   FLWR_DISABLE_UPDATE_CHECK="1", FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-                   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-        overrides = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
-                             for k, v in raw.items())
+        env = dict(
+            os.environ,
+            FLWR_HOME=tmp,
+            FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
+            FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
+            FLWR_TELEMETRY_ENABLED="0",
+            FLWR_DISABLE_UPDATE_CHECK="1",
+            FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+            RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        )
+        overrides = " ".join(
+            f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in raw.items()
+        )
         try:
-            subprocess.run([str(Path(sys.executable).with_name("flwr")), "run", str(ROOT), "--stream",
-                            "--federation-config", f"num-supernodes={clients}", "--run-config", overrides],
-                           env=env, cwd=ROOT, check=True, capture_output=True, timeout=6 * 3600)
+            subprocess.run(
+                [
+                    str(Path(sys.executable).with_name("flwr")),
+                    "run",
+                    str(ROOT),
+                    "--stream",
+                    "--federation-config",
+                    f"num-supernodes={clients}",
+                    "--run-config",
+                    overrides,
+                ],
+                env=env,
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+                timeout=6 * 3600,
+            )
         finally:
             for pid in pids_matching(tmp):
                 kill_tree(pid)
@@ -114,21 +162,35 @@ def write_tables(rows: list[dict], out: Path, epsilons: list[str]) -> None:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     metrics = [("local", "local-acc-last10"), ("neighbor", "neighbor-acc-last10")]
     if any(r.get("mia-shokri-acc") is not None for r in rows):
-        metrics += [("mia", "mia-shokri-acc"), ("mia_auc", "mia-shokri-auc"), ("mia_loss", "mia-loss-acc"),
-                    ("mia_loss_auc", "mia-loss-auc")]
+        metrics += [
+            ("mia", "mia-shokri-acc"),
+            ("mia_auc", "mia-shokri-auc"),
+            ("mia_loss", "mia-loss-acc"),
+            ("mia_loss_auc", "mia-loss-auc"),
+        ]
     for tag, key in metrics:
         table = [["method"] + [f"eps={e}" for e in epsilons]]
         for v in variants:
-            table.append([v] + [_fmt([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]) for e in epsilons])
+            table.append(
+                [v] + [_fmt([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]) for e in epsilons]
+            )
         with open(out / f"table_{tag}.csv", "w", newline="") as fh:
             csv.writer(fh).writerows(table)
         md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
         md += ["| " + " | ".join(r) + " |" for r in table[1:]]
-        what = {"local": "local classes", "neighbor": "neighbor classes", "mia": "Shokri MIA accuracy (chance 50)",
-                "mia_auc": "Shokri MIA AUC (x100, chance 50)", "mia_loss": "loss-threshold MIA accuracy (chance 50)",
-                "mia_loss_auc": "loss-threshold MIA AUC (x100, chance 50)"}[tag]
-        head = (f"Mean of the last 10 rounds ({what}), %" if tag in ("local", "neighbor")
-                else f"Membership inference on the published personalised prompts: {what}")
+        what = {
+            "local": "local classes",
+            "neighbor": "neighbor classes",
+            "mia": "Shokri MIA accuracy (chance 50)",
+            "mia_auc": "Shokri MIA AUC (x100, chance 50)",
+            "mia_loss": "loss-threshold MIA accuracy (chance 50)",
+            "mia_loss_auc": "loss-threshold MIA AUC (x100, chance 50)",
+        }[tag]
+        head = (
+            f"Mean of the last 10 rounds ({what}), %"
+            if tag in ("local", "neighbor")
+            else f"Membership inference on the published personalised prompts: {what}"
+        )
         (out / f"table_{tag}.md").write_text(f"{head}, mean ± std over seeds\n\n" + "\n".join(md) + "\n")
 
 
@@ -142,15 +204,25 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
     panels = [("local-acc-last10", "local accuracy (%)"), ("neighbor-acc-last10", "neighbor accuracy (%)")]
     figs = [("accuracy_vs_epsilon.png", panels)]
     if any(r.get("mia-shokri-acc") is not None for r in rows):
-        figs.append(("mia_vs_epsilon.png", [("mia-shokri-acc", "Shokri MIA accuracy (%)"), ("mia-loss-acc", "loss-threshold MIA accuracy (%)")]))
+        figs.append(
+            (
+                "mia_vs_epsilon.png",
+                [("mia-shokri-acc", "Shokri MIA accuracy (%)"), ("mia-loss-acc", "loss-threshold MIA accuracy (%)")],
+            )
+        )
     for fname, keys in figs:
         fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4))
-        for ax, (key, label) in zip(np.atleast_1d(axes), keys):
+        for ax, (key, label) in zip(np.atleast_1d(axes), keys, strict=True):
             for v in dict.fromkeys(r["variant"] for r in rows):
-                pts = [(float(e), 100 * np.mean([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]))
-                       for e in xs if any(r["variant"] == v and r["epsilon"] == e and r.get(key) is not None for r in rows)]
-                line = ax.plot(*zip(*pts), marker="o", label=v)[0] if pts else None
-                clean = [r[key] for r in rows if r["variant"] == v and r["epsilon"] == "none" and r.get(key) is not None]
+                pts = [
+                    (float(e), 100 * np.mean([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]))
+                    for e in xs
+                    if any(r["variant"] == v and r["epsilon"] == e and r.get(key) is not None for r in rows)
+                ]
+                line = ax.plot(*zip(*pts, strict=True), marker="o", label=v)[0] if pts else None
+                clean = [
+                    r[key] for r in rows if r["variant"] == v and r["epsilon"] == "none" and r.get(key) is not None
+                ]
                 if clean and line is not None:
                     ax.axhline(100 * np.mean(clean), color=line.get_color(), ls=":", lw=1)
             if "mia" in key:
@@ -195,23 +267,40 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
     residuals = [x.strip() == "on" for x in args.residual.split(",")]
-    plan = [(v, m, extra, e, s) for (v, m, extra) in _variants(args.methods.split(","), ranks, residuals)
-            for e in epsilons for s in seeds]
+    plan = [
+        (v, m, extra, e, s)
+        for (v, m, extra) in _variants(args.methods.split(","), ranks, residuals)
+        for e in epsilons
+        for s in seeds
+    ]
     rows = []
     t_all = time.time()
     for i, (variant, method, extra, eps, seed) in enumerate(plan, 1):
         name = f"{variant}-eps{eps}-seed{seed}"
-        raw = {**base, **extra, "method": method, "seed": seed, "privacy.epsilon": 0.0 if eps == "none" else float(eps),
-               "output-dir": str(out / "runs"), "run-name": name}
+        raw = {
+            **base,
+            **extra,
+            "method": method,
+            "seed": seed,
+            "privacy.epsilon": 0.0 if eps == "none" else float(eps),
+            "output-dir": str(out / "runs"),
+            "run-name": name,
+        }
         results_path = out / "runs" / name / "results.json"
         t0 = time.time()
         data = json.loads(results_path.read_text()) if results_path.exists() else None
         if data is None or data["run"].get("status") not in ("finished", "stopped"):
             data = run_one(raw, clients, args.engine, out)
-        row = {"variant": variant, "method": method, "epsilon": eps, "seed": seed,
-               "local-acc-last10": data["final"].get("local-acc-last10-mean"),
-               "neighbor-acc-last10": data["final"].get("neighbor-acc-last10-mean"),
-               "local-acc": data["final"].get("local-acc"), "status": data["run"]["status"]}
+        row = {
+            "variant": variant,
+            "method": method,
+            "epsilon": eps,
+            "seed": seed,
+            "local-acc-last10": data["final"].get("local-acc-last10-mean"),
+            "neighbor-acc-last10": data["final"].get("neighbor-acc-last10-mean"),
+            "local-acc": data["final"].get("local-acc"),
+            "status": data["run"]["status"],
+        }
         spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
         row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
         if args.mia:
@@ -221,12 +310,25 @@ def main(argv: list[str] | None = None) -> int:
 
                 run_attacks(out / "runs" / name, shadows=args.shadows)
             mia = json.loads(mia_path.read_text())["summary"]
-            row.update({"mia-shokri-acc": mia["shokri"]["accuracy"], "mia-shokri-auc": mia["shokri"]["auc"],
-                        "mia-loss-acc": mia["loss-threshold"]["accuracy"], "mia-loss-auc": mia["loss-threshold"]["auc"]})
+            row.update(
+                {
+                    "mia-shokri-acc": mia["shokri"]["accuracy"],
+                    "mia-shokri-auc": mia["shokri"]["auc"],
+                    "mia-loss-acc": mia["loss-threshold"]["accuracy"],
+                    "mia-loss-auc": mia["loss-threshold"]["auc"],
+                }
+            )
         rows.append(row)
-        log.info("[%d/%d] %s: local %.1f%% neighbor %s%s (%.0fs)", i, len(plan), name, 100 * (row["local-acc-last10"] or 0),
-                 f"{100 * row['neighbor-acc-last10']:.1f}%" if row["neighbor-acc-last10"] is not None else "-",
-                 f" MIA {100 * row['mia-shokri-acc']:.1f}%" if args.mia else "", time.time() - t0)
+        log.info(
+            "[%d/%d] %s: local %.1f%% neighbor %s%s (%.0fs)",
+            i,
+            len(plan),
+            name,
+            100 * (row["local-acc-last10"] or 0),
+            f"{100 * row['neighbor-acc-last10']:.1f}%" if row["neighbor-acc-last10"] is not None else "-",
+            f" MIA {100 * row['mia-shokri-acc']:.1f}%" if args.mia else "",
+            time.time() - t0,
+        )
         with open(out / "summary.csv", "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             w.writeheader()

@@ -22,28 +22,32 @@ from fedvlm.methods.spec import Family, MethodSpec, shares_all, shares_only
 from fedvlm.models import adapter_parts
 from fedvlm.privacy.planner import ClientShape, LocalDP
 from fedvlm.runconfig import (
+    AUTO,
     KEY_BY_NAME,
     VLM_DATASETS,
     ConfigError,
     RunConfig,
     check_keys,
+    check_reprogram,
     finish,
-    resolve_reprogram,
+    resolve_derived,
 )
+from fedvlm.runconfig.schema import LoRAConfig, PromptConfig
 from fedvlm.strategies.global_local import GlobalGradientStrategy
 from fedvlm.strategies.lora import FedRandStrategy, LoRAStrategy
 from fedvlm.strategies.prompt import EvaluateOnlyStrategy, LocalOnlyStrategy, PromptFLStrategy
 from fedvlm.strategies.reprogram import ReprogramStrategy
 
 
-def _dp(name: str, where: str, tensors: int = 1) -> Callable[[Mapping], LocalDP]:
+def _dp(name: str, where: str, tensors: int = 1) -> Callable[[RunConfig], LocalDP]:
     return lambda cfg: LocalDP(name, where, tensors)
 
 
-def _dpfpl_local(cfg: Mapping) -> LocalDP:
-    if cfg["dpfpl.rank"]:
-        return LocalDP("ldp-lowrank", "client: gradients of u and v (the local prompt's rank-k factors) at every "
-                       "local step", 2)
+def _dpfpl_local(cfg: RunConfig) -> LocalDP:
+    if cfg.dpfpl.rank:
+        return LocalDP(
+            "ldp-lowrank", "client: gradients of u and v (the local prompt's rank-k factors) at every local step", 2
+        )
     return LocalDP("ldp-local", "client: gradient of the full-rank local prompt at every local step")
 
 
@@ -51,128 +55,226 @@ def _check_rank(values: dict, key: str) -> None:
     """A low-rank prompt's rank is at most its M context tokens (with a ``prompt.ctx-init``
     phrase M is its token count, known once tokenised: ``models.lowrank.factorize`` checks)."""
     if not values["prompt.ctx-init"] and values[key] > values["prompt.n-ctx"]:
-        raise ConfigError(f"run config {key!r} = {values[key]} exceeds the {values['prompt.n-ctx']} context tokens "
-                          f"(prompt.n-ctx); use a rank of at most {values['prompt.n-ctx']}")
+        raise ConfigError(
+            f"run config {key!r} = {values[key]} exceeds the {values['prompt.n-ctx']} context tokens "
+            f"(prompt.n-ctx); use a rank of at most {values['prompt.n-ctx']}"
+        )
 
 
-def _fedper_top(cfg: Mapping, names) -> frozenset[str]:
-    return frozenset(adapter_parts.top_layers(names, cfg["fedper.shared-layers"]))
+def _fedper_top(cfg: RunConfig, names) -> frozenset[str]:
+    return frozenset(adapter_parts.top_layers(names, cfg.fedper.shared_layers))
 
 
-def _fedpara_global(cfg: Mapping, names) -> frozenset[str]:
+def _fedpara_global(cfg: RunConfig, names) -> frozenset[str]:
     return frozenset(adapter_parts.loha_global(names))
 
 
-def _vlm_resolve(values: dict) -> None:
-    if values["lora.lr"] < 0:
-        values["lora.lr"] = 3e-3 if values["vlm.model"] == "embedded-tiny-vlm" else 3e-4
+def _steps_or_epochs(
+    section: Callable[[RunConfig], PromptConfig | LoRAConfig],
+) -> Callable[[RunConfig, int], ClientShape]:
+    """The section's ``local_steps`` steps per round, or (0) ``local_epochs`` passes over the
+    node's records in batches of ``batch_size``."""
 
+    def shape(cfg: RunConfig, n_train: int) -> ClientShape:
+        local = section(cfg)
+        steps = local.local_steps or local.local_epochs * math.ceil(n_train / local.batch_size)
+        return ClientShape(n_train, local.batch_size, steps)
 
-def _steps_or_epochs(section: str) -> Callable[[Mapping, int], ClientShape]:
-    """``<section>.local-steps`` steps per round, or (0) ``<section>.local-epochs`` passes over the
-    node's records in batches of ``<section>.batch-size``."""
-    def shape(cfg: Mapping, n_train: int) -> ClientShape:
-        batch = cfg[f"{section}.batch-size"]
-        steps = cfg[f"{section}.local-steps"]
-        if steps <= 0:
-            steps = cfg[f"{section}.local-epochs"] * math.ceil(n_train / batch)
-        return ClientShape(n_train, batch, steps)
     return shape
 
 
-def _reprogram_shape(cfg: Mapping, n_train: int) -> ClientShape:
-    return ClientShape(n_train, cfg["reprogram.batch-size"], cfg["reprogram.local-iterations"])
+def _reprogram_shape(cfg: RunConfig, n_train: int) -> ClientShape:
+    return ClientShape(n_train, cfg.reprogram.batch_size, cfg.reprogram.local_iterations)
 
 
-PROMPT = Family("prompt", False, "embedded", "pathological", 0.3, 1.0, node_data, _steps_or_epochs("prompt"))
-VLM = Family("vlm", True, "embedded-captions", "dirichlet", 0.5, 0.3, vlm_node_data, _steps_or_epochs("lora"),
-             resolve=_vlm_resolve)
+PROMPT = Family(
+    "prompt", False, "embedded", "pathological", 0.3, 1.0, node_data, _steps_or_epochs(lambda cfg: cfg.prompt)
+)
+VLM = Family(
+    "vlm", True, "embedded-captions", "dirichlet", 0.5, 0.3, vlm_node_data, _steps_or_epochs(lambda cfg: cfg.lora)
+)
 # Reprogrammable-FL: 3 clients, IID, all of them every round, DP-SGD with C = 1, z = 1.1
-REPROGRAM = Family("reprogram", False, "digits", "iid", 0.5, 1.0, node_data, _reprogram_shape, privacy_clip=1.0,
-                   noise_multiplier=1.1, resolve=resolve_reprogram)
+REPROGRAM = Family(
+    "reprogram",
+    False,
+    "digits",
+    "iid",
+    0.5,
+    1.0,
+    node_data,
+    _reprogram_shape,
+    privacy_clip=1.0,
+    noise_multiplier=1.1,
+    check=check_reprogram,
+)
 FAMILIES: dict[str, Family] = {f.name: f for f in (PROMPT, VLM, REPROGRAM)}
 
 # DP-SGD on the whole adapter (one per-sample clip over all its tensors), so whatever part a
 # LoRA method sends is post-processing of noised steps
-_LORA_DP = _dp("ldp-adapter", "client: per-sample-clipped gradient of the whole adapter at every local step "
-               "(DP-SGD); the tensors sent are post-processing")
+_LORA_DP = _dp(
+    "ldp-adapter",
+    "client: per-sample-clipped gradient of the whole adapter at every local step "
+    "(DP-SGD); the tensors sent are post-processing",
+)
 _GLOBAL_GRAD = shares_only("global_grad")
 _ONE_STEP = {"prompt.local-steps": 1}  # DP-FPL's Algorithm 1: one local step per round
-_FULL_EPOCH = {"prompt.local-steps": 0}
-_REPROGRAM_DP = _dp("dp-sgd", "client: DP-SGD (Opacus) on every trainable parameter: each sample's whole gradient "
-                    "clipped to C, Gaussian noise on the sum of a Poisson batch, divided by its expected size")
+# what 'auto' means for a key no method decided: full local epochs (PromptFL's and CoOp's setting)
+_UNDECIDED = {"prompt.local-steps": 0}
+_REPROGRAM_DP = _dp(
+    "dp-sgd",
+    "client: DP-SGD (Opacus) on every trainable parameter: each sample's whole gradient "
+    "clipped to C, Gaussian noise on the sum of a Poisson batch, divided by its expected size",
+)
 
 
 def _reprogram(name: str, kind: str, summary: str) -> MethodSpec:
-    return MethodSpec(name, REPROGRAM, summary, ReprogramStrategy, ReprogramClient, shares=shares_all,
-                      local_dp=_REPROGRAM_DP, model_kind=kind)
+    return MethodSpec(
+        name,
+        REPROGRAM,
+        summary,
+        ReprogramStrategy,
+        ReprogramClient,
+        shares=shares_all,
+        local_dp=_REPROGRAM_DP,
+        model_kind=kind,
+    )
 
 
-METHODS: dict[str, MethodSpec] = {m.name: m for m in (
-    MethodSpec(
-        "promptfl", PROMPT, "PromptFL: one shared prompt, FedAvg weighted by client data size (optional FedProx).",
-        PromptFLStrategy, PromptFLClient, shares=shares_only("ctx"), defaults=_FULL_EPOCH,
-        dp_defaults=_ONE_STEP,  # DP-FPL's baselines under DP: one local step per round (Algorithm 1)
-        local_dp=_dp("ldp-prompt", "client: gradient of the prompt at every local step (the shared prompt is "
-                     "post-processing)"),
-    ),
-    MethodSpec(
-        "coop", PROMPT, "CoOp trained locally: every client learns its own prompt; nothing is aggregated.",
-        LocalOnlyStrategy, CoOpClient, defaults=_FULL_EPOCH,
-    ),
-    MethodSpec(
-        "zeroshot", PROMPT, "Zero-shot CLIP with a hand-written template; evaluation only.",
-        EvaluateOnlyStrategy, ZeroShotClient, trains=False, defaults=_FULL_EPOCH,
-    ),
-    MethodSpec(
-        "dpfpl", PROMPT, "DP-FPL: global prompt (server, global DP) + private local prompt factorised every step "
-        "into u v + residual (local DP on the gradients of u and v).",
-        GlobalGradientStrategy, DPFPLClient, shares=_GLOBAL_GRAD, defaults=_ONE_STEP, local_dp=_dpfpl_local,
-        rank_key="dpfpl.rank",
-    ),
-    MethodSpec(
-        "fedotp", PROMPT, "FedOTP: global + local prompt per class, matched to image patches by unbalanced optimal "
-        "transport; global DP on the global prompt, local DP on the local prompt.",
-        GlobalGradientStrategy, FedOTPClient, shares=_GLOBAL_GRAD, defaults=_ONE_STEP,
-        local_dp=_dp("ldp-local", "client: gradient of the full-rank local prompt at every local step"),
-    ),
-    MethodSpec(
-        "fedpgp", PROMPT, "FedPGP: global prompt + low-rank personal u v (factorised once) with a prompt-wise "
-        "contrastive term; global DP on the global prompt, local DP on u and v.",
-        GlobalGradientStrategy, FedPGPClient, shares=_GLOBAL_GRAD, defaults=_ONE_STEP,
-        local_dp=_dp("ldp-lowrank", "client: gradients of the low-rank personal factors u and v at every local "
-                     "step", 2),
-        rank_key="fedpgp.rank",
-    ),
-    MethodSpec(
-        "fedrand", VLM, "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
-        "one randomly drawn half (all A or all B), the other half stays private; per-half averaging.",
-        FedRandStrategy, FedRandClient, shares=shares_all, local_dp=_LORA_DP, adapter="lora",
-    ),
-    MethodSpec(
-        "fedavg-lora", VLM, "FedAvg on the full LoRA adapter (both halves both ways): FedRand's oracle baseline.",
-        LoRAStrategy, LoRAClient, shares=shares_all, local_dp=_LORA_DP, adapter="lora",
-    ),
-    MethodSpec(
-        "fedper-lora", VLM, "FedPer: the top layers' LoRA is shared (fedper.shared-layers), the rest stays on the "
-        "client.",
-        LoRAStrategy, LoRAClient, shares=_fedper_top, local_dp=_LORA_DP, adapter="lora",
-    ),
-    MethodSpec(
-        "fedpara-lora", VLM, "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) "
-        "(peft LoHa).",
-        LoRAStrategy, FedParaClient, shares=_fedpara_global, local_dp=_LORA_DP, adapter="loha",
-    ),
-    _reprogram("reprogram", "mr", "Reprogrammable-FL: a frozen source classifier; only the input program "
-               "tanh(M*Theta) around the zero-padded image and the linear output map train, with DP-SGD (Opacus) "
-               "and FedAvg."),
-    _reprogram("bl-ff", "ff", "Reprogrammable-FL's full fine-tune baseline: every weight of the source network "
-               "(GroupNorm for BatchNorm) and a new head, same DP-SGD and FedAvg."),
-    _reprogram("bl-pf", "pf", "Reprogrammable-FL's partial fine-tune baseline: only a new head on the frozen source "
-               "features."),
-    _reprogram("bl-ts", "ts", "Reprogrammable-FL's from-scratch baseline: the source architecture from random "
-               "weights (GroupNorm), every weight trains."),
-)}
+METHODS: dict[str, MethodSpec] = {
+    m.name: m
+    for m in (
+        MethodSpec(
+            "promptfl",
+            PROMPT,
+            "PromptFL: one shared prompt, FedAvg weighted by client data size (optional FedProx).",
+            PromptFLStrategy,
+            PromptFLClient,
+            shares=shares_only("ctx"),
+            dp_defaults=_ONE_STEP,  # DP-FPL's baselines under DP: one local step per round (Algorithm 1)
+            local_dp=_dp(
+                "ldp-prompt",
+                "client: gradient of the prompt at every local step (the shared prompt is post-processing)",
+            ),
+        ),
+        MethodSpec(
+            "coop",
+            PROMPT,
+            "CoOp trained locally: every client learns its own prompt; nothing is aggregated.",
+            LocalOnlyStrategy,
+            CoOpClient,
+        ),
+        MethodSpec(
+            "zeroshot",
+            PROMPT,
+            "Zero-shot CLIP with a hand-written template; evaluation only.",
+            EvaluateOnlyStrategy,
+            ZeroShotClient,
+            trains=False,
+        ),
+        MethodSpec(
+            "dpfpl",
+            PROMPT,
+            "DP-FPL: global prompt (server, global DP) + private local prompt factorised every step "
+            "into u v + residual (local DP on the gradients of u and v).",
+            GlobalGradientStrategy,
+            DPFPLClient,
+            shares=_GLOBAL_GRAD,
+            defaults=_ONE_STEP,
+            local_dp=_dpfpl_local,
+            rank_key="dpfpl.rank",
+        ),
+        MethodSpec(
+            "fedotp",
+            PROMPT,
+            "FedOTP: global + local prompt per class, matched to image patches by unbalanced optimal "
+            "transport; global DP on the global prompt, local DP on the local prompt.",
+            GlobalGradientStrategy,
+            FedOTPClient,
+            shares=_GLOBAL_GRAD,
+            defaults=_ONE_STEP,
+            local_dp=_dp("ldp-local", "client: gradient of the full-rank local prompt at every local step"),
+        ),
+        MethodSpec(
+            "fedpgp",
+            PROMPT,
+            "FedPGP: global prompt + low-rank personal u v (factorised once) with a prompt-wise "
+            "contrastive term; global DP on the global prompt, local DP on u and v.",
+            GlobalGradientStrategy,
+            FedPGPClient,
+            shares=_GLOBAL_GRAD,
+            defaults=_ONE_STEP,
+            local_dp=_dp(
+                "ldp-lowrank", "client: gradients of the low-rank personal factors u and v at every local step", 2
+            ),
+            rank_key="fedpgp.rank",
+        ),
+        MethodSpec(
+            "fedrand",
+            VLM,
+            "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
+            "one randomly drawn half (all A or all B), the other half stays private; per-half averaging.",
+            FedRandStrategy,
+            FedRandClient,
+            shares=shares_all,
+            local_dp=_LORA_DP,
+            adapter="lora",
+        ),
+        MethodSpec(
+            "fedavg-lora",
+            VLM,
+            "FedAvg on the full LoRA adapter (both halves both ways): FedRand's oracle baseline.",
+            LoRAStrategy,
+            LoRAClient,
+            shares=shares_all,
+            local_dp=_LORA_DP,
+            adapter="lora",
+        ),
+        MethodSpec(
+            "fedper-lora",
+            VLM,
+            "FedPer: the top layers' LoRA is shared (fedper.shared-layers), the rest stays on the client.",
+            LoRAStrategy,
+            LoRAClient,
+            shares=_fedper_top,
+            local_dp=_LORA_DP,
+            adapter="lora",
+        ),
+        MethodSpec(
+            "fedpara-lora",
+            VLM,
+            "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) (peft LoHa).",
+            LoRAStrategy,
+            FedParaClient,
+            shares=_fedpara_global,
+            local_dp=_LORA_DP,
+            adapter="loha",
+        ),
+        _reprogram(
+            "reprogram",
+            "mr",
+            "Reprogrammable-FL: a frozen source classifier; only the input program "
+            "tanh(M*Theta) around the zero-padded image and the linear output map train, with DP-SGD (Opacus) "
+            "and FedAvg.",
+        ),
+        _reprogram(
+            "bl-ff",
+            "ff",
+            "Reprogrammable-FL's full fine-tune baseline: every weight of the source network "
+            "(GroupNorm for BatchNorm) and a new head, same DP-SGD and FedAvg.",
+        ),
+        _reprogram(
+            "bl-pf",
+            "pf",
+            "Reprogrammable-FL's partial fine-tune baseline: only a new head on the frozen source features.",
+        ),
+        _reprogram(
+            "bl-ts",
+            "ts",
+            "Reprogrammable-FL's from-scratch baseline: the source architecture from random "
+            "weights (GroupNorm), every weight trains.",
+        ),
+    )
+}
 
 
 class UnknownMethod(ValueError):
@@ -201,36 +303,42 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
     except UnknownMethod as err:
         raise ConfigError(str(err)) from None
     family = method.family
-    if values["dataset"] == "auto":
-        values["dataset"] = family.default_dataset
-    if values["partitioner"] == "auto":
-        values["partitioner"] = family.default_partitioner
-    if values["dirichlet-alpha"] == 0:
-        values["dirichlet-alpha"] = family.dirichlet_alpha
-    if values["fraction-train"] == 0:
-        values["fraction-train"] = family.fraction_train
-    if values["privacy.clip"] == -1:
-        values["privacy.clip"] = family.privacy_clip
-    if values["privacy.noise-multiplier"] == -1:
+    family_decides = {
+        "dataset": family.default_dataset,
+        "partitioner": family.default_partitioner,
+        "dirichlet-alpha": family.dirichlet_alpha,
+        "fraction-train": family.fraction_train,
+        "privacy.clip": family.privacy_clip,
+    }
+    for key, value in family_decides.items():
+        if values[key] == AUTO:
+            values[key] = value
+    if values["privacy.noise-multiplier"] == AUTO:
         # the family's fixed noise is the default only when no epsilon is asked for
         values["privacy.noise-multiplier"] = 0.0 if values["privacy.epsilon"] > 0 else family.noise_multiplier
     elif values["privacy.noise-multiplier"] > 0 and values["privacy.epsilon"] > 0:
         raise ConfigError(
             f"run config sets both 'privacy.epsilon' = {values['privacy.epsilon']} (calibrate the noise to it) and "
             f"'privacy.noise-multiplier' = {values['privacy.noise-multiplier']} (fixed noise, epsilon only reported); "
-            "set one of them, the other to 0")
-    if family.resolve:
-        family.resolve(values)
+            "set one of them, the other to 0"
+        )
+    resolve_derived(values)
+    if family.check:
+        family.check(values)
     if (values["dataset"] in VLM_DATASETS) != family.image_text:
-        fitting = sorted(VLM_DATASETS) if family.image_text else [
-            d for d in KEY_BY_NAME["dataset"].choices if d not in VLM_DATASETS and d != "auto"]
+        fitting = (
+            sorted(VLM_DATASETS)
+            if family.image_text
+            else [d for d in KEY_BY_NAME["dataset"].choices if d not in VLM_DATASETS and d != AUTO]
+        )
         raise ConfigError(
             f"run config 'dataset' = {values['dataset']!r} does not fit method {method.name!r} "
             f"({'image-text' if family.image_text else 'image classification'} data needed); "
-            f"accepted: {', '.join(fitting)}")
+            f"accepted: {', '.join(fitting)}"
+        )
     private = values["privacy.epsilon"] > 0 or values["privacy.noise-multiplier"] > 0
-    for key, value in {**method.defaults, **(method.dp_defaults if private else {})}.items():
-        if values[key] in (-1, "auto"):  # the method decides
+    for key, value in {**_UNDECIDED, **method.defaults, **(method.dp_defaults if private else {})}.items():
+        if values[key] == AUTO:  # the method decides
             values[key] = value
     if private and not method.supports_dp:
         dp_methods = ", ".join(m.name for m in METHODS.values() if m.supports_dp)
@@ -240,4 +348,4 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
         )
     if method.rank_key:
         _check_rank(values, method.rank_key)
-    return RunConfig(finish(values), method)
+    return RunConfig.from_flat(finish(values), method)

@@ -9,22 +9,23 @@ code, so both sides can type against it without an import cycle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from fedvlm.privacy.planner import ClientShape, LocalDP
+from fedvlm.runconfig.schema import RunConfig
 
 # (run config, names of the tensors the client's model has) -> names that may leave a client.
 # The server, the client and the send guard all evaluate this one rule.
-SharedRule = Callable[[Mapping, Collection[str]], frozenset[str]]
+SharedRule = Callable[[RunConfig, Collection[str]], frozenset[str]]
 
 
-def shares_nothing(cfg: Mapping, names: Collection[str]) -> frozenset[str]:
+def shares_nothing(cfg: RunConfig, names: Collection[str]) -> frozenset[str]:
     return frozenset()
 
 
-def shares_all(cfg: Mapping, names: Collection[str]) -> frozenset[str]:
+def shares_all(cfg: RunConfig, names: Collection[str]) -> frozenset[str]:
     return frozenset(names)
 
 
@@ -36,23 +37,23 @@ def shares_only(*fixed: str) -> SharedRule:
 
 @dataclass(frozen=True)
 class Family:
-    """What the methods of one family share: their data, their defaults (what 'auto' and the
-    family sentinels resolve to), and how a node loads its data."""
+    """What the methods of one family share: their data, their defaults (what 'auto' resolves
+    to), and how a node loads its data."""
 
     name: str
     image_text: bool  # image-text data (captions, VQA) rather than image classification
     default_dataset: str
     default_partitioner: str
-    dirichlet_alpha: float  # what dirichlet-alpha = 0 means (the family's papers' value)
-    fraction_train: float  # what fraction-train = 0 means
+    dirichlet_alpha: float  # what dirichlet-alpha = 'auto' means (the family's papers' value)
+    fraction_train: float  # what fraction-train = 'auto' means
     node_data: Callable[[Any, dict], Any]  # (run config, node config) -> the node's data
     # (run config, a node's training records) -> its local training per round: batch size and
     # steps. The server plans with it and sends the result; clients never recompute it.
-    local_shape: Callable[[Mapping, int], ClientShape]
-    privacy_clip: float = 10.0  # what privacy.clip = -1 means
-    noise_multiplier: float = 0.0  # what privacy.noise-multiplier = -1 means (0: calibrate to epsilon)
-    # the family's own 'auto' values and the combinations it cannot run (raises ConfigError)
-    resolve: Callable[[dict], None] | None = None
+    local_shape: Callable[[RunConfig, int], ClientShape]
+    privacy_clip: float = 10.0  # what privacy.clip = 'auto' means
+    noise_multiplier: float = 0.0  # what privacy.noise-multiplier = 'auto' means (0: calibrate to epsilon)
+    # the combinations the family cannot run (raises ConfigError), on the resolved flat values
+    check: Callable[[dict], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,11 @@ class MethodSpec:
     client: type  # the client trainer
     shares: SharedRule = shares_nothing  # which tensors may leave a client
     trains: bool = True
-    defaults: dict = field(default_factory=dict)  # what the 'method decides' sentinel means per key
+    defaults: dict = field(default_factory=dict)  # what 'auto' means per flat key, for this method
     dp_defaults: dict = field(default_factory=dict)  # ... with privacy on, where it differs
     # the local-DP mechanism its clients run when privacy is on (a function of the run config);
     # None: no DP mechanism
-    local_dp: Callable[[Mapping], LocalDP] | None = None
+    local_dp: Callable[[RunConfig], LocalDP] | None = None
     model_kind: str = ""  # reprogramming: what trains ('mr', 'ff', 'pf', 'ts'; models.reprogram)
     adapter: str = ""  # VLM methods: the peft adapter ('lora', 'loha')
     rank_key: str = ""  # low-rank prompt methods: the config key of the rank k (checked: k <= M)

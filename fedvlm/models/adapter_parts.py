@@ -28,7 +28,7 @@ def top_layers(names: Iterable[str], count: int) -> list[str]:
     layers = sorted({i for i in (layer_of(n) for n in names) if i is not None})
     if count > len(layers):
         raise ValueError(f"fedper.shared-layers = {count} but the language model has {len(layers)} adapted layers")
-    keep = set(layers[len(layers) - count:])
+    keep = set(layers[len(layers) - count :])
     return sorted(n for n in names if layer_of(n) in keep)
 
 

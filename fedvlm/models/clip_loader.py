@@ -17,9 +17,9 @@ import hashlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -100,8 +100,12 @@ def _tiny_augment(img: Image.Image) -> torch.Tensor:
     from torchvision.transforms import v2
 
     x = _tiny_preprocess(img)
-    aug = v2.Compose([v2.RandomResizedCrop(tiny_clip.embedded.IMAGE_SIZE, scale=(0.6, 1.0), antialias=True),
-                      v2.RandomHorizontalFlip()])
+    aug = v2.Compose(
+        [
+            v2.RandomResizedCrop(tiny_clip.embedded.IMAGE_SIZE, scale=(0.6, 1.0), antialias=True),
+            v2.RandomHorizontalFlip(),
+        ]
+    )
     return aug(x)
 
 
@@ -148,10 +152,14 @@ def _load_open_clip(name: str, pretrained: str, cache_dir: Path):
                 name, pretrained=pretrained, cache_dir=str(cache_dir / "open_clip") if cache_dir else None
             )
     except Exception as err:
-        where = "the download failed" if online else "this machine cannot reach huggingface.co and they are not in the local cache"
+        where = (
+            "the download failed"
+            if online
+            else "this machine cannot reach huggingface.co and they are not in the local cache"
+        )
         raise BackboneError(
             f"weights for {name} / {pretrained} could not be loaded: {where} ({err}). Supply them "
-            f"as a local file: on a machine with network run `python -c \"import open_clip; "
+            f'as a local file: on a machine with network run `python -c "import open_clip; '
             f"open_clip.create_model('{name}', pretrained='{pretrained}', cache_dir='weights')\"`, copy "
             f"the open_clip_pytorch_model.bin it saves here, and set clip.pretrained='/path/to/that/file'"
         ) from err
@@ -169,7 +177,13 @@ def load_clip(name: str, pretrained: str, cache_dir: Path, device: str = "auto")
         return _CACHE[key]
     if name == tiny_clip.EMBEDDED_MODEL_NAME:
         model, path = tiny_clip.load_embedded_clip(Path(cache_dir))
-        bundle_parts = (model, _tiny_preprocess, _tiny_augment, tiny_clip.tokenizer(), f"{name}:{tiny_clip.PretrainRecipe().key()}")
+        bundle_parts = (
+            model,
+            _tiny_preprocess,
+            _tiny_augment,
+            tiny_clip.tokenizer(),
+            f"{name}:{tiny_clip.PretrainRecipe().key()}",
+        )
         pretrained = "embedded (pretrained on the embedded domain at first use)"
     else:
         model, preprocess, tok, fp = _load_open_clip(name, pretrained, Path(cache_dir))

@@ -39,8 +39,9 @@ def cache_key(fingerprint: str, source: ImageSource, indices: np.ndarray, transf
 
 
 @torch.no_grad()
-def encode_images(bundle, source: ImageSource, indices: np.ndarray, batch_size: int, transform=None,
-                  kind: str = "pooled") -> torch.Tensor:
+def encode_images(
+    bundle, source: ImageSource, indices: np.ndarray, batch_size: int, transform=None, kind: str = "pooled"
+) -> torch.Tensor:
     """Normalised image features of ``source[indices]`` (float32, on CPU): pooled [n, D], or
     with ``kind="patch-tokens"`` one embedding per patch [n, P, D] (FedOTP)."""
     transform = transform or bundle.preprocess
@@ -57,8 +58,14 @@ def encode_images(bundle, source: ImageSource, indices: np.ndarray, batch_size: 
     return torch.cat(out) if out else torch.empty(0, bundle.embed_dim)
 
 
-def image_features(bundle, source: ImageSource, indices: np.ndarray, cache_dir: Path | None, batch_size: int = 128,
-                   kind: str = "pooled") -> torch.Tensor:
+def image_features(
+    bundle,
+    source: ImageSource,
+    indices: np.ndarray,
+    cache_dir: Path | None,
+    batch_size: int = 128,
+    kind: str = "pooled",
+) -> torch.Tensor:
     """Cached ``encode_images`` (memory, then disk, then compute)."""
     indices = np.asarray(indices, dtype=np.int64)
     key = cache_key(bundle.fingerprint, source, indices, "eval" if kind == "pooled" else kind)

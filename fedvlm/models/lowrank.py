@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 
 
-def factorize(p_local: torch.Tensor, rank: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def factorize(
+    p_local: torch.Tensor, rank: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(u, v, r) with p_local = u v + r; see the module docstring."""
     m, n = p_local.shape
     if not 1 <= rank <= min(m, n):

@@ -16,8 +16,9 @@ import torch
 
 
 @torch.no_grad()
-def unbalanced_sinkhorn(cost: torch.Tensor, eps: float = 0.1, tau: float = 1.0, iters: int = 100,
-                        tol: float = 1e-4) -> torch.Tensor:
+def unbalanced_sinkhorn(
+    cost: torch.Tensor, eps: float = 0.1, tau: float = 1.0, iters: int = 100, tol: float = 1e-4
+) -> torch.Tensor:
     """Transport plans [..., P, N] for costs [..., P, N] between uniform marginals; stops
     early once the scalings change by less than ``tol`` (checked every 10 iterations)."""
     *batch, p, n = cost.shape

@@ -45,7 +45,7 @@ class TextTower:
     eos_id: int | None
 
     @classmethod
-    def from_open_clip(cls, model: nn.Module) -> "TextTower":
+    def from_open_clip(cls, model: nn.Module) -> TextTower:
         """Take the text tower out of an open_clip CLIP or CustomTextCLIP model."""
         src = getattr(model, "text", model)  # CustomTextCLIP keeps it in .text
         if not hasattr(src, "token_embedding"):
@@ -159,8 +159,7 @@ class PromptEncoder(nn.Module):
             ctx = ctx.unsqueeze(0).expand(self.n_classes, -1, -1)
         elif ctx.dim() != 3 or ctx.shape[0] != self.n_classes:
             raise ValueError(
-                f"context must be [n_ctx, width] or [n_classes={self.n_classes}, n_ctx, width], "
-                f"got {tuple(ctx.shape)}"
+                f"context must be [n_ctx, width] or [n_classes={self.n_classes}, n_ctx, width], got {tuple(ctx.shape)}"
             )
         if ctx.shape[1] != self.n_ctx:
             raise ValueError(f"context has {ctx.shape[1]} tokens, the encoder was built for {self.n_ctx}")
@@ -197,6 +196,8 @@ def init_context(
     return torch.randn(shape, generator=generator) * std
 
 
-def clip_logits(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor | float) -> torch.Tensor:
+def clip_logits(
+    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor | float
+) -> torch.Tensor:
     """CLIP logits: ``logit_scale * cos(image, text)``; both inputs already normalised."""
     return logit_scale * image_features @ text_features.t()

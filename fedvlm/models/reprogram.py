@@ -88,16 +88,20 @@ def _torchvision_source(name: str, weights: str) -> tuple[nn.Module, str, str]:
             raise SourceModelError(
                 f"ImageNet weights of {name} are not in torchvision's cache ({cached}) and "
                 f"download.pytorch.org cannot be reached: download {enum.url} to that path on a machine "
-                f"with network, or set reprogram.source-weights to a local state-dict file")
+                f"with network, or set reprogram.source-weights to a local state-dict file"
+            )
         try:
             return builder(weights=enum), f"imagenet ({enum.name})", f"{name}:{enum.name}"
         except Exception as e:  # network or file errors: say what to do
-            raise SourceModelError(f"loading ImageNet weights of {name} failed ({e}); download {enum.url} "
-                                   f"into {cached.parent} or set reprogram.source-weights to a local file") from e
+            raise SourceModelError(
+                f"loading ImageNet weights of {name} failed ({e}); download {enum.url} "
+                f"into {cached.parent} or set reprogram.source-weights to a local file"
+            ) from e
     path = Path(weights).expanduser()
     if not path.is_file():
-        raise SourceModelError(f"reprogram.source-weights = {weights!r} is neither 'imagenet', 'random' nor an "
-                               "existing state-dict file")
+        raise SourceModelError(
+            f"reprogram.source-weights = {weights!r} is neither 'imagenet', 'random' nor an existing state-dict file"
+        )
     model = builder(weights=None)
     state = torch.load(path, map_location="cpu", weights_only=True)
     state = state.get("state_dict", state) if isinstance(state, dict) else state
@@ -118,8 +122,10 @@ def load_source(name: str, weights: str, cache_dir: Path) -> SourceModel:
             model, key = tiny_resnet.load_pretrained(cache_dir)
             label, fp = "pretrained here on the embedded shapes domain (not ImageNet)", key
         else:
-            raise SourceModelError(f"reprogram.source-weights = {weights!r} does not apply to {name}: use 'auto' "
-                                   "(pretrained here) or 'random'")
+            raise SourceModelError(
+                f"reprogram.source-weights = {weights!r} does not apply to {name}: use 'auto' "
+                "(pretrained here) or 'random'"
+            )
         size, mean, std = tiny_resnet.INPUT_SIZE, tiny_resnet.MEAN, tiny_resnet.STD
     elif name in TORCHVISION_SOURCES:
         model, label, fp = _torchvision_source(name, weights)
@@ -152,7 +158,7 @@ class InputProgram(nn.Module):
         self.theta = nn.Parameter(torch.zeros(3, source_size, source_size))
         lo = (source_size - image_size) // 2
         mask = torch.ones(1, source_size, source_size)
-        mask[:, lo:lo + image_size, lo:lo + image_size] = 0.0
+        mask[:, lo : lo + image_size, lo : lo + image_size] = 0.0
         # A plain attribute, not a buffer: Opacus computes per-sample gradients of modules with
         # parameters only (it refuses trainable modules that hold buffers).
         self._mask = mask
@@ -265,10 +271,10 @@ def input_size(kind: str, source: SourceModel, image_size: int) -> int:
 
 def source_model(cfg) -> SourceModel:
     """The run config's source model (cached per process)."""
-    return cached_source(cfg["reprogram.source-model"], cfg["reprogram.source-weights"], cfg.cache_dir)
+    return cached_source(cfg.reprogram.source_model, cfg.reprogram.source_weights, cfg.cache_path)
 
 
 def initial_model(cfg, num_classes: int) -> nn.Module:
     """The run's method's model (its ``model_kind``), with the run's seeded initial values: the
     server sends these to every client in round 1, so every process builds the same ones."""
-    return build_model(cfg.method.model_kind, source_model(cfg), num_classes, cfg["reprogram.image-size"], cfg["seed"])
+    return build_model(cfg.spec.model_kind, source_model(cfg), num_classes, cfg.reprogram.image_size, cfg.seed)

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 from open_clip.tokenizer import SimpleTokenizer
+from torch import nn
 
 from fedvlm.data import embedded
 from fedvlm.models.prompt_learner import TextTower

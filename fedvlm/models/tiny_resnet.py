@@ -98,8 +98,10 @@ def pretrain(recipe: ResNetRecipe = ResNetRecipe()) -> TinyResNet:
     # Clean and cluttered scenes under neutral light, as the embedded CLIP saw: features for
     # objects on busy backgrounds, not just for a plain grey field.
     half = recipe.images_per_class // 2
-    parts = [embedded.generate(half, seed=30_000 + recipe.seed, style="pretrain"),
-             embedded.generate(recipe.images_per_class - half, seed=31_000 + recipe.seed, style="pretrain-cluttered")]
+    parts = [
+        embedded.generate(half, seed=30_000 + recipe.seed, style="pretrain"),
+        embedded.generate(recipe.images_per_class - half, seed=31_000 + recipe.seed, style="pretrain-cluttered"),
+    ]
     images = np.concatenate([p[0] for p in parts])
     x, y = _normalise(images), torch.from_numpy(np.concatenate([p[1] for p in parts]))
     rng = np.random.default_rng(recipe.seed)

@@ -61,8 +61,9 @@ class VLMRecipe:
 
     def key(self) -> str:
         # the corpus comes from data.scenes (and data.embedded's drawing code): their versions key it
-        blob = json.dumps({**asdict(self), "domain": domain_version(), "scenes": scenes.domain_version()},
-                          sort_keys=True).encode()
+        blob = json.dumps(
+            {**asdict(self), "domain": domain_version(), "scenes": scenes.domain_version()}, sort_keys=True
+        ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -74,28 +75,63 @@ def build_processor(recipe: VLMRecipe, corpus: list[str]):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS), min_frequency=1)
     tok.train_from_iterator([" ".join(scenes.vocabulary())] + corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
-    images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-                                image_mean=list(MEAN), image_std=list(STD), do_convert_rgb=True)
-    return LlavaProcessor(image_processor=images, tokenizer=fast, patch_size=recipe.patch_size,
-                          vision_feature_select_strategy="default", chat_template=CHAT_TEMPLATE,
-                          num_additional_image_tokens=1)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    images = CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_mean=list(MEAN),
+        image_std=list(STD),
+        do_convert_rgb=True,
+    )
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=fast,
+        patch_size=recipe.patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=CHAT_TEMPLATE,
+        num_additional_image_tokens=1,
+    )
 
 
 def build_model(recipe: VLMRecipe, tokenizer):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    vision = CLIPVisionConfig(hidden_size=recipe.vision_width, intermediate_size=2 * recipe.vision_width,
-                              num_hidden_layers=recipe.vision_layers, num_attention_heads=recipe.heads,
-                              image_size=IMAGE_SIZE, patch_size=recipe.patch_size, projection_dim=recipe.vision_width)
-    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=recipe.text_width, intermediate_size=2 * recipe.text_width,
-                       num_hidden_layers=recipe.text_layers, num_attention_heads=recipe.heads,
-                       num_key_value_heads=recipe.heads, max_position_embeddings=256,
-                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                         vision_feature_select_strategy="default", vision_feature_layer=-1)
+    vision = CLIPVisionConfig(
+        hidden_size=recipe.vision_width,
+        intermediate_size=2 * recipe.vision_width,
+        num_hidden_layers=recipe.vision_layers,
+        num_attention_heads=recipe.heads,
+        image_size=IMAGE_SIZE,
+        patch_size=recipe.patch_size,
+        projection_dim=recipe.vision_width,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.text_width,
+        intermediate_size=2 * recipe.text_width,
+        num_hidden_layers=recipe.text_layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.heads,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
     torch.manual_seed(recipe.seed)
     return LlavaForConditionalGeneration(config)
 
@@ -107,7 +143,12 @@ def pretrain(recipe: VLMRecipe, out_dir: Path) -> None:
     t0 = time.time()
     corpus = scenes.generate("pretrain", recipe.samples, seed=30_000 + recipe.seed)
     # the tokenizer also sees the federated tasks' words (a real tokenizer knows them all)
-    vocab_texts = corpus.targets + corpus.prompts + scenes.generate("caption", 50, 1).targets + scenes.generate("vqa", 50, 1).prompts
+    vocab_texts = (
+        corpus.targets
+        + corpus.prompts
+        + scenes.generate("caption", 50, 1).targets
+        + scenes.generate("vqa", 50, 1).prompts
+    )
     processor = build_processor(recipe, vocab_texts)
     model = build_model(recipe, processor.tokenizer)
     vlm = VLM(model, processor, "embedded", torch.device("cpu"))
@@ -118,7 +159,9 @@ def pretrain(recipe: VLMRecipe, out_dir: Path) -> None:
     model.train()
     for step in range(recipe.steps):
         idx = rng.choice(len(images), size=recipe.batch_size, replace=False)
-        batch = vlm.training_batch([images[i] for i in idx], [corpus.prompts[i] for i in idx], [corpus.targets[i] for i in idx])
+        batch = vlm.training_batch(
+            [images[i] for i in idx], [corpus.prompts[i] for i in idx], [corpus.targets[i] for i in idx]
+        )
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -126,7 +169,13 @@ def pretrain(recipe: VLMRecipe, out_dir: Path) -> None:
         opt.step()
         sched.step()
         if (step + 1) % 100 == 0:
-            log.info("tiny VLM pretraining: step %d/%d, loss %.3f (%.0fs)", step + 1, recipe.steps, loss.item(), time.time() - t0)
+            log.info(
+                "tiny VLM pretraining: step %d/%d, loss %.3f (%.0fs)",
+                step + 1,
+                recipe.steps,
+                loss.item(),
+                time.time() - t0,
+            )
     model.eval()
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)

@@ -64,20 +64,33 @@ def load_model_and_processor(name: str, cache_dir: Path, trust_remote_code: bool
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = resolve_model_path(name, cache_dir)
-    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                   "float16": torch.float16}[dtype]
+    torch_dtype = {
+        "auto": torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[dtype]
     try:
         with _hf_offline_context():
             processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = AutoModelForImageTextToText.from_pretrained(path, trust_remote_code=trust_remote_code, dtype=torch_dtype)
+            model = AutoModelForImageTextToText.from_pretrained(
+                path, trust_remote_code=trust_remote_code, dtype=torch_dtype
+            )
     except (OSError, ValueError) as err:
         local = Path(path).expanduser().exists()
-        hint = ("the directory exists but is not a transformers checkpoint with a processor" if local else
-                "it is neither a local directory nor in the Hugging Face cache, and this machine may be offline; "
-                f"on a machine with network run `huggingface-cli download {path}` (or save_pretrained the model "
-                "and processor to a directory) and set vlm.model to that directory")
-        extra = "" if trust_remote_code else "; models with custom code (TinyLLaVA) also need vlm.trust-remote-code=true"
-        raise VLMLoadError(f"vlm.model = {name!r} could not be loaded: {hint}{extra} ({type(err).__name__}: {err})") from err
+        hint = (
+            "the directory exists but is not a transformers checkpoint with a processor"
+            if local
+            else "it is neither a local directory nor in the Hugging Face cache, and this machine may be offline; "
+            f"on a machine with network run `huggingface-cli download {path}` (or save_pretrained the model "
+            "and processor to a directory) and set vlm.model to that directory"
+        )
+        extra = (
+            "" if trust_remote_code else "; models with custom code (TinyLLaVA) also need vlm.trust-remote-code=true"
+        )
+        raise VLMLoadError(
+            f"vlm.model = {name!r} could not be loaded: {hint}{extra} ({type(err).__name__}: {err})"
+        ) from err
     return model, processor
 
 
@@ -104,9 +117,10 @@ class AdapterSpec:
     @classmethod
     def from_config(cls, cfg) -> AdapterSpec:
         """The run's adapter: the method's kind, the ``lora.*`` keys."""
-        targets = tuple(t.strip() for t in cfg["lora.target-modules"].split(",") if t.strip())
-        return cls(cfg.method.adapter, cfg["lora.rank"], cfg["lora.alpha"], cfg["lora.dropout"], targets,
-                   cfg["vlm.language-model-pattern"])
+        targets = tuple(t.strip() for t in cfg.lora.target_modules.split(",") if t.strip())
+        return cls(
+            cfg.spec.adapter, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, targets, cfg.vlm.language_model_pattern
+        )
 
 
 def add_adapter(model: torch.nn.Module, spec: AdapterSpec, seed: int) -> torch.nn.Module:
@@ -131,7 +145,8 @@ def add_adapter(model: torch.nn.Module, spec: AdapterSpec, seed: int) -> torch.n
         raise VLMLoadError(
             f"no layer of the language model matches lora.target-modules={','.join(spec.targets)} "
             f"(pattern {regex}); list the model's linear layer names (e.g. q_proj,v_proj) or set "
-            f"vlm.language-model-pattern ({err})") from err
+            f"vlm.language-model-pattern ({err})"
+        ) from err
     finally:
         torch.random.set_rng_state(state)
     return wrapped
@@ -176,7 +191,7 @@ def fingerprint(model: torch.nn.Module, name: str) -> str:
     return h.hexdigest()[:16]
 
 
-_LOADED: dict[tuple, tuple["VLM", dict[str, torch.Tensor], str]] = {}
+_LOADED: dict[tuple, tuple[VLM, dict[str, torch.Tensor], str]] = {}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -185,8 +200,15 @@ def resolve_device(name: str) -> torch.device:
     return clip_device(name)
 
 
-def load_vlm(name: str, cache_dir: Path, adapter: AdapterSpec, seed: int, device: str = "auto",
-             trust_remote_code: bool = False, dtype: str = "auto") -> tuple[VLM, dict[str, torch.Tensor], str]:
+def load_vlm(
+    name: str,
+    cache_dir: Path,
+    adapter: AdapterSpec,
+    seed: int,
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+) -> tuple[VLM, dict[str, torch.Tensor], str]:
     """The frozen VLM with its adapter, the adapter's initial values (seeded: every process
     gets the same) and the base model's fingerprint. Cached per process: simulated nodes that
     share a worker share the model and load their own adapter values before each use."""

@@ -31,14 +31,16 @@ class VLM:
 
     def _encode(self, images: list[Image.Image], texts: list[str], padding_side: str) -> dict:
         self.tokenizer.padding_side = padding_side
-        batch = self.processor(images=[img.convert("RGB") for img in images], text=texts, return_tensors="pt", padding=True)
+        batch = self.processor(
+            images=[img.convert("RGB") for img in images], text=texts, return_tensors="pt", padding=True
+        )
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def training_batch(self, images: list[Image.Image], prompts: list[str], targets: list[str]) -> dict:
         """Inputs with labels on the target tokens (and the end-of-sequence token) only."""
         eos = self.tokenizer.eos_token or ""
         heads = [self.prompt_text(p) for p in prompts]
-        full = [h + t + eos for h, t in zip(heads, targets)]
+        full = [h + t + eos for h, t in zip(heads, targets, strict=True)]
         batch = self._encode(images, full, "right")
         head_ids = self._encode(images, heads, "right")
         head_len = head_ids["attention_mask"].sum(dim=1)
@@ -71,7 +73,8 @@ class VLM:
     @torch.no_grad()
     def generate(self, images: list[Image.Image], prompts: list[str], max_new_tokens: int) -> list[str]:
         batch = self._encode(images, [self.prompt_text(p) for p in prompts], "left")
-        out = self.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                  pad_token_id=self.tokenizer.pad_token_id)
-        new = out[:, batch["input_ids"].shape[1]:]
+        out = self.model.generate(
+            **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.pad_token_id
+        )
+        new = out[:, batch["input_ids"].shape[1] :]
         return [t.strip() for t in self.tokenizer.batch_decode(new, skip_special_tokens=True)]

@@ -75,10 +75,12 @@ def joint_noise_multiplier(*multipliers: float) -> float:
     record's scaled contributions add in quadrature, 1/z^2 = sum 1/z_i^2."""
     if any(z <= 0 for z in multipliers):
         return 0.0
-    return float(sum(z ** -2 for z in multipliers) ** -0.5)
+    return float(sum(z**-2 for z in multipliers) ** -0.5)
 
 
-def epsilon_spent(releases: GaussianReleases | Sequence[GaussianReleases], delta: float, accountant: str = "rdp") -> float:
+def epsilon_spent(
+    releases: GaussianReleases | Sequence[GaussianReleases], delta: float, accountant: str = "rdp"
+) -> float:
     """ε after ``releases`` (one group, or several groups composed) at ``delta``; 0 with no
     release, infinite if any release has z = 0."""
     parts = [releases] if isinstance(releases, GaussianReleases) else list(releases)
@@ -140,11 +142,17 @@ def calibrate_noise_multiplier(
         # its distributions huge, so it only searches below the RDP answer.
         bracket = dp_accounting.LowerEndpointAndGuess(0.05, 1.0)
         z = dp_accounting.calibrate_dp_mechanism(
-            lambda: _accountant("rdp"), make_event, target_epsilon, delta, bracket_interval=bracket, tol=1e-4)
+            lambda: _accountant("rdp"), make_event, target_epsilon, delta, bracket_interval=bracket, tol=1e-4
+        )
         if accountant == "pld":
             z = dp_accounting.calibrate_dp_mechanism(
-                lambda: _accountant("pld"), make_event, target_epsilon, delta,
-                bracket_interval=dp_accounting.ExplicitBracketInterval(0.5 * z, 1.02 * z), tol=1e-4)
+                lambda: _accountant("pld"),
+                make_event,
+                target_epsilon,
+                delta,
+                bracket_interval=dp_accounting.ExplicitBracketInterval(0.5 * z, 1.02 * z),
+                tol=1e-4,
+            )
     except dp_accounting.mechanism_calibration.NoBracketIntervalFoundError as err:
         raise BudgetError(
             f"no noise level reaches epsilon={target_epsilon} at delta={delta} over {count} releases: "

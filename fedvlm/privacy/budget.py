@@ -11,18 +11,28 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from fedvlm.privacy.accounting import BudgetError
-from fedvlm.privacy.ledger import PrivacyLedger, PrivacySettings
+from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.mechanisms import NOISE_SOURCES
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP, PrivacyPlanner
+from fedvlm.runconfig.schema import PrivacyConfig
 
-SEEDED_NOTE = ("seeded noise (privacy.noise-source): derived from the run seed, so anyone who knows the run config can "
-               "regenerate and remove it; the epsilon holds only against parties without the config. Use "
-               "noise-source=os for real data")
+SEEDED_NOTE = (
+    "seeded noise (privacy.noise-source): derived from the run seed, so anyone who knows the run config can "
+    "regenerate and remove it; the epsilon holds only against parties without the config. Use "
+    "noise-source=os for real data"
+)
 
 
 class RunBudget:
-    def __init__(self, settings: PrivacySettings, ledger: PrivacyLedger, rounds: int, local: LocalDP | None,
-                 global_dp: GlobalDP | None, noise_choice: str):
+    def __init__(
+        self,
+        settings: PrivacyConfig,
+        ledger: PrivacyLedger,
+        rounds: int,
+        local: LocalDP | None,
+        global_dp: GlobalDP | None,
+        noise_choice: str,
+    ):
         if noise_choice not in (*NOISE_SOURCES, "auto"):
             raise ValueError(f"privacy.noise-source = {noise_choice!r} is not one of auto, {', '.join(NOISE_SOURCES)}")
         self.settings = settings
@@ -40,7 +50,8 @@ class RunBudget:
                 raise BudgetError(
                     f"privacy.noise-source = 'seeded' makes the server's global noise regenerable by anyone with the "
                     f"run config, while {', '.join(secret[:4])} draw their own noise from the OS (real data): "
-                    "use privacy.noise-source = 'auto' or 'os'")
+                    "use privacy.noise-source = 'auto' or 'os'"
+                )
 
     def plan(self, shapes: Mapping[str, ClientShape], sources: Mapping[str, str]) -> None:
         """Plan every mechanism for the nodes known before round 1 (``sources``: each node's
@@ -56,15 +67,17 @@ class RunBudget:
             raise BudgetError(
                 f"the privacy plan would spend epsilon = {planned:.4g} per record over {self.rounds} rounds, above "
                 f"privacy.max-epsilon = {cap}; lower num-server-rounds or prompt.local-steps, raise "
-                f"privacy.max-epsilon, or use privacy.calibration='accountant' with privacy.epsilon <= {cap}")
+                f"privacy.max-epsilon, or use privacy.calibration='accountant' with privacy.epsilon <= {cap}"
+            )
 
     def admit(self, name: str, shape: ClientShape, source: str) -> None:
         """Plan a node that joined after round 1's plan; ``BudgetError`` if it cannot be covered."""
         if name in self.planner.clients:
             return
         if self.planner.global_dp is not None and self.noise_choice == "seeded" and source == "os":
-            raise BudgetError("it draws OS noise but privacy.noise-source = 'seeded' makes the server's global noise "
-                              "regenerable")
+            raise BudgetError(
+                "it draws OS noise but privacy.noise-source = 'seeded' makes the server's global noise regenerable"
+            )
         self.planner.admit(name, shape)
 
     def is_planned(self, name: str) -> bool:
@@ -82,8 +95,10 @@ class RunBudget:
         rounds counted so far (plus ``extra`` rounds per client)."""
         extra = extra or {}
         planner = self.planner
-        per = {name: planner.epsilon(name, self.rounds_trained.get(name, 0) + extra.get(name, 0))
-               for name in sorted(planner.clients)}
+        per = {
+            name: planner.epsilon(name, self.rounds_trained.get(name, 0) + extra.get(name, 0))
+            for name in sorted(planner.clients)
+        }
         out: dict = {"epsilon": max(per.values(), default=0.0), "per_client": per}
         # each mechanism on its own, for comparison with papers that report them separately
         components: dict = {}
@@ -116,6 +131,12 @@ class RunBudget:
         return "os" if "os" in sources.values() else "seeded"
 
     def record_noise_sources(self, sources: Mapping[str, str]) -> None:
-        self.ledger.noise_sources = {"server": self.server_noise_source(sources), "clients": dict(sorted(sources.items()))}
-        if "seeded" in (self.ledger.noise_sources["server"], *sources.values()) and SEEDED_NOTE not in self.ledger.notes:
+        self.ledger.noise_sources = {
+            "server": self.server_noise_source(sources),
+            "clients": dict(sorted(sources.items())),
+        }
+        if (
+            "seeded" in (self.ledger.noise_sources["server"], *sources.values())
+            and SEEDED_NOTE not in self.ledger.notes
+        ):
             self.ledger.notes.append(SEEDED_NOTE)

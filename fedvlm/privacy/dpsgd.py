@@ -69,8 +69,12 @@ def per_sample_clip(grads: torch.Tensor, clip: float) -> tuple[torch.Tensor, tor
     return grads * factors.view(-1, *([1] * (grads.dim() - 1))), norms > clip
 
 
-def privatize(per_sample: Mapping[str, torch.Tensor], step: DPStep, noise: torch.Generator | OsNoise,
-              shapes: Mapping[str, torch.Size]) -> tuple[dict[str, torch.Tensor], float]:
+def privatize(
+    per_sample: Mapping[str, torch.Tensor],
+    step: DPStep,
+    noise: torch.Generator | OsNoise,
+    shapes: Mapping[str, torch.Size],
+) -> tuple[dict[str, torch.Tensor], float]:
     """Clip each record's gradient per group, sum, divide by B, add the noise. ``per_sample``
     maps every tensor of ``step.groups`` to its [b, ...] per-sample gradients (b may be 0: an
     empty Poisson batch releases the noise alone). Returns (gradients, fraction of records
@@ -89,13 +93,14 @@ def privatize(per_sample: Mapping[str, torch.Tensor], step: DPStep, noise: torch
         offset = 0
         for k in group:
             n = int(np.prod(shapes[k], dtype=np.int64))
-            out[k] = summed[offset:offset + n].view(shapes[k])
+            out[k] = summed[offset : offset + n].view(shapes[k])
             offset += n
     return _add_noise(out, step, noise), (float(np.mean(fractions)) if fractions else 0.0)
 
 
-def privatize_batch(grads: Mapping[str, torch.Tensor], step: DPStep,
-                    noise: torch.Generator | OsNoise) -> tuple[dict[str, torch.Tensor], float]:
+def privatize_batch(
+    grads: Mapping[str, torch.Tensor], step: DPStep, noise: torch.Generator | OsNoise
+) -> tuple[dict[str, torch.Tensor], float]:
     """Per-batch clipping: each group's batch gradient clipped to C as a whole, then noised."""
     out: dict[str, torch.Tensor] = {}
     clipped = []
@@ -124,8 +129,9 @@ def per_sample_chunk(device: torch.device, batch: int) -> int:
     return CPU_CHUNK if device.type == "cpu" else batch
 
 
-def functional_per_sample(losses: torch.Tensor, leaves: Mapping[str, torch.Tensor], via: Sequence[torch.Tensor],
-                          chunk: int | None = None) -> dict[str, torch.Tensor]:
+def functional_per_sample(
+    losses: torch.Tensor, leaves: Mapping[str, torch.Tensor], via: Sequence[torch.Tensor], chunk: int | None = None
+) -> dict[str, torch.Tensor]:
     """Per-sample gradients [B, *leaf.shape] of ``losses`` [B] w.r.t. each leaf, where every leaf
     reaches the losses only through the tensors ``via`` (the text features): the cotangents of
     all records first (a small graph: logits only), then batched VJPs through the text tower,
@@ -137,10 +143,15 @@ def functional_per_sample(losses: torch.Tensor, leaves: Mapping[str, torch.Tenso
     cotangents = torch.autograd.grad(losses, list(via), grad_outputs=eye, is_grads_batched=True, retain_graph=True)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     for start in range(0, batch, chunk):
-        grads = torch.autograd.grad(list(via), [leaves[k] for k in names],
-                                    grad_outputs=[c[start:start + chunk] for c in cotangents],
-                                    is_grads_batched=True, retain_graph=True, allow_unused=True)
-        for k, g in zip(names, grads):
+        grads = torch.autograd.grad(
+            list(via),
+            [leaves[k] for k in names],
+            grad_outputs=[c[start : start + chunk] for c in cotangents],
+            is_grads_batched=True,
+            retain_graph=True,
+            allow_unused=True,
+        )
+        for k, g in zip(names, grads, strict=True):
             n = min(chunk, batch - start)
             parts[k].append(g if g is not None else torch.zeros(n, *leaves[k].shape, device=leaves[k].device))
     return {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
@@ -196,8 +207,13 @@ class ModuleGradients:
                 del p.grad_sample
         self._wrapped = None
 
-    def per_sample(self, leaves: Mapping[str, torch.Tensor], losses: Callable[[np.ndarray], torch.Tensor],
-                   batch: np.ndarray, forward_losses: torch.Tensor) -> dict[str, torch.Tensor]:
+    def per_sample(
+        self,
+        leaves: Mapping[str, torch.Tensor],
+        losses: Callable[[np.ndarray], torch.Tensor],
+        batch: np.ndarray,
+        forward_losses: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
         """[b, *shape] per leaf (the module's trainable parameters, by the learner's names).
         ``forward_losses``: the batch's per-sample losses from the step's forward (hooks,
         expanded); the microbatch backend recomputes each record's loss with ``losses(indices)``."""
@@ -205,7 +221,7 @@ class ModuleGradients:
             per: dict[str, list[torch.Tensor]] = {k: [] for k in leaves}
             for i in batch:
                 g = torch.autograd.grad(losses(np.asarray([i])).sum(), list(leaves.values()), allow_unused=True)
-                for (k, p), gi in zip(leaves.items(), g):
+                for (k, p), gi in zip(leaves.items(), g, strict=True):
                     per[k].append(gi if gi is not None else torch.zeros_like(p))
             return {k: torch.stack(v) for k, v in per.items()}
         for p in leaves.values():
@@ -221,8 +237,10 @@ class ModuleGradients:
             gs = getattr(p, "grad_sample", None)
             if gs is None:
                 if p.grad is not None:  # reached, but no per-sample rule ran: never guess
-                    raise RuntimeError(f"no per-sample gradient was computed for {k}: its layer is not one Opacus "
-                                       "hooks can follow; give the model per_sample_backend = 'microbatch'")
+                    raise RuntimeError(
+                        f"no per-sample gradient was computed for {k}: its layer is not one Opacus "
+                        "hooks can follow; give the model per_sample_backend = 'microbatch'"
+                    )
                 gs = torch.zeros((len(batch), *p.shape), device=p.device, dtype=p.dtype)  # not reached
             out[k] = gs.detach()
             p.grad_sample = None
@@ -241,7 +259,9 @@ class NodeAccountant:
 
         self.rdp = RDPAccountant()
         if saved:
-            self.rdp.load_state_dict({"history": [tuple(h) for h in json.loads(saved)], "mechanism": self.rdp.mechanism()})
+            self.rdp.load_state_dict(
+                {"history": [tuple(h) for h in json.loads(saved)], "mechanism": self.rdp.mechanism()}
+            )
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int) -> None:
         for _ in range(steps):

@@ -19,38 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from fedvlm.privacy.accounting import GaussianReleases, calibrate_noise_multiplier, epsilon_spent, paper_sigma
-
-
-@dataclass(frozen=True)
-class PrivacySettings:
-    epsilon: float  # 0 = no noise
-    delta: float
-    clip: float
-    calibration: str  # "paper" | "accountant"
-    clipping: str  # "per-sample" | "per-batch"
-    max_epsilon: float  # 0 = no cap
-    accountant: str  # "rdp" | "pld"
-    noise_multiplier: float = 0.0  # > 0: fixed z, no calibration (a budget-limited run)
-
-    @property
-    def enabled(self) -> bool:
-        return self.epsilon > 0 or self.noise_multiplier > 0
-
-    @property
-    def fixed_noise(self) -> bool:
-        return self.noise_multiplier > 0
-
-    @classmethod
-    def from_config(cls, cfg) -> "PrivacySettings":
-        return cls(cfg["privacy.epsilon"], cfg["privacy.delta"], cfg["privacy.clip"], cfg["privacy.calibration"],
-                   cfg["privacy.clipping"], cfg["privacy.max-epsilon"], cfg["privacy.accountant"],
-                   cfg["privacy.noise-multiplier"])
-
-    @property
-    def sampling(self) -> str:
-        """Record sampling of local steps: Poisson (what the accountant assumes) unless the
-        paper's calibration is used, which goes with fixed-size uniform minibatches (its code)."""
-        return "uniform" if self.calibration == "paper" and not self.fixed_noise else "poisson"
+from fedvlm.runconfig.schema import PrivacyConfig
 
 
 @dataclass
@@ -81,12 +50,16 @@ class MechanismPlan:
         """ε an accountant gives after ``count`` releases with the true sensitivity."""
         return epsilon_spent(self.releases_obj(count), self.delta, self.accountant)
 
-    def scaled(self, factor: float) -> "MechanismPlan":
+    def scaled(self, factor: float) -> MechanismPlan:
         """The same mechanism with ``factor`` times the noise (a joint calibration's scaling)."""
         if factor == 1.0:
             return self
-        plan = replace(self, sigma=self.sigma * factor, noise_multiplier=self.noise_multiplier * factor,
-                       notes=[*self.notes, f"sigma scaled by {factor:.4f} in the joint calibration"])
+        plan = replace(
+            self,
+            sigma=self.sigma * factor,
+            noise_multiplier=self.noise_multiplier * factor,
+            notes=[*self.notes, f"sigma scaled by {factor:.4f} in the joint calibration"],
+        )
         plan.planned_epsilon = plan.epsilon_after(plan.releases)
         return plan
 
@@ -98,7 +71,7 @@ class MechanismPlan:
         return d
 
 
-def valid_sensitivity(settings: PrivacySettings, sensitivity: float, per_batch_sensitivity: float) -> float:
+def valid_sensitivity(settings: PrivacyConfig, sensitivity: float, per_batch_sensitivity: float) -> float:
     """What one record can really change in a release whose calibration assumed ``sensitivity``
     (add/remove one record, per-sample clipping, Poisson batches):
     - per-batch clipping: clipping the batch mean to C bounds a record's influence by 2C, not C/B;
@@ -112,7 +85,7 @@ def valid_sensitivity(settings: PrivacySettings, sensitivity: float, per_batch_s
 
 
 def plan_gaussian(
-    settings: PrivacySettings,
+    settings: PrivacyConfig,
     name: str,
     where: str,
     party: str,
@@ -139,24 +112,46 @@ def plan_gaussian(
         sigma = s.noise_multiplier * sensitivity
         notes.append("fixed noise multiplier (privacy.noise-multiplier): epsilon is reported, not targeted")
     elif s.calibration == "paper":
-        sigma = paper_sigma(paper_sensitivity if paper_sensitivity is not None else sensitivity, releases, s.delta, s.epsilon)
-        notes.append("sigma from DP-FPL's closed form sigma = S*sqrt(T*ln(1/delta))/epsilon (constant 1); "
-                     "planned_epsilon is what an accountant gives for that sigma")
+        sigma = paper_sigma(
+            paper_sensitivity if paper_sensitivity is not None else sensitivity, releases, s.delta, s.epsilon
+        )
+        notes.append(
+            "sigma from DP-FPL's closed form sigma = S*sqrt(T*ln(1/delta))/epsilon (constant 1); "
+            "planned_epsilon is what an accountant gives for that sigma"
+        )
     else:
         z = calibrate_noise_multiplier(s.epsilon, s.delta, releases, q, s.accountant)
         sigma = z * sensitivity
     if s.clipping == "per-batch":
         # the public code's behaviour: the guarantee computed from C/B does not hold
-        notes.append("per-batch clipping: one record can move the clipped batch gradient by up to 2C, "
-                     "so the stated epsilon does NOT hold; planned_epsilon uses the true sensitivity")
+        notes.append(
+            "per-batch clipping: one record can move the clipped batch gradient by up to 2C, "
+            "so the stated epsilon does NOT hold; planned_epsilon uses the true sensitivity"
+        )
     elif s.sampling == "uniform":
-        notes.append("fixed-size batches: a record added to the data displaces another from its batch, so the "
-                     "valid sensitivity is twice the one sigma was calibrated for; planned_epsilon uses it")
+        notes.append(
+            "fixed-size batches: a record added to the data displaces another from its batch, so the "
+            "valid sensitivity is twice the one sigma was calibrated for; planned_epsilon uses it"
+        )
     plan = MechanismPlan(
-        name=name, where=where, party=party, clip=s.clip, clipping=s.clipping, sensitivity=sensitivity,
-        sigma=float(sigma), noise_multiplier=float(sigma / sensitivity), releases=releases, sampling=s.sampling,
-        sampling_rate=q, delta=s.delta, calibration="fixed-noise" if s.fixed_noise else s.calibration, accountant=s.accountant,
-        target_epsilon=s.epsilon, planned_epsilon=0.0, true_sensitivity=valid_sensitivity(s, sensitivity, per_batch_sensitivity), notes=notes,
+        name=name,
+        where=where,
+        party=party,
+        clip=s.clip,
+        clipping=s.clipping,
+        sensitivity=sensitivity,
+        sigma=float(sigma),
+        noise_multiplier=float(sigma / sensitivity),
+        releases=releases,
+        sampling=s.sampling,
+        sampling_rate=q,
+        delta=s.delta,
+        calibration="fixed-noise" if s.fixed_noise else s.calibration,
+        accountant=s.accountant,
+        target_epsilon=s.epsilon,
+        planned_epsilon=0.0,
+        true_sensitivity=valid_sensitivity(s, sensitivity, per_batch_sensitivity),
+        notes=notes,
     )
     plan.planned_epsilon = plan.epsilon_after(releases)
     return plan
@@ -168,11 +163,12 @@ RELEASED_NOTE = (
     "number of examples, training loss and accuracy, evaluation metrics and timings (also stored per client in "
     "results.json rounds[].clients). They are aggregate statistics of a node's data, each computed from many "
     "records, but a single record can shift them; the server, and whoever reads the run folder, sees them. "
-    "Against a curious server, treat them as released without protection.")
+    "Against a curious server, treat them as released without protection."
+)
 
 
 class PrivacyLedger:
-    def __init__(self, settings: PrivacySettings, method: str):
+    def __init__(self, settings: PrivacyConfig, method: str):
         self.settings = settings
         self.method = method
         self.plans: dict[str, MechanismPlan] = {}

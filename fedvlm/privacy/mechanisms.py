@@ -75,7 +75,6 @@ def sampling_rng(source: str, key: list[int]) -> np.random.Generator:
     return numpy_rng(key)
 
 
-
 def gaussian_noise(shape: Sequence[int], std: float, generator: torch.Generator | OsNoise, device=None) -> torch.Tensor:
     """N(0, std^2) noise drawn on the CPU from ``generator`` (reproducible on any device when
     seeded)."""

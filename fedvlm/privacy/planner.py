@@ -32,9 +32,16 @@ import functools
 import math
 from dataclasses import dataclass
 
-from fedvlm.privacy.accounting import BudgetError, GaussianReleases, epsilon_spent, joint_noise_multiplier, smallest_scale
-from fedvlm.privacy.ledger import MechanismPlan, PrivacyLedger, PrivacySettings, plan_gaussian, valid_sensitivity
+from fedvlm.privacy.accounting import (
+    BudgetError,
+    GaussianReleases,
+    epsilon_spent,
+    joint_noise_multiplier,
+    smallest_scale,
+)
+from fedvlm.privacy.ledger import MechanismPlan, PrivacyLedger, plan_gaussian, valid_sensitivity
 from fedvlm.protocol import LOCAL_SIGMA, LOCAL_STEPS, NUM_TRAIN, TrainInstruction
+from fedvlm.runconfig.schema import PrivacyConfig
 
 
 class NoiseRefused(RuntimeError):
@@ -64,21 +71,24 @@ class ClientShape:
     def expected_batch(self) -> int:
         return min(self.batch_size, self.n_train)
 
-    def sampling_rate(self, settings: PrivacySettings) -> float:
+    def sampling_rate(self, settings: PrivacyConfig) -> float:
         if settings.sampling != "poisson" or self.n_train <= self.batch_size:
             return 1.0
         return self.batch_size / self.n_train
 
 
 @functools.lru_cache(maxsize=1024)
-def local_plan(settings: PrivacySettings, local: LocalDP, client: ClientShape, rounds: int) -> MechanismPlan:
+def local_plan(settings: PrivacyConfig, local: LocalDP, client: ClientShape, rounds: int) -> MechanismPlan:
     """A client's local mechanism planned on its own, from the run config and its data size
     alone: the server plans with it, and the client recomputes it to check what it is sent."""
     if client.n_train < 1:
         raise BudgetError("a client with no training records cannot be planned")
     per_tensor = settings.clip / client.expected_batch  # per-sample clipping to C, sum / B
     plan = plan_gaussian(
-        settings, local.name, local.where, "client",
+        settings,
+        local.name,
+        local.where,
+        "client",
         sensitivity=math.sqrt(local.tensors) * per_tensor,
         releases=rounds * client.steps,
         sampling_rate=client.sampling_rate(settings),
@@ -86,13 +96,16 @@ def local_plan(settings: PrivacySettings, local: LocalDP, client: ClientShape, r
         paper_sensitivity=per_tensor,
     )
     if local.tensors > 1:
-        plan.notes.append(f"{local.tensors} tensors are clipped to C separately and noised with the same sigma: "
-                          "accounted as one Gaussian release of joint sensitivity sqrt(n)*C/B")
+        plan.notes.append(
+            f"{local.tensors} tensors are clipped to C separately and noised with the same sigma: "
+            "accounted as one Gaussian release of joint sensitivity sqrt(n)*C/B"
+        )
     return plan
 
 
-def required_local_sigma(settings: PrivacySettings, local: LocalDP, client: ClientShape, rounds: int,
-                         received: float | None) -> float:
+def required_local_sigma(
+    settings: PrivacyConfig, local: LocalDP, client: ClientShape, rounds: int, received: float | None
+) -> float:
     """Client side: the std of the local noise to draw. The server's value is accepted when it is
     at least what the client's own plan needs; a missing, non-positive or smaller value is
     refused (DP fails closed)."""
@@ -102,14 +115,17 @@ def required_local_sigma(settings: PrivacySettings, local: LocalDP, client: Clie
     except (TypeError, ValueError):
         sigma = float("nan")
     if not sigma > 0 or not math.isfinite(sigma):
-        raise NoiseRefused(f"privacy is on but the server sent no usable local noise level ({LOCAL_SIGMA} = "
-                           f"{received!r}); refusing to train without noise")
+        raise NoiseRefused(
+            f"privacy is on but the server sent no usable local noise level ({LOCAL_SIGMA} = "
+            f"{received!r}); refusing to train without noise"
+        )
     if sigma < need * (1 - 1e-9):
         raise NoiseRefused(
             f"the server asked for local noise sigma = {sigma:.6g}, below the {need:.6g} this node's own plan needs "
             f"for {local.name} (epsilon {settings.epsilon}, delta {settings.delta}, clip {settings.clip}, "
             f"{rounds} rounds x {client.steps} steps, batch {client.expected_batch} of {client.n_train} records); "
-            "refusing to train")
+            "refusing to train"
+        )
     return sigma
 
 
@@ -142,8 +158,13 @@ class RecordAccount:
         return epsilon_spent(self.releases(rounds), delta, accountant)
 
     def as_dict(self) -> dict:
-        d = {"sampling_rate": self.sampling_rate, "steps_per_round": self.steps, "z_local": self.z_local,
-             "z_global": self.z_global, "shared_batch": self.shared_batch}
+        d = {
+            "sampling_rate": self.sampling_rate,
+            "steps_per_round": self.steps,
+            "z_local": self.z_local,
+            "z_global": self.z_global,
+            "shared_batch": self.shared_batch,
+        }
         if self.shared_batch:
             d["z_joint"] = joint_noise_multiplier(self.z_local, self.z_global)
         return d
@@ -163,8 +184,14 @@ class PrivacyPlanner:
     """Plans every mechanism of a run (before round 1, and for a node that joins later), writes
     the plans into the ledger and answers what each client's records have spent."""
 
-    def __init__(self, settings: PrivacySettings, ledger: PrivacyLedger, rounds: int,
-                 local: LocalDP | None, global_dp: GlobalDP | None = None):
+    def __init__(
+        self,
+        settings: PrivacyConfig,
+        ledger: PrivacyLedger,
+        rounds: int,
+        local: LocalDP | None,
+        global_dp: GlobalDP | None = None,
+    ):
         self.settings = settings
         self.ledger = ledger
         self.rounds = rounds
@@ -180,22 +207,36 @@ class PrivacyPlanner:
         """Plan every mechanism for the nodes known before round 1."""
         s = self.settings
         self.clients = dict(clients)
-        base = {name: local_plan(s, self.local, shape, self.rounds) for name, shape in clients.items()} if self.local else {}
+        base = (
+            {name: local_plan(s, self.local, shape, self.rounds) for name, shape in clients.items()}
+            if self.local
+            else {}
+        )
         if self.global_dp is not None:
             self.global_plan = self._plan_global()
-        if self.global_dp is not None and self.local is not None and s.calibration == "accountant" and not s.fixed_noise:
+        if (
+            self.global_dp is not None
+            and self.local is not None
+            and s.calibration == "accountant"
+            and not s.fixed_noise
+        ):
             # Every mechanism alone meets the target; together they would not. Scale all noise by one
             # factor until the worst client's composed epsilon does.
             def worst(c: float) -> float:
-                return max(self._account(shape, base[name].sigma * c, self.global_plan.sigma * c)
-                           .epsilon(self.rounds, s.delta, s.accountant) for name, shape in clients.items())
+                return max(
+                    self._account(shape, base[name].sigma * c, self.global_plan.sigma * c).epsilon(
+                        self.rounds, s.delta, s.accountant
+                    )
+                    for name, shape in clients.items()
+                )
 
             self.scale = smallest_scale(worst, s.epsilon)
             self.global_plan = self.global_plan.scaled(self.scale)
             self.ledger.notes.append(
                 f"local and global noise calibrated jointly: each mechanism's sigma, calibrated alone to epsilon = "
                 f"{s.epsilon}, is multiplied by {self.scale:.4f} so that the composition a record of every client "
-                "undergoes (its local steps and its share of the global release) meets the target")
+                "undergoes (its local steps and its share of the global release) meets the target"
+            )
         for name, plan in base.items():
             self._set_local(name, plan.scaled(self.scale))
         if self.global_plan is not None:
@@ -211,23 +252,38 @@ class PrivacyPlanner:
             return
         s = self.settings
         plan = local_plan(s, self.local, shape, self.rounds) if self.local else None
-        if self.global_plan is not None and self.local is not None and s.calibration == "accountant" and not s.fixed_noise:
+        if (
+            self.global_plan is not None
+            and self.local is not None
+            and s.calibration == "accountant"
+            and not s.fixed_noise
+        ):
             alone = self._account(shape, None, self.global_plan.sigma).epsilon(self.rounds, s.delta, s.accountant)
             if alone > s.epsilon * (1 + 1e-9):
                 raise BudgetError(
-                    f"it joined after the privacy plan was made and its records would spend epsilon = {alone:.4g} in the "
+                    "it joined after the privacy plan was made and its records would spend "
+                    f"epsilon = {alone:.4g} in the "
                     f"global mechanism alone ({shape.n_train} records, batch {shape.expected_batch}), above "
-                    f"privacy.epsilon = {s.epsilon}: start every node before the run, or give it more data")
-            c = smallest_scale(lambda c: self._account(shape, plan.sigma * c, self.global_plan.sigma)
-                               .epsilon(self.rounds, s.delta, s.accountant), s.epsilon)
+                    f"privacy.epsilon = {s.epsilon}: start every node before the run, or give it more data"
+                )
+            c = smallest_scale(
+                lambda c: self._account(shape, plan.sigma * c, self.global_plan.sigma).epsilon(
+                    self.rounds, s.delta, s.accountant
+                ),
+                s.epsilon,
+            )
             plan = plan.scaled(c)
         cap = s.max_epsilon
         if cap and not s.fixed_noise:
-            planned = self._account(shape, plan.sigma if plan else None, self.global_plan.sigma if self.global_plan else None)
+            planned = self._account(
+                shape, plan.sigma if plan else None, self.global_plan.sigma if self.global_plan else None
+            )
             eps = planned.epsilon(self.rounds, s.delta, s.accountant)
             if eps > cap * (1 + 1e-9):
-                raise BudgetError(f"it joined after the privacy plan was made and its records would spend epsilon = "
-                                  f"{eps:.4g}, above privacy.max-epsilon = {cap}")
+                raise BudgetError(
+                    f"it joined after the privacy plan was made and its records would spend epsilon = "
+                    f"{eps:.4g}, above privacy.max-epsilon = {cap}"
+                )
         self.clients[name] = shape
         if plan is not None:
             self._set_local(name, plan)
@@ -239,13 +295,21 @@ class PrivacyPlanner:
         one_step = all(shape.steps == 1 for shape in self.clients.values())
         q = max(shape.sampling_rate(s) for shape in self.clients.values())
         plan = plan_gaussian(
-            s, g.name, g.where, "server", sensitivity=s.clip / (g.denominator * b), releases=self.rounds,
-            sampling_rate=q if one_step else 1.0, per_batch_sensitivity=2 * s.clip / g.denominator,
+            s,
+            g.name,
+            g.where,
+            "server",
+            sensitivity=s.clip / (g.denominator * b),
+            releases=self.rounds,
+            sampling_rate=q if one_step else 1.0,
+            per_batch_sensitivity=2 * s.clip / g.denominator,
         )
         if not one_step:
             plan.notes.append("several local steps per round: no subsampling amplification is claimed")
-        plan.notes.append(f"the average is always divided by at least {g.denominator} (the clients sampled at "
-                          "planning), also in rounds where fewer are sampled, so the sensitivity stays as planned")
+        plan.notes.append(
+            f"the average is always divided by at least {g.denominator} (the clients sampled at "
+            "planning), also in rounds where fewer are sampled, so the sensitivity stays as planned"
+        )
         return plan
 
     def _set_local(self, name: str, plan: MechanismPlan) -> None:
@@ -255,7 +319,9 @@ class PrivacyPlanner:
     def _record(self, name: str) -> None:
         acc = self.account(name)
         self.ledger.records[name] = {
-            **acc.as_dict(), "planned_epsilon": acc.epsilon(self.rounds, self.settings.delta, self.settings.accountant)}
+            **acc.as_dict(),
+            "planned_epsilon": acc.epsilon(self.rounds, self.settings.delta, self.settings.accountant),
+        }
 
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, shape: ClientShape, sigma_local: float | None, sigma_global: float | None) -> RecordAccount:
@@ -263,8 +329,9 @@ class PrivacyPlanner:
         z_local = z_global = None
         if sigma_local is not None:
             tensors = self.local.tensors
-            z_local = sigma_local / valid_sensitivity(s, math.sqrt(tensors) * s.clip / shape.expected_batch,
-                                                      math.sqrt(tensors) * 2 * s.clip)
+            z_local = sigma_local / valid_sensitivity(
+                s, math.sqrt(tensors) * s.clip / shape.expected_batch, math.sqrt(tensors) * 2 * s.clip
+            )
         if sigma_global is not None:
             n = self.global_dp.denominator
             z_global = sigma_global / valid_sensitivity(s, s.clip / (n * shape.expected_batch), 2 * s.clip / n)
@@ -272,8 +339,9 @@ class PrivacyPlanner:
 
     def account(self, name: str) -> RecordAccount:
         plan = self.local_plans.get(name)
-        return self._account(self.clients[name], plan.sigma if plan else None,
-                             self.global_plan.sigma if self.global_plan else None)
+        return self._account(
+            self.clients[name], plan.sigma if plan else None, self.global_plan.sigma if self.global_plan else None
+        )
 
     def local_sigma(self, name: str) -> float:
         return self.local_plans[name].sigma
@@ -292,15 +360,19 @@ def client_plan(cfg, n_train: int, instruction: TrainInstruction) -> tuple[Clien
     record count than this node holds, or carries less noise than the node's own plan for that
     shape needs (``required_local_sigma``)."""
     if instruction.local_steps < 1 or instruction.batch_size < 1:
-        raise NoiseRefused(f"the server's train message carries no plan ({LOCAL_STEPS} = {instruction.local_steps}, "
-                           f"batch size {instruction.batch_size}); refusing to guess how much to train")
+        raise NoiseRefused(
+            f"the server's train message carries no plan ({LOCAL_STEPS} = {instruction.local_steps}, "
+            f"batch size {instruction.batch_size}); refusing to guess how much to train"
+        )
     if instruction.num_train != n_train:
-        raise NoiseRefused(f"the server planned this round for {instruction.num_train} training records ({NUM_TRAIN}) "
-                           f"but this node holds {n_train}: its handshake is stale; restart the run so that the "
-                           "server plans with this node's data")
+        raise NoiseRefused(
+            f"the server planned this round for {instruction.num_train} training records ({NUM_TRAIN}) "
+            f"but this node holds {n_train}: its handshake is stale; restart the run so that the "
+            "server plans with this node's data"
+        )
     shape = ClientShape(n_train, instruction.batch_size, instruction.local_steps)
-    settings = PrivacySettings.from_config(cfg)
+    settings = cfg.privacy
     if not settings.enabled:
         return shape, 0.0
-    local = cfg.method.local_dp(cfg)
-    return shape, required_local_sigma(settings, local, shape, cfg["num-server-rounds"], instruction.local_sigma)
+    local = cfg.spec.local_dp(cfg)
+    return shape, required_local_sigma(settings, local, shape, cfg.num_server_rounds, instruction.local_sigma)

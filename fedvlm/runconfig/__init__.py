@@ -1,4 +1,4 @@
-"""The run config: the checked, read-only ``RunConfig`` and the checks that need no method.
+"""The run config: the typed, read-only ``RunConfig`` and the checks that need no method.
 
 ``check_keys`` fails with a ``ConfigError`` that names the key, the value and what is accepted,
 for unknown keys, wrong types and values out of range or not among the choices; ``finish``
@@ -13,16 +13,26 @@ import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from fedvlm.runconfig.schema import DEFAULTS, KEY_BY_NAME, KEYS, Key
+from fedvlm.runconfig.schema import AUTO, DEFAULTS, KEY_BY_NAME, KEYS, Key, RunConfig
 
-__all__ = ["ConfigError", "RunConfig", "check_keys", "finish", "parse_value", "KEYS", "KEY_BY_NAME", "DEFAULTS"]
+__all__ = ["AUTO", "ConfigError", "RunConfig", "check_keys", "finish", "parse_value", "KEYS", "KEY_BY_NAME", "DEFAULTS"]
 
 # Datasets whose files must be supplied (or downloaded) under data-root.
 DATASETS_NEEDING_ROOT = frozenset(
-    {"caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100", "image-folder", "coco-captions",
-     "bloodmnist"}
+    {
+        "caltech101",
+        "oxford-pets",
+        "flowers102",
+        "food101",
+        "dtd",
+        "cifar10",
+        "cifar100",
+        "image-folder",
+        "coco-captions",
+        "bloodmnist",
+    }
 )
 VLM_DATASETS = frozenset({"embedded-captions", "embedded-vqa", "coco-captions", "scienceqa"})
 DATASETS_WITH_OPTIONAL_ROOT = frozenset({"scienceqa"})
@@ -42,30 +52,6 @@ class ConfigError(ValueError):
     """A run config that cannot be run; the message says which key and how to fix it."""
 
 
-class RunConfig(Mapping):
-    """Validated, resolved run config: read-only, indexed by the flat key names."""
-
-    def __init__(self, values: dict[str, Any], method):
-        self._values = dict(values)
-        self.method = method  # its methods.spec.MethodSpec
-
-    def __getitem__(self, key: str) -> Any:
-        return self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    @property
-    def cache_dir(self) -> Path:
-        return Path(self._values["cache-dir"])
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self._values)
-
-
 def _type_ok(key: Key, value: Any) -> bool:
     if key.kind is bool:
         return isinstance(value, bool)
@@ -77,15 +63,19 @@ def _type_ok(key: Key, value: Any) -> bool:
 
 
 def _check_value(key: Key, value: Any) -> str | None:
+    if key.auto and value == AUTO:
+        return None
     if not _type_ok(key, value):
-        return f"must be of type {key.kind.__name__}, got {type(value).__name__} {value!r}"
+        also = " or 'auto' (the method or its family decides)" if key.auto else ""
+        return f"must be of type {key.kind.__name__}{also}, got {type(value).__name__} {value!r}"
     if key.choices is not None and value not in key.choices:
         return f"accepted values: {', '.join(repr(c) for c in key.choices)}"
+    also = ", or 'auto' (the method or its family decides)" if key.auto else ""
     if key.min is not None:
         if value < key.min or (key.min_exclusive and value == key.min):
-            return f"must be {'>' if key.min_exclusive else '>='} {key.min}"
+            return f"must be {'>' if key.min_exclusive else '>='} {key.min}{also}"
     if key.max is not None and value > key.max:
-        return f"must be <= {key.max}"
+        return f"must be <= {key.max}{also}"
     if key.check is not None:
         return key.check(value)
     return None
@@ -102,26 +92,40 @@ def default_output_dir() -> Path:
 EMBEDDED_CLASSIFICATION = frozenset({"embedded", "embedded-shadow", "digits"})
 
 
-def resolve_reprogram(values: dict) -> None:
-    """Reprogrammable-FL's 'auto' values and the combinations it cannot run."""
+def resolve_derived(values: dict) -> None:
+    """The 'auto' values that follow from other keys whatever the method (after the family has
+    chosen the dataset): the LoRA learning rate from the VLM, Reprogrammable-FL's source model,
+    batch size and image side from the data."""
+    if values["lora.lr"] == AUTO:
+        values["lora.lr"] = 3e-3 if values["vlm.model"] == "embedded-tiny-vlm" else 3e-4
     embedded_data = values["dataset"] in EMBEDDED_CLASSIFICATION
-    if values["reprogram.source-model"] == "auto":
+    if values["reprogram.source-model"] == AUTO:
         values["reprogram.source-model"] = "embedded-tiny-resnet" if embedded_data else "resnet50"
     tiny = values["reprogram.source-model"] == "embedded-tiny-resnet"
-    if values["reprogram.batch-size"] == -1:
+    if values["reprogram.batch-size"] == AUTO:
         values["reprogram.batch-size"] = 32 if embedded_data else 256
-    if values["reprogram.image-size"] == -1:
+    if values["reprogram.image-size"] == AUTO:
         values["reprogram.image-size"] = 24 if tiny else 200
-    source_size = 32 if tiny else 224
+
+
+def check_reprogram(values: dict) -> None:
+    """The combinations Reprogrammable-FL cannot run."""
+    source_size = 32 if values["reprogram.source-model"] == "embedded-tiny-resnet" else 224
     if values["reprogram.image-size"] > source_size:
-        raise ConfigError(f"run config 'reprogram.image-size' = {values['reprogram.image-size']} exceeds the source "
-                          f"model's input size {source_size}: the image is zero-padded up to it")
+        raise ConfigError(
+            f"run config 'reprogram.image-size' = {values['reprogram.image-size']} exceeds the source "
+            f"model's input size {source_size}: the image is zero-padded up to it"
+        )
     if values["privacy.calibration"] == "paper":
-        raise ConfigError("run config 'privacy.calibration' = 'paper' is DP-FPL's closed form; Reprogrammable-FL "
-                          "runs DP-SGD with an accountant: set privacy.calibration='accountant'")
+        raise ConfigError(
+            "run config 'privacy.calibration' = 'paper' is DP-FPL's closed form; Reprogrammable-FL "
+            "runs DP-SGD with an accountant: set privacy.calibration='accountant'"
+        )
     if values["privacy.clipping"] == "per-batch":
-        raise ConfigError("run config 'privacy.clipping' = 'per-batch' does not apply to Reprogrammable-FL: its "
-                          "DP-SGD (Opacus) always clips per sample; set privacy.clipping='per-sample'")
+        raise ConfigError(
+            "run config 'privacy.clipping' = 'per-batch' does not apply to Reprogrammable-FL: its "
+            "DP-SGD (Opacus) always clips per sample; set privacy.clipping='per-sample'"
+        )
 
 
 def check_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,8 +177,9 @@ def finish(values: dict[str, Any]) -> dict[str, Any]:
                 "ServerApp and ClientApps run in whatever directory their Flower process was started in"
             )
     values["cache-dir"] = str(Path(values["cache-dir"]).expanduser() if values["cache-dir"] else default_cache_dir())
-    values["output-dir"] = str(Path(values["output-dir"]).expanduser() if values["output-dir"] else default_output_dir())
+    values["output-dir"] = str(
+        Path(values["output-dir"]).expanduser() if values["output-dir"] else default_output_dir()
+    )
     if values["data-root"]:
         values["data-root"] = str(Path(values["data-root"]).expanduser())
     return values
-

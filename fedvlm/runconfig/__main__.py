@@ -15,16 +15,21 @@ import sys
 
 from flwr.common.config import parse_config_args
 
-from fedvlm.runconfig import ConfigError
-
 from fedvlm.methods.registry import validate
+from fedvlm.runconfig import ConfigError
 from fedvlm.runconfig.schema import KEYS
 
 
 def keys_markdown() -> str:
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for k in KEYS:
-        default = repr(k.default) if isinstance(k.default, str) else str(k.default).lower() if isinstance(k.default, bool) else k.default
+        default = (
+            repr(k.default)
+            if isinstance(k.default, str)
+            else str(k.default).lower()
+            if isinstance(k.default, bool)
+            else k.default
+        )
         extra = f" One of: {', '.join(f'`{c}`' for c in k.choices)}." if k.choices else ""
         rows.append(f"| `{k.name}` | `{default}` | {k.help}{extra} |")
     return "\n".join(rows)
@@ -53,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("keys", help="print every key as a Markdown table")
     sub.add_parser("toml", help="print the [tool.flwr.app.config] section for pyproject.toml")
     check = sub.add_parser("check", help="validate run-config overrides")
-    check.add_argument("-c", "--run-config", action="append", default=None,
-                       help="overrides as for `flwr run --run-config`, or a .toml file")
+    check.add_argument(
+        "-c",
+        "--run-config",
+        action="append",
+        default=None,
+        help="overrides as for `flwr run --run-config`, or a .toml file",
+    )
     args = parser.parse_args(argv)
     if args.cmd == "keys":
         print(keys_markdown())
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"invalid run config: {err}", file=sys.stderr)
         return 2
-    for k, v in cfg.items():
+    for k, v in cfg.as_dict().items():
         print(f"{k} = {v!r}")
     return 0
 

@@ -10,9 +10,8 @@ import flwr
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedvlm.runconfig import ConfigError, RunConfig
-
 from fedvlm.methods.registry import validate
+from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 
@@ -33,16 +32,25 @@ def _setup_logging() -> None:
 def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     """Run a validated config on a grid (Flower's, or an in-process one) and write the run
     folder; returns the recorder holding everything that was written."""
-    spec = cfg.method
-    run_dir = make_run_dir(cfg["output-dir"], cfg["run-name"], spec.name, cfg["dataset"], run_id)
+    spec = cfg.spec
+    run_dir = make_run_dir(cfg.output_dir, cfg.run_name, spec.name, cfg.dataset, run_id)
     log.info("run folder: %s", run_dir)
     strategy = spec.strategy(cfg, spec)
     backbone = getattr(strategy, "bundle", None)
-    recorder = RunRecorder(run_dir, cfg.as_dict(), {
-        "method": spec.name, "family": spec.family.name, "summary": spec.summary, "run_id": str(run_id),
-        "flwr": flwr.__version__,
-        "backbone": {"name": backbone.name, "pretrained": backbone.pretrained, "fingerprint": backbone.fingerprint} if backbone else None,
-    })
+    recorder = RunRecorder(
+        run_dir,
+        cfg.as_dict(),
+        {
+            "method": spec.name,
+            "family": spec.family.name,
+            "summary": spec.summary,
+            "run_id": str(run_id),
+            "flwr": flwr.__version__,
+            "backbone": {"name": backbone.name, "pretrained": backbone.pretrained, "fingerprint": backbone.fingerprint}
+            if backbone
+            else None,
+        },
+    )
     try:
         run_rounds(strategy, grid, recorder)
     except BaseException as err:

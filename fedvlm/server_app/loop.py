@@ -47,7 +47,7 @@ def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -
     _record_nodes(strategy, recorder)
     if strategy.budget is not None:
         recorder.add_section("privacy", strategy.ledger.as_dict())
-    timeout = strategy.cfg["round-timeout"]
+    timeout = strategy.cfg.round_timeout
     total = strategy.num_rounds()
     empty = ConfigRecord()
     status, note, rnd = "finished", "", 0
@@ -61,8 +61,10 @@ def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -
             over = strategy.budget.would_exceed(trainees) if strategy.budget is not None else None
             if over is not None:
                 status = "stopped"
-                note = (f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
-                        f"privacy.max-epsilon = {strategy.privacy.max_epsilon}; stopped after round {rnd - 1}")
+                note = (
+                    f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
+                    f"privacy.max-epsilon = {strategy.privacy.max_epsilon}; stopped after round {rnd - 1}"
+                )
                 log.warning(note)
                 rnd -= 1
                 # one more evaluation of the state reached, so that clients publish it

@@ -24,10 +24,10 @@ def plot_run(data: dict, out_dir: Path) -> list[Path]:
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
         drawn = False
-        for key, style in zip(keys, ("-", "--", ":")):
-            pts = [(x, r["metrics"][key] * scale) for x, r in zip(xs, rounds) if key in r["metrics"]]
+        for key, style in zip(keys, ("-", "--", ":"), strict=False):
+            pts = [(x, r["metrics"][key] * scale) for x, r in zip(xs, rounds, strict=True) if key in r["metrics"]]
             if pts:  # dashed/dotted so that equal curves (a global model's local = neighbor) both show
-                ax.plot(*zip(*pts), style, marker="o", ms=3, label=key)
+                ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=key)
                 drawn = True
         if drawn:
             ax.set_xlabel("round")

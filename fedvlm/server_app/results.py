@@ -24,11 +24,25 @@ from fedvlm.utils.files import atomic_torch_save, atomic_write_json
 
 log = logging.getLogger(__name__)
 
-SUMMARY_METRICS = ("local-acc", "neighbor-acc", "train-loss", "local-loss",
-                   # the VLM methods: the server's model and the clients' own, averaged
-                   "server-cider", "client-cider", "server-bleu-4", "client-bleu-4", "server-rouge-l", "client-rouge-l",
-                   "server-accuracy", "client-accuracy", "server-loss", "client-loss",
-                   "server-ood-cider", "server-ood-bleu-4")
+SUMMARY_METRICS = (
+    "local-acc",
+    "neighbor-acc",
+    "train-loss",
+    "local-loss",
+    # the VLM methods: the server's model and the clients' own, averaged
+    "server-cider",
+    "client-cider",
+    "server-bleu-4",
+    "client-bleu-4",
+    "server-rouge-l",
+    "client-rouge-l",
+    "server-accuracy",
+    "client-accuracy",
+    "server-loss",
+    "client-loss",
+    "server-ood-cider",
+    "server-ood-bleu-4",
+)
 VLM_PROGRESS = ("server-cider", "client-cider", "server-accuracy", "client-accuracy")
 
 
@@ -45,10 +59,18 @@ def make_run_dir(output_dir: str, run_name: str, method: str, dataset: str, run_
 class RunRecorder:
     def __init__(self, run_dir: Path, config: dict, run_info: dict):
         self.dir = Path(run_dir)
-        self.data = {"config": config, "run": {**run_info, "status": "running",
-                                                "started": datetime.now(timezone.utc).isoformat(),
-                                                "python": platform.python_version(),
-                                                "torch": torch.__version__}, "rounds": [], "final": {}}
+        self.data = {
+            "config": config,
+            "run": {
+                **run_info,
+                "status": "running",
+                "started": datetime.now(timezone.utc).isoformat(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+            },
+            "rounds": [],
+            "final": {},
+        }
         self.t0 = time.time()
         self.write()
 
@@ -72,14 +94,19 @@ class RunRecorder:
         self.write()
 
     def save_arrays(self, name: str, arrays: dict[str, np.ndarray], server_round: int) -> None:
-        atomic_torch_save({"round": server_round, "arrays": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}},
-                          self.dir / name)
+        atomic_torch_save(
+            {"round": server_round, "arrays": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}},
+            self.dir / name,
+        )
 
     def final_summary(self) -> dict:
         rounds = self.data["rounds"]
-        final: dict = {"rounds": len(rounds), "seconds": round(time.time() - self.t0, 2),
-                       "bytes_up": int(sum(r["bytes_up"] for r in rounds)),
-                       "bytes_down": int(sum(r["bytes_down"] for r in rounds))}
+        final: dict = {
+            "rounds": len(rounds),
+            "seconds": round(time.time() - self.t0, 2),
+            "bytes_up": int(sum(r["bytes_up"] for r in rounds)),
+            "bytes_down": int(sum(r["bytes_down"] for r in rounds)),
+        }
         for key in SUMMARY_METRICS:
             series = [r["metrics"][key] for r in rounds if key in r["metrics"]]
             if series:
@@ -127,8 +154,11 @@ def progress_line(record: dict, num_rounds: int) -> str:
 
 def summary_table(data: dict) -> str:
     final = data["final"]
-    rows = [("method", data["config"]["method"]), ("dataset", data["config"]["dataset"]),
-            ("rounds", str(final.get("rounds")))]
+    rows = [
+        ("method", data["config"]["method"]),
+        ("dataset", data["config"]["dataset"]),
+        ("rounds", str(final.get("rounds"))),
+    ]
     for key in SUMMARY_METRICS:
         if key in final:
             fmt = (lambda v: f"{100 * v:.2f}%") if key.endswith("acc") else (lambda v: f"{v:.4f}")
@@ -139,9 +169,14 @@ def summary_table(data: dict) -> str:
     rows.append(("bytes up / down", f"{final['bytes_up']:,} / {final['bytes_down']:,}"))
     comm = data.get("communication") or {}
     if comm.get("up_vs_full_lora") is not None and comm.get("down_vs_full_lora") is not None:
-        rows.append(("training traffic vs full LoRA", f"up {comm['up_vs_full_lora']:.2f}x, down {comm['down_vs_full_lora']:.2f}x "
-                     f"({comm['train_bytes_up']:,} / {comm['train_bytes_down']:,} bytes vs "
-                     f"{comm['full_lora_bytes_up']:,} / {comm['full_lora_bytes_down']:,})"))
+        rows.append(
+            (
+                "training traffic vs full LoRA",
+                f"up {comm['up_vs_full_lora']:.2f}x, down {comm['down_vs_full_lora']:.2f}x "
+                f"({comm['train_bytes_up']:,} / {comm['train_bytes_down']:,} bytes vs "
+                f"{comm['full_lora_bytes_up']:,} / {comm['full_lora_bytes_down']:,})",
+            )
+        )
     rows.append(("wall time", f"{final['seconds']:.1f}s"))
     width = max(len(k) for k, _ in rows)
     lines = ["-" * (width + 24)] + [f"{k.ljust(width)}  {v}" for k, v in rows] + ["-" * (width + 24)]

@@ -22,7 +22,7 @@ def weighted_average(updates: Sequence[Mapping[str, np.ndarray]], weights: Seque
     out = {}
     for name in updates[0]:
         acc = np.zeros_like(np.asarray(updates[0][name], dtype=np.float64))
-        for u, wk in zip(updates, w):
+        for u, wk in zip(updates, w, strict=True):
             acc += wk * np.asarray(u[name], dtype=np.float64)
         out[name] = (acc / w.sum()).astype(np.asarray(updates[0][name]).dtype)
     return out
@@ -42,5 +42,7 @@ def per_group_average(
     for group, names in groups.items():
         members = [i for i, g in enumerate(chosen) if g == group]
         if members:
-            out.update(weighted_average([{k: updates[i][k] for k in names} for i in members], [weights[i] for i in members]))
+            out.update(
+                weighted_average([{k: updates[i][k] for k in names} for i in members], [weights[i] for i in members])
+            )
     return out

@@ -29,7 +29,7 @@ from flwr.serverapp.strategy import Strategy
 from fedvlm.methods.spec import MethodSpec
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import RunBudget
-from fedvlm.privacy.ledger import PrivacyLedger, PrivacySettings
+from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape, GlobalDP
 from fedvlm.protocol import EvaluateInstruction, TrainInstruction
 from fedvlm.runconfig import RunConfig
@@ -45,7 +45,7 @@ class FederatedStrategy(Strategy):
     def __init__(self, cfg: RunConfig, spec: MethodSpec):
         self.cfg = cfg
         self.spec = spec
-        self.privacy = PrivacySettings.from_config(cfg)
+        self.privacy = cfg.privacy
         self.ledger = PrivacyLedger(self.privacy, spec.name)
         self.registry = NodeRegistry(cfg, self.ledger)
         self.global_arrays: dict[str, np.ndarray] = {}  # set after the handshake (initial_arrays)
@@ -69,7 +69,7 @@ class FederatedStrategy(Strategy):
         return next(iter(self.nodes.values())).num_classes
 
     def num_rounds(self) -> int:
-        return self.cfg["num-server-rounds"]
+        return self.cfg.num_server_rounds
 
     def train_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
         """Arrays sent to ``node`` for training (default: every global array)."""
@@ -77,7 +77,9 @@ class FederatedStrategy(Strategy):
 
     def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
         """Tensors ``node`` must send back, with shapes (default: the shared global arrays)."""
-        return {k: v.shape for k, v in self.global_arrays.items() if k in self.spec.shares(self.cfg, self.global_arrays)}
+        return {
+            k: v.shape for k, v in self.global_arrays.items() if k in self.spec.shares(self.cfg, self.global_arrays)
+        }
 
     def evaluate_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
         return dict(self.global_arrays)
@@ -103,7 +105,7 @@ class FederatedStrategy(Strategy):
 
     def nodes_per_round(self) -> int:
         """Clients sampled for training each round (the fixed denominator of a DP average)."""
-        return min(len(self.nodes), max(1, math.ceil(self.cfg["fraction-train"] * len(self.nodes))))
+        return min(len(self.nodes), max(1, math.ceil(self.cfg.fraction_train * len(self.nodes))))
 
     def client_shape(self, node: NodeInfo) -> ClientShape:
         """``node``'s local training per round (batch size, steps): planned here, sent to it."""
@@ -120,9 +122,15 @@ class FederatedStrategy(Strategy):
 
     # ---- the run's setup (called by server_app.loop) ---------------------------------------
     def summary(self) -> None:
-        log.info("%s: method %s, %d rounds, fraction-train %.2f, fraction-evaluate %.2f, seed %d",
-                 type(self).__name__, self.spec.name, self.num_rounds(), self.cfg["fraction-train"],
-                 self.cfg["fraction-evaluate"], self.cfg["seed"])
+        log.info(
+            "%s: method %s, %d rounds, fraction-train %.2f, fraction-evaluate %.2f, seed %d",
+            type(self).__name__,
+            self.spec.name,
+            self.num_rounds(),
+            self.cfg.fraction_train,
+            self.cfg.fraction_evaluate,
+            self.cfg.seed,
+        )
 
     def start(self, grid: Grid) -> None:
         """Before round 1: wait for the nodes, build the initial arrays, plan the privacy."""
@@ -135,8 +143,9 @@ class FederatedStrategy(Strategy):
     def plan_privacy(self) -> None:
         """Plan every mechanism for the nodes known now (called once, before round 1)."""
         local = self.spec.local_dp(self.cfg) if self.spec.local_dp else None
-        self.budget = RunBudget(self.privacy, self.ledger, self.num_rounds(), local, self.global_dp(),
-                                self.cfg["privacy.noise-source"])
+        self.budget = RunBudget(
+            self.privacy, self.ledger, self.num_rounds(), local, self.global_dp(), self.cfg.privacy.noise_source
+        )
         self.budget.plan({n.name: self.client_shape(n) for n in self.nodes.values()}, self.noise_sources())
 
     def noise_sources(self) -> dict[str, str]:
@@ -172,8 +181,14 @@ class FederatedStrategy(Strategy):
                 payload = self.train_payload(node, server_round)
                 expected = self.reply_shapes(node, server_round)
                 shape = self.client_shape(node)
-                config = TrainInstruction(server_round, tuple(sorted(expected)), shape.steps, shape.batch_size,
-                                          node.num_train, self.local_sigma(node)).to_config()
+                config = TrainInstruction(
+                    server_round,
+                    tuple(sorted(expected)),
+                    shape.steps,
+                    shape.batch_size,
+                    node.num_train,
+                    self.local_sigma(node),
+                ).to_config()
             else:  # on the last evaluation clients publish their personalised prompts (client_app.publishing)
                 payload, expected = self.evaluate_payload(node, server_round), {}
                 final = self.current.final
@@ -181,22 +196,28 @@ class FederatedStrategy(Strategy):
             self._expected[node.node_id] = expected
             down += record_nbytes(payload)
             self.current.client(node.name)[f"{phase}/bytes_down"] = record_nbytes(payload)
-            content = RecordDict({
-                "arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.items()}),
-                "config": ConfigRecord(config),
-            })
+            content = RecordDict(
+                {
+                    "arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.items()}),
+                    "config": ConfigRecord(config),
+                }
+            )
             msgs.append(Message(content, dst_node_id=node.node_id, message_type=kind))
         self.current.bytes[f"{phase}_down"] = down
         self._last_sent = msgs  # their ids are set when the grid pushes them; see _sender
         return msgs
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        nodes = self.sample(grid, server_round, self.cfg["fraction-train"], ServerStream.TRAIN_SAMPLE)
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        nodes = self.sample(grid, server_round, self.cfg.fraction_train, ServerStream.TRAIN_SAMPLE)
         self.current.sampled = len(nodes)
         return self._messages(nodes, server_round, MessageType.TRAIN)
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        nodes = self.sample(grid, server_round, self.cfg["fraction-evaluate"], ServerStream.EVALUATE_SAMPLE)
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        nodes = self.sample(grid, server_round, self.cfg.fraction_evaluate, ServerStream.EVALUATE_SAMPLE)
         return self._messages(nodes, server_round, MessageType.EVALUATE)
 
     def _sender(self, reply: Message) -> int:
@@ -231,7 +252,9 @@ class FederatedStrategy(Strategy):
                 self.on_reply_accepted(node, phase)
         return good
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         updates = self._validated(replies, "train")
         for u in updates:
             self.current.client(u.node.name).update({f"train/{k}": v for k, v in u.metrics.items()})
@@ -255,15 +278,23 @@ class FederatedStrategy(Strategy):
                 # The papers average per-client accuracy; the weighted figure is kept too.
                 metrics[f"{tag}-acc"] = float(np.mean(accs))
                 metrics[f"{tag}-acc-std"] = float(np.std(accs))
-                metrics.update(_weighted_metrics([u.metrics for u in updates], (f"{tag}-acc", f"{tag}-loss"),
-                                                 weight_key=f"{tag}-n", suffix="-weighted"))
+                metrics.update(
+                    _weighted_metrics(
+                        [u.metrics for u in updates],
+                        (f"{tag}-acc", f"{tag}-loss"),
+                        weight_key=f"{tag}-n",
+                        suffix="-weighted",
+                    )
+                )
         metrics["eval-clients"] = len(updates)
         metrics["eval-compute-seconds"] = float(sum(u.metrics.get("compute-seconds", 0.0) for u in updates))
         self.current.metrics.update(metrics)
         return MetricRecord(metrics)
 
 
-def _weighted_metrics(metrics: list[dict], keys: Iterable[str], weight_key: str = "num-examples", suffix: str = "") -> dict:
+def _weighted_metrics(
+    metrics: list[dict], keys: Iterable[str], weight_key: str = "num-examples", suffix: str = ""
+) -> dict:
     out = {}
     for key in keys:
         pairs = [(m[key], m.get(weight_key, 0)) for m in metrics if key in m]

@@ -27,11 +27,10 @@ from fedvlm.utils.rng import ServerStream, server_key
 log = logging.getLogger(__name__)
 
 
-
 class GlobalGradientStrategy(PromptStrategy):
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
-        if cfg["prompt.class-specific"]:
+        if cfg.prompt.class_specific:
             raise ValueError(f"method {spec.name!r} needs a shared context (prompt.class-specific=false)")
         self._server_opt = None
         self._global_param = None
@@ -51,8 +50,12 @@ class GlobalGradientStrategy(PromptStrategy):
     # ---- privacy plan ---------------------------------------------------------------------
     def global_dp(self) -> GlobalDP:
         n = self.nodes_per_round()
-        return GlobalDP("gdp-global", f"server: average of the sampled clients' clipped global-prompt gradients "
-                        f"(divided by at least {n}), once per round", denominator=n)
+        return GlobalDP(
+            "gdp-global",
+            f"server: average of the sampled clients' clipped global-prompt gradients "
+            f"(divided by at least {n}), once per round",
+            denominator=n,
+        )
 
     def plan_privacy(self) -> None:
         super().plan_privacy()
@@ -60,7 +63,8 @@ class GlobalGradientStrategy(PromptStrategy):
             "trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient. A record's batch "
             "feeds its client's local release and its share of the global release, so the per-record epsilon "
             "(records, rounds[].per_client) composes both; it bounds what the published global prompt and the "
-            "client's published personalised prompt together reveal of a record")
+            "client's published personalised prompt together reveal of a record"
+        )
 
     # ---- aggregation ----------------------------------------------------------------------
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
@@ -71,7 +75,9 @@ class GlobalGradientStrategy(PromptStrategy):
         grad = torch.from_numpy(mean.astype(np.float32))
         if self.budget is not None:
             sigma = self.budget.planner.global_plan.sigma
-            gen = noise_generator(self.server_noise_source(), server_key(self.cfg["seed"], server_round, ServerStream.GLOBAL_NOISE))
+            gen = noise_generator(
+                self.server_noise_source(), server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
+            )
             grad = grad + gaussian_noise(grad.shape, sigma, gen)
             self.current.metrics.update({"gdp-sigma": sigma, "gdp-denominator": sampled})
         self._server_step(grad)
@@ -79,9 +85,12 @@ class GlobalGradientStrategy(PromptStrategy):
     def _server_step(self, grad: torch.Tensor) -> None:
         if self._global_param is None:
             self._global_param = torch.nn.Parameter(torch.from_numpy(self.global_arrays["global_ctx"].copy()))
-            lr = self.cfg["dpfpl.server-lr"]
-            self._server_opt = (torch.optim.Adam([self._global_param], lr=lr) if self.cfg["dpfpl.server-optimizer"] == "adam"
-                                else torch.optim.SGD([self._global_param], lr=lr))
+            lr = self.cfg.dpfpl.server_lr
+            self._server_opt = (
+                torch.optim.Adam([self._global_param], lr=lr)
+                if self.cfg.dpfpl.server_optimizer == "adam"
+                else torch.optim.SGD([self._global_param], lr=lr)
+            )
         self._server_opt.zero_grad()
         self._global_param.grad = grad
         self._server_opt.step()

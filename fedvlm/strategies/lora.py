@@ -40,8 +40,15 @@ class LoRAStrategy(FederatedStrategy):
 
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
-        _, initial, fp = load_vlm(cfg["vlm.model"], cfg.cache_dir, AdapterSpec.from_config(cfg), cfg["seed"],
-                                  "cpu", cfg["vlm.trust-remote-code"], cfg["vlm.dtype"])
+        _, initial, fp = load_vlm(
+            cfg.vlm.model,
+            cfg.cache_path,
+            AdapterSpec.from_config(cfg),
+            cfg.seed,
+            "cpu",
+            cfg.vlm.trust_remote_code,
+            cfg.vlm.dtype,
+        )
         self.registry.server_fingerprint = fp
         self.adapter_initial = {k: v.numpy() for k, v in initial.items()}
         self.shared_names = sorted(spec.shares(cfg, initial))
@@ -92,13 +99,17 @@ class LoRAStrategy(FederatedStrategy):
         sent = self.train_messages
         communication = {
             "adapter_bytes": full,
-            "train_bytes_up": int(up), "train_bytes_down": int(down),
-            "full_lora_bytes_up": int(full * trained), "full_lora_bytes_down": int(full * sent),
+            "train_bytes_up": int(up),
+            "train_bytes_down": int(down),
+            "full_lora_bytes_up": int(full * trained),
+            "full_lora_bytes_down": int(full * sent),
             "up_vs_full_lora": up / (full * trained) if trained else None,
             "down_vs_full_lora": down / (full * sent) if sent else None,
         }
-        return RunOutputs({f"reconstructed/{name}.pt": arrays for name, arrays in self.last_upload.items()},
-                          {"communication": communication})
+        return RunOutputs(
+            {f"reconstructed/{name}.pt": arrays for name, arrays in self.last_upload.items()},
+            {"communication": communication},
+        )
 
 
 class FedRandStrategy(LoRAStrategy):
@@ -112,9 +123,11 @@ class FedRandStrategy(LoRAStrategy):
         node's seed) so the draw does not depend on which other clients were sampled."""
         per_round = self.draws.setdefault(server_round, {})
         if node.name not in per_round:
-            key = server_key(self.cfg["seed"], server_round, ServerStream.FEDRAND_HALF, node_seed(node.partition_id, node.name))
+            key = server_key(
+                self.cfg.seed, server_round, ServerStream.FEDRAND_HALF, node_seed(node.partition_id, node.name)
+            )
             rng = numpy_rng(key)
-            per_round[node.name] = "A" if rng.random() < self.cfg["fedrand.rho"] else "B"
+            per_round[node.name] = "A" if rng.random() < self.cfg.fedrand.rho else "B"
         return per_round[node.name]
 
     def train_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
@@ -136,8 +149,16 @@ class FedRandStrategy(LoRAStrategy):
         for half in self.halves:
             if half not in chosen:
                 log.info("round %d: no client returned half %s; it stays unchanged", server_round, half)
-        self.global_arrays = per_group_average(self.global_arrays, self.halves, [u.arrays for u in updates],
-                                               [u.metrics["num-examples"] for u in updates], chosen)
-        self.current.metrics.update({
-            "fedrand/clients-A": sum(self.draws[server_round][u.node.name] == "A" for u in updates),
-            "fedrand/clients-B": sum(self.draws[server_round][u.node.name] == "B" for u in updates)})
+        self.global_arrays = per_group_average(
+            self.global_arrays,
+            self.halves,
+            [u.arrays for u in updates],
+            [u.metrics["num-examples"] for u in updates],
+            chosen,
+        )
+        self.current.metrics.update(
+            {
+                "fedrand/clients-A": sum(self.draws[server_round][u.node.name] == "A" for u in updates),
+                "fedrand/clients-B": sum(self.draws[server_round][u.node.name] == "B" for u in updates),
+            }
+        )

@@ -63,9 +63,13 @@ class NodeRegistry:
         node_ids = [n for n in node_ids if n not in self.nodes and n not in self.failed]
         if not node_ids:
             return
-        msgs = [Message(RecordDict({"config": ConfigRecord({SERVER_ROUND: 0})}), dst_node_id=n,
-                        message_type=MessageType.QUERY) for n in node_ids]
-        replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(msgs, timeout=self.cfg["round-timeout"])}
+        msgs = [
+            Message(
+                RecordDict({"config": ConfigRecord({SERVER_ROUND: 0})}), dst_node_id=n, message_type=MessageType.QUERY
+            )
+            for n in node_ids
+        ]
+        replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)}
         for n in node_ids:
             msg = replies.get(n)
             if msg is None:
@@ -76,8 +80,17 @@ class NodeRegistry:
                 m, info = dict(msg.content["metrics"]), dict(msg.content["info"])
                 self.ledger.note_released("handshake", [*m, *info])
                 hello = HelloReport.from_records(info, m)
-                node = NodeInfo(n, hello.name, hello.partition_id, hello.num_train, hello.num_test,
-                                hello.num_neighbor, hello.backbone, hello.num_classes, info)
+                node = NodeInfo(
+                    n,
+                    hello.name,
+                    hello.partition_id,
+                    hello.num_train,
+                    hello.num_test,
+                    hello.num_neighbor,
+                    hello.backbone,
+                    hello.num_classes,
+                    info,
+                )
                 why = self._mismatch(node)
                 if why:
                     self.exclude(n, why)
@@ -88,14 +101,20 @@ class NodeRegistry:
     def _mismatch(self, node: NodeInfo) -> str:
         known = next(iter(self.nodes.values()), None)
         if self.server_fingerprint and node.backbone != self.server_fingerprint:
-            return (f"backbone {node.backbone} differs from the server's {self.server_fingerprint}: every node must "
-                    "load the same weights")
+            return (
+                f"backbone {node.backbone} differs from the server's {self.server_fingerprint}: every node must "
+                "load the same weights"
+            )
         if known is not None and node.num_classes != known.num_classes:
-            return (f"it has {node.num_classes} classes but {known.name} has {known.num_classes}: every node must "
-                    "use the same class list")
+            return (
+                f"it has {node.num_classes} classes but {known.name} has {known.num_classes}: every node must "
+                "use the same class list"
+            )
         if known is not None and known.info.get("class-list") != node.info.get("class-list"):
-            return (f"its class list differs from {known.name}'s (same number, other names or order): give every "
-                    "node the same classes.txt")
+            return (
+                f"its class list differs from {known.name}'s (same number, other names or order): give every "
+                "node the same classes.txt"
+            )
         if any(o.name == node.name for o in self.nodes.values()):
             return f"another node already uses the name {node.name!r}"
         return ""
@@ -103,7 +122,7 @@ class NodeRegistry:
     def wait(self, grid: Grid) -> None:
         """Handshake connected nodes until ``min-nodes`` are healthy; stop with every reason if
         they cannot be (all failed, or the stragglers' time is up)."""
-        need = self.cfg["min-nodes"]
+        need = self.cfg.min_nodes
         t0, last = time.time(), -1
         while True:
             connected = sorted(grid.get_node_ids())
@@ -116,10 +135,13 @@ class NodeRegistry:
                 reasons: dict[str, list[str]] = {}
                 for n, r in self.failed.items():
                     reasons.setdefault(r, []).append(str(n))
-                detail = "\n".join(f"  {len(ids)} node(s) ({', '.join(ids[:4])}{'...' if len(ids) > 4 else ''}): {r}"
-                                   for r, ids in reasons.items())
+                detail = "\n".join(
+                    f"  {len(ids)} node(s) ({', '.join(ids[:4])}{'...' if len(ids) > 4 else ''}): {r}"
+                    for r, ids in reasons.items()
+                )
                 raise FederationError(
-                    f"only {len(healthy)} healthy node(s), {need} needed (min-nodes); excluded nodes:\n{detail}")
+                    f"only {len(healthy)} healthy node(s), {need} needed (min-nodes); excluded nodes:\n{detail}"
+                )
             if len(connected) != last:
                 log.info("waiting for nodes: %d connected, %d healthy, %d needed", len(connected), len(healthy), need)
                 last = len(connected)
@@ -128,7 +150,7 @@ class NodeRegistry:
     def _more_may_join(self, t0: float) -> bool:
         # In simulation every node exists from the start; in deployment give stragglers the
         # round timeout to connect before giving up.
-        return time.time() - t0 < self.cfg["round-timeout"]
+        return time.time() - t0 < self.cfg.round_timeout
 
     def refresh(self, grid: Grid) -> set[int]:
         """Handshake the nodes that connected since the last call; the connected ids."""
@@ -139,14 +161,16 @@ class NodeRegistry:
     def choose(self, connected: set[int], server_round: int, fraction: float, stream: ServerStream) -> list[NodeInfo]:
         """Seeded choice of ``fraction`` of the healthy connected nodes, ordered by name."""
         pool = sorted((n for i, n in self.nodes.items() if i in connected), key=lambda n: n.name)
-        if len(pool) < self.cfg["min-nodes"]:
+        if len(pool) < self.cfg.min_nodes:
             gone = sorted(n.name for i, n in self.nodes.items() if i not in connected)
             raise FederationError(
                 f"round {server_round}: only {len(pool)} healthy node(s) still connected, fewer than min-nodes = "
-                f"{self.cfg['min-nodes']}" + (f" (disconnected: {', '.join(gone[:8])})" if gone else "")
-                + "; restart the missing SuperNodes, or lower min-nodes to let the run go on with fewer")
+                f"{self.cfg.min_nodes}"
+                + (f" (disconnected: {', '.join(gone[:8])})" if gone else "")
+                + "; restart the missing SuperNodes, or lower min-nodes to let the run go on with fewer"
+            )
         k = min(len(pool), max(1, math.ceil(fraction * len(pool))))
-        rng = numpy_rng(server_key(self.cfg["seed"], server_round, stream))
+        rng = numpy_rng(server_key(self.cfg.seed, server_round, stream))
         chosen = rng.choice(len(pool), size=k, replace=False)
         return [pool[i] for i in sorted(chosen)]
 

@@ -6,7 +6,6 @@ N(0, init-std^2) or a phrase), so every method and every client starts from the 
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
@@ -22,16 +21,23 @@ class PromptStrategy(FederatedStrategy):
     fingerprint every client must match."""
 
     def __init__(self, cfg, spec):
-        self.bundle = load_clip(cfg["clip.model"], cfg["clip.pretrained"], cfg.cache_dir, "cpu")
+        self.bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, "cpu")
         super().__init__(cfg, spec)
         self.registry.server_fingerprint = self.bundle.fingerprint
 
     def initial_context(self) -> np.ndarray:
         c = self.cfg
-        n_classes = self.num_classes() if c["prompt.class-specific"] else 0
-        gen = torch.Generator().manual_seed(c["seed"])
-        ctx = init_context(TextTower.from_open_clip(self.bundle.model), self.bundle.tokenizer, c["prompt.n-ctx"],
-                           phrase=c["prompt.ctx-init"], n_classes=n_classes, std=c["prompt.init-std"], generator=gen)
+        n_classes = self.num_classes() if c.prompt.class_specific else 0
+        gen = torch.Generator().manual_seed(c.seed)
+        ctx = init_context(
+            TextTower.from_open_clip(self.bundle.model),
+            self.bundle.tokenizer,
+            c.prompt.n_ctx,
+            phrase=c.prompt.ctx_init,
+            n_classes=n_classes,
+            std=c.prompt.init_std,
+            generator=gen,
+        )
         return ctx.numpy().astype(np.float32)
 
     def initial_arrays(self) -> dict[str, np.ndarray]:

@@ -34,10 +34,16 @@ class RoundRecord:
         self.bytes[key] = self.bytes.get(key, 0) + n
 
     def as_dict(self, seconds: float) -> dict:
-        return {"round": self.round, "metrics": self.metrics, "seconds": round(seconds, 3),
-                "bytes_up": sum(v for k, v in self.bytes.items() if k.endswith("_up")),
-                "bytes_down": sum(v for k, v in self.bytes.items() if k.endswith("_down")),
-                "bytes": self.bytes, "clients": self.clients, "dropped": self.dropped}
+        return {
+            "round": self.round,
+            "metrics": self.metrics,
+            "seconds": round(seconds, 3),
+            "bytes_up": sum(v for k, v in self.bytes.items() if k.endswith("_up")),
+            "bytes_down": sum(v for k, v in self.bytes.items() if k.endswith("_down")),
+            "bytes": self.bytes,
+            "clients": self.clients,
+            "dropped": self.dropped,
+        }
 
 
 @dataclass

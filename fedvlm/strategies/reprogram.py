@@ -43,8 +43,9 @@ class ReprogramStrategy(FederatedStrategy):
         for u in updates:
             if "epsilon-rdp" in u.metrics:
                 self.client_reported[u.node.name] = {"rdp": u.metrics["epsilon-rdp"], "prv": u.metrics["epsilon-prv"]}
-        self.global_arrays.update(weighted_average([u.arrays for u in updates],
-                                                   [u.metrics["num-examples"] for u in updates]))
+        self.global_arrays.update(
+            weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
+        )
 
     def privacy_entry(self, extra: dict[str, int] | None = None) -> dict:
         """Add, per client, ε by both of dp-accounting's accountants and by the client's own

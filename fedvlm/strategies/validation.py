@@ -23,7 +23,9 @@ def record_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
     return int(sum(np.asarray(a).nbytes for a in arrays.values()))
 
 
-def check_reply(msg: Message, expected: Mapping[str, tuple[int, ...]], need_examples: bool = True) -> tuple[dict[str, np.ndarray], dict]:
+def check_reply(
+    msg: Message, expected: Mapping[str, tuple[int, ...]], need_examples: bool = True
+) -> tuple[dict[str, np.ndarray], dict]:
     if msg.has_error():
         raise ReplyRejected(f"the client failed: {short_reason(msg.error.reason)}")
     content = msg.content

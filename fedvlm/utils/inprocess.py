@@ -28,13 +28,20 @@ def ensure_task_identity(run_id: int = 1) -> None:
 class InProcessGrid:
     """Duck-types the parts of ``flwr.serverapp.Grid`` the strategies use."""
 
-    def __init__(self, client_app: ClientApp, node_configs: list[dict], run_config: dict,
-                 intercept: Callable[[Message, Message], Message] | None = None):
+    def __init__(
+        self,
+        client_app: ClientApp,
+        node_configs: list[dict],
+        run_config: dict,
+        intercept: Callable[[Message, Message], Message] | None = None,
+    ):
         ensure_task_identity()
         self.app = client_app
         self.run_config = dict(run_config)
         self.contexts = {
-            1000 + i: Context(run_id=1, node_id=1000 + i, node_config=dict(nc), state=RecordDict(), run_config=self.run_config)
+            1000 + i: Context(
+                run_id=1, node_id=1000 + i, node_config=dict(nc), state=RecordDict(), run_config=self.run_config
+            )
             for i, nc in enumerate(node_configs)
         }
         self.sent: list[Message] = []
@@ -55,7 +62,9 @@ class InProcessGrid:
             try:
                 reply = self.app(msg, self.contexts[node])
             except Exception as err:  # as Flower does: the server receives an error reply
-                reply = Message(Error(code=1, reason=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"), reply_to=msg)
+                reply = Message(
+                    Error(code=1, reason=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"), reply_to=msg
+                )
             if self.intercept is not None:
                 reply = self.intercept(msg, reply)
             self.replies.append(reply)

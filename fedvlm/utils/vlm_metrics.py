@@ -54,7 +54,7 @@ def answer_letter(text: str) -> str:
 def vqa_accuracy(predictions: list[str], references: list[list[str]]) -> float:
     if not predictions:
         return 0.0
-    hits = [answer_letter(p) == refs[0] for p, refs in zip(predictions, references)]
+    hits = [answer_letter(p) == refs[0] for p, refs in zip(predictions, references, strict=True)]
     return 100.0 * float(np.mean(hits))
 
 
@@ -63,8 +63,9 @@ def test_loss(vlm, split, batch_size: int) -> float:
     total, n = 0.0, 0
     for s in range(0, len(split), batch_size):
         idx = range(s, min(len(split), s + batch_size))
-        batch = vlm.training_batch([split.images.image(i) for i in idx], [split.prompts[i] for i in idx],
-                                   [split.targets[i] for i in idx])
+        batch = vlm.training_batch(
+            [split.images.image(i) for i in idx], [split.prompts[i] for i in idx], [split.targets[i] for i in idx]
+        )
         losses = vlm.per_sample_loss(batch)
         total += float(losses.sum())
         n += len(losses)

@@ -21,13 +21,17 @@ BIN = Path(sys.executable).parent
 
 # ---- a real federation on loopback ---------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory, cache_dir, pretrained_clip):
     from fedvlm.deploy.local_federation import LocalFederation
 
     work = tmp_path_factory.mktemp("federation")
-    fed = LocalFederation(work, ["org-0", "org-1"], {
-        "org-0": "partition-id=0 num-partitions=2", "org-1": "partition-id=1 num-partitions=2"})
+    fed = LocalFederation(
+        work,
+        ["org-0", "org-1"],
+        {"org-0": "partition-id=0 num-partitions=2", "org-1": "partition-id=1 num-partitions=2"},
+    )
     with fed:
         fed.make_credentials(extra=["org-own", "org-bad", "intruder"])  # keys made, not registered
         _wait_online(fed, 2)
@@ -46,8 +50,10 @@ def _wait_online(fed, n: int, timeout: float = 120) -> None:
         if sum(node["status"] == "online" for node in _nodes(fed)) >= n:
             return
         time.sleep(1)
-    raise AssertionError(f"fewer than {n} SuperNodes online after {timeout} s: {_nodes(fed)}\n"
-                         + "\n".join(fed.log_text(name)[-1500:] for name in fed.procs))
+    raise AssertionError(
+        f"fewer than {n} SuperNodes online after {timeout} s: {_nodes(fed)}\n"
+        + "\n".join(fed.log_text(name)[-1500:] for name in fed.procs)
+    )
 
 
 def _untimed(metrics: dict) -> dict:
@@ -65,9 +71,23 @@ def test_deployment_with_tls_and_auth_matches_the_simulation(federation, flwr_en
     assert sorted(n["name"] for n in deployed["run"]["nodes"]) == ["client-0", "client-1"]
     assert "[round 2/2]" in log
 
-    sim = subprocess.run([str(BIN / "flwr"), "run", str(ROOT), "--stream", "--federation-config", "num-supernodes=2",
-                          "--run-config", f"{common} output-dir='{tmp_path / 'simulated'}'"],
-                         env=flwr_env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    sim = subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(ROOT),
+            "--stream",
+            "--federation-config",
+            "num-supernodes=2",
+            "--run-config",
+            f"{common} output-dir='{tmp_path / 'simulated'}'",
+        ],
+        env=flwr_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     path = tmp_path / "simulated" / "r" / "results.json"
     assert path.exists(), (sim.stdout + sim.stderr)[-4000:]
     simulated = json.loads(path.read_text())
@@ -96,8 +116,8 @@ def test_an_unregistered_supernode_is_refused(federation):
 
 
 def test_own_data_nodes_join_and_a_killed_node_leaves_the_rounds_to_the_others(federation, tmp_path, cache_dir):
-    from fedvlm.deploy.export_folder import export_partitions
     from fedvlm.data.registry import load_image_folder
+    from fedvlm.deploy.export_folder import export_partitions
 
     own = export_partitions(tmp_path / "org-data", 2)[0]
     for name in ("org-own", "org-bad"):
@@ -109,9 +129,21 @@ def test_own_data_nodes_join_and_a_killed_node_leaves_the_rounds_to_the_others(f
 
     out = tmp_path / "runs"
     run = subprocess.Popen(
-        [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--stream", "--run-config",
-         f"num-server-rounds=3 min-nodes=2 round-timeout=60 cache-dir='{cache_dir}' output-dir='{out}' run-name='k'"],
-        env=federation.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(ROOT),
+            "loopback",
+            "--stream",
+            "--run-config",
+            f"num-server-rounds=3 min-nodes=2 round-timeout=60 cache-dir='{cache_dir}' output-dir='{out}' run-name='k'",
+        ],
+        env=federation.env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     results = out / "k" / "results.json"
     try:
         deadline = time.time() + 600

@@ -20,9 +20,21 @@ FLWR = str(Path(sys.executable).with_name("flwr"))
 
 def _flwr_run(env, run_config: str, supernodes: int = 10) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [FLWR, "run", str(ROOT), "--stream", "--federation-config", f"num-supernodes={supernodes}",
-         "--run-config", run_config],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            FLWR,
+            "run",
+            str(ROOT),
+            "--stream",
+            "--federation-config",
+            f"num-supernodes={supernodes}",
+            "--run-config",
+            run_config,
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
 
 
@@ -52,8 +64,12 @@ def test_flwr_run_rejects_a_bad_config_with_its_reason(flwr_env, tmp_path, cache
 @pytest.mark.parametrize("method,epsilon", [("promptfl", 0.0), ("promptfl", 0.5), ("fedpgp", 0.0), ("dpfpl", 0.5)])
 def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_dir, method, epsilon):
     out = tmp_path / "runs"
-    proc = _flwr_run(flwr_env, f"method='{method}' privacy.epsilon={epsilon} num-server-rounds=2 prompt.local-steps=1 "
-                               f"output-dir='{out}' cache-dir='{cache_dir}' run-name='r'", supernodes=3)
+    proc = _flwr_run(
+        flwr_env,
+        f"method='{method}' privacy.epsilon={epsilon} num-server-rounds=2 prompt.local-steps=1 "
+        f"output-dir='{out}' cache-dir='{cache_dir}' run-name='r'",
+        supernodes=3,
+    )
     data = json.loads((out / "r" / "results.json").read_text()) if (out / "r" / "results.json").exists() else None
     assert data is not None and data["run"]["status"] == "finished", (proc.stdout + proc.stderr)[-3000:]
     assert len(data["rounds"]) == 2 and not any(r["dropped"] for r in data["rounds"])
@@ -70,8 +86,12 @@ def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_di
 @pytest.mark.parametrize("method", ["fedrand", "fedpara-lora"])  # LoRA and LoHa adapters
 def test_flwr_run_lora_methods(flwr_env, tmp_path, vlm_cache, method):
     out = tmp_path / "runs"
-    proc = _flwr_run(flwr_env, f"method='{method}' num-server-rounds=3 fraction-train=1.0 lora.local-steps=4 "
-                               f"vlm.eval-samples=6 output-dir='{out}' cache-dir='{vlm_cache}' run-name='r'", supernodes=3)
+    proc = _flwr_run(
+        flwr_env,
+        f"method='{method}' num-server-rounds=3 fraction-train=1.0 lora.local-steps=4 "
+        f"vlm.eval-samples=6 output-dir='{out}' cache-dir='{vlm_cache}' run-name='r'",
+        supernodes=3,
+    )
     path = out / "r" / "results.json"
     data = json.loads(path.read_text()) if path.exists() else None
     assert data is not None and data["run"]["status"] == "finished", (proc.stdout + proc.stderr)[-3000:]
@@ -87,11 +107,17 @@ def test_flwr_run_lora_methods(flwr_env, tmp_path, vlm_cache, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["reprogram", "bl-ff"])  # the program alone; a whole network (Opacus' expanded weights)
+@pytest.mark.parametrize(
+    "method", ["reprogram", "bl-ff"]
+)  # the program alone; a whole network (Opacus' expanded weights)
 def test_flwr_run_reprogramming_methods(flwr_env, tmp_path, cache_dir, method):
     out = tmp_path / "runs"
-    proc = _flwr_run(flwr_env, f"method='{method}' num-server-rounds=2 reprogram.local-iterations=2 "
-                               f"output-dir='{out}' cache-dir='{cache_dir}' run-name='r'", supernodes=3)
+    proc = _flwr_run(
+        flwr_env,
+        f"method='{method}' num-server-rounds=2 reprogram.local-iterations=2 "
+        f"output-dir='{out}' cache-dir='{cache_dir}' run-name='r'",
+        supernodes=3,
+    )
     path = out / "r" / "results.json"
     data = json.loads(path.read_text()) if path.exists() else None
     assert data is not None and data["run"]["status"] == "finished", (proc.stdout + proc.stderr)[-3000:]

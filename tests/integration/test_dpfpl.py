@@ -49,7 +49,7 @@ def test_private_parts_never_leave_and_server_noise_is_drawn_once_per_round(make
 
 def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     cfg = make_cfg(method="dpfpl", privacy__epsilon=0.05, dpfpl__server_lr=1.0)
-    spec = cfg.method
+    spec = cfg.spec
     strategy = spec.strategy(cfg, spec)
     from fedvlm.strategies.nodes import NodeInfo
     from fedvlm.strategies.records import ClientUpdate, RoundRecord
@@ -58,7 +58,10 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
     strategy.plan_privacy()
     before = strategy.global_arrays["global_ctx"].copy()
-    zero = [ClientUpdate(n, {"global_grad": np.zeros((16, 96), np.float32)}, {"num-examples": 64}) for n in strategy.nodes.values()]
+    zero = [
+        ClientUpdate(n, {"global_grad": np.zeros((16, 96), np.float32)}, {"num-examples": 64})
+        for n in strategy.nodes.values()
+    ]
     strategy.current = RoundRecord(1, sampled=4)
     strategy.aggregate(1, zero)
     step = before - strategy.global_arrays["global_ctx"]  # sgd, lr 1: exactly the noise
@@ -93,8 +96,13 @@ def test_dpfpl_beats_noisy_promptfl_at_the_same_epsilon(make_cfg, pretrained_cli
 
 
 def test_budget_that_the_schedule_would_exceed_refuses_to_start(make_cfg, pretrained_clip):
-    cfg = make_cfg(method="dpfpl", privacy__epsilon=0.5, privacy__calibration="paper", privacy__max_epsilon=0.6,
-                   num_server_rounds=5)
+    cfg = make_cfg(
+        method="dpfpl",
+        privacy__epsilon=0.5,
+        privacy__calibration="paper",
+        privacy__max_epsilon=0.6,
+        num_server_rounds=5,
+    )
     with pytest.raises(BudgetError, match="privacy.max-epsilon = 0.6.*num-server-rounds"):
         execute(cfg, _grid(cfg, 2), run_id="t")
 

@@ -20,8 +20,12 @@ N = 10
 
 def _run(make_cfg, n=N, intercept=None, node_configs=None, **overrides):
     cfg = make_cfg(**overrides)
-    grid = InProcessGrid(client_app, node_configs or [{"partition-id": i, "num-partitions": n} for i in range(n)],
-                         cfg.as_dict(), intercept=intercept)
+    grid = InProcessGrid(
+        client_app,
+        node_configs or [{"partition-id": i, "num-partitions": n} for i in range(n)],
+        cfg.as_dict(),
+        intercept=intercept,
+    )
     rec = execute(cfg, grid, run_id="test")
     return rec, grid
 
@@ -45,8 +49,12 @@ def test_promptfl_learns_and_writes_results(make_cfg, pretrained_clip):
     # 10 clients x one 16x96 float32 prompt: up once, down for training and for evaluation
     prompt = 16 * 96 * 4
     assert rounds[0]["bytes_up"] == N * prompt and rounds[0]["bytes_down"] == 2 * N * prompt
-    assert rounds[0]["bytes"] == {"train_down": N * prompt, "train_up": N * prompt,
-                                  "evaluate_down": N * prompt, "evaluate_up": 0}
+    assert rounds[0]["bytes"] == {
+        "train_down": N * prompt,
+        "train_up": N * prompt,
+        "evaluate_down": N * prompt,
+        "evaluate_up": 0,
+    }
     assert {"local-acc-last10-mean", "neighbor-acc-last10-mean"} <= set(data["final"])
     assert data["run"]["status"] == "finished"
     for f in ("accuracy.png", "loss.png", "final_shared.pt", "checkpoint.pt"):
@@ -63,14 +71,21 @@ def test_promptfl_aggregate_is_the_weighted_mean_of_replies(make_cfg, pretrained
             captured.append((reply.content["arrays"]["ctx"].numpy(), reply.content["metrics"]["num-examples"]))
         return reply
 
-    rec, _ = _run(make_cfg, n=4, intercept=spy, method="promptfl", num_server_rounds=1,
-                  partitioner="quantity-skew", quantity_ratios="4:3:2:1")
+    rec, _ = _run(
+        make_cfg,
+        n=4,
+        intercept=spy,
+        method="promptfl",
+        num_server_rounds=1,
+        partitioner="quantity-skew",
+        quantity_ratios="4:3:2:1",
+    )
     import torch
 
     final = torch.load(rec.dir / "final_shared.pt", weights_only=True)["arrays"]["ctx"].numpy()
     weights = np.array([n for _, n in captured], dtype=float)
     assert len(set(weights)) > 1  # unequal data sizes
-    expected = sum(w * c for (c, _), w in zip(captured, weights)) / weights.sum()
+    expected = sum(w * c for (c, _), w in zip(captured, weights, strict=True)) / weights.sum()
     np.testing.assert_allclose(final, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -79,7 +94,7 @@ def test_coop_keeps_its_prompt_private_and_across_rounds(make_cfg, pretrained_cl
     rounds = rec.data["rounds"]
     assert all(r["bytes_up"] == 0 for r in rounds)  # nothing but metrics leaves a client
     assert rounds[0]["bytes_down"] > 0 and rounds[1]["bytes_down"] == 0  # init prompt once
-    for r, expected in zip(rounds, (1, 2, 3)):
+    for r, expected in zip(rounds, (1, 2, 3), strict=True):
         assert {c["train/rounds-trained"] for c in r["clients"].values()} == {expected}
     assert all(not keys for keys in _arrays_sent(grid, "up"))
     local = [r["metrics"]["local-acc"] for r in rounds]
@@ -111,7 +126,9 @@ def test_bad_replies_are_dropped_and_the_round_goes_on(make_cfg, pretrained_clip
 
     grid_ref = []
     cfg = make_cfg(method="promptfl", num_server_rounds=2)
-    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 4} for i in range(4)], cfg.as_dict(), intercept=corrupt)
+    grid = InProcessGrid(
+        client_app, [{"partition-id": i, "num-partitions": 4} for i in range(4)], cfg.as_dict(), intercept=corrupt
+    )
     grid_ref.append(grid)
     rec = execute(cfg, grid, run_id="test")
     for r in rec.data["rounds"]:
@@ -167,7 +184,7 @@ def test_same_seed_same_numbers(make_cfg, pretrained_clip):
     a, _ = _run(make_cfg, n=4, method="promptfl", num_server_rounds=2, fraction_train=0.5, run_name="a")
     b, _ = _run(make_cfg, n=4, method="promptfl", num_server_rounds=2, fraction_train=0.5, run_name="b")
     untimed = lambda m: {k: v for k, v in m.items() if "seconds" not in k}  # noqa: E731
-    for ra, rb in zip(a.data["rounds"], b.data["rounds"]):
+    for ra, rb in zip(a.data["rounds"], b.data["rounds"], strict=True):
         assert untimed(ra["metrics"]) == untimed(rb["metrics"])
         trained = lambda r: sorted(n for n, c in r["clients"].items() if "train/num-examples" in c)  # noqa: E731
         assert trained(ra) == trained(rb) and len(trained(ra)) == 2
@@ -188,7 +205,11 @@ def test_option_combinations_run(make_cfg, pretrained_clip, overrides):
     rounds = rec.data["rounds"]
     assert len(rounds) == 2 and not any(r["dropped"] for r in rounds)
     assert all(np.isfinite(r["metrics"]["local-acc"]) for r in rounds)
-    shapes = {tuple(m.content["arrays"]["ctx"].shape) for m in grid.replies if "arrays" in m.content and len(m.content["arrays"])}
+    shapes = {
+        tuple(m.content["arrays"]["ctx"].shape)
+        for m in grid.replies
+        if "arrays" in m.content and len(m.content["arrays"])
+    }
     if overrides.get("prompt__class_specific"):
         assert shapes == {(40, 4, 96)}
     elif "prompt__ctx_init" in overrides:
@@ -202,14 +223,19 @@ def _go_offline_after_round_1(grid_ref, victims):
         if req.metadata.message_type == "evaluate" and int(req.content["config"][SERVER_ROUND]) == 1:
             grid_ref[0].offline.update(victims)
         return reply
+
     return intercept
 
 
 def test_a_node_lost_mid_run_leaves_the_rounds_to_the_others(make_cfg, pretrained_clip):
     grid_ref = []
     cfg = make_cfg(method="promptfl", num_server_rounds=3)
-    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict(),
-                         intercept=_go_offline_after_round_1(grid_ref, [1002]))
+    grid = InProcessGrid(
+        client_app,
+        [{"partition-id": i, "num-partitions": 3} for i in range(3)],
+        cfg.as_dict(),
+        intercept=_go_offline_after_round_1(grid_ref, [1002]),
+    )
     grid_ref.append(grid)
     rec = execute(cfg, grid, run_id="test")
     assert rec.data["run"]["status"] == "finished"
@@ -220,16 +246,22 @@ def test_a_node_lost_mid_run_leaves_the_rounds_to_the_others(make_cfg, pretraine
 def test_fewer_nodes_than_min_nodes_mid_run_fails_with_the_reason(make_cfg, pretrained_clip):
     grid_ref = []
     cfg = make_cfg(method="promptfl", num_server_rounds=3, min_nodes=2)
-    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 2} for i in range(2)], cfg.as_dict(),
-                         intercept=_go_offline_after_round_1(grid_ref, [1001]))
+    grid = InProcessGrid(
+        client_app,
+        [{"partition-id": i, "num-partitions": 2} for i in range(2)],
+        cfg.as_dict(),
+        intercept=_go_offline_after_round_1(grid_ref, [1001]),
+    )
     grid_ref.append(grid)
-    with pytest.raises(FederationError, match=r"round 2: only 1 healthy node.*min-nodes = 2 \(disconnected: client-1\)"):
+    with pytest.raises(
+        FederationError, match=r"round 2: only 1 healthy node.*min-nodes = 2 \(disconnected: client-1\)"
+    ):
         execute(cfg, grid, run_id="test")
 
 
 def test_own_data_nodes_train_on_exactly_their_folders(make_cfg, pretrained_clip, tmp_path):
-    from fedvlm.deploy.export_folder import export_partitions
     from fedvlm.data.registry import load_image_folder
+    from fedvlm.deploy.export_folder import export_partitions
 
     folders = export_partitions(tmp_path / "orgs", 2)
     nodes = [{"data-dir": str(f)} for f in folders]
@@ -249,7 +281,9 @@ def test_a_node_with_another_class_list_is_excluded(make_cfg, pretrained_clip, t
     listing = folders[2] / "classes.txt"
     names = listing.read_text().split("\n")
     listing.write_text("\n".join([names[1], names[0], *names[2:]]))  # same classes, two labels swapped
-    rec, _ = _run(make_cfg, node_configs=[{"data-dir": str(f)} for f in folders], method="promptfl", num_server_rounds=1)
+    rec, _ = _run(
+        make_cfg, node_configs=[{"data-dir": str(f)} for f in folders], method="promptfl", num_server_rounds=1
+    )
     excluded = rec.data["run"]["excluded_nodes"]
     assert len(excluded) == 1 and "class list differs" in next(iter(excluded.values()))
     assert set(rec.data["rounds"][0]["clients"]) == {"client-0", "client-1"}
@@ -270,7 +304,10 @@ def test_own_data_nodes_draw_secret_noise_and_the_ledger_says_so(make_cfg, pretr
 
     sim = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
     runs = [_run(make_cfg, node_configs=sim, run_name=f"sim{i}", **dp)[0] for i in range(2)]
-    assert runs[0].data["privacy"]["noise_sources"] == {"server": "seeded", "clients": {"client-0": "seeded", "client-1": "seeded"}}
+    assert runs[0].data["privacy"]["noise_sources"] == {
+        "server": "seeded",
+        "clients": {"client-0": "seeded", "client-1": "seeded"},
+    }
     assert any("seeded noise" in n for n in runs[0].data["privacy"]["notes"])
     untimed = [{k: v for k, v in r.data["rounds"][0]["metrics"].items() if "seconds" not in k} for r in runs]
     assert untimed[0] == untimed[1]  # seeded: the same run twice gives the same numbers

@@ -41,8 +41,12 @@ def test_without_normalisation_the_result_would_differ():
     assert np.allclose(out["l0.lora_B.weight"], 4.0)
 
 
-NAMES = [f"model.language_model.layers.{i}.self_attn.{m}.lora_{h}.weight"
-         for i in range(4) for m in ("q_proj", "v_proj") for h in "AB"]
+NAMES = [
+    f"model.language_model.layers.{i}.self_attn.{m}.lora_{h}.weight"
+    for i in range(4)
+    for m in ("q_proj", "v_proj")
+    for h in "AB"
+]
 
 
 def test_halves_split_every_layer():
@@ -65,15 +69,19 @@ def test_fedpara_shares_the_first_loha_pair():
 
 
 def test_vlm_family_defaults_and_dataset_mismatch():
-    from fedvlm.runconfig import ConfigError
     from fedvlm.methods.registry import validate
+    from fedvlm.runconfig import ConfigError
 
     cfg = validate({"method": "fedrand"})
-    assert (cfg["dataset"], cfg["partitioner"], cfg["dirichlet-alpha"], cfg["fraction-train"]) == \
-        ("embedded-captions", "dirichlet", 0.5, 0.3)
-    assert cfg["lora.lr"] == 3e-3  # the embedded tiny VLM; hub models get the paper's 3e-4
-    assert validate({"method": "fedrand", "vlm.model": "org/some-vlm"})["lora.lr"] == 3e-4
-    assert validate({})["dirichlet-alpha"] == 0.3 and validate({})["fraction-train"] == 1.0
+    assert (cfg.dataset, cfg.partitioner, cfg.dirichlet_alpha, cfg.fraction_train) == (
+        "embedded-captions",
+        "dirichlet",
+        0.5,
+        0.3,
+    )
+    assert cfg.lora.lr == 3e-3  # the embedded tiny VLM; hub models get the paper's 3e-4
+    assert validate({"method": "fedrand", "vlm.model": "org/some-vlm"}).lora.lr == 3e-4
+    assert validate({}).dirichlet_alpha == 0.3 and validate({}).fraction_train == 1.0
     with pytest.raises(ConfigError, match="does not fit method 'fedrand'"):
         validate({"method": "fedrand", "dataset": "embedded"})
     with pytest.raises(ConfigError, match="does not fit method 'promptfl'"):
@@ -99,12 +107,22 @@ def test_coco_style_loader_reads_captions_and_largest_object(tmp_path):
     (tmp_path / "imgs").mkdir()
     for i in (1, 2):
         Image.new("RGB", (8, 8), (i * 50, 0, 0)).save(tmp_path / "imgs" / f"{i}.jpg")
-    caps = {"images": [{"id": 1, "file_name": "1.jpg"}, {"id": 2, "file_name": "2.jpg"}],
-            "annotations": [{"image_id": 1, "caption": "a cat. "}, {"image_id": 1, "caption": "cat"},
-                            {"image_id": 2, "caption": "a dog"}]}
-    inst = {"categories": [{"id": 7, "name": "cat"}, {"id": 9, "name": "dog"}],
-            "annotations": [{"image_id": 1, "category_id": 9, "area": 5}, {"image_id": 1, "category_id": 7, "area": 50},
-                            {"image_id": 2, "category_id": 9, "area": 3}]}
+    caps = {
+        "images": [{"id": 1, "file_name": "1.jpg"}, {"id": 2, "file_name": "2.jpg"}],
+        "annotations": [
+            {"image_id": 1, "caption": "a cat. "},
+            {"image_id": 1, "caption": "cat"},
+            {"image_id": 2, "caption": "a dog"},
+        ],
+    }
+    inst = {
+        "categories": [{"id": 7, "name": "cat"}, {"id": 9, "name": "dog"}],
+        "annotations": [
+            {"image_id": 1, "category_id": 9, "area": 5},
+            {"image_id": 1, "category_id": 7, "area": 50},
+            {"image_id": 2, "category_id": 9, "area": 3},
+        ],
+    }
     (tmp_path / "captions_val.json").write_text(json.dumps(caps))
     (tmp_path / "instances_val.json").write_text(json.dumps(inst))
     split, names = load_coco_style(tmp_path / "captions_val.json", tmp_path / "imgs", "t")
@@ -120,16 +138,31 @@ def test_scienceqa_loader_reads_a_saved_hf_dataset(tmp_path):
     from fedvlm.data.vlm_data import load_scienceqa
 
     def rows(n, offset):
-        return {"image": [Image.new("RGB", (6, 6), (i * 20, 0, 0)) if i % 3 else None for i in range(offset, offset + n)],
-                "question": [f"q{i}?" for i in range(n)], "choices": [["yes", "no", "maybe"]] * n,
-                "answer": [i % 3 for i in range(n)], "hint": ["" if i % 2 else "ctx" for i in range(n)],
-                "topic": ["physics" if i % 2 else "biology" for i in range(n)]}
+        return {
+            "image": [Image.new("RGB", (6, 6), (i * 20, 0, 0)) if i % 3 else None for i in range(offset, offset + n)],
+            "question": [f"q{i}?" for i in range(n)],
+            "choices": [["yes", "no", "maybe"]] * n,
+            "answer": [i % 3 for i in range(n)],
+            "hint": ["" if i % 2 else "ctx" for i in range(n)],
+            "topic": ["physics" if i % 2 else "biology" for i in range(n)],
+        }
 
-    features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
-                                  "choices": datasets.Sequence(datasets.Value("string")), "answer": datasets.Value("int64"),
-                                  "hint": datasets.Value("string"), "topic": datasets.Value("string")})
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows(9, 0), features=features),
-                               "test": datasets.Dataset.from_dict(rows(6, 0), features=features)})
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "question": datasets.Value("string"),
+            "choices": datasets.Sequence(datasets.Value("string")),
+            "answer": datasets.Value("int64"),
+            "hint": datasets.Value("string"),
+            "topic": datasets.Value("string"),
+        }
+    )
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict(rows(9, 0), features=features),
+            "test": datasets.Dataset.from_dict(rows(6, 0), features=features),
+        }
+    )
     dd.save_to_disk(str(tmp_path / "sqa"))
     ds = load_scienceqa(str(tmp_path / "sqa"))
     assert ds.task == "vqa" and ds.label_names == ["biology", "physics"]

@@ -19,9 +19,17 @@ N_CLIENTS = 4
 
 
 def _raw(cache_dir, tmp_path, method: str, **extra) -> dict:
-    raw = {"method": method, "num-server-rounds": 3, "fraction-train": 0.5, "lora.local-steps": 3,
-           "vlm.eval-samples": 4, "vlm.max-new-tokens": 16, "cache-dir": str(cache_dir),
-           "output-dir": str(tmp_path / "runs"), "run-name": method}
+    raw = {
+        "method": method,
+        "num-server-rounds": 3,
+        "fraction-train": 0.5,
+        "lora.local-steps": 3,
+        "vlm.eval-samples": 4,
+        "vlm.max-new-tokens": 16,
+        "cache-dir": str(cache_dir),
+        "output-dir": str(tmp_path / "runs"),
+        "run-name": method,
+    }
     raw.update(extra)
     return raw
 
@@ -52,7 +60,7 @@ def test_fedrand_sends_each_client_exactly_its_drawn_half(fedrand_run):
     assert data["run"]["status"] == "finished" and len(data["rounds"]) == 3
     seen: set[str] = set()
     assert len(grid.sent) == len(grid.replies)  # no node went offline: replies pair with requests
-    pairs = [(m, r) for m, r in zip(grid.sent, grid.replies) if m.metadata.message_type == "train"]
+    pairs = [(m, r) for m, r in zip(grid.sent, grid.replies, strict=True) if m.metadata.message_type == "train"]
     assert pairs
     for msg, reply in pairs:
         rnd = int(msg.content["config"][SERVER_ROUND])
@@ -74,7 +82,7 @@ def test_fedrand_private_counterpart_never_leaves_the_client(fedrand_run):
     grid, _ = fedrand_run
     uploaded = [v for r in grid.replies for v in _arrays(r).values()]
     checked = 0
-    for node_id, ctx in grid.contexts.items():
+    for ctx in grid.contexts.values():
         if PRIVATE not in ctx.state:
             continue
         own = {k: v.numpy() for k, v in ctx.state[PRIVATE].to_torch_state_dict().items()}
@@ -93,7 +101,9 @@ def test_fedavg_lora_sends_the_whole_adapter_both_ways(vlm_cache, tmp_path):
     grid, recorder = _run(_raw(vlm_cache, tmp_path, "fedavg-lora", **{"num-server-rounds": 1}))
     comm = recorder.data["communication"]
     assert comm["up_vs_full_lora"] == pytest.approx(1.0) and comm["down_vs_full_lora"] == pytest.approx(1.0)
-    assert all(PRIVATE not in ctx.state or not ctx.state[PRIVATE].to_torch_state_dict() for ctx in grid.contexts.values())
+    assert all(
+        PRIVATE not in ctx.state or not ctx.state[PRIVATE].to_torch_state_dict() for ctx in grid.contexts.values()
+    )
 
 
 def test_fedrand_traffic_is_about_half_of_full_lora(fedrand_run):
@@ -122,15 +132,22 @@ def test_fedrand_loss_falls_and_caption_metrics_are_written(fedrand_run):
     last = [c["train/train-loss-last"] for c in rounds[-1]["clients"].values() if "train/train-loss-last" in c]
     assert np.mean(last) < np.mean(first)
     m = rounds[-1]["metrics"]
-    for key in ("server-cider", "client-cider", "server-bleu-4", "server-rouge-l", "server-loss", "client-loss",
-                "server-ood-cider", "server-ood-bleu-4"):
+    for key in (
+        "server-cider",
+        "client-cider",
+        "server-bleu-4",
+        "server-rouge-l",
+        "server-loss",
+        "client-loss",
+        "server-ood-cider",
+        "server-ood-bleu-4",
+    ):
         assert key in m and np.isfinite(m[key])
     assert rounds[-1]["metrics"]["server-loss"] < rounds[0]["metrics"]["server-loss"]
 
 
 def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
-    from fedvlm.methods.registry import get_method
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.registry import get_method, validate
     from fedvlm.strategies.nodes import NodeInfo
 
     nodes = [NodeInfo(i, f"client-{i}", i, 10, 5, 0, "x", 4) for i in range(8)]
@@ -207,9 +224,20 @@ def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
 
 @pytest.mark.slow
 def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
-    grid, recorder = _run(_raw(vlm_cache, tmp_path, "fedrand", **{"num-server-rounds": 2, "privacy.epsilon": 2.0,
-                                                                 "privacy.clip": 1.0, "lora.local-steps": 2,
-                                                                 "lora.batch-size": 4}))
+    grid, recorder = _run(
+        _raw(
+            vlm_cache,
+            tmp_path,
+            "fedrand",
+            **{
+                "num-server-rounds": 2,
+                "privacy.epsilon": 2.0,
+                "privacy.clip": 1.0,
+                "lora.local-steps": 2,
+                "lora.batch-size": 4,
+            },
+        )
+    )
     data = recorder.data
     assert data["run"]["status"] == "finished" and not any(r["dropped"] for r in data["rounds"])
     ledger = data["privacy"]
@@ -236,10 +264,19 @@ def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp
     rebuild a client's whole adapter: the client refuses (checked on the node, not trusted)."""
     from fedvlm.strategies.lora import FedRandStrategy
 
-    monkeypatch.setattr(FedRandStrategy, "reply_shapes",
-                        lambda self, node, rnd: {k: self.global_arrays[k].shape for k in self.shared_names})
-    grid, rec = _run(_raw(vlm_cache, tmp_path / "both-up", "fedrand", **{"num-server-rounds": 1, "fraction-train": 1.0,
-                                                                        "lora.local-steps": 1}))
+    monkeypatch.setattr(
+        FedRandStrategy,
+        "reply_shapes",
+        lambda self, node, rnd: {k: self.global_arrays[k].shape for k in self.shared_names},
+    )
+    grid, rec = _run(
+        _raw(
+            vlm_cache,
+            tmp_path / "both-up",
+            "fedrand",
+            **{"num-server-rounds": 1, "fraction-train": 1.0, "lora.local-steps": 1},
+        )
+    )
     dropped = rec.data["rounds"][0]["dropped"]
     assert len(dropped) == N_CLIENTS and all("not one whole LoRA half" in d["reason"] for d in dropped), dropped
 
@@ -251,8 +288,14 @@ def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp
         return dict(self.global_arrays)
 
     monkeypatch.setattr(FedRandStrategy, "train_payload", both_halves)
-    grid, rec = _run(_raw(vlm_cache, tmp_path / "both-down", "fedrand", **{"num-server-rounds": 2, "fraction-train": 1.0,
-                                                                          "lora.local-steps": 1}))
+    grid, rec = _run(
+        _raw(
+            vlm_cache,
+            tmp_path / "both-down",
+            "fedrand",
+            **{"num-server-rounds": 2, "fraction-train": 1.0, "lora.local-steps": 1},
+        )
+    )
     first, second = rec.data["rounds"]
     assert not first["dropped"]  # a first participation starts from the whole adapter
     assert len(second["dropped"]) == N_CLIENTS

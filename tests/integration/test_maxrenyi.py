@@ -16,7 +16,7 @@ def test_renyi_entropy_closed_forms():
     p = torch.tensor([0.5, 0.25, 0.25])
     logits = p.log()
     assert float(renyi_entropy(logits, 1.0)) == pytest.approx(-(p * p.log()).sum().item(), rel=1e-5)
-    assert float(renyi_entropy(logits, 2.0)) == pytest.approx(-math.log(float((p ** 2).sum())), rel=1e-5)
+    assert float(renyi_entropy(logits, 2.0)) == pytest.approx(-math.log(float((p**2).sum())), rel=1e-5)
     assert float(renyi_entropy(logits, 0.5)) == pytest.approx(2 * math.log(float(p.sqrt().sum())), rel=1e-5)
     assert float(renyi_entropy(logits, math.inf)) == pytest.approx(-math.log(0.5), rel=1e-5)
     uniform = torch.zeros(8)
@@ -57,7 +57,7 @@ def test_maxrenyi_separates_members_of_an_overfit_model_and_not_of_an_untrained_
 
     cfg, members, nonmembers = _memorisation_task(vlm_cache)
     # a private copy of the model (the cached one is shared by other tests)
-    model, processor = load_model_and_processor(cfg["vlm.model"], cfg.cache_dir)
+    model, processor = load_model_and_processor(cfg.vlm.model, cfg.cache_path)
     vlm = VLM(model, processor, "memorise", torch.device("cpu"))
 
     def aurocs() -> dict[str, dict]:
@@ -75,8 +75,9 @@ def test_maxrenyi_separates_members_of_an_overfit_model_and_not_of_an_untrained_
     torch.manual_seed(0)
     for step in range(160):
         idx = [(step * 8 + j) % len(members) for j in range(8)]
-        batch = vlm.training_batch([members.images.image(i) for i in idx], [members.prompts[i] for i in idx],
-                                   [members.targets[i] for i in idx])
+        batch = vlm.training_batch(
+            [members.images.image(i) for i in idx], [members.prompts[i] for i in idx], [members.targets[i] for i in idx]
+        )
         loss = model(**batch).loss
         opt.zero_grad()
         loss.backward()

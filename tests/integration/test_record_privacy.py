@@ -4,19 +4,18 @@ recomputes the figure independently, with dp-accounting's events written out by 
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 
 import dp_accounting
 import pytest
 
 from fedvlm.client_app.app import app as client_app
+from fedvlm.methods.registry import validate
+from fedvlm.privacy.accounting import BudgetError
 from fedvlm.protocol import SERVER_ROUND, TrainInstruction
 from fedvlm.runconfig import ConfigError
-from fedvlm.methods.registry import validate
 from fedvlm.server_app.app import execute
-from fedvlm.privacy.accounting import BudgetError
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -24,12 +23,16 @@ DELTA = 1e-5
 
 
 def _accountant(name: str):
-    return dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3) if name == "pld" \
+    return (
+        dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+        if name == "pld"
         else dp_accounting.rdp.RdpAccountant()
+    )
 
 
-def independent_epsilon(*, sigma_local, tensors, sigma_global, denominator, clip, n, batch, steps, rounds,
-                        accountant="rdp"):
+def independent_epsilon(
+    *, sigma_local, tensors, sigma_global, denominator, clip, n, batch, steps, rounds, accountant="rdp"
+):
     """A record of a client with n records: its local releases (tensors clipped to C each,
     sum / B, noise sigma_local) and its share of the global average (clipped to C, / B, / N,
     noise sigma_global), composed as the paper's mechanisms are, from first principles."""
@@ -39,11 +42,14 @@ def independent_epsilon(*, sigma_local, tensors, sigma_global, denominator, clip
     z_global = sigma_global / (clip / (denominator * b))
     gauss, poisson = dp_accounting.GaussianDpEvent, dp_accounting.PoissonSampledDpEvent
     if steps == 1:  # one batch feeds both releases: one Gaussian of both parts, 1/z^2 = 1/z_L^2 + 1/z_G^2
-        event = dp_accounting.SelfComposedDpEvent(poisson(q, gauss((z_local ** -2 + z_global ** -2) ** -0.5)), rounds)
+        event = dp_accounting.SelfComposedDpEvent(poisson(q, gauss((z_local**-2 + z_global**-2) ** -0.5)), rounds)
     else:
-        event = dp_accounting.ComposedDpEvent([
-            dp_accounting.SelfComposedDpEvent(poisson(q, gauss(z_local)), rounds * steps),
-            dp_accounting.SelfComposedDpEvent(gauss(z_global), rounds)])
+        event = dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.SelfComposedDpEvent(poisson(q, gauss(z_local)), rounds * steps),
+                dp_accounting.SelfComposedDpEvent(gauss(z_global), rounds),
+            ]
+        )
     acc = _accountant(accountant)
     acc.compose(event)
     return acc.get_epsilon(DELTA)
@@ -51,8 +57,12 @@ def independent_epsilon(*, sigma_local, tensors, sigma_global, denominator, clip
 
 def _run(make_cfg, n, node_configs=None, intercept=None, **overrides):
     cfg = make_cfg(**overrides)
-    grid = InProcessGrid(client_app, node_configs or [{"partition-id": i, "num-partitions": n} for i in range(n)],
-                         cfg.as_dict(), intercept=intercept)
+    grid = InProcessGrid(
+        client_app,
+        node_configs or [{"partition-id": i, "num-partitions": n} for i in range(n)],
+        cfg.as_dict(),
+        intercept=intercept,
+    )
     return execute(cfg, grid, run_id="t"), grid
 
 
@@ -62,21 +72,37 @@ def _expected(data, client, rounds, denominator, tensors=2):
     cfg = data["config"]
     local = next(iter(privacy["client_mechanisms"][client].values()))
     return independent_epsilon(
-        sigma_local=local["sigma"], tensors=tensors, sigma_global=privacy["mechanisms"]["gdp-global"]["sigma"],
-        denominator=denominator, clip=cfg["privacy.clip"], n=nodes[client]["num_train"],
-        batch=cfg["prompt.batch-size"], steps=cfg["prompt.local-steps"], rounds=rounds,
-        accountant=cfg["privacy.accountant"])
+        sigma_local=local["sigma"],
+        tensors=tensors,
+        sigma_global=privacy["mechanisms"]["gdp-global"]["sigma"],
+        denominator=denominator,
+        clip=cfg["privacy.clip"],
+        n=nodes[client]["num_train"],
+        batch=cfg["prompt.batch-size"],
+        steps=cfg["prompt.local-steps"],
+        rounds=rounds,
+        accountant=cfg["privacy.accountant"],
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accountant,steps", [("pld", 1), ("rdp", 2)])
 def test_reported_epsilon_is_the_composition_of_local_and_global_and_meets_the_target(
-        make_cfg, pretrained_clip, accountant, steps):
+    make_cfg, pretrained_clip, accountant, steps
+):
     """Audit: dpfpl at epsilon 1 (PLD) reported 1.000 per mechanism while a record spent 1.37-1.62."""
     rounds = 3
-    rec, _ = _run(make_cfg, 3, method="dpfpl", privacy__epsilon=1.0, privacy__accountant=accountant,
-                  prompt__local_steps=steps, num_server_rounds=rounds, partitioner="quantity-skew",
-                  quantity_ratios="3:2:1")
+    rec, _ = _run(
+        make_cfg,
+        3,
+        method="dpfpl",
+        privacy__epsilon=1.0,
+        privacy__accountant=accountant,
+        prompt__local_steps=steps,
+        num_server_rounds=rounds,
+        partitioner="quantity-skew",
+        quantity_ratios="3:2:1",
+    )
     data = rec.data
     privacy = data["privacy"]
     for entry in privacy["rounds"]:
@@ -97,8 +123,9 @@ def test_reported_epsilon_is_the_composition_of_local_and_global_and_meets_the_t
 @pytest.mark.slow
 def test_budget_limited_run_never_exceeds_max_epsilon_per_record(make_cfg, pretrained_clip):
     """Audit: a budget-limited run reported 1.957 <= 2.0 while records had spent 2.3-2.9."""
-    rec, _ = _run(make_cfg, 2, method="dpfpl", privacy__noise_multiplier=1.2, privacy__max_epsilon=2.0,
-                  num_server_rounds=10)
+    rec, _ = _run(
+        make_cfg, 2, method="dpfpl", privacy__noise_multiplier=1.2, privacy__max_epsilon=2.0, num_server_rounds=10
+    )
     data = rec.data
     assert data["run"]["status"] == "stopped"
     done = len(data["rounds"])
@@ -120,8 +147,12 @@ def test_a_lost_node_does_not_shrink_the_global_denominator(make_cfg, pretrained
         return reply
 
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, num_server_rounds=3, min_nodes=2)
-    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict(),
-                         intercept=lose_after_round_1)
+    grid = InProcessGrid(
+        client_app,
+        [{"partition-id": i, "num-partitions": 3} for i in range(3)],
+        cfg.as_dict(),
+        intercept=lose_after_round_1,
+    )
     data = execute(cfg, grid, run_id="t").data
     assert [r["metrics"]["train-clients"] for r in data["rounds"]] == [3, 2, 2]
     assert all(r["metrics"]["gdp-denominator"] == 3 for r in data["rounds"])
@@ -139,35 +170,48 @@ def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip)
     from fedvlm.strategies.records import ClientUpdate, RoundRecord
 
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, dpfpl__server_lr=1.0, dpfpl__server_optimizer="sgd")
-    strategy = cfg.method.strategy(cfg, cfg.method)
+    strategy = cfg.spec.strategy(cfg, cfg.spec)
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
     strategy.plan_privacy()
     planner = strategy.budget.planner
-    planner.global_plan = type(planner.global_plan)(**{**vars(planner.global_plan), "sigma": 0.0})  # isolate the average from the noise
+    planner.global_plan = type(planner.global_plan)(
+        **{**vars(planner.global_plan), "sigma": 0.0}
+    )  # isolate the average from the noise
     before = strategy.global_arrays["global_ctx"].copy()
     ones = np.ones((16, 96), np.float32)
     strategy.current = RoundRecord(1, sampled=2)  # two of the four planned nodes are left
-    strategy.aggregate(1, [ClientUpdate(n, {"global_grad": ones}, {"num-examples": 64})
-                           for n in list(strategy.nodes.values())[:2]])
+    strategy.aggregate(
+        1, [ClientUpdate(n, {"global_grad": ones}, {"num-examples": 64}) for n in list(strategy.nodes.values())[:2]]
+    )
     np.testing.assert_allclose(before - strategy.global_arrays["global_ctx"], 2 / 4, rtol=1e-6)
 
 
 def _late(node, at_round):
     """An intercept that keeps ``node`` offline until ``at_round`` starts."""
+
     def hook(grid):
         def intercept(req, reply):
             if req.metadata.message_type == "evaluate" and req.content["config"][SERVER_ROUND] == at_round - 1:
                 grid.offline.discard(node)
             return reply
+
         grid.offline.add(node)
         grid.intercept = intercept
+
     return hook
 
 
 def _run_late(make_cfg, late_partition, **overrides):
-    cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, num_server_rounds=3, min_nodes=2,
-                   partitioner="quantity-skew", quantity_ratios="45:9:1", **overrides)
+    cfg = make_cfg(
+        method="dpfpl",
+        privacy__epsilon=1.0,
+        num_server_rounds=3,
+        min_nodes=2,
+        partitioner="quantity-skew",
+        quantity_ratios="45:9:1",
+        **overrides,
+    )
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict())
     _late(1000 + late_partition, at_round=2)(grid)
     return execute(cfg, grid, run_id="t").data
@@ -194,10 +238,12 @@ def test_a_late_node_gets_local_noise_that_keeps_its_records_within_the_target(m
     # what its own mechanism alone needs (what the client checks)
     assert late["planned_epsilon"] == pytest.approx(_expected(data, "client-1", 3, denominator=2), rel=0.01)
     assert privacy["rounds"][-1]["per_client"]["client-1"] == pytest.approx(
-        _expected(data, "client-1", 2, denominator=2), rel=0.01)
+        _expected(data, "client-1", 2, denominator=2), rel=0.01
+    )
 
 
 # ---- clients enforce their own noise -------------------------------------------------------
+
 
 def _lower_noise(factor):
     """A server that sends no local noise level (factor None) or ``factor`` times the planned one."""
@@ -205,6 +251,7 @@ def _lower_noise(factor):
 
     def patched(self, node):
         return None if factor is None else real(self, node) * factor
+
     return patched
 
 
@@ -215,11 +262,13 @@ FAMILIES = [
 ]
 
 
-@pytest.mark.parametrize("factor,reason", [(0.5, "below the"), (1e-9, "below the"),
-                                           (None, "no usable local noise level")])
+@pytest.mark.parametrize(
+    "factor,reason", [(0.5, "below the"), (1e-9, "below the"), (None, "no usable local noise level")]
+)
 @pytest.mark.parametrize("method,overrides", FAMILIES, ids=[m for m, _ in FAMILIES])
-def test_every_client_refuses_less_noise_than_its_own_plan(make_cfg, pretrained_clip, monkeypatch, method,
-                                                           overrides, factor, reason):
+def test_every_client_refuses_less_noise_than_its_own_plan(
+    make_cfg, pretrained_clip, monkeypatch, method, overrides, factor, reason
+):
     monkeypatch.setattr(FederatedStrategy, "local_sigma", _lower_noise(factor))
     rec, grid = _run(make_cfg, 2, method=method, num_server_rounds=1, **overrides)
     train = [m for m in grid.replies if m.metadata.message_type == "train"]
@@ -235,20 +284,26 @@ def _altered_plan(**change):
 
     def patched(self):
         return real(dataclasses.replace(self, **{k: f(self) for k, f in change.items()}))
+
     return patched
 
 
-@pytest.mark.parametrize("change,reason", [
-    # far more steps than the noise was planned for (more steps may still be covered: DP-FPL's joint
-    # calibration gives the local noise headroom over what its local mechanism alone needs at 50
-    # Poisson steps of q = 0.025, and the node accepts what its own check covers)
-    ({"local_steps": lambda i: i.local_steps * 1000}, "below the"),
-    ({"num_train": lambda i: i.num_train + 7}, "handshake is stale"),  # a plan for another record count
-    ({"local_steps": lambda i: 0}, "carries no plan"),
-], ids=["more-steps", "other-record-count", "no-plan"])
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        # far more steps than the noise was planned for (more steps may still be covered: DP-FPL's joint
+        # calibration gives the local noise headroom over what its local mechanism alone needs at 50
+        # Poisson steps of q = 0.025, and the node accepts what its own check covers)
+        ({"local_steps": lambda i: i.local_steps * 1000}, "below the"),
+        ({"num_train": lambda i: i.num_train + 7}, "handshake is stale"),  # a plan for another record count
+        ({"local_steps": lambda i: 0}, "carries no plan"),
+    ],
+    ids=["more-steps", "other-record-count", "no-plan"],
+)
 @pytest.mark.parametrize("method,overrides", FAMILIES[:2], ids=[m for m, _ in FAMILIES[:2]])
-def test_clients_execute_only_a_plan_they_can_honour(make_cfg, pretrained_clip, monkeypatch, method, overrides,
-                                                      change, reason):
+def test_clients_execute_only_a_plan_they_can_honour(
+    make_cfg, pretrained_clip, monkeypatch, method, overrides, change, reason
+):
     monkeypatch.setattr(TrainInstruction, "to_config", _altered_plan(**change))
     rec, grid = _run(make_cfg, 2, method=method, num_server_rounds=1, **overrides)
     dropped = rec.data["rounds"][0]["dropped"]
@@ -266,9 +321,17 @@ def test_clients_take_the_steps_the_plan_sends(make_cfg, pretrained_clip, monkey
 @pytest.mark.slow
 def test_lora_clients_refuse_less_noise_than_their_own_plan(vlm_cache, tmp_path, monkeypatch):
     monkeypatch.setattr(FederatedStrategy, "local_sigma", _lower_noise(0.5))
-    raw = {"method": "fedavg-lora", "num-server-rounds": 1, "lora.local-steps": 1, "vlm.eval-samples": 2,
-           "vlm.max-new-tokens": 4, "privacy.epsilon": 1.0, "cache-dir": str(vlm_cache),
-           "output-dir": str(tmp_path), "fraction-train": 1.0}
+    raw = {
+        "method": "fedavg-lora",
+        "num-server-rounds": 1,
+        "lora.local-steps": 1,
+        "vlm.eval-samples": 2,
+        "vlm.max-new-tokens": 4,
+        "privacy.epsilon": 1.0,
+        "cache-dir": str(vlm_cache),
+        "output-dir": str(tmp_path),
+        "fraction-train": 1.0,
+    }
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 2} for i in range(2)], raw)
     rec = execute(validate(raw), grid, run_id="t")
     dropped = rec.data["rounds"][0]["dropped"]
@@ -282,10 +345,11 @@ def test_the_noise_the_server_plans_is_accepted(make_cfg, pretrained_clip):
 
 # ---- configuration -------------------------------------------------------------------------
 
+
 def test_reprogramming_honours_privacy_epsilon(make_cfg, pretrained_clip):
     """Audit: the family's fixed z = 1.1 silently won over privacy.epsilon."""
     cfg = validate({"method": "reprogram", "privacy.epsilon": 2.0})
-    assert cfg["privacy.noise-multiplier"] == 0.0  # calibrate to the epsilon asked for
+    assert cfg.privacy.noise_multiplier == 0.0  # calibrate to the epsilon asked for
     with pytest.raises(ConfigError, match="set one of them"):
         validate({"method": "reprogram", "privacy.epsilon": 2.0, "privacy.noise-multiplier": 1.1})
     rec, _ = _run(make_cfg, 3, method="reprogram", privacy__epsilon=2.0, num_server_rounds=2)
@@ -297,8 +361,15 @@ def test_reprogramming_honours_privacy_epsilon(make_cfg, pretrained_clip):
 def test_seeded_server_noise_is_refused_when_a_node_draws_os_noise(make_cfg, pretrained_clip):
     nodes = [{"partition-id": 0, "num-partitions": 2, "noise-source": "os"}, {"partition-id": 1, "num-partitions": 2}]
     with pytest.raises(BudgetError, match="regenerable"):
-        _run(make_cfg, 2, node_configs=nodes, method="dpfpl", privacy__epsilon=1.0, privacy__noise_source="seeded",
-             num_server_rounds=1)
+        _run(
+            make_cfg,
+            2,
+            node_configs=nodes,
+            method="dpfpl",
+            privacy__epsilon=1.0,
+            privacy__noise_source="seeded",
+            num_server_rounds=1,
+        )
 
 
 def test_the_ledger_lists_what_leaves_nodes_outside_the_mechanisms(make_cfg, pretrained_clip):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from regression import CASES, FIXTURE, differences, run_case
 
 from fedvlm.methods.registry import get_method
-from regression import CASES, FIXTURE, differences, run_case
 
 FIXED = json.loads(FIXTURE.read_text())
 VLM_CASES = [c for c, (raw, _) in CASES.items() if get_method(raw["method"]).family.image_text]

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedvlm.methods.registry import validate
 from fedvlm.models.reprogram import InputProgram, build_model, load_source, trainable_state
 from fedvlm.runconfig import ConfigError
-from fedvlm.methods.registry import validate
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +22,7 @@ def tiny_source(tmp_path_factory):
 
 
 # ---- models --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind,expected", [("mr", 160538), ("pf", 20490), ("ff", 23528522), ("ts", 23528522)])
 def test_trainable_parameters_match_the_papers_table_iv(tmp_path, kind, expected):
@@ -108,17 +109,18 @@ def test_opacus_per_sample_gradients_match_torch_func(tiny_source, kind):
 
 # ---- config --------------------------------------------------------------------------------
 
+
 def test_family_defaults_and_refusals():
     cfg = validate({"method": "reprogram"})
-    assert cfg["dataset"] == "digits" and cfg["partitioner"] == "iid"
-    assert cfg["reprogram.source-model"] == "embedded-tiny-resnet" and cfg["reprogram.image-size"] == 24
-    assert cfg["privacy.clip"] == 1.0 and cfg["privacy.noise-multiplier"] == 1.1  # the paper's DP-SGD
-    assert cfg["reprogram.batch-size"] == 32
+    assert cfg.dataset == "digits" and cfg.partitioner == "iid"
+    assert cfg.reprogram.source_model == "embedded-tiny-resnet" and cfg.reprogram.image_size == 24
+    assert cfg.privacy.clip == 1.0 and cfg.privacy.noise_multiplier == 1.1  # the paper's DP-SGD
+    assert cfg.reprogram.batch_size == 32
     real = validate({"method": "bl-pf", "dataset": "cifar10", "data-root": "/data"})
-    assert real["reprogram.source-model"] == "resnet50" and real["reprogram.image-size"] == 200
-    assert real["reprogram.batch-size"] == 256
-    assert validate({"method": "dpfpl"})["privacy.clip"] == 10.0  # other families keep theirs
-    assert validate({"method": "dpfpl"})["privacy.noise-multiplier"] == 0.0
+    assert real.reprogram.source_model == "resnet50" and real.reprogram.image_size == 200
+    assert real.reprogram.batch_size == 256
+    assert validate({"method": "dpfpl"}).privacy.clip == 10.0  # other families keep theirs
+    assert validate({"method": "dpfpl"}).privacy.noise_multiplier == 0.0
     with pytest.raises(ConfigError, match="exceeds the source model's input size 32"):
         validate({"method": "reprogram", "reprogram.image-size": 40})
     with pytest.raises(ConfigError, match="set privacy.calibration='accountant'"):
@@ -135,17 +137,22 @@ def test_bloodmnist_npz_and_missing_files(tmp_path):
     with pytest.raises(DatasetError, match="bloodmnist.npz"):
         load_dataset("bloodmnist", data_root=str(tmp_path))
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "bloodmnist.npz",
-             train_images=rng.integers(0, 255, (16, 28, 28, 3), dtype=np.uint8),
-             train_labels=rng.integers(0, 8, (16, 1)), test_images=rng.integers(0, 255, (6, 28, 28, 3), dtype=np.uint8),
-             test_labels=rng.integers(0, 8, (6, 1)), val_images=np.zeros((1, 28, 28, 3), np.uint8),
-             val_labels=np.zeros((1, 1)))
+    np.savez(
+        tmp_path / "bloodmnist.npz",
+        train_images=rng.integers(0, 255, (16, 28, 28, 3), dtype=np.uint8),
+        train_labels=rng.integers(0, 8, (16, 1)),
+        test_images=rng.integers(0, 255, (6, 28, 28, 3), dtype=np.uint8),
+        test_labels=rng.integers(0, 8, (6, 1)),
+        val_images=np.zeros((1, 28, 28, 3), np.uint8),
+        val_labels=np.zeros((1, 1)),
+    )
     d = load_dataset("bloodmnist", data_root=str(tmp_path))
     assert d.n_classes == 8 and len(d.train) == 16 and len(d.test) == 6 and d.classnames[-1] == "platelet"
     assert d.train.image(0).size == (28, 28)
 
 
 # ---- federations ---------------------------------------------------------------------------
+
 
 def _federation(make_cfg, n=3, **overrides):
     from fedvlm.client_app.app import app as client_app
@@ -161,8 +168,7 @@ def test_epsilon_after_k_rounds_is_dp_accountings_and_the_nodes_accountant_persi
     import dp_accounting
 
     rounds, steps = 3, 2
-    rec, grid = _federation(make_cfg, method="reprogram", num_server_rounds=rounds,
-                            reprogram__local_iterations=steps)
+    rec, grid = _federation(make_cfg, method="reprogram", num_server_rounds=rounds, reprogram__local_iterations=steps)
     ledger = rec.data["privacy"]
     nodes = {n["name"]: n for n in rec.data["run"]["nodes"]}
     for k, entry in enumerate(ledger["rounds"], start=1):
@@ -170,10 +176,15 @@ def test_epsilon_after_k_rounds_is_dp_accountings_and_the_nodes_accountant_persi
             n = nodes[client]["num_train"]
             q = 32 / n
             direct = {}
-            for name, acc in (("rdp", dp_accounting.rdp.RdpAccountant()),
-                              ("pld", dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3))):
-                acc.compose(dp_accounting.SelfComposedDpEvent(
-                    dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.1)), k * steps))
+            for name, acc in (
+                ("rdp", dp_accounting.rdp.RdpAccountant()),
+                ("pld", dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)),
+            ):
+                acc.compose(
+                    dp_accounting.SelfComposedDpEvent(
+                        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.1)), k * steps
+                    )
+                )
                 direct[name] = acc.get_epsilon(1e-5)
             assert figures["rdp"] == pytest.approx(direct["rdp"], rel=1e-9)
             assert figures["pld"] == pytest.approx(direct["pld"], rel=1e-9)
@@ -188,8 +199,11 @@ def test_epsilon_after_k_rounds_is_dp_accountings_and_the_nodes_accountant_persi
     eps = [r["epsilon"] for r in ledger["rounds"]]
     assert eps == sorted(eps) and eps[0] > 0
     # no server mechanism: a record's epsilon is its client's DP-SGD alone
-    assert all(r["per_client"][c] == pytest.approx(r["by_accountant"][c]["rdp"]) for r in ledger["rounds"]
-               for c in r["per_client"])
+    assert all(
+        r["per_client"][c] == pytest.approx(r["by_accountant"][c]["rdp"])
+        for r in ledger["rounds"]
+        for c in r["per_client"]
+    )
     plan = next(iter(ledger["client_mechanisms"].values()))["dp-sgd"]
     assert plan["noise_multiplier"] == pytest.approx(1.1) and plan["clip"] == 1.0
 

@@ -4,24 +4,23 @@ and the schema, pyproject.toml and README agree."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
-
-from fedvlm.runconfig import ConfigError
+import tomllib
 
 from fedvlm.methods.registry import validate
+from fedvlm.runconfig import ConfigError
 from fedvlm.runconfig.__main__ import main as runconfig_cli
-from fedvlm.runconfig.schema import DEFAULTS, KEYS
+from fedvlm.runconfig.schema import AUTO, DEFAULTS, KEYS, PrivacyConfig, PromptConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_valid_and_resolve_auto():
     cfg = validate({})
-    assert cfg["dataset"] == "embedded" and cfg["partitioner"] == "pathological"
-    assert Path(cfg["cache-dir"]).is_absolute() and Path(cfg["output-dir"]).is_absolute()
+    assert cfg.dataset == "embedded" and cfg.partitioner == "pathological"
+    assert Path(cfg.cache_dir).is_absolute() and Path(cfg.output_dir).is_absolute()
 
 
 @pytest.mark.parametrize(
@@ -41,6 +40,11 @@ def test_defaults_are_valid_and_resolve_auto():
         ({"output-dir": "runs"}, ["'output-dir'", "absolute"]),
         ({"quantity-ratios": "45:x"}, ["'quantity-ratios'", "'45:9:1'"]),
         ({"zeroshot.template": "a photo"}, ["'zeroshot.template'", "'{}'"]),
+        # the one sentinel is 'auto'; the old numeric ones are refused with the fix named
+        ({"privacy.clip": -1.0}, ["'privacy.clip'", "-1.0", "must be > 0.0, or 'auto'"]),
+        ({"prompt.local-steps": -1}, ["'prompt.local-steps'", "must be >= 0, or 'auto'"]),
+        ({"fraction-train": 0.0}, ["'fraction-train'", "must be > 0.0, or 'auto'"]),
+        ({"lora.lr": "fast"}, ["'lora.lr'", "type float or 'auto'", "'fast'"]),
     ],
 )
 def test_errors_name_key_value_and_fix(raw, fragments):
@@ -48,6 +52,21 @@ def test_errors_name_key_value_and_fix(raw, fragments):
         validate(raw)
     for f in fragments:
         assert f in str(err.value), (f, str(err.value))
+
+
+def test_config_is_typed_sections_with_one_sentinel():
+    cfg = validate({"method": "dpfpl", "privacy.epsilon": 1.0, "prompt.lr": 0.002})
+    assert isinstance(cfg.prompt, PromptConfig) and isinstance(cfg.privacy, PrivacyConfig)
+    assert cfg.prompt.lr == 0.002 and cfg.privacy.clip == 10.0 and cfg.prompt.local_steps == 1
+    assert cfg.privacy.enabled and not validate({}).privacy.enabled
+    # 'auto' is the only "someone else decides" value, and every numeric one is resolved
+    auto = [k.name for k in KEYS if k.default == AUTO]
+    assert {"fraction-train", "dirichlet-alpha", "prompt.local-steps", "privacy.clip", "lora.lr"} <= set(auto)
+    assert not [k.name for k in KEYS if k.auto and cfg.as_dict()[k.name] == AUTO]
+    # the flat form round-trips (results.json records it; a resumed or shadow run re-validates it)
+    assert validate(cfg.as_dict()) == cfg
+    # an explicit value stands where 'auto' would have chosen another
+    assert validate({"method": "dpfpl", "privacy.clip": 0.5, "fraction-train": 0.5}).privacy.clip == 0.5
 
 
 def test_pyproject_lists_exactly_the_schema_with_same_defaults():

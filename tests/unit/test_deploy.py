@@ -23,6 +23,7 @@ BIN = Path(sys.executable).parent
 
 # ---- credentials ---------------------------------------------------------------------------
 
+
 def test_credentials_make_a_ca_a_server_certificate_and_supernode_keys(tmp_path):
     out = tmp_path / "creds"
     done = generate(out, ["superlink.example.org"], ["10.0.0.5"], ["org-a", "org-b"])
@@ -74,8 +75,12 @@ def test_credentials_refuse_bad_input(tmp_path):
 def test_no_credential_can_be_committed_or_baked_into_an_image(tmp_path):
     generate(ROOT / "docker" / "credentials", ["localhost"], [], ["org-0"])
     try:
-        for path in ("docker/credentials/ca.key", "docker/credentials/supernodes/org-0", "docker/data/client-0/x.png",
-                     "some/where/credentials/server.key"):
+        for path in (
+            "docker/credentials/ca.key",
+            "docker/credentials/supernodes/org-0",
+            "docker/data/client-0/x.png",
+            "some/where/credentials/server.key",
+        ):
             assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, path
         ignored = (ROOT / ".dockerignore").read_text().split()
         assert "docker/credentials/" in ignored and "*.key" in ignored
@@ -84,6 +89,7 @@ def test_no_credential_can_be_committed_or_baked_into_an_image(tmp_path):
 
 
 # ---- Docker files --------------------------------------------------------------------------
+
 
 def _compose_tool() -> list[str] | None:
     docker = shutil.which("docker")

@@ -30,7 +30,7 @@ def _loop(loss_of, leaves, b):
     out = {k: [] for k in leaves}
     for i in range(b):
         g = torch.autograd.grad(loss_of(i), list(leaves.values()), allow_unused=True)
-        for (k, leaf), gi in zip(leaves.items(), g):
+        for (k, leaf), gi in zip(leaves.items(), g, strict=True):
             out[k].append(gi if gi is not None else torch.zeros_like(leaf))
     return {k: torch.stack(v) for k, v in out.items()}
 
@@ -98,12 +98,15 @@ class _Program(nn.Module):
         return self.head(x + torch.tanh(self.theta))
 
 
-@pytest.mark.parametrize("module,backend", [
-    (nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), "hooks"),
-    (_Program(), "hooks"),
-    (_Parallel(), "expanded"),
-    (_Factors(), "microbatch"),
-])
+@pytest.mark.parametrize(
+    "module,backend",
+    [
+        (nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), "hooks"),
+        (_Program(), "hooks"),
+        (_Parallel(), "expanded"),
+        (_Factors(), "microbatch"),
+    ],
+)
 def test_every_module_backend_equals_one_backward_per_record(module, backend):
     torch.manual_seed(1)
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
@@ -190,8 +193,11 @@ def test_node_accountant_survives_its_state_and_matches_an_independent_accountan
     assert restored.rdp.history == whole.rdp.history == [(1.1, 0.05, 50)]
     eps = restored.epsilon(1e-5)
     ref = dp_accounting.rdp.RdpAccountant()
-    ref.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.1)), 50))
+    ref.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.1)), 50
+        )
+    )
     assert eps["rdp"] == pytest.approx(ref.get_epsilon(1e-5), rel=2e-2)
     assert 0 < eps["prv"] <= eps["rdp"] * 1.01
     assert NodeAccountant().epsilon(1e-5) == {"rdp": 0.0, "prv": 0.0}

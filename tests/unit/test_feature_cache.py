@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedvlm.models import feature_cache
 from fedvlm.data.registry import load_dataset
+from fedvlm.models import feature_cache
 
 
 def test_features_computed_once_then_reused(pretrained_clip, tmp_path, monkeypatch):

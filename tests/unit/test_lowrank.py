@@ -26,7 +26,7 @@ def test_rebuilt_gradient_is_the_projection_of_the_true_gradient():
     u_, v_ = u.clone().requires_grad_(True), v.clone().requires_grad_(True)
 
     def loss_of(prompt):
-        return (torch.sin(prompt) * target).sum() + 0.5 * (prompt ** 2).sum()
+        return (torch.sin(prompt) * target).sum() + 0.5 * (prompt**2).sum()
 
     loss_of(u_ @ v_ + r).backward()
     true_g = torch.autograd.functional.jacobian(loss_of, u @ v + r)  # G at the forward prompt

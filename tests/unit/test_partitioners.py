@@ -20,14 +20,14 @@ def _parts(name, n=10, seed=0, **kw):
 def test_deterministic_and_disjoint(name):
     kw = {"ratios": ":".join(["3"] * 5 + ["1"] * 5)} if name == "quantity-skew" else {}
     a, b = _parts(name, **kw), _parts(name, **kw)
-    for pa, pb in zip(a, b):
+    for pa, pb in zip(a, b, strict=True):
         assert np.array_equal(pa.train, pb.train) and np.array_equal(pa.test, pb.test)
     train = np.concatenate([p.train for p in a])
     test = np.concatenate([p.test for p in a])
     assert len(train) == len(np.unique(train)) == len(TRAIN)  # disjoint and complete
     assert len(test) == len(np.unique(test)) == len(TEST)
     c = _parts(name, seed=1, **kw)
-    assert any(not np.array_equal(x.train, y.train) for x, y in zip(a, c))  # the seed matters
+    assert any(not np.array_equal(x.train, y.train) for x, y in zip(a, c, strict=True))  # the seed matters
 
 
 def test_pathological_blocks():

@@ -10,9 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from fedvlm.privacy.accounting import BudgetError, GaussianReleases, calibrate_noise_multiplier, epsilon_spent, paper_sigma
-from fedvlm.privacy.ledger import PrivacySettings, plan_gaussian
+from fedvlm.privacy.accounting import (
+    BudgetError,
+    GaussianReleases,
+    calibrate_noise_multiplier,
+    epsilon_spent,
+    paper_sigma,
+)
+from fedvlm.privacy.ledger import plan_gaussian
 from fedvlm.privacy.mechanisms import gaussian_noise
+from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.utils.rng import generator_for
 
 
@@ -30,10 +37,15 @@ def test_epsilon_equals_dp_accounting_called_directly(accountant, z, q, steps):
     event = dp_accounting.GaussianDpEvent(z)
     if q < 1:
         event = dp_accounting.PoissonSampledDpEvent(q, event)
-    acc = (dp_accounting.rdp.RdpAccountant() if accountant == "rdp"
-           else dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3))
+    acc = (
+        dp_accounting.rdp.RdpAccountant()
+        if accountant == "rdp"
+        else dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+    )
     acc.compose(dp_accounting.SelfComposedDpEvent(event, steps))
-    assert epsilon_spent(GaussianReleases(z, steps, q), 1e-5, accountant) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    assert epsilon_spent(GaussianReleases(z, steps, q), 1e-5, accountant) == pytest.approx(
+        acc.get_epsilon(1e-5), rel=1e-9
+    )
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
@@ -62,15 +74,31 @@ def test_noise_has_the_std_the_ledger_claims():
 
 
 def _settings(**kw):
-    base = dict(epsilon=0.5, delta=1e-5, clip=10.0, calibration="accountant", clipping="per-sample",
-                max_epsilon=0.0, accountant="rdp")
+    base = dict(
+        epsilon=0.5,
+        delta=1e-5,
+        clip=10.0,
+        calibration="accountant",
+        clipping="per-sample",
+        max_epsilon=0.0,
+        accountant="rdp",
+        noise_multiplier=0.0,
+    )
     base.update(kw)
-    return PrivacySettings(**base)
+    return PrivacyConfig(**base)
 
 
 def test_plan_accountant_mode_records_what_it_used():
-    plan = plan_gaussian(_settings(), "ldp", "client", "client", sensitivity=10 / 32, releases=50,
-                         sampling_rate=32 / 256, per_batch_sensitivity=20.0)
+    plan = plan_gaussian(
+        _settings(),
+        "ldp",
+        "client",
+        "client",
+        sensitivity=10 / 32,
+        releases=50,
+        sampling_rate=32 / 256,
+        per_batch_sensitivity=20.0,
+    )
     assert plan.sigma == pytest.approx(plan.noise_multiplier * 10 / 32)
     assert plan.planned_epsilon <= 0.5 and plan.planned_epsilon > 0.49
     assert plan.sampling == "poisson" and plan.sampling_rate == 0.125
@@ -80,8 +108,16 @@ def test_plan_paper_mode_reports_the_valid_epsilon_for_its_sigma():
     """The closed form plugs in C/B; with fixed-size batches a record added to the data
     displaces another from its batch, so the valid sensitivity is 2C/B (the audit measured the
     ledger's 1.77 against a valid 2.41-3.84 at the paper's scale)."""
-    plan = plan_gaussian(_settings(calibration="paper"), "ldp", "client", "client", sensitivity=10 / 32,
-                         releases=100, sampling_rate=0.125, per_batch_sensitivity=20.0)
+    plan = plan_gaussian(
+        _settings(calibration="paper"),
+        "ldp",
+        "client",
+        "client",
+        sensitivity=10 / 32,
+        releases=100,
+        sampling_rate=0.125,
+        per_batch_sensitivity=20.0,
+    )
     assert plan.sigma == pytest.approx(paper_sigma(10 / 32, 100, 1e-5, 0.5))
     assert plan.sampling_rate == 1.0  # fixed-size batches: no amplification claimed
     assert plan.true_sensitivity == pytest.approx(2 * 10 / 32)
@@ -92,8 +128,16 @@ def test_plan_paper_mode_reports_the_valid_epsilon_for_its_sigma():
 
 
 def test_per_batch_clipping_is_flagged_and_accounted_with_the_true_sensitivity():
-    plan = plan_gaussian(_settings(clipping="per-batch"), "ldp", "client", "client", sensitivity=10 / 32,
-                         releases=50, sampling_rate=0.125, per_batch_sensitivity=20.0)
+    plan = plan_gaussian(
+        _settings(clipping="per-batch"),
+        "ldp",
+        "client",
+        "client",
+        sensitivity=10 / 32,
+        releases=50,
+        sampling_rate=0.125,
+        per_batch_sensitivity=20.0,
+    )
     assert any("does NOT hold" in n for n in plan.notes)
     assert plan.true_sensitivity == 20.0
     assert plan.planned_epsilon > 10 * plan.target_epsilon  # the stated 0.5 is far from true
@@ -112,7 +156,9 @@ def test_noise_source_of_a_node():
     assert node_noise_source({}, own_data=False) == "seeded"  # a simulated partition: repeatable
     assert node_noise_source({"noise-source": "os"}, own_data=False) == "os"
     assert node_noise_source({"noise-source": "seeded"}, own_data=True) == "seeded"  # the organisation decides
-    assert node_noise_source({"noise-source": "seeded"}, own_data=True, run_choice="os") == "os"  # run config: only stronger
+    assert (
+        node_noise_source({"noise-source": "seeded"}, own_data=True, run_choice="os") == "os"
+    )  # run config: only stronger
     assert node_noise_source({}, own_data=True, run_choice="seeded") == "os"  # ... never weaker
     with pytest.raises(ValueError, match="noise-source='urandom' is not one of seeded, os"):
         node_noise_source({"noise-source": "urandom"}, own_data=False)
@@ -122,7 +168,9 @@ def test_os_noise_cannot_be_regenerated_from_the_run_seed():
     from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 
     seeded = [torch.randn(8, generator=noise_generator("seeded", [0, 3, 1])) for _ in range(2)]
-    assert torch.equal(seeded[0], seeded[1]) and torch.equal(seeded[0], torch.randn(8, generator=generator_for([0, 3, 1])))
+    assert torch.equal(seeded[0], seeded[1]) and torch.equal(
+        seeded[0], torch.randn(8, generator=generator_for([0, 3, 1]))
+    )
     secret = [gaussian_noise((8,), 1.0, noise_generator("os", [0, 3, 1])) for _ in range(2)]
     assert not torch.equal(secret[0], secret[1]) and not torch.equal(secret[0], seeded[0])
     assert not np.array_equal(sampling_rng("os", [0, 3]).random(8), sampling_rng("os", [0, 3]).random(8))

@@ -51,7 +51,7 @@ def test_class_specific_context_matches_per_class_text():
     ctx = torch.stack([_phrase_ctx(tower, tok, p) for p in phrases])  # each phrase is 4 tokens
     enc = PromptEncoder(tower, tok, NAMES, n_ctx=4)
     with torch.no_grad():
-        ref = F.normalize(model.encode_text(tok([f"{p} {n}." for p, n in zip(phrases, NAMES)])), dim=-1)
+        ref = F.normalize(model.encode_text(tok([f"{p} {n}." for p, n in zip(phrases, NAMES, strict=True)])), dim=-1)
     torch.testing.assert_close(enc(ctx), ref, atol=1e-5, rtol=1e-4)
 
 

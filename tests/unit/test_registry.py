@@ -50,11 +50,11 @@ def test_every_entry_names_real_classes_and_a_family(name):
     assert isinstance(spec.strategy, type) and isinstance(spec.client, type)
     assert FAMILIES[spec.family.name] is spec.family
     cfg = validate({"method": name})
-    assert cfg.method is spec
+    assert cfg.spec is spec
 
 
 def test_fedpgp_has_its_own_rank_key():
-    assert validate({"method": "fedpgp", "fedpgp.rank": 2, "dpfpl.rank": 8})["fedpgp.rank"] == 2
+    assert validate({"method": "fedpgp", "fedpgp.rank": 2, "dpfpl.rank": 8}).fedpgp.rank == 2
     with pytest.raises(ConfigError, match=r"'fedpgp.rank' = 20 exceeds the 16 context tokens"):
         validate({"method": "fedpgp", "fedpgp.rank": 20})
     with pytest.raises(ConfigError, match=r"'fedpgp.rank' = 0: must be >= 1"):
@@ -62,11 +62,14 @@ def test_fedpgp_has_its_own_rank_key():
     validate({"method": "dpfpl", "dpfpl.rank": 0})  # DP-FPL's full-rank variant
 
 
-@pytest.mark.parametrize("raw,steps", [
-    ({"method": "promptfl"}, 0),  # full local epochs, PromptFL's own setting
-    ({"method": "promptfl", "privacy.epsilon": 1.0}, 1),  # under DP, as DP-FPL's baselines: one step a round
-    ({"method": "promptfl", "privacy.epsilon": 1.0, "prompt.local-steps": 5}, 5),  # an explicit choice stands
-    ({"method": "dpfpl"}, 1),
-])
+@pytest.mark.parametrize(
+    "raw,steps",
+    [
+        ({"method": "promptfl"}, 0),  # full local epochs, PromptFL's own setting
+        ({"method": "promptfl", "privacy.epsilon": 1.0}, 1),  # under DP, as DP-FPL's baselines: one step a round
+        ({"method": "promptfl", "privacy.epsilon": 1.0, "prompt.local-steps": 5}, 5),  # an explicit choice stands
+        ({"method": "dpfpl"}, 1),
+    ],
+)
 def test_the_method_decides_its_local_steps_with_and_without_privacy(raw, steps):
-    assert validate(raw)["prompt.local-steps"] == steps
+    assert validate(raw).prompt.local_steps == steps

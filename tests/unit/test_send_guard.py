@@ -34,5 +34,6 @@ def test_private_content_under_a_shared_name_is_refused():
 
 def test_only_what_the_server_asked_for():
     with pytest.raises(PrivacyGuardError, match="asked this client only for lora_A"):
-        check_outgoing({"lora_A": torch.ones(1), "lora_B": torch.ones(1)}, allowed={"lora_A", "lora_B"},
-                       requested=["lora_A"])
+        check_outgoing(
+            {"lora_A": torch.ones(1), "lora_B": torch.ones(1)}, allowed={"lora_A", "lora_B"}, requested=["lora_A"]
+        )

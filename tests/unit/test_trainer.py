@@ -10,17 +10,17 @@ import torch
 from torch import nn
 
 from fedvlm.client_app.trainer import Learner, StepOutput, batches, local_round
-from fedvlm.privacy.ledger import PrivacySettings
 from fedvlm.privacy.planner import ClientShape
+from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.utils.rng import generator_for
 
 X = torch.randn(16, 6, generator=torch.Generator().manual_seed(0))
 Y = torch.arange(16) % 3
 
 
-def _settings(epsilon: float, clip: float = 1e9) -> PrivacySettings:
+def _settings(epsilon: float, clip: float = 1e9) -> PrivacyConfig:
     # the paper calibration samples fixed-size batches: with B = n every step sees every record
-    return PrivacySettings(epsilon, 1e-5, clip, "paper", "per-sample", 0.0, "rdp")
+    return PrivacyConfig(epsilon=epsilon, clip=clip, calibration="paper", noise_multiplier=0.0)
 
 
 class TensorLearner(Learner):
@@ -63,8 +63,10 @@ class ModuleLearner(Learner):
 
     def forward(self, batch):
         logits = self.net(X[batch])
-        return StepOutput(nn.functional.cross_entropy(logits, Y[batch], reduction="none"),
-                          correct=int((logits.argmax(1) == Y[batch]).sum()))
+        return StepOutput(
+            nn.functional.cross_entropy(logits, Y[batch], reduction="none"),
+            correct=int((logits.argmax(1) == Y[batch]).sum()),
+        )
 
     def apply(self, grads):
         for k, p in self.params.items():
@@ -100,7 +102,7 @@ def test_noise_and_clipping_reach_the_update(make):
 
 
 def test_batches_follow_the_sampling_the_accountant_assumes():
-    poisson = PrivacySettings(1.0, 1e-5, 1.0, "accountant", "per-sample", 0.0, "rdp")
+    poisson = PrivacyConfig(epsilon=1.0, clip=1.0, noise_multiplier=0.0)
     sizes = [len(b) for b in batches(1000, 50, 400, poisson, np.random.default_rng(0))]
     assert np.mean(sizes) == pytest.approx(50, rel=0.03) and len(set(sizes)) > 5  # Poisson: random sizes
     fixed = [len(b) for b in batches(1000, 50, 10, _settings(1.0), np.random.default_rng(0))]

@@ -11,7 +11,9 @@ from fedvlm.strategies.validation import ReplyRejected, check_reply
 
 
 def _request():
-    return Message(RecordDict({"config": ConfigRecord({SERVER_ROUND: 1})}), dst_node_id=7, message_type=MessageType.TRAIN)
+    return Message(
+        RecordDict({"config": ConfigRecord({SERVER_ROUND: 1})}), dst_node_id=7, message_type=MessageType.TRAIN
+    )
 
 
 def _reply(arrays=None, metrics=None):

@@ -26,7 +26,9 @@ def test_tokenisation_drops_case_and_punctuation():
     assert caption_tokens("A Red, circle.") == "a red circle"
 
 
-@pytest.mark.parametrize("text,letter", [("B", "B"), ("B.", "B"), ("(C) red", "C"), (" A blue", "A"), ("blue", ""), ("", "")])
+@pytest.mark.parametrize(
+    "text,letter", [("B", "B"), ("B.", "B"), ("(C) red", "C"), (" A blue", "A"), ("blue", ""), ("", "")]
+)
 def test_answer_letter(text, letter):
     assert answer_letter(text) == letter
 
