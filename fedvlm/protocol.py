@@ -78,7 +78,7 @@ class EvaluateInstruction:
     publish_dir: str = ""  # where a simulated node publishes them (client_app.publishing)
 
     def to_config(self) -> dict:
-        out = {SERVER_ROUND: self.server_round}
+        out: dict[str, int | bool | str] = {SERVER_ROUND: self.server_round}
         if self.final_round:
             out.update({FINAL_ROUND: True, PUBLISH_DIR: self.publish_dir})
         return out

@@ -38,6 +38,8 @@ CASES: dict[str, tuple[dict, int]] = {
     "dpfpl-dp": ({"method": "dpfpl", "privacy.epsilon": 1.0, **PROMPT}, 4),
     "fedotp-dp": ({"method": "fedotp", "privacy.epsilon": 1.0, **PROMPT}, 4),
     "fedpgp-dp": ({"method": "fedpgp", "privacy.epsilon": 1.0, **PROMPT}, 4),
+    "pfedmoap": ({"method": "pfedmoap", "pfedmoap.k": 2, **PROMPT}, 4),
+    "pfedmoap-dp": ({"method": "pfedmoap", "pfedmoap.k": 2, "privacy.epsilon": 1.0, **PROMPT}, 4),
     "fedrand": ({"method": "fedrand", **VLM}, 4),
     "fedrand-dp": ({"method": "fedrand", "privacy.epsilon": 4.0, **VLM}, 4),
     "fedavg-lora": ({"method": "fedavg-lora", **VLM}, 4),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,6 +98,9 @@ def _aligned(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 class AttackMLP(torch.nn.Module):
+    mu: torch.Tensor  # buffers registered by the training function
+    sd: torch.Tensor
+
     def __init__(self, d_in: int, hidden: int = 64):
         super().__init__()
         self.net = torch.nn.Sequential(
@@ -180,7 +184,7 @@ class ShadowAttack:
         return out
 
     def evaluate(self, targets: list[Records]) -> dict:
-        per_client = {}
+        per_client: dict[str, dict[str, Any]] = {}
         for rec in targets:
             per_client[rec.client] = {
                 "shokri": attack_metrics(self.scores(rec), rec.member, 0.5),
@@ -193,7 +197,7 @@ class ShadowAttack:
             np.concatenate([r.member for r in targets]),
             "all",
         )
-        summary = {}
+        summary: dict[str, dict[str, Any]] = {}
         for name in ("shokri", "loss-threshold"):
             vals = [v[name] for v in per_client.values()]
             summary[name] = {k: float(np.nanmean([v[k] for v in vals])) for k in ("accuracy", "auc", "tpr@1%fpr")}

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
-from flwr.app import Context, Message
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from fedvlm.client_app.send_guard import guarded_reply
 from fedvlm.methods.registry import validate
 from fedvlm.protocol import SERVER_ROUND, EvaluateInstruction, TrainInstruction
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 app = ClientApp()
@@ -29,9 +33,13 @@ def _setup(msg: Message, context: Context):
     cfg = validate(context.run_config)
     spec = cfg.spec
     node = spec.family.node_data(cfg, dict(context.node_config))
-    config = dict(msg.content["config"]) if "config" in msg.content else {}
+    config: dict[str, Any] = dict(msg.content["config"]) if "config" in msg.content else {}
     client = spec.client(cfg, node, context.state, int(config.get(SERVER_ROUND, 0)))
-    arrays = msg.content["arrays"].to_torch_state_dict() if "arrays" in msg.content else {}
+    arrays: dict[str, torch.Tensor] = {}
+    if "arrays" in msg.content:
+        record = msg.content["arrays"]
+        assert isinstance(record, ArrayRecord)  # the server sends its tensors as one
+        arrays = record.to_torch_state_dict()
     return cfg, spec, client, arrays, config
 
 

@@ -240,7 +240,8 @@ class FedPGPClient(GlobalLocalClient):
             template = self.cfg.zeroshot.template
             tokens = self.bundle.tokenizer([template.format(c) for c in self.classnames]).to(self.bundle.device)
             with torch.no_grad():
-                self._handcrafted = F.normalize(self.bundle.model.encode_text(tokens).float(), dim=-1)
+                text = self.bundle.model.encode_text(tokens)  # type: ignore[operator]  # open_clip, typed as nn.Module
+                self._handcrafted = F.normalize(text.float(), dim=-1)
         return self._handcrafted
 
     def regularizer(self, p_global, leaves, ctx, via):

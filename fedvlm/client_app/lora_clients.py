@@ -21,6 +21,7 @@ tensor the node has never sent.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -132,10 +133,10 @@ class LoRAClient(Learner):
 
     # --- Learner hooks (client_app.trainer) ----------------------------------------------------
     @property
-    def module(self) -> torch.nn.Module:
+    def module(self) -> torch.nn.Module:  # type: ignore[override]  # read-only here; the trainer only reads it
         return self.vlm.model
 
-    def begin_step(self) -> dict[str, torch.Tensor]:
+    def begin_step(self) -> Mapping[str, torch.Tensor]:
         return self._params
 
     def clip_groups(self, names):

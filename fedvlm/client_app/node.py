@@ -89,7 +89,7 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
     if not 0 <= pid < n:
         raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
     splits = _dataset(cfg)
-    key = (
+    part_key = (
         cfg.dataset,
         cfg.data_root,
         cfg.test_fraction,
@@ -100,8 +100,8 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
         cfg.dirichlet_alpha,
         cfg.quantity_ratios,
     )
-    if key not in _PARTS:
-        _PARTS[key] = make_partitions(
+    if part_key not in _PARTS:
+        _PARTS[part_key] = make_partitions(
             cfg.partitioner,
             splits.train.labels,
             splits.test.labels,
@@ -113,7 +113,7 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
         )
     name = str(node_config.get("name") or f"client-{pid}")
     return NodeData(
-        name, pid, splits, _PARTS[key][pid], dict(node_config), _noise_source(cfg, node_config, own_data=False)
+        name, pid, splits, _PARTS[part_key][pid], dict(node_config), _noise_source(cfg, node_config, own_data=False)
     )
 
 

@@ -37,6 +37,7 @@ from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
 from fedvlm.runconfig import RunConfig
+from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.utils.rng import NodeStream, node_key
 
 
@@ -49,6 +50,8 @@ class PromptClient(Learner):
 
     # a prompt method's sharing rule names its tensors itself (MethodSpec.shares)
     tensor_names: tuple[str, ...] = ()
+    # the prompt's optimiser state (momentum, Adam moments) carries over to the next round
+    keeps_prompt_optimizer = True
 
     def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int):
         self.cfg = cfg
@@ -105,7 +108,9 @@ class PromptClient(Learner):
             feats = self.scorer.image_features(split, idx, c.cache_dir)
         else:
             split = self.node.splits.test
-            idx = self.node.part.test if which == "test" else self.node.part.neighbor
+            chosen = self.node.part.test if which == "test" else self.node.part.neighbor
+            assert chosen is not None  # callers ask for 'neighbor' only where the partition has one
+            idx = chosen
             feats = self.scorer.image_features(split, np.arange(len(split)), c.cache_dir)[idx]
         labels = torch.from_numpy(split.labels[idx])
         return feats.to(self.bundle.device), labels.to(self.bundle.device)
@@ -155,12 +160,18 @@ class PromptClient(Learner):
         shape, sigma = client_plan(self.cfg, len(labels), instruction)
         self._ctx = ctx0.detach().clone().to(self.bundle.device).requires_grad_(True)
         self._opt = self.make_optimizer([self._ctx])
-        restore_optimizer(self._opt, {k: v.to(self.bundle.device) for k, v in self.private.items()})
+        if self.keeps_prompt_optimizer:
+            restore_optimizer(self._opt, {k: v.to(self.bundle.device) for k, v in self.private.items()})
         self._encoder = self.encoder(self._ctx)
         self._anchor, self._mu = anchor, mu
-        stats = local_round(self, shape, self.privacy, sigma, self.rng(), self.noise())
-        self.private.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
+        stats = local_round(self, shape, self.step_privacy(), sigma, self.rng(), self.noise())
+        if self.keeps_prompt_optimizer:
+            self.private.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
         return self._ctx.detach().cpu(), stats
+
+    def step_privacy(self) -> PrivacyConfig:
+        """The privacy of each local step (a method that noises elsewhere trains without it)."""
+        return self.privacy
 
     def batch_features(self, batch: np.ndarray) -> torch.Tensor:
         return self._augmented_batch(batch) if self.cfg.prompt.augment else self._feats[batch]

@@ -18,6 +18,7 @@ full-network baselines (the model declares it, ``models.reprogram.FineTuneNet``)
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -41,6 +42,8 @@ CACHE_LIMIT_BYTES = 512 * 2**20  # keep a split's resized images in memory below
 
 class ReprogramClient(Learner):
     """Reprogrammable-FL and its baselines: what trains is the method's ``model_kind``."""
+
+    net: torch.nn.Module  # set in __init__; the trainer swaps in its per-sample wrapper
 
     def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int):
         self.cfg, self.node, self.state, self.round = cfg, node, state, server_round
@@ -140,7 +143,7 @@ class ReprogramClient(Learner):
         return shared, metrics
 
     # --- Learner hooks (client_app.trainer) ----------------------------------------------------
-    def begin_step(self) -> dict[str, torch.Tensor]:
+    def begin_step(self) -> Mapping[str, torch.Tensor]:
         return self._params
 
     def clip_groups(self, names):

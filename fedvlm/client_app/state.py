@@ -14,7 +14,9 @@ META = "meta"
 def load_private(state: RecordDict) -> dict[str, torch.Tensor]:
     if PRIVATE not in state:
         return {}
-    return {k: v.clone() for k, v in state[PRIVATE].to_torch_state_dict().items()}
+    record = state[PRIVATE]
+    assert isinstance(record, ArrayRecord)  # save_private writes one
+    return {k: v.clone() for k, v in record.to_torch_state_dict().items()}
 
 
 def save_private(state: RecordDict, tensors: dict[str, torch.Tensor]) -> None:

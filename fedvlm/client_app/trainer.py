@@ -24,7 +24,7 @@ client checked it (``privacy.planner.client_plan``); nothing here recomputes it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,7 @@ class StepOutput:
 
     losses: torch.Tensor  # [b] per-record losses (b may be 0: an empty Poisson batch)
     via: Sequence[torch.Tensor] = ()  # prompt methods: the tensors every leaf reaches the losses through
+    direct: Sequence[str] = ()  # ... except these leaves, applied to each record after ``via`` (a gate)
     objective: torch.Tensor | None = None  # the non-private objective, where it is not losses.mean()
     correct: int | None = None  # records classified right (classification methods)
 
@@ -80,7 +81,7 @@ class Learner:
     # what the forward calls: the module, or the wrapper the per-sample backend needs while attached
     net: nn.Module | None = None
 
-    def begin_step(self) -> dict[str, torch.Tensor]:
+    def begin_step(self) -> Mapping[str, torch.Tensor]:
         """The tensors this step differentiates (leaves requiring grad), by name."""
         raise NotImplementedError
 
@@ -177,7 +178,7 @@ def local_round(
                             leaves, lambda idx: learner.forward(idx).losses, batch, out.losses
                         )
                     else:
-                        samples = functional_per_sample(out.losses, leaves, out.via)
+                        samples = functional_per_sample(out.losses, leaves, out.via, direct=out.direct)
                     grads, frac = privatize(samples, step, noise, {k: v.shape for k, v in leaves.items()})
                 else:
                     batch_grads = (
@@ -204,7 +205,7 @@ def local_round(
     return stats
 
 
-def _gradients(objective: torch.Tensor, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _gradients(objective: torch.Tensor, leaves: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The ordinary gradient (the graph is kept: a method's extra term may go through it)."""
     names = list(leaves)
     g = torch.autograd.grad(objective, [leaves[k] for k in names], allow_unused=True, retain_graph=True)

@@ -49,8 +49,8 @@ def load_embedded(shadow: bool = False, **_) -> DatasetSplits:
     """The embedded task. ``shadow``: an independent draw of the same task (other seeds), the
     disjoint data a membership-inference attacker trains shadow models on."""
     seeds = (3, 4) if shadow else (1, 2)
-    tr_x, tr_y, _ = embedded.generate(EMBEDDED_TRAIN_PER_CLASS, seed=seeds[0], style="task")
-    te_x, te_y, _ = embedded.generate(EMBEDDED_TEST_PER_CLASS, seed=seeds[1], style="task")
+    tr_x, tr_y = embedded.generate(EMBEDDED_TRAIN_PER_CLASS, seed=seeds[0], style="task")[:2]
+    te_x, te_y = embedded.generate(EMBEDDED_TEST_PER_CLASS, seed=seeds[1], style="task")[:2]
     tag = f"embedded{'-shadow' if shadow else ''}-{embedded.domain_version()}"
     return DatasetSplits(
         "embedded-shadow" if shadow else "embedded",

@@ -95,7 +95,8 @@ class DatasetSplits:
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Per-class split: ``test_fraction`` of every class (at least one image) goes to test."""
     rng = np.random.default_rng(seed)
-    train, test = [], []
+    train: list[int] = []
+    test: list[int] = []
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
         n_test = max(1, int(round(len(idx) * test_fraction))) if len(idx) > 1 else 0
@@ -111,9 +112,9 @@ def limit_per_class(
     if max_per_class <= 0:
         return source
     rng = np.random.default_rng(seed)
-    keep = []
+    chosen: list[int] = []
     for c in np.unique(source.labels):
         idx = np.flatnonzero(source.labels == c)
-        keep.extend(rng.choice(idx, size=min(max_per_class, len(idx)), replace=False))
-    keep = np.sort(np.array(keep, dtype=np.int64))
+        chosen.extend(rng.choice(idx, size=min(max_per_class, len(idx)), replace=False))
+    keep = np.sort(np.array(chosen, dtype=np.int64))
     return SubsetSource(source, keep, source.labels[keep], make_identity(source.identity))

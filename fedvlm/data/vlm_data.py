@@ -122,7 +122,8 @@ def load_coco_style(
     images = [im for im in sorted(blob["images"], key=lambda im: im["id"]) if im["id"] in caps]
     if max_images:
         images = images[:max_images]
-    label_of, label_names = {}, ["image"]
+    label_of: dict[int, int] = {}
+    label_names = ["image"]
     inst = captions_json.with_name(captions_json.name.replace("captions_", "instances_"))
     if inst != captions_json and inst.is_file():
         label_of, label_names = _largest_category(inst)

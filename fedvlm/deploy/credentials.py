@@ -108,6 +108,7 @@ def make_ca(out: Path, days: int) -> tuple[x509.Certificate, ec.EllipticCurvePri
 def load_ca(out: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     cert = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
     key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)  # make_ca writes an EC key
     return cert, key
 
 

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedvlm.deploy.credentials import generate
@@ -91,7 +92,7 @@ class LocalFederation:
         return {n: p.pid for n, p in self.procs.items()}
 
     # ---- the steps of docs/deployment.md ------------------------------------------------------
-    def make_credentials(self, extra: list[str] = ()) -> None:
+    def make_credentials(self, extra: Sequence[str] = ()) -> None:
         generate(self.creds, ["localhost"], ["127.0.0.1"], [*self.names, *extra])
 
     def start_superlink(self) -> None:

@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     for method in methods:
         row = [method]
         for src in sources:
-            vals = [at_epsilon(pts, target) for (s, m, _), pts in curves.items() if s == src and m == method]
-            vals = [100 * v for v in vals if v is not None]
+            found = [at_epsilon(pts, target) for (s, m, _), pts in curves.items() if s == src and m == method]
+            vals = [100 * v for v in found if v is not None]
             row.append(
                 "-" if not vals else f"{np.mean(vals):.2f}" + (f" ± {np.std(vals):.2f}" if len(vals) > 1 else "")
             )

@@ -15,6 +15,7 @@ from typing import Any
 from fedvlm.client_app.global_local_clients import DPFPLClient, FedOTPClient, FedPGPClient
 from fedvlm.client_app.lora_clients import FedParaClient, FedRandClient, LoRAClient
 from fedvlm.client_app.node import node_data
+from fedvlm.client_app.pfedmoap_clients import PFedMoAPClient
 from fedvlm.client_app.prompt_clients import CoOpClient, PromptFLClient, ZeroShotClient
 from fedvlm.client_app.reprogram_clients import ReprogramClient
 from fedvlm.client_app.vlm_node import vlm_node_data
@@ -35,6 +36,7 @@ from fedvlm.runconfig import (
 from fedvlm.runconfig.schema import LoRAConfig, PromptConfig
 from fedvlm.strategies.global_local import GlobalGradientStrategy
 from fedvlm.strategies.lora import FedRandStrategy, LoRAStrategy
+from fedvlm.strategies.pfedmoap import PFedMoAPStrategy
 from fedvlm.strategies.prompt import EvaluateOnlyStrategy, LocalOnlyStrategy, PromptFLStrategy
 from fedvlm.strategies.reprogram import ReprogramStrategy
 
@@ -58,6 +60,39 @@ def _check_rank(values: dict, key: str) -> None:
         raise ConfigError(
             f"run config {key!r} = {values[key]} exceeds the {values['prompt.n-ctx']} context tokens "
             f"(prompt.n-ctx); use a rank of at most {values['prompt.n-ctx']}"
+        )
+
+
+def _pfedmoap_local(cfg: RunConfig) -> LocalDP:
+    if cfg.pfedmoap.dp_placement == "upload":
+        return LocalDP(
+            "ldp-upload",
+            "client: the prompt's update of the round, clipped to C as a whole, once per round the node trains",
+            per_participation=True,
+            note="covers the prompt the node uploads (seen by the server and up to pfedmoap.k other nodes), NOT "
+            "the node's own personalised model: its gate and its prompt before the noise are trained on raw records",
+        )
+    return LocalDP(
+        "ldp-prompt-gate",
+        "client: per-sample-clipped gradients of the prompt and of the attention gate at every local step",
+        2,
+        note="the gate is noised too: the prompt's gradients pass through it, so a gate trained on raw records "
+        "would carry their influence into every later upload, and it is part of the published personalised model",
+    )
+
+
+def _pfedmoap_check(values: dict) -> None:
+    dim, heads = values["pfedmoap.gating-dim"], values["pfedmoap.gating-heads"]
+    if dim % heads:
+        raise ConfigError(
+            f"run config 'pfedmoap.gating-dim' = {dim} is not divisible by 'pfedmoap.gating-heads' = {heads}; "
+            "pick a number of heads that divides it"
+        )
+    private = values["privacy.epsilon"] > 0 or values["privacy.noise-multiplier"] > 0
+    if private and values["pfedmoap.dp-placement"] == "upload" and values["privacy.calibration"] == "paper":
+        raise ConfigError(
+            "run config 'pfedmoap.dp-placement' = 'upload' noises each round's update once; DP-FPL's closed-form "
+            "calibration ('privacy.calibration' = 'paper') is for per-step noise: set privacy.calibration='accountant'"
         )
 
 
@@ -209,6 +244,18 @@ METHODS: dict[str, MethodSpec] = {
             rank_key="fedpgp.rank",
         ),
         MethodSpec(
+            "pfedmoap",
+            PROMPT,
+            "pFedMoAP: each node mixes its prompt with its K nearest other nodes' prompts (experts, from the "
+            "server's pool) through a private attention gate; FedAvg of the prompts.",
+            PFedMoAPStrategy,
+            PFedMoAPClient,
+            shares=shares_only("ctx"),
+            dp_defaults=_ONE_STEP,  # under DP, one local step per round like the other prompt baselines
+            local_dp=_pfedmoap_local,
+            check=_pfedmoap_check,
+        ),
+        MethodSpec(
             "fedrand",
             VLM,
             "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
@@ -329,7 +376,7 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
         fitting = (
             sorted(VLM_DATASETS)
             if family.image_text
-            else [d for d in KEY_BY_NAME["dataset"].choices if d not in VLM_DATASETS and d != AUTO]
+            else [d for d in KEY_BY_NAME["dataset"].choices or () if d not in VLM_DATASETS and d != AUTO]
         )
         raise ConfigError(
             f"run config 'dataset' = {values['dataset']!r} does not fit method {method.name!r} "
@@ -348,4 +395,6 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
         )
     if method.rank_key:
         _check_rank(values, method.rank_key)
+    if method.check:
+        method.check(values)
     return RunConfig.from_flat(finish(values), method)

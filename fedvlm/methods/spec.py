@@ -62,7 +62,7 @@ class MethodSpec:
     family: Family
     summary: str
     strategy: type  # the server strategy (a strategies.base.FederatedStrategy)
-    client: type  # the client trainer
+    client: type[Any]  # the client trainer
     shares: SharedRule = shares_nothing  # which tensors may leave a client
     trains: bool = True
     defaults: dict = field(default_factory=dict)  # what 'auto' means per flat key, for this method
@@ -73,6 +73,8 @@ class MethodSpec:
     model_kind: str = ""  # reprogramming: what trains ('mr', 'ff', 'pf', 'ts'; models.reprogram)
     adapter: str = ""  # VLM methods: the peft adapter ('lora', 'loha')
     rank_key: str = ""  # low-rank prompt methods: the config key of the rank k (checked: k <= M)
+    # the method's own config checks on the resolved flat values (raises ConfigError)
+    check: Callable[[dict], None] | None = None
 
     @property
     def supports_dp(self) -> bool:

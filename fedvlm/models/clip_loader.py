@@ -49,7 +49,9 @@ class ClipBundle:
 
     @property
     def logit_scale(self) -> float:
-        return float(self.model.logit_scale.exp())
+        scale = self.model.logit_scale
+        assert isinstance(scale, torch.Tensor)  # open_clip's learned temperature, a Parameter
+        return float(scale.exp())
 
 
 def _hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
@@ -92,7 +94,7 @@ def file_fingerprint(path: Path) -> str:
 
 def _tiny_preprocess(img: Image.Image) -> torch.Tensor:
     if img.size != (tiny_clip.embedded.IMAGE_SIZE,) * 2:
-        img = img.resize((tiny_clip.embedded.IMAGE_SIZE,) * 2, Image.BICUBIC)
+        img = img.resize((tiny_clip.embedded.IMAGE_SIZE,) * 2, Image.Resampling.BICUBIC)
     return tiny_clip.to_tensor(np.asarray(img.convert("RGB"))[None])[0]
 
 

@@ -23,6 +23,7 @@ and changes no number (a test checks it against open_clip's own ``encode_text``)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ class TextTower:
     @classmethod
     def from_open_clip(cls, model: nn.Module) -> TextTower:
         """Take the text tower out of an open_clip CLIP or CustomTextCLIP model."""
-        src = getattr(model, "text", model)  # CustomTextCLIP keeps it in .text
+        src: Any = getattr(model, "text", model)  # CustomTextCLIP keeps it in .text
         if not hasattr(src, "token_embedding"):
             raise NotImplementedError(
                 f"{type(getattr(model, 'text', model)).__name__} text towers (Hugging Face "
@@ -87,6 +88,7 @@ class TextTower:
         """Position of the pooled (end-of-text) token in each tokenized sequence."""
         if self.pool_type == "argmax":
             return token_ids.argmax(dim=-1)
+        assert self.eos_id is not None  # "eos" pooling needs the EOS id (open_clip asserts it too)
         return (token_ids == self.eos_id).int().argmax(dim=-1)
 
     def encode_embeddings(self, x: torch.Tensor, eot: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,11 @@ class PromptEncoder(nn.Module):
     The token embeddings of everything but the context are computed once and kept as
     buffers (``prefix`` = SOS, ``suffix`` = name, period, EOS, padding).
     """
+
+    prefix: torch.Tensor
+    suffix: torch.Tensor
+    eot: torch.Tensor
+    token_ids: torch.Tensor
 
     def __init__(self, tower: TextTower, tokenizer, classnames: list[str], n_ctx: int):
         super().__init__()

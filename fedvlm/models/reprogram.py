@@ -72,7 +72,9 @@ class SourceModel:
 
     @property
     def num_source_classes(self) -> int:
-        return self.model.fc.out_features
+        fc = self.model.fc
+        assert isinstance(fc, nn.Linear)  # every source model (ResNets, TinyResNet) ends in one
+        return fc.out_features
 
 
 def _torchvision_source(name: str, weights: str) -> tuple[nn.Module, str, str]:
@@ -115,6 +117,7 @@ def _torchvision_source(name: str, weights: str) -> tuple[nn.Module, str, str]:
 
 def load_source(name: str, weights: str, cache_dir: Path) -> SourceModel:
     """The frozen source classifier (see the module docstring for ``weights``)."""
+    model: nn.Module
     if name == tiny_resnet.NAME:
         if weights == "random":
             model, label, fp = tiny_resnet.TinyResNet(), "random init (NOT pretrained)", f"{name}:random"
@@ -174,6 +177,9 @@ class InputProgram(nn.Module):
 
 
 class Normalise(nn.Module):
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, mean, std):
         super().__init__()
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1))
@@ -223,11 +229,15 @@ class FineTuneNet(nn.Module):
         net = copy.deepcopy(source.model)
         if kind == "ts":  # same architecture, fresh weights
             for m in net.modules():
-                if hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
-        net.fc = nn.Linear(net.fc.in_features, num_classes)
+                reset = getattr(m, "reset_parameters", None)
+                if reset is not None:
+                    reset()
+        fc = net.fc
+        assert isinstance(fc, nn.Linear)  # see SourceModel.num_source_classes
+        head = nn.Linear(fc.in_features, num_classes)
+        net.fc = head
+        self.head: nn.Module | None
         if kind == "pf":
-            head = net.fc
             net.fc = nn.Identity()
             self.body = FrozenEval(net)
             self.head = head

@@ -131,10 +131,9 @@ def pretrain(recipe: PretrainRecipe = PretrainRecipe(), progress: bool = True) -
         embedded.generate(n_clutter, seed=20_000 + recipe.seed, style="pretrain-cluttered"),
     ]
     images = np.concatenate([p[0] for p in parts])
-    labels = np.concatenate([p[1] for p in parts])
+    labels = torch.from_numpy(np.concatenate([p[1] for p in parts]))
     attrs = [a for p in parts for a in p[2]]
     pixels = to_tensor(images)
-    labels = torch.from_numpy(labels)
     rng = np.random.default_rng(recipe.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps, pct_start=0.1)

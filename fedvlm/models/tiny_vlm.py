@@ -128,7 +128,7 @@ def build_model(recipe: VLMRecipe, tokenizer):
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
     )

@@ -129,10 +129,22 @@ def add_adapter(model: torch.nn.Module, spec: AdapterSpec, seed: int) -> torch.n
     from peft import LoHaConfig, LoraConfig, get_peft_model
 
     regex = lora_target_regex(list(spec.targets), spec.lm_pattern)
+    config: LoraConfig | LoHaConfig
     if spec.kind == "lora":
-        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=regex)
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,  # type: ignore[arg-type]  # peft says int; a float scale works
+            lora_dropout=spec.dropout,
+            target_modules=regex,
+        )
     elif spec.kind == "loha":
-        config = LoHaConfig(r=spec.rank, alpha=spec.alpha, rank_dropout=0.0, module_dropout=0.0, target_modules=regex)
+        config = LoHaConfig(
+            r=spec.rank,
+            alpha=spec.alpha,  # type: ignore[arg-type]  # peft says int; a float scale works
+            rank_dropout=0.0,
+            module_dropout=0.0,
+            target_modules=regex,
+        )
     else:
         raise ValueError(f"unknown adapter kind {spec.kind!r}")
     for p in model.parameters():

@@ -39,6 +39,7 @@ import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ from torch import nn
 
 from fedvlm.privacy.accounting import MEANINGLESS_EPSILON
 from fedvlm.privacy.mechanisms import OsNoise, gaussian_noise
+
+if TYPE_CHECKING:
+    from opacus.grad_sample.gsm_base import AbstractGradSampleModule
 
 BACKENDS = ("functional", "hooks", "expanded", "microbatch")
 
@@ -130,17 +134,37 @@ def per_sample_chunk(device: torch.device, batch: int) -> int:
 
 
 def functional_per_sample(
-    losses: torch.Tensor, leaves: Mapping[str, torch.Tensor], via: Sequence[torch.Tensor], chunk: int | None = None
+    losses: torch.Tensor,
+    leaves: Mapping[str, torch.Tensor],
+    via: Sequence[torch.Tensor],
+    chunk: int | None = None,
+    direct: Sequence[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Per-sample gradients [B, *leaf.shape] of ``losses`` [B] w.r.t. each leaf, where every leaf
     reaches the losses only through the tensors ``via`` (the text features): the cotangents of
     all records first (a small graph: logits only), then batched VJPs through the text tower,
-    ``chunk`` records at a time (default ``per_sample_chunk``)."""
+    ``chunk`` records at a time (default ``per_sample_chunk``). The leaves named in ``direct``
+    act on each record separately after ``via`` (pFedMoAP's gate): their per-sample gradients
+    come out of the first, batched pass."""
     batch = losses.shape[0]
-    names = list(leaves)
+    names = [k for k in leaves if k not in direct]
     chunk = chunk or per_sample_chunk(losses.device, batch)
     eye = torch.eye(batch, device=losses.device, dtype=losses.dtype)
-    cotangents = torch.autograd.grad(losses, list(via), grad_outputs=eye, is_grads_batched=True, retain_graph=True)
+    first = torch.autograd.grad(
+        losses,
+        [*via, *(leaves[k] for k in direct)],
+        grad_outputs=eye,
+        is_grads_batched=True,
+        retain_graph=True,
+        allow_unused=True,
+    )
+    cotangents = first[: len(via)]
+    out = {
+        k: g if g is not None else torch.zeros(batch, *leaves[k].shape, device=leaves[k].device)
+        for k, g in zip(direct, first[len(via) :], strict=True)
+    }
+    if not names:
+        return out
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     for start in range(0, batch, chunk):
         grads = torch.autograd.grad(
@@ -154,7 +178,7 @@ def functional_per_sample(
         for k, g in zip(names, grads, strict=True):
             n = min(chunk, batch - start)
             parts[k].append(g if g is not None else torch.zeros(n, *leaves[k].shape, device=leaves[k].device))
-    return {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+    return {**out, **{k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}}
 
 
 def backend_for(module: nn.Module) -> str:
@@ -184,7 +208,7 @@ class ModuleGradients:
         self.module = module
         self.backend = backend or backend_for(module)
         self.params = {k: p for k, p in module.named_parameters() if p.requires_grad}
-        self._wrapped: nn.Module | None = None
+        self._wrapped: AbstractGradSampleModule | None = None
 
     def attach(self) -> nn.Module:
         from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
@@ -226,7 +250,7 @@ class ModuleGradients:
             return {k: torch.stack(v) for k, v in per.items()}
         for p in leaves.values():
             p.grad = None
-            p.grad_sample = None
+            p.grad_sample = None  # type: ignore[attr-defined]  # Opacus' attribute on parameters
         with warnings.catch_warnings():
             # an input that needs no gradient (the images) makes torch warn at every backward
             # through a full backward hook; the per-sample gradients are unaffected
@@ -243,7 +267,7 @@ class ModuleGradients:
                     )
                 gs = torch.zeros((len(batch), *p.shape), device=p.device, dtype=p.dtype)  # not reached
             out[k] = gs.detach()
-            p.grad_sample = None
+            p.grad_sample = None  # type: ignore[attr-defined]  # Opacus' attribute on parameters
             p.grad = None
         return out
 

@@ -52,11 +52,27 @@ class NoiseRefused(RuntimeError):
 @dataclass(frozen=True)
 class LocalDP:
     """A method's local-DP mechanism: Gaussian noise on the per-sample-clipped gradients of
-    ``tensors`` tensors (each clipped to C separately) at every local step."""
+    ``tensors`` tensors (each clipped to C separately) at every local step; or, with
+    ``per_participation``, on the node's whole update, clipped to C, once per round it trains
+    (sensitivity 2C: with or without a record, both clipped updates lie in the C-ball; every
+    record is in it, so no subsampling amplification)."""
 
     name: str
     where: str
     tensors: int = 1
+    per_participation: bool = False
+    note: str = ""  # what the ledger must say about this mechanism's coverage
+
+    def sensitivity(self, settings: PrivacyConfig, client: ClientShape) -> tuple[float, float]:
+        """(what the calibration assumes, what a record can change under per-batch clipping)."""
+        root = math.sqrt(self.tensors)
+        if self.per_participation:
+            return root * 2 * settings.clip, root * 2 * settings.clip
+        return root * settings.clip / client.expected_batch, root * 2 * settings.clip
+
+    def account_shape(self, settings: PrivacyConfig, client: ClientShape) -> tuple[float, int]:
+        """(sampling rate, releases per round) of this mechanism for a record of ``client``."""
+        return (1.0, 1) if self.per_participation else (client.sampling_rate(settings), client.steps)
 
 
 @dataclass(frozen=True)
@@ -83,23 +99,26 @@ def local_plan(settings: PrivacyConfig, local: LocalDP, client: ClientShape, rou
     alone: the server plans with it, and the client recomputes it to check what it is sent."""
     if client.n_train < 1:
         raise BudgetError("a client with no training records cannot be planned")
-    per_tensor = settings.clip / client.expected_batch  # per-sample clipping to C, sum / B
+    sensitivity, per_batch = local.sensitivity(settings, client)
+    rate, per_round = local.account_shape(settings, client)
     plan = plan_gaussian(
         settings,
         local.name,
         local.where,
         "client",
-        sensitivity=math.sqrt(local.tensors) * per_tensor,
-        releases=rounds * client.steps,
-        sampling_rate=client.sampling_rate(settings),
-        per_batch_sensitivity=math.sqrt(local.tensors) * 2 * settings.clip,
-        paper_sensitivity=per_tensor,
+        sensitivity=sensitivity,
+        releases=rounds * per_round,
+        sampling_rate=rate,
+        per_batch_sensitivity=per_batch,
+        paper_sensitivity=sensitivity / math.sqrt(local.tensors),
     )
     if local.tensors > 1:
         plan.notes.append(
             f"{local.tensors} tensors are clipped to C separately and noised with the same sigma: "
             "accounted as one Gaussian release of joint sensitivity sqrt(n)*C/B"
         )
+    if local.note:
+        plan.notes.append(local.note)
     return plan
 
 
@@ -145,6 +164,7 @@ class RecordAccount:
 
     def releases(self, rounds: int) -> list[GaussianReleases]:
         if self.shared_batch:
+            assert self.z_local is not None and self.z_global is not None  # shared_batch: both set
             return [GaussianReleases(joint_noise_multiplier(self.z_local, self.z_global), rounds, self.sampling_rate)]
         out = []
         if self.z_local is not None:
@@ -166,6 +186,7 @@ class RecordAccount:
             "shared_batch": self.shared_batch,
         }
         if self.shared_batch:
+            assert self.z_local is not None and self.z_global is not None  # shared_batch: both set
             d["z_joint"] = joint_noise_multiplier(self.z_local, self.z_global)
         return d
 
@@ -222,16 +243,19 @@ class PrivacyPlanner:
         ):
             # Every mechanism alone meets the target; together they would not. Scale all noise by one
             # factor until the worst client's composed epsilon does.
+            global_plan = self.global_plan
+            assert global_plan is not None  # planned just above: global_dp is set
+
             def worst(c: float) -> float:
                 return max(
-                    self._account(shape, base[name].sigma * c, self.global_plan.sigma * c).epsilon(
+                    self._account(shape, base[name].sigma * c, global_plan.sigma * c).epsilon(
                         self.rounds, s.delta, s.accountant
                     )
                     for name, shape in clients.items()
                 )
 
             self.scale = smallest_scale(worst, s.epsilon)
-            self.global_plan = self.global_plan.scaled(self.scale)
+            self.global_plan = global_plan.scaled(self.scale)
             self.ledger.notes.append(
                 f"local and global noise calibrated jointly: each mechanism's sigma, calibrated alone to epsilon = "
                 f"{s.epsilon}, is multiplied by {self.scale:.4f} so that the composition a record of every client "
@@ -266,8 +290,10 @@ class PrivacyPlanner:
                     f"global mechanism alone ({shape.n_train} records, batch {shape.expected_batch}), above "
                     f"privacy.epsilon = {s.epsilon}: start every node before the run, or give it more data"
                 )
+            assert plan is not None  # self.local is set
+            sigma_local, sigma_global = plan.sigma, self.global_plan.sigma
             c = smallest_scale(
-                lambda c: self._account(shape, plan.sigma * c, self.global_plan.sigma).epsilon(
+                lambda c: self._account(shape, sigma_local * c, sigma_global).epsilon(
                     self.rounds, s.delta, s.accountant
                 ),
                 s.epsilon,
@@ -291,6 +317,7 @@ class PrivacyPlanner:
 
     def _plan_global(self) -> MechanismPlan:
         s, g = self.settings, self.global_dp
+        assert g is not None  # only called when the method has a global mechanism
         b = min(shape.expected_batch for shape in self.clients.values())
         one_step = all(shape.steps == 1 for shape in self.clients.values())
         q = max(shape.sampling_rate(s) for shape in self.clients.values())
@@ -327,15 +354,16 @@ class PrivacyPlanner:
     def _account(self, shape: ClientShape, sigma_local: float | None, sigma_global: float | None) -> RecordAccount:
         s = self.settings
         z_local = z_global = None
+        rate, steps = shape.sampling_rate(s), shape.steps
         if sigma_local is not None:
-            tensors = self.local.tensors
-            z_local = sigma_local / valid_sensitivity(
-                s, math.sqrt(tensors) * s.clip / shape.expected_batch, math.sqrt(tensors) * 2 * s.clip
-            )
+            assert self.local is not None  # a local sigma exists only with a local mechanism
+            z_local = sigma_local / valid_sensitivity(s, *self.local.sensitivity(s, shape))
+            rate, steps = self.local.account_shape(s, shape)
         if sigma_global is not None:
+            assert self.global_dp is not None  # a global sigma exists only with a global mechanism
             n = self.global_dp.denominator
             z_global = sigma_global / valid_sensitivity(s, s.clip / (n * shape.expected_batch), 2 * s.clip / n)
-        return RecordAccount(shape.sampling_rate(s), shape.steps, z_local, z_global)
+        return RecordAccount(rate, steps, z_local, z_global)
 
     def account(self, name: str) -> RecordAccount:
         plan = self.local_plans.get(name)

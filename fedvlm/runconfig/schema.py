@@ -168,6 +168,47 @@ class FedPGPConfig:
 
 
 @dataclass(frozen=True)
+class PFedMoAPConfig:
+    """pFedMoAP's mixture of prompt experts and its private attention gate."""
+
+    k: int = opt(
+        9,
+        "Expert prompts each node receives: its K nearest other prompts in the server's pool (all of "
+        "them when the pool holds fewer); 0 = no experts (plain CoOp logits).",
+        min=0,
+    )
+    selection: str = opt(
+        "knn",
+        "How the server picks the experts: 'knn' (L2 distance between prompt tensors, ties "
+        "by node name) or 'random' (a seeded draw per node and round).",
+        choices=("knn", "random"),
+    )
+    lambda_: float = opt(0.5, "Weight of the local prompt's own CLIP logits beside the mixture's.", min=0.0)
+    gating_dim: int = opt(
+        128, "Width of the gate (the CLIP features are subsampled to it; must divide the embedding dimension).", min=1
+    )
+    gating_heads: int = opt(8, "Attention heads of the gate (must divide gating-dim).", min=1)
+    attention_scale: float = opt(
+        10.0, "Scale of the gate's attention logits (the public code's 10, not 1/sqrt(d)).", min=0.0, min_exclusive=True
+    )
+    gating_lr: float = opt(
+        0.01,
+        "Learning rate of the gate (momentum and weight decay: prompt.momentum, prompt.weight-decay).",
+        min=0.0,
+        min_exclusive=True,
+    )
+    gating_optimizer: str = opt("sgd", "Optimiser of the gate; its state stays on the node.", choices=("sgd", "adam"))
+    dp_placement: str = opt(
+        "step",
+        "Where privacy.epsilon's noise goes: 'step' (DP-SGD on the prompt and the gate "
+        "at every local step; covers everything the node releases) or 'upload' (the prompt "
+        "update clipped and noised once per round; does not cover the node's own "
+        "personalised model).",
+        choices=("step", "upload"),
+    )
+
+
+@dataclass(frozen=True)
 class VLMConfig:
     """The image-text-to-text model of FedRand and its baselines."""
 
@@ -430,6 +471,7 @@ class RunConfig:
     dpfpl: DPFPLConfig = field(default_factory=DPFPLConfig)
     fedotp: FedOTPConfig = field(default_factory=FedOTPConfig)
     fedpgp: FedPGPConfig = field(default_factory=FedPGPConfig)
+    pfedmoap: PFedMoAPConfig = field(default_factory=PFedMoAPConfig)
     vlm: VLMConfig = field(default_factory=VLMConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     fedrand: FedRandConfig = field(default_factory=FedRandConfig)
@@ -472,7 +514,7 @@ def _keys() -> tuple[tuple[Key, ...], dict[str, type]]:
     def add(cls: Any, section: str) -> None:
         for f in dataclasses.fields(cls):
             if "key" in f.metadata:
-                name = f.name.replace("_", "-")
+                name = f.name.rstrip("_").replace("_", "-")  # 'lambda_' (a Python keyword) is 'lambda'
                 keys.append(
                     Key(
                         f"{section}.{name}" if section else name,

@@ -16,6 +16,7 @@ import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ def make_run_dir(output_dir: str, run_name: str, method: str, dataset: str, run_
 class RunRecorder:
     def __init__(self, run_dir: Path, config: dict, run_info: dict):
         self.dir = Path(run_dir)
-        self.data = {
+        self.data: dict[str, Any] = {
             "config": config,
             "run": {
                 **run_info,

@@ -101,6 +101,7 @@ class FederatedStrategy(Strategy):
 
     def privacy_entry(self, extra: dict[str, int] | None = None) -> dict:
         """The ledger's entry for the rounds so far (a method may add its own figures)."""
+        assert self.budget is not None  # called only with privacy on (server_app.loop)
         return self.budget.entry(extra)
 
     def nodes_per_round(self) -> int:
@@ -118,6 +119,7 @@ class FederatedStrategy(Strategy):
         return None
 
     def server_noise_source(self) -> str:
+        assert self.budget is not None  # only a planned global mechanism draws server noise
         return self.budget.server_noise_source(self.noise_sources())
 
     # ---- the run's setup (called by server_app.loop) ---------------------------------------
@@ -132,7 +134,7 @@ class FederatedStrategy(Strategy):
             self.cfg.seed,
         )
 
-    def start(self, grid: Grid) -> None:
+    def start(self, grid: Grid) -> None:  # type: ignore[override]  # server_app.loop runs the rounds, not Flower
         """Before round 1: wait for the nodes, build the initial arrays, plan the privacy."""
         self.summary()
         self.registry.wait(grid)
@@ -239,17 +241,17 @@ class FederatedStrategy(Strategy):
             name = node.name if node else str(nid)
             try:
                 arrays, metrics = check_reply(msg, self._expected.get(nid, {}), need_examples=phase == "train")
+                if node is None:  # the aggregation needs the node it comes from
+                    raise ReplyRejected("it comes from a node the server does not know")
             except ReplyRejected as why:
                 log.warning("round %s: dropped the %s reply of %s: %s", self.current.round, phase, name, why)
                 self.current.dropped.append({"client": name, "phase": phase, "reason": str(why)})
                 continue
             self.ledger.note_released(phase, metrics)
             self.current.add_bytes(f"{phase}_up", record_nbytes(arrays))
-            if node is not None:
-                self.current.client(name)[f"{phase}/bytes_up"] = record_nbytes(arrays)
+            self.current.client(name)[f"{phase}/bytes_up"] = record_nbytes(arrays)
             good.append(ClientUpdate(node, arrays, metrics))
-            if node is not None:
-                self.on_reply_accepted(node, phase)
+            self.on_reply_accepted(node, phase)
         return good
 
     def aggregate_train(

@@ -70,10 +70,12 @@ class GlobalGradientStrategy(PromptStrategy):
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
         sampled = max(self.current.sampled, len(updates))
         if self.budget is not None:  # never below the denominator the noise was planned for
+            assert self.budget.planner.global_dp is not None  # planned from this strategy's global_dp()
             sampled = max(sampled, self.budget.planner.global_dp.denominator)
         mean = np.sum([u.arrays["global_grad"] for u in updates], axis=0) / sampled
         grad = torch.from_numpy(mean.astype(np.float32))
         if self.budget is not None:
+            assert self.budget.planner.global_plan is not None  # planned with global_dp
             sigma = self.budget.planner.global_plan.sigma
             gen = noise_generator(
                 self.server_noise_source(), server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)

@@ -4,13 +4,17 @@ run; the server loop (``server_app.loop``) turns both into the run folder."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from fedvlm.strategies.nodes import NodeInfo
 
 
 @dataclass
 class ClientUpdate:
-    node: object  # strategies.nodes.NodeInfo
+    node: NodeInfo
     arrays: dict[str, np.ndarray]
     metrics: dict
 

@@ -51,6 +51,7 @@ class ReprogramStrategy(FederatedStrategy):
         """Add, per client, ε by both of dp-accounting's accountants and by the client's own
         Opacus accountants (they must agree: the test suite checks it)."""
         entry = super().privacy_entry(extra)
+        assert self.budget is not None  # checked by the base's privacy_entry
         both = {}
         planner, trained = self.budget.planner, self.budget.rounds_trained
         for client in planner.clients:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 
 
 class ReplyRejected(ValueError):
@@ -31,7 +31,10 @@ def check_reply(
     content = msg.content
     arrays: dict[str, np.ndarray] = {}
     if "arrays" in content:
-        arrays = {k: v.numpy() for k, v in content["arrays"].items()}
+        record = content["arrays"]
+        if not isinstance(record, ArrayRecord):
+            raise ReplyRejected(f"'arrays' is a {type(record).__name__}, expected an ArrayRecord")
+        arrays = {k: v.numpy() for k, v in record.items()}
     missing = set(expected) - set(arrays)
     extra = set(arrays) - set(expected)
     if missing or extra:
@@ -63,7 +66,7 @@ def check_reply(
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.+)$")
 
 
-def short_reason(reason: str) -> str:
+def short_reason(reason: str | None) -> str:
     """The useful line of a client's error. Flower passes whole tracebacks (wrapped by Ray
     in simulation); keep the last ``SomeError: message`` line of the original exception."""
     lines = [ln.strip() for ln in (reason or "").strip().splitlines() if ln.strip()]

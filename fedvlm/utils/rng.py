@@ -28,6 +28,7 @@ class ServerStream(IntEnum):
     TRAIN_SAMPLE = 0  # which nodes train this round
     EVALUATE_SAMPLE = 1  # which nodes evaluate this round
     FEDRAND_HALF = 11  # FedRand's A-or-B draw; extra = the node's name key
+    PFEDMOAP_EXPERTS = 12  # pFedMoAP's random expert selection; extra = the node's key
     GLOBAL_NOISE = 21  # the server's global-DP noise
 
 
@@ -42,6 +43,7 @@ class NodeStream(IntEnum):
     BATCHES = 5  # which records form each local batch (Poisson or shuffled)
     LOCAL_INIT = 11  # once per node: the private local prompt
     PGP_FACTOR_INIT = 12  # once per node: FedPGP's factorisation of that prompt
+    GATE_INIT = 13  # once per node: pFedMoAP's attention gate, at its first round with experts
 
 
 def name_key(name: str) -> int:

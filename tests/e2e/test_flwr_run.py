@@ -61,7 +61,10 @@ def test_flwr_run_rejects_a_bad_config_with_its_reason(flwr_env, tmp_path, cache
     assert not out.exists()  # failed before any run folder or training
 
 
-@pytest.mark.parametrize("method,epsilon", [("promptfl", 0.0), ("promptfl", 0.5), ("fedpgp", 0.0), ("dpfpl", 0.5)])
+# promptfl without noise: test_flwr_run_embedded_default_learns
+@pytest.mark.parametrize(
+    "method,epsilon", [("promptfl", 0.5), ("fedpgp", 0.0), ("dpfpl", 0.5), ("pfedmoap", 0.0), ("pfedmoap", 0.5)]
+)
 def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_dir, method, epsilon):
     out = tmp_path / "runs"
     proc = _flwr_run(

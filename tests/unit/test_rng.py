@@ -14,14 +14,15 @@ def test_no_two_draws_of_a_run_share_a_key():
     draws = {}
     for r in range(1, 4):
         for s in ServerStream:
-            extras = [(n,) for n in range(1, 13)] if s == ServerStream.FEDRAND_HALF else [()]
+            per_node = (ServerStream.FEDRAND_HALF, ServerStream.PFEDMOAP_EXPERTS)
+            extras = [(n,) for n in range(1, 13)] if s in per_node else [()]
             for extra in extras:
                 draws.setdefault(tuple(server_key(0, r, s, *extra)), []).append(("server", r, s, extra))
     for r, n, s in itertools.product(range(0, 4), range(1, 13), NodeStream):
         draws.setdefault(tuple(node_key(0, n, s, r)), []).append(("node", r, n, s))
     shared = {k: v for k, v in draws.items() if len(v) > 1}
     assert not shared, shared
-    assert len(draws) == 3 * (3 + 12) + 4 * 12 * len(NodeStream)
+    assert len(draws) == 3 * (len(ServerStream) - 2 + 2 * 12) + 4 * 12 * len(NodeStream)
 
 
 def test_node_seed_uses_the_partition_else_the_whole_name():

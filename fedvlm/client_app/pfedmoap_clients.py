@@ -1,0 +1,179 @@
+"""pFedMoAP's client (METHODS.md, "pFedMoAP"): a prompt trained from the aggregate every round,
+mixed with the expert prompts of other nodes by a private attention gate.
+
+A round with experts:
+- the prompt starts from the received aggregate P_g, with a fresh optimiser;
+- the experts' text features are computed once, without gradients;
+- the gate (``models.gating``) comes from the node's private state, or is built (seeded) at the
+  node's first round with experts; its optimiser state persists privately too;
+- every batch: logits = s <pool(I), T_MoE> + lambda s cos(I, T_local); the prompt and the gate
+  take one step each, with their own optimisers and learning rates (one loop: ``trainer``);
+- the reply is the trained prompt only. The gate and its optimiser state never leave the node.
+
+A round without experts (first participation, or K = 0) is a plain CoOp round from P_g.
+
+DP (``pfedmoap.dp-placement``): 'step' runs DP-SGD on both the prompt and the gate at every
+step (two clip groups, one noise level); 'upload' trains without noise and clips and noises the
+prompt's update once before it is sent (``privacy.dpsgd.privatize_batch``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedvlm.client_app.prompt_clients import PromptClient
+from fedvlm.client_app.scoring import PromptScorer
+from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
+from fedvlm.client_app.trainer import StepOutput
+from fedvlm.models.gating import AttentionGate, moe_logits
+from fedvlm.models.prompt_learner import clip_logits
+from fedvlm.privacy.dpsgd import DPStep, privatize_batch
+from fedvlm.privacy.planner import client_plan
+from fedvlm.runconfig.schema import PrivacyConfig
+from fedvlm.utils.rng import NodeStream, generator_for, node_key
+
+GATE = "gate."  # the gate's weights, in the node's private state and in a published model
+GATE_OPT = "gate-opt."  # the gate's optimiser state (private only)
+
+
+def build_gate(embed_dim: int, cfg) -> AttentionGate:
+    m = cfg.pfedmoap
+    return AttentionGate(embed_dim, m.gating_dim, m.gating_heads, m.attention_scale)
+
+
+class MoAPScorer(PromptScorer):
+    """Logits of a personalised pFedMoAP model {ctx, experts, gate.*}: through the gate when it
+    has experts and a gate, plain CLIP logits of ``ctx`` otherwise."""
+
+    def gate(self, prompts: dict[str, torch.Tensor]) -> AttentionGate | None:
+        weights = {k[len(GATE) :]: v for k, v in prompts.items() if k.startswith(GATE)}
+        if not weights:
+            return None
+        gate = build_gate(self.bundle.embed_dim, self.cfg)
+        gate.load_state_dict(weights)
+        return gate.to(self.bundle.device)
+
+    @torch.no_grad()
+    def expert_text(self, experts: torch.Tensor) -> torch.Tensor:
+        """experts [K, ...ctx shape] -> their text features [K, C, D]."""
+        return torch.stack([self.text(e) for e in experts])
+
+    def logits(self, prompts, feats):
+        local = self.text(prompts["ctx"])  # [C, D]
+        experts, gate = prompts.get("experts"), self.gate(prompts)
+        if experts is None or len(experts) == 0 or gate is None:
+            return clip_logits(feats, local, self.scale)
+        lam = self.cfg.pfedmoap.lambda_
+        return moe_logits(gate, feats, local, self.expert_text(experts), self.scale, lam)
+
+
+class PFedMoAPClient(PromptClient):
+    scorer_class = MoAPScorer
+    scorer: MoAPScorer  # built from scorer_class in PromptClient.__init__
+    keeps_prompt_optimizer = False  # the prompt restarts from P_g with a fresh optimiser each round
+
+    # ---- the gate --------------------------------------------------------------------------
+    def load_gate(self) -> AttentionGate:
+        weights = {k[len(GATE) :]: v for k, v in self.private.items() if k.startswith(GATE)}
+        if weights:
+            gate = build_gate(self.bundle.embed_dim, self.cfg)
+            gate.load_state_dict(weights)
+        else:  # the node's first round with experts: seeded per node
+            seed = int(generator_for(node_key(self.cfg.seed, self.node.seed, NodeStream.GATE_INIT)).initial_seed())
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                gate = build_gate(self.bundle.embed_dim, self.cfg)
+        return gate.to(self.bundle.device)
+
+    def gate_optimizer(self, gate: AttentionGate) -> torch.optim.Optimizer:
+        m, p = self.cfg.pfedmoap, self.cfg.prompt
+        params = list(gate.parameters())
+        if m.gating_optimizer == "adam":
+            opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=m.gating_lr, weight_decay=p.weight_decay)
+        else:
+            opt = torch.optim.SGD(params, lr=m.gating_lr, momentum=p.momentum, weight_decay=p.weight_decay)
+        restore_optimizer(opt, {k: v.to(self.bundle.device) for k, v in self.private.items()}, prefix=GATE_OPT)
+        return opt
+
+    def gate_private(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.private.items() if k.startswith((GATE, GATE_OPT))}
+
+    # ---- a round ------------------------------------------------------------------------------
+    def train(self, arrays: dict[str, torch.Tensor], instruction):
+        p_global = arrays["ctx"]
+        experts = arrays.get("experts")
+        self._gate = None
+        if experts is not None and len(experts) > 0:
+            self._gate = self.load_gate()
+            self._gate_opt = self.gate_optimizer(self._gate)
+            self._expert_text = self.scorer.expert_text(experts)  # [K, C, D], no gradient
+        ctx, stats = self.train_context(p_global, instruction)
+        if self._gate is not None:
+            self.private.update({GATE + k: v.detach().cpu() for k, v in self._gate.state_dict().items()})
+            self.private.update({k: v.cpu() for k, v in optimizer_tensors(self._gate_opt, prefix=GATE_OPT).items()})
+        if self.uploads_noised():
+            ctx = self.noised_upload(p_global, ctx, instruction)
+        self.persist()
+        return {"ctx": ctx}, self.train_metrics(stats)
+
+    def uploads_noised(self) -> bool:
+        return self.privacy.enabled and self.cfg.pfedmoap.dp_placement == "upload"
+
+    def step_privacy(self) -> PrivacyConfig:
+        if self.uploads_noised():  # the steps train on raw data; the upload is noised once
+            return replace(self.privacy, epsilon=0.0, noise_multiplier=0.0)
+        return self.privacy
+
+    def noised_upload(self, p_global: torch.Tensor, ctx: torch.Tensor, instruction) -> torch.Tensor:
+        """The 'upload' placement: P_g + (the update clipped to C) + N(0, sigma^2)."""
+        _, sigma = client_plan(self.cfg, len(self._labels), instruction)
+        step = DPStep(self.privacy.clip, 1, sigma, (("ctx",),), frozenset({"ctx"}))
+        noised, _ = privatize_batch({"ctx": ctx - p_global}, step, self.noise())
+        return p_global + noised["ctx"]
+
+    # ---- Learner hooks (client_app.trainer) ----------------------------------------------------
+    def begin_step(self) -> dict[str, torch.Tensor]:
+        leaves = {"ctx": self._ctx}
+        if self._gate is not None:
+            leaves.update({GATE + k: p for k, p in self._gate.named_parameters()})
+        return leaves
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        if self._gate is None:
+            return super().forward(batch)
+        text = self._encoder(self._ctx)  # [C, D]
+        lam = self.cfg.pfedmoap.lambda_
+        logits = moe_logits(self._gate, self.batch_features(batch), text, self._expert_text, self.scale, lam)
+        y = self._labels[batch]
+        gate_names = [GATE + k for k, _ in self._gate.named_parameters()]
+        return StepOutput(
+            F.cross_entropy(logits, y, reduction="none"),
+            [text],
+            direct=gate_names,
+            correct=int((logits.argmax(1) == y).sum()),
+        )
+
+    def clip_groups(self, names):
+        """The prompt and the gate are clipped to C separately (a two-tensor mechanism)."""
+        return (("ctx",), tuple(k for k in names if k.startswith(GATE))) if self._gate is not None else (("ctx",),)
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        super().apply(grads)
+        if self._gate is not None:
+            self._gate_opt.zero_grad(set_to_none=True)
+            for k, p in self._gate.named_parameters():
+                p.grad = grads[GATE + k]
+            self._gate_opt.step()
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def personal_prompts(self, arrays):
+        """What this node evaluates with and publishes: its pool prompt, its experts, its gate."""
+        prompts = {"ctx": arrays["ctx"]}
+        if "experts" in arrays:
+            prompts["experts"] = arrays["experts"]
+        prompts.update({k: v for k, v in self.private.items() if k.startswith(GATE)})
+        return prompts

@@ -1,0 +1,85 @@
+"""pFedMoAP's server (METHODS.md, "pFedMoAP"): a pool of every node's latest prompt, and per-node
+messages that carry the node's expert prompts.
+
+Round t:
+1. at the start of the round the pool is snapshot; every expert choice of the round's training
+   uses the snapshot (the public code mutates the pool while its clients train in sequence);
+2. a sampled node that is not in the pool gets only the aggregate P_g (a plain CoOp round); a
+   node in the pool gets P_g and ``experts`` [K', ...]: its K nearest other pool prompts by L2
+   distance between the prompt tensors (float64, ties broken by node name; all of them when
+   there are at most K), or K drawn at random (``pfedmoap.selection = 'random'``, seeded per
+   node and round);
+3. every accepted reply enters the pool, and P_g is their data-size-weighted mean (PromptFL's);
+4. evaluation: a node in the pool gets its own pool prompt and experts chosen from the updated
+   pool; any other node gets P_g.
+
+The experts a node receives were uploaded by other nodes: each node's prompt reaches the server
+and up to K peers (README, threat model).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedvlm.runconfig import ConfigError
+from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.prompt import PromptFLStrategy
+from fedvlm.strategies.records import ClientUpdate, RoundRecord
+from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
+
+
+def nearest(own: np.ndarray, others: dict[str, np.ndarray], k: int) -> list[str]:
+    """The ``k`` entries of ``others`` nearest to ``own`` by L2 distance (float64), ties by name."""
+    own64 = np.asarray(own, dtype=np.float64)
+    dist = {name: float(np.linalg.norm(np.asarray(p, dtype=np.float64) - own64)) for name, p in others.items()}
+    return sorted(dist, key=lambda name: (dist[name], name))[:k]
+
+
+class PFedMoAPStrategy(PromptFLStrategy):
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        embed, dim = self.bundle.embed_dim, cfg.pfedmoap.gating_dim
+        if dim > embed or embed % dim:
+            raise ConfigError(
+                f"run config 'pfedmoap.gating-dim' = {dim} must divide the embedding dimension {embed} of "
+                f"{cfg.clip.model}: pick a divisor of {embed}"
+            )
+        self.pool: dict[str, np.ndarray] = {}  # node name -> its latest accepted prompt
+        self.snapshot: dict[str, np.ndarray] = {}  # the pool at the start of the round
+
+    def begin_round(self, server_round: int, final: bool) -> RoundRecord:
+        self.snapshot = dict(self.pool)
+        return super().begin_round(server_round, final)
+
+    def experts(self, node: NodeInfo, pool: dict[str, np.ndarray], server_round: int) -> list[str]:
+        """The names of the pool prompts ``node`` gets as experts (none when it is not in ``pool``)."""
+        if node.name not in pool:
+            return []
+        k = self.cfg.pfedmoap.k
+        others = {name: p for name, p in pool.items() if name != node.name}
+        if len(others) <= k:
+            return sorted(others)
+        if self.cfg.pfedmoap.selection == "random":
+            key = server_key(
+                self.cfg.seed, server_round, ServerStream.PFEDMOAP_EXPERTS, node_seed(node.partition_id, node.name)
+            )
+            return sorted(numpy_rng(key).choice(sorted(others), size=k, replace=False).tolist())
+        return nearest(pool[node.name], others, k)
+
+    def _with_experts(self, node: NodeInfo, pool: dict[str, np.ndarray], server_round: int, phase: str) -> dict:
+        names = self.experts(node, pool, server_round)
+        self.current.client(node.name)[f"{phase}/experts"] = names
+        return {"experts": np.stack([pool[n] for n in names])} if names else {}
+
+    def train_payload(self, node, server_round):
+        return {**self.global_arrays, **self._with_experts(node, self.snapshot, server_round, "train")}
+
+    def evaluate_payload(self, node, server_round):
+        if node.name not in self.pool:
+            return dict(self.global_arrays)
+        return {"ctx": self.pool[node.name], **self._with_experts(node, self.pool, server_round, "eval")}
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        for u in updates:
+            self.pool[u.node.name] = np.asarray(u.arrays["ctx"])
+        super().aggregate(server_round, updates)
