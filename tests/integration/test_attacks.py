@@ -69,3 +69,21 @@ def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
         for k in ("accuracy", "auc", "tpr@1%fpr"):
             assert 0.0 <= res["summary"][name][k] <= 1.0
     assert res["shadows"]["clients"] == 3 and len(res["per_client"]) == 3
+
+
+@pytest.mark.slow
+def test_attacks_score_pfedmoaps_personalised_model_with_its_gate(make_cfg, pretrained_clip):
+    """pFedMoAP publishes {its prompt, its experts, its gate}; the attacks score exactly that."""
+    cfg = make_cfg(method="pfedmoap", num_server_rounds=2, max_per_class=4, pfedmoap__k=1)
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict())
+    rec = execute(cfg, grid, run_id="t")
+    from fedvlm.attacks.membership import load_published
+
+    pub = load_published(rec.dir / "published")["client-0"]
+    assert pub["prompts"]["experts"].shape[0] == 1 and any(k.startswith("gate.") for k in pub["prompts"])
+    # the published model without its gate is a different model: the attack must not drop it
+    r = client_records(cfg, pub, 3, seed=0)
+    plain = dict(pub, prompts={"ctx": pub["prompts"]["ctx"]})
+    assert not np.allclose(r.probs, client_records(cfg, plain, 3, seed=0).probs)
+    res = run_attacks(rec.dir, shadows=1)
+    assert res["method"] == "pfedmoap" and len(res["per_client"]) == 3
