@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedvlm.utils.processes import free_port, kill_tree, pids_matching  # noqa: E402
+from fedvlm.utils.processes import flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
 
 
 def split(results: dict) -> dict:
@@ -45,39 +44,18 @@ def split(results: dict) -> dict:
 
 def run_flwr(rounds: int, work: Path, cache: str) -> dict:
     home = work / "flwr-home"
-    env = dict(
-        os.environ,
-        FLWR_HOME=str(home),
-        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
-        FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
-        FLWR_TELEMETRY_ENABLED="0",
-        FLWR_DISABLE_UPDATE_CHECK="1",
-        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
     out = work / "runs"
     try:
-        subprocess.run(
-            [
-                str(Path(sys.executable).with_name("flwr")),
-                "run",
-                str(ROOT),
-                "--stream",
-                "--federation-config",
-                "num-supernodes=10",
-                "--run-config",
-                f"num-server-rounds={rounds} output-dir='{out}' cache-dir='{cache}' run-name='flwr'",
-            ],
-            env=env,
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
+        proc = flwr_run(
+            flwr_env(home),
+            f"num-server-rounds={rounds} output-dir='{out}' cache-dir='{cache}' run-name='flwr'",
             timeout=1800,
         )
     finally:
         for pid in pids_matching(str(home)):
             kill_tree(pid)
+    if proc.returncode:
+        raise SystemExit(f"flwr run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return json.loads((out / "flwr" / "results.json").read_text())
 
 

@@ -5,7 +5,8 @@ Tests live by kind: ``unit/`` (one module, real components, seconds), ``integrat
 (in-process federations through the real strategies and ClientApp), ``e2e/`` (``flwr run``
 and SuperLink/SuperNode processes). Each test is marked with its directory's name, so
 ``pytest -m unit`` runs the fast ones; tests that take more than about 20 s are also marked
-``slow``, as is every e2e test (``pytest -m "not slow"`` skips them).
+``slow``, as is every e2e test. The default selection (pyproject's addopts) skips slow tests
+except those marked ``ci``; ``pytest -m slow`` runs the others.
 """
 
 from __future__ import annotations
@@ -80,25 +81,12 @@ def vlm_cache(cache_dir) -> Path:
 def flwr_env(tmp_path_factory, cache_dir, pretrained_clip):
     """Environment for `flwr run` with its own FLWR_HOME and a local simulation SuperLink on
     free ports; the SuperLink and its children are stopped by PID at the end of the module."""
-    from fedvlm.utils.processes import free_port, kill_tree, pids_matching
+    from fedvlm.utils.processes import flwr_env as make_env
+    from fedvlm.utils.processes import kill_tree, pids_matching
 
     # One local SuperLink for the module (each run still starts its own Ray simulation).
     home = tmp_path_factory.mktemp("flwr") / "flwr-home"
-    env = dict(os.environ)
-    env.update(
-        {
-            "FLWR_HOME": str(home),
-            # our own ports, so that a SuperLink already running on this machine is never reused
-            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-            # flwr starts `flower-superlink` by name: it must be the one beside this Python
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        }
-    )
+    env = make_env(home)
     yield env
     for pid in pids_matching(str(home)):  # the detached local SuperLink and its children
         kill_tree(pid)

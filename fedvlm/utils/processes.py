@@ -1,13 +1,21 @@
-"""Process helpers for running real Flower processes (tests, benchmarks): free ports, and
-stopping a process with all its descendants by PID (also when the test fails)."""
+"""Process helpers for running real Flower processes (sweeps, tests, benchmarks): ``flwr run``
+with its own Flower home and ports, stopping a process with all its descendants by PID (also
+when a test fails), and the peak memory of a process tree."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FLWR = str(Path(sys.executable).with_name("flwr"))
 
 
 def free_port() -> int:
@@ -70,3 +78,95 @@ def _zombie(pid: int) -> bool:
         return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) == "Z"
     except OSError:
         return True
+
+
+def flwr_env(home: Path) -> dict[str, str]:
+    """Environment for ``flwr run`` with its own FLWR_HOME and a local simulation SuperLink on
+    free ports, so that a SuperLink already running on this machine is never reused; stop what it
+    started with ``kill_tree`` on ``pids_matching(str(home))``."""
+    return dict(
+        os.environ,
+        FLWR_HOME=str(home),
+        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
+        FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        # flwr starts `flower-superlink` by name: it must be the one beside this Python
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+
+
+def run_config_arg(raw: dict) -> str:
+    """A flat run config as ``flwr run --run-config``'s TOML-like ``key=value`` list."""
+    return " ".join(
+        f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in raw.items()
+    )
+
+
+def flwr_run(
+    env: dict[str, str], run_config: dict | str, supernodes: int = 10, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """``flwr run`` of this app in simulation with ``supernodes`` virtual nodes; output captured."""
+    return subprocess.run(
+        [
+            FLWR,
+            "run",
+            str(ROOT),
+            "--stream",
+            "--federation-config",
+            f"num-supernodes={supernodes}",
+            "--run-config",
+            run_config if isinstance(run_config, str) else run_config_arg(run_config),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _memory_kib(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of one process in KiB; PSS shares each shared page among its users, so a sum
+    over processes does not count the same library pages once per Ray worker."""
+    rss = pss = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                rss = int(line.split()[1])
+            elif line.startswith("Pss:"):
+                pss = int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return rss, pss
+
+
+class TreeMemory:
+    """Samples, every ``interval`` seconds while active, the summed RSS and PSS of every process
+    whose command line contains ``fragment`` and of all their descendants (a ``flwr run``: the
+    SuperLink, the ServerApp, the simulation and its Ray workers); keeps the peaks in MiB."""
+
+    def __init__(self, fragment: str, interval: float = 0.5):
+        self.fragment, self.interval = fragment, interval
+        self.peak_rss_mib = self.peak_pss_mib = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            roots = pids_matching(self.fragment)
+            pids = set(roots).union(*(descendants(r) for r in roots)) if roots else set()
+            rss, pss = map(sum, zip(*(_memory_kib(p) for p in pids), strict=True)) if pids else (0, 0)
+            self.peak_rss_mib = max(self.peak_rss_mib, rss / 1024)
+            self.peak_pss_mib = max(self.peak_pss_mib, pss / 1024)
+
+    def __enter__(self) -> TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

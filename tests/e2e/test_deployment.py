@@ -60,6 +60,7 @@ def _untimed(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if "seconds" not in k}
 
 
+@pytest.mark.ci
 def test_deployment_with_tls_and_auth_matches_the_simulation(federation, flwr_env, tmp_path, cache_dir):
     common = f"num-server-rounds=2 cache-dir='{cache_dir}' round-timeout=120 run-name='r'"
     dep = federation.run_app(f"{common} output-dir='{tmp_path / 'deployed'}'", timeout=900)

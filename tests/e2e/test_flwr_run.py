@@ -8,36 +8,13 @@ Messages differ by family and by whether DP is on, so one or two methods per fam
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-FLWR = str(Path(sys.executable).with_name("flwr"))
+from fedvlm.utils.processes import flwr_run as _flwr_run
 
 
-def _flwr_run(env, run_config: str, supernodes: int = 10) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            FLWR,
-            "run",
-            str(ROOT),
-            "--stream",
-            "--federation-config",
-            f"num-supernodes={supernodes}",
-            "--run-config",
-            run_config,
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
+@pytest.mark.ci
 def test_flwr_run_embedded_default_learns(flwr_env, tmp_path, cache_dir):
     out = tmp_path / "runs"
     proc = _flwr_run(flwr_env, f"num-server-rounds=5 output-dir='{out}' cache-dir='{cache_dir}' run-name='e2e'")
@@ -63,7 +40,14 @@ def test_flwr_run_rejects_a_bad_config_with_its_reason(flwr_env, tmp_path, cache
 
 # promptfl without noise: test_flwr_run_embedded_default_learns
 @pytest.mark.parametrize(
-    "method,epsilon", [("promptfl", 0.5), ("fedpgp", 0.0), ("dpfpl", 0.5), ("pfedmoap", 0.0), ("pfedmoap", 0.5)]
+    "method,epsilon",
+    [
+        ("promptfl", 0.5),
+        ("fedpgp", 0.0),
+        ("dpfpl", 0.5),
+        ("pfedmoap", 0.0),
+        pytest.param("pfedmoap", 0.5, marks=pytest.mark.ci),
+    ],
 )
 def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_dir, method, epsilon):
     out = tmp_path / "runs"
@@ -85,7 +69,6 @@ def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_di
     assert len(list((out / "r" / "published").glob("*.pt"))) == 3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedrand", "fedpara-lora"])  # LoRA and LoHa adapters
 def test_flwr_run_lora_methods(flwr_env, tmp_path, vlm_cache, method):
     out = tmp_path / "runs"
@@ -109,7 +92,6 @@ def test_flwr_run_lora_methods(flwr_env, tmp_path, vlm_cache, method):
         assert comm["train_bytes_up"] < comm["full_lora_bytes_up"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "method", ["reprogram", "bl-ff"]
 )  # the program alone; a whole network (Opacus' expanded weights)

@@ -71,7 +71,6 @@ def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
     assert res["shadows"]["clients"] == 3 and len(res["per_client"]) == 3
 
 
-@pytest.mark.slow
 def test_attacks_score_pfedmoaps_personalised_model_with_its_gate(make_cfg, pretrained_clip):
     """pFedMoAP publishes {its prompt, its experts, its gate}; the attacks score exactly that."""
     cfg = make_cfg(method="pfedmoap", num_server_rounds=2, max_per_class=4, pfedmoap__k=1)

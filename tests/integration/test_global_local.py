@@ -42,7 +42,6 @@ def test_patch_tokens_tiny_and_vit():
     assert not vit.visual.output_tokens  # restored
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method,private_keys", [("fedotp", {"local_ctx"}), ("fedpgp", {"u", "v"})])
 def test_baselines_keep_their_local_parts_private(make_cfg, pretrained_clip, method, private_keys):
     cfg = make_cfg(method=method, num_server_rounds=2, privacy__epsilon=1.0)

@@ -186,7 +186,6 @@ def test_lora_state_survives_between_rounds_in_the_node_state(vlm_cache):
     assert set(second.private) == set(b_from_server)  # the unsent B half is the private counterpart
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedper-lora", "fedpara-lora"])
 def test_private_parts_of_fedper_and_fedpara_never_travel(vlm_cache, tmp_path, method):
     grid, recorder = _run(_raw(vlm_cache, tmp_path, method, **{"num-server-rounds": 2}))
@@ -222,7 +221,6 @@ def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     assert clients and all(c["uploaded"] for c in clients.values())  # rebuilt from what each client sent
 
 
-@pytest.mark.slow
 def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
     grid, recorder = _run(
         _raw(
@@ -258,7 +256,6 @@ def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):
         assert m.content["config"][LOCAL_SIGMA] == pytest.approx(plans[name]["ldp-adapter"]["sigma"])
 
 
-@pytest.mark.slow
 def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp_path, monkeypatch):
     """A server that asks for both halves, or sends both after a first participation, could
     rebuild a client's whole adapter: the client refuses (checked on the node, not trusted)."""

@@ -50,7 +50,6 @@ def _memorisation_task(vlm_cache):
     return cfg, members, nonmembers
 
 
-@pytest.mark.slow
 def test_maxrenyi_separates_members_of_an_overfit_model_and_not_of_an_untrained_one(vlm_cache):
     from fedvlm.attacks.maxrenyi import auroc_and_tpr, sample_scores
     from fedvlm.models.vlm import VLM, load_model_and_processor

@@ -177,7 +177,6 @@ def _dp_run(make_cfg, placement: str, **extra):
     return execute(cfg, grid, run_id=placement), ups
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("placement,mechanism", [("step", "ldp-prompt-gate"), ("upload", "ldp-upload")])
 def test_dp_plans_the_mechanism_and_the_upload_carries_the_noise(make_cfg, pretrained_clip, placement, mechanism):
     rec, ups = _dp_run(make_cfg, placement, privacy__clip=1e-6)

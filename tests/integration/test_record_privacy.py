@@ -85,7 +85,6 @@ def _expected(data, client, rounds, denominator, tensors=2):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("accountant,steps", [("pld", 1), ("rdp", 2)])
 def test_reported_epsilon_is_the_composition_of_local_and_global_and_meets_the_target(
     make_cfg, pretrained_clip, accountant, steps
@@ -120,7 +119,6 @@ def test_reported_epsilon_is_the_composition_of_local_and_global_and_meets_the_t
     assert data["rounds"][-1]["metrics"]["epsilon/per-record-max"] == privacy["rounds"][-1]["epsilon"]
 
 
-@pytest.mark.slow
 def test_budget_limited_run_never_exceeds_max_epsilon_per_record(make_cfg, pretrained_clip):
     """Audit: a budget-limited run reported 1.957 <= 2.0 while records had spent 2.3-2.9."""
     rec, _ = _run(
@@ -217,7 +215,6 @@ def _run_late(make_cfg, late_partition, **overrides):
     return execute(cfg, grid, run_id="t").data
 
 
-@pytest.mark.slow
 def test_a_late_node_that_the_plan_cannot_cover_is_excluded(make_cfg, pretrained_clip):
     """Audit: quantity skew 45:9:1, the small node joining at round 2: ledger 1.000, true 6.23."""
     data = _run_late(make_cfg, late_partition=2)  # 46 records, batch 32: q = 0.7
@@ -227,7 +224,6 @@ def test_a_late_node_that_the_plan_cannot_cover_is_excluded(make_cfg, pretrained
     assert all(r["metrics"]["train-clients"] == 2 for r in data["rounds"])
 
 
-@pytest.mark.slow
 def test_a_late_node_gets_local_noise_that_keeps_its_records_within_the_target(make_cfg, pretrained_clip):
     data = _run_late(make_cfg, late_partition=1)  # 418 records join at round 2
     assert [r["metrics"]["train-clients"] for r in data["rounds"]] == [2, 3, 3]
@@ -318,7 +314,6 @@ def test_clients_take_the_steps_the_plan_sends(make_cfg, pretrained_clip, monkey
     assert len(train) == 2 and all(m.content["metrics"]["steps"] == 3 for m in train)
 
 
-@pytest.mark.slow
 def test_lora_clients_refuse_less_noise_than_their_own_plan(vlm_cache, tmp_path, monkeypatch):
     monkeypatch.setattr(FederatedStrategy, "local_sigma", _lower_noise(0.5))
     raw = {

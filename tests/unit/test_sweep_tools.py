@@ -1,0 +1,65 @@
+"""The sweep's presets, comparison sets and tables (no federation runs: see
+tests/integration/test_sweep.py for one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedvlm.experiments.sweep import COMPARISONS, PRESETS, _labelled, write_tables
+from fedvlm.methods.registry import validate
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_validates(preset, tmp_path):
+    base = {k: v for k, v in PRESETS[preset].items() if not k.startswith("_")}
+    variants = COMPARISONS["pfedmoap"] if "pfedmoap" in preset else [("dpfpl", "dpfpl", {})]
+    for label, method, overrides in variants:
+        cfg = validate({**base, **overrides, "method": method, "data-root": str(tmp_path)})
+        assert cfg.method == method, label
+
+
+def test_pfedmoap_presets_are_the_papers_setups():
+    dtd = PRESETS["paper-pfedmoap-dtd"]
+    assert (dtd["clip.model"], dtd["max-per-class"], dtd["num-server-rounds"], dtd["prompt.local-epochs"]) == (
+        "RN50",
+        16,
+        10,
+        5,
+    )
+    cifar = PRESETS["paper-pfedmoap-cifar100"]
+    assert (cifar["_clients"], cifar["fraction-train"], cifar["partitioner"], cifar["dirichlet-alpha"]) == (
+        100,
+        0.1,
+        "dirichlet",
+        0.5,
+    )
+    # Table 1's DTD row and Table 6's epsilon-25 row reach the reference column.
+    assert dtd["_reference"][("pfedmoap", "none")] == 89.13
+    assert dtd["_reference"][("promptfl", "25")] == 38.19
+    labels = [label for label, _, _ in COMPARISONS["pfedmoap"]]
+    assert labels == ["zeroshot", "coop", "promptfl", "promptfl+fedprox", "fedotp", "pfedmoap-lambda0", "pfedmoap"]
+
+
+def test_labelled_variants_parse_and_refuse_typos():
+    assert _labelled([["l0", "pfedmoap", "pfedmoap.lambda=0", "pfedmoap.k=3"]]) == [
+        ("l0", "pfedmoap", {"pfedmoap.lambda": 0, "pfedmoap.k": 3})
+    ]
+    with pytest.raises(SystemExit, match="pfedmoap.lamda=0"):
+        _labelled([["l0", "pfedmoap", "pfedmoap.lamda=0"]])
+    with pytest.raises(Exception, match="not a known method"):
+        _labelled([["x", "pfedmoapp"]])
+
+
+def test_final_table_puts_the_papers_number_beside_ours(tmp_path):
+    rows = [
+        {"variant": "pfedmoap", "epsilon": "none", "local-acc": 0.5, "local-acc-last10": 0.4},
+        {"variant": "pfedmoap", "epsilon": "none", "local-acc": 0.7, "local-acc-last10": 0.6},
+        {"variant": "coop", "epsilon": "none", "local-acc": 0.3, "local-acc-last10": 0.3},
+    ]
+    for r in rows:
+        r["neighbor-acc-last10"] = None
+    write_tables(rows, tmp_path, ["none"], {("pfedmoap", "none"): 98.41})
+    lines = (tmp_path / "table_final.md").read_text().splitlines()
+    assert lines[2] == "| method | eps=none | paper eps=none |"
+    assert lines[4] == "| pfedmoap | 60.00 ± 10.00 | 98.41 |"
+    assert lines[5] == "| coop | 30.00 | - |"
