@@ -60,7 +60,8 @@ class MoAPScorer(PromptScorer):
     @torch.no_grad()
     def expert_text(self, experts: torch.Tensor) -> torch.Tensor:
         """experts [K, ...ctx shape] -> their text features [K, C, D]."""
-        return torch.stack([self.text(e) for e in experts])
+        experts = experts.to(self.bundle.device)
+        return self.encoder(experts[0]).encode_many(experts)
 
     def logits(self, prompts, feats):
         local = self.text(prompts["ctx"])  # [C, D]

@@ -204,18 +204,23 @@ class PromptClient(Learner):
 
     @torch.no_grad()
     def evaluate_prompts(self, prompts: dict[str, torch.Tensor]) -> dict[str, float]:
-        out: dict[str, float] = {}
+        sets = {}
         for which, tag in (("test", "local"), ("neighbor", "neighbor")):
             if which == "neighbor" and (self.node.part.neighbor is None or len(self.node.part.neighbor) == 0):
                 continue
             feats, labels = self.features(which)
-            if len(labels) == 0:
-                continue
-            logits = self.scorer.logits(prompts, feats)
-            out[f"{tag}-acc"] = float((logits.argmax(1) == labels).float().mean())
-            out[f"{tag}-loss"] = float(F.cross_entropy(logits, labels))
+            if len(labels):
+                sets[tag] = (feats, labels)
+        out: dict[str, float] = {"num-examples": len(sets["local"][1]) if "local" in sets else 0}
+        if not sets:
+            return out
+        # One scoring pass over both sets: the prompts' text features are encoded once.
+        logits = self.scorer.logits(prompts, torch.cat([f for f, _ in sets.values()]))
+        chunks = logits.split([len(y) for _, y in sets.values()])
+        for (tag, (_, labels)), chunk in zip(sets.items(), chunks, strict=True):
+            out[f"{tag}-acc"] = float((chunk.argmax(1) == labels).float().mean())
+            out[f"{tag}-loss"] = float(F.cross_entropy(chunk, labels))
             out[f"{tag}-n"] = int(len(labels))
-        out["num-examples"] = out.get("local-n", 0)
         return out
 
     def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> dict[str, float]:

@@ -177,6 +177,14 @@ class PromptEncoder(nn.Module):
         feats = self.tower.encode_embeddings(self.assemble(ctx), self.eot)
         return F.normalize(feats, dim=-1) if normalize else feats
 
+    def encode_many(self, ctxs: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """Text features [K, C, D] of K contexts ``ctxs`` [K, ...ctx shape] in one pass through
+        the tower (pFedMoAP's experts: one large batch instead of K small ones)."""
+        x = torch.cat([self.assemble(c) for c in ctxs])  # [K * C, L, d]
+        feats = self.tower.encode_embeddings(x, self.eot.repeat(len(ctxs)))
+        feats = feats.view(len(ctxs), self.n_classes, -1)
+        return F.normalize(feats, dim=-1) if normalize else feats
+
 
 def init_context(
     tower: TextTower,

@@ -55,6 +55,17 @@ def test_class_specific_context_matches_per_class_text():
     torch.testing.assert_close(enc(ctx), ref, atol=1e-5, rtol=1e-4)
 
 
+def test_many_contexts_in_one_pass_equal_one_at_a_time():
+    model = tiny_clip.build_tiny_clip().eval()
+    enc = PromptEncoder(TextTower.from_open_clip(model), tiny_clip.tokenizer(), NAMES, n_ctx=4)
+    ctxs = torch.randn(3, 4, enc.tower.width, generator=torch.Generator().manual_seed(0)) * 0.02
+    with torch.no_grad():
+        many = enc.encode_many(ctxs)
+        one_by_one = torch.stack([enc(c) for c in ctxs])
+    assert many.shape == (3, len(NAMES), one_by_one.shape[-1])
+    torch.testing.assert_close(many, one_by_one, atol=1e-6, rtol=1e-5)
+
+
 def test_gradient_reaches_context_only():
     model = tiny_clip.build_tiny_clip().eval().requires_grad_(False)
     tok = tiny_clip.tokenizer()
