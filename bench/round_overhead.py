@@ -5,9 +5,12 @@ Flower/Ray overhead, measured side by side in one run:
   plus Python message passing.
 
 Client compute is what the ClientApps report spending on each message (setup, training,
-evaluation); the remainder of a round's wall time is Flower/Ray overhead.
+evaluation); the remainder of a round's wall time is Flower/Ray overhead. With several methods
+each is run in turn, ``--repeats`` times alternated, and its ``flwr run`` wall time (start-up
+included) is compared with the first method's.
 
     python bench/round_overhead.py --rounds 10
+    python bench/round_overhead.py --methods coop,pfedmoap --rounds 20 --repeats 2 --engines flwr
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +46,14 @@ def split(results: dict) -> dict:
     }
 
 
-def run_flwr(rounds: int, work: Path, cache: str) -> dict:
+def run_flwr(method: str, rounds: int, work: Path, cache: str) -> tuple[dict, float]:
     home = work / "flwr-home"
     out = work / "runs"
+    t0 = time.time()
     try:
         proc = flwr_run(
             flwr_env(home),
-            f"num-server-rounds={rounds} output-dir='{out}' cache-dir='{cache}' run-name='flwr'",
+            f"method='{method}' num-server-rounds={rounds} output-dir='{out}' cache-dir='{cache}' run-name='flwr'",
             timeout=1800,
         )
     finally:
@@ -56,41 +61,73 @@ def run_flwr(rounds: int, work: Path, cache: str) -> dict:
             kill_tree(pid)
     if proc.returncode:
         raise SystemExit(f"flwr run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads((out / "flwr" / "results.json").read_text())
+    return json.loads((out / "flwr" / "results.json").read_text()), time.time() - t0
 
 
-def run_inprocess(rounds: int, work: Path, cache: str) -> dict:
+def run_inprocess(method: str, rounds: int, work: Path, cache: str) -> tuple[dict, float]:
     from fedvlm.client_app.app import app
     from fedvlm.methods.registry import validate
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
 
     cfg = validate(
-        {"num-server-rounds": rounds, "output-dir": str(work / "runs"), "cache-dir": cache, "run-name": "inprocess"}
+        {
+            "method": method,
+            "num-server-rounds": rounds,
+            "output-dir": str(work / "runs"),
+            "cache-dir": cache,
+            "run-name": "inprocess",
+        }
     )
     grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 10} for i in range(10)], cfg.as_dict())
-    return execute(cfg, grid, "bench").data
+    t0 = time.time()
+    data = execute(cfg, grid, "bench").data
+    return data, time.time() - t0
+
+
+ENGINES = {"in-process (no Ray)": ("inprocess", run_inprocess), "flwr run (Ray simulation)": ("flwr", run_flwr)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--methods", default="promptfl")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--engines", default="inprocess,flwr")
     parser.add_argument("--cache-dir", default=os.environ.get("FEDVLM_CACHE", str(Path.home() / ".cache" / "fedvlm")))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        rows = {
-            "in-process (no Ray)": split(run_inprocess(args.rounds, work, args.cache_dir)),
-            "flwr run (Ray simulation)": split(run_flwr(args.rounds, work, args.cache_dir)),
-        }
-    for name, row in rows.items():
+    methods = args.methods.split(",")
+    engines = {name: fn for name, (key, fn) in ENGINES.items() if key in args.engines.split(",")}
+    rows: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(args.repeats):
+        for method in methods:
+            for name, fn in engines.items():
+                with tempfile.TemporaryDirectory() as tmp:
+                    data, wall = fn(method, args.rounds, Path(tmp), args.cache_dir)
+                rows.setdefault((method, name), []).append({**split(data), "run_wall_s": wall})
+    for (method, name), runs in rows.items():
+        row = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+        walls = ", ".join(f"{r['run_wall_s']:.1f}" for r in runs)
         print(
-            f"{name:28s} {row['wall_s_per_round']:.3f} s/round = "
+            f"{method:10s} {name:28s} {row['wall_s_per_round']:.3f} s/round = "
             f"client compute {row['client_compute_s_per_round']:.3f} s"
-            f" + overhead {row['overhead_s_per_round']:.3f} s ({100 * row['overhead_share']:.0f}% overhead)"
+            f" + overhead {row['overhead_s_per_round']:.3f} s ({100 * row['overhead_share']:.0f}% overhead); "
+            f"whole run {walls} s"
         )
-    a, b = rows["flwr run (Ray simulation)"], rows["in-process (no Ray)"]
-    print(f"flwr/Ray round time vs in-process: x{a['wall_s_per_round'] / b['wall_s_per_round']:.2f}")
+        rows[(method, name)] = [row]
+    for name in engines:
+        base = rows[(methods[0], name)][0]
+        for method in methods[1:]:
+            row = rows[(method, name)][0]
+            per_round = row["wall_s_per_round"] / base["wall_s_per_round"]
+            print(
+                f"{name}: {method} vs {methods[0]}: round time x{per_round:.2f}, "
+                f"whole run x{row['run_wall_s'] / base['run_wall_s']:.2f}"
+            )
+    if len(engines) == 2:
+        for method in methods:
+            a, b = rows[(method, "flwr run (Ray simulation)")][0], rows[(method, "in-process (no Ray)")][0]
+            print(f"{method}: flwr/Ray round time vs in-process: x{a['wall_s_per_round'] / b['wall_s_per_round']:.2f}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ an interrupted sweep resumes. Outputs in ``--out``:
   over seeds, methods x epsilon (DP-FPL's Tables 2 and 3), and ``table_mia.md`` with ``--mia``;
 - ``table_final.md/.csv``: local accuracy after the last round (pFedMoAP's protocol), with the
   paper's number beside ours when the preset has one;
-- ``accuracy_vs_epsilon.png`` and, with ``--mia``, ``mia_vs_epsilon.png``.
+- ``accuracy_vs_epsilon.png`` (``accuracy_by_variant.png`` when only 'none' ran) and, with
+  ``--mia``, ``mia_vs_epsilon.png``.
 """
 
 from __future__ import annotations
@@ -273,6 +274,27 @@ def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: di
         _write_table(out, tag, what, table)
 
 
+def _bars(plt, rows: list[dict], path: Path) -> None:
+    """Local and neighbor accuracy after the last round, mean over seeds, one bar pair per variant."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(variants)), 4))
+    x = np.arange(len(variants))
+    for i, (key, label) in enumerate((("local-acc", "local classes"), ("neighbor-acc", "neighbor classes"))):
+        means = [
+            100 * np.mean([r[key] for r in rows if r["variant"] == v and r.get(key) is not None] or [np.nan])
+            for v in variants
+        ]
+        ax.bar(x + (i - 0.5) * 0.4, means, width=0.4, label=label)
+    ax.set_xticks(x, variants, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("accuracy after the last round (%)")
+    ax.set_ylim(0, 115)  # room for the legend above the bars
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
     import matplotlib
 
@@ -281,6 +303,9 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
 
     xs = [e for e in epsilons if e != "none"]
     panels = [("local-acc-last10", "local accuracy (%)"), ("neighbor-acc-last10", "neighbor accuracy (%)")]
+    if not xs:  # no epsilon axis: one bar per variant
+        _bars(plt, rows, out / "accuracy_by_variant.png")
+        return
     figs = [("accuracy_vs_epsilon.png", panels)]
     if any(r.get("mia-shokri-acc") is not None for r in rows):
         figs.append(
@@ -400,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             "local-acc-last10": data["final"].get("local-acc-last10-mean"),
             "neighbor-acc-last10": data["final"].get("neighbor-acc-last10-mean"),
             "local-acc": data["final"].get("local-acc"),
+            "neighbor-acc": data["final"].get("neighbor-acc"),
             "status": data["run"]["status"],
         }
         spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
