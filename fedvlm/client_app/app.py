@@ -4,7 +4,8 @@ Three message types:
 - ``query`` (once per node, before training): the node validates the run config, loads its
   data and backbone, and reports who it is (name, sizes, backbone fingerprint). Any problem
   (bad config, missing data, unknown weights) surfaces here as a failed reply, so the
-  server stops before the first round with the node's own error message.
+  server stops before the first round with the node's own error message. The audited node
+  (``privacy.audit-node``) counts its canary slots among its records (``client_app.audit_node``).
 - ``train`` / ``evaluate``: the method's client trainer runs on the arrays the server sent
   this node; the reply goes through the send guard.
 """
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
+from fedvlm.client_app.audit_node import finish_round, node_canaries
 from fedvlm.client_app.send_guard import guarded_reply
 from fedvlm.methods.registry import validate
 from fedvlm.protocol import SERVER_ROUND, EvaluateInstruction, TrainInstruction
@@ -35,6 +38,7 @@ def _setup(msg: Message, context: Context):
     node = spec.family.node_data(cfg, dict(context.node_config))
     config: dict[str, Any] = dict(msg.content["config"]) if "config" in msg.content else {}
     client = spec.client(cfg, node, context.state, int(config.get(SERVER_ROUND, 0)))
+    client.canaries = node_canaries(cfg, node.partition_id, context.state)
     arrays: dict[str, torch.Tensor] = {}
     if "arrays" in msg.content:
         record = msg.content["arrays"]
@@ -46,7 +50,8 @@ def _setup(msg: Message, context: Context):
 @app.query()
 def hello(msg: Message, context: Context) -> Message:
     _, _, client, _, _ = _setup(msg, context)
-    info, metrics = client.hello().to_records()
+    report = client.hello()
+    info, metrics = replace(report, num_train=client.records(report.num_train)).to_records()
     return guarded_reply(msg, {}, metrics, allowed=frozenset(), info=info)
 
 
@@ -56,6 +61,8 @@ def train(msg: Message, context: Context) -> Message:
     cfg, spec, client, arrays, config = _setup(msg, context)
     instruction = TrainInstruction.from_config(config)
     shared, metrics = client.train(arrays, instruction)
+    if client.canaries is not None:
+        metrics.update(finish_round(cfg, client.canaries, context.state))
     # Everything this node spent on the message (setup included): the rest of a round's
     # wall time is Flower/Ray/network overhead.
     metrics["compute-seconds"] = time.time() - t0

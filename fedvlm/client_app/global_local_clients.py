@@ -77,7 +77,7 @@ class GlobalLocalClient(PromptClient):
 
     def train(self, arrays, instruction):
         _, labels = self.train_data()
-        shape, sigma = client_plan(self.cfg, len(labels), instruction)
+        shape, sigma = client_plan(self.cfg, self.records(len(labels)), instruction)
         dev = self.bundle.device
         self._p_global = arrays["global_ctx"].to(dev)
         self._local = self.load_local(self._p_global)

@@ -103,7 +103,7 @@ class LoRAClient(Learner):
             raise RuntimeError(f"{self.node.name} holds no training samples")
         self.check_request(arrays, instruction)
         c, split = self.cfg, self.node.train
-        shape, sigma = client_plan(c, len(split), instruction)
+        shape, sigma = client_plan(c, self.records(len(split)), instruction)
         load_adapter_state(self.vlm.model, self.starting_adapter(arrays))
         self._params = trainable(self.vlm.model)
         self._opt = torch.optim.AdamW(list(self._params.values()), lr=c.lora.lr, weight_decay=c.lora.weight_decay)

@@ -131,7 +131,7 @@ class PFedMoAPClient(PromptClient):
 
     def noised_upload(self, p_global: torch.Tensor, ctx: torch.Tensor, instruction) -> torch.Tensor:
         """The 'upload' placement: P_g + (the update clipped to C) + N(0, sigma^2)."""
-        _, sigma = client_plan(self.cfg, len(self._labels), instruction)
+        _, sigma = client_plan(self.cfg, self.records(len(self._labels)), instruction)
         step = DPStep(self.privacy.clip, 1, sigma, (("ctx",),), frozenset({"ctx"}))
         noised, _ = privatize_batch({"ctx": ctx - p_global}, step, self.noise())
         return p_global + noised["ctx"]

@@ -157,7 +157,7 @@ class PromptClient(Learner):
         with clipping and local-DP noise when privacy is on. The optimiser state (momentum / Adam
         moments) persists in the node's private state."""
         _, labels = self.train_data()
-        shape, sigma = client_plan(self.cfg, len(labels), instruction)
+        shape, sigma = client_plan(self.cfg, self.records(len(labels)), instruction)
         self._ctx = ctx0.detach().clone().to(self.bundle.device).requires_grad_(True)
         self._opt = self.make_optimizer([self._ctx])
         if self.keeps_prompt_optimizer:

@@ -119,7 +119,7 @@ class ReprogramClient(Learner):
         n = len(self.node.part.train)
         if n == 0:
             raise RuntimeError(f"{self.node.name} holds no training images")
-        shape, sigma = client_plan(c, n, instruction)
+        shape, sigma = client_plan(c, self.records(n), instruction)
         rng = sampling_rng(self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.BATCHES, self.round))
         noise = noise_generator(
             self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.LOCAL_NOISE, self.round)

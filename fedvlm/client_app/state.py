@@ -1,6 +1,7 @@
 """A node's private state in ``context.state``, which Flower keeps per node across rounds in
 simulation and deployment alike. Private tensors live under one ArrayRecord, bookkeeping
-under one ConfigRecord; neither is ever put in a reply (the send guard checks)."""
+under one ConfigRecord, an audited node's canaries under another ArrayRecord; none is ever put
+in a reply (the send guard checks)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,19 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 PRIVATE = "private"
 META = "meta"
+AUDIT = "audit"  # the audited node's canaries (privacy.canaries): secret, never in a reply
 
 
-def load_private(state: RecordDict) -> dict[str, torch.Tensor]:
-    if PRIVATE not in state:
+def load_private(state: RecordDict, key: str = PRIVATE) -> dict[str, torch.Tensor]:
+    if key not in state:
         return {}
-    record = state[PRIVATE]
+    record = state[key]
     assert isinstance(record, ArrayRecord)  # save_private writes one
     return {k: v.clone() for k, v in record.to_torch_state_dict().items()}
 
 
-def save_private(state: RecordDict, tensors: dict[str, torch.Tensor]) -> None:
-    state[PRIVATE] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+def save_private(state: RecordDict, tensors: dict[str, torch.Tensor], key: str = PRIVATE) -> None:
+    state[key] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
 
 
 def load_meta(state: RecordDict) -> dict:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import DPStep, ModuleGradients, functional_per_sample, privatize, privatize_batch
 from fedvlm.privacy.mechanisms import OsNoise
 from fedvlm.privacy.planner import ClientShape
@@ -80,6 +81,13 @@ class Learner:
     module: nn.Module | None = None
     # what the forward calls: the module, or the wrapper the per-sample backend needs while attached
     net: nn.Module | None = None
+    # the audited node's canaries (``privacy.canaries``), set by the ClientApp; None: no audit
+    canaries: Canaries | None = None
+
+    def records(self, n_real: int) -> int:
+        """The training records this node reports and plans with: its own, plus the audit's
+        canary slots (all m of them, present or not, so the count reveals nothing)."""
+        return n_real + (self.canaries.m if self.canaries is not None else 0)
 
     def begin_step(self) -> Mapping[str, torch.Tensor]:
         """The tensors this step differentiates (leaves requiring grad), by name."""
@@ -147,15 +155,21 @@ def local_round(
     noise: torch.Generator | OsNoise,
 ) -> RoundStats:
     """Run the plan's local steps (see the module docstring). ``sigma``: the std of this node's
-    local-DP noise, already checked against its own plan (0 without privacy)."""
+    local-DP noise, already checked against its own plan (0 without privacy). With canaries, the
+    slots past the node's real records are theirs: a present canary sampled into a step adds its
+    gradient row, and the step's released gradients are scored (``privacy.canaries``)."""
     stats = RoundStats(steps=shape.steps)
+    canaries = learner.canaries if privacy.enabled else None
+    n_real = shape.n_train - (canaries.m if canaries is not None else 0)
+    no_canary = np.empty(0, dtype=np.int64)
     per_sample = privacy.enabled and privacy.clipping == "per-sample"
     module_grads = ModuleGradients(learner.module) if learner.module is not None and per_sample else None
     if learner.module is not None:
         learner.net = module_grads.attach() if module_grads else learner.module
     stats.backend = module_grads.backend if module_grads else ("functional" if per_sample else "")
     try:
-        for batch in batches(shape.n_train, shape.batch_size, shape.steps, privacy, sampling):
+        for slots in batches(shape.n_train, shape.batch_size, shape.steps, privacy, sampling):
+            batch, sampled = canaries.split(slots, n_real) if canaries is not None else (slots, no_canary)
             leaves = learner.begin_step()
             out = learner.forward(batch)
             # what the step minimises: the per-record mean under DP (each record's loss alone)
@@ -170,6 +184,9 @@ def local_round(
                     learner.clip_groups(list(leaves)),
                     learner.noised(list(leaves)),
                 )
+                shapes = {k: v.shape for k, v in leaves.items()}
+                if canaries is not None:
+                    canaries.place(shapes, step.groups, step.noised)
                 if per_sample:
                     if len(batch) == 0:
                         samples = {k: torch.zeros((0, *v.shape), device=v.device) for k, v in leaves.items()}
@@ -179,15 +196,21 @@ def local_round(
                         )
                     else:
                         samples = functional_per_sample(out.losses, leaves, out.via, direct=out.direct)
-                    grads, frac = privatize(samples, step, noise, {k: v.shape for k, v in leaves.items()})
+                    if canaries is not None:
+                        samples = canaries.with_canaries(samples, sampled, shapes, privacy.clip)
+                    grads, frac = privatize(samples, step, noise, shapes)
                 else:
                     batch_grads = (
                         _gradients(objective, leaves)
                         if len(batch)
                         else {k: torch.zeros_like(v) for k, v in leaves.items()}
                     )
+                    if canaries is not None:
+                        batch_grads = canaries.into_batch(batch_grads, len(batch), sampled, privacy.clip)
                     grads, frac = privatize_batch(batch_grads, step, noise)
                 stats.clipped.append(frac)
+                if canaries is not None:
+                    canaries.observe(grads)  # before any data-independent term: the mechanism's output
             for k, g in learner.extra_gradients().items():
                 grads[k] = grads[k] + g.detach()
             learner.apply(grads)

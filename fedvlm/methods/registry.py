@@ -397,4 +397,25 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
         _check_rank(values, method.rank_key)
     if method.check:
         method.check(values)
-    return RunConfig.from_flat(finish(values), method)
+    cfg = RunConfig.from_flat(finish(values), method)
+    if cfg.privacy.audit_canaries:
+        _check_audit(cfg)
+    return cfg
+
+
+def _check_audit(cfg: RunConfig) -> None:
+    """The one-run audit scores canaries in a per-record DP-SGD mechanism (``privacy.canaries``)."""
+    m = cfg.privacy.audit_canaries
+    if not cfg.privacy.enabled:
+        raise ConfigError(
+            f"run config 'privacy.audit-canaries' = {m} audits a DP mechanism but privacy is off; set "
+            "privacy.epsilon or privacy.noise-multiplier, or privacy.audit-canaries=0"
+        )
+    assert cfg.spec.local_dp is not None  # privacy on: validate refused methods without a mechanism
+    local = cfg.spec.local_dp(cfg)
+    if local.per_participation:
+        raise ConfigError(
+            f"run config 'privacy.audit-canaries' = {m}: the {local.name} mechanism noises each round's whole "
+            "update once, with no per-record step for a canary to enter; audit a per-step placement instead "
+            "(e.g. pfedmoap.dp-placement='step')"
+        )

@@ -20,6 +20,7 @@ its accounting is broken. The derivation and its sources: docs/research/privacy-
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.stats import binom
@@ -74,3 +75,112 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float 
         else:
             hi = mid
     return lo
+
+
+# The auditor's guesses, fixed before looking at which canaries are in: for each fraction f of
+# the m canaries, r = round(f m) guesses, "in" for the ceil(r/2) highest scores and "out" for
+# the floor(r/2) lowest. Every fraction is tested at confidence 1 - (1 - c) / len(GUESS_FRACTIONS)
+# (Bonferroni), so reporting the best of them keeps the stated confidence c.
+GUESS_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    canaries: int  # m
+    guesses: int  # r of the best guess rule
+    correct: int  # v of the best guess rule
+    guessed_in: int  # of them, "in" guesses (the highest scores)
+    epsilon_lower: float  # the bound at the stated confidence, Bonferroni over GUESS_FRACTIONS
+    confidence: float
+    delta: float
+
+    def as_dict(self) -> dict:
+        return {
+            "canaries": self.canaries,
+            "guesses": self.guesses,
+            "correct": self.correct,
+            "guessed_in": self.guessed_in,
+            "epsilon_lower": self.epsilon_lower,
+            "confidence": self.confidence,
+            "delta": self.delta,
+            "guess_rule": f"r = round(f m) for f in {list(GUESS_FRACTIONS)}; 'in' for the ceil(r/2) highest scores, "
+            "'out' for the floor(r/2) lowest; the best r reported, each tested at Bonferroni-corrected confidence",
+        }
+
+
+def audit_guesses(scores: np.ndarray, included: np.ndarray, delta: float, confidence: float = 0.95) -> AuditResult:
+    """The audit from the canaries' scores (higher: more likely in) and the truth (which were in)."""
+    scores, included = np.asarray(scores, dtype=np.float64), np.asarray(included, dtype=bool)
+    m = len(scores)
+    if m == 0 or len(included) != m:
+        raise AuditInputError(f"an audit needs one score per canary, got {m} scores for {len(included)} canaries")
+    order = np.argsort(-scores, kind="stable")  # highest first
+    each = 1 - (1 - confidence) / len(GUESS_FRACTIONS)
+    best = AuditResult(m, 0, 0, 0, 0.0, confidence, delta)
+    for fraction in GUESS_FRACTIONS:
+        r = max(1, round(fraction * m))
+        k_in = math.ceil(r / 2)
+        guessed_in, guessed_out = order[:k_in], order[m - (r - k_in) :]
+        v = int(included[guessed_in].sum() + (~included[guessed_out]).sum())
+        eps = epsilon_lower_bound(m, r, v, delta, each)
+        if eps > best.epsilon_lower or best.guesses == 0:
+            best = AuditResult(m, r, v, k_in, eps, confidence, delta)
+    return best
+
+
+# ---- the run's audit section (results.json 'audit', written by server_app.loop) -------------
+AUDIT_PREFIX = "train/audit-"
+
+
+def audit_section(rounds: list[dict], ledger_round: dict, mechanism, global_mechanism: str | None) -> dict | None:
+    """The audited node's latest audit (from its train replies in ``rounds``) beside what the
+    ledger says its records spent (``ledger_round``: the ledger's entry for the last round).
+    ``mechanism``: the method's ``LocalDP``, the mechanism the canaries enter. None without an audit."""
+    latest: dict[str, tuple[int, dict]] = {}
+    for record in rounds:
+        for name, figures in record.get("clients", {}).items():
+            found = {k[len(AUDIT_PREFIX) :]: v for k, v in figures.items() if k.startswith(AUDIT_PREFIX)}
+            if found:
+                latest[name] = (record["round"], found)
+    if not latest:
+        return None
+    nodes = {}
+    for name, (rnd, found) in latest.items():
+        lower = float(found["epsilon-lower"])
+        composed = ledger_round.get("per_client", {}).get(name)
+        alone = ledger_round.get("components", {}).get(mechanism.name, {}).get(name)
+        claimed = alone if alone is not None else composed
+        broken = claimed is not None and lower > claimed * (1 + 1e-9)
+        nodes[name] = {
+            "round": rnd,
+            "canaries": int(found["canaries"]),
+            "guesses": int(found["guesses"]),
+            "correct": int(found["correct"]),
+            "guessed_in": int(found["guessed-in"]),
+            "private_steps": int(found["steps"]),
+            "epsilon_lower": lower,
+            "accounted_epsilon": composed,
+            "accounted_epsilon_audited_mechanism": alone,
+            "status": (
+                f"BROKEN: the audit proves epsilon >= {lower:.4g}, above the {claimed:.4g} accounted for the audited "
+                "mechanism: the mechanism or its accounting is wrong"
+                if broken
+                else "consistent: the audited lower bound does not exceed the accounted epsilon"
+            ),
+        }
+    reach = (
+        f"the canaries' gradient on the tensors the server noises ({global_mechanism}) is zero: the audit bounds the "
+        "node's local mechanism alone, whose accounted epsilon is accounted_epsilon_audited_mechanism"
+        if global_mechanism
+        else "the canaries enter every tensor the node's mechanism noises"
+    )
+    return {
+        "mechanism": mechanism.name,
+        "where": mechanism.where,
+        "canary": "white-box Dirac gradient canaries (privacy.canaries): per-sample gradient C at one coordinate of "
+        "every locally noised clip group, each present with probability 1/2 from OS entropy; score = sum over the "
+        "node's private steps of the released noised gradient at its coordinates",
+        "reach": reach,
+        "guess_rule": AuditResult(0, 0, 0, 0, 0.0, 0.95, 0.0).as_dict()["guess_rule"],
+        "nodes": nodes,
+    }

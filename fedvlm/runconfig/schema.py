@@ -361,6 +361,14 @@ class PrivacyConfig:
         "one node is).",
         choices=(AUTO, "seeded", "os"),
     )
+    audit_canaries: int = opt(
+        0,
+        "One-run privacy audit: m canary records inserted into the audited node's training data, each "
+        "present with probability 1/2 (OS entropy); results.json's 'audit' section then holds the epsilon "
+        "lower bound they give beside the accounted epsilon. 0 = no audit (no canaries anywhere).",
+        min=0,
+    )
+    audit_node: int = opt(0, "Partition id of the node that carries the audit's canaries.", min=0)
 
     @property
     def enabled(self) -> bool:

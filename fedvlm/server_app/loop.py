@@ -16,6 +16,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
+from fedvlm.privacy.audit import audit_section
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.strategies.base import FederatedStrategy
 
@@ -38,6 +39,26 @@ def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: Ru
     strategy.ledger.record_round(server_round, entry)
     strategy.current.metrics["epsilon/per-record-max"] = entry["epsilon"]
     recorder.add_section("privacy", strategy.ledger.as_dict())
+
+
+def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
+    """The one-run audit's section, beside the ledger, once the audited node reported one."""
+    budget = strategy.budget
+    if budget is None or budget.planner.local is None or not strategy.privacy.audit_canaries:
+        return
+    global_dp = budget.planner.global_dp
+    section = audit_section(
+        recorder.data["rounds"],
+        strategy.ledger.rounds[-1] if strategy.ledger.rounds else {},
+        budget.planner.local,
+        global_dp.name if global_dp else None,
+    )
+    if section is None:
+        return
+    for name, node in section["nodes"].items():
+        if node["status"].startswith("BROKEN"):
+            log.error("privacy audit of %s: %s", name, node["status"])
+    recorder.add_section("audit", section)
 
 
 def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -> dict:
@@ -79,6 +100,7 @@ def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -
         _record_privacy(strategy, rnd, recorder)
         record = strategy.current.as_dict(time.time() - t0)
         recorder.add_round(record)
+        _record_audit(strategy, recorder)
         _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
         if strategy.global_arrays:
             recorder.save_arrays("checkpoint.pt", strategy.global_arrays, rnd)

@@ -32,7 +32,7 @@ from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape, GlobalDP
 from fedvlm.protocol import EvaluateInstruction, TrainInstruction
-from fedvlm.runconfig import RunConfig
+from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.records import ClientUpdate, RoundRecord, RunOutputs
 from fedvlm.strategies.validation import ReplyRejected, check_reply, record_nbytes
@@ -144,6 +144,12 @@ class FederatedStrategy(Strategy):
 
     def plan_privacy(self) -> None:
         """Plan every mechanism for the nodes known now (called once, before round 1)."""
+        audited = self.privacy.audit_node
+        if self.privacy.audit_canaries and all(n.partition_id != audited for n in self.nodes.values()):
+            raise ConfigError(
+                f"run config 'privacy.audit-node' = {audited} names no connected node (partition ids: "
+                f"{', '.join(str(n.partition_id) for n in self.nodes.values())}); pick one of them"
+            )
         local = self.spec.local_dp(self.cfg) if self.spec.local_dp else None
         self.budget = RunBudget(
             self.privacy, self.ledger, self.num_rounds(), local, self.global_dp(), self.cfg.privacy.noise_source

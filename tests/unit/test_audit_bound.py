@@ -25,6 +25,26 @@ VECTORS = [
 ]
 
 
+# The paper's own worked examples (its Appendix D), as restated to the printed digits by two
+# independent code bases that quote it; the paper's full text could not be read here
+# (docs/research/privacy-audit-maths.md).
+PAPER_EXAMPLES = [
+    (100, 100, 75, 0.0, 0.702),
+    (100, 100, 75, 1e-4, 0.699),
+    (1000, 100, 75, 1e-4, 0.673),
+]
+
+
+@pytest.mark.parametrize("m,r,v,delta,printed", PAPER_EXAMPLES)
+def test_bound_matches_the_papers_worked_examples(m, r, v, delta, printed):
+    assert round(epsilon_lower_bound(m, r, v, delta, 0.95), 3) == printed
+
+
+def test_p_value_matches_the_papers_worked_example():
+    # 75 of 100 guesses right is what randomised response at epsilon = ln 3 expects: p-value 0.553
+    assert round(guess_p_value(100, 100, 75, math.log(3), 0.0), 3) == 0.553
+
+
 @pytest.mark.parametrize("m,r,v,delta,confidence,expected", VECTORS)
 def test_bound_matches_the_reference_algorithm(m, r, v, delta, confidence, expected):
     assert epsilon_lower_bound(m, r, v, delta, confidence) == pytest.approx(expected, abs=2e-6)

@@ -1,0 +1,85 @@
+"""The one-run privacy audit end to end, in-process: the real strategies and ClientApp, canaries
+on the audited node, the audit section of results.json beside the ledger.
+
+The broken-mechanism test is the audit's reason to exist: with the DP noise switched off while
+the ledger still claims epsilon 1, the canaries prove a larger epsilon; with the real noise, the
+same audit stays at or below what the ledger accounts."""
+
+from __future__ import annotations
+
+import pytest
+
+import fedvlm.privacy.dpsgd as dpsgd
+from fedvlm.client_app.app import app as client_app
+from fedvlm.client_app.state import AUDIT
+from fedvlm.runconfig import ConfigError
+from fedvlm.server_app.app import execute
+from fedvlm.utils.inprocess import InProcessGrid
+
+# few records per node (4 per class) and 25 local steps: each canary is sampled several times
+SMALL = {
+    "method": "promptfl",
+    "privacy__epsilon": 1.0,
+    "max_per_class": 4,
+    "num_server_rounds": 5,
+    "prompt__local_steps": 5,
+    "fraction_evaluate": 0.34,
+}
+
+
+def _run(make_cfg, n=3, **overrides):
+    cfg = make_cfg(**{**SMALL, **overrides})
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
+    return execute(cfg, grid, run_id="audit").data, grid
+
+
+def _no_noise(grads, step, noise):
+    return {k: v.detach() for k, v in grads.items()}
+
+
+def test_the_audit_catches_noise_switched_off_and_passes_the_real_mechanism(make_cfg, pretrained_clip, monkeypatch):
+    honest, grid = _run(make_cfg, privacy__audit_canaries=100)
+    node = honest["audit"]["nodes"]["client-0"]
+    assert node["canaries"] == 100 and node["private_steps"] == 25
+    assert node["accounted_epsilon"] == pytest.approx(1.0, abs=1e-3)  # the ledger's figure for the node
+    assert node["epsilon_lower"] <= node["accounted_epsilon"]
+    assert node["status"].startswith("consistent")
+
+    # only the audited node carries canaries: its record count includes their 100 slots
+    nodes = {n["name"]: n for n in honest["run"]["nodes"]}
+    real = {name: grid_node["num_train"] for name, grid_node in nodes.items()}
+    assert [AUDIT in ctx.state for ctx in grid.contexts.values()] == [True, False, False]
+
+    monkeypatch.setattr(dpsgd, "_add_noise", _no_noise)  # the bug: the noise never reaches the step
+    broken, _ = _run(make_cfg, privacy__audit_canaries=100)
+    node = broken["audit"]["nodes"]["client-0"]
+    assert broken["privacy"]["rounds"][-1]["per_client"]["client-0"] == pytest.approx(1.0, abs=1e-3)  # still claimed
+    assert node["epsilon_lower"] > 1.5 * node["accounted_epsilon"]
+    assert node["status"].startswith("BROKEN")
+
+    plain, _ = _run(make_cfg)
+    assert "audit" not in plain
+    plain_nodes = {n["name"]: n["num_train"] for n in plain["run"]["nodes"]}
+    assert real["client-0"] == plain_nodes["client-0"] + 100
+    assert {k: v for k, v in real.items() if k != "client-0"} == {
+        k: v for k, v in plain_nodes.items() if k != "client-0"
+    }
+
+
+def test_per_batch_clipping_fails_its_stated_epsilon_and_the_ledger_says_so(make_cfg, pretrained_clip):
+    data, _ = _run(make_cfg, privacy__audit_canaries=100, privacy__clipping="per-batch")
+    node = data["audit"]["nodes"]["client-0"]
+    assert node["epsilon_lower"] > 1.0  # the stated privacy.epsilon does not hold ...
+    assert node["epsilon_lower"] <= node["accounted_epsilon"]  # ... the ledger's true-sensitivity figure does
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"privacy__epsilon": 0.0}, "privacy is off"),
+        ({"method": "pfedmoap", "pfedmoap__dp_placement": "upload"}, "no per-record step"),
+    ],
+)
+def test_an_audit_without_a_per_record_mechanism_is_refused(make_cfg, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        make_cfg(**{**SMALL, "privacy__audit_canaries": 10, **overrides})
