@@ -4,6 +4,7 @@
     python -m fedvlm.experiments.sweep --methods dpfpl --ranks 1,2,4,8 --residual on,off --epsilons none,0.1
     python -m fedvlm.experiments.sweep --preset paper-caltech101 --set data-root=/data/caltech --seeds 0,1,2
     python -m fedvlm.experiments.sweep ... --mia                                     # also attack every run
+    python -m fedvlm.experiments.sweep --methods dpfpl --epsilons 1,8 --audit 100     # audit every private run
     python -m fedvlm.experiments.sweep --compare pfedmoap --epsilons none            # pFedMoAP's comparison set
     python -m fedvlm.experiments.sweep --compare pfedmoap --preset paper-pfedmoap-dtd --set data-root=/data
     python -m fedvlm.experiments.sweep --variant prox promptfl prompt.fedprox-mu=0.1  # any labelled variant
@@ -18,7 +19,9 @@ an interrupted sweep resumes. Outputs in ``--out``:
 - ``table_final.md/.csv``: local accuracy after the last round (pFedMoAP's protocol), with the
   paper's number beside ours when the preset has one;
 - ``accuracy_vs_epsilon.png`` (``accuracy_by_variant.png`` when only 'none' ran) and, with
-  ``--mia``, ``mia_vs_epsilon.png``.
+  ``--mia``, ``mia_vs_epsilon.png``;
+- with ``--audit M``: ``table_audit.md/.csv`` and ``audit_vs_accounted.png``, every private run
+  audited with M canaries (``privacy.audit-canaries``), its lower bound beside the accounted epsilon.
 """
 
 from __future__ import annotations
@@ -295,6 +298,79 @@ def _bars(plt, rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def audit_row(data: dict) -> dict:
+    """The one-run audit of a run (results.json 'audit'), for the audited node."""
+    nodes = (data.get("audit") or {}).get("nodes") or {}
+    if not nodes:
+        return {}
+    name, node = next(iter(sorted(nodes.items())))
+    return {
+        "audit-node": name,
+        "audit-canaries": node["canaries"],
+        "audit-guesses": node["guesses"],
+        "audit-correct": node["correct"],
+        "audit-epsilon-lower": node["epsilon_lower"],
+        "audit-accounted-mechanism": node["accounted_epsilon_audited_mechanism"],
+        "audit-accounted": node["accounted_epsilon"],
+        "audit-status": node["status"].split(":")[0],
+    }
+
+
+def write_audit(rows: list[dict], out: Path) -> None:
+    """table_audit.md/.csv: per audited run, the accounted epsilon beside the audit's lower bound."""
+    audited = [r for r in rows if "audit-epsilon-lower" in r]
+    if not audited:
+        return
+    table = [["method", "target eps", "seed", "accounted eps (composed)", "accounted eps (audited mechanism)"]]
+    table[0] += ["audited lower bound", "guesses", "correct", "status"]
+    for r in audited:
+        table.append(
+            [
+                r["variant"],
+                r["epsilon"],
+                str(r["seed"]),
+                f"{r['audit-accounted']:.3f}" if r["audit-accounted"] is not None else "-",
+                f"{r['audit-accounted-mechanism']:.3f}" if r["audit-accounted-mechanism"] is not None else "-",
+                f"{r['audit-epsilon-lower']:.3f}",
+                str(r["audit-guesses"]),
+                str(r["audit-correct"]),
+                r["audit-status"],
+            ]
+        )
+    with open(out / "table_audit.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(table)
+    md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    md += ["| " + " | ".join(r) + " |" for r in table[1:]]
+    head = "One-run privacy audit (privacy.audit-canaries): accounted epsilon vs the audit's 95% lower bound"
+    (out / "table_audit.md").write_text(head + "\n\n" + "\n".join(md) + "\n")
+
+
+def plot_audit(rows: list[dict], out: Path) -> None:
+    """audit_vs_accounted.png: the audit's lower bound against the accounted epsilon of the
+    mechanism it audits; a point above the diagonal is a broken mechanism or accounting."""
+    audited = [r for r in rows if r.get("audit-accounted-mechanism") is not None]
+    if not audited:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    for v in dict.fromkeys(r["variant"] for r in audited):
+        pts = [(r["audit-accounted-mechanism"], r["audit-epsilon-lower"]) for r in audited if r["variant"] == v]
+        ax.scatter(*zip(*pts, strict=True), label=v)
+    top = max(max(r["audit-accounted-mechanism"], r["audit-epsilon-lower"]) for r in audited) * 1.1
+    ax.plot([0, top], [0, top], color="gray", ls="--", lw=1, label="lower bound = accounted")
+    ax.set_xlabel("accounted epsilon (audited mechanism)")
+    ax.set_ylabel("audited lower bound (95%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "audit_vs_accounted.png", dpi=110)
+    plt.close(fig)
+
+
 def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
     import matplotlib
 
@@ -367,6 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for every run")
     p.add_argument("--engine", choices=("inprocess", "flwr"), default="inprocess")
     p.add_argument("--mia", action="store_true", help="run the membership-inference attacks on every run")
+    p.add_argument(
+        "--audit",
+        type=int,
+        default=0,
+        metavar="M",
+        help="audit every private run with M canaries (privacy.audit-canaries): table_audit.md, audit_vs_accounted.png",
+    )
     p.add_argument("--shadows", type=int, default=2)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -412,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             "output-dir": str(out / "runs"),
             "run-name": name,
         }
+        if args.audit and (eps != "none" or get_method(method).family.noise_multiplier > 0):  # a private run
+            raw["privacy.audit-canaries"] = args.audit
         results_path = out / "runs" / name / "results.json"
         t0 = time.time()
         data = json.loads(results_path.read_text()) if results_path.exists() else None
@@ -430,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
         row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
+        row.update(audit_row(data))
         if args.mia:
             mia_path = out / "runs" / name / "mia.json"
             if not mia_path.exists():
@@ -461,12 +547,16 @@ def main(argv: list[str] | None = None) -> int:
             w.writeheader()
             w.writerows(rows)
         write_tables(rows, out, epsilons, reference)
+        write_audit(rows, out)
     plot(rows, out, epsilons)
+    plot_audit(rows, out)
     print((out / "table_final.md").read_text())
     print((out / "table_local.md").read_text())
     print((out / "table_neighbor.md").read_text())
     if args.mia:
         print((out / "table_mia.md").read_text())
+    if (out / "table_audit.md").exists():
+        print((out / "table_audit.md").read_text())
     log.info("sweep of %d runs done in %.0fs: %s", len(plan), time.time() - t_all, out)
     return 0
 

@@ -54,7 +54,7 @@ def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_di
     proc = _flwr_run(
         flwr_env,
         f"method='{method}' privacy.epsilon={epsilon} num-server-rounds=2 prompt.local-steps=1 "
-        f"output-dir='{out}' cache-dir='{cache_dir}' run-name='r'",
+        f"privacy.audit-canaries={20 if epsilon else 0} output-dir='{out}' cache-dir='{cache_dir}' run-name='r'",
         supernodes=3,
     )
     data = json.loads((out / "r" / "results.json").read_text()) if (out / "r" / "results.json").exists() else None
@@ -64,8 +64,12 @@ def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_di
         spent = data["privacy"]["rounds"][-1]
         assert 0 < spent["epsilon"] == max(spent["per_client"].values()) <= epsilon * (1 + 1e-6)
         assert len(spent["per_client"]) == 3
+        # the one-run audit through real Flower processes: the canaries' node reported its bound
+        audited = data["audit"]["nodes"]["client-0"]
+        assert audited["canaries"] == 20 and audited["private_steps"] >= 1
+        assert audited["status"].startswith("consistent")
     else:
-        assert "privacy" not in data
+        assert "privacy" not in data and "audit" not in data
     assert len(list((out / "r" / "published").glob("*.pt"))) == 3
 
 

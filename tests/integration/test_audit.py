@@ -8,10 +8,12 @@ same audit stays at or below what the ledger accounts."""
 from __future__ import annotations
 
 import pytest
+from regression import CASES
 
 import fedvlm.privacy.dpsgd as dpsgd
 from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.state import AUDIT
+from fedvlm.methods.registry import validate
 from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid
@@ -83,3 +85,38 @@ def test_per_batch_clipping_fails_its_stated_epsilon_and_the_ledger_says_so(make
 def test_an_audit_without_a_per_record_mechanism_is_refused(make_cfg, overrides, match):
     with pytest.raises(ConfigError, match=match):
         make_cfg(**{**SMALL, "privacy__audit_canaries": 10, **overrides})
+
+
+# every method with a per-record DP mechanism, on the regression cases' small configs
+DP_CASES = ["promptfl-dp", "dpfpl-dp", "fedotp-dp", "fedpgp-dp", "pfedmoap-dp", "reprogram", "bl-pf", "bl-ff", "bl-ts"]
+VLM_DP_CASES = ["fedrand-dp", "fedavg-lora", "fedper-lora", "fedpara-lora"]
+
+
+def _audited_case(name: str, cache, tmp_path) -> tuple[dict, object]:
+    base, n = CASES[name]
+    raw = {"cache-dir": str(cache), "output-dir": str(tmp_path), **base, "privacy.audit-canaries": 20}
+    if "privacy.epsilon" not in raw and "reprogram" not in raw.get("method", "") and not name.startswith("bl-"):
+        raw["privacy.epsilon"] = 4.0
+    cfg = validate(raw)
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
+    return execute(cfg, grid, run_id="audit").data, cfg
+
+
+def _check_audited(data: dict, cfg) -> None:
+    section = data["audit"]
+    assert section["mechanism"] == cfg.spec.local_dp(cfg).name
+    node = section["nodes"]["client-0"]
+    steps = [r["clients"].get("client-0", {}).get("train/steps") for r in data["rounds"]]
+    assert any(steps) and node["private_steps"] == sum(s for s in steps if s)  # every private step scored
+    assert node["canaries"] == 20 and 0 <= node["correct"] <= node["guesses"] <= 20
+    assert node["status"].startswith("consistent")
+
+
+@pytest.mark.parametrize("name", DP_CASES)
+def test_every_prompt_and_reprogramming_method_can_be_audited(name, cache_dir, pretrained_clip, tmp_path):
+    _check_audited(*_audited_case(name, cache_dir, tmp_path))
+
+
+@pytest.mark.parametrize("name", VLM_DP_CASES)
+def test_every_lora_method_can_be_audited(name, vlm_cache, tmp_path):
+    _check_audited(*_audited_case(name, vlm_cache, tmp_path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedvlm.experiments.sweep import COMPARISONS, PRESETS, _labelled, write_tables
+from fedvlm.experiments.sweep import COMPARISONS, PRESETS, _labelled, audit_row, plot_audit, write_audit, write_tables
 from fedvlm.methods.registry import validate
 
 
@@ -63,3 +63,31 @@ def test_final_table_puts_the_papers_number_beside_ours(tmp_path):
     assert lines[2] == "| method | eps=none | paper eps=none |"
     assert lines[4] == "| pfedmoap | 60.00 ± 10.00 | 98.41 |"
     assert lines[5] == "| coop | 30.00 | - |"
+
+
+def test_audited_runs_get_their_table_and_plot(tmp_path):
+    results = {
+        "audit": {
+            "nodes": {
+                "client-0": {
+                    "canaries": 100,
+                    "guesses": 50,
+                    "correct": 31,
+                    "epsilon_lower": 0.21,
+                    "accounted_epsilon": 1.0,
+                    "accounted_epsilon_audited_mechanism": 0.8,
+                    "status": "consistent: ...",
+                }
+            }
+        }
+    }
+    rows = [
+        {"variant": "dpfpl", "epsilon": "1", "seed": 0, **audit_row(results)},
+        {"variant": "coop", "epsilon": "none"},
+    ]
+    write_audit(rows, tmp_path)
+    plot_audit(rows, tmp_path)
+    table = (tmp_path / "table_audit.md").read_text()
+    assert "| dpfpl | 1 | 0 | 1.000 | 0.800 | 0.210 | 50 | 31 | consistent |" in table and "coop" not in table
+    assert (tmp_path / "audit_vs_accounted.png").stat().st_size > 0
+    assert audit_row({"final": {}}) == {}  # a run without an audit adds nothing
