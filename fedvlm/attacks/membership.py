@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.metrics import roc_auc_score, roc_curve
 
+from fedvlm.attacks.likelihood import bootstrap, lira_offline, logit_confidence, rmia
 from fedvlm.client_app.node import node_data
 from fedvlm.methods.registry import get_method
 from fedvlm.models.clip_loader import load_clip
@@ -63,8 +64,11 @@ def load_published(folder: Path) -> dict[str, dict]:
 
 
 @torch.no_grad()
-def client_records(cfg: RunConfig, published: dict, num_partitions: int, seed: int) -> Records:
-    """The balanced member/non-member records of one published client prompt."""
+def client_records(
+    cfg: RunConfig, published: dict, num_partitions: int, seed: int, under: dict | None = None
+) -> Records:
+    """The balanced member/non-member records of one published client prompt, scored under
+    that prompt or, with ``under``, under another published prompt (a reference model's)."""
     node = node_data(cfg, {"partition-id": published["partition_id"], "num-partitions": num_partitions})
     bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
     if bundle.fingerprint != published["backbone"]:
@@ -81,7 +85,8 @@ def client_records(cfg: RunConfig, published: dict, num_partitions: int, seed: i
     probs, labels = [], []
     for split, idx in ((node.splits.train, members), (node.splits.test, non_members)):
         feats = scorer.image_features(split, idx, cfg.cache_path).to(bundle.device)
-        probs.append(F.softmax(scorer.logits(published["prompts"], feats), dim=-1).cpu().numpy())
+        prompts = (under or published)["prompts"]
+        probs.append(F.softmax(scorer.logits(prompts, feats), dim=-1).cpu().numpy())
         labels.append(split.labels[idx])
     return Records(
         np.concatenate(probs), np.concatenate(labels), np.r_[np.ones(k, bool), np.zeros(k, bool)], published["node"]
@@ -204,3 +209,41 @@ class ShadowAttack:
         summary["shokri"]["pooled"] = attack_metrics(self.scores(pooled), pooled.member, 0.5)
         summary["loss-threshold"]["pooled"] = attack_metrics(-pooled.losses, pooled.member, self.loss_threshold)
         return {"summary": summary, "per_client": per_client}
+
+
+# ---- attacks from reference models (LiRA, RMIA; attacks.likelihood) -------------------------------
+REFERENCE_ATTACKS = ("lira-offline", "rmia-offline")
+
+
+def reference_scores(target: Records, references: list[Records]) -> dict[str, np.ndarray]:
+    """Offline LiRA and RMIA scores of a target client's records; ``references``: the same
+    records under the prompts of clients that never trained on them (the shadow federations'
+    client of the same partition, trained on disjoint shadow data). RMIA's population: the
+    client's non-member records, each compared with all but itself."""
+    rows, labels = np.arange(len(target.labels)), target.labels
+    ref_probs = np.stack([r.probs for r in references])  # [R, n, C]
+    p_x, p_x_out = target.probs[rows, labels], ref_probs[:, rows, labels]
+    pop = ~target.member
+    x_in_z = np.where(pop, np.cumsum(pop) - 1, -1)
+    return {
+        "lira-offline": lira_offline(logit_confidence(target.probs, labels), logit_confidence(ref_probs, labels)),
+        "rmia-offline": rmia(p_x, p_x_out, p_x[pop], p_x_out[:, pop], x_in_z=x_in_z),
+    }
+
+
+def evaluate_reference_attacks(targets: list[Records], references: dict[str, list[Records]], seed: int) -> dict:
+    """Per client and pooled: AUC, TPR at 0.1% and 1% FPR, each with its bootstrap 95% interval."""
+    per_client: dict[str, dict] = {}
+    pooled: dict[str, list[np.ndarray]] = {k: [] for k in REFERENCE_ATTACKS}
+    for rec in targets:
+        scores = reference_scores(rec, references[rec.client])
+        per_client[rec.client] = {k: bootstrap(v, rec.member, seed=seed) for k, v in scores.items()}
+        for k, v in scores.items():
+            pooled[k].append(v)
+    member = np.concatenate([r.member for r in targets])
+    summary: dict[str, dict[str, Any]] = {}
+    for k in REFERENCE_ATTACKS:
+        metrics = [per_client[c][k] for c in per_client]
+        summary[k] = {m: float(np.mean([x[m]["value"] for x in metrics])) for m in metrics[0]}
+        summary[k]["pooled"] = bootstrap(np.concatenate(pooled[k]), member, seed=seed)
+    return {"summary": summary, "per_client": per_client}

@@ -5,7 +5,9 @@
 Reads the run's results.json (its validated config) and the prompts its clients published,
 trains shadow federations like the target on disjoint shadow data (the embedded task's
 independent draw, or an image folder you supply), and writes ``mia.json`` into the run
-folder: Shokri and loss-threshold attack accuracy, AUC and TPR at 1% FPR.
+folder: Shokri and loss-threshold attack accuracy, AUC and TPR at 1% FPR; offline LiRA and RMIA
+(the shadow federations' clients of the same partition as reference models) with AUC and TPR at
+0.1% and 1% FPR, each with a bootstrap 95% interval, per client and pooled.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedvlm.attacks.membership import ShadowAttack, client_records, load_published
+from fedvlm.attacks.membership import (
+    REFERENCE_ATTACKS,
+    ShadowAttack,
+    client_records,
+    evaluate_reference_attacks,
+    load_published,
+)
 from fedvlm.methods.registry import get_method, validate
 from fedvlm.utils.files import atomic_write_json
 
@@ -67,6 +75,9 @@ def run_attacks(
     t0 = time.time()
     targets = [client_records(cfg, pub, n, seed) for pub in sim.values()]
     shadow_records = []
+    # LiRA/RMIA references: the target clients' records under each shadow federation's client of
+    # the same partition (same classes, never trained on these records)
+    references: dict[str, list] = {pub["node"]: [] for pub in sim.values()}
     with tempfile.TemporaryDirectory() as tmp:
         for s in range(shadows):
             scfg = validate(shadow_config(cfg.as_dict(), s, Path(tmp), shadow_data_root))
@@ -76,10 +87,20 @@ def run_attacks(
             log.info("training shadow federation %d/%d", s + 1, shadows)
             with contextlib.redirect_stdout(io.StringIO()):
                 rec = execute(scfg, grid, run_id=f"shadow-{s}")
-            for pub in load_published(rec.dir / "published").values():
+            shadow_pubs = {p["partition_id"]: p for p in load_published(rec.dir / "published").values()}
+            for pub in shadow_pubs.values():
                 shadow_records.append(client_records(scfg, pub, n, seed + 1 + s))
+            for pub in sim.values():
+                if pub["partition_id"] in shadow_pubs:
+                    references[pub["node"]].append(
+                        client_records(cfg, pub, n, seed, under=shadow_pubs[pub["partition_id"]])
+                    )
     attack = ShadowAttack(shadow_records, per_class, len(targets[0].probs[0]), seed)
     result = attack.evaluate(targets)
+    likelihood = evaluate_reference_attacks(targets, references, seed)
+    result["summary"].update(likelihood["summary"])
+    for client, figures in likelihood["per_client"].items():
+        result["per_client"][client].update(figures)
     result.update(
         {
             "target_run": str(run_dir),
@@ -98,6 +119,11 @@ def run_attacks(
     )
     atomic_write_json(result, run_dir / "mia.json")
     return result
+
+
+def _interval(metric: dict, digits: int) -> str:
+    low, high = metric["ci95"]
+    return f"{metric['value']:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {name:15s} accuracy {100 * s[name]['accuracy']:.1f}%  AUC {s[name]['auc']:.3f}  "
             f"TPR@1%FPR {100 * s[name]['tpr@1%fpr']:.1f}%"
+        )
+    for name in REFERENCE_ATTACKS:
+        pooled = s[name]["pooled"]
+        print(
+            f"  {name:15s} pooled AUC {_interval(pooled['auc'], 3)}  TPR@1%FPR {_interval(pooled['tpr@1%fpr'], 3)}  "
+            f"TPR@0.1%FPR {_interval(pooled['tpr@0.1%fpr'], 3)}"
         )
     print(f"written: {args.run_dir / 'mia.json'}")
     return 0

@@ -69,6 +69,13 @@ def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
         for k in ("accuracy", "auc", "tpr@1%fpr"):
             assert 0.0 <= res["summary"][name][k] <= 1.0
     assert res["shadows"]["clients"] == 3 and len(res["per_client"]) == 3
+    # LiRA and RMIA with the shadow clients as references, intervals from the fixed-seed bootstrap
+    for name in ("lira-offline", "rmia-offline"):
+        pooled = saved["summary"][name]["pooled"]
+        for k in ("auc", "tpr@0.1%fpr", "tpr@1%fpr"):
+            low, high = pooled[k]["ci95"]
+            assert 0.0 <= low <= pooled[k]["value"] <= high <= 1.0
+        assert all(name in figures for figures in saved["per_client"].values())
 
 
 def test_attacks_score_pfedmoaps_personalised_model_with_its_gate(make_cfg, pretrained_clip):
