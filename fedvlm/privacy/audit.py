@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.stats import binom
+
+if TYPE_CHECKING:
+    from fedvlm.privacy.planner import LocalDP
 
 
 class AuditInputError(ValueError):
@@ -82,6 +86,10 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float 
 # the floor(r/2) lowest. Every fraction is tested at confidence 1 - (1 - c) / len(GUESS_FRACTIONS)
 # (Bonferroni), so reporting the best of them keeps the stated confidence c.
 GUESS_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
+GUESS_RULE = (
+    f"r = round(f m) for f in {list(GUESS_FRACTIONS)}; 'in' for the ceil(r/2) highest scores, 'out' for the "
+    "floor(r/2) lowest; the best r reported, each tested at Bonferroni-corrected confidence"
+)
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,7 @@ class AuditResult:
             "epsilon_lower": self.epsilon_lower,
             "confidence": self.confidence,
             "delta": self.delta,
-            "guess_rule": f"r = round(f m) for f in {list(GUESS_FRACTIONS)}; 'in' for the ceil(r/2) highest scores, "
-            "'out' for the floor(r/2) lowest; the best r reported, each tested at Bonferroni-corrected confidence",
+            "guess_rule": GUESS_RULE,
         }
 
 
@@ -132,7 +139,9 @@ def audit_guesses(scores: np.ndarray, included: np.ndarray, delta: float, confid
 AUDIT_PREFIX = "train/audit-"
 
 
-def audit_section(rounds: list[dict], ledger_round: dict, mechanism, global_mechanism: str | None) -> dict | None:
+def audit_section(
+    rounds: list[dict], ledger_round: dict, mechanism: LocalDP, global_mechanism: str | None
+) -> dict | None:
     """The audited node's latest audit (from its train replies in ``rounds``) beside what the
     ledger says its records spent (``ledger_round``: the ledger's entry for the last round).
     ``mechanism``: the method's ``LocalDP``, the mechanism the canaries enter. None without an audit."""
@@ -181,6 +190,6 @@ def audit_section(rounds: list[dict], ledger_round: dict, mechanism, global_mech
         "every locally noised clip group, each present with probability 1/2 from OS entropy; score = sum over the "
         "node's private steps of the released noised gradient at its coordinates",
         "reach": reach,
-        "guess_rule": AuditResult(0, 0, 0, 0, 0.0, 0.95, 0.0).as_dict()["guess_rule"],
+        "guess_rule": GUESS_RULE,
         "nodes": nodes,
     }
