@@ -18,7 +18,10 @@ Threats (METHODS.md), both from what the server of a run holds:
   FedPara the server-side parts only.
 
 Members are the attacked client's training samples (the union of all clients' for the server
-model), non-members held-out test samples of the same distribution, balanced.
+model), non-members held-out test samples of the same distribution, balanced. Every result
+also carries AUC and TPR at 1% and 0.1% FPR with bootstrap 95% intervals; the client threat is
+also pooled (all clients' samples in one ROC). ``HEADLINE`` is the setting fixed in advance for
+comparisons with intervals (FedRand's MaxRényi-10%), so that no best-of-eight selection inflates them.
 
     python -m fedvlm.attacks.maxrenyi <run-dir> [--samples 300]      -> <run-dir>/maxrenyi.json
 """
@@ -35,12 +38,14 @@ import numpy as np
 import torch
 from sklearn.metrics import roc_auc_score, roc_curve
 
+from fedvlm.attacks.likelihood import bootstrap
 from fedvlm.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
 ALPHAS = (0.5, 1.0, 2.0, math.inf)
 KS = (0, 10)
+HEADLINE = "alpha=0.5,K=10"
 
 
 def renyi_entropy(logits: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -81,7 +86,9 @@ def sample_scores(vlm, split, idx: np.ndarray, batch_size: int = 16) -> dict[str
 
 
 def auroc_and_tpr(member_scores: np.ndarray, nonmember_scores: np.ndarray, fpr_at: float = 0.05) -> dict:
-    """Lower MaxRényi = member: the attack's member score is its negation."""
+    """Lower MaxRényi = member: the attack's member score is its negation. AUROC and TPR at 5%
+    FPR (FedRand's report), and ``intervals``: AUC and TPR at 1% and 0.1% FPR with bootstrap 95%
+    intervals (``likelihood.bootstrap``, fixed seed)."""
     y = np.r_[np.ones(len(member_scores)), np.zeros(len(nonmember_scores))]
     s = -np.r_[member_scores, nonmember_scores]
     fpr, tpr, _ = roc_curve(y, s)
@@ -90,11 +97,16 @@ def auroc_and_tpr(member_scores: np.ndarray, nonmember_scores: np.ndarray, fpr_a
         f"tpr@{fpr_at:.0%}fpr": float(np.interp(fpr_at, fpr, tpr)),
         "n_members": int(len(member_scores)),
         "n_nonmembers": int(len(nonmember_scores)),
+        "intervals": bootstrap(s, y.astype(bool)),
     }
 
 
-def attack(vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: int, seed: int) -> dict:
-    """Every (alpha, K) attack on one model: ``members``/``nonmembers`` are VLMSplits."""
+Scores = dict[str, tuple[np.ndarray, np.ndarray]]  # setting -> (members' scores, non-members')
+
+
+def attack(vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: int, seed: int) -> tuple[dict, Scores]:
+    """Every (alpha, K) attack on one model (``members``/``nonmembers`` are VLMSplits): the
+    metrics, and the scores themselves for pooling over clients."""
     from fedvlm.models.vlm import load_adapter_state
 
     load_adapter_state(vlm.model, adapter)
@@ -103,7 +115,7 @@ def attack(vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: 
     mi = rng.choice(len(members), n, replace=False)
     ni = rng.choice(len(nonmembers), n, replace=False)
     ms, ns = sample_scores(vlm, members, mi), sample_scores(vlm, nonmembers, ni)
-    return {key: auroc_and_tpr(ms[key], ns[key]) for key in ms}
+    return {key: auroc_and_tpr(ms[key], ns[key]) for key in ms}, {key: (ms[key], ns[key]) for key in ms}
 
 
 def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
@@ -150,12 +162,13 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
             "at its initial zero the server model is the base model"
         }
     else:
-        report["threats"]["server"] = attack(vlm, {**initial, **shared}, union, test, samples, seed)
+        report["threats"]["server"] = attack(vlm, {**initial, **shared}, union, test, samples, seed)[0]
         log.info("server model: %s", _headline(report["threats"]["server"]))
 
     # (b) each client's model as the server can rebuild it from the client's uploads
     recon_dir = run_dir / "reconstructed"
-    per_client = {}
+    per_client: dict[str, dict] = {}
+    pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     for i, (name, part) in enumerate(sorted(parts.items())):
         if clients and i >= clients:
             break
@@ -164,9 +177,11 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
             continue
         uploads = torch.load(path, weights_only=True)["arrays"]
         adapter = {**initial, **shared, **uploads}
-        per_client[name] = attack(
+        per_client[name], scores = attack(
             vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i
         )
+        for key, (ms, ns) in scores.items():
+            pooled.setdefault(key, []).append((ms, ns))
         per_client[name]["uploaded"] = sorted({k.split(".")[-2] for k in uploads})
         log.info("client %s: %s", name, _headline(per_client[name]))
     if per_client:
@@ -178,6 +193,11 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
                     "tpr@5%fpr": float(np.mean([c[k]["tpr@5%fpr"] for c in per_client.values()])),
                 }
                 for k in keys
+            },
+            # every client's members and non-members together, one ROC (bootstrap 95% intervals)
+            "pooled": {
+                key: auroc_and_tpr(np.concatenate([m for m, _ in v]), np.concatenate([n for _, n in v]))["intervals"]
+                for key, v in pooled.items()
             },
             "per_client": per_client,
         }
@@ -201,7 +221,7 @@ def _concat(splits):
 
 
 def _headline(res: dict) -> str:
-    k = "alpha=0.5,K=10"
+    k = HEADLINE
     return (
         f"MaxRényi-10% (alpha 0.5) AUROC {res[k]['auroc']:.3f}, TPR@5%FPR {res[k]['tpr@5%fpr']:.3f}" if k in res else ""
     )

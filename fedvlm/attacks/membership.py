@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from sklearn.metrics import roc_auc_score, roc_curve
 
-from fedvlm.attacks.likelihood import bootstrap, lira_offline, logit_confidence, rmia
+from fedvlm.attacks.likelihood import bootstrap, lira_offline, lira_online, logit_confidence, rmia
 from fedvlm.client_app.node import node_data
+from fedvlm.data.membership import membership_candidates
 from fedvlm.methods.registry import get_method
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.runconfig import RunConfig
@@ -76,11 +77,8 @@ def client_records(
             f"{published['node']} was published for backbone {published['backbone']}, "
             f"this config loads {bundle.fingerprint}"
         )
-    rng = np.random.default_rng([seed, published["partition_id"] + 1])
-    members, non_members = node.part.train, node.part.test
-    k = min(len(members), len(non_members))
-    members = np.sort(rng.choice(members, size=k, replace=False))
-    non_members = np.sort(rng.choice(non_members, size=k, replace=False))
+    members, non_members = membership_candidates(node.part, seed, published["partition_id"])
+    k = len(members)
     scorer = get_method(published["method"]).client.scorer_class(bundle, node.splits.classnames, cfg)
     probs, labels = [], []
     for split, idx in ((node.splits.train, members), (node.splits.test, non_members)):
@@ -212,38 +210,55 @@ class ShadowAttack:
 
 
 # ---- attacks from reference models (LiRA, RMIA; attacks.likelihood) -------------------------------
-REFERENCE_ATTACKS = ("lira-offline", "rmia-offline")
+OFFLINE_ATTACKS = ("lira-offline", "rmia-offline")
+ONLINE_ATTACKS = ("lira-online",)
 
 
-def reference_scores(target: Records, references: list[Records]) -> dict[str, np.ndarray]:
-    """Offline LiRA and RMIA scores of a target client's records; ``references``: the same
-    records under the prompts of clients that never trained on them (the shadow federations'
-    client of the same partition, trained on disjoint shadow data). RMIA's population: the
+@dataclass
+class References:
+    """A target client's records under reference models. ``offline``: models that never saw them
+    (the shadow federations' client of the same partition, trained on disjoint shadow data);
+    ``online``: models of the online reference federations (the same partition, trained on a
+    half of the candidates), each with ``inside`` [n], which of the target's records it trained on."""
+
+    offline: list[Records]
+    online: list[Records]
+    inside: list[np.ndarray]
+
+
+def reference_scores(target: Records, refs: References) -> dict[str, np.ndarray]:
+    """LiRA and RMIA scores of a target client's records (higher = member). RMIA's population: the
     client's non-member records, each compared with all but itself."""
     rows, labels = np.arange(len(target.labels)), target.labels
-    ref_probs = np.stack([r.probs for r in references])  # [R, n, C]
+    ref_probs = np.stack([r.probs for r in refs.offline])  # [R, n, C]
     p_x, p_x_out = target.probs[rows, labels], ref_probs[:, rows, labels]
     pop = ~target.member
     x_in_z = np.where(pop, np.cumsum(pop) - 1, -1)
-    return {
-        "lira-offline": lira_offline(logit_confidence(target.probs, labels), logit_confidence(ref_probs, labels)),
+    phi = logit_confidence(target.probs, labels)
+    scores = {
+        "lira-offline": lira_offline(phi, logit_confidence(ref_probs, labels)),
         "rmia-offline": rmia(p_x, p_x_out, p_x[pop], p_x_out[:, pop], x_in_z=x_in_z),
     }
+    if refs.online:
+        phis = np.stack([logit_confidence(r.probs, labels) for r in refs.online])  # [R, n]
+        inside = np.stack(refs.inside)
+        scores["lira-online"] = lira_online(phi, np.where(inside, phis, np.nan), np.where(inside, np.nan, phis))
+    return scores
 
 
-def evaluate_reference_attacks(targets: list[Records], references: dict[str, list[Records]], seed: int) -> dict:
+def evaluate_reference_attacks(targets: list[Records], references: dict[str, References], seed: int) -> dict:
     """Per client and pooled: AUC, TPR at 0.1% and 1% FPR, each with its bootstrap 95% interval."""
     per_client: dict[str, dict] = {}
-    pooled: dict[str, list[np.ndarray]] = {k: [] for k in REFERENCE_ATTACKS}
+    pooled: dict[str, list[np.ndarray]] = {}
     for rec in targets:
         scores = reference_scores(rec, references[rec.client])
         per_client[rec.client] = {k: bootstrap(v, rec.member, seed=seed) for k, v in scores.items()}
         for k, v in scores.items():
-            pooled[k].append(v)
+            pooled.setdefault(k, []).append(v)
     member = np.concatenate([r.member for r in targets])
     summary: dict[str, dict[str, Any]] = {}
-    for k in REFERENCE_ATTACKS:
+    for k, parts in pooled.items():
         metrics = [per_client[c][k] for c in per_client]
         summary[k] = {m: float(np.mean([x[m]["value"] for x in metrics])) for m in metrics[0]}
-        summary[k]["pooled"] = bootstrap(np.concatenate(pooled[k]), member, seed=seed)
+        summary[k]["pooled"] = bootstrap(np.concatenate(parts), member, seed=seed)
     return {"summary": summary, "per_client": per_client}

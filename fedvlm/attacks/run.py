@@ -1,13 +1,16 @@
 """Run the membership-inference attacks against a finished run folder.
 
-    python -m fedvlm.attacks <run-dir> [--shadows 2] [--per-class] [--shadow-data-root DIR]
+    python -m fedvlm.attacks <run-dir> [--shadows 2] [--online 4] [--per-class] [--shadow-data-root DIR]
 
 Reads the run's results.json (its validated config) and the prompts its clients published,
 trains shadow federations like the target on disjoint shadow data (the embedded task's
 independent draw, or an image folder you supply), and writes ``mia.json`` into the run
 folder: Shokri and loss-threshold attack accuracy, AUC and TPR at 1% FPR; offline LiRA and RMIA
 (the shadow federations' clients of the same partition as reference models) with AUC and TPR at
-0.1% and 1% FPR, each with a bootstrap 95% interval, per client and pooled.
+0.1% and 1% FPR, each with a bootstrap 95% interval, per client and pooled. With ``--online R``
+it also trains R reference federations on the target's own data, each client on a seeded half of
+its membership candidates (``data/membership.py``), and runs online LiRA: every tested record is
+"in" for R/2 of them and "out" for the other R/2.
 """
 
 from __future__ import annotations
@@ -23,12 +26,16 @@ import time
 from pathlib import Path
 
 from fedvlm.attacks.membership import (
-    REFERENCE_ATTACKS,
+    OFFLINE_ATTACKS,
+    ONLINE_ATTACKS,
+    References,
     ShadowAttack,
     client_records,
     evaluate_reference_attacks,
     load_published,
 )
+from fedvlm.client_app.node import node_data
+from fedvlm.data.membership import reference_inclusion
 from fedvlm.methods.registry import get_method, validate
 from fedvlm.utils.files import atomic_write_json
 
@@ -57,13 +64,49 @@ def shadow_config(target_cfg: dict, shadow_index: int, out_dir: Path, shadow_dat
     return cfg
 
 
-def run_attacks(
-    run_dir: Path, shadows: int = 2, per_class: bool = False, shadow_data_root: str | None = None, seed: int = 0
-) -> dict:
+def reference_config(target_cfg: dict, reference: int, out_dir: Path, candidate_seed: int) -> dict:
+    """Online reference federation ``reference``: the target's config and partitions (same seed),
+    each node training on a half of its membership candidates; its DP noise and batch sampling
+    from OS entropy, so that it shares no randomness with a seeded target."""
+    cfg = dict(target_cfg)
+    cfg.update(
+        {
+            "attack.reference": reference,
+            "attack.candidate-seed": candidate_seed,
+            "privacy.noise-source": "os",
+            "output-dir": str(out_dir),
+            "run-name": f"reference-{reference}",
+            "privacy.max-epsilon": 0.0,
+        }
+    )
+    return cfg
+
+
+def _train(raw: dict, n: int, run_id: str) -> dict[int, dict]:
+    """Train one federation in-process; its clients' published prompts by partition id."""
     from fedvlm.client_app.app import app as client_app
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
 
+    cfg = validate(raw)
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
+    with contextlib.redirect_stdout(io.StringIO()):
+        rec = execute(cfg, grid, run_id=run_id)
+    return {p["partition_id"]: p for p in load_published(rec.dir / "published").values()}
+
+
+def run_attacks(
+    run_dir: Path,
+    shadows: int = 2,
+    per_class: bool = False,
+    shadow_data_root: str | None = None,
+    seed: int = 0,
+    online: int = 0,
+) -> dict:
+    """Shokri, loss threshold, offline LiRA and RMIA from ``shadows`` shadow federations; with
+    ``online`` (even) reference federations on the target's own candidates, online LiRA too."""
+    if online % 2:
+        raise ValueError(f"--online must be even (reference federations come in complementary pairs), got {online}")
     run_dir = Path(run_dir)
     data = json.loads((run_dir / "results.json").read_text())
     cfg = validate(data["config"])
@@ -75,26 +118,28 @@ def run_attacks(
     t0 = time.time()
     targets = [client_records(cfg, pub, n, seed) for pub in sim.values()]
     shadow_records = []
-    # LiRA/RMIA references: the target clients' records under each shadow federation's client of
-    # the same partition (same classes, never trained on these records)
-    references: dict[str, list] = {pub["node"]: [] for pub in sim.values()}
+    references = {pub["node"]: References([], [], []) for pub in sim.values()}
     with tempfile.TemporaryDirectory() as tmp:
         for s in range(shadows):
-            scfg = validate(shadow_config(cfg.as_dict(), s, Path(tmp), shadow_data_root))
-            grid = InProcessGrid(
-                client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], scfg.as_dict()
-            )
             log.info("training shadow federation %d/%d", s + 1, shadows)
-            with contextlib.redirect_stdout(io.StringIO()):
-                rec = execute(scfg, grid, run_id=f"shadow-{s}")
-            shadow_pubs = {p["partition_id"]: p for p in load_published(rec.dir / "published").values()}
+            scfg = validate(shadow_config(cfg.as_dict(), s, Path(tmp), shadow_data_root))
+            shadow_pubs = _train(scfg.as_dict(), n, f"shadow-{s}")
             for pub in shadow_pubs.values():
                 shadow_records.append(client_records(scfg, pub, n, seed + 1 + s))
-            for pub in sim.values():
+            for pub in sim.values():  # offline references: the same partition, never saw these records
                 if pub["partition_id"] in shadow_pubs:
-                    references[pub["node"]].append(
+                    references[pub["node"]].offline.append(
                         client_records(cfg, pub, n, seed, under=shadow_pubs[pub["partition_id"]])
                     )
+        for j in range(online):
+            log.info("training online reference federation %d/%d", j + 1, online)
+            ref_pubs = _train(reference_config(cfg.as_dict(), j, Path(tmp), seed), n, f"reference-{j}")
+            for pub in sim.values():
+                pid = pub["partition_id"]
+                if pid in ref_pubs:
+                    part = node_data(cfg, {"partition-id": pid, "num-partitions": n}).part
+                    references[pub["node"]].online.append(client_records(cfg, pub, n, seed, under=ref_pubs[pid]))
+                    references[pub["node"]].inside.append(reference_inclusion(part, seed, pid, j))
     attack = ShadowAttack(shadow_records, per_class, len(targets[0].probs[0]), seed)
     result = attack.evaluate(targets)
     likelihood = evaluate_reference_attacks(targets, references, seed)
@@ -112,6 +157,7 @@ def run_attacks(
                 "clients": len(shadow_records),
                 "dataset": "image-folder" if shadow_data_root else f"{cfg.dataset}-shadow",
             },
+            "online_references": online,
             "attack_model": "per-class MLPs (Shokri)" if per_class else "pooled MLP on class-aligned log-probabilities",
             "records_per_target_client": int(len(targets[0].member)),
             "seconds": round(time.time() - t0, 1),
@@ -132,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shadows", type=int, default=2, help="shadow federations to train (default 2)")
     p.add_argument("--per-class", action="store_true", help="one attack model per class (Shokri) instead of pooled")
     p.add_argument("--shadow-data-root", help="image folder of shadow data (needed for non-embedded datasets)")
+    p.add_argument(
+        "--online",
+        type=int,
+        default=0,
+        help="online LiRA: train this many (even) reference federations on the target's own candidates, "
+        "each record in half of them (default 0: offline attacks only)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=300, help="VLM runs: members and non-members per attacked model")
     args = p.parse_args(argv)
@@ -141,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         from fedvlm.attacks.maxrenyi import main as maxrenyi_main
 
         return maxrenyi_main([str(args.run_dir), "--samples", str(args.samples), "--seed", str(args.seed)])
-    res = run_attacks(args.run_dir, args.shadows, args.per_class, args.shadow_data_root, args.seed)
+    res = run_attacks(args.run_dir, args.shadows, args.per_class, args.shadow_data_root, args.seed, args.online)
     s = res["summary"]
     print(
         f"membership inference on {res['method']} ({res['records_per_target_client']} records per client, "
@@ -152,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  {name:15s} accuracy {100 * s[name]['accuracy']:.1f}%  AUC {s[name]['auc']:.3f}  "
             f"TPR@1%FPR {100 * s[name]['tpr@1%fpr']:.1f}%"
         )
-    for name in REFERENCE_ATTACKS:
+    for name in [a for a in OFFLINE_ATTACKS + ONLINE_ATTACKS if a in s]:
         pooled = s[name]["pooled"]
         print(
             f"  {name:15s} pooled AUC {_interval(pooled['auc'], 3)}  TPR@1%FPR {_interval(pooled['tpr@1%fpr'], 3)}  "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedvlm.data.membership import reference_node_data
 from fedvlm.data.partitioners import Partition, make_partitions
 from fedvlm.data.registry import DatasetSplits, load_dataset, load_image_folder
 from fedvlm.data.sources import limit_per_class
@@ -61,6 +62,11 @@ def _dataset(cfg: RunConfig) -> DatasetSplits:
 def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
     """This node's data, from its node config (see the module docstring)."""
     if node_config.get("data-dir"):
+        if cfg.attack.reference >= 0:
+            raise ConfigError(
+                "attack.reference (an online-LiRA reference federation) needs simulated partitions: this node "
+                "trains on its own data-dir; run reference federations with python -m fedvlm.attacks --online"
+            )
         data_dir = Path(str(node_config["data-dir"])).expanduser()
         key = ("own", str(data_dir), cfg.test_fraction, cfg.max_per_class, cfg.seed)
         if key not in _SPLITS:
@@ -111,10 +117,11 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
             alpha=cfg.dirichlet_alpha,
             ratios=cfg.quantity_ratios,
         )
+    part = _PARTS[part_key][pid]
+    if cfg.attack.reference >= 0:  # an online-LiRA reference federation (python -m fedvlm.attacks --online)
+        splits, part = reference_node_data(splits, part, cfg.attack.candidate_seed, pid, cfg.attack.reference)
     name = str(node_config.get("name") or f"client-{pid}")
-    return NodeData(
-        name, pid, splits, _PARTS[part_key][pid], dict(node_config), _noise_source(cfg, node_config, own_data=False)
-    )
+    return NodeData(name, pid, splits, part, dict(node_config), _noise_source(cfg, node_config, own_data=False))
 
 
 def _noise_source(cfg: RunConfig, node_config: dict, own_data: bool) -> str:

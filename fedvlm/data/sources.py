@@ -66,6 +66,18 @@ class SubsetSource(ImageSource):
         return self.base.image(int(self.indices[i]))
 
 
+class ConcatSource(ImageSource):
+    """Two sources one after the other (a reference node's training pool: train, then test)."""
+
+    def __init__(self, first: ImageSource, second: ImageSource):
+        self.first, self.second = first, second
+        self.labels = np.r_[first.labels, second.labels]
+        self.identity = f"{first.identity}+{second.identity}"
+
+    def image(self, i: int) -> Image.Image:
+        return self.first.image(i) if i < len(self.first) else self.second.image(i - len(self.first))
+
+
 class DatasetSource(ImageSource):
     """A torchvision dataset: ``dataset[i][0]`` is a PIL image."""
 

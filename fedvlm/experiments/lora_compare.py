@@ -3,30 +3,38 @@ the MaxRényi-K% membership attack on each run; writes a table (Markdown and CSV
 
     python -m fedvlm.experiments.lora_compare --out ~/fedvlm-lora                     # embedded captions
     python -m fedvlm.experiments.lora_compare --set dataset=embedded-vqa --rounds 10
+    python -m fedvlm.experiments.lora_compare --methods fedavg-lora,fedrand --epsilons none,8,1
     python -m fedvlm.experiments.lora_compare --set vlm.model=HuggingFaceTB/SmolVLM-256M-Instruct \\
         dataset=coco-captions data-root=/data/coco --rounds 50 --clients 10
 
 Columns: the last round's server-model and mean client-model metrics (CIDEr and BLEU-4 for
 captions, exact match for VQA; the server model also on the out-of-domain split), training
 traffic against full LoRA, and the attack's best AUROC over (alpha, K) against the server model
-and against the client models the server can rebuild. Finished runs are reused.
+and against the client models the server can rebuild. ``table_attacks.md/.csv`` holds
+MaxRényi-10% (alpha 0.5, fixed in advance) with bootstrap 95% intervals on the server's model and
+on the rebuilt client models pooled, and ``attack_tpr_vs_epsilon.png`` its TPR at 1% and 0.1% FPR
+against the accounted epsilon (``--epsilons``). Finished runs are reused.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import logging
 import sys
 import time
 from pathlib import Path
 
+from fedvlm.attacks.maxrenyi import HEADLINE
+from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.sweep import run_one
 from fedvlm.methods.registry import VLM, methods_of
 from fedvlm.runconfig import parse_value
 
 METHODS = tuple(m.name for m in methods_of(VLM))
+BOUNDS = ("-lo", "-hi")  # interval columns: in table_attacks, not in the main table
 
 
 def _best(threat: dict | None) -> tuple[float, str] | None:
@@ -57,11 +65,24 @@ def summarise(method: str, data: dict, mia: dict | None) -> dict:
     row["up-vs-full-lora"] = comm.get("up_vs_full_lora")
     row["down-vs-full-lora"] = comm.get("down_vs_full_lora")
     row["seconds"] = round(sum(r["seconds"] for r in data["rounds"]), 1)
+    spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
+    row["epsilon-spent"] = spent.get("epsilon")
     if mia:
         for threat in ("server", "client"):
             best = _best(mia["threats"].get(threat))
             row[f"mia-{threat}-auroc"] = best[0] if best else None
             row[f"mia-{threat}-setting"] = best[1] if best else "n/a"
+        # the setting fixed in advance, with intervals: the server's model, the clients' pooled
+        server = mia["threats"].get("server", {}).get(HEADLINE, {})
+        clients = mia["threats"].get("client", {}).get("pooled", {})
+        row.update(
+            attack_row(
+                {
+                    "server-maxrenyi10": server.get("intervals", {}),
+                    "clients-maxrenyi10": clients.get(HEADLINE, {}),
+                }
+            )
+        )
     return row
 
 
@@ -74,9 +95,9 @@ def _fmt(v) -> str:
 
 
 def write_table(rows: list[dict], out: Path) -> None:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if not c.endswith(BOUNDS)]
     with open(out / "lora_compare.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -91,12 +112,12 @@ def plot(runs: dict[str, dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, data in runs.items():
+    for label, data in runs.items():
         last = data["rounds"][-1]["metrics"]
         key = next((k for k in ("server-cider", "server-vqa-acc", "client-loss") if k in last), None)
         if key is None:
             continue
-        ax.plot([r["round"] for r in data["rounds"]], [r["metrics"].get(key) for r in data["rounds"]], label=method)
+        ax.plot([r["round"] for r in data["rounds"]], [r["metrics"].get(key) for r in data["rounds"]], label=label)
         ax.set_ylabel(key)
     ax.set_xlabel("round")
     ax.legend()
@@ -109,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.lora_compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("~/fedvlm-lora").expanduser())
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument(
+        "--epsilons", default="none", help="comma-separated target epsilons ('none' = no DP), each method at each"
+    )
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for every run")
@@ -125,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         k, v = item.split("=", 1)
         base[k] = parse_value(v)
     runs, rows = {}, []
-    for method in [m for m in args.methods.split(",") if m]:
-        raw = {**base, "method": method, "run-name": method}
-        path = out / "runs" / method / "results.json"
+    methods = [m for m in args.methods.split(",") if m]
+    for method, eps in itertools.product(methods, [e for e in args.epsilons.split(",") if e]):
+        name = method if eps == "none" else f"{method}-eps{eps}"
+        raw = {**base, "method": method, "run-name": name}
+        if eps != "none":
+            raw["privacy.epsilon"] = float(eps)
+        path = out / "runs" / name / "results.json"
         t0 = time.time()
         data = json.loads(path.read_text()) if path.exists() else None
         if data is None or data["run"].get("status") != "finished":
@@ -136,23 +164,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.mia_samples:
             from fedvlm.attacks.maxrenyi import run_maxrenyi
 
-            report = out / "runs" / method / "maxrenyi.json"
+            report = out / "runs" / name / "maxrenyi.json"
             mia = (
                 json.loads(report.read_text())
                 if report.exists()
-                else run_maxrenyi(out / "runs" / method, args.mia_samples)
+                else run_maxrenyi(out / "runs" / name, args.mia_samples)
             )
-        runs[method] = data
-        rows.append(summarise(method, data, mia))
+        runs[name] = data
+        rows.append({**summarise(method, data, mia), "epsilon": eps})
         print(
-            f"{method}: "
-            + ", ".join(f"{k} {_fmt(v)}" for k, v in rows[-1].items() if k != "method")
+            f"{name}: "
+            + ", ".join(f"{k} {_fmt(v)}" for k, v in rows[-1].items() if k != "method" and not k.endswith(BOUNDS))
             + f" ({time.time() - t0:.0f}s)",
             flush=True,
         )
         write_table(rows, out)
+        write_attack_table(rows, out, "the VLM models (MaxRényi-10%, alpha 0.5)", keys=("method", "epsilon"))
     plot(runs, out)
+    plot_attacks(rows, out, series="method")
     print(f"tables: {out / 'lora_compare.md'}, {out / 'lora_compare.csv'}; plot: {out / 'lora_compare.png'}")
+    if (out / "table_attacks.md").exists():
+        print((out / "table_attacks.md").read_text())
     return 0
 
 

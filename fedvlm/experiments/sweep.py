@@ -19,7 +19,9 @@ an interrupted sweep resumes. Outputs in ``--out``:
 - ``table_final.md/.csv``: local accuracy after the last round (pFedMoAP's protocol), with the
   paper's number beside ours when the preset has one;
 - ``accuracy_vs_epsilon.png`` (``accuracy_by_variant.png`` when only 'none' ran) and, with
-  ``--mia``, ``mia_vs_epsilon.png``;
+  ``--mia``, ``mia_vs_epsilon.png``, ``table_attacks.md/.csv`` (LiRA and RMIA, pooled, with
+  bootstrap intervals; online LiRA with ``--online R``) and ``attack_tpr_vs_epsilon.png`` (their
+  TPR at 1% and 0.1% FPR against the accounted epsilon);
 - with ``--audit M``: ``table_audit.md/.csv`` and ``audit_vs_accounted.png``, every private run
   audited with M canaries (``privacy.audit-canaries``), its lower bound beside the accounted epsilon.
 """
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.methods.registry import PROMPT, get_method, methods_of, validate
 from fedvlm.runconfig import KEY_BY_NAME, parse_value
 
@@ -451,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         help="audit every private run with M canaries (privacy.audit-canaries): table_audit.md, audit_vs_accounted.png",
     )
     p.add_argument("--shadows", type=int, default=2)
+    p.add_argument(
+        "--online", type=int, default=0, help="with --mia: online-LiRA reference federations per run (even; 0 = none)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for name in ("strategies", "server_app", "fedvlm", "models", "data"):
@@ -521,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             if not mia_path.exists():
                 from fedvlm.attacks.run import run_attacks
 
-                run_attacks(out / "runs" / name, shadows=args.shadows)
+                run_attacks(out / "runs" / name, shadows=args.shadows, online=args.online)
             mia = json.loads(mia_path.read_text())["summary"]
             row.update(
                 {
@@ -531,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mia-loss-auc": mia["loss-threshold"]["auc"],
                 }
             )
+            row.update(attack_row({k: v["pooled"] for k, v in mia.items() if "pooled" in v}))
         rows.append(row)
         log.info(
             "[%d/%d] %s: local %.1f%% neighbor %s%s (%.0fs)",
@@ -548,13 +555,17 @@ def main(argv: list[str] | None = None) -> int:
             w.writerows(rows)
         write_tables(rows, out, epsilons, reference)
         write_audit(rows, out)
+        write_attack_table(rows, out, "the published personalised prompts")
     plot(rows, out, epsilons)
     plot_audit(rows, out)
+    plot_attacks(rows, out)
     print((out / "table_final.md").read_text())
     print((out / "table_local.md").read_text())
     print((out / "table_neighbor.md").read_text())
     if args.mia:
         print((out / "table_mia.md").read_text())
+    if (out / "table_attacks.md").exists():
+        print((out / "table_attacks.md").read_text())
     if (out / "table_audit.md").exists():
         print((out / "table_audit.md").read_text())
     log.info("sweep of %d runs done in %.0fs: %s", len(plan), time.time() - t_all, out)

@@ -388,6 +388,23 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
+class AttackConfig:
+    """Online LiRA's reference federations; ``python -m fedvlm.attacks --online R`` sets these,
+    an ordinary run leaves them alone."""
+
+    reference: int = opt(
+        -1,
+        "Train as online-LiRA reference federation j: each simulated node trains on its training "
+        "records outside the membership candidates plus a seeded half of the candidates (members and "
+        "non-members pooled; data/membership.py). -1 = an ordinary run.",
+        min=-1,
+    )
+    candidate_seed: int = opt(
+        0, "Seed that draws each client's membership candidates (the attack command's --seed).", min=0
+    )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """The validated, resolved, read-only run config (``methods.registry.validate`` makes it).
 
@@ -486,6 +503,7 @@ class RunConfig:
     fedper: FedPerConfig = field(default_factory=FedPerConfig)
     reprogram: ReprogramConfig = field(default_factory=ReprogramConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     # the method's registry entry, a methods.spec.MethodSpec (typed Any: that module types
     # against this one, and the import graph stays acyclic)
     spec: Any = field(kw_only=True, compare=False, repr=False)

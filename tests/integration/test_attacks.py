@@ -62,7 +62,9 @@ def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
     cfg = make_cfg(method="coop", num_server_rounds=3, max_per_class=4, prompt__local_epochs=5)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict())
     rec = execute(cfg, grid, run_id="t")
-    res = run_attacks(rec.dir, shadows=1)
+    with pytest.raises(ValueError, match="even"):
+        run_attacks(rec.dir, shadows=1, online=1)
+    res = run_attacks(rec.dir, shadows=1, online=2)
     saved = json.loads((rec.dir / "mia.json").read_text())
     assert saved["summary"] == res["summary"]
     for name in ("shokri", "loss-threshold"):
@@ -70,7 +72,8 @@ def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
             assert 0.0 <= res["summary"][name][k] <= 1.0
     assert res["shadows"]["clients"] == 3 and len(res["per_client"]) == 3
     # LiRA and RMIA with the shadow clients as references, intervals from the fixed-seed bootstrap
-    for name in ("lira-offline", "rmia-offline"):
+    assert saved["online_references"] == 2
+    for name in ("lira-offline", "rmia-offline", "lira-online"):
         pooled = saved["summary"][name]["pooled"]
         for k in ("auc", "tpr@0.1%fpr", "tpr@1%fpr"):
             low, high = pooled[k]["ci95"]
@@ -91,5 +94,24 @@ def test_attacks_score_pfedmoaps_personalised_model_with_its_gate(make_cfg, pret
     r = client_records(cfg, pub, 3, seed=0)
     plain = dict(pub, prompts={"ctx": pub["prompts"]["ctx"]})
     assert not np.allclose(r.probs, client_records(cfg, plain, 3, seed=0).probs)
-    res = run_attacks(rec.dir, shadows=1)
+    with pytest.raises(ValueError, match="even"):
+        run_attacks(rec.dir, shadows=1, online=1)
+    res = run_attacks(rec.dir, shadows=1, online=2)
     assert res["method"] == "pfedmoap" and len(res["per_client"]) == 3
+
+
+def test_a_reference_federation_node_trains_on_its_half_of_the_candidates(make_cfg):
+    from fedvlm.client_app.node import node_data
+    from fedvlm.data.membership import membership_candidates, reference_inclusion
+
+    node_cfg = {"partition-id": 1, "num-partitions": 2}
+    target = node_data(make_cfg(method="coop", max_per_class=4), node_cfg)
+    ref = node_data(make_cfg(method="coop", max_per_class=4, attack__reference=2, attack__candidate_seed=5), node_cfg)
+    members, non_members = membership_candidates(target.part, 5, 1)
+    inside = reference_inclusion(target.part, 5, 1, 2)
+    offset = len(target.splits.train)
+    expected = np.r_[members, offset + non_members][inside]
+    assert set(expected) <= set(ref.part.train) and len(ref.part.train) == len(target.part.train)
+    assert not set(np.r_[members, offset + non_members][~inside]) & set(ref.part.train)
+    labels = ref.splits.train.labels[ref.part.train]
+    assert set(labels) == set(target.part.classes)  # non-members are of the client's own classes

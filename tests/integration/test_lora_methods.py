@@ -209,7 +209,8 @@ def test_private_parts_of_fedper_and_fedpara_never_travel(vlm_cache, tmp_path, m
 def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     import json
 
-    from fedvlm.attacks.maxrenyi import run_maxrenyi
+    from fedvlm.attacks.maxrenyi import HEADLINE, run_maxrenyi
+    from fedvlm.experiments.lora_compare import summarise
 
     _, recorder = fedrand_run
     report = run_maxrenyi(recorder.dir, samples=8, clients=2)
@@ -219,6 +220,16 @@ def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     assert all(0.0 <= r["auroc"] <= 1.0 and r["n_members"] == 8 for r in server.values())
     clients = report["threats"]["client"]["per_client"]
     assert clients and all(c["uploaded"] for c in clients.values())  # rebuilt from what each client sent
+    # intervals on every result; the clients also pooled into one ROC
+    pooled = report["threats"]["client"]["pooled"][HEADLINE]
+    for result in (pooled, server[HEADLINE]["intervals"], *(c[HEADLINE]["intervals"] for c in clients.values())):
+        for metric in ("auc", "tpr@1%fpr", "tpr@0.1%fpr"):
+            low, high = result[metric]["ci95"]
+            assert 0.0 <= low <= result[metric]["value"] <= high <= 1.0
+    # the comparison tool's row carries the fixed setting's intervals for its table and plot
+    row = summarise("fedrand", json.loads((recorder.dir / "results.json").read_text()), report)
+    assert row["mia-clients-maxrenyi10-auc"] == pooled["auc"]["value"]
+    assert {"mia-server-maxrenyi10-tpr@1%fpr-lo", "mia-clients-maxrenyi10-tpr@0.1%fpr-hi"} <= set(row)
 
 
 def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):

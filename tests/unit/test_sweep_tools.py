@@ -3,6 +3,7 @@ tests/integration/test_sweep.py for one)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from fedvlm.experiments.sweep import COMPARISONS, PRESETS, _labelled, audit_row, plot_audit, write_audit, write_tables
@@ -91,3 +92,29 @@ def test_audited_runs_get_their_table_and_plot(tmp_path):
     assert "| dpfpl | 1 | 0 | 1.000 | 0.800 | 0.210 | 50 | 31 | consistent |" in table and "coop" not in table
     assert (tmp_path / "audit_vs_accounted.png").stat().st_size > 0
     assert audit_row({"final": {}}) == {}  # a run without an audit adds nothing
+
+
+def test_attacks_with_intervals_get_their_table_and_tpr_plot(tmp_path):
+    from fedvlm.attacks.likelihood import bootstrap
+    from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
+
+    rng = np.random.default_rng(0)
+    member = np.r_[np.ones(200, bool), np.zeros(200, bool)]
+    leaky = bootstrap(rng.normal(0, 1, 400) + 1.5 * member, member)  # separates
+    blind = bootstrap(rng.normal(0, 1, 400), member)  # chance
+    rows = [
+        {"variant": "dpfpl", "epsilon": "none", "seed": 0, "epsilon-spent": None, **attack_row({"lira-online": leaky})},
+        {"variant": "dpfpl", "epsilon": "1", "seed": 0, "epsilon-spent": 0.9, **attack_row({"lira-online": blind})},
+        {"variant": "dpfpl", "epsilon": "8", "seed": 0, "epsilon-spent": 7.5, "mia-shokri-auc": 0.5},
+    ]
+    assert rows[0]["mia-lira-online-auc-lo"] > 0.5 and "mia-lira-online-tpr@1%fpr-hi" in rows[1]
+    write_attack_table(rows, tmp_path, "test prompts")
+    lines = (tmp_path / "table_attacks.md").read_text().splitlines()
+    no_dp, eps1, eps8 = ([c.strip() for c in line.strip("|").split("|")] for line in lines[-3:])
+    # columns: variant, epsilon, seed, accounted eps, AUC, TPR@1%FPR, TPR@0.1%FPR
+    assert no_dp[3] == "no DP" and no_dp[4].endswith("*") and no_dp[5].endswith("*")  # intervals above chance
+    assert eps1[3] == "0.900" and not eps1[4].endswith("*")  # the AUC interval covers chance
+    assert eps8[4:] == ["-", "-", "-"]  # a run without interval attacks: empty cells
+    plot_attacks(rows, tmp_path)
+    assert (tmp_path / "attack_tpr_vs_epsilon.png").stat().st_size > 0
+    assert attack_row({"shokri": {"auc": 0.6}}) == {}  # point estimates without intervals are not rows
