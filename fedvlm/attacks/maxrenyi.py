@@ -23,6 +23,12 @@ also carries AUC and TPR at 1% and 0.1% FPR with bootstrap 95% intervals; the cl
 also pooled (all clients' samples in one ROC). ``HEADLINE`` is the setting fixed in advance for
 comparisons with intervals (FedRand's MaxRényi-10%), so that no best-of-eight selection inflates them.
 
+Against the rebuilt client models two attacks also use a reference model the server has for
+free and that never saw any data, the pretrained base model (every adapter at its initial
+value): the likelihood calibrated by it (offline LiRA with one reference) and offline RMIA
+(``reference_attacks``). Calibrating by a reference removes how hard each sample is for any
+model, which a reference-free score cannot.
+
     python -m fedvlm.attacks.maxrenyi <run-dir> [--samples 300]      -> <run-dir>/maxrenyi.json
 """
 
@@ -36,15 +42,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from sklearn.metrics import roc_auc_score, roc_curve
 
-from fedvlm.attacks.likelihood import bootstrap
+from fedvlm.attacks.likelihood import bootstrap, rmia
 from fedvlm.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
 ALPHAS = (0.5, 1.0, 2.0, math.inf)
 KS = (0, 10)
+LOGLIK = "loglik"  # sample_scores' key of the mean target-token log-likelihood
 HEADLINE = "alpha=0.5,K=10"
 
 
@@ -67,8 +75,10 @@ def max_k_percent(values: torch.Tensor, k: float) -> float:
 
 @torch.no_grad()
 def sample_scores(vlm, split, idx: np.ndarray, batch_size: int = 16) -> dict[str, np.ndarray]:
-    """MaxRényi-K% of every sample in ``idx`` for each (alpha, K): {'a=0.5,K=0': [n], ...}."""
+    """MaxRényi-K% of every sample in ``idx`` for each (alpha, K): {'alpha=0.5,K=0': [n], ...},
+    and ``LOGLIK``: each sample's mean log-probability of its target tokens."""
     out: dict[str, list[float]] = {f"alpha={a:g},K={k}": [] for a in ALPHAS for k in KS}
+    out[LOGLIK] = []
     for s in range(0, len(idx), batch_size):
         chunk = [int(i) for i in idx[s : s + batch_size]]
         batch = vlm.training_batch(
@@ -76,6 +86,8 @@ def sample_scores(vlm, split, idx: np.ndarray, batch_size: int = 16) -> dict[str
         )
         logits, targets = vlm.token_logits(batch)
         mask = targets != -100
+        token_loss = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+        out[LOGLIK].extend((-token_loss.sum(1) / mask.sum(1).clamp(min=1)).tolist())
         for a in ALPHAS:
             ent = renyi_entropy(logits, a)
             for row in range(len(chunk)):
@@ -104,18 +116,46 @@ def auroc_and_tpr(member_scores: np.ndarray, nonmember_scores: np.ndarray, fpr_a
 Scores = dict[str, tuple[np.ndarray, np.ndarray]]  # setting -> (members' scores, non-members')
 
 
-def attack(vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: int, seed: int) -> tuple[dict, Scores]:
-    """Every (alpha, K) attack on one model (``members``/``nonmembers`` are VLMSplits): the
-    metrics, and the scores themselves for pooling over clients."""
+def reference_attacks(target: np.ndarray, reference: np.ndarray, member: np.ndarray) -> dict[str, np.ndarray]:
+    """Attacks from one reference model that never saw the data (the pretrained base model, the
+    adapter at its initial values), on each sample's mean target-token log-likelihood, higher =
+    member: ``calibrated-base`` = target minus reference log-likelihood (LiRA's offline test with
+    a single reference: the per-sample mean is the reference's value, one variance for all, so the
+    ranking is that of the difference); ``rmia-base`` = offline RMIA with Pr(x|model) the
+    geometric mean of its target tokens' probabilities, the population the non-members."""
+    pop = ~member
+    p_x, p_ref = np.exp(target), np.exp(reference)[None, :]
+    return {
+        "calibrated-base": target - reference,
+        "rmia-base": rmia(p_x, p_ref, p_x[pop], p_ref[:, pop], x_in_z=np.where(pop, np.cumsum(pop) - 1, -1)),
+    }
+
+
+def attack(
+    vlm, adapter: dict[str, torch.Tensor], members, nonmembers, samples: int, seed: int, base: dict | None = None
+) -> tuple[dict, Scores]:
+    """Every (alpha, K) attack on one model (``members``/``nonmembers`` are VLMSplits), and with
+    ``base`` (the adapter at its initial values) the reference attacks: the metrics, and the
+    scores themselves (member score, higher = member) for pooling over clients."""
     from fedvlm.models.vlm import load_adapter_state
 
-    load_adapter_state(vlm.model, adapter)
     rng = np.random.default_rng(seed)
     n = min(samples, len(members), len(nonmembers))
     mi = rng.choice(len(members), n, replace=False)
     ni = rng.choice(len(nonmembers), n, replace=False)
+    load_adapter_state(vlm.model, adapter)
     ms, ns = sample_scores(vlm, members, mi), sample_scores(vlm, nonmembers, ni)
-    return {key: auroc_and_tpr(ms[key], ns[key]) for key in ms}, {key: (ms[key], ns[key]) for key in ms}
+    loglik = np.r_[ms.pop(LOGLIK), ns.pop(LOGLIK)]
+    metrics = {key: auroc_and_tpr(ms[key], ns[key]) for key in ms}
+    scores: Scores = {key: (-ms[key], -ns[key]) for key in ms}  # lower MaxRényi = member
+    if base is not None:
+        load_adapter_state(vlm.model, base)
+        ref = np.r_[sample_scores(vlm, members, mi)[LOGLIK], sample_scores(vlm, nonmembers, ni)[LOGLIK]]
+        member = np.r_[np.ones(n, bool), np.zeros(n, bool)]
+        for key, v in reference_attacks(loglik, ref, member).items():
+            metrics[key] = {"intervals": bootstrap(v, member)}
+            scores[key] = (v[member], v[~member])
+    return metrics, scores
 
 
 def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
@@ -178,7 +218,7 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
         uploads = torch.load(path, weights_only=True)["arrays"]
         adapter = {**initial, **shared, **uploads}
         per_client[name], scores = attack(
-            vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i
+            vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i, initial
         )
         for key, (ms, ns) in scores.items():
             pooled.setdefault(key, []).append((ms, ns))
@@ -195,14 +235,17 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
                 for k in keys
             },
             # every client's members and non-members together, one ROC (bootstrap 95% intervals)
-            "pooled": {
-                key: auroc_and_tpr(np.concatenate([m for m, _ in v]), np.concatenate([n for _, n in v]))["intervals"]
-                for key, v in pooled.items()
-            },
+            "pooled": {key: _pooled(v) for key, v in pooled.items()},
             "per_client": per_client,
         }
     atomic_write_json(report, run_dir / "maxrenyi.json")
     return report
+
+
+def _pooled(scores: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """Every client's members and non-members in one ROC (member scores, higher = member)."""
+    members, nonmembers = np.concatenate([m for m, _ in scores]), np.concatenate([n for _, n in scores])
+    return bootstrap(np.r_[members, nonmembers], np.r_[np.ones(len(members), bool), np.zeros(len(nonmembers), bool)])
 
 
 def _concat(splits):

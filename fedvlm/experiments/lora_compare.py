@@ -11,8 +11,9 @@ Columns: the last round's server-model and mean client-model metrics (CIDEr and 
 captions, exact match for VQA; the server model also on the out-of-domain split), training
 traffic against full LoRA, and the attack's best AUROC over (alpha, K) against the server model
 and against the client models the server can rebuild. ``table_attacks.md/.csv`` holds
-MaxRényi-10% (alpha 0.5, fixed in advance) with bootstrap 95% intervals on the server's model and
-on the rebuilt client models pooled, and ``attack_tpr_vs_epsilon.png`` its TPR at 1% and 0.1% FPR
+MaxRényi-10% (alpha 0.5, fixed in advance) on the server's model and on the rebuilt client
+models, and the base-model-calibrated likelihood and RMIA on the client models, pooled over
+clients with bootstrap 95% intervals, and ``attack_tpr_vs_epsilon.png`` its TPR at 1% and 0.1% FPR
 against the accounted epsilon (``--epsilons``). Finished runs are reused.
 """
 
@@ -34,7 +35,7 @@ from fedvlm.methods.registry import VLM, methods_of
 from fedvlm.runconfig import parse_value
 
 METHODS = tuple(m.name for m in methods_of(VLM))
-BOUNDS = ("-lo", "-hi")  # interval columns: in table_attacks, not in the main table
+BOUNDS = ("-lo", "-hi")  # interval attacks go to table_attacks, not the main table
 
 
 def _best(threat: dict | None) -> tuple[float, str] | None:
@@ -80,6 +81,8 @@ def summarise(method: str, data: dict, mia: dict | None) -> dict:
                 {
                     "server-maxrenyi10": server.get("intervals", {}),
                     "clients-maxrenyi10": clients.get(HEADLINE, {}),
+                    "clients-calibrated-base": clients.get("calibrated-base", {}),
+                    "clients-rmia-base": clients.get("rmia-base", {}),
                 }
             )
         )
@@ -95,7 +98,8 @@ def _fmt(v) -> str:
 
 
 def write_table(rows: list[dict], out: Path) -> None:
-    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if not c.endswith(BOUNDS)]
+    every = list(dict.fromkeys(k for r in rows for k in r))
+    cols = [c for c in every if not c.endswith(BOUNDS) and f"{c}-lo" not in every]  # attacks: table_attacks
     with open(out / "lora_compare.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         write_table(rows, out)
-        write_attack_table(rows, out, "the VLM models (MaxRényi-10%, alpha 0.5)", keys=("method", "epsilon"))
+        write_attack_table(rows, out, "the VLM models", keys=("method", "epsilon"))
     plot(runs, out)
     plot_attacks(rows, out, series="method")
     print(f"tables: {out / 'lora_compare.md'}, {out / 'lora_compare.csv'}; plot: {out / 'lora_compare.png'}")

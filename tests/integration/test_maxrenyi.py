@@ -51,7 +51,8 @@ def _memorisation_task(vlm_cache):
 
 
 def test_maxrenyi_separates_members_of_an_overfit_model_and_not_of_an_untrained_one(vlm_cache):
-    from fedvlm.attacks.maxrenyi import auroc_and_tpr, sample_scores
+    from fedvlm.attacks.likelihood import bootstrap
+    from fedvlm.attacks.maxrenyi import LOGLIK, auroc_and_tpr, reference_attacks, sample_scores
     from fedvlm.models.vlm import VLM, load_model_and_processor
 
     cfg, members, nonmembers = _memorisation_task(vlm_cache)
@@ -59,12 +60,15 @@ def test_maxrenyi_separates_members_of_an_overfit_model_and_not_of_an_untrained_
     model, processor = load_model_and_processor(cfg.vlm.model, cfg.cache_path)
     vlm = VLM(model, processor, "memorise", torch.device("cpu"))
 
-    def aurocs() -> dict[str, dict]:
+    loglik: dict[str, np.ndarray] = {}
+
+    def aurocs(model_name: str) -> dict[str, dict]:
         ms = sample_scores(vlm, members, np.arange(len(members)))
         ns = sample_scores(vlm, nonmembers, np.arange(len(nonmembers)))
+        loglik[model_name] = np.r_[ms.pop(LOGLIK), ns.pop(LOGLIK)]
         return {k: auroc_and_tpr(ms[k], ns[k]) for k in ms}
 
-    untrained = aurocs()
+    untrained = aurocs("untrained")
     assert all(abs(r["auroc"] - 0.5) < 0.2 for r in untrained.values()), untrained
 
     # deliberately overfit: the whole language model, until the members' loss is near zero
@@ -83,7 +87,12 @@ def test_maxrenyi_separates_members_of_an_overfit_model_and_not_of_an_untrained_
         opt.step()
     model.eval()
     assert loss.item() < 0.2
-    overfit = aurocs()
+    overfit = aurocs("overfit")
     for key, r in overfit.items():
         assert r["auroc"] > 0.7, (key, r)
     assert max(r["tpr@5%fpr"] for r in overfit.values()) > 0.2
+    # the attacks calibrated by a reference that never saw the data (here the untrained model)
+    member = np.r_[np.ones(len(members), bool), np.zeros(len(nonmembers), bool)]
+    for name, scores in reference_attacks(loglik["overfit"], loglik["untrained"], member).items():
+        auc = bootstrap(scores, member)["auc"]
+        assert auc["ci95"][0] > 0.7, (name, auc)
