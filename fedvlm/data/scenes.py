@@ -4,7 +4,10 @@ Every image shows one or two coloured shapes of ``data.embedded``'s world (one i
 or one on the left and one on the right). Captions and answers follow from the content, so a
 model that sees the image can get them right and one that does not cannot:
 
-- caption: ``a red circle on the left and a blue ring on the right .``
+- caption: ``a red circle on the left and a blue ring on the right .``; in the varied task each
+  record says it one of 16 ways, drawn per record (``phrasings``), as human captions differ from
+  image to image: a model can learn the content from any record, but which phrasing a record
+  used only from that record, which is what a membership attack needs to find;
 - vqa (ScienceQA-style multiple choice, four lettered options): ``question : what color is the
   circle ? options : A blue B red C pink D green . answer :`` -> ``B``. Topics: color, shape,
   count, position (the Dirichlet split is by topic, as the paper splits ScienceQA).
@@ -89,6 +92,24 @@ def caption(objects: list[SceneObject]) -> str:
     return f"a {a.color} {a.shape} on the left and a {b.color} {b.shape} on the right ."
 
 
+def phrasings(objects: list[SceneObject]) -> list[str]:
+    """Every way the varied caption task may say the same scene (16 for two objects, 8 for one),
+    from the words the domain already has: which side first, object or place first, an opening
+    "there is", the article "a" or "one". The first is ``caption``'s."""
+    out = []
+    for opening in ("", "there is "):
+        for article in ("a", "one"):
+            for place_first in (False, True):
+                said = []
+                for ob in objects:
+                    where = "in the middle" if ob.side == "middle" else f"on the {ob.side}"
+                    thing = f"{article} {ob.color} {ob.shape}"
+                    said.append(f"{where} {thing}" if place_first else f"{thing} {where}")
+                orders = [said] if len(said) == 1 else [said, said[::-1]]
+                out += [f"{opening}{' and '.join(o)} ." for o in orders]
+    return out
+
+
 def tags(objects: list[SceneObject]) -> str:
     """The pretraining text: attributes only, no sentence structure."""
     return " and ".join(f"{ob.side} {ob.color} {ob.shape}" for ob in objects) + " ."
@@ -138,17 +159,20 @@ class SceneCorpus:
 
 
 def generate(task: str, n: int, seed: int, ood: bool = False) -> SceneCorpus:
-    """``n`` samples of ``task`` ('caption', 'vqa' or 'pretrain')."""
+    """``n`` samples of ``task`` ('caption', 'caption-varied', 'vqa' or 'pretrain')."""
     rng = np.random.default_rng(seed)
     images, prompts, targets, labels, refs = [], [], [], [], []
     for i in range(n):
-        objects = draw_objects(rng, ood=ood if task == "caption" else None)
+        objects = draw_objects(rng, ood=ood if task.startswith("caption") else None)
         images.append(render_scene(objects, rng))
-        if task == "caption":
+        if task in ("caption", "caption-varied"):
             text = caption(objects)
+            if task == "caption-varied":  # own stream per record: the images stay those of 'caption'
+                ways = phrasings(objects)
+                text = ways[int(np.random.default_rng([seed, i, 1]).integers(len(ways)))]
             prompts.append(CAPTION_PROMPT)
             targets.append(text)
-            refs.append([text])
+            refs.append(phrasings(objects) if task == "caption-varied" else [text])
             labels.append(SHAPES.index(objects[0].shape))
         elif task == "vqa":
             topic = TOPICS[i % len(TOPICS)]
@@ -171,7 +195,7 @@ def generate(task: str, n: int, seed: int, ood: bool = False) -> SceneCorpus:
             refs.append([targets[-1]])
             labels.append(0)
         else:
-            raise ValueError(f"unknown scenes task {task!r}; known: caption, vqa, pretrain")
+            raise ValueError(f"unknown scenes task {task!r}; known: caption, caption-varied, vqa, pretrain")
     return SceneCorpus(np.stack(images), prompts, targets, np.asarray(labels, dtype=np.int64), refs)
 
 

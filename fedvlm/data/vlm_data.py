@@ -77,17 +77,23 @@ def _from_corpus(corpus: scenes.SceneCorpus, identity: str) -> VLMSplit:
     )
 
 
-def load_embedded(task: str, shadow: bool = False) -> VLMDataset:
-    """The scenes domain; ``shadow``: an independent draw (data a membership attacker owns)."""
+EMBEDDED_TASKS = {"embedded-captions": "caption", "embedded-captions-varied": "caption-varied", "embedded-vqa": "vqa"}
+
+
+def load_embedded(name: str, shadow: bool = False) -> VLMDataset:
+    """The scenes domain (``EMBEDDED_TASKS``); ``shadow``: an independent draw (data a membership
+    attacker owns)."""
+    task = EMBEDDED_TASKS[name]
     base = 50_000 if shadow else 40_000
     tag = f"scenes-{task}{'-shadow' if shadow else ''}"
     train = _from_corpus(scenes.generate(task, EMBEDDED_SIZES["train"], base + 1), f"{tag}/train")
     test = _from_corpus(scenes.generate(task, EMBEDDED_SIZES["test"], base + 2), f"{tag}/test")
     ood = None
-    if task == "caption":
+    captions = task != "vqa"
+    if captions:
         ood = _from_corpus(scenes.generate(task, EMBEDDED_SIZES["ood"], base + 3, ood=True), f"{tag}/ood")
-    labels = list(scenes.SHAPES) if task == "caption" else list(scenes.TOPICS)
-    return VLMDataset(f"embedded-{'captions' if task == 'caption' else 'vqa'}", task, labels, train, test, ood)
+    labels = list(scenes.SHAPES) if captions else list(scenes.TOPICS)
+    return VLMDataset(name, "caption" if captions else "vqa", labels, train, test, ood)
 
 
 # --- COCO-style captions ---------------------------------------------------------------------
@@ -199,9 +205,8 @@ def load_scienceqa(source: str, max_train: int = 0, max_test: int = 0) -> VLMDat
 def load_vlm_dataset(
     name: str, data_root: str = "", ood_captions: str = "", max_train: int = 0, max_test: int = 0, hf_dataset: str = ""
 ) -> VLMDataset:
-    if name in ("embedded-captions", "embedded-vqa", "embedded-captions-shadow", "embedded-vqa-shadow"):
-        task = "caption" if "captions" in name else "vqa"
-        ds = load_embedded(task, shadow=name.endswith("-shadow"))
+    if name.removesuffix("-shadow") in EMBEDDED_TASKS:
+        ds = load_embedded(name.removesuffix("-shadow"), shadow=name.endswith("-shadow"))
     elif name == "coco-captions":
         ds = load_coco(Path(data_root), ood_captions, max_train, max_test)
     elif name == "scienceqa":

@@ -34,7 +34,9 @@ DATASETS_NEEDING_ROOT = frozenset(
         "bloodmnist",
     }
 )
-VLM_DATASETS = frozenset({"embedded-captions", "embedded-vqa", "coco-captions", "scienceqa"})
+VLM_DATASETS = frozenset(
+    {"embedded-captions", "embedded-captions-varied", "embedded-vqa", "coco-captions", "scienceqa"}
+)
 DATASETS_WITH_OPTIONAL_ROOT = frozenset({"scienceqa"})
 
 

@@ -459,6 +459,7 @@ class RunConfig:
             "bloodmnist",
             # the VLM methods' datasets
             "embedded-captions",
+            "embedded-captions-varied",
             "embedded-vqa",
             "coco-captions",
             "scienceqa",

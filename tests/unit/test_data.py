@@ -135,3 +135,22 @@ def test_coop_split_file_is_used(tmp_path):
     assert d.classnames == ["abyssinian", "basset hound"]
     assert (len(d.train), len(d.test)) == (4, 2)
     assert d.train.image(1).size == (8, 8)
+
+
+def test_varied_captions_show_the_same_scenes_each_phrased_its_own_way():
+    from fedvlm.data import scenes
+    from fedvlm.data.vlm_data import load_vlm_dataset
+
+    plain, varied = scenes.generate("caption", 200, 7), scenes.generate("caption-varied", 200, 7)
+    np.testing.assert_array_equal(plain.images, varied.images)  # the same scenes
+    np.testing.assert_array_equal(plain.labels, varied.labels)
+    vocabulary = set(scenes.vocabulary())
+    for fixed, said, refs in zip(plain.targets, varied.targets, varied.references, strict=True):
+        assert said in refs and fixed == refs[0]  # one of the scene's phrasings; the plain one first
+        assert len(set(refs)) == len(refs) == (16 if " and " in fixed else 8)
+        assert set(" ".join(refs).split()) <= vocabulary  # no word the tokenizer lacks
+    assert len({t.split(" ")[0] for t in varied.targets}) >= 4  # openings drawn per record: a, one, there, on/in
+    assert sum(a != b for a, b in zip(plain.targets, varied.targets, strict=True)) > 150
+    ds = load_vlm_dataset("embedded-captions-varied", max_train=50)
+    assert ds.task == "caption" and ds.name == "embedded-captions-varied" and ds.ood is not None
+    assert len(ds.train) == 50 and len(ds.train.references[0]) in (8, 16)
