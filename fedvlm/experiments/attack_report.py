@@ -74,7 +74,8 @@ def write_attack_table(rows: list[dict], out: Path, label: str, keys: tuple[str,
 
 def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
     """``attack_tpr_vs_epsilon.png``: TPR at 1% and at 0.1% FPR (with intervals) against the
-    accounted epsilon, one line per (series, attack); runs without DP at the right edge, marked."""
+    accounted epsilon, one line per (series, attack); runs without DP as squares at the right
+    edge, not joined to the line."""
     names = attacks_in(rows)
     if not names:
         return
@@ -102,14 +103,21 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
                 if not pts:
                     continue
                 x, y, lo, hi = (np.array(v) for v in zip(*pts, strict=True))
+                bars = 100 * np.vstack([y - lo, hi - y])
+                private = x != no_dp_x  # joined by a line; runs without noise: a marker on their own
+                label = f"{group} {name}" if group is not None else name
+                line = ax.errorbar(x[private], 100 * y[private], yerr=bars[:, private], marker="o", capsize=3)
+                color = line.lines[0].get_color()
                 ax.errorbar(
-                    x,
-                    100 * y,
-                    yerr=100 * np.vstack([y - lo, hi - y]),
-                    marker="o",
+                    x[~private],
+                    100 * y[~private],
+                    yerr=bars[:, ~private],
+                    marker="s",
                     capsize=3,
-                    label=f"{group} {name}" if group is not None else name,
+                    ls="none",
+                    color=color,
                 )
+                line.set_label(label)
         ax.axhline(100 * CHANCE[metric], color="gray", ls="--", lw=1, label="chance")
         if spent:
             ax.axvline(no_dp_x / 2, color="gray", ls=":", lw=1)
