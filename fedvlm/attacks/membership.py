@@ -246,19 +246,23 @@ def reference_scores(target: Records, refs: References) -> dict[str, np.ndarray]
     return scores
 
 
-def evaluate_reference_attacks(targets: list[Records], references: dict[str, References], seed: int) -> dict:
-    """Per client and pooled: AUC, TPR at 0.1% and 1% FPR, each with its bootstrap 95% interval."""
-    per_client: dict[str, dict] = {}
-    pooled: dict[str, list[np.ndarray]] = {}
-    for rec in targets:
-        scores = reference_scores(rec, references[rec.client])
-        per_client[rec.client] = {k: bootstrap(v, rec.member, seed=seed) for k, v in scores.items()}
-        for k, v in scores.items():
-            pooled.setdefault(k, []).append(v)
-    member = np.concatenate([r.member for r in targets])
+def interval_summary(scores: dict[str, dict[str, np.ndarray]], member: dict[str, np.ndarray], seed: int) -> dict:
+    """``scores[client][attack]`` (higher = member) with ``member[client]``: per client and pooled
+    over clients, AUC and TPR at 0.1% and 1% FPR, each with its bootstrap 95% interval; the
+    summary's plain figures are the per-client means."""
+    per_client = {c: {k: bootstrap(v, member[c], seed=seed) for k, v in by.items()} for c, by in scores.items()}
+    clients = list(scores)
     summary: dict[str, dict[str, Any]] = {}
-    for k, parts in pooled.items():
-        metrics = [per_client[c][k] for c in per_client]
+    for k in scores[clients[0]] if clients else ():
+        metrics = [per_client[c][k] for c in clients]
         summary[k] = {m: float(np.mean([x[m]["value"] for x in metrics])) for m in metrics[0]}
-        summary[k]["pooled"] = bootstrap(np.concatenate(parts), member, seed=seed)
+        summary[k]["pooled"] = bootstrap(
+            np.concatenate([scores[c][k] for c in clients]), np.concatenate([member[c] for c in clients]), seed=seed
+        )
     return {"summary": summary, "per_client": per_client}
+
+
+def evaluate_reference_attacks(targets: list[Records], references: dict[str, References], seed: int) -> dict:
+    """LiRA and RMIA per client and pooled (``interval_summary``)."""
+    scores = {rec.client: reference_scores(rec, references[rec.client]) for rec in targets}
+    return interval_summary(scores, {rec.client: rec.member for rec in targets}, seed)

@@ -10,7 +10,9 @@ folder: Shokri and loss-threshold attack accuracy, AUC and TPR at 1% FPR; offlin
 0.1% and 1% FPR, each with a bootstrap 95% interval, per client and pooled. With ``--online R``
 it also trains R reference federations on the target's own data, each client on a seeded half of
 its membership candidates (``data/membership.py``), and runs online LiRA: every tested record is
-"in" for R/2 of them and "out" for the other R/2.
+"in" for R/2 of them and "out" for the other R/2. Where the run kept what its server saw
+(``attack.observe-uploads``), the honest-but-curious server's attacks on every upload of every round
+(``attacks.server``) join them, calibrated by the shadow and reference federations' own uploads.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import logging
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from fedvlm.attacks.membership import (
     OFFLINE_ATTACKS,
@@ -32,11 +37,15 @@ from fedvlm.attacks.membership import (
     ShadowAttack,
     client_records,
     evaluate_reference_attacks,
+    interval_summary,
     load_published,
 )
+from fedvlm.attacks.server import ATTACKS as SERVER_ATTACKS
+from fedvlm.attacks.server import AlignmentScorer, server_scores
 from fedvlm.client_app.node import node_data
 from fedvlm.data.membership import reference_inclusion
 from fedvlm.methods.registry import get_method, validate
+from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -82,8 +91,9 @@ def reference_config(target_cfg: dict, reference: int, out_dir: Path, candidate_
     return cfg
 
 
-def _train(raw: dict, n: int, run_id: str) -> dict[int, dict]:
-    """Train one federation in-process; its clients' published prompts by partition id."""
+def _train(raw: dict, n: int, run_id: str) -> tuple[dict[int, dict], Path]:
+    """Train one federation in-process: its clients' published prompts by partition id, and its
+    run folder."""
     from fedvlm.client_app.app import app as client_app
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
@@ -92,7 +102,32 @@ def _train(raw: dict, n: int, run_id: str) -> dict[int, dict]:
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
     with contextlib.redirect_stdout(io.StringIO()):
         rec = execute(cfg, grid, run_id=run_id)
-    return {p["partition_id"]: p for p in load_published(rec.dir / "published").values()}
+    return {p["partition_id"]: p for p in load_published(rec.dir / "published").values()}, rec.dir
+
+
+@dataclass
+class ServerView:
+    """The server's scores (``attacks.server``), partition id -> {score: [2k]}, under the target's
+    uploads, each shadow federation's and each online reference's, with which candidates each
+    reference trained on."""
+
+    target: dict[int, dict[str, np.ndarray]]
+    offline: list[dict[int, dict[str, np.ndarray]]]
+    online: list[dict[int, dict[str, np.ndarray]]]
+    inside: dict[int, list[np.ndarray]]
+
+    def evaluate(self, server: AlignmentScorer, clients: dict[int, str], seed: int) -> dict:
+        scores, member = {}, {}
+        for pid, target in self.target.items():
+            name = clients.get(pid, f"partition-{pid}")
+            scores[name] = server_scores(
+                target,
+                [o[pid] for o in self.offline if pid in o],
+                [o[pid] for o in self.online if pid in o],
+                self.inside.get(pid, []),
+            )
+            member[name] = server.candidates(pid).member
+        return interval_summary(scores, member, seed)
 
 
 def run_attacks(
@@ -117,13 +152,19 @@ def run_attacks(
     n = len([nd for nd in data["run"]["nodes"] if nd["partition_id"] >= 0])
     t0 = time.time()
     targets = [client_records(cfg, pub, n, seed) for pub in sim.values()]
+    # the server's attack, where the run kept what the server saw (attack.observe-uploads); the
+    # shadow and reference federations inherit the key, so they keep theirs too
+    server = AlignmentScorer(cfg, n, seed) if (run_dir / UPLOADS).is_dir() else None
+    seen = ServerView(server.scores(run_dir) if server else {}, [], [], {})
     shadow_records = []
     references = {pub["node"]: References([], [], []) for pub in sim.values()}
     with tempfile.TemporaryDirectory() as tmp:
         for s in range(shadows):
             log.info("training shadow federation %d/%d", s + 1, shadows)
             scfg = validate(shadow_config(cfg.as_dict(), s, Path(tmp), shadow_data_root))
-            shadow_pubs = _train(scfg.as_dict(), n, f"shadow-{s}")
+            shadow_pubs, shadow_dir = _train(scfg.as_dict(), n, f"shadow-{s}")
+            if server is not None:
+                seen.offline.append(server.scores(shadow_dir))
             for pub in shadow_pubs.values():
                 shadow_records.append(client_records(scfg, pub, n, seed + 1 + s))
             for pub in sim.values():  # offline references: the same partition, never saw these records
@@ -133,19 +174,27 @@ def run_attacks(
                     )
         for j in range(online):
             log.info("training online reference federation %d/%d", j + 1, online)
-            ref_pubs = _train(reference_config(cfg.as_dict(), j, Path(tmp), seed), n, f"reference-{j}")
+            ref_pubs, ref_dir = _train(reference_config(cfg.as_dict(), j, Path(tmp), seed), n, f"reference-{j}")
+            if server is not None:
+                seen.online.append(server.scores(ref_dir))
             for pub in sim.values():
                 pid = pub["partition_id"]
                 if pid in ref_pubs:
                     part = node_data(cfg, {"partition-id": pid, "num-partitions": n}).part
                     references[pub["node"]].online.append(client_records(cfg, pub, n, seed, under=ref_pubs[pid]))
                     references[pub["node"]].inside.append(reference_inclusion(part, seed, pid, j))
+                    seen.inside.setdefault(pid, []).append(references[pub["node"]].inside[-1])
     attack = ShadowAttack(shadow_records, per_class, len(targets[0].probs[0]), seed)
     result = attack.evaluate(targets)
     likelihood = evaluate_reference_attacks(targets, references, seed)
     result["summary"].update(likelihood["summary"])
     for client, figures in likelihood["per_client"].items():
         result["per_client"][client].update(figures)
+    if server is not None:
+        by_partition = seen.evaluate(server, {pub["partition_id"]: pub["node"] for pub in sim.values()}, seed)
+        result["summary"].update(by_partition["summary"])
+        for client, figures in by_partition["per_client"].items():
+            result["per_client"].setdefault(client, {}).update(figures)
     result.update(
         {
             "target_run": str(run_dir),
@@ -158,6 +207,9 @@ def run_attacks(
                 "dataset": "image-folder" if shadow_data_root else f"{cfg.dataset}-shadow",
             },
             "online_references": online,
+            "server_attack": "every upload of every round (attack.observe-uploads)"
+            if server
+            else "not run: the run kept no uploads (run it with attack.observe-uploads=true)",
             "attack_model": "per-class MLPs (Shokri)" if per_class else "pooled MLP on class-aligned log-probabilities",
             "records_per_target_client": int(len(targets[0].member)),
             "seconds": round(time.time() - t0, 1),
@@ -202,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name in ("shokri", "loss-threshold"):
         print(
-            f"  {name:15s} accuracy {100 * s[name]['accuracy']:.1f}%  AUC {s[name]['auc']:.3f}  "
+            f"  {name:20s} accuracy {100 * s[name]['accuracy']:.1f}%  AUC {s[name]['auc']:.3f}  "
             f"TPR@1%FPR {100 * s[name]['tpr@1%fpr']:.1f}%"
         )
-    for name in [a for a in OFFLINE_ATTACKS + ONLINE_ATTACKS if a in s]:
+    for name in [a for a in OFFLINE_ATTACKS + ONLINE_ATTACKS + SERVER_ATTACKS if a in s]:
         pooled = s[name]["pooled"]
         print(
-            f"  {name:15s} pooled AUC {_interval(pooled['auc'], 3)}  TPR@1%FPR {_interval(pooled['tpr@1%fpr'], 3)}  "
+            f"  {name:20s} pooled AUC {_interval(pooled['auc'], 3)}  TPR@1%FPR {_interval(pooled['tpr@1%fpr'], 3)}  "
             f"TPR@0.1%FPR {_interval(pooled['tpr@0.1%fpr'], 3)}"
         )
     print(f"written: {args.run_dir / 'mia.json'}")

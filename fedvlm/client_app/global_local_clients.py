@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fedvlm.client_app.prompt_clients import PromptClient
-from fedvlm.client_app.scoring import OTScorer
+from fedvlm.client_app.scoring import OTScorer, UploadView
 from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
 from fedvlm.client_app.trainer import StepOutput, local_round
 from fedvlm.models.lowrank import factorize, rebuild_gradient
@@ -64,6 +64,18 @@ class GlobalLocalClient(PromptClient):
         """A data-independent loss term (e.g. FedPGP's prompt contrast). Its gradient is added
         after clipping and noise: it reveals nothing about the data and costs no privacy."""
         return None
+
+    @staticmethod
+    def server_prompts(p_global: torch.Tensor) -> tuple[dict[str, torch.Tensor], str]:
+        """(prompts, the global prompt's key): the model the server can score with, the private
+        local part at its mean initial value, zero."""
+        return {"ctx": p_global}, "ctx"
+
+    @classmethod
+    def server_view(cls, sent, uploaded):
+        """The upload is the global prompt's gradient: the descent is its negative."""
+        prompts, leaf = cls.server_prompts(sent["global_ctx"])
+        return UploadView(prompts, leaf, -uploaded["global_grad"])
 
     # ---- shared machinery -------------------------------------------------------------------
     def load_local(self, global_ctx: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -189,6 +201,10 @@ class FedOTPClient(GlobalLocalClient):
     features (``client_app.scoring.OTScorer``). Local DP on the local prompt's gradient."""
 
     scorer_class = OTScorer
+
+    @staticmethod
+    def server_prompts(p_global):
+        return {"global": p_global, "local": torch.zeros_like(p_global)}, "global"
 
     def local_leaves(self, local, step_gen):
         return {"local": local[self.local_name].detach().clone().requires_grad_(True)}, {}

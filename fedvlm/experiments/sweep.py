@@ -555,7 +555,11 @@ def main(argv: list[str] | None = None) -> int:
             w.writerows(rows)
         write_tables(rows, out, epsilons, reference)
         write_audit(rows, out)
-        write_attack_table(rows, out, "the published personalised prompts")
+        write_attack_table(
+            rows,
+            out,
+            "the published personalised prompts (server-*: every upload the server saw, attack.observe-uploads)",
+        )
     plot(rows, out, epsilons)
     plot_audit(rows, out)
     plot_attacks(rows, out)

@@ -389,8 +389,8 @@ class PrivacyConfig:
 
 @dataclass(frozen=True)
 class AttackConfig:
-    """Online LiRA's reference federations; ``python -m fedvlm.attacks --online R`` sets these,
-    an ordinary run leaves them alone."""
+    """Membership-attack experiments: online LiRA's reference federations (``python -m fedvlm.attacks
+    --online R`` sets these, an ordinary run leaves them alone) and the server's record of uploads."""
 
     reference: int = opt(
         -1,
@@ -401,6 +401,12 @@ class AttackConfig:
     )
     candidate_seed: int = opt(
         0, "Seed that draws each client's membership candidates (the attack command's --seed).", min=0
+    )
+    observe_uploads: bool = opt(
+        False,
+        "Honest-but-curious server: write what every client uploads in every round, with what it was sent, "
+        "to the run folder's uploads/ (the server's attack in python -m fedvlm.attacks reads them). Off: nothing "
+        "kept beyond the aggregate.",
     )
 
 

@@ -4,7 +4,8 @@ stop, and every round written to the run folder before the next.
 A round: sample and build the train messages (``configure_train``); stop here if they would
 take a record past ``privacy.max-epsilon``; send, validate and aggregate the replies; evaluate;
 record the round (metrics, bytes, per-client figures, dropped replies, the ledger) and the
-shared state (``checkpoint.pt``).
+shared state (``checkpoint.pt``); with ``attack.observe-uploads``, also every train message and
+reply as the server saw them (``server_app.observer``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
 from fedvlm.privacy.audit import audit_section
+from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.strategies.base import FederatedStrategy
 
@@ -94,7 +96,10 @@ def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -
                 break
             if strategy.budget is not None:
                 strategy.budget.spend(trainees)
-            strategy.aggregate_train(rnd, grid.send_and_receive(messages, timeout=timeout))
+            uploads = list(grid.send_and_receive(messages, timeout=timeout))
+            if strategy.cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
+                record_round(recorder.dir, rnd, messages, uploads, strategy.nodes)
+            strategy.aggregate_train(rnd, uploads)
         replies = grid.send_and_receive(strategy.configure_evaluate(rnd, current, empty, grid), timeout=timeout)
         strategy.aggregate_evaluate(rnd, replies)
         _record_privacy(strategy, rnd, recorder)

@@ -58,8 +58,20 @@ def test_members_and_non_members_are_explicit_and_disjoint(make_cfg, pretrained_
     np.testing.assert_allclose(r.probs.sum(1), 1.0, rtol=1e-5)
 
 
+# PromptFL whose upload is linear in the batch's gradients (one plain SGD step), with the server's
+# record of uploads: every attack of the command runs on it, the server's among them
+LINEAR_UPLOADS = {
+    "prompt__optimizer": "sgd",
+    "prompt__momentum": 0.0,
+    "prompt__weight_decay": 0.0,
+    "prompt__batch_size": 8,
+    "prompt__local_steps": 1,
+    "attack__observe_uploads": True,
+}
+
+
 def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
-    cfg = make_cfg(method="coop", num_server_rounds=3, max_per_class=4, prompt__local_epochs=5)
+    cfg = make_cfg(method="promptfl", num_server_rounds=3, max_per_class=2, **LINEAR_UPLOADS)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict())
     rec = execute(cfg, grid, run_id="t")
     with pytest.raises(ValueError, match="even"):
@@ -79,6 +91,12 @@ def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
             low, high = pooled[k]["ci95"]
             assert 0.0 <= low <= pooled[k]["value"] <= high <= 1.0
         assert all(name in figures for figures in saved["per_client"].values())
+    # the server's attacks on every upload: calibrated by the shadow and the online references'
+    # uploads; the decomposition finds the rounds' batches (3 rounds x 8 of ~28 members per client)
+    assert saved["server_attack"].startswith("every upload")
+    for name in ("server-alignment", "server-decomposition", "server-lira-offline", "server-lira-online"):
+        assert name in saved["summary"] and all(name in f for f in saved["per_client"].values())
+    assert saved["summary"]["server-decomposition"]["pooled"]["auc"]["ci95"][0] > 0.55
 
 
 def test_attacks_score_pfedmoaps_personalised_model_with_its_gate(make_cfg, pretrained_clip):

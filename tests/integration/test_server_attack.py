@@ -1,0 +1,68 @@
+"""The honest-but-curious server: its record of every upload, and its attack on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedvlm.attacks.server import AlignmentScorer, record_gradients
+from fedvlm.client_app.app import app as client_app
+from fedvlm.client_app.scoring import UploadView
+from fedvlm.server_app.app import execute
+from fedvlm.server_app.observer import FOLDER, load_rounds
+from fedvlm.utils.inprocess import InProcessGrid
+
+
+def _run(cfg, clients=2):
+    nodes = [{"partition-id": i, "num-partitions": clients} for i in range(clients)]
+    grid = InProcessGrid(client_app, nodes, cfg.as_dict())
+    return execute(cfg, grid, run_id="t"), grid
+
+
+def test_the_server_records_what_crossed_the_wire_only_when_asked(make_cfg, pretrained_clip):
+    plain, _ = _run(make_cfg(method="dpfpl", num_server_rounds=2, max_per_class=2, run_name="plain"))
+    assert not (plain.dir / FOLDER).exists()
+    with pytest.raises(FileNotFoundError, match="attack.observe-uploads=true"):
+        load_rounds(plain.dir)
+    cfg = make_cfg(method="dpfpl", num_server_rounds=2, max_per_class=2, attack__observe_uploads=True)
+    rec, grid = _run(cfg)
+    rounds = load_rounds(rec.dir)
+    assert [r.round for r in rounds] == [1, 2]
+    replies = [m for m in grid.replies if "arrays" in m.content and len(m.content["arrays"])]
+    for r in rounds:
+        assert set(r.partition.values()) == {0, 1} and set(r.sent) == set(r.uploaded)
+        for name in r.sent:
+            assert set(r.sent[name]) == {"global_ctx"} and set(r.uploaded[name]) == {"global_grad"}
+    # exactly the tensors the clients sent, in the order the rounds ran
+    sent_up = [r.uploaded[n]["global_grad"].numpy() for r in rounds for n in sorted(r.uploaded)]
+    wire = [m.content["arrays"]["global_grad"].numpy() for m in replies]
+    assert len(wire) == len(sent_up) and all(any(np.array_equal(a, b) for b in wire) for a in sent_up)
+
+
+def test_the_decomposition_recovers_a_batch_from_its_averaged_gradient(make_cfg, pretrained_clip):
+    """An upload that is the mean gradient of a batch of candidates: non-negative least squares on
+    the candidates' gradients puts weight on the batch and on nothing else."""
+    from scipy.optimize import nnls
+
+    cfg = make_cfg(method="promptfl", max_per_class=4)
+    server = AlignmentScorer(cfg, 2, seed=0)
+    cand = server.candidates(0)
+    ctx = torch.randn(4, pretrained_clip.model.token_embedding.weight.shape[1]) * 0.02
+    view = UploadView({"ctx": ctx}, "ctx", torch.zeros_like(ctx))
+    grads = record_gradients(server._scorer, view, cand.feats, cand.labels).double()
+    assert grads.shape == (len(cand.labels), ctx.numel())
+    # each row is that record's own gradient: the batched pass agrees with one record at a time
+    one = record_gradients(server._scorer, view, cand.feats[3:4], cand.labels[3:4]).double()
+    torch.testing.assert_close(grads[3:4], one, rtol=1e-3, atol=1e-4 * float(grads.abs().max()))
+    batch = np.random.default_rng(0).choice(np.flatnonzero(cand.member), 8, replace=False)
+    descent = -grads[batch].mean(0)
+    weights, residual = nnls(grads.T.numpy(), -descent.numpy())
+    assert residual < 1e-6 * float(descent.norm())
+    assert set(np.flatnonzero(weights > 1e-3 * weights.max())) == set(batch)
+
+
+def test_a_method_that_uploads_nothing_has_nothing_to_attack(make_cfg, pretrained_clip):
+    rec, _ = _run(make_cfg(method="coop", num_server_rounds=1, max_per_class=2, attack__observe_uploads=True))
+    with pytest.raises(ValueError, match="shares nothing with the server"):
+        AlignmentScorer(make_cfg(method="coop", max_per_class=2), 2, seed=0).scores(rec.dir)
