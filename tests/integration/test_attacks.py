@@ -71,7 +71,7 @@ LINEAR_UPLOADS = {
 
 
 def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
-    cfg = make_cfg(method="promptfl", num_server_rounds=3, max_per_class=2, **LINEAR_UPLOADS)
+    cfg = make_cfg(method="promptfl", num_server_rounds=3, max_per_class=1, **LINEAR_UPLOADS)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict())
     rec = execute(cfg, grid, run_id="t")
     with pytest.raises(ValueError, match="even"):
@@ -92,7 +92,7 @@ def test_attack_run_writes_mia_json(make_cfg, pretrained_clip):
             assert 0.0 <= low <= pooled[k]["value"] <= high <= 1.0
         assert all(name in figures for figures in saved["per_client"].values())
     # the server's attacks on every upload: calibrated by the shadow and the online references'
-    # uploads; the decomposition finds the rounds' batches (3 rounds x 8 of ~28 members per client)
+    # uploads; the decomposition finds the rounds' batches (3 rounds x 8 of ~14 members per client)
     assert saved["server_attack"].startswith("every upload")
     for name in ("server-alignment", "server-decomposition", "server-lira-offline", "server-lira-online"):
         assert name in saved["summary"] and all(name in f for f in saved["per_client"].values())

@@ -66,3 +66,24 @@ def test_a_method_that_uploads_nothing_has_nothing_to_attack(make_cfg, pretraine
     rec, _ = _run(make_cfg(method="coop", num_server_rounds=1, max_per_class=2, attack__observe_uploads=True))
     with pytest.raises(ValueError, match="shares nothing with the server"):
         AlignmentScorer(make_cfg(method="coop", max_per_class=2), 2, seed=0).scores(rec.dir)
+
+
+def test_the_calibrated_attacks_read_the_references_of_each_record():
+    """LiRA on the alignment: a record scored higher by the target than by every reference that
+    never saw it is a member; online, the references that trained on it say what a member scores."""
+    from fedvlm.attacks.likelihood import roc_metrics
+    from fedvlm.attacks.server import server_scores
+
+    rng = np.random.default_rng(0)
+    member = np.r_[np.ones(50, bool), np.zeros(50, bool)]
+    hardness = rng.normal(0, 1, 100)  # how well a record aligns with any upload
+    target = {"alignment": hardness + 0.5 * member, "decomposition": np.zeros(100)}
+    offline = [{"alignment": hardness + rng.normal(0, 0.05, 100)} for _ in range(4)]
+    halves = [rng.random(100) < 0.5 for _ in range(2)]
+    inside = [h for a in halves for h in (a, ~a)]  # complementary pairs, as data/membership.py draws them
+    online = [{"alignment": hardness + 0.5 * ins + rng.normal(0, 0.05, 100)} for ins in inside]
+    scores = server_scores(target, offline, online, inside)
+    assert set(scores) == {"server-alignment", "server-decomposition", "server-lira-offline", "server-lira-online"}
+    assert roc_metrics(scores["server-alignment"], member)["auc"] < 0.75  # hardness hides the members
+    for name in ("server-lira-offline", "server-lira-online"):
+        assert roc_metrics(scores[name], member)["auc"] > 0.99
