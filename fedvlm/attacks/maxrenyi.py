@@ -23,6 +23,11 @@ also carries AUC and TPR at 1% and 0.1% FPR with bootstrap 95% intervals; the cl
 also pooled (all clients' samples in one ROC). ``HEADLINE`` is the setting fixed in advance for
 comparisons with intervals (FedRand's MaxRényi-10%), so that no best-of-eight selection inflates them.
 
+With ``attack.observe-uploads`` the run also kept every upload of every round, and the server's
+attacks on them (``attacks.server``: alignment and decomposition of each upload against the
+candidates' gradients under the model the server can rebuild at that round) are a third threat,
+``uploads``.
+
 Against the rebuilt client models two attacks also use a reference model the server has for
 free and that never saw any data, the pretrained base model (every adapter at its initial
 value): the likelihood calibrated by it (offline LiRA with one reference) and offline RMIA
@@ -46,6 +51,7 @@ import torch.nn.functional as F
 from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedvlm.attacks.likelihood import bootstrap, rmia
+from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -238,8 +244,24 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
             "pooled": {key: _pooled(v) for key, v in pooled.items()},
             "per_client": per_client,
         }
+    if (run_dir / UPLOADS).is_dir():  # every upload of every round, where the run kept them
+        uploads = report["threats"]["uploads"] = upload_attacks(cfg, run_dir, nodes, samples, seed)
+        log.info("uploads, pooled AUC: %s", {k: v["pooled"]["auc"]["value"] for k, v in uploads["summary"].items()})
     atomic_write_json(report, run_dir / "maxrenyi.json")
     return report
+
+
+def upload_attacks(cfg, run_dir: Path, nodes: list[dict], samples: int, seed: int) -> dict:
+    """The honest-but-curious server's attacks on every LoRA upload it saw (``attacks.server``):
+    alignment and decomposition, per client and pooled, with intervals."""
+    from fedvlm.attacks.membership import interval_summary
+    from fedvlm.attacks.server import ServerAttack, server_scores
+
+    server = ServerAttack(cfg, len(nodes), seed, samples)
+    names = {n["partition_id"]: n["name"] for n in nodes}
+    by_partition = server.scores(run_dir)
+    scores = {names[pid]: server_scores(s, [], [], []) for pid, s in by_partition.items()}
+    return interval_summary(scores, {names[pid]: server.member(pid) for pid in by_partition}, seed)
 
 
 def _pooled(scores: list[tuple[np.ndarray, np.ndarray]]) -> dict:

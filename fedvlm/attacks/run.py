@@ -41,7 +41,7 @@ from fedvlm.attacks.membership import (
     load_published,
 )
 from fedvlm.attacks.server import ATTACKS as SERVER_ATTACKS
-from fedvlm.attacks.server import AlignmentScorer, server_scores
+from fedvlm.attacks.server import ServerAttack, server_scores
 from fedvlm.client_app.node import node_data
 from fedvlm.data.membership import reference_inclusion
 from fedvlm.methods.registry import get_method, validate
@@ -116,7 +116,7 @@ class ServerView:
     online: list[dict[int, dict[str, np.ndarray]]]
     inside: dict[int, list[np.ndarray]]
 
-    def evaluate(self, server: AlignmentScorer, clients: dict[int, str], seed: int) -> dict:
+    def evaluate(self, server: ServerAttack, clients: dict[int, str], seed: int) -> dict:
         scores, member = {}, {}
         for pid, target in self.target.items():
             name = clients.get(pid, f"partition-{pid}")
@@ -126,7 +126,7 @@ class ServerView:
                 [o[pid] for o in self.online if pid in o],
                 self.inside.get(pid, []),
             )
-            member[name] = server.candidates(pid).member
+            member[name] = server.member(pid)
         return interval_summary(scores, member, seed)
 
 
@@ -154,7 +154,7 @@ def run_attacks(
     targets = [client_records(cfg, pub, n, seed) for pub in sim.values()]
     # the server's attack, where the run kept what the server saw (attack.observe-uploads); the
     # shadow and reference federations inherit the key, so they keep theirs too
-    server = AlignmentScorer(cfg, n, seed) if (run_dir / UPLOADS).is_dir() else None
+    server = ServerAttack(cfg, n, seed) if (run_dir / UPLOADS).is_dir() else None
     seen = ServerView(server.scores(run_dir) if server else {}, [], [], {})
     shadow_records = []
     references = {pub["node"]: References([], [], []) for pub in sim.values()}

@@ -4,13 +4,15 @@ Threat: the server of a run holds the public backbone, what it sent every sample
 that client uploaded, in every round (kept with ``attack.observe-uploads``, ``server_app.observer``),
 and, as in every membership game, the candidate records it must judge (``data/membership.py``).
 What an upload is depends on the method; its client class says how the server reads it
-(``server_view``): the global prompt's gradient (DP-FPL, FedOTP, FedPGP) or the trained prompt
-(PromptFL, pFedMoAP).
+(``server_view``): the global prompt's gradient (DP-FPL, FedOTP, FedPGP), the trained prompt
+(PromptFL, pFedMoAP), or adapter tensors (the LoRA methods: FedRand's drawn half, FedAvg-LoRA's
+whole adapter, FedPer's top layers, FedPara's shared LoHa pair).
 
 Two scores, from the same per-record gradients: for client c in round r, d_r is c's descent
-direction in the uploaded tensor and g_r(x) the gradient of record x's loss at the prompts the
-server sent, through the method's own scorer with what the server knows (a client's private local
-prompt is not among it).
+direction in the uploaded tensors and g_r(x) the gradient of record x's loss at the model the
+server can build for c that round (``UploadView.model``), through the method's own scorer
+(``PromptModel``) or the VLM (``AdapterModel``), with what the server knows: a client's private
+local prompt is not among it; a FedRand client's private half is its last upload of that half.
 
 - alignment: s(x) = mean over the rounds c trained of cos(d_r, -g_r(x)). A member's gradient is
   one of the terms d_r is made of; a non-member's correlates with them only through the task.
@@ -44,9 +46,9 @@ from scipy.optimize import nnls
 
 from fedvlm.attacks.likelihood import lira_offline, lira_online
 from fedvlm.client_app.node import node_data
-from fedvlm.client_app.scoring import PromptScorer, UploadView
+from fedvlm.client_app.scoring import PromptScorer
+from fedvlm.client_app.server_view import UploadView
 from fedvlm.data.membership import membership_candidates
-from fedvlm.methods.registry import get_method
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.runconfig import RunConfig
 from fedvlm.server_app.observer import load_rounds
@@ -56,7 +58,7 @@ ATTACKS = ("server-alignment", "server-decomposition", "server-lira-offline", "s
 
 @dataclass
 class Candidates:
-    """One client's membership candidates as the scorer takes them: members first."""
+    """One client's membership candidates as the prompt scorer takes them: members first."""
 
     feats: torch.Tensor  # what the scorer's logits take, [2k, ...]
     labels: torch.Tensor  # [2k]
@@ -66,67 +68,155 @@ class Candidates:
 def record_gradients(
     scorer: PromptScorer, view: UploadView, feats: torch.Tensor, labels: torch.Tensor, chunk: int = 32
 ) -> torch.Tensor:
-    """[n, numel]: each record's loss gradient w.r.t. ``view.leaf`` at ``view.prompts``, the
-    records ``chunk`` at a time, each chunk in one batched backward pass."""
+    """[n, numel]: each record's loss gradient w.r.t. the tensors ``view.descent`` names (in its
+    order, flattened) at the prompts ``view.model``, the records ``chunk`` at a time, each chunk in
+    one batched backward pass."""
     dev = scorer.bundle.device
-    leaf = view.prompts[view.leaf].to(dev).detach().clone().requires_grad_(True)
-    prompts = {k: v.to(dev) for k, v in view.prompts.items()} | {view.leaf: leaf}
+    leaves = {k: view.model[k].to(dev).detach().clone().requires_grad_(True) for k in view.descent}
+    prompts = {k: v.to(dev) for k, v in view.model.items()} | leaves
     out = []
     for start in range(0, len(labels), chunk):
         logits = scorer.logits(prompts, feats[start : start + chunk].to(dev))
         losses = F.cross_entropy(logits, labels[start : start + chunk].to(dev), reduction="none")
         eye = torch.eye(len(losses), device=dev, dtype=losses.dtype)
-        (grads,) = torch.autograd.grad(losses, [leaf], grad_outputs=eye, is_grads_batched=True)
-        out.append(grads.flatten(1).detach().cpu())
+        grads = torch.autograd.grad(losses, list(leaves.values()), grad_outputs=eye, is_grads_batched=True)
+        out.append(torch.cat([g.flatten(1) for g in grads], dim=1).detach().cpu())
     return torch.cat(out)
 
 
-class AlignmentScorer:
-    """Scores a run's candidates (the target's, whichever federation's uploads are read)."""
+class PromptModel:
+    """Prompt methods: the public CLIP backbone and the method's scorer; a client's candidates are
+    ``data/membership.py``'s (the client attacks' records)."""
 
     def __init__(self, cfg: RunConfig, num_partitions: int, seed: int):
         self.cfg, self.n, self.seed = cfg, num_partitions, seed
-        self.client = get_method(cfg.method).client
         self.bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
-        self._scorer: PromptScorer | None = None
+        self.scorer: PromptScorer | None = None
         self._candidates: dict[int, Candidates] = {}
 
     def candidates(self, pid: int) -> Candidates:
         if pid not in self._candidates:
             node = node_data(self.cfg, {"partition-id": pid, "num-partitions": self.n})
-            if self._scorer is None:
-                self._scorer = self.client.scorer_class(self.bundle, node.splits.classnames, self.cfg)
+            if self.scorer is None:
+                self.scorer = self.cfg.spec.client.scorer_class(self.bundle, node.splits.classnames, self.cfg)
             members, non_members = membership_candidates(node.part, self.seed, pid)
             feats, labels = [], []
             for split, idx in ((node.splits.train, members), (node.splits.test, non_members)):
-                feats.append(self._scorer.image_features(split, idx, self.cfg.cache_path).cpu())
+                feats.append(self.scorer.image_features(split, idx, self.cfg.cache_path).cpu())
                 labels.append(torch.as_tensor(split.labels[idx], dtype=torch.long))
             k = len(members)
             member = np.r_[np.ones(k, bool), np.zeros(k, bool)]
             self._candidates[pid] = Candidates(torch.cat(feats), torch.cat(labels), member)
         return self._candidates[pid]
 
+    def member(self, pid: int) -> np.ndarray:
+        return self.candidates(pid).member
+
+    def gradients(self, pid: int, view: UploadView) -> torch.Tensor:
+        cand = self.candidates(pid)
+        assert self.scorer is not None  # built with the first candidates
+        return record_gradients(self.scorer, view, cand.feats, cand.labels)
+
+
+class AdapterModel:
+    """LoRA methods: the frozen VLM with the run's adapter (every tensor the server does not know at
+    its seeded initial value); a client's candidates are ``samples`` of its training samples
+    (members) and as many of its test samples (non-members), drawn from the seed."""
+
+    def __init__(self, cfg: RunConfig, num_partitions: int, seed: int, samples: int):
+        from fedvlm.client_app.vlm_node import vlm_node_data
+        from fedvlm.models.vlm import AdapterSpec, load_vlm
+
+        self.cfg, self.n, self.seed, self.samples = cfg, num_partitions, seed, samples
+        self.node_data = vlm_node_data
+        self.vlm, self.initial, _ = load_vlm(
+            cfg.vlm.model,
+            cfg.cache_path,
+            AdapterSpec.from_config(cfg),
+            cfg.seed,
+            cfg.device,
+            cfg.vlm.trust_remote_code,
+            cfg.vlm.dtype,
+        )
+        self.vlm.model.eval()  # no adapter dropout: the server's gradients are deterministic
+        self._records: dict[int, list[tuple]] = {}
+        self._member: dict[int, np.ndarray] = {}
+
+    def records(self, pid: int) -> list[tuple]:
+        """(split, index) of each candidate, members first."""
+        if pid not in self._records:
+            node = self.node_data(self.cfg, {"partition-id": pid, "num-partitions": self.n})
+            rng = np.random.default_rng([self.seed, pid + 1])
+            k = min(len(node.train), len(node.test), self.samples)
+            members = np.sort(rng.choice(len(node.train), k, replace=False))
+            non_members = np.sort(rng.choice(len(node.test), k, replace=False))
+            self._records[pid] = [(node.train, int(i)) for i in members] + [(node.test, int(i)) for i in non_members]
+            self._member[pid] = np.r_[np.ones(k, bool), np.zeros(k, bool)]
+        return self._records[pid]
+
+    def member(self, pid: int) -> np.ndarray:
+        self.records(pid)
+        return self._member[pid]
+
+    def gradients(self, pid: int, view: UploadView) -> torch.Tensor:
+        from fedvlm.models.vlm import load_adapter_state, trainable
+
+        load_adapter_state(self.vlm.model, {**self.initial, **view.model})
+        params = trainable(self.vlm.model)
+        leaves = [params[k] for k in view.descent]
+        rows = []
+        for split, i in self.records(pid):  # one sample at a time: a sample's loss is its own
+            batch = self.vlm.training_batch([split.images.image(i)], [split.prompts[i]], [split.targets[i]])
+            loss = self.vlm.losses(batch)[0][0]
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+            rows.append(
+                torch.cat(
+                    [
+                        (g if g is not None else torch.zeros_like(p)).flatten()
+                        for g, p in zip(grads, leaves, strict=True)
+                    ]
+                ).cpu()
+            )
+        return torch.stack(rows)
+
+
+class ServerAttack:
+    """Scores a run's candidates (the target's, whichever federation's uploads are read)."""
+
+    def __init__(self, cfg: RunConfig, num_partitions: int, seed: int, samples: int = 100):
+        self.cfg = cfg
+        self.client = cfg.spec.client
+        self.model: PromptModel | AdapterModel = (
+            AdapterModel(cfg, num_partitions, seed, samples)
+            if cfg.spec.adapter
+            else PromptModel(cfg, num_partitions, seed)
+        )
+
+    def member(self, pid: int) -> np.ndarray:
+        return self.model.member(pid)
+
     def scores(self, run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
         """Partition id -> {"alignment", "decomposition"}: [2k] scores of its candidates under
         ``run_dir``'s recorded uploads, each the mean over the rounds that partition's client uploaded."""
         total: dict[int, dict[str, np.ndarray]] = {}
         rounds: dict[int, int] = {}
+        known: dict[str, dict[str, torch.Tensor]] = {}  # each client's last upload of every tensor
         for rnd in load_rounds(run_dir):
             for name, uploaded in rnd.uploaded.items():
                 pid = rnd.partition.get(name, -1)
-                if pid < 0 or not uploaded:  # a node with its own data-dir: its records are not candidates
+                before = known.setdefault(name, {})
+                view = self.client.server_view(rnd.sent[name], uploaded, dict(before)) if uploaded else None
+                before.update(uploaded)
+                if pid < 0 or view is None or not view.descent:  # a node with its own data-dir: no candidates
                     continue
-                cand = self.candidates(pid)
-                view = self.client.server_view(rnd.sent[name], uploaded)
-                assert self._scorer is not None  # built with the first candidates
-                grads = record_gradients(self._scorer, view, cand.feats, cand.labels).double()  # [2k, numel]
-                descent = view.descent.flatten().double()
+                grads = self.model.gradients(pid, view).double()  # [2k, numel]
+                descent = torch.cat([d.flatten() for d in view.descent.values()]).double()
                 weights, _ = nnls(grads.T.numpy(), -descent.numpy())
                 round_scores = {
                     "alignment": F.cosine_similarity(-grads, descent[None, :], dim=1, eps=1e-30).numpy(),
                     "decomposition": weights / max(weights.sum(), 1e-300),
                 }
-                acc = total.setdefault(pid, {k: np.zeros(len(cand.member)) for k in round_scores})
+                acc = total.setdefault(pid, {k: np.zeros(len(grads)) for k in round_scores})
                 for k, v in round_scores.items():
                     acc[k] += v
                 rounds[pid] = rounds.get(pid, 0) + 1

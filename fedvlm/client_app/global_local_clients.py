@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from fedvlm.client_app.prompt_clients import PromptClient
-from fedvlm.client_app.scoring import OTScorer, UploadView
+from fedvlm.client_app.scoring import OTScorer
+from fedvlm.client_app.server_view import UploadView
 from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
 from fedvlm.client_app.trainer import StepOutput, local_round
 from fedvlm.models.lowrank import factorize, rebuild_gradient
@@ -72,10 +73,10 @@ class GlobalLocalClient(PromptClient):
         return {"ctx": p_global}, "ctx"
 
     @classmethod
-    def server_view(cls, sent, uploaded):
+    def server_view(cls, sent, uploaded, known):
         """The upload is the global prompt's gradient: the descent is its negative."""
         prompts, leaf = cls.server_prompts(sent["global_ctx"])
-        return UploadView(prompts, leaf, -uploaded["global_grad"])
+        return UploadView(prompts, {leaf: -uploaded["global_grad"]})
 
     # ---- shared machinery -------------------------------------------------------------------
     def load_local(self, global_ctx: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from fedvlm.client_app.server_view import UploadView
 from fedvlm.client_app.state import load_meta, load_private, save_meta, save_private
 from fedvlm.client_app.trainer import Learner, StepOutput, local_round
 from fedvlm.client_app.vlm_node import VLMNodeData
@@ -73,6 +74,17 @@ class LoRAClient(Learner):
         values of every tensor it may not share, and of tensors it has not sent since training."""
         sent = set(str(self.meta.get("sent", "")).split(",")) - {""}
         return {k: v for k, v in self.own.items() if k not in self.shareable or k not in sent}
+
+    @staticmethod
+    def server_view(
+        sent: dict[str, torch.Tensor], uploaded: dict[str, torch.Tensor], known: dict[str, torch.Tensor]
+    ) -> UploadView:
+        """How the server reads this round's upload (attacks.server): the client's model as far as
+        the server can rebuild it, the client's earlier uploads (``known``) under what it sent this
+        round (every other tensor at its initial value); the descent is each uploaded tensor's change
+        from that (FedRand: the half sent; its private half is the client's last upload of it)."""
+        model = {**known, **sent}
+        return UploadView(model, {k: v - model[k] for k, v in uploaded.items() if k in model})
 
     # --- handshake -----------------------------------------------------------------------------
     def hello(self) -> HelloReport:

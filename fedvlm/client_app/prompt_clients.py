@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.publishing import publish
-from fedvlm.client_app.scoring import PromptScorer, TemplateScorer, UploadView
+from fedvlm.client_app.scoring import PromptScorer, TemplateScorer
+from fedvlm.client_app.server_view import UploadView
 from fedvlm.client_app.state import (
     load_meta,
     load_private,
@@ -67,10 +68,13 @@ class PromptClient(Learner):
         self.scorer = self.scorer_class(self.bundle, self.classnames, cfg)
 
     @staticmethod
-    def server_view(sent: dict[str, torch.Tensor], uploaded: dict[str, torch.Tensor]) -> UploadView:
-        """The methods that upload their trained prompt (PromptFL, pFedMoAP): its change from the
-        prompt sent is the round's descent (attacks.server)."""
-        return UploadView({"ctx": sent["ctx"]}, "ctx", uploaded["ctx"] - sent["ctx"])
+    def server_view(
+        sent: dict[str, torch.Tensor], uploaded: dict[str, torch.Tensor], known: dict[str, torch.Tensor]
+    ) -> UploadView:
+        """How the server reads this round's upload (attacks.server), given what it sent and what
+        the client uploaded before (``known``). The methods that upload their trained prompt
+        (PromptFL, pFedMoAP): its change from the prompt sent is the round's descent."""
+        return UploadView({"ctx": sent["ctx"]}, {"ctx": uploaded["ctx"] - sent["ctx"]})
 
     # --- handshake ---------------------------------------------------------------------------
     def hello(self) -> HelloReport:

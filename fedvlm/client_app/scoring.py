@@ -8,8 +8,6 @@ prompt through the very same code, with nothing but the public backbone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,18 +18,6 @@ from fedvlm.models.optimal_transport import unbalanced_sinkhorn
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits
 
 _ENCODERS: dict[tuple, PromptEncoder] = {}
-
-
-@dataclass(frozen=True)
-class UploadView:
-    """How the server reads one client's upload of one round (a client class's ``server_view``):
-    the prompts it can score records with (built from what it sent: a client's private parts are
-    unknown to it), the one among them the upload moves, and the client's descent direction in
-    that tensor (same shape) as the upload shows it."""
-
-    prompts: dict[str, torch.Tensor]
-    leaf: str
-    descent: torch.Tensor
 
 
 def prompt_encoder(bundle: ClipBundle, classnames: list[str], n_ctx: int) -> PromptEncoder:

@@ -13,8 +13,9 @@ traffic against full LoRA, and the attack's best AUROC over (alpha, K) against t
 and against the client models the server can rebuild. ``table_attacks.md/.csv`` holds
 MaxRényi-10% (alpha 0.5, fixed in advance) on the server's model and on the rebuilt client
 models, and the base-model-calibrated likelihood and RMIA on the client models, pooled over
-clients with bootstrap 95% intervals, and ``attack_tpr_vs_epsilon.png`` its TPR at 1% and 0.1% FPR
-against the accounted epsilon (``--epsilons``). Finished runs are reused.
+clients with bootstrap 95% intervals (with ``--set attack.observe-uploads=true`` also the server's
+attacks on every upload, ``uploads-*``), and ``attack_tpr_vs_epsilon.png`` its TPR at 1% and 0.1%
+FPR against the accounted epsilon (``--epsilons``). Finished runs are reused.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def summarise(method: str, data: dict, mia: dict | None) -> dict:
         # the setting fixed in advance, with intervals: the server's model, the clients' pooled
         server = mia["threats"].get("server", {}).get(HEADLINE, {})
         clients = mia["threats"].get("client", {}).get("pooled", {})
+        uploads = mia["threats"].get("uploads", {}).get("summary", {})
         row.update(
             attack_row(
                 {
@@ -83,6 +85,7 @@ def summarise(method: str, data: dict, mia: dict | None) -> dict:
                     "clients-maxrenyi10": clients.get(HEADLINE, {}),
                     "clients-calibrated-base": clients.get("calibrated-base", {}),
                     "clients-rmia-base": clients.get("rmia-base", {}),
+                    **{f"uploads-{k.removeprefix('server-')}": v["pooled"] for k, v in uploads.items()},
                 }
             )
         )

@@ -50,7 +50,7 @@ def _arrays(msg) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def fedrand_run(vlm_cache, tmp_path_factory):
-    raw = _raw(vlm_cache, tmp_path_factory.mktemp("fedrand"), "fedrand")
+    raw = _raw(vlm_cache, tmp_path_factory.mktemp("fedrand"), "fedrand", **{"attack.observe-uploads": True})
     return _run(raw)
 
 
@@ -230,6 +230,23 @@ def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     row = summarise("fedrand", json.loads((recorder.dir / "results.json").read_text()), report)
     assert row["mia-clients-maxrenyi10-auc"] == pooled["auc"]["value"]
     assert {"mia-server-maxrenyi10-tpr@1%fpr-lo", "mia-clients-maxrenyi10-tpr@0.1%fpr-hi"} <= set(row)
+    # the run kept every upload: the server's attacks on them, per client and pooled
+    uploads = report["threats"]["uploads"]
+    assert set(uploads["summary"]) == {"server-alignment", "server-decomposition"} and uploads["per_client"]
+    assert row["mia-uploads-decomposition-auc"] == uploads["summary"]["server-decomposition"]["pooled"]["auc"]["value"]
+
+
+def test_the_server_rebuilds_a_fedrand_client_from_its_earlier_uploads():
+    """FedRand's round: the server sent half A; the client's B is its last upload of B, never the
+    server's; the descent is the uploaded A's change from the A sent."""
+    from fedvlm.client_app.lora_clients import FedRandClient
+
+    a1, a2, a3, b1 = (torch.full((2, 3), float(v)) for v in (1, 2, 5, 7))
+    view = FedRandClient.server_view(
+        {"x.lora_A.weight": a2}, {"x.lora_A.weight": a3}, {"x.lora_A.weight": a1, "x.lora_B.weight": b1}
+    )
+    assert torch.equal(view.model["x.lora_A.weight"], a2) and torch.equal(view.model["x.lora_B.weight"], b1)
+    assert set(view.descent) == {"x.lora_A.weight"} and torch.equal(view.descent["x.lora_A.weight"], a3 - a2)
 
 
 def test_fedrand_with_dp_sgd_spends_what_the_ledger_says(vlm_cache, tmp_path):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedvlm.attacks.server import AlignmentScorer, record_gradients
+from fedvlm.attacks.server import PromptModel, ServerAttack, record_gradients
 from fedvlm.client_app.app import app as client_app
-from fedvlm.client_app.scoring import UploadView
+from fedvlm.client_app.server_view import UploadView
 from fedvlm.server_app.app import execute
 from fedvlm.server_app.observer import FOLDER, load_rounds
 from fedvlm.utils.inprocess import InProcessGrid
@@ -46,14 +46,15 @@ def test_the_decomposition_recovers_a_batch_from_its_averaged_gradient(make_cfg,
     from scipy.optimize import nnls
 
     cfg = make_cfg(method="promptfl", max_per_class=4)
-    server = AlignmentScorer(cfg, 2, seed=0)
-    cand = server.candidates(0)
+    model = PromptModel(cfg, 2, seed=0)
+    cand = model.candidates(0)
     ctx = torch.randn(4, pretrained_clip.model.token_embedding.weight.shape[1]) * 0.02
-    view = UploadView({"ctx": ctx}, "ctx", torch.zeros_like(ctx))
-    grads = record_gradients(server._scorer, view, cand.feats, cand.labels).double()
+    view = UploadView({"ctx": ctx}, {"ctx": torch.zeros_like(ctx)})
+    grads = model.gradients(0, view).double()
     assert grads.shape == (len(cand.labels), ctx.numel())
     # each row is that record's own gradient: the batched pass agrees with one record at a time
-    one = record_gradients(server._scorer, view, cand.feats[3:4], cand.labels[3:4]).double()
+    assert model.scorer is not None
+    one = record_gradients(model.scorer, view, cand.feats[3:4], cand.labels[3:4]).double()
     torch.testing.assert_close(grads[3:4], one, rtol=1e-3, atol=1e-4 * float(grads.abs().max()))
     batch = np.random.default_rng(0).choice(np.flatnonzero(cand.member), 8, replace=False)
     descent = -grads[batch].mean(0)
@@ -65,7 +66,7 @@ def test_the_decomposition_recovers_a_batch_from_its_averaged_gradient(make_cfg,
 def test_a_method_that_uploads_nothing_has_nothing_to_attack(make_cfg, pretrained_clip):
     rec, _ = _run(make_cfg(method="coop", num_server_rounds=1, max_per_class=2, attack__observe_uploads=True))
     with pytest.raises(ValueError, match="shares nothing with the server"):
-        AlignmentScorer(make_cfg(method="coop", max_per_class=2), 2, seed=0).scores(rec.dir)
+        ServerAttack(make_cfg(method="coop", max_per_class=2), 2, seed=0).scores(rec.dir)
 
 
 def test_the_calibrated_attacks_read_the_references_of_each_record():
