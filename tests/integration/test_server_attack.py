@@ -88,3 +88,20 @@ def test_the_calibrated_attacks_read_the_references_of_each_record():
     assert roc_metrics(scores["server-alignment"], member)["auc"] < 0.75  # hardness hides the members
     for name in ("server-lira-offline", "server-lira-online"):
         assert roc_metrics(scores[name], member)["auc"] > 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dpfpl", "fedotp", "fedpgp", "pfedmoap"])
+def test_the_server_reads_every_prompt_methods_uploads(make_cfg, pretrained_clip, method):
+    """Each method's server_view and scorer give one finite score per candidate (FedOTP through its
+    transport plan, pFedMoAP without the gate the server never sees)."""
+    extra = {"pfedmoap__k": 1} if method == "pfedmoap" else {}
+    cfg = make_cfg(method=method, num_server_rounds=2, max_per_class=1, attack__observe_uploads=True, **extra)
+    rec, _ = _run(cfg)
+    server = ServerAttack(cfg, 2, seed=0)
+    scores = server.scores(rec.dir)
+    assert set(scores) == {0, 1}
+    for pid, s in scores.items():
+        assert set(s) == {"alignment", "decomposition"}
+        for v in s.values():
+            assert v.shape == server.member(pid).shape and np.isfinite(v).all()
