@@ -38,6 +38,9 @@ def test_the_server_records_what_crossed_the_wire_only_when_asked(make_cfg, pret
     sent_up = [r.uploaded[n]["global_grad"].numpy() for r in rounds for n in sorted(r.uploaded)]
     wire = [m.content["arrays"]["global_grad"].numpy() for m in replies]
     assert len(wire) == len(sent_up) and all(any(np.array_equal(a, b) for b in wire) for a in sent_up)
+    # keeping the record changes nothing of the run itself
+    final = [torch.load(r.dir / "final_shared.pt", weights_only=True)["arrays"] for r in (plain, rec)]
+    assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
 def test_the_decomposition_recovers_a_batch_from_its_averaged_gradient(make_cfg, pretrained_clip):
