@@ -4,8 +4,9 @@
 round it finished. Top-level keys:
 - ``config``: the validated, resolved run config;
 - ``run``: method, backbone, nodes, versions, start time, status;
-- ``rounds``: one object per round with ``round``, ``metrics``, ``seconds``, ``bytes_up``,
-  ``bytes_down``, ``clients`` (per-client metrics), ``dropped`` (rejected replies and why);
+- ``rounds``: one object per round with ``round``, ``sampled`` (train messages sent),
+  ``metrics``, ``seconds``, ``bytes_up``, ``bytes_down``, ``clients`` (per-client metrics),
+  ``dropped`` (rejected replies and why);
 - ``final``: the summary (last-round and mean-of-last-10-rounds metrics, totals).
 """
 

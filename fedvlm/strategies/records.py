@@ -40,6 +40,7 @@ class RoundRecord:
     def as_dict(self, seconds: float) -> dict:
         return {
             "round": self.round,
+            "sampled": self.sampled,
             "metrics": self.metrics,
             "seconds": round(seconds, 3),
             "bytes_up": sum(v for k, v in self.bytes.items() if k.endswith("_up")),

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from fedvlm import status
 from fedvlm.utils.processes import flwr_run as _flwr_run
 
 
@@ -28,6 +29,8 @@ def test_flwr_run_embedded_default_learns(flwr_env, tmp_path, cache_dir):
     assert len(acc) == 5 and acc[-1] > acc[0], acc
     assert "[round 5/5]" in log and "local-acc (mean of last 10)" in log  # progress and summary
     assert (out / "e2e" / "accuracy.png").exists()
+    # flwr run exits 0 whatever the ServerApp did; the status command is what a script tests
+    assert status.main(["--runs", str(out)]) == status.OK
 
 
 def test_flwr_run_rejects_a_bad_config_with_its_reason(flwr_env, tmp_path, cache_dir):

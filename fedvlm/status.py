@@ -1,0 +1,115 @@
+"""Did a run succeed? An exit status a script can test, and the reason, from a run folder.
+
+    python -m fedvlm.status [RUN_DIR]        # default: the newest run under ~/fedvlm-runs
+    python -m fedvlm.status --runs DIR       # the newest run under DIR
+    flwr run . && python -m fedvlm.status    # fail the command when the run did
+
+``flwr run`` exits 0 even when the ServerApp fails; the run folder's ``results.json`` says what
+happened (``server_app.results``). Exit status:
+
+- 0: finished every round, and the last round heard back from enough of the clients it sampled;
+- 1: failed (the ServerApp raised; its error is printed);
+- 2: no run folder or no readable ``results.json``;
+- 3: stopped early on the privacy budget (``privacy.max-epsilon``);
+- 4: finished, but lost too many nodes: in the last training round more than ``--max-lost``
+  (a fraction, default 0.5) of the sampled clients sent no usable reply;
+- 5: not finished: still running, or killed (``results.json`` says when it was last written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+OK, FAILED, UNREADABLE, STOPPED, LOST_NODES, UNFINISHED = 0, 1, 2, 3, 4, 5
+DEFAULT_RUNS = Path.home() / "fedvlm-runs"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    code: int
+    reason: str
+
+
+def newest_run(runs: Path) -> Path:
+    """The run folder under ``runs`` whose results.json was written last."""
+    found = sorted(runs.glob("*/results.json"), key=lambda p: p.stat().st_mtime) if runs.is_dir() else []
+    if not found:
+        raise FileNotFoundError(f"no run folder with a results.json under {runs}; pass the run folder itself")
+    return found[-1].parent
+
+
+def lost_in_last_round(rounds: list[dict]) -> tuple[int, int]:
+    """(clients sampled for training, of them without an accepted reply) in the last round that
+    trained: timed out, failed, or rejected by the server's checks."""
+    for record in reversed(rounds):
+        sampled = int(record.get("sampled", 0))
+        if sampled:
+            return sampled, sampled - int(record.get("metrics", {}).get("train-clients", 0))
+    return 0, 0
+
+
+def verdict(data: dict, max_lost: float, written_ago: float) -> Verdict:
+    run, rounds = data.get("run", {}), data.get("rounds", [])
+    total = data.get("config", {}).get("num-server-rounds")
+    done = f"{len(rounds)} of {total} rounds" if total else f"{len(rounds)} rounds"
+    status, note = run.get("status", "unknown"), run.get("note", "")
+    if status == "failed":
+        return Verdict(FAILED, f"failed after {done}: {note}")
+    if status == "stopped":
+        return Verdict(STOPPED, f"stopped after {done}: {note}")
+    if status != "finished":
+        return Verdict(
+            UNFINISHED,
+            f"{status} after {done}; results.json last written {written_ago:.0f} s ago (still running, or killed)",
+        )
+    sampled, lost = lost_in_last_round(rounds)
+    excluded = run.get("excluded_nodes") or {}
+    if sampled and lost / sampled > max_lost:
+        return Verdict(
+            LOST_NODES,
+            f"finished {done}, but the last training round lost {lost} of {sampled} sampled clients "
+            f"(more than --max-lost {max_lost:g}); see each round's 'dropped' in results.json",
+        )
+    extra = f"; {len(excluded)} node(s) excluded: {', '.join(excluded.values())}" if excluded else ""
+    return Verdict(OK, f"finished {done}, last training round heard from {sampled - lost} of {sampled}{extra}")
+
+
+def check(run_dir: Path, max_lost: float = 0.5) -> Verdict:
+    path = Path(run_dir) / "results.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return Verdict(UNREADABLE, f"cannot read {path}: {err}")
+    return verdict(data, max_lost, time.time() - path.stat().st_mtime)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.status", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", nargs="?", type=Path, help="a run folder (default: the newest under --runs)")
+    p.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help=f"where run folders are (default {DEFAULT_RUNS})")
+    p.add_argument(
+        "--max-lost",
+        type=float,
+        default=0.5,
+        help="fraction of the last training round's sampled clients that may be lost (default 0.5)",
+    )
+    args = p.parse_args(argv)
+    if not 0.0 <= args.max_lost <= 1.0:
+        p.error(f"--max-lost is a fraction in [0, 1], got {args.max_lost}")
+    try:
+        run_dir = args.run_dir or newest_run(args.runs)
+    except FileNotFoundError as err:
+        print(f"fedvlm.status: {err}", file=sys.stderr)
+        return UNREADABLE
+    result = check(run_dir, args.max_lost)
+    print(f"{run_dir}: {result.reason}")
+    return result.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
