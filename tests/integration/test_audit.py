@@ -39,6 +39,8 @@ def _no_noise(grads, step, noise):
     return {k: v.detach() for k, v in grads.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # the one end-to-end audit kept in CI: it must catch a broken mechanism
 def test_the_audit_catches_noise_switched_off_and_passes_the_real_mechanism(make_cfg, pretrained_clip, monkeypatch):
     honest, grid = _run(make_cfg, privacy__audit_canaries=100)
     node = honest["audit"]["nodes"]["client-0"]
@@ -112,7 +114,11 @@ def _check_audited(data: dict, cfg) -> None:
     assert node["status"].startswith("consistent")
 
 
-@pytest.mark.parametrize("name", DP_CASES)
+# over about 20 s each on two cores: out of the default selection (pytest -m slow runs them)
+SLOW_AUDITS = ("promptfl-dp", "dpfpl-dp", "fedotp-dp")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_AUDITS else n for n in DP_CASES])
 def test_every_prompt_and_reprogramming_method_can_be_audited(name, cache_dir, pretrained_clip, tmp_path):
     _check_audited(*_audited_case(name, cache_dir, tmp_path))
 
