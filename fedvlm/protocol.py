@@ -9,8 +9,12 @@ Three exchanges (``docs/architecture.md`` has the table):
   local-DP noise) plus the arrays; the client executes the plan, never recomputes it, and
   refuses one its data or its own privacy check cannot honour; the reply holds the shared
   tensors and metrics;
-- evaluate: an ``EvaluateInstruction`` (the round; on the last one, where simulated nodes
+- evaluate: an ``EvaluateInstruction`` (the round; whether it is the last one, when nodes
   publish their personalised prompts) plus the arrays; the reply holds metrics only.
+
+Both name the run folder (``run-dir``): a simulated node keeps its private state and publishes
+under it; a deployed node keys its own state directory by the folder's name
+(``client_app.state``), so that a resumed run finds the state of the run it continues.
 
 Every field travels in the message's ``config`` record (``to_config`` / ``from_config``); a
 missing key reads as the field's default, so a client refuses what it needs and lacks
@@ -30,7 +34,8 @@ LOCAL_STEPS = "plan.local-steps"
 BATCH_SIZE = "plan.batch-size"
 NUM_TRAIN = "plan.num-train"
 FINAL_ROUND = "final-round"
-PUBLISH_DIR = "publish-dir"
+PUBLISH_DIR = "publish-dir"  # a node config key (client_app.publishing)
+RUN_DIR = "run-dir"
 
 
 def _names(text) -> tuple[str, ...]:
@@ -45,6 +50,7 @@ class TrainInstruction:
     batch_size: int = 0  # the configured batch size B (expected batch: min(B, num_train))
     num_train: int = 0  # the training records the plan assumed (the node's handshake)
     local_sigma: float | None = None  # std of the local-DP noise the server planned; None: none sent
+    run_dir: str = ""  # the server's run folder
 
     def to_config(self) -> dict:
         out = {
@@ -53,6 +59,7 @@ class TrainInstruction:
             LOCAL_STEPS: self.local_steps,
             BATCH_SIZE: self.batch_size,
             NUM_TRAIN: self.num_train,
+            RUN_DIR: self.run_dir,
         }
         if self.local_sigma is not None:
             out[LOCAL_SIGMA] = float(self.local_sigma)
@@ -68,6 +75,7 @@ class TrainInstruction:
             int(config.get(BATCH_SIZE, 0)),
             int(config.get(NUM_TRAIN, 0)),
             None if sigma is None else float(sigma),
+            str(config.get(RUN_DIR, "")),
         )
 
 
@@ -75,19 +83,14 @@ class TrainInstruction:
 class EvaluateInstruction:
     server_round: int
     final_round: bool = False  # the last evaluation: clients publish their personalised prompts
-    publish_dir: str = ""  # where a simulated node publishes them (client_app.publishing)
+    run_dir: str = ""  # the server's run folder
 
     def to_config(self) -> dict:
-        out: dict[str, int | bool | str] = {SERVER_ROUND: self.server_round}
-        if self.final_round:
-            out.update({FINAL_ROUND: True, PUBLISH_DIR: self.publish_dir})
-        return out
+        return {SERVER_ROUND: self.server_round, FINAL_ROUND: self.final_round, RUN_DIR: self.run_dir}
 
     @classmethod
     def from_config(cls, config: Mapping) -> EvaluateInstruction:
-        return cls(
-            int(config.get(SERVER_ROUND, 0)), bool(config.get(FINAL_ROUND, False)), str(config.get(PUBLISH_DIR, ""))
-        )
+        return cls(int(config.get(SERVER_ROUND, 0)), bool(config.get(FINAL_ROUND, False)), str(config.get(RUN_DIR, "")))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ Three message types:
   server stops before the first round with the node's own error message. The audited node
   (``privacy.audit-node``) counts its canary slots among its records (``client_app.audit_node``).
 - ``train`` / ``evaluate``: the method's client trainer runs on the arrays the server sent
-  this node; the reply goes through the send guard.
+  this node; the reply goes through the send guard. The node's private state is restored from
+  its own disk first where memory lacks it (a restarted SuperNode, a resumed run) and written
+  back after (``client_app.state``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import ArrayRecord, Context, Message
+from flwr.app import ArrayRecord, Context, Message, MessageType
 from flwr.clientapp import ClientApp
 
 from fedvlm.client_app.audit_node import finish_round, node_canaries
 from fedvlm.client_app.send_guard import guarded_reply
+from fedvlm.client_app.state import persist, restore, state_dir
 from fedvlm.methods.registry import validate
-from fedvlm.protocol import SERVER_ROUND, EvaluateInstruction, TrainInstruction
+from fedvlm.protocol import RUN_DIR, SERVER_ROUND, EvaluateInstruction, TrainInstruction
 
 if TYPE_CHECKING:
     import torch
@@ -37,19 +40,22 @@ def _setup(msg: Message, context: Context):
     spec = cfg.spec
     node = spec.family.node_data(cfg, dict(context.node_config))
     config: dict[str, Any] = dict(msg.content["config"]) if "config" in msg.content else {}
-    client = spec.client(cfg, node, context.state, int(config.get(SERVER_ROUND, 0)))
+    server_round = int(config.get(SERVER_ROUND, 0))
+    where = state_dir(node.config, str(config.get(RUN_DIR, "")), node.partition_id, node.name)
+    restore(context.state, where, server_round, training=msg.metadata.message_type == MessageType.TRAIN)
+    client = spec.client(cfg, node, context.state, server_round)
     client.canaries = node_canaries(cfg, node.partition_id, context.state)
     arrays: dict[str, torch.Tensor] = {}
     if "arrays" in msg.content:
         record = msg.content["arrays"]
         assert isinstance(record, ArrayRecord)  # the server sends its tensors as one
         arrays = record.to_torch_state_dict()
-    return cfg, spec, client, arrays, config
+    return cfg, spec, client, arrays, config, where
 
 
 @app.query()
 def hello(msg: Message, context: Context) -> Message:
-    _, _, client, _, _ = _setup(msg, context)
+    _, _, client, _, _, _ = _setup(msg, context)
     report = client.hello()
     info, metrics = replace(report, num_train=client.records(report.num_train)).to_records()
     return guarded_reply(msg, {}, metrics, allowed=frozenset(), info=info)
@@ -58,7 +64,7 @@ def hello(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     t0 = time.time()
-    cfg, spec, client, arrays, config = _setup(msg, context)
+    cfg, spec, client, arrays, config, where = _setup(msg, context)
     instruction = TrainInstruction.from_config(config)
     shared, metrics = client.train(arrays, instruction)
     if client.canaries is not None:
@@ -71,6 +77,7 @@ def train(msg: Message, context: Context) -> Message:
     # What may leave this node: the method's sharing rule over the tensors its model has
     # (a LoRA adapter's names are known only where the model is loaded).
     allowed = spec.shares(cfg, client.tensor_names)
+    persist(context.state, where, instruction.server_round)
     return guarded_reply(
         msg, shared, metrics, allowed=allowed, private=client.private, requested=instruction.reply_keys
     )
@@ -79,7 +86,9 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     t0 = time.time()
-    _, _, client, arrays, config = _setup(msg, context)
-    metrics = client.evaluate(arrays, EvaluateInstruction.from_config(config))
+    _, _, client, arrays, config, where = _setup(msg, context)
+    instruction = EvaluateInstruction.from_config(config)
+    metrics = client.evaluate(arrays, instruction)
+    persist(context.state, where, instruction.server_round)
     metrics["compute-seconds"] = time.time() - t0
     return guarded_reply(msg, {}, metrics, allowed=frozenset())

@@ -5,8 +5,8 @@ what membership-inference attacks target. On the last round the client writes it
 (the tensors it evaluates with) to a file on ITS OWN disk; nothing crosses the network.
 
 Where: the node config's ``publish-dir`` if set (a deployed organisation chooses); else, for
-a simulated node (one with a partition id), the run folder's ``published/`` that the server
-names in the last round's config; a deployed node without ``publish-dir`` publishes nothing.
+a simulated node (one with a partition id), ``published/`` in the run folder the server names;
+a deployed node without ``publish-dir`` publishes nothing.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from fedvlm.utils.files import atomic_torch_save
 def publish_dir(node_config: dict, instruction: EvaluateInstruction, partition_id: int) -> Path | None:
     if node_config.get(PUBLISH_DIR):
         return Path(str(node_config[PUBLISH_DIR])).expanduser()
-    if partition_id >= 0 and instruction.publish_dir:
-        return Path(instruction.publish_dir)
+    if partition_id >= 0 and instruction.run_dir:
+        return Path(instruction.run_dir) / "published"
     return None
 
 

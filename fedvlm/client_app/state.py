@@ -1,16 +1,38 @@
-"""A node's private state in ``context.state``, which Flower keeps per node across rounds in
-simulation and deployment alike. Private tensors live under one ArrayRecord, bookkeeping
-under one ConfigRecord, an audited node's canaries under another ArrayRecord; none is ever put
-in a reply (the send guard checks)."""
+"""A node's private state: in ``context.state`` between messages, and on the node's own disk
+after every round, so that it survives a SuperNode restart and a resumed run.
+
+In memory: ``context.state``, which Flower keeps per node across the rounds of one run, in
+simulation and deployment alike. Private tensors live under one ArrayRecord, bookkeeping under
+one ConfigRecord, an audited node's canaries under another ArrayRecord; none is ever put in a
+reply (the send guard checks).
+
+On disk (``state_dir``): the node config's ``state-dir`` (a deployed organisation chooses it)
+holds ``<run folder name>/<node name>/``; a simulated node (one with a partition id) keeps it
+under the run folder the server names (``nodes/<node name>/``); a deployed node without
+``state-dir`` keeps its state in memory only, and a restart loses it. After a message that
+changed the state, the node writes ``round-NNNN.pt`` (owner-only: directory 0700, file 0600)
+and keeps the two newest. A message of round r restores the newest snapshot the server's
+last completed round can have left (before r for training, up to r for evaluation) when the
+node holds nothing in memory, or holds a state ahead of that: a run killed in round r + 1
+resumes from round r, and the node's snapshot of the unfinished round r + 1 is not used.
+"""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
+from fedvlm.utils.files import atomic_torch_save
+
 PRIVATE = "private"
 META = "meta"
 AUDIT = "audit"  # the audited node's canaries (privacy.canaries): secret, never in a reply
+HELD = "held"  # which round the state in memory is from, and whether it changed since written
+STATE_DIR = "state-dir"  # the node config key
+KEEP = 2  # snapshots kept: the newest, and the one before it (see the module docstring)
 
 
 def load_private(state: RecordDict, key: str = PRIVATE) -> dict[str, torch.Tensor]:
@@ -21,8 +43,19 @@ def load_private(state: RecordDict, key: str = PRIVATE) -> dict[str, torch.Tenso
     return {k: v.clone() for k, v in record.to_torch_state_dict().items()}
 
 
+def _same(record, tensors: dict[str, torch.Tensor]) -> bool:
+    old = record.to_torch_state_dict()
+    return old.keys() == tensors.keys() and all(
+        old[k].dtype == v.dtype and old[k].shape == v.shape and torch.equal(old[k], v) for k, v in tensors.items()
+    )
+
+
 def save_private(state: RecordDict, tensors: dict[str, torch.Tensor], key: str = PRIVATE) -> None:
-    state[key] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    if key in state and _same(state[key], tensors):
+        return  # unchanged: nothing new to write to disk either
+    state[key] = ArrayRecord(tensors)
+    _mark_changed(state)
 
 
 def load_meta(state: RecordDict) -> dict:
@@ -30,7 +63,10 @@ def load_meta(state: RecordDict) -> dict:
 
 
 def save_meta(state: RecordDict, meta: dict) -> None:
+    if META in state and dict(state[META]) == meta:
+        return
     state[META] = ConfigRecord(meta)
+    _mark_changed(state)
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, prefix: str = "opt.") -> dict[str, torch.Tensor]:
@@ -53,3 +89,77 @@ def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tenso
     if state:
         sd["state"] = state
         opt.load_state_dict(sd)
+
+
+# ---- on disk ---------------------------------------------------------------------------------
+def _held_round(state: RecordDict) -> int | None:
+    """The round the state in memory is from (None: nothing held since the process started)."""
+    if HELD not in state:
+        return None
+    held = state[HELD]["round"]
+    assert isinstance(held, int)  # written by this module
+    return held
+
+
+def _mark_changed(state: RecordDict) -> None:
+    state[HELD] = ConfigRecord({"round": _held_round(state) or 0, "changed": True})
+
+
+def state_dir(node_config: dict, run_dir: str, partition_id: int, name: str) -> Path | None:
+    """Where this node keeps its state on disk for the run in ``run_dir`` (module docstring)."""
+    if not run_dir:
+        return None
+    if node_config.get(STATE_DIR):
+        return Path(str(node_config[STATE_DIR])).expanduser() / Path(run_dir).name / name
+    if partition_id >= 0:
+        return Path(run_dir) / "nodes" / name
+    return None
+
+
+def _snapshots(where: Path) -> dict[int, Path]:
+    if not where.is_dir():
+        return {}
+    return {int(p.stem.split("-")[1]): p for p in where.glob("round-*.pt") if p.stem.split("-")[1].isdigit()}
+
+
+def restore(state: RecordDict, where: Path | None, server_round: int, training: bool) -> int | None:
+    """Bring ``state`` to the node's newest snapshot a message of ``server_round`` may build on
+    when memory holds none, or one ahead of it; the snapshot's round (None: memory kept)."""
+    if where is None or server_round <= 0:
+        return None
+    newest = server_round - 1 if training else server_round
+    held = _held_round(state)
+    if held is not None and held <= newest:
+        return None
+    usable = {r: p for r, p in _snapshots(where).items() if r <= newest}
+    for key in list(state.keys()):
+        del state[key]
+    if not usable:
+        return None  # a node that never trained before this round: it starts afresh
+    saved = torch.load(usable[max(usable)], weights_only=True)
+    for key, (kind, data) in saved["records"].items():
+        state[key] = ArrayRecord(data) if kind == "arrays" else ConfigRecord(data)
+    state[HELD] = ConfigRecord({"round": int(saved["round"]), "changed": False})
+    return int(saved["round"])
+
+
+def persist(state: RecordDict, where: Path | None, server_round: int) -> Path | None:
+    """Write ``state`` as of ``server_round`` if a message changed it; keep the ``KEEP`` newest."""
+    if where is None or HELD not in state or not state[HELD].get("changed"):
+        return None
+    records: dict[str, tuple[str, dict]] = {}
+    for key, record in state.items():
+        if key == HELD:
+            continue
+        if isinstance(record, ArrayRecord):
+            records[key] = ("arrays", record.to_torch_state_dict())
+        else:
+            records[key] = ("config", dict(record))
+    where.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(where, 0o700)  # mkdir's mode is masked by the umask; the state is the node's alone
+    path = where / f"round-{server_round:04d}.pt"
+    atomic_torch_save({"round": server_round, "records": records}, path)  # written 0600 (mkstemp)
+    state[HELD] = ConfigRecord({"round": server_round, "changed": False})
+    for _, old in sorted(_snapshots(where).items())[:-KEEP]:
+        old.unlink(missing_ok=True)
+    return path

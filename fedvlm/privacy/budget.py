@@ -121,6 +121,31 @@ class RunBudget:
         worst = self.entry({n: 1 for n in names})["epsilon"]
         return worst if worst > cap * (1 + 1e-9) else None
 
+    # ---- state across rounds (strategies.base.FederatedStrategy.state_dict) -------------------
+    def sigmas(self) -> dict[str, float]:
+        """The noise level of every planned mechanism, by who draws it."""
+        out = {f"client {name}": plan.sigma for name, plan in sorted(self.planner.local_plans.items())}
+        if self.planner.global_plan is not None:
+            out["server"] = self.planner.global_plan.sigma
+        return out
+
+    def state_dict(self) -> dict:
+        return {"rounds_trained": dict(self.rounds_trained), "sigmas": self.sigmas()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue spending from ``state``; a plan that now draws other noise than the one the
+        spent rounds were drawn with (other rounds with a target epsilon, other nodes) is refused."""
+        now = self.sigmas()
+        differ = [f"{k} {v:.6g} -> {now[k]:.6g}" for k, v in state["sigmas"].items() if k in now and now[k] != v]
+        if differ:
+            raise BudgetError(
+                f"the privacy plan for this config draws other noise than the interrupted run did "
+                f"({'; '.join(differ)}): the epsilon already spent was accounted for the old noise. Resume with the "
+                "config it ran with (with privacy.epsilon, sigma depends on num-server-rounds: use "
+                "privacy.noise-multiplier to extend a run)"
+            )
+        self.rounds_trained = {str(k): int(v) for k, v in state["rounds_trained"].items()}
+
     # ---- noise sources ------------------------------------------------------------------------
     def server_noise_source(self, sources: Mapping[str, str]) -> str:
         """Randomness of the server's own noise: with 'auto', secret as soon as one node protects

@@ -196,6 +196,17 @@ class PrivacyLedger:
     def record_round(self, server_round: int, entry: dict) -> None:
         self.rounds.append({"round": server_round, **entry})
 
+    def state_dict(self) -> dict:
+        """What the rounds added (the plans and records are re-made from the config)."""
+        released = {m: sorted(k) for m, k in self.released.items()}
+        return {"rounds": self.rounds, "released": released, "notes": self.notes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rounds = list(state["rounds"])
+        for message, keys in state["released"].items():
+            self.note_released(message, keys)
+        self.notes += [n for n in state["notes"] if n not in self.notes]
+
     def as_dict(self) -> dict:
         s = self.settings
         return {

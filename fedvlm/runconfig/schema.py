@@ -439,6 +439,11 @@ class RunConfig:
     # --- where things go --------------------------------------------------------------------
     output_dir: str = opt("", "Absolute directory for run folders; empty = ~/fedvlm-runs.")
     run_name: str = opt("", "Name of this run's folder; empty = <method>-<dataset>-<time>.")
+    resume: str = opt(
+        "",
+        "Run folder of an interrupted run: continue it from its last completed round, with the same config "
+        "(num-server-rounds may grow). Empty = a new run.",
+    )
     cache_dir: str = opt(
         "", "Cache for pretrained embedded models and image features; empty = $FEDVLM_CACHE or ~/.cache/fedvlm."
     )

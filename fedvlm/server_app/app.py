@@ -1,5 +1,6 @@
 """The ServerApp: validate the run config, build the method's strategy, run the rounds and
-write the run folder (results.json, shared parameters, plots, a printed summary)."""
+write the run folder (results.json, shared parameters, plots, a printed summary), or go on
+with an interrupted run's folder (``resume``, ``server_app.resume``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from fedvlm.methods.registry import validate
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
+from fedvlm.server_app.resume import resume_point
+from fedvlm.strategies.base import ResumeError
 
 log = logging.getLogger("fedvlm")
 app = ServerApp()
@@ -33,26 +36,38 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     """Run a validated config on a grid (Flower's, or an in-process one) and write the run
     folder; returns the recorder holding everything that was written."""
     spec = cfg.spec
-    run_dir = make_run_dir(cfg.output_dir, cfg.run_name, spec.name, cfg.dataset, run_id)
-    log.info("run folder: %s", run_dir)
+    point = resume_point(cfg)
     strategy = spec.strategy(cfg, spec)
-    backbone = getattr(strategy, "bundle", None)
-    recorder = RunRecorder(
-        run_dir,
-        cfg.as_dict(),
-        {
-            "method": spec.name,
-            "family": spec.family.name,
-            "summary": spec.summary,
-            "run_id": str(run_id),
-            "flwr": flwr.__version__,
-            "backbone": {"name": backbone.name, "pretrained": backbone.pretrained, "fingerprint": backbone.fingerprint}
-            if backbone
-            else None,
-        },
-    )
+    if point is not None:
+        log.info("resuming %s after its round %d", point.run_dir, point.round)
+        recorder = RunRecorder.reopen(point.run_dir, point.results, point.round, cfg.as_dict(), str(run_id))
+    else:
+        run_dir = make_run_dir(cfg.output_dir, cfg.run_name, spec.name, cfg.dataset, run_id)
+        log.info("run folder: %s", run_dir)
+        backbone = getattr(strategy, "bundle", None)
+        recorder = RunRecorder(
+            run_dir,
+            cfg.as_dict(),
+            {
+                "method": spec.name,
+                "family": spec.family.name,
+                "summary": spec.summary,
+                "run_id": str(run_id),
+                "flwr": flwr.__version__,
+                "backbone": {
+                    "name": backbone.name,
+                    "pretrained": backbone.pretrained,
+                    "fingerprint": backbone.fingerprint,
+                }
+                if backbone
+                else None,
+            },
+        )
     try:
-        run_rounds(strategy, grid, recorder)
+        run_rounds(strategy, grid, recorder, point)
+    except ResumeError as err:  # refused before anything was recorded: the folder is as it was
+        log.error("cannot resume: %s", err)
+        raise
     except BaseException as err:
         recorder.finish("failed", f"{type(err).__name__}: {err}")
         log.error("run failed: %s (results so far: %s)", err, recorder.path)

@@ -4,8 +4,9 @@ stop, and every round written to the run folder before the next.
 A round: sample and build the train messages (``configure_train``); stop here if they would
 take a record past ``privacy.max-epsilon``; send, validate and aggregate the replies; evaluate;
 record the round (metrics, bytes, per-client figures, dropped replies, the ledger) and the
-shared state (``checkpoint.pt``); with ``attack.observe-uploads``, also every train message and
-reply as the server saw them (``server_app.observer``).
+checkpoint a resumed run continues from (``server_app.resume``); with
+``attack.observe-uploads``, also every train message and reply as the server saw them
+(``server_app.observer``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flwr.serverapp import Grid
 from fedvlm.privacy.audit import audit_section
 from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
+from fedvlm.server_app.resume import ResumePoint, save_checkpoint
 from fedvlm.strategies.base import FederatedStrategy
 
 log = logging.getLogger(__name__)
@@ -63,10 +65,15 @@ def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
     recorder.add_section("audit", section)
 
 
-def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -> dict:
-    """Run every round of ``strategy`` on ``grid``; returns the finished results."""
-    strategy.publish_dir = str(recorder.dir / "published")
+def run_rounds(
+    strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder, resume: ResumePoint | None = None
+) -> dict:
+    """Run every round of ``strategy`` on ``grid`` (after ``resume``'s round, if given);
+    returns the finished results."""
+    strategy.run_dir = str(recorder.dir)
     strategy.start(grid)
+    if resume is not None:
+        strategy.load_state_dict(resume.state)
     _record_nodes(strategy, recorder)
     if strategy.budget is not None:
         recorder.add_section("privacy", strategy.ledger.as_dict())
@@ -74,7 +81,7 @@ def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -
     total = strategy.num_rounds()
     empty = ConfigRecord()
     status, note, rnd = "finished", "", 0
-    for rnd in range(1, total + 1):
+    for rnd in range(resume.round + 1 if resume else 1, total + 1):
         t0 = time.time()
         strategy.begin_round(rnd, final=rnd == total)
         current = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in strategy.global_arrays.items()})
@@ -107,8 +114,7 @@ def run_rounds(strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder) -
         recorder.add_round(record)
         _record_audit(strategy, recorder)
         _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
-        if strategy.global_arrays:
-            recorder.save_arrays("checkpoint.pt", strategy.global_arrays, rnd)
+        save_checkpoint(recorder.dir, strategy, rnd)
         log.info(progress_line(record, total))
     if strategy.global_arrays:
         recorder.save_arrays("final_shared.pt", strategy.global_arrays, rnd)

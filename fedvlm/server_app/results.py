@@ -76,6 +76,24 @@ class RunRecorder:
         self.t0 = time.time()
         self.write()
 
+    @classmethod
+    def reopen(cls, run_dir: Path, results: dict, upto: int, config: dict, run_id: str) -> RunRecorder:
+        """Go on writing an interrupted run's folder from round ``upto`` (later rounds, recorded
+        after the checkpoint was written, are dropped: they will be run again). Nothing is
+        written until the run records something, so a resume refused on the way leaves the
+        folder as it was."""
+        recorder = cls.__new__(cls)
+        recorder.dir, recorder.t0 = Path(run_dir), time.time()
+        data = dict(results)
+        data["config"] = config
+        data["rounds"] = [r for r in data["rounds"] if r["round"] <= upto]
+        data["final"] = {}
+        run = {k: v for k, v in data["run"].items() if k not in ("note", "ended")}
+        resumed = {"from_round": upto, "run_id": run_id, "at": datetime.now(timezone.utc).isoformat()}
+        data["run"] = {**run, "status": "running", "resumed": [*run.get("resumed", []), resumed]}
+        recorder.data = data
+        return recorder
+
     @property
     def path(self) -> Path:
         return self.dir / "results.json"

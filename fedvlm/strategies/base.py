@@ -13,6 +13,12 @@ It implements Flower's hooks (``configure_train``, ``aggregate_train``, ``config
 What a round did is written to its ``RoundRecord`` (``strategies.records``); the loop that
 runs the rounds and writes the run folder is ``server_app.loop``. Subclasses implement
 ``initial_arrays`` and ``aggregate`` and may override the payload hooks.
+
+Everything a strategy carries from one round to the next goes in and out through one pair,
+``state_dict`` / ``load_state_dict`` (tensors, numbers, strings, lists and dicts only, so that
+``torch.load(weights_only=True)`` reads it back); a subclass with state of its own extends both.
+Every random draw is keyed by the seed and the round (``utils.rng``), so no generator state
+needs saving: the loop checkpoints this after every round and a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -41,6 +48,20 @@ from fedvlm.utils.rng import ServerStream
 log = logging.getLogger(__name__)
 
 
+class ResumeError(RuntimeError):
+    """A run cannot continue from its run folder (the message says why and what to do)."""
+
+
+def tensors(named: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Arrays as tensors, copied, for a state dict."""
+    return {k: torch.from_numpy(np.array(v)) for k, v in named.items()}
+
+
+def arrays(named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """A state dict's tensors back as arrays."""
+    return {k: v.numpy().copy() for k, v in named.items()}
+
+
 class FederatedStrategy(Strategy):
     def __init__(self, cfg: RunConfig, spec: MethodSpec):
         self.cfg = cfg
@@ -51,7 +72,7 @@ class FederatedStrategy(Strategy):
         self.global_arrays: dict[str, np.ndarray] = {}  # set after the handshake (initial_arrays)
         self.budget: RunBudget | None = None  # with privacy on, once the nodes are known (plan_privacy)
         self.current = RoundRecord(0)  # the round being run (the loop starts each with begin_round)
-        self.publish_dir = ""  # where simulated nodes publish at the end (set by the loop)
+        self.run_dir = ""  # the run folder, named in every instruction (set by the loop)
         self._expected: dict[int, dict[str, tuple]] = {}
         self._last_sent: list[Message] = []
 
@@ -121,6 +142,40 @@ class FederatedStrategy(Strategy):
     def server_noise_source(self) -> str:
         assert self.budget is not None  # only a planned global mechanism draws server noise
         return self.budget.server_noise_source(self.noise_sources())
+
+    # ---- state across rounds (a checkpoint, a resumed run) -----------------------------------
+    def state_dict(self) -> dict:
+        """What the next round depends on: the shared arrays, the privacy spent and its ledger,
+        and each known node's reported size (a resumed run must find the same nodes)."""
+        return {
+            "global_arrays": tensors(self.global_arrays),
+            "nodes": {n.name: n.num_train for n in self.nodes.values()},
+            "budget": self.budget.state_dict() if self.budget is not None else None,
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (called after ``start``, with the nodes known and planned).
+        A node whose size changed would make the spent privacy wrong: ``ResumeError``."""
+        changed = [
+            f"{n.name} ({state['nodes'][n.name]} -> {n.num_train} records)"
+            for n in self.nodes.values()
+            if n.name in state["nodes"] and state["nodes"][n.name] != n.num_train
+        ]
+        if changed:
+            raise ResumeError(
+                f"these nodes report other data sizes than before the interruption: {', '.join(changed)}; the "
+                "privacy already spent was accounted for the old sizes: restart the nodes on the data they had"
+            )
+        self.global_arrays = arrays(state["global_arrays"])
+        if (self.budget is None) != (state["budget"] is None):
+            raise ResumeError("the checkpoint and the config disagree on whether privacy is on")
+        if self.budget is not None:
+            try:
+                self.budget.load_state_dict(state["budget"])
+            except BudgetError as why:
+                raise ResumeError(str(why)) from why
+        self.ledger.load_state_dict(state["ledger"])
 
     # ---- the run's setup (called by server_app.loop) ---------------------------------------
     def summary(self) -> None:
@@ -196,11 +251,11 @@ class FederatedStrategy(Strategy):
                     shape.batch_size,
                     node.num_train,
                     self.local_sigma(node),
+                    self.run_dir,
                 ).to_config()
             else:  # on the last evaluation clients publish their personalised prompts (client_app.publishing)
                 payload, expected = self.evaluate_payload(node, server_round), {}
-                final = self.current.final
-                config = EvaluateInstruction(server_round, final, self.publish_dir if final else "").to_config()
+                config = EvaluateInstruction(server_round, self.current.final, self.run_dir).to_config()
             self._expected[node.node_id] = expected
             down += record_nbytes(payload)
             self.current.client(node.name)[f"{phase}/bytes_down"] = record_nbytes(payload)

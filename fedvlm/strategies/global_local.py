@@ -32,8 +32,7 @@ class GlobalGradientStrategy(PromptStrategy):
         super().__init__(cfg, spec)
         if cfg.prompt.class_specific:
             raise ValueError(f"method {spec.name!r} needs a shared context (prompt.class-specific=false)")
-        self._server_opt = None
-        self._global_param = None
+        self._server_opt: torch.optim.Optimizer | None = None  # built at the first step, on the global prompt
 
     def initial_arrays(self):
         return {"global_ctx": self.initial_context()}
@@ -84,16 +83,28 @@ class GlobalGradientStrategy(PromptStrategy):
             self.current.metrics.update({"gdp-sigma": sigma, "gdp-denominator": sampled})
         self._server_step(grad)
 
-    def _server_step(self, grad: torch.Tensor) -> None:
-        if self._global_param is None:
-            self._global_param = torch.nn.Parameter(torch.from_numpy(self.global_arrays["global_ctx"].copy()))
+    def _optimizer(self) -> torch.optim.Optimizer:
+        if self._server_opt is None:
+            param = torch.nn.Parameter(torch.from_numpy(self.global_arrays["global_ctx"].copy()))
             lr = self.cfg.dpfpl.server_lr
-            self._server_opt = (
-                torch.optim.Adam([self._global_param], lr=lr)
-                if self.cfg.dpfpl.server_optimizer == "adam"
-                else torch.optim.SGD([self._global_param], lr=lr)
-            )
-        self._server_opt.zero_grad()
-        self._global_param.grad = grad
-        self._server_opt.step()
-        self.global_arrays = {"global_ctx": self._global_param.detach().numpy().copy()}
+            adam = self.cfg.dpfpl.server_optimizer == "adam"
+            self._server_opt = torch.optim.Adam([param], lr=lr) if adam else torch.optim.SGD([param], lr=lr)
+        return self._server_opt
+
+    def state_dict(self) -> dict:
+        """Adds the server optimiser's moments (its parameter is the global prompt)."""
+        opt = self._server_opt.state_dict() if self._server_opt is not None else None
+        return {**super().state_dict(), "server_optimizer": opt}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if state["server_optimizer"] is not None:
+            self._optimizer().load_state_dict(state["server_optimizer"])
+
+    def _server_step(self, grad: torch.Tensor) -> None:
+        opt = self._optimizer()
+        param = opt.param_groups[0]["params"][0]  # the global prompt
+        opt.zero_grad()
+        param.grad = grad
+        opt.step()
+        self.global_arrays = {"global_ctx": param.detach().numpy().copy()}

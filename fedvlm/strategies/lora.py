@@ -24,7 +24,7 @@ import numpy as np
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_vlm
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
-from fedvlm.strategies.base import FederatedStrategy
+from fedvlm.strategies.base import FederatedStrategy, arrays, tensors
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
@@ -55,6 +55,20 @@ class LoRAStrategy(FederatedStrategy):
         self.last_upload: dict[str, dict[str, np.ndarray]] = {}  # client -> its latest uploaded tensors
         self.participated: set[str] = set()
         self.train_messages = 0  # train messages sent, for the communication summary
+
+    def state_dict(self) -> dict:
+        return {
+            **super().state_dict(),
+            "last_upload": {name: tensors(up) for name, up in self.last_upload.items()},
+            "participated": sorted(self.participated),
+            "train_messages": self.train_messages,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.last_upload = {name: arrays(up) for name, up in state["last_upload"].items()}
+        self.participated = set(state["participated"])
+        self.train_messages = int(state["train_messages"])
 
     def adapter_bytes(self) -> int:
         return int(sum(v.nbytes for v in self.adapter_initial.values()))
@@ -116,7 +130,9 @@ class FedRandStrategy(LoRAStrategy):
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
         self.halves = {h: adapter_parts.lora_half(self.shared_names, h) for h in adapter_parts.HALVES}
-        self.draws: dict[int, dict[str, str]] = {}  # round -> client -> half drawn ('A' | 'B')
+        # round -> client -> half drawn ('A' | 'B'); a draw is keyed by seed, round and node, so a
+        # resumed run draws the same halves without saving them
+        self.draws: dict[int, dict[str, str]] = {}
 
     def draw(self, node: NodeInfo, server_round: int) -> str:
         """The half ``node`` gets this round: A with probability rho. Keyed by (seed, round, the

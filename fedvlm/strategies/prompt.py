@@ -67,6 +67,13 @@ class LocalOnlyStrategy(PromptStrategy):
     def on_reply_accepted(self, node, phase):
         self.initialised.add(node.name)
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "initialised": sorted(self.initialised)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.initialised = set(state["initialised"])
+
     def train_payload(self, node, server_round):
         return {} if node.name in self.initialised else dict(self.global_arrays)
 

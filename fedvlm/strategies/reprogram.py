@@ -47,6 +47,13 @@ class ReprogramStrategy(FederatedStrategy):
             weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
         )
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "client_reported": self.client_reported}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.client_reported = {k: dict(v) for k, v in state["client_reported"].items()}
+
     def privacy_entry(self, extra: dict[str, int] | None = None) -> dict:
         """Add, per client, ε by both of dp-accounting's accountants and by the client's own
         Opacus accountants (they must agree: the test suite checks it)."""

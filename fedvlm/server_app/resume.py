@@ -1,0 +1,82 @@
+"""A run's checkpoint, and continuing an interrupted run from it (``resume = '<run dir>'``).
+
+After every round the loop writes ``checkpoint.pt`` (atomically): the round, the shared arrays,
+and the strategy's ``state_dict`` (its own state, the privacy spent, the ledger). A run killed at
+any point (the ServerApp, the SuperLink, the machine) continues from its run folder with the
+same config; only ``num-server-rounds`` (and the keys below that change nothing computed) may
+differ, so a finished run can also be extended. The resumed run writes into the same folder, drops any round
+recorded after the checkpoint, and records in ``run.resumed`` when and from which round it went
+on. Nodes find their private state in their own state directories (``client_app.state``).
+
+Every draw is keyed by the seed and the round, so a resumed simulation with seeded noise ends
+with exactly the numbers and arrays of an uninterrupted run; with OS noise
+(``privacy.noise-source``) the noise differs, as it would between any two runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fedvlm.runconfig import RunConfig
+from fedvlm.strategies.base import FederatedStrategy, ResumeError
+from fedvlm.utils.files import atomic_torch_save
+
+CHECKPOINT = "checkpoint.pt"
+# keys that may differ: how long the run goes on, and keys that never change what it computes
+# (where a new run's folder would go, how long to wait for replies)
+FREE_KEYS = frozenset({"num-server-rounds", "resume", "output-dir", "run-name", "round-timeout"})
+
+
+@dataclass
+class ResumePoint:
+    run_dir: Path
+    results: dict  # results.json as the interrupted run left it
+    round: int  # the last completed round
+    state: dict  # the strategy's state after it
+
+
+def save_checkpoint(run_dir: Path, strategy: FederatedStrategy, server_round: int) -> None:
+    arrays = {k: torch.from_numpy(v.copy()) for k, v in strategy.global_arrays.items()}
+    atomic_torch_save({"round": server_round, "arrays": arrays, "state": strategy.state_dict()}, run_dir / CHECKPOINT)
+
+
+def _differences(saved: dict, now: dict) -> list[str]:
+    now = json.loads(json.dumps(now))  # as results.json holds it (tuples as lists)
+    keys = sorted((saved.keys() | now.keys()) - FREE_KEYS)
+    return [f"{k} = {saved.get(k)!r} (now {now.get(k)!r})" for k in keys if saved.get(k) != now.get(k)]
+
+
+def resume_point(cfg: RunConfig) -> ResumePoint | None:
+    """The interrupted run ``cfg.resume`` names, checked against ``cfg``; None for a new run."""
+    if not cfg.resume:
+        return None
+    run_dir = Path(cfg.resume).expanduser().resolve()
+    results = run_dir / "results.json"
+    if not results.is_file():
+        raise ResumeError(
+            f"run config 'resume' = {cfg.resume!r}: {results} does not exist; name the run folder that holds it"
+        )
+    data = json.loads(results.read_text())
+    differ = _differences(data["config"], cfg.as_dict())
+    if differ:
+        raise ResumeError(
+            f"cannot resume {run_dir.name}: its config differs from this one in {len(differ)} key(s): "
+            + "; ".join(differ)
+            + ". Resume with the run's own config (only num-server-rounds may change)"
+        )
+    if not (run_dir / CHECKPOINT).is_file():
+        raise ResumeError(f"{run_dir.name} never completed a round (no {CHECKPOINT}): start it afresh")
+    saved = torch.load(run_dir / CHECKPOINT, weights_only=True)
+    if "state" not in saved:
+        raise ResumeError(f"{run_dir / CHECKPOINT} holds no strategy state (written by an older fedvlm): start afresh")
+    done = int(saved["round"])
+    if done >= cfg.num_server_rounds:
+        raise ResumeError(
+            f"{run_dir.name} has completed {done} round(s), num-server-rounds is {cfg.num_server_rounds}: nothing to "
+            f"resume; raise num-server-rounds to run it further"
+        )
+    return ResumePoint(run_dir, data, done, saved["state"])

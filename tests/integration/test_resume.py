@@ -1,0 +1,196 @@
+"""Exact resume: a run killed in round k and resumed from its run folder ends with the numbers,
+privacy ledger, shared arrays and published node prompts of an uninterrupted run
+(server_app.resume, client_app.state); a resume that cannot be exact is refused."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+import torch
+
+from fedvlm.client_app.app import app as client_app
+from fedvlm.protocol import SERVER_ROUND
+from fedvlm.server_app.app import execute
+from fedvlm.strategies.base import ResumeError
+from fedvlm.utils.inprocess import InProcessGrid
+
+
+class Killed(BaseException):
+    """The server process dies here (a BaseException, so that no handler goes on after it)."""
+
+
+def _kill_in_round(k: int):
+    """Kill the server when the first train reply of round ``k`` arrives: that node has trained
+    and written its state for round k; the round never completes."""
+
+    def intercept(req, reply):
+        if req.metadata.message_type == "train" and int(req.content["config"][SERVER_ROUND]) == k:
+            raise Killed
+        return reply
+
+    return intercept
+
+
+def _grid(cfg, nodes, intercept=None):
+    # a new grid is a new set of node processes: nothing in memory from the killed run
+    return InProcessGrid(client_app, nodes, cfg.as_dict(), intercept=intercept)
+
+
+def _partitions(n):
+    return [{"partition-id": i, "num-partitions": n} for i in range(n)]
+
+
+def _untimed(value):
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items() if "seconds" not in k}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
+
+
+def _whole_and_resumed(make_cfg, nodes, kill_round, **overrides):
+    whole_cfg = make_cfg(run_name="whole", **overrides)
+    whole = execute(whole_cfg, _grid(whole_cfg, nodes), run_id="whole")
+    cfg = make_cfg(run_name="interrupted", **overrides)
+    with pytest.raises(Killed):
+        execute(cfg, _grid(cfg, nodes, _kill_in_round(kill_round)), run_id="first")
+    killed = json.loads((whole.dir.parent / "interrupted" / "results.json").read_text())
+    assert killed["run"]["status"] == "failed" and len(killed["rounds"]) == kill_round - 1
+    resumed_cfg = make_cfg(resume=str(whole.dir.parent / "interrupted"), **overrides)
+    return whole, execute(resumed_cfg, _grid(resumed_cfg, nodes), run_id="second")
+
+
+def _assert_same_run(a, b):
+    da, db = json.loads(a.path.read_text()), json.loads(b.path.read_text())
+    assert [r["round"] for r in db["rounds"]] == [r["round"] for r in da["rounds"]]
+    for ra, rb in zip(da["rounds"], db["rounds"], strict=True):
+        assert _untimed(ra) == _untimed(rb), f"round {ra['round']} differs"
+    assert _untimed(da.get("privacy")) == _untimed(db.get("privacy"))
+    assert (da["run"]["status"], da["run"].get("note")) == (db["run"]["status"], db["run"].get("note"))
+    fa, fb = (torch.load(r.dir / "final_shared.pt", weights_only=True)["arrays"] for r in (a, b))
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+    # the nodes' private state came back: what they publish at the end is bit for bit the same
+    pa, pb = sorted((a.dir / "published").glob("*.pt")), sorted((b.dir / "published").glob("*.pt"))
+    assert [p.name for p in pa] == [p.name for p in pb]
+    for x, y in zip(pa, pb, strict=True):
+        px, py = (torch.load(p, weights_only=True)["prompts"] for p in (x, y))
+        assert px.keys() == py.keys() and all(torch.equal(px[k], py[k]) for k in px), x.name
+    assert db["run"]["resumed"][0]["run_id"] == "second"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"method": "promptfl"}, marks=pytest.mark.slow),
+        # the server optimiser's moments, the spent budget and the ledger; the budget stops it
+        # after round 3 of 5 in both runs
+        {
+            "method": "dpfpl",
+            "privacy__noise_multiplier": 1.0,
+            "privacy__max_epsilon": 3.55,
+            "num_server_rounds": 5,
+        },
+        pytest.param({"method": "pfedmoap", "pfedmoap__k": 1}, marks=pytest.mark.slow),
+    ],
+    ids=["promptfl", "dpfpl-dp-budget-stop", "pfedmoap"],
+)
+def test_a_killed_run_resumes_to_the_uninterrupted_numbers(make_cfg, pretrained_clip, overrides):
+    overrides = {"num_server_rounds": 3, **overrides}
+    whole, resumed = _whole_and_resumed(make_cfg, _partitions(3), kill_round=2, **overrides)
+    _assert_same_run(whole, resumed)
+    if "privacy__max_epsilon" in overrides:
+        assert resumed.data["run"]["status"] == "stopped" and len(resumed.data["rounds"]) == 3
+
+
+@pytest.mark.slow
+def test_reprogram_under_dp_resumes_with_the_nodes_accountants(make_cfg, cache_dir):
+    whole, resumed = _whole_and_resumed(
+        make_cfg, _partitions(3), kill_round=2, method="reprogram", num_server_rounds=3, reprogram__local_iterations=2
+    )
+    _assert_same_run(whole, resumed)
+    # the nodes' own Opacus accountants went on from their saved state: the epsilon they report
+    # in the last round is the uninterrupted run's
+    assert (
+        resumed.data["privacy"]["rounds"][-1]["client_reported"]
+        == whole.data["privacy"]["rounds"][-1]["client_reported"]
+    )
+
+
+@pytest.mark.slow
+def test_deployed_nodes_keep_their_state_in_their_own_state_dir(make_cfg, pretrained_clip, tmp_path):
+    from fedvlm.deploy.export_folder import export_partitions
+
+    folders = export_partitions(tmp_path / "orgs", 2)
+    # seeded batches (an organisation's node draws them from the OS by default) for exact numbers
+    nodes = [
+        {"data-dir": str(f), "state-dir": str(tmp_path / "state" / f.name), "noise-source": "seeded"} for f in folders
+    ]
+    whole, resumed = _whole_and_resumed(make_cfg, nodes, kill_round=2, method="coop", num_server_rounds=3)
+    # coop's prompts never leave the nodes; each node published its own to its run's folder
+    _assert_same_run(whole, resumed)
+    assert not (resumed.dir / "nodes").exists()  # nothing of a node's state under the server's folder
+    for f in folders:
+        where = tmp_path / "state" / f.name / "interrupted" / f.name
+        snapshots = sorted(p.name for p in where.iterdir())
+        assert snapshots == ["round-0002.pt", "round-0003.pt"]
+        assert stat.S_IMODE(where.stat().st_mode) == 0o700
+        assert all(stat.S_IMODE((where / s).stat().st_mode) == 0o600 for s in snapshots)
+        saved = torch.load(where / "round-0003.pt", weights_only=True)["records"]
+        assert "local_ctx" in saved["private"][1] or saved["private"][1]  # the private prompt is there
+
+
+@pytest.mark.slow
+def test_fedrand_resumes_with_each_clients_private_half(make_cfg, vlm_cache):
+    whole, resumed = _whole_and_resumed(
+        make_cfg,
+        _partitions(4),
+        kill_round=2,
+        method="fedrand",
+        num_server_rounds=3,
+        fraction_train=0.5,
+        lora__local_steps=3,
+        vlm__eval_samples=4,
+        vlm__max_new_tokens=16,
+    )
+    # every client's own model (with the half it never shared) scores as in the uninterrupted run
+    _assert_same_run(whole, resumed)
+    assert "client-cider" in resumed.data["rounds"][-1]["metrics"]
+    kept = sorted(p.name for p in (whole.dir / "reconstructed").glob("*.pt"))
+    assert kept == sorted(p.name for p in (resumed.dir / "reconstructed").glob("*.pt")) and kept
+    for name in kept:
+        a, b = (torch.load(r.dir / "reconstructed" / name, weights_only=True)["arrays"] for r in (whole, resumed))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resuming_refuses_what_it_cannot_continue_exactly(make_cfg, pretrained_clip, tmp_path):
+    nodes = _partitions(2)
+    cfg = make_cfg(method="dpfpl", run_name="done", num_server_rounds=1, privacy__epsilon=2.0)
+    done = execute(cfg, _grid(cfg, nodes), run_id="a").dir
+
+    with pytest.raises(ResumeError, match=r"differs from this one in 2 key\(s\): prompt.lr = .*seed = 0 \(now 1\)"):
+        execute(make_cfg(resume=str(done), prompt__lr=0.5, seed=1, method="dpfpl", privacy__epsilon=2.0), None, "b")
+    same = {"method": "dpfpl", "privacy__epsilon": 2.0}
+    with pytest.raises(ResumeError, match="completed 1 round.*raise num-server-rounds"):
+        execute(make_cfg(resume=str(done), num_server_rounds=1, **same), None, "b")
+    with pytest.raises(ResumeError, match="does not exist"):
+        execute(make_cfg(resume=str(tmp_path / "nowhere"), **same), None, "b")
+    # with a target epsilon, more rounds would have meant more noise from round 1: refused
+    longer = make_cfg(resume=str(done), num_server_rounds=3, **same)
+    with pytest.raises(ResumeError, match="other noise than the interrupted run.*noise-multiplier"):
+        execute(longer, _grid(longer, nodes), run_id="b")
+    after = json.loads((done / "results.json").read_text())  # every refusal left the run as it was
+    assert after["run"]["status"] == "finished" and len(after["rounds"]) == 1 and "resumed" not in after["run"]
+
+
+def test_an_extended_run_keeps_spending_the_same_budget(make_cfg, pretrained_clip):
+    nodes = _partitions(2)
+    same = {"method": "promptfl", "privacy__noise_multiplier": 1.0}
+    first = make_cfg(run_name="short", num_server_rounds=2, **same)
+    short = execute(first, _grid(first, nodes), run_id="a")
+    spent = short.data["privacy"]["rounds"][-1]["epsilon"]
+    longer = make_cfg(resume=str(short.dir), num_server_rounds=3, **same)
+    extended = execute(longer, _grid(longer, nodes), run_id="b")
+    rounds = extended.data["privacy"]["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2, 3] and rounds[1]["epsilon"] == spent < rounds[2]["epsilon"]

@@ -1,0 +1,92 @@
+"""A node's private state on its own disk (client_app.state): where it goes, when it is written,
+which snapshot a message of a given round restores, and that only the node can read it."""
+
+from __future__ import annotations
+
+import stat
+
+import torch
+from flwr.app import RecordDict
+
+from fedvlm.client_app.state import (
+    HELD,
+    load_meta,
+    load_private,
+    persist,
+    restore,
+    save_meta,
+    save_private,
+    state_dir,
+)
+
+
+def _train_round(state: RecordDict, where, r: int) -> None:
+    """What a node's round does to its state: restore, change, persist."""
+    restore(state, where, r, training=True)
+    save_private(state, {"local": torch.full((2, 3), float(r))})
+    save_meta(state, {"rounds-trained": r})
+    persist(state, where, r)
+
+
+def test_where_a_node_keeps_its_state(tmp_path):
+    run = str(tmp_path / "runs" / "promptfl-x")
+    own = {"state-dir": str(tmp_path / "org")}
+    assert state_dir(own, run, -1, "hospital-a") == tmp_path / "org" / "promptfl-x" / "hospital-a"
+    assert state_dir(own, run, 3, "client-3") == tmp_path / "org" / "promptfl-x" / "client-3"  # the node's choice wins
+    assert state_dir({}, run, 3, "client-3") == tmp_path / "runs" / "promptfl-x" / "nodes" / "client-3"
+    assert state_dir({}, run, -1, "hospital-a") is None  # deployed without state-dir: memory only
+    assert state_dir(own, "", 3, "client-3") is None  # no run named (the handshake)
+
+
+def test_snapshots_are_owner_only_and_the_two_newest_are_kept(tmp_path):
+    where = tmp_path / "org" / "run" / "node"
+    state = RecordDict()
+    for r in (1, 2, 4, 7):
+        _train_round(state, where, r)
+    assert sorted(p.name for p in where.iterdir()) == ["round-0004.pt", "round-0007.pt"]
+    assert stat.S_IMODE(where.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in where.iterdir())
+
+
+def test_an_unchanged_state_is_not_written_again(tmp_path):
+    where = tmp_path / "node"
+    state = RecordDict()
+    _train_round(state, where, 1)
+    # an evaluation that re-saves the same tensors and bookkeeping changes nothing on disk
+    save_private(state, load_private(state))
+    save_meta(state, load_meta(state))
+    assert persist(state, where, 1) is None and persist(state, where, 2) is None
+    assert [p.name for p in where.iterdir()] == ["round-0001.pt"]
+
+
+def test_a_restarted_node_restores_what_the_servers_last_round_can_build_on(tmp_path):
+    where = tmp_path / "node"
+    state = RecordDict()
+    for r in (1, 2, 3):
+        _train_round(state, where, r)
+    # the server completed round 2 and was killed in round 3: it resumes with round 3
+    fresh = RecordDict()
+    assert restore(fresh, where, 3, training=True) == 2
+    assert torch.equal(load_private(fresh)["local"], torch.full((2, 3), 2.0))
+    assert load_meta(fresh) == {"rounds-trained": 2}
+    # an evaluation of round 3 may use the node's round-3 state
+    assert restore(RecordDict(), where, 3, training=False) == 3
+
+
+def test_a_state_in_memory_ahead_of_the_round_is_replaced(tmp_path):
+    where = tmp_path / "node"
+    state = RecordDict()
+    for r in (1, 2, 3):
+        _train_round(state, where, r)
+    assert int(state[HELD]["round"]) == 3
+    assert restore(state, where, 4, training=True) is None  # current: memory kept
+    assert restore(state, where, 3, training=True) == 2  # the server went back to round 2
+    assert torch.equal(load_private(state)["local"], torch.full((2, 3), 2.0))
+
+
+def test_a_node_with_no_snapshot_before_the_round_starts_afresh(tmp_path):
+    where = tmp_path / "node"
+    state = RecordDict()
+    _train_round(state, where, 5)
+    assert restore(state, where, 3, training=True) is None
+    assert len(state) == 0  # not the state of a round the resumed run has not reached
