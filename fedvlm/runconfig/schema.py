@@ -388,6 +388,26 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
+class RepliesConfig:
+    """What the server accepts from a client (``strategies.validation``). An update is what a
+    reply changes: the returned tensors minus what the node was sent (a returned gradient, which
+    was not sent, as it is)."""
+
+    norm_ratio: float = opt(
+        10.0,
+        "Bound on a client's update norm, as a multiple of the round's median update norm (the lower "
+        "median, so one honest and one hostile reply cannot set it); 0 = no relative bound.",
+        min=0.0,
+    )
+    max_norm: float = opt(0.0, "Absolute bound on a client's update norm (L2, all its tensors); 0 = none.", min=0.0)
+    norm_action: str = opt(
+        "clip",
+        "What happens to an update past a bound: clip (scaled to the bound, recorded) or reject (dropped, recorded).",
+        choices=("clip", "reject"),
+    )
+
+
+@dataclass(frozen=True)
 class AttackConfig:
     """Membership-attack experiments: online LiRA's reference federations (``python -m fedvlm.attacks
     --online R`` sets these, an ordinary run leaves them alone) and the server's record of uploads."""
@@ -516,6 +536,7 @@ class RunConfig:
     reprogram: ReprogramConfig = field(default_factory=ReprogramConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    replies: RepliesConfig = field(default_factory=RepliesConfig)
     # the method's registry entry, a methods.spec.MethodSpec (typed Any: that module types
     # against this one, and the import graph stays acyclic)
     spec: Any = field(kw_only=True, compare=False, repr=False)

@@ -8,7 +8,9 @@ It implements Flower's hooks (``configure_train``, ``aggregate_train``, ``config
   it must send back (``reply_shapes``), e.g. FedRand's per-node half; the plan for the node's
   local training travels with it (``protocol.TrainInstruction``);
 - reply validation (``strategies.validation``): a reply with an error, wrong tensors or shapes,
-  a non-float dtype or non-finite values is dropped with a logged, recorded reason.
+  another dtype than float32, non-finite values, malformed metrics or more examples than the
+  node's handshake reported is dropped with a logged, recorded reason; an update past the
+  round's norm bound (``replies.*``) is clipped or dropped, and recorded.
 
 What a round did is written to its ``RoundRecord`` (``strategies.records``); the loop that
 runs the rounds and writes the run folder is ``server_app.loop``. Subclasses implement
@@ -42,7 +44,14 @@ from fedvlm.protocol import EvaluateInstruction, TrainInstruction
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.records import ClientUpdate, RoundRecord, RunOutputs
-from fedvlm.strategies.validation import ReplyRejected, check_reply, record_nbytes
+from fedvlm.strategies.validation import (
+    ReplyRejected,
+    check_reply,
+    clipped,
+    norm_bound,
+    record_nbytes,
+    update_norm,
+)
 from fedvlm.utils.rng import ServerStream
 
 log = logging.getLogger(__name__)
@@ -74,6 +83,7 @@ class FederatedStrategy(Strategy):
         self.current = RoundRecord(0)  # the round being run (the loop starts each with begin_round)
         self.run_dir = ""  # the run folder, named in every instruction (set by the loop)
         self._expected: dict[int, dict[str, tuple]] = {}
+        self._payload: dict[int, dict[str, np.ndarray]] = {}  # what each node was sent to train on
         self._last_sent: list[Message] = []
 
     @property
@@ -257,6 +267,8 @@ class FederatedStrategy(Strategy):
                 payload, expected = self.evaluate_payload(node, server_round), {}
                 config = EvaluateInstruction(server_round, self.current.final, self.run_dir).to_config()
             self._expected[node.node_id] = expected
+            if kind == MessageType.TRAIN:
+                self._payload[node.node_id] = payload
             down += record_nbytes(payload)
             self.current.client(node.name)[f"{phase}/bytes_down"] = record_nbytes(payload)
             content = RecordDict(
@@ -301,12 +313,14 @@ class FederatedStrategy(Strategy):
             node = self.nodes.get(nid)
             name = node.name if node else str(nid)
             try:
-                arrays, metrics = check_reply(msg, self._expected.get(nid, {}), need_examples=phase == "train")
                 if node is None:  # the aggregation needs the node it comes from
                     raise ReplyRejected("it comes from a node the server does not know")
+                training = phase == "train"
+                arrays, metrics = check_reply(
+                    msg, self._expected.get(nid, {}), need_examples=training, max_examples=node.num_train
+                )
             except ReplyRejected as why:
-                log.warning("round %s: dropped the %s reply of %s: %s", self.current.round, phase, name, why)
-                self.current.dropped.append({"client": name, "phase": phase, "reason": str(why)})
+                self._drop(name, phase, str(why))
                 continue
             self.ledger.note_released(phase, metrics)
             self.current.add_bytes(f"{phase}_up", record_nbytes(arrays))
@@ -315,10 +329,40 @@ class FederatedStrategy(Strategy):
             self.on_reply_accepted(node, phase)
         return good
 
+    def _drop(self, name: str, phase: str, reason: str) -> None:
+        log.warning("round %s: dropped the %s reply of %s: %s", self.current.round, phase, name, reason)
+        self.current.dropped.append({"client": name, "phase": phase, "reason": reason})
+
+    def _bound_norms(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """Clip or drop the updates past the round's norm bound (``replies.*``), recording each."""
+        settings = self.cfg.replies
+        norms = [update_norm(self._payload.get(u.node.node_id, {}), u.arrays) for u in updates]
+        bound = norm_bound(norms, settings.norm_ratio, settings.max_norm)
+        kept = []
+        for u, norm in zip(updates, norms, strict=True):
+            if norm <= bound:
+                kept.append(u)
+                continue
+            entry = {"client": u.node.name, "norm": norm, "bound": bound, "action": settings.norm_action}
+            self.current.bounded.append(entry)
+            if settings.norm_action == "reject":
+                self._drop(u.node.name, "train", f"update norm {norm:.4g} exceeds the round's bound {bound:.4g}")
+                continue
+            log.warning(
+                "round %s: clipped the update of %s from norm %.4g to %.4g",
+                self.current.round,
+                u.node.name,
+                norm,
+                bound,
+            )
+            sent = self._payload.get(u.node.node_id, {})
+            kept.append(ClientUpdate(u.node, clipped(sent, u.arrays, bound / norm), u.metrics))
+        return kept
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        updates = self._validated(replies, "train")
+        updates = self._bound_norms(self._validated(replies, "train"))
         for u in updates:
             self.current.client(u.node.name).update({f"train/{k}": v for k, v in u.metrics.items()})
         if updates:

@@ -29,6 +29,7 @@ class RoundRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     clients: dict[str, dict] = field(default_factory=dict)  # per-client figures, by name
     dropped: list[dict] = field(default_factory=list)  # rejected replies and why
+    bounded: list[dict] = field(default_factory=list)  # updates past the norm bound: norm, bound, action
     bytes: dict[str, int] = field(default_factory=dict)  # train_down, train_up, evaluate_down, evaluate_up
 
     def client(self, name: str) -> dict:
@@ -48,6 +49,7 @@ class RoundRecord:
             "bytes": self.bytes,
             "clients": self.clients,
             "dropped": self.dropped,
+            "bounded": self.bounded,
         }
 
 

@@ -34,6 +34,7 @@ class InProcessGrid:
         node_configs: list[dict],
         run_config: dict,
         intercept: Callable[[Message, Message], Message] | None = None,
+        forge: Callable[[Message], Message | None] | None = None,
     ):
         ensure_task_identity()
         self.app = client_app
@@ -47,6 +48,7 @@ class InProcessGrid:
         self.sent: list[Message] = []
         self.replies: list[Message] = []
         self.intercept = intercept  # (request, reply) -> reply; lets tests corrupt replies
+        self.forge = forge  # request -> a reply made up in place of the node's (None: the node answers)
         self.offline: set[int] = set()
 
     def get_node_ids(self) -> Iterable[int]:
@@ -59,8 +61,9 @@ class InProcessGrid:
             node = msg.metadata.dst_node_id
             if node in self.offline:
                 continue  # a vanished node never answers
+            forged = self.forge(msg) if self.forge is not None else None
             try:
-                reply = self.app(msg, self.contexts[node])
+                reply = forged if forged is not None else self.app(msg, self.contexts[node])
             except Exception as err:  # as Flower does: the server receives an error reply
                 reply = Message(
                     Error(code=1, reason=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"), reply_to=msg

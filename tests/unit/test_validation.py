@@ -7,7 +7,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedvlm.protocol import SERVER_ROUND
-from fedvlm.strategies.validation import ReplyRejected, check_reply
+from fedvlm.strategies.validation import ReplyRejected, check_reply, clipped, norm_bound, update_norm
 
 
 def _request():
@@ -41,11 +41,43 @@ def test_good_reply_passes():
         ({"ctx": np.zeros((4, 8), np.int64)}, None, "dtype"),
         ({"ctx": np.zeros((4, 8), np.float32)}, {"num-examples": 0}, "num-examples"),
         ({"ctx": np.zeros((4, 8), np.float32)}, {"num-examples": 3, "train-loss": float("inf")}, "train-loss"),
+        ({"ctx": np.zeros((4, 8), np.float64)}, None, "float64, expected float32"),
+        ({"ctx": np.zeros((4, 8), np.float32)}, {"num-examples": 11}, "num-examples = 11, more than the 10"),
+        ({"ctx": np.zeros((4, 8), np.float32)}, {"num-examples": 2.5}, "positive integer, got 2.5"),
+        ({"ctx": np.zeros((4, 8), np.float32)}, {}, "positive integer, got None"),
+        ({"ctx": np.zeros((4, 8), np.float32)}, {"num-examples": 3, "train-loss": [1.0, 2.0]}, "finite number"),
     ],
 )
 def test_bad_replies_are_rejected_with_reason(arrays, metrics, match):
     with pytest.raises(ReplyRejected, match=match):
-        check_reply(_reply(arrays, metrics), EXPECTED)
+        check_reply(_reply(arrays, metrics), EXPECTED, max_examples=10)
+
+
+def test_metrics_must_be_numbers_in_a_metric_record():
+    msg = _reply({"ctx": np.zeros((4, 8), np.float32)})
+    msg.content["metrics"] = ConfigRecord({"num-examples": 5, "train-loss": "low"})
+    with pytest.raises(ReplyRejected, match="ConfigRecord, expected a MetricRecord"):
+        check_reply(msg, EXPECTED)
+
+
+def test_an_update_is_what_the_reply_changes_and_clipping_scales_only_that():
+    sent = {"ctx": np.ones((2, 2), np.float32)}
+    reply = {"ctx": np.full((2, 2), 4.0, np.float32), "grad": np.full(2, 2.0, np.float32)}
+    # ctx moved by 3 in four entries (norm 6), the gradient was not sent (norm sqrt(8))
+    assert update_norm(sent, reply) == pytest.approx(np.sqrt(36 + 8))
+    half = clipped(sent, reply, 0.5)
+    assert np.allclose(half["ctx"], 2.5) and np.allclose(half["grad"], 1.0) and half["ctx"].dtype == np.float32
+    assert update_norm(sent, half) == pytest.approx(0.5 * np.sqrt(44))
+    # a finite float32 update whose norm overflows float32 is measured in float64
+    assert np.isfinite(update_norm({}, {"x": np.full(4, 3e38, np.float32)}))
+
+
+def test_the_bound_is_a_multiple_of_the_lower_median_or_the_absolute_one():
+    assert norm_bound([1.0, 1e12], 10, 0) == 10.0  # one honest and one hostile reply: the honest one sets it
+    assert norm_bound([1.0, 2.0, 3.0, 1e9], 10, 0) == 20.0
+    assert norm_bound([1.0, 2.0, 3.0], 10, 5.0) == 5.0
+    assert norm_bound([0.0, 0.0, 7.0], 10, 0) == float("inf")  # no movement to compare against
+    assert norm_bound([3.0], 0, 0) == float("inf")
 
 
 def test_error_reply_is_rejected():

@@ -1,0 +1,251 @@
+"""Hostile and broken replies: every method in process, one node per corruption.
+
+Two honest nodes (named ``a0`` and ``a1``, so that they answer first in every round) train for
+real. Every other node forges its replies: the tensors the server asked for (an honest node's
+tensor of that name from this round, else the one it was sent), ``num-examples`` = 1, then one
+corruption. The server must finish the run, drop each corrupted reply with a reason naming the
+fault (or bound the huge update: clip it by default), and keep its shared state finite.
+``tests/integration/test_fuzz.py`` runs it for every method;
+
+    python tests/fuzz.py [--methods promptfl,fedrand] [--cache-dir DIR]
+
+prints the table (corruption x method -> what the server did).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fedvlm.protocol import REPLY_KEYS  # noqa: E402
+from tests.regression import CASES  # noqa: E402
+
+# method -> its regression case (the smallest config that shows the method's mechanism)
+METHOD_CASES = {
+    "promptfl": "promptfl",
+    "coop": "coop",
+    "zeroshot": "zeroshot",
+    "dpfpl": "dpfpl-dp",
+    "fedotp": "fedotp-dp",
+    "fedpgp": "fedpgp-dp",
+    "pfedmoap": "pfedmoap",
+    "fedrand": "fedrand",
+    "fedavg-lora": "fedavg-lora",
+    "fedper-lora": "fedper-lora",
+    "fedpara-lora": "fedpara-lora",
+    "reprogram": "reprogram",
+    "bl-pf": "bl-pf",
+    "bl-ff": "bl-ff",
+    "bl-ts": "bl-ts",
+}
+Corrupt = Callable[[dict, dict], "tuple[dict, dict] | RecordDict | Error"]
+
+
+def _first(arrays: dict) -> str:
+    return sorted(arrays)[0]
+
+
+def _set(arrays: dict, value) -> dict:
+    return {**arrays, _first(arrays): value}
+
+
+def _poke(arrays: dict, x: float) -> dict:
+    a = arrays[_first(arrays)].copy()
+    a.flat[0] = x
+    return _set(arrays, a)
+
+
+# name -> (what it does to (arrays, metrics), whether it needs a tensor, the reason expected)
+TRAIN: dict[str, tuple[Corrupt, bool, str]] = {
+    "nan": (lambda a, m: (_poke(a, np.nan), m), True, "NaN/Inf"),
+    "inf": (lambda a, m: (_poke(a, np.inf), m), True, "NaN/Inf"),
+    "wrong-shape": (lambda a, m: (_set(a, np.zeros((3, 5), np.float32)), m), True, "has shape"),
+    "extra-tensor": (lambda a, m: ({**a, "smuggled": np.zeros(4, np.float32)}, m), False, "unexpected smuggled"),
+    "missing-tensor": (lambda a, m: ({k: v for k, v in a.items() if k != _first(a)}, m), True, "missing"),
+    "int-dtype": (lambda a, m: (_set(a, a[_first(a)].astype(np.int32)), m), True, "dtype int32"),
+    "float64": (lambda a, m: (_set(a, a[_first(a)].astype(np.float64)), m), True, "dtype float64"),
+    "huge-norm": (lambda a, m: (_set(a, a[_first(a)] + np.float32(1e6)), m), True, "CLIPPED"),
+    "negative-examples": (lambda a, m: (a, {**m, "num-examples": -5}), False, "positive integer, got -5"),
+    "missing-examples": (lambda a, m: (a, {k: v for k, v in m.items() if k != "num-examples"}), False, "got None"),
+    "fractional-examples": (lambda a, m: (a, {**m, "num-examples": 2.5}), False, "got 2.5"),
+    "more-examples-than-data": (lambda a, m: (a, {**m, "num-examples": 10**9}), False, "more than the"),
+    "string-metrics": (
+        lambda a, m: RecordDict({"arrays": _record(a), "metrics": ConfigRecord({"num-examples": "many"})}),
+        False,
+        "expected a MetricRecord",
+    ),  # noqa: E501
+    "empty-reply": (lambda a, m: RecordDict(), False, "missing|num-examples"),
+    "error-reply": (lambda a, m: Error(code=1, reason="RuntimeError: the node fell over"), False, "the node fell over"),
+}
+EVALUATE: dict[str, tuple[Corrupt, bool, str]] = {
+    "eval-string-metrics": (
+        lambda a, m: RecordDict({"metrics": ConfigRecord({"local-acc": "high"})}),
+        False,
+        "MetricRecord",
+    ),  # noqa: E501
+    "eval-nan-metric": (lambda a, m: (a, {**m, "local-acc": float("nan")}), False, "finite number"),
+    "eval-error-reply": (lambda a, m: Error(code=1, reason="RuntimeError: out of memory"), False, "out of memory"),
+}
+
+
+def _record(arrays: dict) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def _reply(req: Message, made) -> Message:
+    if isinstance(made, Error):
+        return Message(made, reply_to=req)
+    if isinstance(made, RecordDict):
+        return Message(made, reply_to=req)
+    arrays, metrics = made
+    content = RecordDict({"metrics": MetricRecord(metrics)})
+    if arrays:
+        content["arrays"] = _record(arrays)
+    return Message(content, reply_to=req)
+
+
+class Forger:
+    """Makes up the corrupted nodes' replies (``InProcessGrid(forge=...)``)."""
+
+    def __init__(self, corruptions: dict[str, str]):
+        self.corruptions = corruptions  # node name -> corruption
+        self.grid = None
+        self.names: dict[int, str] = {}
+
+    def __call__(self, req: Message) -> Message | None:
+        name = self.names.get(req.metadata.dst_node_id, "")
+        corruption = self.corruptions.get(name)
+        kind = req.metadata.message_type
+        if corruption is None or kind == MessageType.QUERY:
+            return None  # an honest node, or the handshake: the node answers for itself
+        train = kind == MessageType.TRAIN
+        config = req.content["config"]
+        wanted = [k for k in str(config.get(REPLY_KEYS, "")).split(",") if k] if train else []
+        sent = {k: v.numpy() for k, v in req.content["arrays"].items()} if "arrays" in req.content else {}
+        arrays = {k: self._honest_tensor(k, sent) for k in wanted}
+        metrics = {"num-examples": 1, "train-loss": 1.0} if train else self._honest_metrics()
+        table = TRAIN if train else EVALUATE
+        if corruption not in table:
+            return _reply(req, (arrays, metrics))  # the phase it does not corrupt: a plausible reply
+        return _reply(req, table[corruption][0](arrays, metrics))
+
+    def _honest(self, kind: str) -> list[Message]:
+        assert self.grid is not None
+        return [
+            r
+            for r in self.grid.replies
+            if not r.has_error()
+            and self.names.get(r.metadata.src_node_id, "z") < "z"
+            and r.metadata.message_type == kind
+        ]
+
+    def _honest_tensor(self, name: str, sent: dict) -> np.ndarray:
+        for r in reversed(self._honest(MessageType.TRAIN)):
+            if "arrays" in r.content and name in r.content["arrays"]:
+                return r.content["arrays"][name].numpy().copy()
+        return np.array(sent[name], np.float32)
+
+    def _honest_metrics(self) -> dict:
+        replies = self._honest(MessageType.EVALUATE)
+        return dict(replies[-1].content["metrics"]) if replies else {"local-acc": 0.5}
+
+
+def fuzz(method: str, cache_dir: Path, out_dir: Path, **overrides) -> dict[str, str]:
+    """Run ``method`` with one forging node per applicable corruption; the outcome per corruption
+    ('dropped: <reason>' / 'clipped: <norm> -> <bound>'). Raises AssertionError on a violation."""
+    from fedvlm.client_app.app import app as client_app
+    from fedvlm.methods.registry import validate
+    from fedvlm.server_app.app import execute
+    from fedvlm.utils.inprocess import InProcessGrid, ensure_task_identity
+
+    ensure_task_identity()
+    raw, _ = CASES[METHOD_CASES[method]]
+    raw = {k: v for k, v in raw.items() if k != "max-per-class"}
+    raw.update({"fraction-train": 1.0, "cache-dir": str(cache_dir), "output-dir": str(out_dir), "run-name": method})
+    raw.update(overrides)
+    cfg = validate(raw)
+    replies_tensors = method not in ("coop", "zeroshot")  # coop's replies carry metrics only
+    corruptions = {
+        f"z-{c}": c
+        for c, (_, needs_tensor, _) in TRAIN.items()
+        if cfg.spec.trains and (replies_tensors or not needs_tensor)
+    }
+    corruptions.update({f"z-{c}": c for c in EVALUATE})
+    names = ["a0", "a1", *corruptions]
+    forger = Forger(corruptions)
+    nodes = [{"partition-id": i, "num-partitions": len(names), "name": n} for i, n in enumerate(names)]
+    grid = InProcessGrid(client_app, nodes, cfg.as_dict(), forge=forger)
+    forger.grid = grid
+    forger.names = {nid: names[i] for i, nid in enumerate(sorted(grid.contexts))}
+    rec = execute(cfg, grid, run_id=method)
+    data = json.loads(rec.path.read_text())
+    assert data["run"]["status"] == "finished", data["run"].get("note")
+    assert len(data["run"]["nodes"]) == len(names), data["run"].get("excluded_nodes")
+    outcomes = {}
+    for node, corruption in corruptions.items():
+        expect = (TRAIN | EVALUATE)[corruption][2]
+        phase = "evaluate" if corruption in EVALUATE else "train"
+        for r in data["rounds"]:
+            dropped = [d["reason"] for d in r["dropped"] if d["client"] == node and d["phase"] == phase]
+            bounded = [b for b in r.get("bounded", []) if b["client"] == node]
+            if expect == "CLIPPED" and cfg.replies.norm_action == "reject":
+                assert len(dropped) == 1 and "exceeds the round's bound" in dropped[0], (node, dropped)
+                outcomes[corruption] = f"dropped: {dropped[0]}"
+            elif expect == "CLIPPED":
+                assert len(bounded) == 1 and not dropped, (node, r["round"], dropped, bounded)
+                b = bounded[0]
+                outcomes[corruption] = f"clipped: norm {b['norm']:.3g} -> {b['bound']:.3g}"
+            else:
+                assert len(dropped) == 1 and re.search(expect, dropped[0]), (node, r["round"], dropped)
+                outcomes[corruption] = f"dropped: {dropped[0]}"
+        if phase == "train" and expect != "CLIPPED":  # nothing of a dropped reply reached the aggregate
+            assert all("train/num-examples" not in r["clients"].get(node, {}) for r in data["rounds"]), node
+    for file in ("final_shared.pt", "checkpoint.pt"):
+        if (rec.dir / file).exists():
+            arrays = torch.load(rec.dir / file, weights_only=True)["arrays"]
+            assert all(torch.isfinite(v).all() for v in arrays.values()), file
+    return outcomes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(METHOD_CASES))
+    p.add_argument("--cache-dir", default="", help="cache of the embedded models (default: a temporary one)")
+    args = p.parse_args()
+    cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp())
+    table: dict[str, dict[str, str]] = {}
+    for method in args.methods.split(","):
+        table[method] = fuzz(method, cache, Path(tempfile.mkdtemp()))
+        print(f"{method}: {len(table[method])} corruptions handled", flush=True)
+    rows = list(TRAIN | EVALUATE)
+    print("\n| corruption | " + " | ".join(table) + " |")
+    print("|---|" + "---|" * len(table))
+    for c in rows:
+        cells = [_short(table[m].get(c, "n/a")) for m in table]
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    print("\nreasons:")
+    for c in rows:
+        seen = sorted({table[m][c] for m in table if c in table[m]})
+        for s in seen[:2]:
+            print(f"  {c}: {s}")
+
+
+def _short(outcome: str) -> str:
+    return outcome.split(":", 1)[0]
+
+
+if __name__ == "__main__":
+    main()
