@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.app import ArrayRecord, Context, Message, MessageType
 from flwr.clientapp import ClientApp
 
+from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
 from fedvlm.client_app.send_guard import guarded_reply
 from fedvlm.client_app.state import persist, restore, state_dir
@@ -66,7 +67,11 @@ def train(msg: Message, context: Context) -> Message:
     t0 = time.time()
     cfg, spec, client, arrays, config, where = _setup(msg, context)
     instruction = TrainInstruction.from_config(config)
+    seeded = client.node.noise_source == "seeded"
+    release = privacy_floor.guard(client.node.config, context.state, cfg, instruction, seeded)
     shared, metrics = client.train(arrays, instruction)
+    if release is not None:  # the node's own account of what this reply releases
+        metrics["node-epsilon"] = privacy_floor.record(context.state, release, seeded)
     if client.canaries is not None:
         metrics.update(finish_round(cfg, client.canaries, context.state))
     # Everything this node spent on the message (setup included): the rest of a round's

@@ -15,6 +15,8 @@ and keeps the two newest. A message of round r restores the newest snapshot the 
 last completed round can have left (before r for training, up to r for evaluation) when the
 node holds nothing in memory, or holds a state ahead of that: a run killed in round r + 1
 resumes from round r, and the node's snapshot of the unfinished round r + 1 is not used.
+Its privacy ledger is the exception: what the node released in round r + 1 did leave it, so the
+ledger always comes from the newest snapshot.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from fedvlm.utils.files import atomic_torch_save
 PRIVATE = "private"
 META = "meta"
 AUDIT = "audit"  # the audited node's canaries (privacy.canaries): secret, never in a reply
+LEDGER = "node-ledger"  # what the node released (client_app.privacy_floor): never rolled back
 HELD = "held"  # which round the state in memory is from, and whether it changed since written
 STATE_DIR = "state-dir"  # the node config key
 KEEP = 2  # snapshots kept: the newest, and the one before it (see the module docstring)
@@ -58,14 +61,14 @@ def save_private(state: RecordDict, tensors: dict[str, torch.Tensor], key: str =
     _mark_changed(state)
 
 
-def load_meta(state: RecordDict) -> dict:
-    return dict(state[META]) if META in state else {}
+def load_meta(state: RecordDict, key: str = META) -> dict:
+    return dict(state[key]) if key in state else {}
 
 
-def save_meta(state: RecordDict, meta: dict) -> None:
-    if META in state and dict(state[META]) == meta:
+def save_meta(state: RecordDict, meta: dict, key: str = META) -> None:
+    if key in state and dict(state[key]) == meta:
         return
-    state[META] = ConfigRecord(meta)
+    state[key] = ConfigRecord(meta)
     _mark_changed(state)
 
 
@@ -131,16 +134,29 @@ def restore(state: RecordDict, where: Path | None, server_round: int, training: 
     held = _held_round(state)
     if held is not None and held <= newest:
         return None
-    usable = {r: p for r, p in _snapshots(where).items() if r <= newest}
+    snapshots = _snapshots(where)
+    usable = {r: p for r, p in snapshots.items() if r <= newest}
+    ledger = state.get(LEDGER)
+    if snapshots and ledger is None:
+        ledger = _records(torch.load(snapshots[max(snapshots)], weights_only=True)).get(LEDGER)
     for key in list(state.keys()):
         del state[key]
-    if not usable:
-        return None  # a node that never trained before this round: it starts afresh
-    saved = torch.load(usable[max(usable)], weights_only=True)
-    for key, (kind, data) in saved["records"].items():
-        state[key] = ArrayRecord(data) if kind == "arrays" else ConfigRecord(data)
-    state[HELD] = ConfigRecord({"round": int(saved["round"]), "changed": False})
-    return int(saved["round"])
+    restored = None
+    if usable:  # else a node that never trained before this round: it starts afresh
+        saved = torch.load(usable[max(usable)], weights_only=True)
+        for key, record in _records(saved).items():
+            state[key] = record
+        restored = int(saved["round"])
+    if ledger is not None:
+        state[LEDGER] = ledger
+    state[HELD] = ConfigRecord({"round": restored or 0, "changed": ledger is not None})
+    return restored
+
+
+def _records(saved: dict) -> dict:
+    return {
+        k: ArrayRecord(data) if kind == "arrays" else ConfigRecord(data) for k, (kind, data) in saved["records"].items()
+    }
 
 
 def persist(state: RecordDict, where: Path | None, server_round: int) -> Path | None:

@@ -41,16 +41,21 @@ from fedvlm.strategies.prompt import EvaluateOnlyStrategy, LocalOnlyStrategy, Pr
 from fedvlm.strategies.reprogram import ReprogramStrategy
 
 
-def _dp(name: str, where: str, tensors: int = 1) -> Callable[[RunConfig], LocalDP]:
-    return lambda cfg: LocalDP(name, where, tensors)
+def _dp(name: str, where: str, tensors: int = 1, noises_upload: bool = True) -> Callable[[RunConfig], LocalDP]:
+    return lambda cfg: LocalDP(name, where, tensors, noises_upload=noises_upload)
 
 
 def _dpfpl_local(cfg: RunConfig) -> LocalDP:
     if cfg.dpfpl.rank:
         return LocalDP(
-            "ldp-lowrank", "client: gradients of u and v (the local prompt's rank-k factors) at every local step", 2
+            "ldp-lowrank",
+            "client: gradients of u and v (the local prompt's rank-k factors) at every local step",
+            2,
+            noises_upload=False,
         )
-    return LocalDP("ldp-local", "client: gradient of the full-rank local prompt at every local step")
+    return LocalDP(
+        "ldp-local", "client: gradient of the full-rank local prompt at every local step", noises_upload=False
+    )
 
 
 def _check_rank(values: dict, key: str) -> None:
@@ -227,7 +232,9 @@ METHODS: dict[str, MethodSpec] = {
             FedOTPClient,
             shares=_GLOBAL_GRAD,
             defaults=_ONE_STEP,
-            local_dp=_dp("ldp-local", "client: gradient of the full-rank local prompt at every local step"),
+            local_dp=_dp(
+                "ldp-local", "client: gradient of the full-rank local prompt at every local step", noises_upload=False
+            ),
         ),
         MethodSpec(
             "fedpgp",
@@ -239,7 +246,10 @@ METHODS: dict[str, MethodSpec] = {
             shares=_GLOBAL_GRAD,
             defaults=_ONE_STEP,
             local_dp=_dp(
-                "ldp-lowrank", "client: gradients of the low-rank personal factors u and v at every local step", 2
+                "ldp-lowrank",
+                "client: gradients of the low-rank personal factors u and v at every local step",
+                2,
+                noises_upload=False,
             ),
             rank_key="fedpgp.rank",
         ),

@@ -62,6 +62,10 @@ class LocalDP:
     tensors: int = 1
     per_participation: bool = False
     note: str = ""  # what the ledger must say about this mechanism's coverage
+    # whether what the node uploads is post-processing of this noise, so that it protects the
+    # node's records against the server (DP-FPL's family: no, the upload is the un-noised
+    # global-prompt gradient of its trusted-server model; this noise protects the local prompt)
+    noises_upload: bool = True
 
     def sensitivity(self, settings: PrivacyConfig, client: ClientShape) -> tuple[float, float]:
         """(what the calibration assumes, what a record can change under per-batch clipping)."""

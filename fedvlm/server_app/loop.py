@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from fedvlm.privacy.audit import audit_section
 from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
-from fedvlm.server_app.resume import ResumePoint, save_checkpoint
+from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
 from fedvlm.strategies.base import FederatedStrategy
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ def run_rounds(
     strategy.start(grid)
     if resume is not None:
         strategy.load_state_dict(resume.state)
+        recorder.data["run"]["resumed"][-1].update(charge_abandoned(strategy, resume))
     _record_nodes(strategy, recorder)
     if strategy.budget is not None:
         recorder.add_section("privacy", strategy.ledger.as_dict())
@@ -103,6 +104,7 @@ def run_rounds(
                 break
             if strategy.budget is not None:
                 strategy.budget.spend(trainees)
+            save_inflight(recorder.dir, rnd, trainees)
             uploads = list(grid.send_and_receive(messages, timeout=timeout))
             if strategy.cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
                 record_round(recorder.dir, rnd, messages, uploads, strategy.nodes)

@@ -11,6 +11,12 @@ on. Nodes find their private state in their own state directories (``client_app.
 Every draw is keyed by the seed and the round, so a resumed simulation with seeded noise ends
 with exactly the numbers and arrays of an uninterrupted run; with OS noise
 (``privacy.noise-source``) the noise differs, as it would between any two runs.
+
+A round cut off after its train messages went out may have released the clients' noisy
+updates, so the loop notes its trainees first (``inflight.json``). Run again after a resume with
+seeded noise, each of them releases the very same tensor (same records, state and noise): the
+round is spent once. With OS noise the second release is independent of the first, so the
+abandoned round is charged to its trainees' budgets as well (``run.resumed`` says which).
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import torch
 
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.base import FederatedStrategy, ResumeError
-from fedvlm.utils.files import atomic_torch_save
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json
 
 CHECKPOINT = "checkpoint.pt"
+INFLIGHT = "inflight.json"
 # keys that may differ: how long the run goes on, and keys that never change what it computes
 # (where a new run's folder would go, how long to wait for replies)
 FREE_KEYS = frozenset({"num-server-rounds", "resume", "output-dir", "run-name", "round-timeout"})
@@ -37,6 +44,12 @@ class ResumePoint:
     results: dict  # results.json as the interrupted run left it
     round: int  # the last completed round
     state: dict  # the strategy's state after it
+    abandoned: dict | None = None  # the round cut off after its train messages went out: round, trainees
+
+
+def save_inflight(run_dir: Path, server_round: int, trainees: list[str]) -> None:
+    """Before a round's train messages go out: who is about to release an update."""
+    atomic_write_json({"round": server_round, "trainees": trainees}, run_dir / INFLIGHT)
 
 
 def save_checkpoint(run_dir: Path, strategy: FederatedStrategy, server_round: int) -> None:
@@ -79,4 +92,25 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
             f"{run_dir.name} has completed {done} round(s), num-server-rounds is {cfg.num_server_rounds}: nothing to "
             f"resume; raise num-server-rounds to run it further"
         )
-    return ResumePoint(run_dir, data, done, saved["state"])
+    inflight = json.loads((run_dir / INFLIGHT).read_text()) if (run_dir / INFLIGHT).is_file() else None
+    abandoned = inflight if inflight is not None and inflight["round"] > done else None
+    return ResumePoint(run_dir, data, done, saved["state"], abandoned)
+
+
+def charge_abandoned(strategy: FederatedStrategy, point: ResumePoint) -> dict:
+    """Spend the abandoned round on its trainees' budgets where a replay is not the same release
+    (module docstring); what was decided, for ``run.resumed``."""
+    if point.abandoned is None or strategy.budget is None:
+        return {}
+    sources = strategy.noise_sources()
+    trainees = [t for t in point.abandoned["trainees"] if strategy.budget.is_planned(t)]
+    fresh = strategy.budget.server_noise_source(sources) == "os" or any(sources.get(t) == "os" for t in trainees)
+    if fresh:
+        strategy.budget.spend(trainees)
+    return {
+        "abandoned_round": point.abandoned["round"],
+        "charged": fresh,
+        "why": "OS noise: the rerun round is a second, independent release"
+        if fresh
+        else "seeded noise: the rerun round releases the same tensors again",
+    }

@@ -10,6 +10,9 @@ from flwr.app import RecordDict
 
 from fedvlm.client_app.state import (
     HELD,
+    LEDGER,
+    META,
+    PRIVATE,
     load_meta,
     load_private,
     persist,
@@ -89,4 +92,18 @@ def test_a_node_with_no_snapshot_before_the_round_starts_afresh(tmp_path):
     state = RecordDict()
     _train_round(state, where, 5)
     assert restore(state, where, 3, training=True) is None
-    assert len(state) == 0  # not the state of a round the resumed run has not reached
+    assert PRIVATE not in state and META not in state  # not the state of a round the resumed run has not reached
+
+
+def test_the_privacy_ledger_is_never_rolled_back(tmp_path):
+    where = tmp_path / "node"
+    state = RecordDict()
+    for r in (1, 2, 3):
+        restore(state, where, r, training=True)
+        save_meta(state, {"round": list(range(1, r + 1))}, LEDGER)
+        save_private(state, {"local": torch.full((1,), float(r))})
+        persist(state, where, r)
+    fresh = RecordDict()
+    assert restore(fresh, where, 3, training=True) == 2  # the private state of round 2
+    assert load_meta(fresh, LEDGER) == {"round": [1, 2, 3]}  # but round 3 did leave the node
+    assert persist(fresh, where, 3) is not None
