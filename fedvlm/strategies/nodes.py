@@ -59,8 +59,9 @@ class NodeRegistry:
         log.error("node %s excluded: %s", node.name if node else node_id, reason)
 
     def handshake(self, grid: Grid, node_ids: Iterable[int]) -> None:
-        """Query the nodes not seen yet; admit or exclude each."""
-        node_ids = [n for n in node_ids if n not in self.nodes and n not in self.failed]
+        """Query the nodes not seen yet (``node_ids``: every connected node); admit or exclude each."""
+        connected = set(node_ids)
+        node_ids = [n for n in connected if n not in self.nodes and n not in self.failed]
         if not node_ids:
             return
         msgs = [
@@ -91,12 +92,22 @@ class NodeRegistry:
                     hello.num_classes,
                     info,
                 )
+                self._forget_restarted(node, connected)
                 why = self._mismatch(node)
                 if why:
                     self.exclude(n, why)
                 else:
                     self.nodes[n] = node
                     log.info("node %s joined: %d train / %d test images", node.name, node.num_train, node.num_test)
+
+    def _forget_restarted(self, node: NodeInfo, connected: set[int]) -> None:
+        """A node that answers under a new id with the name of one no longer connected is that node
+        restarted (without SuperNode authentication a restart gets a new id): it replaces the
+        old entry, keeping its name, and so its privacy budget and its place in the sampling."""
+        for old_id, old in list(self.nodes.items()):
+            if old.name == node.name and old_id not in connected:
+                log.info("node %s rejoined as node id %d (was %d)", node.name, node.node_id, old_id)
+                del self.nodes[old_id]
 
     def _mismatch(self, node: NodeInfo) -> str:
         known = next(iter(self.nodes.values()), None)

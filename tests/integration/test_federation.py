@@ -243,6 +243,37 @@ def test_a_node_lost_mid_run_leaves_the_rounds_to_the_others(make_cfg, pretraine
     assert all("client-2" not in r["clients"] for r in rec.data["rounds"][1:])
 
 
+def test_a_node_restarted_under_a_new_id_rejoins_with_its_state(make_cfg, pretrained_clip):
+    """A SuperNode restarted without authentication comes back under a new node id and with
+    nothing in memory: the server takes it for the same node (same name), and the node restores
+    its private state from disk (the simulated run folder's nodes/)."""
+    from flwr.app import Context, RecordDict
+
+    def restart_after_round_1(req, reply):
+        grid = grid_ref[0]
+        if req.metadata.message_type == "evaluate" and int(req.content["config"][SERVER_ROUND]) == 1:
+            if 1002 not in grid.offline:
+                old = grid.contexts[1002]
+                grid.offline.add(1002)
+                grid.contexts[2002] = Context(2, 2002, dict(old.node_config), RecordDict(), dict(old.run_config))
+        return reply
+
+    grid_ref = []
+    cfg = make_cfg(method="coop", num_server_rounds=3)
+    grid = InProcessGrid(
+        client_app,
+        [{"partition-id": i, "num-partitions": 3} for i in range(3)],
+        cfg.as_dict(),
+        intercept=restart_after_round_1,
+    )
+    grid_ref.append(grid)
+    rec = execute(cfg, grid, run_id="test")
+    assert rec.data["run"]["status"] == "finished" and not rec.data["run"]["excluded_nodes"]
+    assert [r["metrics"]["train-clients"] for r in rec.data["rounds"]] == [3, 3, 3]
+    # the restarted node counted on from the state it had written in round 1
+    assert [r["clients"]["client-2"]["train/rounds-trained"] for r in rec.data["rounds"]] == [1, 2, 3]
+
+
 def test_fewer_nodes_than_min_nodes_mid_run_fails_with_the_reason(make_cfg, pretrained_clip):
     grid_ref = []
     cfg = make_cfg(method="promptfl", num_server_rounds=3, min_nodes=2)

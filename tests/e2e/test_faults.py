@@ -1,0 +1,137 @@
+"""Faults in a real deployment on loopback (deploy.local_federation: a SuperLink with TLS and
+SuperNode authentication, SuperNodes as processes, all stopped by PID): a SuperNode restarted
+mid-run rejoins and goes on with its private state from its state directory; a SuperLink killed
+mid-run (and its ServerApp with it) restarts on its database and the run resumes from its run
+folder to the end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedvlm.utils.processes import pids_matching
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+NODES = ("org-0", "org-1")
+
+
+@pytest.fixture
+def federation(tmp_path, cache_dir, pretrained_clip):
+    from fedvlm.deploy.local_federation import LocalFederation
+
+    state = tmp_path / "node-state"
+    fed = LocalFederation(
+        tmp_path / "fed",
+        list(NODES),
+        {n: f"partition-id={i} num-partitions=2 state-dir='{state / n}'" for i, n in enumerate(NODES)},
+    )
+    with fed:
+        _wait_online(fed, 2)
+        yield fed
+    assert not pids_matching(str(tmp_path / "fed")), "a Flower process of the federation survived the test"
+
+
+def _online(fed) -> int:
+    proc = fed.flwr("supernode", "list", "loopback", "--format", "json", timeout=60)
+    nodes = json.loads(proc.stdout)["nodes"] if proc.returncode == 0 else []
+    return sum(node["status"] == "online" for node in nodes)
+
+
+def _wait_online(fed, n: int, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if _online(fed) >= n:
+            return
+        time.sleep(1)
+    raise AssertionError(f"fewer than {n} SuperNodes online after {timeout} s\n" + fed.log_text("superlink")[-2000:])
+
+
+def _start_run(fed, run_config: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--stream", "--run-config", run_config],
+        env=fed.env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_rounds(results: Path, n: int, run: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and run.poll() is None:
+        if results.exists() and len(json.loads(results.read_text()).get("rounds", [])) >= n:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"the run did not reach round {n}: {run.poll()}")
+
+
+def _trained(data: dict, client: str) -> list[tuple[int, int]]:
+    """(round, rounds-trained the node reported) for every round ``client`` trained in."""
+    return [
+        (r["round"], r["clients"][client]["train/rounds-trained"])
+        for r in data["rounds"]
+        if "train/rounds-trained" in r["clients"].get(client, {})
+    ]
+
+
+@pytest.mark.ci
+def test_a_restarted_supernode_rejoins_with_its_private_state(federation, tmp_path, cache_dir):
+    out = tmp_path / "runs"
+    run = _start_run(
+        federation,
+        f"method='coop' num-server-rounds=5 min-nodes=1 round-timeout=180 cache-dir='{cache_dir}' "
+        f"output-dir='{out}' run-name='restart'",
+    )
+    results = out / "restart" / "results.json"
+    try:
+        _wait_rounds(results, 1, run)
+        federation.stop("org-1")  # its machine goes down after round 1
+        _wait_rounds(results, 2, run)
+        federation.start_supernode("org-1")  # and comes back: same key, same node config
+        log, _ = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    data = json.loads(results.read_text())
+    assert data["run"]["status"] == "finished", log[-4000:]
+    trained = _trained(data, "client-1")
+    # it missed a round while down, trained again after the restart, and counted on from the
+    # state it had written before (a node that lost its state would report 1 again)
+    assert trained[0] == (1, 1) and len(trained) < 5 and trained[-1][0] == 5, trained
+    assert [count for _, count in trained] == list(range(1, len(trained) + 1)), trained
+    assert _trained(data, "client-0") == [(r, r) for r in range(1, 6)]
+
+
+def test_a_killed_superlink_restarts_on_its_database_and_the_run_resumes(federation, tmp_path, cache_dir):
+    out = tmp_path / "runs"
+    config = f"method='coop' num-server-rounds=3 round-timeout=180 cache-dir='{cache_dir}' output-dir='{out}'"
+    run = _start_run(federation, f"{config} run-name='cut'")
+    results = out / "cut" / "results.json"
+    try:
+        _wait_rounds(results, 1, run)
+        federation.stop("superlink")  # the SuperLink and the ServerApp it runs die mid-run
+        run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert json.loads(results.read_text())["run"]["status"] == "running"  # killed: nothing could record it
+    status = subprocess.run([sys.executable, "-m", "fedvlm.status", str(out / "cut")], capture_output=True, text=True)
+    assert status.returncode == 5, status.stdout
+
+    federation.start_superlink()  # same port, same --database: the registered SuperNodes reconnect
+    _wait_online(federation, 2)
+    resumed = federation.run_app(f"{config} resume='{out / 'cut'}'", timeout=900)
+    data = json.loads(results.read_text())
+    assert data["run"]["status"] == "finished", resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    assert [r["round"] for r in data["rounds"]] == [1, 2, 3] and data["run"]["resumed"][0]["from_round"] >= 1
+    for client in ("client-0", "client-1"):  # new ClientApp processes, the nodes' state from their disks
+        assert _trained(data, client) == [(r, r) for r in range(1, 4)], client
+    ok = subprocess.run([sys.executable, "-m", "fedvlm.status", str(out / "cut")], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout
