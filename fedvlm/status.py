@@ -13,7 +13,8 @@ happened (``server_app.results``). Exit status:
 - 3: stopped early on the privacy budget (``privacy.max-epsilon``);
 - 4: finished, but lost too many nodes: in the last training round more than ``--max-lost``
   (a fraction, default 0.5) of the sampled clients sent no usable reply;
-- 5: not finished: still running, or killed (``results.json`` says when it was last written).
+- 5: not finished: interrupted (stopped from outside; ``resume`` continues it), still running,
+  or killed (``results.json`` says when it was last written).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def verdict(data: dict, max_lost: float, written_ago: float) -> Verdict:
         return Verdict(FAILED, f"failed after {done}: {note}")
     if status == "stopped":
         return Verdict(STOPPED, f"stopped after {done}: {note}")
+    if status == "interrupted":
+        return Verdict(UNFINISHED, f"interrupted after {done}: {note}")
     if status != "finished":
         return Verdict(
             UNFINISHED,

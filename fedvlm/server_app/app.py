@@ -68,6 +68,10 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     except ResumeError as err:  # refused before anything was recorded: the folder is as it was
         log.error("cannot resume: %s", err)
         raise
+    except (KeyboardInterrupt, SystemExit) as err:  # stopped from outside (Ctrl-C, the SuperLink going down)
+        recorder.finish("interrupted", f"{type(err).__name__}; continue it with resume='{recorder.dir}'")
+        log.error("run interrupted after round %d: resume with resume='%s'", len(recorder.data["rounds"]), recorder.dir)
+        raise
     except BaseException as err:
         recorder.finish("failed", f"{type(err).__name__}: {err}")
         log.error("run failed: %s (results so far: %s)", err, recorder.path)

@@ -121,7 +121,8 @@ def test_a_killed_superlink_restarts_on_its_database_and_the_run_resumes(federat
     finally:
         if run.poll() is None:
             run.kill()
-    assert json.loads(results.read_text())["run"]["status"] == "running"  # killed: nothing could record it
+    # the ServerApp, stopped with its SuperLink, recorded that it was interrupted (or had no time to)
+    assert json.loads(results.read_text())["run"]["status"] in ("interrupted", "running")
     status = subprocess.run([sys.executable, "-m", "fedvlm.status", str(out / "cut")], capture_output=True, text=True)
     assert status.returncode == 5, status.stdout
 

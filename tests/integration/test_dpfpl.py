@@ -107,6 +107,7 @@ def test_budget_that_the_schedule_would_exceed_refuses_to_start(make_cfg, pretra
         execute(cfg, _grid(cfg, 2), run_id="t")
 
 
+@pytest.mark.slow  # the stop is also in CI through tests/integration/test_resume.py's dpfpl case
 def test_a_run_that_reaches_its_budget_stops_cleanly(make_cfg, pretrained_clip):
     cfg = make_cfg(method="dpfpl", privacy__noise_multiplier=1.5, privacy__max_epsilon=1.45, num_server_rounds=30)
     rec = execute(cfg, _grid(cfg, 2), run_id="t")

@@ -102,6 +102,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_numbers(make_cfg, pretrained_
     _assert_same_run(whole, resumed)
     if "privacy__max_epsilon" in overrides:
         assert resumed.data["run"]["status"] == "stopped" and len(resumed.data["rounds"]) == 3
+        assert resumed.data["privacy"]["rounds"][-1]["epsilon"] <= overrides["privacy__max_epsilon"]
         # round 2 was cut off after its train messages went out; with seeded noise its rerun is
         # the same release, spent once (which is why the ledgers above agree)
         entry = resumed.data["run"]["resumed"][0]

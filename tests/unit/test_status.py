@@ -34,6 +34,7 @@ def _round(sampled: int, trained: int) -> dict:
         ({"status": "failed", "note": "RuntimeError: boom"}, [_round(4, 4)], status.FAILED, "RuntimeError: boom"),
         ({"status": "stopped", "note": "privacy budget reached"}, [_round(4, 4)], status.STOPPED, "privacy budget"),
         ({"status": "running"}, [_round(4, 4)], status.UNFINISHED, "1 of 2 rounds"),
+        ({"status": "interrupted", "note": "SystemExit; continue it with resume="}, [], status.UNFINISHED, "resume="),
     ],
 )
 def test_each_outcome_has_its_exit_status_and_reason(tmp_path, capsys, run, rounds, code, words):
