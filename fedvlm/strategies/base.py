@@ -61,12 +61,12 @@ class ResumeError(RuntimeError):
     """A run cannot continue from its run folder (the message says why and what to do)."""
 
 
-def tensors(named: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+def to_tensors(named: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """Arrays as tensors, copied, for a state dict."""
     return {k: torch.from_numpy(np.array(v)) for k, v in named.items()}
 
 
-def arrays(named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def to_arrays(named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """A state dict's tensors back as arrays."""
     return {k: v.numpy().copy() for k, v in named.items()}
 
@@ -158,7 +158,7 @@ class FederatedStrategy(Strategy):
         """What the next round depends on: the shared arrays, the privacy spent and its ledger,
         and each known node's reported size (a resumed run must find the same nodes)."""
         return {
-            "global_arrays": tensors(self.global_arrays),
+            "global_arrays": to_tensors(self.global_arrays),
             "nodes": {n.name: n.num_train for n in self.nodes.values()},
             "budget": self.budget.state_dict() if self.budget is not None else None,
             "ledger": self.ledger.state_dict(),
@@ -177,7 +177,7 @@ class FederatedStrategy(Strategy):
                 f"these nodes report other data sizes than before the interruption: {', '.join(changed)}; the "
                 "privacy already spent was accounted for the old sizes: restart the nodes on the data they had"
             )
-        self.global_arrays = arrays(state["global_arrays"])
+        self.global_arrays = to_arrays(state["global_arrays"])
         if (self.budget is None) != (state["budget"] is None):
             raise ResumeError("the checkpoint and the config disagree on whether privacy is on")
         if self.budget is not None:
@@ -315,9 +315,8 @@ class FederatedStrategy(Strategy):
             try:
                 if node is None:  # the aggregation needs the node it comes from
                     raise ReplyRejected("it comes from a node the server does not know")
-                training = phase == "train"
                 arrays, metrics = check_reply(
-                    msg, self._expected.get(nid, {}), need_examples=training, max_examples=node.num_train
+                    msg, self._expected.get(nid, {}), need_examples=phase == "train", max_examples=node.num_train
                 )
             except ReplyRejected as why:
                 self._drop(name, phase, str(why))

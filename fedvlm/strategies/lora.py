@@ -24,7 +24,7 @@ import numpy as np
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_vlm
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
-from fedvlm.strategies.base import FederatedStrategy, arrays, tensors
+from fedvlm.strategies.base import FederatedStrategy, to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
@@ -59,14 +59,14 @@ class LoRAStrategy(FederatedStrategy):
     def state_dict(self) -> dict:
         return {
             **super().state_dict(),
-            "last_upload": {name: tensors(up) for name, up in self.last_upload.items()},
+            "last_upload": {name: to_tensors(up) for name, up in self.last_upload.items()},
             "participated": sorted(self.participated),
             "train_messages": self.train_messages,
         }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.last_upload = {name: arrays(up) for name, up in state["last_upload"].items()}
+        self.last_upload = {name: to_arrays(up) for name, up in state["last_upload"].items()}
         self.participated = set(state["participated"])
         self.train_messages = int(state["train_messages"])
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedvlm.runconfig import ConfigError
-from fedvlm.strategies.base import arrays, tensors
+from fedvlm.strategies.base import to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.prompt import PromptFLStrategy
 from fedvlm.strategies.records import ClientUpdate, RoundRecord
@@ -49,11 +49,11 @@ class PFedMoAPStrategy(PromptFLStrategy):
         self.snapshot: dict[str, np.ndarray] = {}  # the pool at the start of the round
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "pool": tensors(self.pool)}
+        return {**super().state_dict(), "pool": to_tensors(self.pool)}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.pool = arrays(state["pool"])
+        self.pool = to_arrays(state["pool"])
 
     def begin_round(self, server_round: int, final: bool) -> RoundRecord:
         self.snapshot = dict(self.pool)
