@@ -11,6 +11,12 @@ credentials (``deploy.credentials``), ``flower-superlink`` with TLS and
 ``flwr supernode register`` for every SuperNode's public key, ``flower-supernode`` with the CA
 certificate and its private key, then ``flwr run . <connection>``. Every process is started
 in its own session and stopped by PID, also on errors and Ctrl-C.
+
+At scale (``--supernodes 20 --report scale.json``) it also measures what the federation costs
+on this machine: the peak memory of every process it started, summed per program, each round's
+time, and the replies the SuperNodes logged as lost. Every message a SuperNode receives starts
+a ClientApp process that imports torch and loads the model, so N SuperNodes on one machine run
+N such processes at once.
 """
 
 from __future__ import annotations
@@ -18,14 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from fedvlm.deploy.credentials import generate
-from fedvlm.utils.processes import free_port, kill_tree
+from fedvlm.utils.processes import TreeMemory, free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -70,7 +78,12 @@ class LocalFederation:
         self.logs[name] = log
         with open(log, "wb") as f:
             proc = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir, start_new_session=True
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.dir,
+                start_new_session=True,
             )
         self.procs[name] = proc
         return proc
@@ -87,6 +100,11 @@ class LocalFederation:
     def stop_all(self) -> None:
         for name in list(self.procs)[::-1]:  # SuperNodes before the SuperLink
             self.stop(name)
+
+    def lost_replies(self) -> int:
+        """Replies the SuperNodes logged as not delivered: Flower's SuperNode does not push a
+        reply again after the SuperLink answered its push with an error."""
+        return sum(self.log_text(n).count("Failed to send message") for n in self.names)
 
     def pids(self) -> dict[str, int]:
         return {n: p.pid for n, p in self.procs.items()}
@@ -166,9 +184,28 @@ class LocalFederation:
             [str(BIN / "flwr"), *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
 
-    def run_app(self, run_config: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-        """`flwr run . loopback --stream`: the researcher's command against this federation."""
-        return self.flwr("run", str(ROOT), CONNECTION, "--stream", "--run-config", run_config, timeout=timeout)
+    def run_app(self, run_config: str, timeout: float = 1800, echo: bool = False) -> subprocess.CompletedProcess:
+        """`flwr run . loopback --stream`: the researcher's command against this federation;
+        with ``echo`` its output is also printed as it comes (rounds, epsilon, accuracy)."""
+        cmd = [str(BIN / "flwr"), "run", str(ROOT), CONNECTION, "--stream", "--run-config", run_config]
+        if not echo:
+            return self.flwr(*cmd[1:], timeout=timeout)
+        lines = []
+        with subprocess.Popen(
+            cmd, env=self.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
+            assert proc.stdout is not None
+            timer = threading.Timer(timeout, proc.kill)  # the stream ends when the process does
+            timer.start()
+            try:
+                for line in proc.stdout:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                    lines.append(line)
+            finally:
+                timer.cancel()
+            code = proc.wait()
+        return subprocess.CompletedProcess(cmd, code, "".join(lines), "")
 
     def up(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -207,6 +244,24 @@ class LocalFederation:
         self.stop_all()
 
 
+def _rounds(stdout: str) -> tuple[str, list[dict]]:
+    """(status, per-round seconds and client counts) from the run folder the ServerApp named."""
+    found = re.findall(r"run folder: (\S+)", stdout)
+    results = Path(found[-1]) / "results.json" if found else None
+    if results is None or not results.exists():
+        return "no results", []
+    data = json.loads(results.read_text())
+    return data["run"]["status"], [
+        {
+            "round": r["round"],
+            "seconds": r.get("seconds"),
+            "train-clients": r["metrics"].get("train-clients"),
+            "evaluate-clients": r["metrics"].get("eval-clients"),
+        }
+        for r in data["rounds"]
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.local_federation", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, required=True, help="credentials, Flower state, logs")
@@ -218,22 +273,56 @@ def main(argv: list[str] | None = None) -> int:
         help="node config of the i-th SuperNode (repeatable; default: partition-id=i num-partitions=N)",
     )
     p.add_argument("--run-config", default="", help="run-config overrides passed to flwr run")
+    p.add_argument(
+        "--report",
+        type=Path,
+        help="write a JSON report here: the federation's peak memory per program and each round's time",
+    )
     args = p.parse_args(argv)
     names = [f"org-{i}" for i in range(args.supernodes)]
     configs = {
         n: (args.node_config[i] if i < len(args.node_config) else f"partition-id={i} num-partitions={args.supernodes}")
         for i, n in enumerate(names)
     }
-    with LocalFederation(args.workdir, names, configs) as fed:
+    t0 = time.time()
+    with LocalFederation(args.workdir, names, configs) as fed, TreeMemory(str(fed.dir), 1.0) as mem:
         print(
             f"SuperLink on 127.0.0.1:{fed.port} (TLS, SuperNode auth), SuperNodes: {', '.join(names)}; "
             f"PIDs {json.dumps(fed.pids())}; logs in {fed.dir / 'logs'}",
             flush=True,
         )
-        proc = fed.run_app(args.run_config)
-        sys.stdout.write(proc.stdout)
-        sys.stderr.write(proc.stderr)
-        return proc.returncode
+        started = time.time()
+        proc = fed.run_app(args.run_config, echo=True)
+        lost = fed.lost_replies()
+    if args.report:
+        status, rounds = _rounds(proc.stdout)
+        report = {
+            "supernodes": args.supernodes,
+            "run_config": args.run_config,
+            "status": status,
+            "setup_seconds": round(started - t0, 1),
+            "run_seconds": round(time.time() - started, 1),
+            "rounds": rounds,
+            "replies_lost_in_transit": lost,
+            "peak_rss_mib": round(mem.peak_rss_mib),
+            "peak_pss_mib": round(mem.peak_pss_mib),
+            "peak_by_program": mem.peak_by_program,
+            "cpus": os.cpu_count(),
+        }
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2))
+        print(
+            f"\n{args.supernodes} SuperNodes: {status}; peak memory {mem.peak_pss_mib / 1024:.1f} GiB PSS "
+            f"({mem.peak_rss_mib / 1024:.1f} GiB RSS); "
+            + ", ".join(f"round {r['round']} {r['seconds']:.0f} s ({r['train-clients']} trained)" for r in rounds)
+            + f"; {lost} replies lost in transit; report: {args.report}"
+        )
+        for name, row in mem.peak_by_program.items():
+            print(
+                f"  {name:<20} {row['processes']:>3.0f} processes  {row['pss_mib']:>8.0f} MiB PSS  "
+                f"{row['rss_mib']:>8.0f} MiB RSS"
+            )
+    return proc.returncode
 
 
 if __name__ == "__main__":

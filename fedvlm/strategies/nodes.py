@@ -27,6 +27,12 @@ from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
 
 log = logging.getLogger(__name__)
 
+# A handshake a node did not answer is asked again once before the node is excluded: under load
+# a reply can be lost on the way (a SuperLink whose database is busy answers the SuperNode's
+# push with an error, and the SuperNode does not push it again), and a node is no less healthy
+# for it.
+HANDSHAKE_TRIES = 2
+
 
 class FederationError(RuntimeError):
     """The federation cannot run (too few healthy nodes, mismatched backbones...)."""
@@ -51,6 +57,7 @@ class NodeRegistry:
         self.ledger = ledger  # what a node reveals in its handshake is recorded there
         self.nodes: dict[int, NodeInfo] = {}
         self.failed: dict[int, str] = {}  # node id -> why it was excluded
+        self.unanswered: dict[int, int] = {}  # node id -> handshakes it has not answered yet
         self.server_fingerprint: str | None = None  # the backbone every node must load, where the server knows it
 
     def exclude(self, node_id: int, reason: str) -> None:
@@ -74,7 +81,11 @@ class NodeRegistry:
         for n in node_ids:
             msg = replies.get(n)
             if msg is None:
-                self.exclude(n, "no reply to the handshake within round-timeout")
+                self.unanswered[n] = self.unanswered.get(n, 0) + 1
+                if self.unanswered[n] >= HANDSHAKE_TRIES:
+                    self.exclude(n, f"no reply to {HANDSHAKE_TRIES} handshakes, each within round-timeout")
+                else:
+                    log.warning("node %d did not answer the handshake within round-timeout; asking again", n)
             elif msg.has_error():
                 self.exclude(n, short_reason(msg.error.reason))
             else:

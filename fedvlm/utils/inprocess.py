@@ -33,7 +33,7 @@ class InProcessGrid:
         client_app: ClientApp,
         node_configs: list[dict],
         run_config: dict,
-        intercept: Callable[[Message, Message], Message] | None = None,
+        intercept: Callable[[Message, Message], Message | None] | None = None,
         forge: Callable[[Message], Message | None] | None = None,
     ):
         ensure_task_identity()
@@ -47,7 +47,7 @@ class InProcessGrid:
         }
         self.sent: list[Message] = []
         self.replies: list[Message] = []
-        self.intercept = intercept  # (request, reply) -> reply; lets tests corrupt replies
+        self.intercept = intercept  # (request, reply) -> reply, or None to lose it; lets tests corrupt replies
         self.forge = forge  # request -> a reply made up in place of the node's (None: the node answers)
         self.offline: set[int] = set()
 
@@ -68,8 +68,9 @@ class InProcessGrid:
                 reply = Message(
                     Error(code=1, reason=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"), reply_to=msg
                 )
-            if self.intercept is not None:
-                reply = self.intercept(msg, reply)
-            self.replies.append(reply)
-            out.append(reply)
+            delivered = self.intercept(msg, reply) if self.intercept is not None else reply
+            if delivered is None:
+                continue  # the node answered, but its reply was lost on the way
+            self.replies.append(delivered)
+            out.append(delivered)
         return out

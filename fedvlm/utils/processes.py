@@ -144,14 +144,29 @@ def _memory_kib(pid: int) -> tuple[int, int]:
     return rss, pss
 
 
+def program(pid: int) -> str:
+    """The program a process runs: the script's name for ``python script``, else the executable's."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    name = Path(argv[0].decode(errors="replace")).name
+    if name.startswith("python") and len(argv) > 1 and argv[1] and not argv[1].startswith(b"-"):
+        name = Path(argv[1].decode(errors="replace")).name
+    return name
+
+
 class TreeMemory:
     """Samples, every ``interval`` seconds while active, the summed RSS and PSS of every process
     whose command line contains ``fragment`` and of all their descendants (a ``flwr run``: the
-    SuperLink, the ServerApp, the simulation and its Ray workers); keeps the peaks in MiB."""
+    SuperLink, the ServerApp, the simulation and its Ray workers; a loopback federation: also
+    every SuperNode and the ClientApp processes they start); keeps the peaks in MiB and, at the
+    PSS peak, the processes per program (``peak_by_program``: name -> count, RSS, PSS)."""
 
     def __init__(self, fragment: str, interval: float = 0.5):
         self.fragment, self.interval = fragment, interval
         self.peak_rss_mib = self.peak_pss_mib = 0.0
+        self.peak_by_program: dict[str, dict[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -159,9 +174,18 @@ class TreeMemory:
         while not self._stop.wait(self.interval):
             roots = pids_matching(self.fragment)
             pids = set(roots).union(*(descendants(r) for r in roots)) if roots else set()
-            rss, pss = map(sum, zip(*(_memory_kib(p) for p in pids), strict=True)) if pids else (0, 0)
-            self.peak_rss_mib = max(self.peak_rss_mib, rss / 1024)
-            self.peak_pss_mib = max(self.peak_pss_mib, pss / 1024)
+            by: dict[str, dict[str, float]] = {}
+            for pid in pids:
+                rss, pss = _memory_kib(pid)
+                row = by.setdefault(program(pid), {"processes": 0, "rss_mib": 0.0, "pss_mib": 0.0})
+                row["processes"] += 1
+                row["rss_mib"] += rss / 1024
+                row["pss_mib"] += pss / 1024
+            self.peak_rss_mib = max(self.peak_rss_mib, sum(r["rss_mib"] for r in by.values()))
+            pss_mib = sum(r["pss_mib"] for r in by.values())
+            if pss_mib > self.peak_pss_mib:
+                self.peak_pss_mib = pss_mib
+                self.peak_by_program = {k: {n: round(v, 1) for n, v in r.items()} for k, r in sorted(by.items())}
 
     def __enter__(self) -> TreeMemory:
         self._thread.start()

@@ -274,6 +274,35 @@ def test_a_node_restarted_under_a_new_id_rejoins_with_its_state(make_cfg, pretra
     assert [r["clients"]["client-2"]["train/rounds-trained"] for r in rec.data["rounds"]] == [1, 2, 3]
 
 
+def _lose_handshakes(node: int, times: int):
+    lost = []
+
+    def intercept(req, reply):
+        if req.metadata.message_type == "query" and req.metadata.dst_node_id == node and len(lost) < times:
+            lost.append(req)
+            return None
+        return reply
+
+    return intercept
+
+
+def test_a_lost_handshake_reply_is_asked_again(make_cfg, pretrained_clip):
+    rec, grid = _run(
+        make_cfg, n=3, intercept=_lose_handshakes(1001, 1), method="promptfl", num_server_rounds=1, round_timeout=1.0
+    )
+    assert sum(m.metadata.message_type == "query" and m.metadata.dst_node_id == 1001 for m in grid.sent) == 2
+    assert rec.data["run"]["excluded_nodes"] == {}
+    assert sorted(rec.data["rounds"][0]["clients"]) == ["client-0", "client-1", "client-2"]
+
+
+def test_a_node_that_never_answers_the_handshake_is_excluded(make_cfg, pretrained_clip):
+    rec, _ = _run(
+        make_cfg, n=3, intercept=_lose_handshakes(1001, 99), method="promptfl", num_server_rounds=1, min_nodes=2
+    )
+    assert rec.data["run"]["excluded_nodes"] == {"1001": "no reply to 2 handshakes, each within round-timeout"}
+    assert sorted(rec.data["rounds"][0]["clients"]) == ["client-0", "client-2"]
+
+
 def test_fewer_nodes_than_min_nodes_mid_run_fails_with_the_reason(make_cfg, pretrained_clip):
     grid_ref = []
     cfg = make_cfg(method="promptfl", num_server_rounds=3, min_nodes=2)
