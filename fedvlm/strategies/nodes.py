@@ -175,10 +175,26 @@ class NodeRegistry:
         return time.time() - t0 < self.cfg.round_timeout
 
     def refresh(self, grid: Grid) -> set[int]:
-        """Handshake the nodes that connected since the last call; the connected ids."""
-        connected = set(grid.get_node_ids())
-        self.handshake(grid, connected)
-        return connected
+        """Handshake the nodes that connected since the last call; the connected ids. While fewer
+        than ``min-nodes`` healthy nodes are connected, wait up to round-timeout for them: a
+        SuperNode whose heartbeat came late (a busy machine) is marked offline for a moment,
+        and a restarted one needs time to reconnect."""
+        t0, warned = time.time(), False
+        while True:
+            connected = set(grid.get_node_ids())
+            self.handshake(grid, connected)
+            healthy = sum(n in self.nodes for n in connected)
+            if healthy >= self.cfg.min_nodes or time.time() - t0 >= self.cfg.round_timeout:
+                return connected
+            if not warned:
+                log.warning(
+                    "%d healthy node(s) connected, %d needed (min-nodes): waiting up to %.0f s for the others",
+                    healthy,
+                    self.cfg.min_nodes,
+                    self.cfg.round_timeout,
+                )
+                warned = True
+            time.sleep(1.0)
 
     def choose(self, connected: set[int], server_round: int, fraction: float, stream: ServerStream) -> list[NodeInfo]:
         """Seeded choice of ``fraction`` of the healthy connected nodes, ordered by name."""
@@ -187,7 +203,7 @@ class NodeRegistry:
             gone = sorted(n.name for i, n in self.nodes.items() if i not in connected)
             raise FederationError(
                 f"round {server_round}: only {len(pool)} healthy node(s) still connected, fewer than min-nodes = "
-                f"{self.cfg.min_nodes}"
+                f"{self.cfg.min_nodes} after waiting round-timeout = {self.cfg.round_timeout:.0f} s"
                 + (f" (disconnected: {', '.join(gone[:8])})" if gone else "")
                 + "; restart the missing SuperNodes, or lower min-nodes to let the run go on with fewer"
             )

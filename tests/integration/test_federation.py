@@ -305,7 +305,7 @@ def test_a_node_that_never_answers_the_handshake_is_excluded(make_cfg, pretraine
 
 def test_fewer_nodes_than_min_nodes_mid_run_fails_with_the_reason(make_cfg, pretrained_clip):
     grid_ref = []
-    cfg = make_cfg(method="promptfl", num_server_rounds=3, min_nodes=2)
+    cfg = make_cfg(method="promptfl", num_server_rounds=3, min_nodes=2, round_timeout=2.0)
     grid = InProcessGrid(
         client_app,
         [{"partition-id": i, "num-partitions": 2} for i in range(2)],
@@ -314,9 +314,44 @@ def test_fewer_nodes_than_min_nodes_mid_run_fails_with_the_reason(make_cfg, pret
     )
     grid_ref.append(grid)
     with pytest.raises(
-        FederationError, match=r"round 2: only 1 healthy node.*min-nodes = 2 \(disconnected: client-1\)"
+        FederationError,
+        match=r"round 2: only 1 healthy node.*min-nodes = 2 after waiting round-timeout = 2 s "
+        r"\(disconnected: client-1\)",
     ):
         execute(cfg, grid, run_id="test")
+
+
+class _BrieflyOffline(InProcessGrid):
+    """A node missing from the connected nodes for a few polls after round 1, as a SuperNode
+    whose heartbeat came late is marked offline by the SuperLink for a moment."""
+
+    def __init__(self, *args, node: int, polls: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.node, self.polls = node, polls
+
+    def get_node_ids(self):
+        if self.node in self.offline:
+            self.polls -= 1
+            if self.polls < 0:
+                self.offline.discard(self.node)
+        return super().get_node_ids()
+
+
+def test_a_node_briefly_offline_is_waited_for_before_min_nodes_fails(make_cfg, pretrained_clip):
+    grid_ref = []
+    cfg = make_cfg(method="promptfl", num_server_rounds=2, min_nodes=3)
+    grid = _BrieflyOffline(
+        client_app,
+        [{"partition-id": i, "num-partitions": 3} for i in range(3)],
+        cfg.as_dict(),
+        intercept=_go_offline_after_round_1(grid_ref, [1002]),
+        node=1002,
+        polls=3,
+    )
+    grid_ref.append(grid)
+    rec = execute(cfg, grid, run_id="test")
+    assert rec.data["run"]["status"] == "finished"
+    assert [r["metrics"]["train-clients"] for r in rec.data["rounds"]] == [3, 3]
 
 
 def test_own_data_nodes_train_on_exactly_their_folders(make_cfg, pretrained_clip, tmp_path):
