@@ -8,7 +8,7 @@ Printed per source model: seconds per step of ``mr`` (reprogramming), ``pf`` (bl
 paper's Table IV).
 
 Usage:
-    python bench/reprogram_step.py                                # embedded tiny ResNet and ResNet-18
+    python bench/reprogram_step.py                                # embedded ResNets and ResNet-18
     python bench/reprogram_step.py --sources resnet50 --batch 64 --device cuda
 
 Random weights are fine for timing; the ratio is what matters.
@@ -71,7 +71,7 @@ def step_seconds(kind: str, source, batch: int, classes: int, image_size: int, s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sources", default="embedded-tiny-resnet,resnet18")
+    p.add_argument("--sources", default="embedded-tiny-resnet,embedded-motif-resnet,resnet18")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--steps", type=int, default=3)

@@ -37,6 +37,8 @@ COLORS: dict[str, tuple[float, float, float]] = {
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross", "ring")
 
 CLASSNAMES: tuple[str, ...] = tuple(f"{c} {s}" for c in COLORS for s in SHAPES)
+# every shape ``_shape_mask`` draws (this domain's, ``data.scenes``' and ``data.motifs``')
+MASK_SHAPES = (*SHAPES, "diamond", "frame", "star", "bar", "crescent")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,17 @@ def _shape_mask(shape: str, cx: float, cy: float, r: float, theta: float) -> np.
             a = 2 * np.pi * k / 3
             inside &= (np.cos(a) * u + np.sin(a) * v) <= 0.6 * r
         return inside
-    raise ValueError(f"unknown shape {shape!r}; known: {SHAPES}")
+    # The motifs domain's further shapes (``data.motifs``)
+    if shape == "frame":  # a square outline
+        outer = (np.abs(u) <= 0.8 * r) & (np.abs(v) <= 0.8 * r)
+        return outer & ~((np.abs(u) <= 0.45 * r) & (np.abs(v) <= 0.45 * r))
+    if shape == "star":  # five points: the radius swings between 0.45 r and r
+        return dist <= r * (0.45 + 0.55 * np.abs(np.cos(2.5 * np.arctan2(v, u))) ** 2)
+    if shape == "bar":
+        return (np.abs(u) <= r) & (np.abs(v) <= 0.3 * r)
+    if shape == "crescent":  # a disc with an offset disc cut out
+        return (dist <= r) & ((u - 0.45 * r) ** 2 + v * v > (0.8 * r) ** 2)
+    raise ValueError(f"unknown shape {shape!r}; known: {MASK_SHAPES}")
 
 
 def _rotate_hue(rgb: np.ndarray, degrees: float) -> np.ndarray:

@@ -3,6 +3,8 @@
 - ``embedded``: the generated shapes domain (``data.embedded``), offline and deterministic;
   ``embedded-shadow`` is an independent draw of it (shadow data for membership attacks).
 - ``digits``: scikit-learn's bundled 8x8 handwritten digits (real data, ships with sklearn).
+- ``motifs``: the 10 shapes of the generated motifs domain at 16 px under a cool illuminant
+  (``data.motifs``), Reprogrammable-FL's offline target task.
 - torchvision sets from ``data-root`` (downloaded there when ``download=true`` and the
   network allows): caltech101, oxford-pets, flowers102, food101, dtd, cifar10, cifar100. If
   CoOp's split file (``split_zhou_<Name>.json``, used by CoOp, PromptFL, FedOTP and DP-FPL)
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedvlm.data import embedded
+from fedvlm.data import embedded, motifs
 from fedvlm.data.sources import (
     ArraySource,
     DatasetSource,
@@ -35,6 +37,8 @@ from fedvlm.data.sources import (
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 EMBEDDED_TRAIN_PER_CLASS = 64
 EMBEDDED_TEST_PER_CLASS = 24
+MOTIFS_TRAIN_PER_CLASS = 200  # 2,000 images: about 670 per client of the paper's 3
+MOTIFS_TEST_PER_CLASS = 60
 
 
 class DatasetError(ValueError):
@@ -55,6 +59,18 @@ def load_embedded(shadow: bool = False, **_) -> DatasetSplits:
     return DatasetSplits(
         "embedded-shadow" if shadow else "embedded",
         list(embedded.CLASSNAMES),
+        ArraySource(tr_x, tr_y, f"{tag}/train"),
+        ArraySource(te_x, te_y, f"{tag}/test"),
+    )
+
+
+def load_motifs(**_) -> DatasetSplits:
+    tr_x, tr_y = motifs.generate(MOTIFS_TRAIN_PER_CLASS, seed=11, split="target")
+    te_x, te_y = motifs.generate(MOTIFS_TEST_PER_CLASS, seed=12, split="target")
+    tag = f"motifs-{motifs.domain_version()}"
+    return DatasetSplits(
+        "motifs",
+        list(motifs.TARGET_CLASSES),
         ArraySource(tr_x, tr_y, f"{tag}/train"),
         ArraySource(te_x, te_y, f"{tag}/test"),
     )
@@ -359,7 +375,7 @@ def load_bloodmnist(root: Path, test_fraction: float = 0.3, **_) -> DatasetSplit
 
 
 TORCHVISION_SETS = ("caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100")
-DATASETS = ("embedded", "embedded-shadow", "digits", *TORCHVISION_SETS, "image-folder", "bloodmnist")
+DATASETS = ("embedded", "embedded-shadow", "digits", "motifs", *TORCHVISION_SETS, "image-folder", "bloodmnist")
 
 
 def load_dataset(
@@ -375,6 +391,8 @@ def load_dataset(
         splits = load_embedded(shadow=name == "embedded-shadow")
     elif name == "digits":
         splits = load_digits(test_fraction=test_fraction)
+    elif name == "motifs":
+        splits = load_motifs()
     elif name in TORCHVISION_SETS:
         splits = load_torchvision(name, Path(data_root), download, test_fraction)
     elif name == "image-folder":

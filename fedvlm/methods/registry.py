@@ -137,7 +137,7 @@ VLM = Family(
 REPROGRAM = Family(
     "reprogram",
     False,
-    "digits",
+    "motifs",
     "iid",
     0.5,
     1.0,

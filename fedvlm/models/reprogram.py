@@ -20,8 +20,8 @@ The frozen source network always stays in eval mode, so its BatchNorm layers use
 statistics and never mix samples; reprogramming and partial fine-tuning need no replacement.
 
 Source models: torchvision's ResNet-18/50/152 and ResNeXt-50/101 with ImageNet weights
-(downloaded by torchvision into its cache, or a local state-dict file), and the embedded tiny
-ResNet pretrained here (``models.tiny_resnet``) for offline runs. ``random`` weights exist for
+(downloaded by torchvision into its cache, or a local state-dict file), and the embedded ResNets
+pretrained here (``models.embedded_resnet``) for offline runs. ``random`` weights exist for
 tests and are labelled as such everywhere.
 """
 
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedvlm.models import tiny_resnet
+from fedvlm.models import embedded_resnet
 from fedvlm.models.clip_loader import _hub_reachable
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ TORCHVISION_SOURCES = {
     "resnext50_32x4d": "ResNeXt50_32X4D_Weights",
     "resnext101_32x8d": "ResNeXt101_32X8D_Weights",
 }
-SOURCE_MODELS = (tiny_resnet.NAME, *TORCHVISION_SOURCES)
+SOURCE_MODELS = (*embedded_resnet.SOURCES, *TORCHVISION_SOURCES)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MODEL_KINDS = ("mr", "ff", "pf", "ts")  # reprogramming, full / partial fine-tune, from scratch
@@ -73,7 +73,7 @@ class SourceModel:
     @property
     def num_source_classes(self) -> int:
         fc = self.model.fc
-        assert isinstance(fc, nn.Linear)  # every source model (ResNets, TinyResNet) ends in one
+        assert isinstance(fc, nn.Linear)  # every source model (ResNets, EmbeddedResNet) ends in one
         return fc.out_features
 
 
@@ -118,18 +118,19 @@ def _torchvision_source(name: str, weights: str) -> tuple[nn.Module, str, str]:
 def load_source(name: str, weights: str, cache_dir: Path) -> SourceModel:
     """The frozen source classifier (see the module docstring for ``weights``)."""
     model: nn.Module
-    if name == tiny_resnet.NAME:
+    if name in embedded_resnet.SOURCES:
         if weights == "random":
-            model, label, fp = tiny_resnet.TinyResNet(), "random init (NOT pretrained)", f"{name}:random"
+            model, label, fp = embedded_resnet.architecture(name), "random init (NOT pretrained)", f"{name}:random"
         elif weights in ("auto", "embedded"):
-            model, key = tiny_resnet.load_pretrained(cache_dir)
-            label, fp = "pretrained here on the embedded shapes domain (not ImageNet)", key
+            model, fp, _ = embedded_resnet.load_pretrained(name, cache_dir)
+            domain = embedded_resnet.DOMAINS[embedded_resnet.SOURCES[name].domain]
+            label = f"pretrained here on {domain.description} (not ImageNet)"
         else:
             raise SourceModelError(
                 f"reprogram.source-weights = {weights!r} does not apply to {name}: use 'auto' "
                 "(pretrained here) or 'random'"
             )
-        size, mean, std = tiny_resnet.INPUT_SIZE, tiny_resnet.MEAN, tiny_resnet.STD
+        size, mean, std = embedded_resnet.INPUT_SIZE, embedded_resnet.MEAN, embedded_resnet.STD
     elif name in TORCHVISION_SOURCES:
         model, label, fp = _torchvision_source(name, weights)
         size, mean, std = 224, IMAGENET_MEAN, IMAGENET_STD

@@ -91,7 +91,13 @@ def default_output_dir() -> Path:
     return Path.home() / "fedvlm-runs"
 
 
-EMBEDDED_CLASSIFICATION = frozenset({"embedded", "embedded-shadow", "digits"})
+EMBEDDED_CLASSIFICATION = frozenset({"embedded", "embedded-shadow", "digits", "motifs"})
+# Reprogrammable-FL's embedded sources (``models.embedded_resnet.SOURCES``; named here so that
+# checking a run config needs no torch) and the one each embedded dataset reprograms by default:
+# the motifs task its own source domain's, the others the small shapes source.
+EMBEDDED_SOURCES = ("embedded-motif-resnet", "embedded-motif-resnet-ls", "embedded-tiny-resnet")
+EMBEDDED_SOURCE_INPUT = 32
+TORCHVISION_SOURCE_INPUT = 224
 
 
 def resolve_derived(values: dict) -> None:
@@ -102,17 +108,22 @@ def resolve_derived(values: dict) -> None:
         values["lora.lr"] = 3e-3 if values["vlm.model"] == "embedded-tiny-vlm" else 3e-4
     embedded_data = values["dataset"] in EMBEDDED_CLASSIFICATION
     if values["reprogram.source-model"] == AUTO:
-        values["reprogram.source-model"] = "embedded-tiny-resnet" if embedded_data else "resnet50"
-    tiny = values["reprogram.source-model"] == "embedded-tiny-resnet"
+        values["reprogram.source-model"] = (
+            "embedded-motif-resnet"
+            if values["dataset"] == "motifs"
+            else ("embedded-tiny-resnet" if embedded_data else "resnet50")
+        )
+    embedded_source = values["reprogram.source-model"] in EMBEDDED_SOURCES
     if values["reprogram.batch-size"] == AUTO:
         values["reprogram.batch-size"] = 32 if embedded_data else 256
     if values["reprogram.image-size"] == AUTO:
-        values["reprogram.image-size"] = 24 if tiny else 200
+        values["reprogram.image-size"] = 24 if embedded_source else 200
 
 
 def check_reprogram(values: dict) -> None:
     """The combinations Reprogrammable-FL cannot run."""
-    source_size = 32 if values["reprogram.source-model"] == "embedded-tiny-resnet" else 224
+    embedded_source = values["reprogram.source-model"] in EMBEDDED_SOURCES
+    source_size = EMBEDDED_SOURCE_INPUT if embedded_source else TORCHVISION_SOURCE_INPUT
     if values["reprogram.image-size"] > source_size:
         raise ConfigError(
             f"run config 'reprogram.image-size' = {values['reprogram.image-size']} exceeds the source "

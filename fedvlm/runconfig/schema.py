@@ -275,11 +275,15 @@ class ReprogramConfig:
 
     source_model: str = opt(
         AUTO,
-        "Frozen source classifier: 'embedded-tiny-resnet' (pretrained here, offline), "
-        "resnet18, resnet50, resnet152, resnext50_32x4d, resnext101_32x8d; 'auto' = the embedded "
-        "one for the embedded/digits data, resnet50 (the paper's main model) otherwise.",
+        "Frozen source classifier: 'embedded-motif-resnet' (pretrained here on 240 motif classes, "
+        "offline; '-ls': with label smoothing 0.1), 'embedded-tiny-resnet' (pretrained here on 40 "
+        "shape classes), resnet18, resnet50, "
+        "resnet152, resnext50_32x4d, resnext101_32x8d; 'auto' = the motif one for the motifs task, "
+        "the tiny one for the other embedded data and digits, resnet50 (the paper's main model) otherwise.",
         choices=(
             AUTO,
+            "embedded-motif-resnet",
+            "embedded-motif-resnet-ls",
             "embedded-tiny-resnet",
             "resnet18",
             "resnet50",
@@ -298,13 +302,13 @@ class ReprogramConfig:
         AUTO,
         "Side the target image is resized to before zero-padding to the source input size "
         "(the paper: 200 of 224); 'auto' = 200 for torchvision models, 24 of 32 for the embedded "
-        "one. The baselines resize to the full source size.",
+        "ones. The baselines resize to the full source size.",
         min=1,
     )
     batch_size: int = opt(
         AUTO,
         "Expected Poisson batch size of every DP-SGD step; 'auto' = 256 (the paper's) on "
-        "real data, 32 on the small embedded/digits data (a client holds ~400 digits).",
+        "real data, 32 on the small embedded data (a client holds ~670 motifs or ~400 digits).",
         min=1,
     )
     lr: float = opt(0.15, "SGD learning rate of DP-SGD (the paper: 0.15).", min=0.0, min_exclusive=True)
@@ -479,6 +483,7 @@ class RunConfig:
             "embedded",
             "embedded-shadow",
             "digits",
+            "motifs",
             "caltech101",
             "oxford-pets",
             "flowers102",

@@ -347,7 +347,7 @@ def test_reprogramming_honours_privacy_epsilon(make_cfg, pretrained_clip):
     assert cfg.privacy.noise_multiplier == 0.0  # calibrate to the epsilon asked for
     with pytest.raises(ConfigError, match="set one of them"):
         validate({"method": "reprogram", "privacy.epsilon": 2.0, "privacy.noise-multiplier": 1.1})
-    rec, _ = _run(make_cfg, 3, method="reprogram", privacy__epsilon=2.0, num_server_rounds=2)
+    rec, _ = _run(make_cfg, 3, method="reprogram", dataset="digits", privacy__epsilon=2.0, num_server_rounds=2)
     records = rec.data["privacy"]["records"]
     assert max(r["planned_epsilon"] for r in records.values()) == pytest.approx(2.0, rel=1e-3)
     assert rec.data["privacy"]["rounds"][-1]["epsilon"] < 2.0

@@ -112,10 +112,12 @@ def test_opacus_per_sample_gradients_match_torch_func(tiny_source, kind):
 
 def test_family_defaults_and_refusals():
     cfg = validate({"method": "reprogram"})
-    assert cfg.dataset == "digits" and cfg.partitioner == "iid"
-    assert cfg.reprogram.source_model == "embedded-tiny-resnet" and cfg.reprogram.image_size == 24
+    assert cfg.dataset == "motifs" and cfg.partitioner == "iid"
+    assert cfg.reprogram.source_model == "embedded-motif-resnet" and cfg.reprogram.image_size == 24
     assert cfg.privacy.clip == 1.0 and cfg.privacy.noise_multiplier == 1.1  # the paper's DP-SGD
     assert cfg.reprogram.batch_size == 32
+    digits = validate({"method": "bl-ff", "dataset": "digits"})
+    assert digits.reprogram.source_model == "embedded-tiny-resnet" and digits.reprogram.batch_size == 32
     real = validate({"method": "bl-pf", "dataset": "cifar10", "data-root": "/data"})
     assert real.reprogram.source_model == "resnet50" and real.reprogram.image_size == 200
     assert real.reprogram.batch_size == 256
@@ -129,6 +131,32 @@ def test_family_defaults_and_refusals():
         validate({"method": "bl-ff", "privacy.clipping": "per-batch"})
     with pytest.raises(ConfigError, match="does not fit method 'reprogram'"):
         validate({"method": "reprogram", "dataset": "embedded-captions"})
+
+
+def test_the_config_knows_every_source_model_and_its_input_size(tmp_path):
+    from fedvlm.models import embedded_resnet
+    from fedvlm.models.reprogram import SOURCE_MODELS
+    from fedvlm.runconfig import EMBEDDED_SOURCE_INPUT, EMBEDDED_SOURCES
+    from fedvlm.runconfig.schema import KEY_BY_NAME
+
+    assert KEY_BY_NAME["reprogram.source-model"].choices == ("auto", *SOURCE_MODELS)
+    assert EMBEDDED_SOURCES == tuple(embedded_resnet.SOURCES)
+    for name in EMBEDDED_SOURCES:
+        assert load_source(name, "random", tmp_path).input_size == EMBEDDED_SOURCE_INPUT
+    with pytest.raises(ConfigError, match="exceeds the source model's input size 224"):
+        validate({"method": "reprogram", "reprogram.source-model": "resnet18", "reprogram.image-size": 225})
+
+
+def test_the_motif_source_has_240_classes_and_a_million_weights(tmp_path):
+    src = load_source("embedded-motif-resnet", "random", tmp_path)
+    assert src.num_source_classes == 240 and "NOT pretrained" in src.weights
+    counts = {
+        k: sum(v.numel() for v in trainable_state(build_model(k, src, 10, 24, seed=0)).values())
+        for k in "mr pf ff".split()
+    }
+    # the output map reads 240 logits, the new head 256 features; full fine-tuning trains 1.27 M
+    assert counts == {"mr": 3 * 32 * 32 + 240 * 10 + 10, "pf": 256 * 10 + 10, "ff": counts["ff"]}
+    assert 1_200_000 < counts["ff"] < 1_300_000
 
 
 def test_bloodmnist_npz_and_missing_files(tmp_path):
@@ -155,11 +183,13 @@ def test_bloodmnist_npz_and_missing_files(tmp_path):
 
 
 def _federation(make_cfg, n=3, **overrides):
+    """A federation on the digits task with the tiny source unless ``overrides`` say otherwise
+    (fast: the motif source needs minutes of pretraining)."""
     from fedvlm.client_app.app import app as client_app
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
 
-    cfg = make_cfg(**overrides)
+    cfg = make_cfg(**{"dataset": "digits", **overrides})
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
     return execute(cfg, grid, run_id="test"), grid
 
@@ -217,6 +247,24 @@ def test_each_method_federates_and_shares_only_what_trains(make_cfg, method):
     sent = {k for m in grid.replies if not m.has_error() and "arrays" in m.content for k in m.content["arrays"].keys()}
     from fedvlm.models.reprogram import initial_model
 
-    expected = set(trainable_state(initial_model(make_cfg(method=method), 10)))
+    expected = set(trainable_state(initial_model(make_cfg(method=method, dataset="digits"), 10)))
     assert sent == expected
     assert rec.data["privacy"]["rounds"][-1]["epsilon"] > 0
+
+
+def test_the_default_motifs_task_federates_on_the_motif_architecture(make_cfg):
+    # random source weights: the architecture and the task of the default path, without the
+    # minutes of pretraining (tests/unit/test_motifs.py pretrains the real recipe, marked slow)
+    rec, grid = _federation(
+        make_cfg, method="reprogram", dataset="motifs", reprogram__source_weights="random", num_server_rounds=1
+    )
+    node = rec.data["run"]["nodes"][0]
+    assert node["num_train"] in (666, 667) and node["num_test"] == 200
+    shapes = {
+        k: tuple(a.shape)
+        for m in grid.replies
+        if not m.has_error() and "arrays" in m.content
+        for k, a in m.content["arrays"].items()
+    }
+    assert shapes == {"program.theta": (3, 32, 32), "output_map.weight": (10, 240), "output_map.bias": (10,)}
+    assert "NOT pretrained" in json.dumps(rec.data["run"])

@@ -111,7 +111,13 @@ def test_a_killed_run_resumes_to_the_uninterrupted_numbers(make_cfg, pretrained_
 
 def test_reprogram_under_dp_resumes_with_the_nodes_accountants(make_cfg, cache_dir):
     whole, resumed = _whole_and_resumed(
-        make_cfg, _partitions(3), kill_round=2, method="reprogram", num_server_rounds=3, reprogram__local_iterations=2
+        make_cfg,
+        _partitions(3),
+        kill_round=2,
+        method="reprogram",
+        dataset="digits",  # the tiny source: the motif one needs minutes of pretraining
+        num_server_rounds=3,
+        reprogram__local_iterations=2,
     )
     _assert_same_run(whole, resumed)
     # the nodes' own Opacus accountants went on from their saved state: the epsilon they report
