@@ -40,6 +40,12 @@ _IMAGES: dict[tuple, torch.Tensor] = {}
 CACHE_LIMIT_BYTES = 512 * 2**20  # keep a split's resized images in memory below this size
 
 
+def resized(source, i: int, size: int) -> torch.Tensor:
+    """Image ``i`` of ``source`` resized (bilinear) to size x size: uint8 [3, size, size]."""
+    img = source.image(int(i)).convert("RGB").resize((size, size), resample=2)
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
 class ReprogramClient(Learner):
     """Reprogrammable-FL and its baselines: what trains is the method's ``model_kind``."""
 
@@ -101,8 +107,7 @@ class ReprogramClient(Learner):
         return pixels.to(self.device).float().div_(255.0), labels
 
     def _load(self, source, i: int) -> torch.Tensor:
-        img = source.image(int(i)).convert("RGB").resize((self.size, self.size), resample=2)  # bilinear
-        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+        return resized(source, i, self.size)
 
     # --- parameters ----------------------------------------------------------------------------
     def _load_global(self, arrays: dict[str, torch.Tensor]) -> None:

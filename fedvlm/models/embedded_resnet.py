@@ -219,7 +219,8 @@ def load_pretrained(name: str, cache_dir: Path) -> tuple[EmbeddedResNet, str, di
     saved = torch.load(path, map_location="cpu", weights_only=True)
     model = architecture(name)
     model.load_state_dict(saved["state_dict"])
-    return model.eval(), f"{name}-{recipe.key()}", saved["report"]
+    # caches written before reports were kept hold none: the weights are the same
+    return model.eval(), f"{name}-{recipe.key()}", saved.get("report", {})
 
 
 def main(argv: list[str] | None = None) -> int:
