@@ -6,7 +6,9 @@ the median per-sample gradient norm (how hard clipping cuts), the norm of the cl
 (the signal a step carries), the expected norm of the noise z C sqrt(d) / B, and their ratio.
 For reprogramming and partial fine-tuning, whose trained head is a linear layer on a frozen
 network's output (source logits, features), also that input's norm: the noise a step adds to the
-layer's weights reaches every target logit multiplied by it.
+layer's weights reaches every target logit multiplied by it. And the ceiling that input sets
+without any DP: the test accuracy of a logistic-regression probe fitted on it over the whole
+training set (for reprogramming, with the input program at zero, as it starts).
 
 Usage:
     python bench/reprogram_signal.py                           # motifs task, the motif sources
@@ -71,14 +73,39 @@ def measure(kind: str, source, splits, rows: np.ndarray, batch: int, clip: float
         "signal / noise": round(signal / noise, 4),
     }
     if kind in ("mr", "pf"):  # a linear layer on frozen outputs: its input scales its noise
-        with torch.no_grad():
-            read = model.source(model.normalise(model.program(x))) if kind == "mr" else model.body(model.normalise(x))
-        width = float(read.norm(dim=1).median())
+        width = float(head_input(kind, model, x).norm(dim=1).median())
         out["head input norm"] = round(width, 1)
         # the noise one step adds to the map's weights reaches each target logit with std
         # lr * z C / B * |input|
         out["target-logit noise per step"] = round(lr * z * clip / batch * width, 3)
+        out["probe accuracy, no DP"] = round(probe(kind, model, splits, size), 3)
     return out
+
+
+@torch.no_grad()
+def head_input(kind: str, model, x: torch.Tensor) -> torch.Tensor:
+    """What the trained linear head reads: source logits (reprogram) or source features (bl-pf)."""
+    return model.source(model.normalise(model.program(x))) if kind == "mr" else model.body(model.normalise(x))
+
+
+def probe(kind: str, model, splits, size: int) -> float:
+    """Test accuracy of logistic regression on the head's frozen input, fitted on all training images.
+
+    No noise, no clipping, no step budget: what a perfect head on this input could reach.
+    """
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    def read(part) -> np.ndarray:
+        chunks = []
+        for lo in range(0, len(part), 256):
+            x = torch.stack([resized(part, i, size) for i in range(lo, min(lo + 256, len(part)))])
+            chunks.append(head_input(kind, model, x.float().div_(255.0)).numpy())
+        return np.concatenate(chunks)
+
+    scale = StandardScaler().fit(train := read(splits.train))
+    fit = LogisticRegression(max_iter=3000).fit(scale.transform(train), splits.train.labels)
+    return float(fit.score(scale.transform(read(splits.test)), splits.test.labels))
 
 
 def main(argv: list[str] | None = None) -> int:
