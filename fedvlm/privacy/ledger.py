@@ -182,6 +182,9 @@ class PrivacyLedger:
         self.noise_sources: dict = {}
         # values that leave nodes outside every accounted mechanism, by message (note_released)
         self.released: dict[str, set[str]] = {}
+        # how the server bounds each part of a reply before it uses it, and why that keeps the
+        # sensitivity above (strategies.validation.ReplyBound)
+        self.reply_bounds: list[dict] = []
 
     def add_plan(self, plan: MechanismPlan, client: str | None = None) -> None:
         if client is None:
@@ -217,6 +220,7 @@ class PrivacyLedger:
             "client_mechanisms": {c: {k: p.as_dict() for k, p in per.items()} for c, per in self.client_plans.items()},
             "records": self.records,
             "noise_sources": self.noise_sources,
+            "reply_bounds": self.reply_bounds,
             "rounds": self.rounds,
             "released_outside_mechanisms": {
                 "values": {m: sorted(keys) for m, keys in sorted(self.released.items())},

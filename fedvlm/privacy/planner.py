@@ -198,11 +198,13 @@ class RecordAccount:
 @dataclass(frozen=True)
 class GlobalDP:
     """A method's server-side mechanism: noise on the average of the sampled clients' clipped
-    gradients, once per round, divided by ``denominator`` (frozen at planning)."""
+    gradients (the reply tensors ``tensors``), once per round, divided by ``denominator``
+    (frozen at planning)."""
 
     name: str
     where: str
     denominator: int
+    tensors: tuple[str, ...] = ()
 
 
 class PrivacyPlanner:

@@ -9,8 +9,9 @@ It implements Flower's hooks (``configure_train``, ``aggregate_train``, ``config
   local training travels with it (``protocol.TrainInstruction``);
 - reply validation (``strategies.validation``): a reply with an error, wrong tensors or shapes,
   another dtype than float32, non-finite values, malformed metrics or more examples than the
-  node's handshake reported is dropped with a logged, recorded reason; an update past the
-  round's norm bound (``replies.*``) is clipped or dropped, and recorded.
+  node's handshake reported is dropped with a logged, recorded reason; an update past its norm
+  bound (``reply_bounds``: fixed at the clip norm for what the server noises, ``replies.*``
+  for the rest) is clipped or dropped, and recorded.
 
 What a round did is written to its ``RoundRecord`` (``strategies.records``); the loop that
 runs the rounds and writes the run folder is ``server_app.loop``. Subclasses implement
@@ -45,12 +46,13 @@ from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.records import ClientUpdate, RoundRecord, RunOutputs
 from fedvlm.strategies.validation import (
+    ReplyBound,
     ReplyRejected,
+    bound_round,
     check_reply,
-    clipped,
-    norm_bound,
+    fixed_bound,
     record_nbytes,
-    update_norm,
+    relative_bound,
 )
 from fedvlm.utils.rng import ServerStream
 
@@ -129,6 +131,21 @@ class FederatedStrategy(Strategy):
     def global_dp(self) -> GlobalDP | None:
         """The method's server-side mechanism, if it has one."""
         return None
+
+    def reply_bounds(self) -> list[ReplyBound]:
+        """How each part of an update is bounded (``strategies.validation``): the tensors the
+        server noises at a fixed norm, the clip C, whatever ``replies.*`` says (a data-dependent
+        bound before the server's noise would change the sensitivity its ledger accounts); the
+        others by ``replies.*``."""
+        g = self.global_dp() if self.privacy.enabled else None
+        fixed = [fixed_bound(g.tensors, self.privacy.clip)] if g is not None and g.tensors else []
+        return [
+            *fixed,
+            relative_bound(
+                "acts only on tensors the server does not noise: each is noised by its sender (local DP), so the "
+                "bound is post-processing of what the sender released, or no DP guarantee covers it"
+            ),
+        ]
 
     def privacy_entry(self, extra: dict[str, int] | None = None) -> dict:
         """The ledger's entry for the rounds so far (a method may add its own figures)."""
@@ -219,6 +236,7 @@ class FederatedStrategy(Strategy):
         self.budget = RunBudget(
             self.privacy, self.ledger, self.num_rounds(), local, self.global_dp(), self.cfg.privacy.noise_source
         )
+        self.ledger.reply_bounds = [b.as_dict(self.cfg.replies) for b in self.reply_bounds()]
         self.budget.plan({n.name: self.client_shape(n) for n in self.nodes.values()}, self.noise_sources())
 
     def noise_sources(self) -> dict[str, str]:
@@ -333,29 +351,31 @@ class FederatedStrategy(Strategy):
         self.current.dropped.append({"client": name, "phase": phase, "reason": reason})
 
     def _bound_norms(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
-        """Clip or drop the updates past the round's norm bound (``replies.*``), recording each."""
-        settings = self.cfg.replies
-        norms = [update_norm(self._payload.get(u.node.node_id, {}), u.arrays) for u in updates]
-        bound = norm_bound(norms, settings.norm_ratio, settings.max_norm)
+        """Clip or drop the updates past their bounds (``reply_bounds``), recording each."""
+        sent = [self._payload.get(u.node.node_id, {}) for u in updates]
+        results = bound_round(sent, [u.arrays for u in updates], self.cfg.replies, self.reply_bounds())
         kept = []
-        for u, norm in zip(updates, norms, strict=True):
-            if norm <= bound:
-                kept.append(u)
+        for u, (arrays, entries) in zip(updates, results, strict=True):
+            for e in entries:
+                self.current.bounded.append({"client": u.node.name, **e})
+                if arrays is not None:
+                    log.warning(
+                        "round %s: clipped the update of %s from norm %.4g to %.4g (%s)",
+                        self.current.round,
+                        u.node.name,
+                        e["norm"],
+                        e["bound"],
+                        e["rule"],
+                    )
+            if arrays is None:
+                e = entries[0]
+                self._drop(
+                    u.node.name,
+                    "train",
+                    f"update norm {e['norm']:.4g} exceeds the round's bound {e['bound']:.4g} ({e['rule']})",
+                )
                 continue
-            entry = {"client": u.node.name, "norm": norm, "bound": bound, "action": settings.norm_action}
-            self.current.bounded.append(entry)
-            if settings.norm_action == "reject":
-                self._drop(u.node.name, "train", f"update norm {norm:.4g} exceeds the round's bound {bound:.4g}")
-                continue
-            log.warning(
-                "round %s: clipped the update of %s from norm %.4g to %.4g",
-                self.current.round,
-                u.node.name,
-                norm,
-                bound,
-            )
-            sent = self._payload.get(u.node.node_id, {})
-            kept.append(ClientUpdate(u.node, clipped(sent, u.arrays, bound / norm), u.metrics))
+            kept.append(ClientUpdate(u.node, arrays, u.metrics) if entries else u)
         return kept
 
     def aggregate_train(

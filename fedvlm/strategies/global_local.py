@@ -54,6 +54,7 @@ class GlobalGradientStrategy(PromptStrategy):
             f"server: average of the sampled clients' clipped global-prompt gradients "
             f"(divided by at least {n}), once per round",
             denominator=n,
+            tensors=("global_grad",),
         )
 
     def plan_privacy(self) -> None:
@@ -66,13 +67,21 @@ class GlobalGradientStrategy(PromptStrategy):
         )
 
     # ---- aggregation ----------------------------------------------------------------------
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        sampled = max(self.current.sampled, len(updates))
-        if self.budget is not None:  # never below the denominator the noise was planned for
+    def denominator(self, updates: list[ClientUpdate]) -> int:
+        """What the round's sum is divided by: this round's sample, and never fewer than the
+        clients the noise was planned for."""
+        n = max(self.current.sampled, len(updates))
+        if self.budget is not None:
             assert self.budget.planner.global_dp is not None  # planned from this strategy's global_dp()
-            sampled = max(sampled, self.budget.planner.global_dp.denominator)
-        mean = np.sum([u.arrays["global_grad"] for u in updates], axis=0) / sampled
-        grad = torch.from_numpy(mean.astype(np.float32))
+            n = max(n, self.budget.planner.global_dp.denominator)
+        return n
+
+    def pre_noise_mean(self, updates: list[ClientUpdate]) -> np.ndarray:
+        """The average the server noises: the bounded uploads (``reply_bounds``) over the denominator."""
+        return np.sum([u.arrays["global_grad"] for u in updates], axis=0) / self.denominator(updates)
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        grad = torch.from_numpy(self.pre_noise_mean(updates).astype(np.float32))
         if self.budget is not None:
             assert self.budget.planner.global_plan is not None  # planned with global_dp
             sigma = self.budget.planner.global_plan.sigma
@@ -80,7 +89,7 @@ class GlobalGradientStrategy(PromptStrategy):
                 self.server_noise_source(), server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
             )
             grad = grad + gaussian_noise(grad.shape, sigma, gen)
-            self.current.metrics.update({"gdp-sigma": sigma, "gdp-denominator": sampled})
+            self.current.metrics.update({"gdp-sigma": sigma, "gdp-denominator": self.denominator(updates)})
         self._server_step(grad)
 
     def _optimizer(self) -> torch.optim.Optimizer:
