@@ -57,6 +57,8 @@ def _setup(msg: Message, context: Context):
 @app.query()
 def hello(msg: Message, context: Context) -> Message:
     _, _, client, _, _, _ = _setup(msg, context)
+    # a limit on regenerable noise is refused before the run starts, not at its first round
+    privacy_floor.check_source(privacy_floor.NodeFloor.from_node_config(client.node.config), client.node.noise_source)
     report = client.hello()
     info, metrics = replace(report, num_train=client.records(report.num_train)).to_records()
     return guarded_reply(msg, {}, metrics, allowed=frozenset(), info=info)
@@ -67,11 +69,10 @@ def train(msg: Message, context: Context) -> Message:
     t0 = time.time()
     cfg, spec, client, arrays, config, where = _setup(msg, context)
     instruction = TrainInstruction.from_config(config)
-    seeded = client.node.noise_source == "seeded"
-    release = privacy_floor.guard(client.node.config, context.state, cfg, instruction, seeded)
+    release = privacy_floor.guard(client.node.config, context.state, cfg, instruction, client.node.noise_source)
     shared, metrics = client.train(arrays, instruction)
     if release is not None:  # the node's own account of what this reply releases
-        metrics["node-epsilon"] = privacy_floor.record(context.state, release, seeded)
+        metrics["node-epsilon"] = privacy_floor.record(context.state, release)
     if client.canaries is not None:
         metrics.update(finish_round(cfg, client.canaries, context.state))
     # Everything this node spent on the message (setup included): the rest of a round's

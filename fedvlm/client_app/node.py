@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedvlm.client_app.privacy_floor import MAX_EPSILON
 from fedvlm.data.membership import reference_node_data
 from fedvlm.data.partitioners import Partition, make_partitions
 from fedvlm.data.registry import DatasetSplits, load_dataset, load_image_folder
@@ -24,6 +25,7 @@ from fedvlm.data.sources import limit_per_class
 from fedvlm.privacy.mechanisms import node_noise_source
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.utils.rng import node_seed
+from fedvlm.utils.runtime import simulated
 
 
 @dataclass
@@ -33,7 +35,7 @@ class NodeData:
     splits: DatasetSplits
     part: Partition
     config: dict  # the node config it was built from
-    noise_source: str = "seeded"  # where its DP randomness comes from (privacy.mechanisms)
+    noise_source: str  # where its DP randomness comes from (privacy.mechanisms)
 
     @property
     def seed(self) -> int:
@@ -83,7 +85,7 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
             classes=tuple(int(c) for c in np.unique(splits.train.labels)),
         )
         name = str(node_config.get("name") or data_dir.name)
-        return NodeData(name, -1, splits, part, dict(node_config), _noise_source(cfg, node_config, own_data=True))
+        return NodeData(name, -1, splits, part, dict(node_config), noise_source(cfg, node_config, own_data=True))
 
     if "partition-id" not in node_config or "num-partitions" not in node_config:
         raise ConfigError(
@@ -121,11 +123,18 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
     if cfg.attack.reference >= 0:  # an online-LiRA reference federation (python -m fedvlm.attacks --online)
         splits, part = reference_node_data(splits, part, cfg.attack.candidate_seed, pid, cfg.attack.reference)
     name = str(node_config.get("name") or f"client-{pid}")
-    return NodeData(name, pid, splits, part, dict(node_config), _noise_source(cfg, node_config, own_data=False))
+    return NodeData(name, pid, splits, part, dict(node_config), noise_source(cfg, node_config, own_data=False))
 
 
-def _noise_source(cfg: RunConfig, node_config: dict, own_data: bool) -> str:
+def noise_source(cfg: RunConfig, node_config: dict, own_data: bool) -> str:
+    """Where this node's DP randomness comes from (``privacy.mechanisms.node_noise_source``)."""
     try:
-        return node_noise_source(node_config, own_data, cfg.privacy.noise_source)
+        return node_noise_source(
+            node_config,
+            own_data=own_data,
+            simulated=simulated(),
+            states_limit=MAX_EPSILON in node_config,
+            run_choice=cfg.privacy.noise_source,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from e

@@ -15,9 +15,13 @@ clip, local steps, batch size and record count):
 and refuses to train (the error reply names both numbers) if either exceeds ``max-epsilon``.
 After it trains, the round goes in its ledger (round, noise multiplier, steps, sampling rate,
 epsilon so far), kept in its private state and so persisted with it (``client_app.state``),
-never rolled back. A round trained again after a resume counts once when the node's noise is
-seeded (the same records, state and noise release the same tensor again) and twice with OS
-noise (two independent noisy releases of the same records).
+never rolled back. A round trained again after a resume counts twice: the node's noise is
+fresh OS entropy, so the two releases of the same records are independent.
+
+The limit holds only for noise nobody else can regenerate. A node that states one never
+defaults to noise derived from the run seed (``privacy.mechanisms.node_noise_source``), and one
+whose node config asks for it (``noise-source='seeded'``) is refused here: anyone holding the
+run config could subtract that noise from what the node releases.
 
 A method whose upload is not post-processing of the node's noise (DP-FPL, FedOTP, FedPGP: the
 trusted server sees each client's un-noised global-prompt gradient) gives no bound against the
@@ -75,19 +79,28 @@ def _releases(rows: list[dict]) -> list[GaussianReleases]:
     return [GaussianReleases(r["noise-multiplier"], int(r["steps"]), r["sampling-rate"]) for r in rows]
 
 
-def _prior(rows: list[dict], server_round: int, seeded: bool) -> list[dict]:
-    """The releases a new one of ``server_round`` composes with (module docstring)."""
-    return [r for r in rows if not (seeded and r["round"] == server_round)]
+def _limit(floor: NodeFloor) -> str:
+    return f"this node's limit {MAX_EPSILON} = {floor.max_epsilon:g} (delta {floor.delta:g})"
+
+
+def check_source(floor: NodeFloor | None, noise_source: str) -> None:
+    """Refuse a limit on regenerable noise (the module docstring)."""
+    if floor is not None and noise_source != "os":
+        raise NoiseRefused(
+            f"this node draws {noise_source} noise (node config noise-source): anyone holding the run config can "
+            f"regenerate it and subtract it from what the node releases, so {_limit(floor)} would protect nothing; "
+            "remove noise-source from the node config (a node with a limit draws from the OS)"
+        )
 
 
 def check_round(
-    floor: NodeFloor, cfg: RunConfig, instruction: TrainInstruction, history: list[dict], seeded: bool
+    floor: NodeFloor, cfg: RunConfig, instruction: TrainInstruction, history: list[dict], noise_source: str
 ) -> dict:
     """This round's ledger row if the node may train it under ``floor``; ``NoiseRefused`` naming
     the numbers otherwise."""
-    history = _prior(history, instruction.server_round, seeded)
+    check_source(floor, noise_source)
     settings, spec = cfg.privacy, cfg.spec
-    limit = f"this node's limit {MAX_EPSILON} = {floor.max_epsilon:g} (delta {floor.delta:g})"
+    limit = _limit(floor)
     if not settings.enabled or spec.local_dp is None:
         raise NoiseRefused(f"this run trains without privacy (no local noise), which {limit} does not allow")
     local = spec.local_dp(cfg)
@@ -129,17 +142,16 @@ def check_round(
 
 
 def guard(
-    node_config: dict, state: RecordDict, cfg: RunConfig, instruction: TrainInstruction, seeded: bool
+    node_config: dict, state: RecordDict, cfg: RunConfig, instruction: TrainInstruction, noise_source: str
 ) -> dict | None:
     """Refuse the round if the node's floor forbids it; else the row to record once it trained
     (None: the node states no floor)."""
     floor = NodeFloor.from_node_config(node_config)
-    return None if floor is None else check_round(floor, cfg, instruction, load_ledger(state), seeded)
+    return None if floor is None else check_round(floor, cfg, instruction, load_ledger(state), noise_source)
 
 
-def record(state: RecordDict, row: dict, seeded: bool) -> float:
-    """Add a trained round to the node's ledger (a round released before with ``seeded`` noise
-    replaces its row, see the module docstring); the epsilon its records have spent."""
-    rows = [*_prior(load_ledger(state), row["round"], seeded), row]
+def record(state: RecordDict, row: dict) -> float:
+    """Add a trained round to the node's ledger; the epsilon its records have spent."""
+    rows = [*load_ledger(state), row]
     save_meta(state, {k: [r[k] for r in rows] for k in COLUMNS}, LEDGER)
     return float(row["epsilon"])

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedvlm.client_app.node import noise_source
 from fedvlm.data.partitioners import make_partitions
 from fedvlm.data.vlm_data import VLMDataset, VLMSplit, load_vlm_dataset
-from fedvlm.privacy.mechanisms import node_noise_source
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.utils.rng import node_seed
 
@@ -24,7 +24,7 @@ class VLMNodeData:
     train: VLMSplit
     test: VLMSplit
     config: dict
-    noise_source: str = "seeded"  # where its DP randomness comes from (privacy.mechanisms)
+    noise_source: str  # where its DP randomness comes from (privacy.mechanisms)
 
     @property
     def seed(self) -> int:
@@ -78,8 +78,4 @@ def vlm_node_data(cfg: RunConfig, node_config: dict, shadow: bool = False) -> VL
         _NODES[key] = (ds.train.subset(part.train, f"p{pid}of{n}"), ds.test.subset(part.test, f"p{pid}of{n}"))
     train, test = _NODES[key]
     name = str(node_config.get("name") or f"client-{pid}")
-    try:
-        source = node_noise_source(node_config, own_data=False, run_choice=cfg.privacy.noise_source)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    return VLMNodeData(name, pid, ds, train, test, dict(node_config), source)
+    return VLMNodeData(name, pid, ds, train, test, dict(node_config), noise_source(cfg, node_config, own_data=False))

@@ -29,16 +29,24 @@ def clip_tensor(g: torch.Tensor, clip: float) -> tuple[torch.Tensor, bool]:
 NOISE_SOURCES = ("seeded", "os")
 
 
-def node_noise_source(node_config: dict, own_data: bool, run_choice: str = "auto") -> str:
+def node_noise_source(
+    node_config: dict, *, own_data: bool, simulated: bool, states_limit: bool, run_choice: str = "auto"
+) -> str:
     """A node's noise source. The organisation decides (node config ``noise-source``); without a
-    choice, a node with its own data directory draws from the OS, a node on a partition of a
-    shared dataset (simulation, demos) is seeded. The run config can only make it stronger
-    (``privacy.noise-source = os``), never weaken what a node chose."""
+    choice a node draws from the OS unless it is simulated (``utils.runtime``) on a partition of
+    a shared dataset and states no privacy limit of its own: a real node, a node with its own data
+    directory and a node with ``max-epsilon`` never get regenerable noise by default, whatever the
+    run config says. The run config can only make it stronger (``privacy.noise-source = os``),
+    never weaken what a node chose or defaults to. A node that states a limit and asks for seeded
+    noise is refused by its own floor (``client_app.privacy_floor``)."""
     chosen = str(node_config.get("noise-source", "") or "")
     if chosen and chosen not in NOISE_SOURCES:
         raise ValueError(f"node config noise-source={chosen!r} is not one of {', '.join(NOISE_SOURCES)}")
-    source = chosen or ("os" if own_data else "seeded")
-    return "os" if run_choice == "os" else source
+    if run_choice == "os":
+        return "os"
+    if chosen:
+        return chosen
+    return "seeded" if simulated and not own_data and not states_limit else "os"
 
 
 class OsNoise:

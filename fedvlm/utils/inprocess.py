@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedvlm.utils.runtime import in_process_node
+
 
 def ensure_task_identity(run_id: int = 1) -> None:
     """Flower stamps new messages with the identity of the running task, which its runtime
@@ -63,7 +65,11 @@ class InProcessGrid:
                 continue  # a vanished node never answers
             forged = self.forge(msg) if self.forge is not None else None
             try:
-                reply = forged if forged is not None else self.app(msg, self.contexts[node])
+                if forged is not None:
+                    reply = forged
+                else:
+                    with in_process_node():  # a simulated node (utils.runtime)
+                        reply = self.app(msg, self.contexts[node])
             except Exception as err:  # as Flower does: the server receives an error reply
                 reply = Message(
                     Error(code=1, reason=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"), reply_to=msg

@@ -150,18 +150,37 @@ def test_noise_is_roughly_gaussian_not_just_right_std():
 
 
 def test_noise_source_of_a_node():
+    from functools import partial
+
     from fedvlm.privacy.mechanisms import node_noise_source
 
-    assert node_noise_source({}, own_data=True) == "os"  # an organisation's own data: secret noise
-    assert node_noise_source({}, own_data=False) == "seeded"  # a simulated partition: repeatable
-    assert node_noise_source({"noise-source": "os"}, own_data=False) == "os"
-    assert node_noise_source({"noise-source": "seeded"}, own_data=True) == "seeded"  # the organisation decides
-    assert (
-        node_noise_source({"noise-source": "seeded"}, own_data=True, run_choice="os") == "os"
-    )  # run config: only stronger
-    assert node_noise_source({}, own_data=True, run_choice="seeded") == "os"  # ... never weaker
+    sim = partial(node_noise_source, simulated=True, states_limit=False)
+    assert sim({}, own_data=True) == "os"  # an organisation's own data: secret noise
+    assert sim({}, own_data=False) == "seeded"  # a simulated partition: repeatable
+    assert sim({"noise-source": "os"}, own_data=False) == "os"
+    assert sim({"noise-source": "seeded"}, own_data=True) == "seeded"  # the organisation decides
+    assert sim({"noise-source": "seeded"}, own_data=True, run_choice="os") == "os"  # run config: only stronger
+    assert sim({}, own_data=True, run_choice="seeded") == "os"  # ... never weaker
+    # a real node, or one that states its own privacy limit, never defaults to regenerable noise
+    for simulated, states_limit in ((False, False), (True, True), (False, True)):
+        for run_choice in ("auto", "seeded"):
+            source = node_noise_source(
+                {}, own_data=False, simulated=simulated, states_limit=states_limit, run_choice=run_choice
+            )
+            assert source == "os", (simulated, states_limit, run_choice)
+    # only its own node config can ask for it (a node with a limit then refuses: client_app.privacy_floor)
+    assert node_noise_source({"noise-source": "seeded"}, own_data=False, simulated=False, states_limit=True) == "seeded"
     with pytest.raises(ValueError, match="noise-source='urandom' is not one of seeded, os"):
-        node_noise_source({"noise-source": "urandom"}, own_data=False)
+        sim({"noise-source": "urandom"}, own_data=False)
+
+
+def test_a_node_is_simulated_only_inside_a_simulation():
+    from fedvlm.utils.runtime import in_process_node, simulated
+
+    assert not simulated()  # a plain process: a real node (a pytest process has no Ray actor)
+    with in_process_node():
+        assert simulated()
+    assert not simulated()
 
 
 def test_os_noise_cannot_be_regenerated_from_the_run_seed():

@@ -39,18 +39,18 @@ def test_the_node_config_states_both_numbers():
 def test_the_node_recomputes_the_servers_plan_with_the_same_accountant():
     cfg, instruction = _plan(**{"privacy.epsilon": 2.0})
     # the run's own delta: the node's figure is the plan's epsilon
-    row = check_round(NodeFloor(2.5, cfg.privacy.delta), cfg, instruction, [], seeded=True)
+    row = check_round(NodeFloor(2.5, cfg.privacy.delta), cfg, instruction, [], noise_source="os")
     assert 0 < row["epsilon"] < 2.0 and row["steps"] == 1 and row["sampling-rate"] == pytest.approx(BATCH / N_TRAIN)
     with pytest.raises(
         NoiseRefused, match=r"plan would spend epsilon = 2(\.0+)? per record over 10 rounds.*limit max-epsilon = 1\.5"
     ):
-        check_round(NodeFloor(1.5, cfg.privacy.delta), cfg, instruction, [], seeded=True)
+        check_round(NodeFloor(1.5, cfg.privacy.delta), cfg, instruction, [], noise_source="os")
 
 
 def test_a_server_that_weakens_the_config_is_refused():
     cfg, instruction = _plan(**{"privacy.epsilon": 50.0})  # the server's config and sigma agree
     with pytest.raises(NoiseRefused, match=r"epsilon = 50 per record over 10 rounds \(sigma 0\.09"):
-        check_round(NodeFloor(3.0, 1e-5), cfg, instruction, [], seeded=True)
+        check_round(NodeFloor(3.0, 1e-5), cfg, instruction, [], noise_source="os")
 
 
 def test_the_running_ledger_stops_what_the_plan_did_not_announce():
@@ -59,29 +59,35 @@ def test_the_running_ledger_stops_what_the_plan_did_not_announce():
     state = RecordDict()
     rows = []
     for r in range(1, ROUNDS + 1):  # the planned rounds fit
-        rows.append(record(state, check_round(floor, cfg, _at(instruction, r), load_ledger(state), True), True))
+        rows.append(record(state, check_round(floor, cfg, _at(instruction, r), load_ledger(state), "os")))
     assert rows == sorted(rows) and rows[-1] == pytest.approx(2.0, rel=1e-3)
     with pytest.raises(NoiseRefused, match=f"after {ROUNDS + 1} rounds"):  # one more than announced
-        check_round(floor, cfg, _at(instruction, ROUNDS + 1), load_ledger(state), True)
+        check_round(floor, cfg, _at(instruction, ROUNDS + 1), load_ledger(state), "os")
 
 
-def test_a_round_trained_again_counts_once_with_seeded_noise_and_twice_with_os_noise():
+def test_a_round_trained_again_counts_twice():
+    """OS noise: a rerun of the same round (after a resume) is a second, independent release."""
     cfg, instruction = _plan(**{"privacy.epsilon": 2.0})
     floor = NodeFloor(5.0, cfg.privacy.delta)
-    for seeded, rows in ((True, 1), (False, 2)):
-        state = RecordDict()
-        first = record(state, check_round(floor, cfg, instruction, load_ledger(state), seeded), seeded)
-        again = record(state, check_round(floor, cfg, instruction, load_ledger(state), seeded), seeded)
-        assert len(load_ledger(state)) == rows and (again == first) == seeded
+    state = RecordDict()
+    first = record(state, check_round(floor, cfg, instruction, load_ledger(state), "os"))
+    again = record(state, check_round(floor, cfg, instruction, load_ledger(state), "os"))
+    assert len(load_ledger(state)) == 2 and again > first
+
+
+def test_a_limit_on_regenerable_noise_is_refused():
+    cfg, instruction = _plan(**{"privacy.epsilon": 2.0})
+    with pytest.raises(NoiseRefused, match="draws seeded noise.*regenerate it.*protect nothing"):
+        check_round(NodeFloor(5.0, cfg.privacy.delta), cfg, instruction, [], "seeded")
 
 
 def test_methods_and_runs_that_give_no_bound_against_the_server_are_refused():
     cfg, instruction = _plan()
     with pytest.raises(NoiseRefused, match="without privacy"):
-        check_round(NodeFloor(3.0, 1e-5), cfg, instruction, [], seeded=True)
+        check_round(NodeFloor(3.0, 1e-5), cfg, instruction, [], noise_source="os")
     dpfpl = validate({"method": "dpfpl", "privacy.epsilon": 2.0})
     with pytest.raises(NoiseRefused, match="un-noised updates"):
-        check_round(NodeFloor(3.0, 1e-5), dpfpl, instruction, [], seeded=True)
+        check_round(NodeFloor(3.0, 1e-5), dpfpl, instruction, [], noise_source="os")
 
 
 def _at(instruction: TrainInstruction, r: int) -> TrainInstruction:
