@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from flwr.app import RecordDict
 
 from fedvlm.client_app.state import LEDGER, load_meta, save_meta
-from fedvlm.privacy.accounting import GaussianReleases, epsilon_spent
+from fedvlm.privacy.accounting import BudgetError, GaussianReleases, check_delta, epsilon_spent
 from fedvlm.privacy.ledger import valid_sensitivity
 from fedvlm.privacy.planner import ClientShape, NoiseRefused
 from fedvlm.protocol import TrainInstruction
@@ -113,6 +113,10 @@ def check_round(
     if sigma is None or not sigma > 0:
         raise NoiseRefused(f"the server sent no local noise level; {limit} does not allow training without it")
     shape = ClientShape(instruction.num_train, instruction.batch_size, instruction.local_steps)
+    try:
+        check_delta(floor.delta, shape.n_train, "this node's", f"lower its node config {DELTA}")
+    except BudgetError as why:
+        raise NoiseRefused(str(why)) from why
     z = sigma / valid_sensitivity(settings, *local.sensitivity(settings, shape))
     rate, steps = local.account_shape(settings, shape)
     this = GaussianReleases(z, steps, rate)

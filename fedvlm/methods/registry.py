@@ -74,7 +74,8 @@ def _pfedmoap_local(cfg: RunConfig) -> LocalDP:
             "ldp-upload",
             "client: the prompt's update of the round, clipped to C as a whole, once per round the node trains",
             per_participation=True,
-            note="covers the prompt the node uploads (seen by the server and up to pfedmoap.k other nodes), NOT "
+            note="covers the prompt the node uploads (seen by the server and by every other node that picks it as an "
+            "expert, up to all of them), NOT "
             "the node's own personalised model: its gate and its prompt before the noise are trained on raw records",
         )
     return LocalDP(

@@ -38,6 +38,23 @@ class BudgetError(ValueError):
     """A privacy budget that cannot be met; the message says which knob to change."""
 
 
+# delta is the probability with which an (epsilon, delta)-DP mechanism may fail outright (e.g.
+# publish a record): it must be well below 1/n for n records, or the guarantee allows
+# publishing some of them. "Well below": delta * n at most this.
+DELTA_TIMES_RECORDS = 0.1
+
+
+def check_delta(delta: float, records: int, whose: str, fix: str) -> None:
+    """``BudgetError`` unless ``delta`` is well below 1 / ``records`` (``whose`` records they are)."""
+    if not (0 < delta and delta * records <= DELTA_TIMES_RECORDS):
+        best = DELTA_TIMES_RECORDS / max(records, 1)
+        raise BudgetError(
+            f"delta = {delta:g} is not well below 1/records for {whose} {records} training records (an "
+            f"(epsilon, delta) guarantee may then expose about delta x records = {delta * records:.3g} of them "
+            f"outright): {fix} to at most {best:.2g}"
+        )
+
+
 def paper_sigma(sensitivity: float, releases: int, delta: float, epsilon: float) -> float:
     """DP-FPL's closed form σ = S·sqrt(T·ln(1/δ))/ε (Theorem 3.3, constant 1)."""
     if epsilon <= 0 or not 0 < delta < 1 or releases < 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from fedvlm.privacy.accounting import BudgetError
+from fedvlm.privacy.accounting import BudgetError, check_delta
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.mechanisms import NOISE_SOURCES
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP, PrivacyPlanner
@@ -57,6 +57,9 @@ class RunBudget:
         """Plan every mechanism for the nodes known before round 1 (``sources``: each node's
         noise source) and refuse a schedule past ``privacy.max-epsilon``."""
         self._check_sources(sources)
+        check_delta(
+            self.settings.delta, sum(s.n_train for s in shapes.values()), "the federation's", "lower privacy.delta"
+        )
         self.planner.plan(dict(shapes))
         self.record_noise_sources(sources)
         cap = self.settings.max_epsilon
@@ -78,6 +81,13 @@ class RunBudget:
             raise BudgetError(
                 "it draws OS noise but privacy.noise-source = 'seeded' makes the server's global noise regenerable"
             )
+        records = sum(s.n_train for s in self.planner.clients.values()) + shape.n_train
+        check_delta(
+            self.settings.delta,
+            records,
+            "the federation's",
+            "it joined after the plan and would bring the run past the delta it was planned with; lower privacy.delta",
+        )
         self.planner.admit(name, shape)
 
     def is_planned(self, name: str) -> bool:

@@ -12,6 +12,14 @@ A private local step of any method (``client_app.trainer`` runs it):
 Per-batch clipping (the public DP-FPL code's behaviour) clips the batch gradient as a whole; the
 ledger says the stated epsilon does not hold for it.
 
+Every private step checks itself before anything is released (``MechanismError``, and the node
+refuses the round): every clipped gradient it summed has norm <= C, and the noise it added has
+the planned std (a chi-square test over the step's noised coordinates, two-sided at 1e-12). For
+a correct mechanism both hold whatever the data (the first always, the second but for a 1e-12
+chance), so a refusal tells nothing about the records. They catch what the one-run audit cannot
+see: a mechanism that stopped clipping (the audit's canaries have norm C by construction) or
+that draws less noise than planned.
+
 Per-sample gradients, exactly, three ways (``backend_for``):
 
 - ``functional`` (prompt tensors): a record's loss depends on a prompt only through the text
@@ -35,7 +43,9 @@ accountants, persisted through their ``state_dict``.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +76,46 @@ class DPStep:
     per_batch: bool = False  # clip the batch gradient as a whole (no per-record guarantee)
 
 
+class MechanismError(RuntimeError):
+    """A private step did not do what its plan says; nothing of it may leave the node."""
+
+
+CLIP_SLACK = 1e-3  # float rounding of a clip to C
+NOISE_SIGNIFICANCE = 1e-12
+
+
+def check_clipped(rows: torch.Tensor, clip: float, what: str) -> None:
+    """Every row (a record's gradient, or a batch's) has L2 norm <= ``clip``."""
+    worst = float(rows.reshape(rows.shape[0], -1).norm(dim=1).max()) if rows.shape[0] else 0.0
+    if not worst <= clip * (1 + CLIP_SLACK):
+        raise MechanismError(
+            f"a {what} entering the private sum has norm {worst:.4g}, above the clip norm {clip:g}: the mechanism "
+            "did not clip; refusing to release this round"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _chi2_interval(dof: int) -> tuple[float, float]:
+    from scipy.stats import chi2  # scipy only where a step is private
+
+    return float(chi2.ppf(NOISE_SIGNIFICANCE / 2, dof)), float(chi2.isf(NOISE_SIGNIFICANCE / 2, dof))
+
+
+def check_noise(added: Sequence[torch.Tensor], sigma: float) -> None:
+    """The noise ``added`` (noised minus clean, every noised tensor of one step) has std ``sigma``:
+    its sum of squares over sigma^2 is chi-square with one degree per coordinate."""
+    dof = sum(a.numel() for a in added)
+    if dof == 0:
+        return
+    squares = float(sum(float((a.double() ** 2).sum()) for a in added))
+    lo, hi = _chi2_interval(dof)
+    if not lo <= squares / sigma**2 <= hi:
+        raise MechanismError(
+            f"the noise added to this step has std {math.sqrt(squares / dof):.4g} over {dof} coordinates, not the "
+            f"planned {sigma:.4g} (chi-square test at {NOISE_SIGNIFICANCE:g}): refusing to release this round"
+        )
+
+
 def per_sample_clip(grads: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale each record's gradient [B, ...] to L2 norm <= ``clip``; returns (clipped, clipped?[B])."""
     norms = grads.reshape(grads.shape[0], -1).norm(dim=1)
@@ -92,6 +142,7 @@ def privatize(
         flat = [per_sample[k].reshape(per_sample[k].shape[0], -1) for k in group]
         joined = flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
         clipped, was = per_sample_clip(joined, step.clip)
+        check_clipped(clipped, step.clip, "record's gradient")
         summed = clipped.sum(0) / step.expected_batch
         fractions.append(float(was.float().mean()))
         offset = 0
@@ -113,15 +164,20 @@ def privatize_batch(
         norm = float(joined.norm())
         scale = step.clip / norm if norm > step.clip else 1.0
         clipped.append(norm > step.clip)
+        check_clipped((joined * scale)[None], step.clip, "batch gradient")
         out.update({k: grads[k] * scale if scale != 1.0 else grads[k] for k in group})
     return _add_noise(out, step, noise), float(np.mean(clipped)) if clipped else 0.0
 
 
 def _add_noise(grads: dict[str, torch.Tensor], step: DPStep, noise) -> dict[str, torch.Tensor]:
     if step.sigma > 0:
+        added = []
         for k in grads:  # in the groups' order, so a seeded run draws the same noise every time
             if k in step.noised:
-                grads[k] = grads[k] + gaussian_noise(grads[k].shape, step.sigma, noise, grads[k].device)
+                clean = grads[k]
+                grads[k] = clean + gaussian_noise(clean.shape, step.sigma, noise, clean.device)
+                added.append(grads[k] - clean)
+        check_noise(added, step.sigma)
     return {k: v.detach() for k, v in grads.items()}
 
 

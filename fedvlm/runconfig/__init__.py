@@ -10,6 +10,7 @@ applied between the two by ``methods.registry.validate``, the one entry point.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,6 +71,10 @@ def _check_value(key: Key, value: Any) -> str | None:
     if not _type_ok(key, value):
         also = " or 'auto' (the method or its family decides)" if key.auto else ""
         return f"must be of type {key.kind.__name__}{also}, got {type(value).__name__} {value!r}"
+    if key.kind is float and not math.isfinite(value):
+        # NaN passes every comparison below, and would switch a feature off silently
+        # (privacy.epsilon = nan: no noise; privacy.max-epsilon = nan: no cap)
+        return "must be a finite number"
     if key.choices is not None and value not in key.choices:
         return f"accepted values: {', '.join(repr(c) for c in key.choices)}"
     also = ", or 'auto' (the method or its family decides)" if key.auto else ""

@@ -322,7 +322,13 @@ class PrivacyConfig:
     epsilon: float = opt(
         0.0, "Target epsilon per record, every mechanism its record feeds composed; 0 = no noise, no clipping.", min=0.0
     )
-    delta: float = opt(1e-5, "Target delta.", min=0.0, max=1.0, min_exclusive=True)
+    delta: float = opt(
+        1e-5,
+        "Target delta; once the nodes are known it must be at most 0.1 / (the federation's training records).",
+        min=0.0,
+        min_exclusive=True,
+        check=lambda d: None if d < 1 else "must be below 1 (and well below 1/records)",
+    )
     clip: float = opt(
         AUTO,
         "Clip norm C of every clipped gradient; 'auto' = the family's paper value (10, "
@@ -360,9 +366,9 @@ class PrivacyConfig:
         AUTO,
         "Randomness of DP noise and batch sampling: 'seeded' (from the run seed: "
         "repeatable, but anyone with the run config can regenerate it; simulations only), 'os' "
-        "(OS entropy, secret), or 'auto' (each node: 'os' when it trains on its own data-dir or "
-        "its node config says noise-source=os, else seeded; the server's noise: 'os' as soon as "
-        "one node is).",
+        "(OS entropy, secret), or 'auto' (each node: what its node config's noise-source says, else "
+        "seeded only when it is simulated on a partition and states no max-epsilon of its own, else "
+        "os; the server's noise: 'os' as soon as one node is). 'seeded' never overrides a node.",
         choices=(AUTO, "seeded", "os"),
     )
     audit_canaries: int = opt(

@@ -103,22 +103,31 @@ class NodeRegistry:
                     hello.num_classes,
                     info,
                 )
-                self._forget_restarted(node, connected)
-                why = self._mismatch(node)
+                why = self._forget_restarted(node, connected) or self._mismatch(node)
                 if why:
                     self.exclude(n, why)
                 else:
                     self.nodes[n] = node
                     log.info("node %s joined: %d train / %d test images", node.name, node.num_train, node.num_test)
 
-    def _forget_restarted(self, node: NodeInfo, connected: set[int]) -> None:
+    def _forget_restarted(self, node: NodeInfo, connected: set[int]) -> str:
         """A node that answers under a new id with the name of one no longer connected is that node
         restarted (without SuperNode authentication a restart gets a new id): it replaces the
-        old entry, keeping its name, and so its privacy budget and its place in the sampling."""
+        old entry, keeping its name, and so its privacy budget and its place in the sampling.
+        Unless it came back with another number of training records: the plan it was sent
+        noise for, and what its records have spent, were accounted for the old number (a record
+        of a smaller set is sampled more often), so it is refused (the reason; "" to go on)."""
         for old_id, old in list(self.nodes.items()):
             if old.name == node.name and old_id not in connected:
+                if old.num_train != node.num_train:
+                    return (
+                        f"it rejoined as {node.name} with {node.num_train} training records, but the privacy its "
+                        f"records have spent was planned and accounted for the {old.num_train} it had: restart it on "
+                        "the data it had, or start a new run"
+                    )
                 log.info("node %s rejoined as node id %d (was %d)", node.name, node.node_id, old_id)
                 del self.nodes[old_id]
+        return ""
 
     def _mismatch(self, node: NodeInfo) -> str:
         known = next(iter(self.nodes.values()), None)

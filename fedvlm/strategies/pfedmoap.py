@@ -14,7 +14,8 @@ Round t:
    pool; any other node gets P_g.
 
 The experts a node receives were uploaded by other nodes: each node's prompt reaches the server
-and up to K peers (README, threat model).
+and every peer that picks it, up to all of them in one round (K bounds the experts a node
+receives, not how many nodes receive one prompt; README, threat model).
 """
 
 from __future__ import annotations

@@ -139,6 +139,18 @@ def test_random_selection_is_seeded_and_differs_per_node_and_round(make_cfg, pre
     assert len({d for (_, r), d in draws.items() if r == 1}) > 1  # per node
 
 
+def test_k_bounds_what_a_node_receives_not_how_many_nodes_receive_a_prompt(make_cfg, pretrained_clip):
+    """The README's threat model: one prompt can be every other node's nearest (here the centre of
+    the pool), so with K = 1 it reaches all of them in one round."""
+    cfg = make_cfg(method="pfedmoap", pfedmoap__k=1)
+    strategy = cfg.spec.strategy(cfg, cfg.spec)
+    nodes = [NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(5)]
+    axes = np.eye(4, dtype=np.float32).reshape(4, 2, 2)  # c0, c1, c3, c4 on four axes, c2 at the centre
+    pool = {n.name: (np.zeros((2, 2), np.float32) if i == 2 else axes[i - (i > 2)]) for i, n in enumerate(nodes)}
+    picked = [strategy.experts(n, pool, 1) for n in nodes if n.name != "c2"]
+    assert all(len(p) == 1 for p in picked) and all(p == ["c2"] for p in picked)
+
+
 def test_config_errors_name_the_key(make_cfg):
     from fedvlm.runconfig import ConfigError
 

@@ -374,3 +374,32 @@ def test_the_ledger_lists_what_leaves_nodes_outside_the_mechanisms(make_cfg, pre
     assert {"num-examples", "train-loss", "train-acc"} <= set(released["values"]["train"])
     assert {"local-acc", "local-loss"} <= set(released["values"]["evaluate"])
     assert "epsilon does not cover" in released["note"]
+
+
+def test_a_node_that_rejoins_with_other_data_is_refused(make_cfg, pretrained_clip):
+    """Audit: a node restarted under its name with less data kept its old plan (DP-FPL, 78 -> 60
+    records: the ledger reported 0.99997, a record spent 1.183). It is excluded instead, and the
+    records it trained with in round 1 stay within the target."""
+    from flwr.app import Context, RecordDict
+
+    def restart_smaller_after_round_1(req, reply):
+        if req.metadata.message_type == "evaluate" and int(req.content["config"][SERVER_ROUND]) == 1:
+            if 1002 not in grid.offline:
+                old = grid.contexts[1002]
+                grid.offline.add(1002)
+                smaller = {**old.node_config, "num-partitions": 5}  # the same name, another share of the data
+                grid.contexts[2002] = Context(2, 2002, smaller, RecordDict(), dict(old.run_config))
+        return reply
+
+    cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, num_server_rounds=3, min_nodes=2)
+    nodes = [{"partition-id": i, "num-partitions": 3, "name": f"org-{i}"} for i in range(3)]
+    grid = InProcessGrid(client_app, nodes, cfg.as_dict(), intercept=restart_smaller_after_round_1)
+    rec = execute(cfg, grid, run_id="t")
+    data = rec.data
+    assert data["run"]["status"] == "finished"
+    reason = data["run"]["excluded_nodes"]["2002"]
+    assert "rejoined as org-2 with" in reason and "planned and accounted for the" in reason
+    assert [sorted(r["clients"]) for r in data["rounds"]][1:] == [["org-0", "org-1"]] * 2
+    spent = data["privacy"]["rounds"][-1]["per_client"]
+    assert spent["org-2"] == pytest.approx(_expected(data, "org-2", 1, denominator=3), rel=0.01)
+    assert max(spent.values()) <= 1.0 * (1 + 1e-6)

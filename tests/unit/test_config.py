@@ -45,6 +45,14 @@ def test_defaults_are_valid_and_resolve_auto():
         ({"prompt.local-steps": -1}, ["'prompt.local-steps'", "must be >= 0, or 'auto'"]),
         ({"fraction-train": 0.0}, ["'fraction-train'", "must be > 0.0, or 'auto'"]),
         ({"lora.lr": "fast"}, ["'lora.lr'", "type float or 'auto'", "'fast'"]),
+        # values that would switch privacy off silently (the audit: nan ran without noise or cap)
+        ({"privacy.epsilon": float("nan")}, ["'privacy.epsilon'", "nan", "finite"]),
+        ({"privacy.max-epsilon": float("nan")}, ["'privacy.max-epsilon'", "finite"]),
+        ({"privacy.epsilon": float("inf")}, ["'privacy.epsilon'", "inf", "finite"]),
+        ({"privacy.noise-multiplier": float("nan")}, ["'privacy.noise-multiplier'", "finite"]),
+        ({"privacy.clip": float("inf")}, ["'privacy.clip'", "finite"]),
+        ({"privacy.delta": 1.0}, ["'privacy.delta'", "must be below 1"]),
+        ({"privacy.delta": float("nan")}, ["'privacy.delta'", "finite"]),
     ],
 )
 def test_errors_name_key_value_and_fix(raw, fragments):

@@ -201,3 +201,33 @@ def test_node_accountant_survives_its_state_and_matches_an_independent_accountan
     assert eps["rdp"] == pytest.approx(ref.get_epsilon(1e-5), rel=2e-2)
     assert 0 < eps["prv"] <= eps["rdp"] * 1.01
     assert NodeAccountant().epsilon(1e-5) == {"rdp": 0.0, "prv": 0.0}
+
+
+def _step(sigma: float = 0.5) -> tuple[DPStep, dict, dict]:
+    shapes = {"a": torch.Size([16, 64])}
+    step = DPStep(1.0, 8, sigma, (("a",),), frozenset({"a"}))
+    per_sample = {"a": torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1)) * 3}  # norms ~96 >> C
+    return step, per_sample, shapes
+
+
+def test_a_step_that_stops_clipping_refuses_to_release(monkeypatch):
+    from fedvlm.privacy import dpsgd
+
+    step, per_sample, shapes = _step()
+    privatize(per_sample, step, generator_for([1]), shapes)  # the real mechanism passes its own check
+    monkeypatch.setattr(dpsgd, "per_sample_clip", lambda g, clip: (g, torch.zeros(g.shape[0], dtype=torch.bool)))
+    with pytest.raises(dpsgd.MechanismError, match=r"norm \d+.*above the clip norm 1: the mechanism did not clip"):
+        privatize(per_sample, step, generator_for([1]), shapes)
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.8, 2.0])
+def test_a_step_that_noises_other_than_planned_refuses_to_release(monkeypatch, factor):
+    from fedvlm.privacy import dpsgd
+
+    step, per_sample, shapes = _step()
+    real = dpsgd.gaussian_noise
+    for seed in range(20):  # the check passes the planned noise every time (false alarm 1e-12)
+        privatize(per_sample, step, generator_for([seed]), shapes)
+    monkeypatch.setattr(dpsgd, "gaussian_noise", lambda *a, **k: real(*a, **k) * factor)
+    with pytest.raises(dpsgd.MechanismError, match="not the planned 0.5"):
+        privatize(per_sample, step, generator_for([1]), shapes)

@@ -209,3 +209,12 @@ def test_os_noise_comes_from_the_secure_generator_and_is_standard_gaussian(monke
     assert calls == [16 * 50_001]  # 2 x 64 bits per pair of Gaussian draws, all from the OS
     assert abs(draws.std() - 2.5) < 0.03 and abs(draws.mean()) < 0.03
     assert stats.kstest(draws / 2.5, "norm").pvalue > 1e-3
+
+
+def test_delta_must_be_well_below_one_over_the_records():
+    from fedvlm.privacy.accounting import BudgetError, check_delta
+
+    check_delta(1e-5, 10_000, "the federation's", "lower privacy.delta")
+    for delta, records in ((1e-5, 10_001), (1.0, 10), (0.5, 1)):
+        with pytest.raises(BudgetError, match=r"not well below 1/records.*lower privacy.delta to at most"):
+            check_delta(delta, records, "the federation's", "lower privacy.delta")
