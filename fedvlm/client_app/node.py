@@ -135,6 +135,7 @@ def noise_source(cfg: RunConfig, node_config: dict, own_data: bool) -> str:
             simulated=simulated(),
             states_limit=MAX_EPSILON in node_config,
             run_choice=cfg.privacy.noise_source,
+            private=cfg.privacy.enabled,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e

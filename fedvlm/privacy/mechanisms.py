@@ -30,7 +30,13 @@ NOISE_SOURCES = ("seeded", "os")
 
 
 def node_noise_source(
-    node_config: dict, *, own_data: bool, simulated: bool, states_limit: bool, run_choice: str = "auto"
+    node_config: dict,
+    *,
+    own_data: bool,
+    simulated: bool,
+    states_limit: bool,
+    run_choice: str = "auto",
+    private: bool = True,
 ) -> str:
     """A node's noise source. The organisation decides (node config ``noise-source``); without a
     choice a node draws from the OS unless it is simulated (``utils.runtime``) on a partition of
@@ -38,10 +44,13 @@ def node_noise_source(
     directory and a node with ``max-epsilon`` never get regenerable noise by default, whatever the
     run config says. The run config can only make it stronger (``privacy.noise-source = os``),
     never weaken what a node chose or defaults to. A node that states a limit and asks for seeded
-    noise is refused by its own floor (``client_app.privacy_floor``)."""
+    noise is refused by its own floor (``client_app.privacy_floor``). A run without privacy
+    (``private`` false) draws no noise, and its batches need no secret: seeded, as in simulation."""
     chosen = str(node_config.get("noise-source", "") or "")
     if chosen and chosen not in NOISE_SOURCES:
         raise ValueError(f"node config noise-source={chosen!r} is not one of {', '.join(NOISE_SOURCES)}")
+    if not private:
+        return "seeded"
     if run_choice == "os":
         return "os"
     if chosen:
