@@ -49,13 +49,13 @@ def node_noise_source(
     chosen = str(node_config.get("noise-source", "") or "")
     if chosen and chosen not in NOISE_SOURCES:
         raise ValueError(f"node config noise-source={chosen!r} is not one of {', '.join(NOISE_SOURCES)}")
-    if not private:
-        return "seeded"
-    if run_choice == "os":
+    if run_choice == "os" or (states_limit and not chosen):
         return "os"
     if chosen:
         return chosen
-    return "seeded" if simulated and not own_data and not states_limit else "os"
+    if not private:
+        return "seeded"
+    return "seeded" if simulated and not own_data else "os"
 
 
 class OsNoise:

@@ -169,7 +169,7 @@ def test_noise_source_of_a_node():
             )
             assert source == "os", (simulated, states_limit, run_choice)
     # without privacy there is no noise, and batches follow the seed everywhere
-    assert node_noise_source({}, own_data=True, simulated=False, states_limit=True, private=False) == "seeded"
+    assert node_noise_source({}, own_data=True, simulated=False, states_limit=False, private=False) == "seeded"
     # only its own node config can ask for it (a node with a limit then refuses: client_app.privacy_floor)
     assert node_noise_source({"noise-source": "seeded"}, own_data=False, simulated=False, states_limit=True) == "seeded"
     with pytest.raises(ValueError, match="noise-source='urandom' is not one of seeded, os"):
