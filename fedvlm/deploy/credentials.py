@@ -9,6 +9,9 @@ writes
     <out>/server.crt  server.key    the SuperLink's TLS certificate, signed by the CA, valid for
                                     every --server-name / --server-ip given (subject alternative
                                     names: a SuperNode checks the address it dials against them)
+                                    and always for localhost and 127.0.0.1: the SuperLink's own
+                                    ServerApp process, the Fleet gateway and a researcher on the
+                                    host (or through an SSH tunnel) dial it there
     <out>/supernodes/<name>         a SuperNode's authentication key (EC P-384, OpenSSH format,
                                     0600): stays on that SuperNode's machine
     <out>/supernodes/<name>.pub     its public key: the researcher registers it with
@@ -46,8 +49,9 @@ class CredentialsError(ValueError):
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """Create ``path`` readable by its owner only, from the first byte (no chmod race)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Create ``path`` readable by its owner only, from the first byte (no chmod race), in a
+    folder only its owner may enter."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if path.exists():
         path.unlink()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -112,12 +116,14 @@ def load_ca(out: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     return cert, key
 
 
+# The SuperLink talks to itself on loopback (its ServerApp process, the Fleet gateway, a
+# researcher's SSH tunnel): its certificate must be valid there whatever else it names.
+LOOPBACK_NAMES, LOOPBACK_IPS = ("localhost",), ("127.0.0.1",)
+
+
 def make_server_cert(out: Path, ca_cert, ca_key, names: list[str], ips: list[str], days: int) -> x509.Certificate:
-    if not names and not ips:
-        raise CredentialsError(
-            "the SuperLink certificate needs at least one --server-name or --server-ip "
-            "(the address SuperNodes and researchers dial)"
-        )
+    names = [*names, *(n for n in LOOPBACK_NAMES if n not in names)]
+    ips = [*ips, *(i for i in LOOPBACK_IPS if i not in ips)]
     sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
     for ip in ips:
         try:
@@ -223,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     for what in done["kept"]:
         print(f"kept    {out / what} (exists)")
     print(
+        f"The SuperLink certificate is valid for {', '.join([*args.server_name, *args.server_ip])}"
+        f"{' and ' if args.server_name or args.server_ip else ''}localhost and 127.0.0.1 (the SuperLink dials itself "
+        "there). "
         f"SuperLink machine: {out}/ca.crt, server.crt, server.key. "
         f"Each SuperNode: {out}/ca.crt and its supernodes/<name>. Keep ca.key offline."
     )

@@ -1,16 +1,20 @@
-"""A real deployment on one machine: a SuperLink with TLS and SuperNode authentication plus
-SuperNodes as separate processes on 127.0.0.1, for trying the deployment path before using
-several machines, and for the loopback integration test.
+"""A real deployment on one machine: a SuperLink with TLS and SuperNode authentication, its
+Fleet gateway, and SuperNodes that run only the pinned app, as separate processes on loopback,
+for trying the deployment path before using several machines, and for the loopback tests.
 
     python -m fedvlm.deploy.local_federation --workdir /tmp/fedvlm-fed --supernodes 2 \\
         --run-config "num-server-rounds=2"
 
 does, in order, what docs/deployment.md tells organisations to do on their own machines:
 credentials (``deploy.credentials``), ``flower-superlink`` with TLS and
-``--enable-supernode-auth``, a researcher's connection in ``$FLWR_HOME/config.toml``,
-``flwr supernode register`` for every SuperNode's public key, ``flower-supernode`` with the CA
-certificate and its private key, then ``flwr run . <connection>``. Every process is started
-in its own session and stopped by PID, also on errors and Ctrl-C.
+``--enable-supernode-auth`` listening on 127.0.0.1 only, the Fleet gateway
+(``deploy.fleet_gateway``) on the federation's "public" address (here 127.0.0.2, another
+loopback address, so that what is reachable only on the SuperLink host is told apart), a
+researcher's connection in ``$FLWR_HOME/config.toml`` to the SuperLink on its host,
+``flwr supernode register`` for every SuperNode's public key, and per organisation a
+``flower-supernode`` (process isolation, dialling the gateway) with its pinned SuperExec
+(``deploy.pinned_app exec``, pinned to this checkout's app), then ``flwr run . <connection>``.
+Every process is started in its own session and stopped by PID, also on errors and Ctrl-C.
 
 At scale (``--supernodes 20 --report scale.json``) it also measures what the federation costs
 on this machine: the peak memory of every process it started, summed per program, each round's
@@ -33,11 +37,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fedvlm.deploy.credentials import generate
+from fedvlm.deploy.pinned_app import build_hash
 from fedvlm.utils.processes import TreeMemory, free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONNECTION = "loopback"
+HOST = "127.0.0.1"  # the SuperLink host's own loopback: the SuperLink listens only here
+PUBLIC = "127.0.0.2"  # where SuperNodes (and anyone else on the network) reach the federation
+EXEC = "-exec"  # suffix of a SuperNode's SuperExec process name
 
 
 def flower_env(home: Path) -> dict[str, str]:
@@ -67,16 +75,18 @@ class LocalFederation:
         self.creds = self.dir / "credentials"
         self.home = self.dir / "flwr-home"
         self.env = flower_env(self.home)
-        self.port = free_port()
+        self.port = free_port()  # the SuperLink's, on HOST
+        self.gateway_port = free_port()  # the Fleet gateway's, on PUBLIC
+        self.pins = [build_hash(ROOT)[0]]  # the app the organisations agreed to: this checkout's
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
 
     # ---- processes -------------------------------------------------------------------------
     def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = self.dir / "logs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
+        log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.logs[name] = log
-        with open(log, "wb") as f:
+        with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             proc = subprocess.Popen(
                 cmd,
                 stdout=f,
@@ -84,6 +94,7 @@ class LocalFederation:
                 env=self.env,
                 cwd=self.dir,
                 start_new_session=True,
+                umask=0o077,  # what Flower writes (the SuperLink's database, a node's apps) is owner-only
             )
         self.procs[name] = proc
         return proc
@@ -92,13 +103,15 @@ class LocalFederation:
         return self.logs[name].read_text(errors="replace") if name in self.logs and self.logs[name].exists() else ""
 
     def stop(self, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc is not None:
-            kill_tree(proc.pid)
-            proc.wait(timeout=30)
+        """Stop a process, a SuperNode with its SuperExec."""
+        for which in (f"{name}{EXEC}", name):
+            proc = self.procs.get(which)
+            if proc is not None:
+                kill_tree(proc.pid)
+                proc.wait(timeout=30)
 
     def stop_all(self) -> None:
-        for name in list(self.procs)[::-1]:  # SuperNodes before the SuperLink
+        for name in list(self.procs)[::-1]:  # SuperNodes before the gateway and the SuperLink
             self.stop(name)
 
     def lost_replies(self) -> int:
@@ -111,7 +124,7 @@ class LocalFederation:
 
     # ---- the steps of docs/deployment.md ------------------------------------------------------
     def make_credentials(self, extra: Sequence[str] = ()) -> None:
-        generate(self.creds, ["localhost"], ["127.0.0.1"], [*self.names, *extra])
+        generate(self.creds, [], [PUBLIC], [*self.names, *extra])  # loopback is always in the certificate
 
     def start_superlink(self) -> None:
         c = self.creds
@@ -120,7 +133,7 @@ class LocalFederation:
             [
                 str(BIN / "flower-superlink"),
                 "--host",
-                "127.0.0.1",
+                HOST,
                 "--port",
                 str(self.port),
                 "--ssl-ca-certfile",
@@ -135,15 +148,38 @@ class LocalFederation:
                 "--disable-runtime-dependency-installation",
             ],
         )
-        self._wait_for_port(self.port, "superlink")
+        self._wait_for_port(HOST, self.port, "superlink")
+
+    def start_gateway(self) -> None:
+        c = self.creds
+        self._start(
+            "gateway",
+            [
+                sys.executable,
+                "-m",
+                "fedvlm.deploy.fleet_gateway",
+                "--listen",
+                f"{PUBLIC}:{self.gateway_port}",
+                "--superlink",
+                f"{HOST}:{self.port}",
+                "--certfile",
+                str(c / "server.crt"),
+                "--keyfile",
+                str(c / "server.key"),
+                "--ca",
+                str(c / "ca.crt"),
+            ],
+        )
+        self._wait_for_port(PUBLIC, self.gateway_port, "gateway")
 
     def write_connection(self) -> Path:
         """The researcher's side: a named SuperLink connection that verifies the server with our CA."""
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.home / "config.toml"
+        path.touch(mode=0o600)
         path.write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-            f'address = "127.0.0.1:{self.port}"\nroot-certificates = "{self.creds / "ca.crt"}"\n'
+            f'address = "{HOST}:{self.port}"\nroot-certificates = "{self.creds / "ca.crt"}"\n'
         )
         return path
 
@@ -159,25 +195,60 @@ class LocalFederation:
         )
 
     def start_supernode(self, name: str, node_config: str | None = None) -> subprocess.Popen:
+        """The organisation's SuperNode (process isolation, dialling the gateway) and its pinned
+        SuperExec, which starts a ClientApp process per task only for the pinned app; the two
+        share a secret so that no other process on the machine can take the node's tasks."""
         cfg = node_config if node_config is not None else self.node_configs.get(name, f"name='{name}'")
-        return self._start(
+        secret = self.dir / "secrets" / name
+        if not secret.exists():
+            secret.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(32))
+        runtime_port = free_port()
+        node = self._start(
             name,
             [
                 str(BIN / "flower-supernode"),
                 "--superlink",
-                f"127.0.0.1:{self.port}",
+                f"{PUBLIC}:{self.gateway_port}",
                 "--root-certificates",
                 str(self.creds / "ca.crt"),
                 "--auth-supernode-private-key",
                 str(self.creds / "supernodes" / name),
+                "--isolation",
+                "process",
+                "--superexec-auth-secret-file",
+                str(secret),
+                "--host",
+                HOST,
                 "--port",
-                str(free_port()),
+                str(runtime_port),
                 "--node-config",
                 cfg,
                 "--max-retries",
                 "30",
             ],
         )
+        self._start(
+            f"{name}{EXEC}",
+            [
+                sys.executable,
+                "-m",
+                "fedvlm.deploy.pinned_app",
+                "exec",
+                *(f"--pin={p}" for p in self.pins),
+                "--",
+                "--plugin-type",
+                "clientapp",
+                "--runtime-api-address",
+                f"{HOST}:{runtime_port}",
+                "--insecure",
+                "--superexec-auth-secret-file",
+                str(secret),
+            ],
+        )
+        return node
 
     def flwr(self, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -209,8 +280,10 @@ class LocalFederation:
 
     def up(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.chmod(0o700)
         self.make_credentials()
         self.start_superlink()
+        self.start_gateway()
         self.write_connection()
         for name in self.names:
             reg = self.register(name)
@@ -219,7 +292,7 @@ class LocalFederation:
         for name in self.names:
             self.start_supernode(name)
 
-    def _wait_for_port(self, port: int, name: str, timeout: float = 60) -> None:
+    def _wait_for_port(self, host: str, port: int, name: str, timeout: float = 60) -> None:
         import socket
 
         deadline = time.time() + timeout
@@ -227,7 +300,7 @@ class LocalFederation:
             if self.procs[name].poll() is not None:
                 raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{self.log_text(name)[-3000:]}")
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
+                if s.connect_ex((host, port)) == 0:
                     return
             time.sleep(0.3)
         raise RuntimeError(f"{name} did not open port {port} within {timeout:.0f} s:\n{self.log_text(name)[-3000:]}")
@@ -287,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     with LocalFederation(args.workdir, names, configs) as fed, TreeMemory(str(fed.dir), 1.0) as mem:
         print(
-            f"SuperLink on 127.0.0.1:{fed.port} (TLS, SuperNode auth), SuperNodes: {', '.join(names)}; "
+            f"SuperLink on {HOST}:{fed.port} (TLS, SuperNode auth; its Fleet gateway on {PUBLIC}:{fed.gateway_port}), "
+            f"SuperNodes: {', '.join(names)}, pinned to app sha256 {fed.pins[0][:12]}; "
             f"PIDs {json.dumps(fed.pids())}; logs in {fed.dir / 'logs'}",
             flush=True,
         )

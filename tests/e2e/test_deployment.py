@@ -1,13 +1,17 @@
-"""The deployment path on loopback: a SuperLink with TLS and SuperNode authentication and
-SuperNodes as separate processes on 127.0.0.1 (deploy.local_federation, the steps of
-docs/deployment.md) run the embedded default through `flwr run`; every process is stopped by
-PID at the end, also when a test fails."""
+"""The deployment path on loopback: a SuperLink with TLS and SuperNode authentication on
+127.0.0.1, its Fleet gateway on 127.0.0.2 (the federation's public address here) and SuperNodes
+that run only the pinned app, as separate processes (deploy.local_federation, the steps of
+docs/deployment.md), run the embedded default through `flwr run`; an outsider with the public
+CA certificate is refused at every step; every process is stopped by PID at the end, also when
+a test fails."""
 
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -171,3 +175,140 @@ def test_own_data_nodes_join_and_a_killed_node_leaves_the_rounds_to_the_others(f
     # the SuperLink answers for the dead node ("Node Unavailable"); the server names the node
     lost = [d for r in data["rounds"] for d in r["dropped"]]
     assert lost and all(d["client"] == "client-1" for d in lost), lost
+
+
+# ---- an outsider: who may start a run, what a node will run ---------------------------------
+
+OUTSIDER_APP = """\
+import json
+import pathlib
+import time
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+client = ClientApp()
+server = ServerApp()
+
+
+@client.query()
+def steal(msg: Message, context: Context) -> Message:
+    # a benign proof: a real attacker would read the organisation's data, state and keys
+    out = pathlib.Path(context.run_config["marker"]) / f"node-{context.node_id}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    seen = {k: str(v) for k, v in context.node_config.items()}
+    out.write_text(json.dumps(seen))
+    return Message(RecordDict({"config": ConfigRecord(seen)}), reply_to=msg)
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    deadline, nodes = time.time() + 60, []
+    while time.time() < deadline and len(nodes) < 2:
+        nodes = list(grid.get_node_ids())
+        time.sleep(1)
+    asks = [Message(RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=n, message_type="query") for n in nodes]
+    replies = [
+        {"error": r.error.reason} if r.has_error() else dict(r.content["config"])
+        for r in grid.send_and_receive(asks, timeout=120)
+    ]
+    out = pathlib.Path(context.run_config["marker"]) / "server.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(replies))
+"""
+
+
+def _outsider(tmp_path: Path, federation) -> tuple[Path, dict]:
+    """The outsider's app, and its flwr environment: the public CA certificate and the address
+    SuperNodes dial, nothing else."""
+    from fedvlm.deploy.local_federation import PUBLIC
+
+    app = tmp_path / "outsider"
+    app.mkdir()
+    (app / "outsider_app.py").write_text(OUTSIDER_APP)
+    (app / "pyproject.toml").write_text(
+        textwrap.dedent(
+            """\
+            [build-system]
+            requires = ["hatchling"]
+            build-backend = "hatchling.build"
+
+            [project]
+            name = "outsider"
+            version = "1.0.0"
+            description = "not the federation's app"
+            license = "Apache-2.0"
+            dependencies = ["flwr"]
+
+            [tool.hatch.build.targets.wheel]
+            packages = ["."]
+
+            [tool.flwr.app]
+            publisher = "outsider"
+
+            [tool.flwr.app.components]
+            serverapp = "outsider_app:server"
+            clientapp = "outsider_app:client"
+
+            [tool.flwr.app.config]
+            marker = ""
+            """
+        )
+    )
+    home = tmp_path / "outsider-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "outsider"\n\n[superlink.outsider]\naddress = "{PUBLIC}:{federation.gateway_port}"\n'
+        f'root-certificates = "{federation.creds / "ca.crt"}"\n'
+    )
+    return app, {**federation.env, "FLWR_HOME": str(home)}
+
+
+@pytest.mark.ci
+def test_an_outsider_starts_nothing_and_a_node_runs_only_the_app_it_pinned(federation, tmp_path):
+    app, env = _outsider(tmp_path, federation)
+    marker = tmp_path / "marker"
+    intruder_key = federation.creds / "supernodes" / "intruder.pub"
+    attempts = {
+        "run": ["run", str(app), "outsider", "--run-config", f"marker='{marker}'"],
+        "ls": ["ls", "outsider"],
+        "log": ["log", "1", "outsider"],
+        "stop": ["stop", "1", "outsider"],
+        "supernode register": ["supernode", "register", str(intruder_key), "outsider", "--name", "intruder"],
+        "supernode list": ["supernode", "list", "outsider"],
+    }
+    for what, args in attempts.items():
+        proc = subprocess.run(
+            [str(BIN / "flwr"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode != 0 and "403 Forbidden" in proc.stdout + proc.stderr, (what, proc.stdout, proc.stderr)
+    refused = federation.log_text("gateway")
+    for call in ("start-run", "list-runs", "stream-logs", "stop-run", "register-node", "list-nodes"):
+        assert f"refused POST /v1/control/{call}" in refused, (call, refused[-3000:])
+    assert not marker.exists()  # nothing of the outsider's app ran anywhere
+    assert "intruder" not in json.dumps(_nodes(federation))  # its key was not registered
+
+    # the same app through the Control API on the SuperLink host (a researcher, or whoever controls
+    # that host): its ServerApp runs there, and every node refuses it before unpacking it
+    run = federation.flwr("run", str(app), "loopback", "--stream", "--run-config", f"marker='{marker}'", timeout=300)
+    replies = json.loads((marker / "server.json").read_text()) if (marker / "server.json").exists() else None
+    assert replies is not None and len(replies) == 2, run.stdout[-3000:] + run.stderr[-2000:]
+    for reply in replies:
+        assert "AppNotPinned" in reply.get("error", ""), reply
+        assert federation.pins[0] in reply["error"] and "outsider/outsider 1.0.0" in reply["error"], reply
+    assert sorted(p.name for p in marker.iterdir()) == ["server.json"]  # no node ran a line of it
+
+
+@pytest.mark.ci
+def test_what_the_deployment_writes_is_owner_only(federation):
+    """Keys, secrets, the SuperLink's database, logs and the apps a node unpacked are readable by
+    their owner alone (the processes run with umask 077); only certificates and public keys are
+    not secret."""
+    public = {"ca.crt", "server.crt"}
+    exposed = [
+        str(p.relative_to(federation.dir))
+        for p in [federation.dir, *federation.dir.rglob("*")]
+        if stat.S_IMODE(p.stat().st_mode) & 0o077 and p.suffix != ".pub" and p.name not in public
+    ]
+    assert not exposed, exposed

@@ -38,8 +38,9 @@ def test_credentials_make_a_ca_a_server_certificate_and_supernode_keys(tmp_path)
     server.verify_directly_issued_by(ca)  # raises if the CA did not sign it
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert sans.get_values_for_type(x509.DNSName) == ["superlink.example.org"]
-    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+    # the names asked for, and loopback always: the SuperLink's own processes dial it there
+    assert sans.get_values_for_type(x509.DNSName) == ["superlink.example.org", "localhost"]
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["10.0.0.5", "127.0.0.1"]
 
     # What flower-supernode and `flwr supernode register` read: EC P-384 keys in OpenSSH format.
     priv = load_ssh_private_key((out / "supernodes" / "org-a").read_bytes(), password=None)
@@ -62,8 +63,8 @@ def test_credentials_add_organisations_later_without_touching_existing_ones(tmp_
 def test_credentials_refuse_bad_input(tmp_path):
     with pytest.raises(CredentialsError, match="not an IP address"):
         generate(tmp_path / "a", ["localhost"], ["superlink.example.org"], [])
-    with pytest.raises(CredentialsError, match="at least one --server-name or --server-ip"):
-        generate(tmp_path / "b", [], [], [])
+    only_loopback = generate(tmp_path / "b", [], [], [])  # a SuperLink reached on its host only
+    assert only_loopback["created"] == ["ca.crt", "server.crt"]
     with pytest.raises(CredentialsError, match="must be 1-64 letters"):
         generate(tmp_path / "c", ["localhost"], [], ["../escape"])
     generate(tmp_path / "d", ["localhost"], [], [])

@@ -1,0 +1,160 @@
+"""What a node will run: only the app (Flower FAB) its organisation pinned, checked before any of
+the app's code is unpacked or imported.
+
+A Flower SuperNode executes the ClientApp of whatever app a run carries: the run's FAB (a zip of
+the app's files) comes from the SuperLink, and Flower unpacks and imports it in a fresh
+``flwr-clientapp`` process. Flower's own check, ``flower-supernode --trusted-entities``, verifies
+signatures that Flower Hub attaches to the apps it distributes; an app submitted from a
+researcher's checkout (``flwr run .``) carries none and is then refused outright, so that check
+cannot pin this project's app. This module is the project-side layer:
+
+- ``hash``: the SHA-256 of the FAB that ``flwr run <app dir>`` builds (Flower builds it
+  deterministically: fixed timestamps, sorted files), or of a ``.fab`` file; the researcher
+  publishes it with the release the organisations review;
+- ``exec``: runs Flower's own SuperExec (``flower-superexec``, the process that starts a
+  ClientApp process for every task of a SuperNode started with ``--isolation process``), with
+  one change: the ClientApp process it starts is ``fedvlm-clientapp``;
+- ``fedvlm-clientapp`` is Flower's ``flwr-clientapp`` with one check first: the SHA-256 of the
+  run's FAB, computed here from its bytes (never the hash the run claims), must be one the
+  organisation pinned. Otherwise the task ends with an error reply naming the app and the pinned
+  values, before the FAB is unpacked; nothing of the app ran.
+
+    python -m fedvlm.deploy.pinned_app hash .                      # the researcher, once per release
+    python -m fedvlm.deploy.pinned_app exec --pin <sha256> -- \\
+        --plugin-type clientapp --runtime-api-address 127.0.0.1:9094 --insecure \\
+        --superexec-auth-secret-file secret                        # the organisation, beside its SuperNode
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
+CLIENTAPP_COMMAND = "fedvlm-clientapp"  # pyproject [project.scripts]
+_SHA256 = re.compile(r"^(sha256:)?([0-9a-f]{64})$")
+
+
+class AppNotPinned(PermissionError):
+    """The run's app is not one this node's organisation pinned."""
+
+
+def fab_hash(fab: bytes) -> str:
+    return hashlib.sha256(fab).hexdigest()
+
+
+def fab_name(fab: bytes) -> str:
+    """'publisher/name version' from the FAB's pyproject.toml, read from the zip without running
+    anything; '(unnamed app)' when it has none that parses."""
+    from flwr.common.config import get_fab_config  # parses the FAB's pyproject.toml (a zip entry)
+
+    try:
+        meta = get_fab_config(fab)
+        project, publisher = meta["project"], meta["tool"]["flwr"]["app"]["publisher"]
+        return f"{publisher}/{project['name']} {project['version']}"
+    except Exception:  # noqa: BLE001 - a name for the refusal message only
+        return "(unnamed app)"
+
+
+def parse_pin(text: str) -> str:
+    m = _SHA256.match(text.strip().lower())
+    if not m:
+        raise ValueError(f"{text!r} is not a SHA-256 (64 hex digits, optionally prefixed 'sha256:')")
+    return m.group(2)
+
+
+def pinned_from_env() -> frozenset[str]:
+    """The pins ``exec`` handed down; refused (fail closed) when there are none."""
+    raw = os.environ.get(PINS_ENV, "")
+    pins = frozenset(parse_pin(p) for p in raw.split(",") if p.strip())
+    if not pins:
+        raise AppNotPinned(
+            f"{CLIENTAPP_COMMAND} runs an app only under `python -m fedvlm.deploy.pinned_app exec --pin <sha256>`, "
+            f"which names the apps this node may run; {PINS_ENV} is empty"
+        )
+    return pins
+
+
+def check_fab(fab: bytes, pins: frozenset[str]) -> None:
+    """``AppNotPinned`` unless ``fab`` is one of ``pins``."""
+    digest = fab_hash(fab)
+    if digest not in pins:
+        raise AppNotPinned(
+            f"this node runs only the app(s) its organisation pinned (sha256 {', '.join(sorted(pins))}); this run's "
+            f"app {fab_name(fab)} has sha256 {digest}: refused before any of its code was unpacked or run"
+        )
+
+
+def build_hash(app: Path) -> tuple[str, str]:
+    """(sha256, name) of the FAB Flower builds from ``app`` (a directory), or of a .fab file."""
+    if app.is_file():
+        fab = app.read_bytes()
+    else:
+        from flwr.cli.build import build_fab_from_disk
+
+        fab = build_fab_from_disk(app)
+    return fab_hash(fab), fab_name(fab)
+
+
+def clientapp_main() -> None:
+    """``fedvlm-clientapp``: Flower's ``flwr-clientapp``, with the run's FAB checked against the
+    pins before Flower unpacks it (its ``install_from_fab`` is the first thing that touches the
+    FAB's content). A refusal raises inside Flower's task, which replies with the error."""
+    import flwr.supernode.runtime.run_clientapp as runtime
+    from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
+
+    install = runtime.install_from_fab
+
+    def install_pinned(fab_file: Path | bytes, install_dir: Path | None = None, skip_prompt: bool = False) -> Path:
+        check_fab(fab_file.read_bytes() if isinstance(fab_file, Path) else fab_file, pinned_from_env())
+        return install(fab_file, install_dir, skip_prompt)
+
+    runtime.install_from_fab = install_pinned
+    flwr_clientapp()
+
+
+def _exec(pins: Sequence[str], superexec_args: Sequence[str]) -> None:
+    """Flower's SuperExec, starting ``fedvlm-clientapp`` for ClientApp tasks."""
+    from flwr.supercore import constant
+    from flwr.supercore.cli.flower_superexec import flower_superexec
+
+    command = Path(sys.executable).parent / CLIENTAPP_COMMAND
+    if not command.exists():
+        raise SystemExit(f"{command} is missing: install this project (pip install -e .) in this environment")
+    os.environ[PINS_ENV] = ",".join(pins)  # inherited by every ClientApp process it starts
+    commands: dict[Any, str] = constant.TASK_TYPE_TO_COMMAND  # keyed by a StrEnum (Python 3.11)
+    commands[constant.TaskType.CLIENT_APP] = str(command)
+    sys.argv = ["flower-superexec", *superexec_args]
+    flower_superexec()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.pinned_app", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    h = sub.add_parser("hash", help="the SHA-256 of the app `flwr run APP` sends (or of a .fab file)")
+    h.add_argument("app", type=Path, nargs="?", default=Path("."))
+    e = sub.add_parser("exec", help="Flower's SuperExec that runs only the pinned apps (args after --)")
+    e.add_argument("--pin", action="append", required=True, help="SHA-256 of an app this node may run (repeatable)")
+    e.add_argument("superexec_args", nargs=argparse.REMAINDER, help="-- then flower-superexec's arguments")
+    args = p.parse_args(argv)
+    if args.command == "hash":
+        digest, name = build_hash(args.app)
+        print(f"sha256:{digest}  {name}")
+        return 0
+    try:
+        pins = [parse_pin(x) for x in args.pin]
+    except ValueError as err:
+        p.error(str(err))
+    rest = args.superexec_args[1:] if args.superexec_args[:1] == ["--"] else args.superexec_args
+    _exec(pins, rest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The deployment's two guards, on their own: the Fleet gateway forwards only the Fleet API
+(deploy.fleet_gateway), and a node's ClientApp runs only a pinned app (deploy.pinned_app).
+tests/e2e/test_deployment.py runs both in a real federation with an outsider."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from fedvlm.deploy.fleet_gateway import FLEET_CALLS, fleet_call, make_app
+from fedvlm.deploy.pinned_app import (
+    PINS_ENV,
+    AppNotPinned,
+    build_hash,
+    check_fab,
+    fab_hash,
+    parse_pin,
+    pinned_from_env,
+)
+
+
+def test_only_the_fleet_calls_are_fleet_calls():
+    assert {fleet_call("POST", f"/v1/fleet/{c}") for c in FLEET_CALLS} == set(FLEET_CALLS)
+    for method, path in [
+        ("POST", "/v1/control/start-run"),
+        ("POST", "/v1/control/list-runs"),
+        ("GET", "/v1/fleet/pull-messages"),  # the Fleet API is POST only
+        ("POST", "/v1/fleet/../control/start-run"),
+        ("POST", "/v1/fleet/"),
+        ("POST", "/v1/fleetx/pull-messages"),
+        ("POST", "/runtime/whatever"),
+        ("GET", "/docs"),
+    ]:
+        assert fleet_call(method, path) is None, (method, path)
+
+
+def _upstream() -> tuple[Starlette, list]:
+    seen: list = []
+
+    async def echo(request: Request) -> Response:
+        seen.append((request.method, request.url.path, dict(request.headers), await request.body()))
+        return Response(b"upstream:" + await request.body(), status_code=200, headers={"x-upstream": "yes"})
+
+    return Starlette(routes=[Route("/{p:path}", echo, methods=["GET", "POST"])]), seen
+
+
+def test_the_gateway_forwards_the_fleet_api_unchanged_and_refuses_the_rest():
+    upstream, seen = _upstream()
+    gateway = make_app("127.0.0.1:9093", "", transport=httpx.ASGITransport(app=upstream))
+    with TestClient(gateway) as client:
+        signed = {"flwr-public-key": "abc", "flwr-signature": "sig", "flwr-timestamp": "t"}
+        r = client.post("/v1/fleet/pull-messages", content=b"\x00proto", headers=signed)
+        assert r.status_code == 200 and r.content == b"upstream:\x00proto" and r.headers["x-upstream"] == "yes"
+        method, path, headers, body = seen[-1]
+        assert (method, path, body) == ("POST", "/v1/fleet/pull-messages", b"\x00proto")
+        assert all(headers[k] == v for k, v in signed.items())  # SuperNode authentication passes through
+        for method, path in [("POST", "/v1/control/start-run"), ("GET", "/v1/control/list-runs"), ("GET", "/")]:
+            r = client.request(method, path)
+            assert r.status_code == 403 and "Control API" in r.text and "SSH tunnel" in r.text, path
+    assert len(seen) == 1  # nothing else reached the SuperLink
+
+
+def _app(root, text: str):
+    root.mkdir()
+    (root / "pyproject.toml").write_text(
+        '[project]\nname = "demo"\nversion = "1.0.0"\ndescription = "d"\nlicense = "Apache-2.0"\n'
+        'dependencies = ["flwr"]\n\n[tool.flwr.app]\npublisher = "someone"\n\n'
+        '[tool.flwr.app.components]\nserverapp = "demo:server"\nclientapp = "demo:client"\n\n[tool.flwr.app.config]\n'
+    )
+    (root / "demo.py").write_text(text)
+    return root
+
+
+def test_an_app_hash_is_what_flower_builds_and_changes_with_one_byte(tmp_path):
+    from flwr.cli.build import build_fab_from_disk
+
+    app = _app(tmp_path / "a", "x = 1\n")
+    digest, name = build_hash(app)
+    assert name == "someone/demo 1.0.0"
+    assert digest == build_hash(app)[0] == fab_hash(build_fab_from_disk(app))  # deterministic
+    (app / "demo.py").write_text("x = 2\n")
+    assert build_hash(app)[0] != digest
+    fab = tmp_path / "demo.fab"
+    fab.write_bytes(build_fab_from_disk(app))
+    assert build_hash(fab)[0] == build_hash(app)[0]  # a .fab file hashes the same
+
+
+def test_a_node_runs_only_a_pinned_app_and_fails_closed_without_pins(tmp_path, monkeypatch):
+    from flwr.cli.build import build_fab_from_disk
+
+    ours = build_fab_from_disk(_app(tmp_path / "ours", "x = 1\n"))
+    theirs = build_fab_from_disk(_app(tmp_path / "theirs", "import os  # anything\n"))
+    pins = frozenset({fab_hash(ours)})
+    check_fab(ours, pins)
+    with pytest.raises(AppNotPinned, match=rf"pinned \(sha256 {fab_hash(ours)}\).*someone/demo 1.0.0 has sha256 "):
+        check_fab(theirs, pins)
+    monkeypatch.setitem(os.environ, PINS_ENV, f"sha256:{fab_hash(ours).upper()}, ")
+    assert pinned_from_env() == pins
+    monkeypatch.setitem(os.environ, PINS_ENV, "")
+    with pytest.raises(AppNotPinned, match="empty"):
+        pinned_from_env()
+    with pytest.raises(ValueError, match="not a SHA-256"):
+        parse_pin("6def36ef")
