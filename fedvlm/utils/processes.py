@@ -46,17 +46,21 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    """A process's command line, arguments joined by spaces ('' once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def pids_matching(fragment: str) -> list[int]:
-    found = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if fragment in cmd and int(p.name) != os.getpid():
-                found.append(int(p.name))
-    return found
+    """Every other process whose command line contains ``fragment``."""
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and int(p.name) != os.getpid() and fragment in cmdline(int(p.name))
+    ]
 
 
 def kill_tree(pid: int, timeout: float = 10.0) -> None:

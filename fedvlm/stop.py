@@ -1,0 +1,108 @@
+"""Stop a local simulation and everything it started.
+
+    python -m fedvlm.stop [--flwr-home DIR]
+
+``flwr run .`` starts a local SuperLink in the background (``$FLWR_HOME/local-superlink``, default
+``~/.flwr``) and leaves it running after the run; if the ``flwr run`` command itself is stopped
+(Ctrl-C), the run goes on inside it. The SuperLink runs Flower's SuperExec, which runs
+``flwr-simulation``, which starts a Ray cluster (``gcs_server``, ``raylet``, a dashboard, log
+and autoscaler monitors, and one worker per simulated ClientApp). Killing the SuperLink by name
+(``pkill -f flower-superlink``) can leave the rest behind.
+
+This finds that SuperLink by its own log path, gathers every process it started (its process tree,
+and every process of the Ray session the tree belongs to, which may have been reparented), sends
+them all SIGTERM (the ServerApp then records its run as interrupted; ``python -m fedvlm.status``
+reports it), SIGKILL after a grace period, and checks that none is left. Exit code 0 when
+everything stopped, 1 when something survived (listed), 0 with a note when nothing was running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from fedvlm.utils.processes import cmdline, descendants, pids_matching
+
+_RAY_SESSION = re.compile(r"/tmp/ray/session_[\w.-]+|(?<=--session_dir=)\S+|(?<=--session-dir=)\S+")
+
+
+def flwr_home(explicit: str | None) -> Path:
+    return Path(explicit or os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser().resolve()
+
+
+def local_superlinks(home: Path) -> list[int]:
+    """The local SuperLinks ``flwr run`` started for ``home`` (their command line names its log)."""
+    marker = str(home / "local-superlink")
+    return [pid for pid in pids_matching(marker) if "flower-superlink" in cmdline(pid)]
+
+
+def _ray_sessions(pids: Iterable[int]) -> set[str]:
+    sessions = set()
+    for pid in pids:
+        sessions.update(m.group(0).rstrip("/") for m in _RAY_SESSION.finditer(cmdline(pid)))
+    return {s for s in sessions if "session_" in s}
+
+
+def everything_started_by(roots: Iterable[int]) -> set[int]:
+    """``roots``, their descendants, and every process of a Ray session among them."""
+    tree = set(roots).union(*(descendants(r) for r in roots))
+    for session in _ray_sessions(tree):
+        tree.update(pids_matching(session))
+    tree.discard(os.getpid())
+    return tree
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def stop(roots: Iterable[int], grace: float = 15.0) -> list[int]:
+    """SIGTERM everything ``roots`` started, SIGKILL what is left after ``grace`` seconds; the
+    processes still alive after that (none, normally)."""
+    roots = list(roots)
+    victims = everything_started_by(roots)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        victims |= everything_started_by([p for p in roots if _alive(p)])  # started since
+        for pid in victims:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.time() + wait
+        while time.time() < deadline and any(_alive(p) for p in victims):
+            time.sleep(0.2)
+    return sorted(p for p in victims if _alive(p))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.stop", description=__doc__.split("\n\n")[0])
+    p.add_argument("--flwr-home", help="the FLWR_HOME of the flwr run to stop (default: $FLWR_HOME or ~/.flwr)")
+    p.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
+    args = p.parse_args(argv)
+    home = flwr_home(args.flwr_home)
+    roots = local_superlinks(home)
+    if not roots:
+        print(f"no local SuperLink of {home} is running: nothing to stop")
+        return 0
+    victims = everything_started_by(roots)
+    print(f"stopping the local SuperLink of {home} and the {len(victims) - len(roots)} processes it started")
+    left = stop(roots, args.grace)
+    if left:
+        print("still running: " + "; ".join(f"{pid} {cmdline(pid)[:100]}" for pid in left), file=sys.stderr)
+        return 1
+    print("stopped; `python -m fedvlm.status` tells whether the last run finished")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
