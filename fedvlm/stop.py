@@ -43,7 +43,7 @@ def local_superlinks(home: Path) -> list[int]:
 
 
 def _ray_sessions(pids: Iterable[int]) -> set[str]:
-    sessions = set()
+    sessions: set[str] = set()
     for pid in pids:
         sessions.update(m.group(0).rstrip("/") for m in _RAY_SESSION.finditer(cmdline(pid)))
     return {s for s in sessions if "session_" in s}
