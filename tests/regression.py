@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,51 @@ CASES: dict[str, tuple[dict, int]] = {
     "bl-ts": ({"method": "bl-ts", **REPROGRAM}, 3),
 }
 VOLATILE = ("seconds",)  # wall-clock figures differ from run to run
+# the packages whose versions can move a number; the fixture records them (its "_versions")
+VERSIONED = (
+    "torch",
+    "torchvision",
+    "numpy",
+    "scipy",
+    "scikit-learn",
+    "pillow",
+    "flwr",
+    "open_clip_torch",
+    "transformers",
+    "tokenizers",
+    "peft",
+    "opacus",
+    "dp-accounting",
+)
+VERSIONS_KEY = "_versions"
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def changed_versions(recorded: dict[str, str]) -> list[str]:
+    """The packages installed now at another version than when the fixture was recorded."""
+    now = versions()
+    return [f"{k} {recorded.get(k, '?')} -> {now[k]}" for k in VERSIONED if recorded.get(k) != now[k]]
+
+
+def explain(diff: list[str], fixture: dict) -> str:
+    """What differs, and whether the installed packages do: a fixture mismatch under other
+    packages is a reinstall (pip install -c constraints.txt restores them), not a code change."""
+    changed = changed_versions(fixture.get(VERSIONS_KEY, {}))
+    why = (
+        f"installed packages differ from the fixture's: {', '.join(changed)} (install with -c constraints.txt)"
+        if changed
+        else "the installed packages are the fixture's: the code changed a number"
+    )
+    return "; ".join(diff[:8]) + f". {why}"
 
 
 def run_case(name: str, cache_dir: Path, out_dir: Path) -> list[dict[str, float]]:
@@ -103,8 +149,9 @@ def main() -> None:
         else:
             diff = differences(fixture.get(name, []), got)
             failed |= bool(diff)
-            print(f"{name}: {'OK' if not diff else '; '.join(diff[:5])}", flush=True)
+            print(f"{name}: {'OK' if not diff else explain(diff, fixture)}", flush=True)
     if args.write:
+        fixture[VERSIONS_KEY] = versions()
         FIXTURE.parent.mkdir(exist_ok=True)
         FIXTURE.write_text(json.dumps(fixture, indent=1, sort_keys=True) + "\n")
     sys.exit(1 if failed else 0)

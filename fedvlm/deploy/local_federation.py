@@ -239,8 +239,6 @@ class LocalFederation:
                 "exec",
                 *(f"--pin={p}" for p in self.pins),
                 "--",
-                "--plugin-type",
-                "clientapp",
                 "--runtime-api-address",
                 f"{HOST}:{runtime_port}",
                 "--insecure",

@@ -21,7 +21,7 @@ cannot pin this project's app. This module is the project-side layer:
 
     python -m fedvlm.deploy.pinned_app hash .                      # the researcher, once per release
     python -m fedvlm.deploy.pinned_app exec --pin <sha256> -- \\
-        --plugin-type clientapp --runtime-api-address 127.0.0.1:9094 --insecure \\
+        --runtime-api-address 127.0.0.1:9094 --insecure \\
         --superexec-auth-secret-file secret                        # the organisation, beside its SuperNode
 """
 

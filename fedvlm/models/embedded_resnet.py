@@ -32,6 +32,7 @@ from torch import nn
 
 from fedvlm.data import embedded, motifs
 from fedvlm.utils.files import atomic_torch_save, file_lock
+from fedvlm.utils.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +227,6 @@ def load_pretrained(name: str, cache_dir: Path) -> tuple[EmbeddedResNet, str, di
 def main(argv: list[str] | None = None) -> int:
     """Pretrain (or load) the named embedded sources and print their pretraining reports."""
     import argparse
-
-    from fedvlm.runconfig import default_cache_dir
 
     p = argparse.ArgumentParser(prog="python -m fedvlm.models.embedded_resnet", description=main.__doc__)
     p.add_argument("names", nargs="*", default=list(SOURCES), choices=list(SOURCES))

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fedvlm.runconfig.schema import AUTO, DEFAULTS, KEY_BY_NAME, KEYS, Key, RunConfig
+from fedvlm.utils.paths import default_cache_dir, default_output_dir
 
 __all__ = ["AUTO", "ConfigError", "RunConfig", "check_keys", "finish", "parse_value", "KEYS", "KEY_BY_NAME", "DEFAULTS"]
 
@@ -86,14 +86,6 @@ def _check_value(key: Key, value: Any) -> str | None:
     if key.check is not None:
         return key.check(value)
     return None
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("FEDVLM_CACHE") or Path.home() / ".cache" / "fedvlm")
-
-
-def default_output_dir() -> Path:
-    return Path.home() / "fedvlm-runs"
 
 
 EMBEDDED_CLASSIFICATION = frozenset({"embedded", "embedded-shadow", "digits", "motifs"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from regression import CASES, FIXTURE, differences, run_case
+from regression import CASES, FIXTURE, differences, explain, run_case
 
 from fedvlm.methods.registry import get_method
 
@@ -19,11 +19,20 @@ VLM_CASES = [c for c, (raw, _) in CASES.items() if get_method(raw["method"]).fam
 def test_metrics_equal_the_fixture(name, cache_dir, pretrained_clip, tmp_path):
     assert name in FIXED, f"no fixture for {name}: python tests/regression.py --write --cases {name}"
     got = run_case(name, cache_dir, tmp_path)
-    assert not differences(FIXED[name], got), differences(FIXED[name], got)
+    assert not differences(FIXED[name], got), explain(differences(FIXED[name], got), FIXED)
 
 
 @pytest.mark.parametrize("name", VLM_CASES)
 def test_lora_metrics_equal_the_fixture(name, vlm_cache, tmp_path):
     assert name in FIXED, f"no fixture for {name}: python tests/regression.py --write --cases {name}"
     got = run_case(name, vlm_cache, tmp_path)
-    assert not differences(FIXED[name], got), differences(FIXED[name], got)
+    assert not differences(FIXED[name], got), explain(differences(FIXED[name], got), FIXED)
+
+
+def test_a_mismatch_names_the_packages_that_changed(monkeypatch):
+    import regression
+
+    recorded = {**regression.versions(), "torch": "0.0.1"}
+    assert regression.changed_versions(recorded) == [f"torch 0.0.1 -> {regression.versions()['torch']}"]
+    assert "torch 0.0.1 ->" in explain(["round 1: local-acc = 0.5, fixture 0.4"], {"_versions": recorded})
+    assert "the code changed a number" in explain(["x"], {"_versions": regression.versions()})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import stat
@@ -91,6 +92,8 @@ def test_no_credential_can_be_committed_or_baked_into_an_image(tmp_path):
 
 # ---- Docker files --------------------------------------------------------------------------
 
+COMPOSE_ENV = {"APP_PIN": "sha256:" + "0" * 64}  # docker/.env holds the real one
+
 
 def _compose_tool() -> list[str] | None:
     docker = shutil.which("docker")
@@ -101,40 +104,105 @@ def _compose_tool() -> list[str] | None:
 
 
 @pytest.mark.skipif(_compose_tool() is None, reason="neither `docker compose` nor `docker-compose` is installed")
-def test_compose_files_validate():
+def test_compose_files_validate_and_need_the_pin():
     tool = _compose_tool()
+    env = {**os.environ, **COMPOSE_ENV}
     for files in (["compose.yml"], ["compose.yml", "compose.gpu.yml"]):
         args = [a for f in files for a in ("-f", str(ROOT / "docker" / f))]
-        proc = subprocess.run([*tool, *args, "config"], capture_output=True, text=True)
+        proc = subprocess.run([*tool, *args, "config"], capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr
-    assert {"superlink", "supernode-0", "supernode-1"} <= set(yaml.safe_load(proc.stdout)["services"])
+    services = yaml.safe_load(proc.stdout)["services"]
+    assert set(services) == {"superlink", "gateway", "supernode-0", "exec-0", "supernode-1", "exec-1"}
+    unpinned = {k: v for k, v in os.environ.items() if k != "APP_PIN"}
+    proc = subprocess.run(
+        [*tool, "-f", str(ROOT / "docker" / "compose.yml"), "config"], capture_output=True, text=True, env=unpinned
+    )
+    assert proc.returncode != 0 and "APP_PIN" in proc.stderr + proc.stdout  # no pin, no federation
 
 
 def _flags(text: str) -> set[str]:
     return set(re.findall(r"(--[a-z][a-z0-9-]+)", text))
 
 
-def test_compose_and_dockerfiles_use_real_flags_and_real_files():
+def _help(*cmd: str) -> set[str]:
+    return _flags(subprocess.run(cmd, capture_output=True, text=True).stdout)
+
+
+def _target(mount: str) -> str:
+    """A compose volume's path in the container (the host side may hold ${VAR:-default})."""
+    return mount.rsplit(":", 2)[1] if mount.endswith((":ro", ":rw")) else mount.rsplit(":", 1)[1]
+
+
+def test_compose_runs_least_privilege_with_real_flags():
     compose = yaml.safe_load((ROOT / "docker" / "compose.yml").read_text())
-    link_help = subprocess.run([str(BIN / "flower-superlink"), "--help"], capture_output=True, text=True).stdout
-    node_help = subprocess.run([str(BIN / "flower-supernode"), "--help"], capture_output=True, text=True).stdout
-    superlink_cmd = (ROOT / "docker" / "superlink.Dockerfile").read_text().split("CMD", 1)[1]
-    assert _flags(superlink_cmd) <= _flags(link_help), _flags(superlink_cmd) - _flags(link_help)
+    base = compose["x-fedvlm"]
+    assert base["network_mode"] == "host" and base["user"] == "10001"  # no bridge network, never root
+    helps = {
+        "flower-superlink": _help(str(BIN / "flower-superlink"), "--help"),
+        "flower-supernode": _help(str(BIN / "flower-supernode"), "--help"),
+        "fedvlm.deploy.fleet_gateway": _help(sys.executable, "-m", "fedvlm.deploy.fleet_gateway", "--help"),
+        "fedvlm.deploy.pinned_app": _help(sys.executable, "-m", "fedvlm.deploy.pinned_app", "exec", "--help")
+        | _help(str(BIN / "flower-superexec"), "--help"),
+    }
     for name, svc in compose["services"].items():
-        if name.startswith("supernode"):
-            used = {c.split("=", 1)[0] for c in svc["command"]}
-            assert used <= _flags(node_help), used - _flags(node_help)
-            assert {"--root-certificates", "--auth-supernode-private-key", "--superlink"} <= used  # TLS + auth
-            assert not any("--insecure" in c for c in svc["command"])
-        build = svc.get("build") or compose["x-supernode"]["build"]
-        assert (ROOT / "docker" / build["context"] / build["dockerfile"]).is_file()
-    for dockerfile in (ROOT / "docker").glob("*.Dockerfile"):
-        for line in dockerfile.read_text().splitlines():
-            if line.startswith("COPY "):
-                for src in line.split()[1:-1]:
-                    assert (ROOT / src).exists(), f"{dockerfile.name}: COPY {src} does not exist"
-    # every package the wheel ships is copied into the images
-    packages = re.search(r"packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text()).group(1)
-    copied = (ROOT / "docker" / "supernode.Dockerfile").read_text()
-    for pkg in re.findall(r'"([a-z_]+)"', packages):
-        assert f"COPY {pkg} " in copied, pkg
+        assert not {"ports", "networks"} & set(svc), name  # host networking only
+        cmd = svc["command"]
+        program = next(p for p in helps if p in cmd)
+        used = {c.split("=", 1)[0] for c in cmd if c.startswith("--") and c != "--"}
+        assert used <= helps[program], (name, used - helps[program])
+        mounts = svc.get("volumes", [])
+        data = [m for m in mounts if _target(m) == "/data"]
+        assert all(m.endswith(":ro") for m in data), name  # the organisation's images: read-only
+        assert all(m.endswith(":ro") for m in mounts if "/credentials/" in m or "/secrets/" in m), name
+        if program == "flower-superlink":
+            assert "--host=127.0.0.1" in cmd and "--enable-supernode-auth" in cmd and "--insecure" not in cmd
+        if program == "flower-supernode":
+            assert not data  # the network-facing process never sees the data
+            assert {"--root-certificates", "--auth-supernode-private-key", "--isolation", "--host"} <= used
+            assert "--host=127.0.0.1" in cmd and "--insecure" not in cmd
+        if program == "fedvlm.deploy.pinned_app":
+            assert data and any(c.startswith("--pin=") for c in cmd)
+            assert any(c.startswith("--runtime-api-address=127.0.0.1:") for c in cmd)  # loopback only
+
+
+def _imported_files(module: str) -> set[str]:
+    """The project files ``module`` imports at any depth, function-level imports included (the
+    embedded VLM's pretraining imports its batching lazily)."""
+    import ast
+
+    def path(name: str) -> Path:
+        p = ROOT / Path(*name.split("."))
+        return p.with_suffix(".py") if p.with_suffix(".py").exists() else p / "__init__.py"
+
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen or not path(name).exists():
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # the packages' __init__
+        for node in ast.walk(ast.parse(path(name).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedvlm"):
+                todo += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.startswith("fedvlm")]
+    return {str(path(n).relative_to(ROOT)) for n in seen}
+
+
+def test_the_image_copies_real_files_and_bakes_exactly_what_pretraining_imports():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    copies = [
+        line.split()[1:-1] for line in dockerfile.splitlines() if line.startswith("COPY ") and "--from" not in line
+    ]
+    for sources in copies:
+        for src in sources:
+            if not src.startswith("--"):
+                assert (ROOT / src).exists(), f"COPY {src} does not exist"
+    weights = dockerfile.split("AS weights", 1)[1].split("\nFROM ", 1)[0]
+    baked = {src for line in weights.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]}
+    assert baked == _imported_files("fedvlm.models.prepare")
+    # the source is copied after the dependencies and the weights: a code edit reuses both
+    final = dockerfile.rsplit("\nFROM ", 1)[1]
+    assert "COPY fedvlm ./fedvlm" in final and "pip install -c constraints.txt" not in final

@@ -1,0 +1,212 @@
+"""The Docker deployment end to end, as docs/deployment.md ("Docker") runs it: build
+docker/Dockerfile on a base made from Debian's packages, start docker/compose.yml (a SuperLink
+with TLS and SuperNode authentication on 127.0.0.1, its Fleet gateway, two organisations' SuperNodes
+and pinned SuperExecs; host networking, each service on its own loopback port), register the two
+keys, run two rounds of DP-FPL, check `python -m fedvlm.status` in the SuperLink's container, and
+see an unregistered SuperNode refused. It prints the build time, the image size and the run time
+(the README's "Docker" figures).
+
+Skipped, with the reason, where no Docker engine answers, where the base image is missing (the
+mmdebstrap recipe makes it), or where the test cannot hand the key files to the containers' user
+(uid 10001) without root. It takes tens of minutes and several GB: it is not in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedvlm.deploy.credentials import generate
+from fedvlm.deploy.pinned_app import build_hash
+from fedvlm.utils.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+BASE = os.environ.get("FEDVLM_BASE_IMAGE", "fedvlm-base:bookworm")
+IMAGE = "fedvlm:e2e"
+UID = 10001
+
+
+def _ok(*cmd: str) -> bool:
+    return shutil.which(cmd[0]) is not None and subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def _compose() -> list[str]:
+    return ["docker", "compose"] if _ok("docker", "compose", "version") else ["docker-compose"]
+
+
+pytestmark = [
+    pytest.mark.skipif(not _ok("docker", "info"), reason="no Docker engine answers (`docker info` fails)"),
+    pytest.mark.skipif(
+        not _ok("docker", "compose", "version") and shutil.which("docker-compose") is None,
+        reason="neither `docker compose` nor `docker-compose` is installed",
+    ),
+    pytest.mark.skipif(os.geteuid() != 0, reason="handing the keys to the containers' uid 10001 needs root"),
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    if not _ok("docker", "image", "inspect", BASE):
+        pytest.skip(
+            f"base image {BASE} is missing: mmdebstrap --variant=minbase --include=python3,python3-venv,"
+            f"ca-certificates bookworm base.tar && docker import base.tar {BASE}"
+        )
+    from fedvlm.deploy.export_folder import export_partitions
+
+    work = tmp_path_factory.mktemp("docker")
+    creds, data, secrets = work / "credentials", work / "data", work / "secrets"
+    generate(creds, [], [], ["org-0", "org-1", "intruder"])
+    export_partitions(data, 2)
+    secrets.mkdir(mode=0o700)
+    for org in ("org-0", "org-1"):
+        (secrets / org).write_bytes(os.urandom(32))
+    for path in [
+        creds / "server.key",
+        creds / "supernodes",
+        secrets,
+        *secrets.iterdir(),
+        *(creds / "supernodes").iterdir(),
+    ]:
+        os.chown(path, UID, UID)
+    for path in [creds, data, *data.rglob("*")]:
+        path.chmod(path.stat().st_mode | 0o055)  # the containers' user reads the public parts and the images
+    ports = {k: str(free_port()) for k in ("SUPERLINK_PORT", "GATEWAY_PORT", "NODE0_PORT", "NODE1_PORT")}
+    env = {
+        **os.environ,
+        **ports,
+        "FEDVLM_IMAGE": IMAGE,
+        "BASE_IMAGE": BASE,
+        "FEDVLM_CREDENTIALS": str(creds),
+        "FEDVLM_DATA": str(data),
+        "FEDVLM_SECRETS": str(secrets),
+        "APP_PIN": build_hash(ROOT)[0],
+    }
+    t0 = time.time()
+    build = subprocess.run(
+        [
+            "docker",
+            "build",
+            "--network",
+            "host",
+            "-f",
+            "docker/Dockerfile",
+            "-t",
+            IMAGE,
+            "--build-arg",
+            f"BASE_IMAGE={BASE}",
+            ".",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    built = time.time() - t0
+    size = int(
+        subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE], capture_output=True, text=True).stdout
+    )
+    compose = [*_compose(), "-p", "fedvlm-e2e", "-f", str(ROOT / "docker" / "compose.yml")]
+    up = subprocess.run([*compose, "up", "-d"], env=env, capture_output=True, text=True)
+    try:
+        assert up.returncode == 0, up.stderr
+        home = work / "flwr-home"
+        home.mkdir()
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "docker"\n\n[superlink.docker]\naddress = "127.0.0.1:{ports["SUPERLINK_PORT"]}"\n'
+            f'root-certificates = "{creds / "ca.crt"}"\n'
+        )
+        flwr_env = {**env, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+        yield {"env": env, "flwr_env": flwr_env, "compose": compose, "work": work, "built": built, "size": size}
+    finally:
+        logs = subprocess.run([*compose, "logs", "--no-color", "--tail", "40"], env=env, capture_output=True, text=True)
+        print(logs.stdout[-6000:])
+        subprocess.run([*compose, "down", "-v"], env=env, capture_output=True)
+
+
+def _flwr(stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "flwr"), *args], env=stack["flwr_env"], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_the_image_builds_and_the_compose_federation_finishes_a_dp_run(stack):
+    creds = Path(stack["env"]["FEDVLM_CREDENTIALS"])
+    deadline = time.time() + 180
+    for org in ("org-0", "org-1"):  # the SuperLink may still be starting
+        while True:
+            reg = _flwr(
+                stack, "supernode", "register", str(creds / "supernodes" / f"{org}.pub"), "docker", "--name", org
+            )
+            if reg.returncode == 0 or time.time() > deadline:
+                break
+            time.sleep(3)
+        assert reg.returncode == 0, reg.stdout + reg.stderr
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        nodes = _flwr(stack, "supernode", "list", "docker", "--format", "json")
+        if nodes.returncode == 0 and sum(n["status"] == "online" for n in json.loads(nodes.stdout)["nodes"]) == 2:
+            break
+        time.sleep(3)
+    t0 = time.time()
+    run = _flwr(
+        stack,
+        "run",
+        ".",
+        "docker",
+        "--stream",
+        "--run-config",
+        "method='dpfpl' privacy.epsilon=1 num-server-rounds=2 min-nodes=2 round-timeout=600 run-name='e2e'",
+        timeout=1800,
+    )
+    ran = time.time() - t0
+    status = subprocess.run(
+        [*stack["compose"], "exec", "-T", "superlink", "python", "-m", "fedvlm.status", "/home/app/fedvlm-runs/e2e"],
+        env=stack["env"],
+        capture_output=True,
+        text=True,
+    )
+    assert status.returncode == 0, status.stdout + status.stderr + run.stdout[-4000:]
+    print(
+        f"\nDocker: image built in {stack['built']:.0f} s, {stack['size'] / 2**30:.2f} GiB; a 2-round DP-FPL run on "
+        f"two organisations finished in {ran:.0f} s"
+    )
+
+
+def test_an_unregistered_supernode_is_refused(stack):
+    creds = Path(stack["env"]["FEDVLM_CREDENTIALS"])
+    os.chown(creds / "supernodes" / "intruder", UID, UID)
+    intruder = subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "host",
+            "--user",
+            str(UID),
+            "-v",
+            f"{creds / 'ca.crt'}:/credentials/ca.crt:ro",
+            "-v",
+            f"{creds / 'supernodes' / 'intruder'}:/credentials/supernode.key:ro",
+            IMAGE,
+            "flower-supernode",
+            f"--superlink=127.0.0.1:{stack['env']['GATEWAY_PORT']}",
+            "--root-certificates=/credentials/ca.crt",
+            "--auth-supernode-private-key=/credentials/supernode.key",
+            "--max-retries=2",
+            f"--port={free_port()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert intruder.returncode != 0
+    assert "Failed to activate SuperNode" in intruder.stdout + intruder.stderr, intruder.stderr[-3000:]
