@@ -96,7 +96,7 @@ class ReprogramClient(Learner):
         rows = self.node.part.train if split == "train" else self.node.part.test
         picked = rows[idx]
         labels = torch.from_numpy(source.labels[picked]).to(self.device)
-        key = (source.identity, self.size)
+        key = (source.content_key, self.size)
         if key not in _IMAGES and len(source) * 3 * self.size**2 <= CACHE_LIMIT_BYTES:
             _IMAGES[key] = torch.stack([self._load(source, i) for i in range(len(source))])
         pixels = (

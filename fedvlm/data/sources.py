@@ -2,12 +2,19 @@
 
 Labels are available without decoding an image (partitioning needs only them); images load
 lazily as RGB PIL images, the input every CLIP preprocess accepts. ``identity`` names the
-content (dataset, split and version) and keys the feature cache.
+source for people (dataset and split); ``content_key`` names what it serves, and keys every
+cache of what is computed from its images (image features): the pixels of in-memory images,
+each file's resolved path with its size and modification time, the labels and the order. A
+photo moved between class folders, a file replaced under the same name, or another data-root
+holding the same dataset each give another key, so a cache never serves what is no longer there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +32,32 @@ class ImageSource:
     def image(self, i: int) -> Image.Image:
         raise NotImplementedError
 
+    def _hash_content(self, h) -> None:
+        """Feed ``h`` what identifies every image this source serves, in order."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def content_key(self) -> str:
+        h = hashlib.sha256(type(self).__name__.encode())
+        self._hash_content(h)
+        h.update(np.ascontiguousarray(self.labels, dtype=np.int64).tobytes())
+        return h.hexdigest()[:24]
+
+
+def hash_files(h, paths: Iterable[Path]) -> None:
+    """Each file's resolved path, size and modification time (its folder resolved once)."""
+    folders: dict[str, str] = {}
+    for path in paths:
+        folder, name = os.path.split(os.fspath(path))
+        if folder not in folders:
+            folders[folder] = os.path.realpath(folder)
+        try:
+            st = os.stat(path)
+            stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            stamp = "missing"  # loading it fails later, naming the file
+        h.update(f"{folders[folder]}/{name}\0{stamp}\n".encode())
+
 
 class ArraySource(ImageSource):
     """Images held in memory as uint8 arrays [N, H, W, 3] or [N, H, W]."""
@@ -39,6 +72,10 @@ class ArraySource(ImageSource):
     def image(self, i: int) -> Image.Image:
         return Image.fromarray(self.images[i]).convert("RGB")
 
+    def _hash_content(self, h) -> None:
+        h.update(str(self.images.shape).encode())
+        h.update(np.ascontiguousarray(self.images).tobytes())
+
 
 class FileSource(ImageSource):
     """Images on disk, one path per sample."""
@@ -51,6 +88,9 @@ class FileSource(ImageSource):
     def image(self, i: int) -> Image.Image:
         with Image.open(self.paths[i]) as img:
             return img.convert("RGB")
+
+    def _hash_content(self, h) -> None:
+        hash_files(h, self.paths)
 
 
 class SubsetSource(ImageSource):
@@ -65,6 +105,10 @@ class SubsetSource(ImageSource):
     def image(self, i: int) -> Image.Image:
         return self.base.image(int(self.indices[i]))
 
+    def _hash_content(self, h) -> None:
+        h.update(self.base.content_key.encode())
+        h.update(self.indices.tobytes())
+
 
 class ConcatSource(ImageSource):
     """Two sources one after the other (a reference node's training pool: train, then test)."""
@@ -77,9 +121,14 @@ class ConcatSource(ImageSource):
     def image(self, i: int) -> Image.Image:
         return self.first.image(i) if i < len(self.first) else self.second.image(i - len(self.first))
 
+    def _hash_content(self, h) -> None:
+        h.update(f"{self.first.content_key}+{self.second.content_key}".encode())
+
 
 class DatasetSource(ImageSource):
-    """A torchvision dataset: ``dataset[i][0]`` is a PIL image."""
+    """A torchvision dataset: ``dataset[i][0]`` is a PIL image. Its content: the pixel array of
+    a dataset held in memory (CIFAR), else every file under its root (images, label and split
+    files), with the root resolved."""
 
     def __init__(self, dataset, labels: np.ndarray, identity: str):
         self.dataset = dataset
@@ -88,6 +137,15 @@ class DatasetSource(ImageSource):
 
     def image(self, i: int) -> Image.Image:
         return self.dataset[i][0].convert("RGB")
+
+    def _hash_content(self, h) -> None:
+        data = getattr(self.dataset, "data", None)
+        if isinstance(data, np.ndarray):
+            h.update(str(data.shape).encode())
+            h.update(np.ascontiguousarray(data).tobytes())
+            return
+        root = Path(self.dataset.root)
+        hash_files(h, sorted(p for p in root.rglob("*") if p.is_file()))
 
 
 @dataclass

@@ -168,6 +168,9 @@ class _HFImages(ImageSource):
     def image(self, i: int):
         return self.rows[int(i)]["image"].convert("RGB")
 
+    def _hash_content(self, h) -> None:
+        h.update(self.rows._fingerprint.encode())  # the datasets library's hash of the rows' content
+
 
 def load_scienceqa(source: str, max_train: int = 0, max_test: int = 0) -> VLMDataset:
     import datasets

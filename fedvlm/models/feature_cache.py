@@ -1,7 +1,8 @@
 """Frozen image features, computed once and reused across steps, rounds and runs.
 
 CLIP's image tower is frozen in every prompt method, so an image's feature never changes:
-it is computed once per (backbone weights, data, transform, image set) and kept
+it is computed once per (backbone weights, the exact images: ``ImageSource.content_key``,
+transform, image set) and kept
 - in memory, for the life of the process (a Ray worker serves many simulated clients and
   rounds; a deployed SuperNode starts a fresh process per message and relies on disk), and
 - on disk under ``<cache-dir>/features/<key>.pt``, written atomically under a lock so that
@@ -31,7 +32,7 @@ _MEMORY: dict[str, torch.Tensor] = {}
 
 def cache_key(fingerprint: str, source: ImageSource, indices: np.ndarray, transform_id: str) -> str:
     h = hashlib.sha256()
-    for part in (fingerprint, source.identity, transform_id):
+    for part in (fingerprint, source.content_key, transform_id):
         h.update(part.encode())
         h.update(b"\0")
     h.update(np.ascontiguousarray(indices, dtype=np.int64).tobytes())

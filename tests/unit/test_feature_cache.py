@@ -43,3 +43,60 @@ def test_cached_features_equal_direct_encoding(pretrained_clip, tmp_path):
         x = torch.stack([pretrained_clip.preprocess(data.test.image(i)) for i in idx])
         direct = torch.nn.functional.normalize(pretrained_clip.model.encode_image(x), dim=-1)
     torch.testing.assert_close(cached, direct)
+
+
+# ---- the cache never serves features of images that are no longer there ----------------------
+
+
+def _served_equals_fresh(bundle, source, cache_dir) -> bool:
+    """Every feature the cache serves for ``source`` is the feature of the image there now."""
+    idx = np.arange(len(source))
+    served = feature_cache.image_features(bundle, source, idx, cache_dir)
+    fresh = feature_cache.encode_images(bundle, source, idx, 64)
+    return torch.allclose(served, fresh, atol=1e-6)
+
+
+def test_moving_a_photo_between_class_folders_is_a_new_key(pretrained_clip, tmp_path):
+    from fedvlm.data.registry import load_image_folder
+    from tests.formats import make_image_folder
+
+    root = tmp_path / "org"
+    make_image_folder(root / "train")
+    make_image_folder(root / "test", per_class=1)
+    first = load_image_folder(root, 0.3).train
+    assert _served_equals_fresh(pretrained_clip, first, tmp_path / "cache")
+    # the audit: one mislabelled photo moved from 'cat' to 'dog' shifted which image each cached row was
+    (root / "train" / "cat" / "cat_0.png").rename(root / "train" / "dog" / "cat_0.png")
+    moved = load_image_folder(root, 0.3).train
+    assert moved.content_key != first.content_key
+    assert _served_equals_fresh(pretrained_clip, moved, tmp_path / "cache")
+
+
+def test_replacing_files_under_the_same_names_and_another_root_are_new_keys(pretrained_clip, tmp_path):
+    from fedvlm.data.registry import load_dataset as load
+    from tests.formats import make_dtd, write_image
+
+    cache = tmp_path / "cache"
+    root = make_dtd(tmp_path / "a")
+    first = load("dtd", data_root=str(root)).test
+    assert _served_equals_fresh(pretrained_clip, first, cache)
+    # the same names, other pixels (a re-download, a corrected file): the audit found 4 of 10 stale
+    for path in sorted((root / "dtd" / "dtd" / "images").rglob("*.jpg"))[::2]:
+        write_image(path, 2, "val")
+    replaced = load("dtd", data_root=str(root)).test
+    assert replaced.content_key != first.content_key
+    assert _served_equals_fresh(pretrained_clip, replaced, cache)
+    # another data-root holding a DTD shares no entry with this one
+    other = load("dtd", data_root=str(make_dtd(tmp_path / "b"))).test
+    assert other.identity == first.identity and other.content_key != replaced.content_key
+    assert _served_equals_fresh(pretrained_clip, other, cache)
+
+
+def test_a_dtd_tree_loads_every_label_and_split_right(tmp_path):
+    from tests.formats import decode, make_dtd
+
+    data = load_dataset("dtd", data_root=str(make_dtd(tmp_path)))
+    assert data.classnames == ["banded", "blotchy", "braided"]
+    for source, split in ((data.train, "train"), (data.test, "test")):
+        assert len(source) == 6
+        assert [decode(source.image(i)) for i in range(len(source))] == [(int(y), split) for y in source.labels]
