@@ -75,21 +75,17 @@ def _hf_offline():
         constants.HF_HUB_OFFLINE = old
 
 
-_FINGERPRINTS: dict[tuple[str, int, float], str] = {}
-
-
-def file_fingerprint(path: Path) -> str:
-    """sha256 of a checkpoint file (content, so that two machines agree), memoised per
-    (path, size, mtime) because hashing a ViT-L checkpoint takes seconds."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime)
-    if key not in _FINGERPRINTS:
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-        _FINGERPRINTS[key] = f"sha256:{h.hexdigest()[:16]}:{stat.st_size}"
-    return _FINGERPRINTS[key]
+def tensor_fingerprint(model: nn.Module, activation: str) -> str:
+    """What was loaded: a sha256 of every tensor of the model (names, dtypes, shapes, values),
+    and the activation its MLPs compute, which no tensor holds. Two machines that load the same
+    weights agree, whatever file, format or cache they came from; two different caches of one
+    tag, or two random initialisations, do not."""
+    h = hashlib.sha256(activation.encode())
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return f"{activation}:sha256:{h.hexdigest()[:16]}"
 
 
 def _tiny_preprocess(img: Image.Image) -> torch.Tensor:
@@ -119,7 +115,94 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _load_open_clip(name: str, pretrained: str, cache_dir: Path):
+QUICK_GELU, GELU = "quick-gelu", "gelu"
+OPENAI_CLIP_CACHE = Path("~/.cache/clip")  # where OpenAI's `clip` package keeps its TorchScript files
+
+
+def is_torchscript(path: Path) -> bool:
+    """OpenAI's original checkpoints (and the `clip` package's) are TorchScript archives: a zip
+    holding compiled code, which torch.load(weights_only=True) refuses."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith(("constants.pkl", "/code/__torch__.py")) or "/code/" in n for n in z.namelist())
+
+
+def activation_of(name: str, pretrained: str, path: Path | None) -> str:
+    """The activation the weights were trained with: the architecture's own for a `-quickgelu`
+    name; open_clip's pretrained config for a tag (OpenAI's are QuickGELU, though open_clip 3.x
+    builds the plain name with GELU); for a file, the `open_clip_config.json` beside it (what a
+    Hugging Face download leaves), else the name's. A file whose config contradicts a
+    `-quickgelu` name is refused."""
+    import json
+
+    import open_clip
+
+    named = QUICK_GELU if name.endswith("-quickgelu") else GELU
+    if path is None:
+        cfg = open_clip.get_pretrained_cfg(name, pretrained) if pretrained else {}
+        return QUICK_GELU if cfg.get("quick_gelu") or named == QUICK_GELU else GELU
+    beside = path.parent / "open_clip_config.json"
+    if beside.is_file():
+        quick = bool(json.loads(beside.read_text()).get("model_cfg", {}).get("quick_gelu", False))
+        if named == QUICK_GELU and not quick:
+            raise BackboneError(
+                f"clip.model {name!r} computes QuickGELU but {beside} says its weights were trained with GELU: "
+                f"use clip.model={name.removesuffix('-quickgelu')!r}"
+            )
+        return QUICK_GELU if quick else named
+    return named
+
+
+def _random_init(name: str, quick: bool):
+    """Seeded: every process builds the same weights, so nodes agree on the fingerprint."""
+    import open_clip
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return open_clip.create_model_and_transforms(name, pretrained=None, force_quick_gelu=quick)
+
+
+def _load_torchscript(name: str, path: Path):
+    """OpenAI's TorchScript checkpoint as an eager open_clip model (its state dict, QuickGELU)."""
+    import open_clip
+
+    model = open_clip.load_openai_model(str(path), device="cpu")
+    size = model.visual.image_size
+    preprocess = open_clip.image_transform(
+        size[0] if isinstance(size, (tuple, list)) else size,
+        is_train=False,
+        mean=open_clip.OPENAI_DATASET_MEAN,
+        std=open_clip.OPENAI_DATASET_STD,
+    )
+    reference = open_clip.get_model_config(name) or {}
+    want = reference.get("embed_dim")
+    got = int(model.text_projection.shape[1])
+    if want and got != want:
+        raise BackboneError(
+            f"{path} holds a CLIP with {got}-dimensional embeddings, not {name}'s {want}: set clip.model to the "
+            "architecture of that file"
+        )
+    return model, preprocess
+
+
+def _hf_file_hint(name: str, pretrained: str) -> str:
+    import open_clip
+
+    hub = open_clip.get_pretrained_cfg(name, pretrained).get("hf_hub", "").rstrip("/")
+    if not hub:
+        return ""
+    return (
+        f" It is Hugging Face repository {hub}: `huggingface-cli download {hub} open_clip_model.safetensors` (or "
+        f"open_clip_pytorch_model.bin) puts it in the standard cache ($HF_HOME/hub), which is searched first"
+    )
+
+
+def _load_open_clip(name: str, pretrained: str, cache_dir: Path, load_weights: bool = True):
+    """(model, preprocess, tokenizer, activation) of an open_clip architecture with ``pretrained``
+    weights (``load_weights=False``: the same model, untrained; tests decide activations so)."""
     import open_clip
 
     if name not in open_clip.list_models():
@@ -127,45 +210,85 @@ def _load_open_clip(name: str, pretrained: str, cache_dir: Path):
             f"run config 'clip.model' = {name!r} is not an open_clip architecture nor 'embedded-tiny'; "
             f"examples: ViT-B-16, ViT-B-32, RN50, ViT-L-14 (`open_clip.list_models()` lists all)"
         )
+    tokenizer = open_clip.get_tokenizer(name)
     if not pretrained:
         log.warning("clip.pretrained is empty: %s is RANDOMLY INITIALISED (benchmarks only)", name)
-        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None)
-        return model, preprocess, open_clip.get_tokenizer(name), f"{name}:random-init"
+        act = activation_of(name, "", None)
+        model, _, preprocess = _random_init(name, act == QUICK_GELU)
+        return model, preprocess, tokenizer, act
     path = Path(pretrained).expanduser()
     looks_like_path = os.sep in pretrained or path.suffix in {".bin", ".pt", ".pth", ".safetensors"}
     if looks_like_path:
+        if not path.is_absolute():
+            raise BackboneError(
+                f"run config 'clip.pretrained' = {pretrained!r} is a relative path: Flower runs the apps in whatever "
+                "directory its processes started in; give an absolute path"
+            )
         if not path.is_file():
             raise BackboneError(
                 f"run config 'clip.pretrained' = {pretrained!r} looks like a file path but no such "
                 "file exists on this machine"
             )
-        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=str(path))
-        return model, preprocess, open_clip.get_tokenizer(name), f"{name}:{file_fingerprint(path)}"
+        if is_torchscript(path):
+            model, preprocess = _load_torchscript(name, path)
+            return model, preprocess, tokenizer, QUICK_GELU
+        act = activation_of(name, pretrained, path)
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            name, pretrained=str(path), force_quick_gelu=act == QUICK_GELU
+        )
+        return model, preprocess, tokenizer, act
     tags = open_clip.list_pretrained_tags_by_model(name)
     if pretrained not in tags:
         raise BackboneError(
             f"run config 'clip.pretrained' = {pretrained!r} is neither a pretrained tag of {name} "
             f"({', '.join(tags) or 'none'}) nor an existing checkpoint file"
         )
+    act = activation_of(name, pretrained, None)
+    quick = act == QUICK_GELU and not name.endswith("-quickgelu")
+    if not load_weights:  # the architecture the weights would be loaded into (open_clip would download them)
+        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, force_quick_gelu=quick)
+        return model, preprocess, tokenizer, act
     online = _hub_reachable()
-    try:
-        with contextlib.nullcontext() if online else _hf_offline():
-            model, _, preprocess = open_clip.create_model_and_transforms(
-                name, pretrained=pretrained, cache_dir=str(cache_dir / "open_clip") if cache_dir else None
-            )
-    except Exception as err:
-        where = (
-            "the download failed"
-            if online
-            else "this machine cannot reach huggingface.co and they are not in the local cache"
-        )
-        raise BackboneError(
-            f"weights for {name} / {pretrained} could not be loaded: {where} ({err}). Supply them "
-            f'as a local file: on a machine with network run `python -c "import open_clip; '
-            f"open_clip.create_model('{name}', pretrained='{pretrained}', cache_dir='weights')\"`, copy "
-            f"the open_clip_pytorch_model.bin it saves here, and set clip.pretrained='/path/to/that/file'"
-        ) from err
-    return model, preprocess, open_clip.get_tokenizer(name), f"{name}:{pretrained}"
+    errors = []
+    # the standard Hugging Face cache first (what `huggingface-cli download` fills), then ours
+    for where in (None, str(cache_dir / "open_clip") if cache_dir else None):
+        try:
+            with contextlib.nullcontext() if online else _hf_offline():
+                model, _, preprocess = open_clip.create_model_and_transforms(
+                    name, pretrained=pretrained, force_quick_gelu=quick, cache_dir=where
+                )
+            return model, preprocess, tokenizer, act
+        except Exception as err:  # noqa: BLE001 - open_clip and huggingface_hub raise many kinds
+            errors.append(f"{where or 'the Hugging Face cache'}: {err}")
+    legacy = _openai_clip_file(name, pretrained)
+    if legacy is not None:
+        model, preprocess = _load_torchscript(name, legacy)
+        return model, preprocess, tokenizer, QUICK_GELU
+    where = "the download failed" if online else "this machine cannot reach huggingface.co and they are not cached"
+    raise BackboneError(
+        f"weights for {name} / {pretrained} could not be loaded: {where} ({'; '.join(errors)})."
+        f"{_hf_file_hint(name, pretrained)}. Or supply them as a local file and set "
+        "clip.pretrained='/absolute/path/to/it'"
+    )
+
+
+def _openai_clip_file(name: str, pretrained: str) -> Path | None:
+    """OpenAI's own TorchScript file for an `openai` tag, where the `clip` package left it
+    (~/.cache/clip/<arch>.pt), checked against the sha256 in OpenAI's URL."""
+    import open_clip
+
+    url = open_clip.get_pretrained_cfg(name, pretrained).get("url", "")
+    if pretrained != "openai" or not url:
+        return None
+    path = OPENAI_CLIP_CACHE.expanduser() / url.rsplit("/", 1)[-1]
+    if not path.is_file():
+        return None
+    expected = url.rsplit("/", 2)[-2]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != expected:
+        log.warning("%s is not OpenAI's file (sha256 %s, expected %s): not used", path, digest[:12], expected[:12])
+        return None
+    return path
 
 
 _CACHE: dict[tuple, ClipBundle] = {}
@@ -179,18 +302,12 @@ def load_clip(name: str, pretrained: str, cache_dir: Path, device: str = "auto")
         return _CACHE[key]
     if name == tiny_clip.EMBEDDED_MODEL_NAME:
         model, path = tiny_clip.load_embedded_clip(Path(cache_dir))
-        bundle_parts = (
-            model,
-            _tiny_preprocess,
-            _tiny_augment,
-            tiny_clip.tokenizer(),
-            f"{name}:{tiny_clip.PretrainRecipe().key()}",
-        )
+        preprocess, augment, tok, act = _tiny_preprocess, _tiny_augment, tiny_clip.tokenizer(), GELU
         pretrained = "embedded (pretrained on the embedded domain at first use)"
     else:
-        model, preprocess, tok, fp = _load_open_clip(name, pretrained, Path(cache_dir))
-        bundle_parts = (model, preprocess, _open_clip_augment(model, preprocess), tok, fp)
-    model, preprocess, augment, tok, fp = bundle_parts
+        model, preprocess, tok, act = _load_open_clip(name, pretrained, Path(cache_dir))
+        augment = _open_clip_augment(model, preprocess)
+    fp = f"{name}:{tensor_fingerprint(model, act)}"
     model = model.to(dev).eval().requires_grad_(False)
     with torch.no_grad():
         embed_dim = int(model.encode_text(tok(["a"]).to(dev)).shape[-1])
