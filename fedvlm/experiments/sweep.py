@@ -44,7 +44,7 @@ import numpy as np
 
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.methods.registry import PROMPT, get_method, methods_of, validate
-from fedvlm.runconfig import KEY_BY_NAME, parse_value
+from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 
 log = logging.getLogger("sweep")
 
@@ -229,11 +229,23 @@ def _labelled(items: list[list[str]]) -> list[tuple[str, str, dict]]:
     return out
 
 
-def _fmt(vals: list[float]) -> str:
-    vals = [v for v in vals if v is not None and np.isfinite(v)]
+def _fmt(values: list[float | None]) -> str:
+    vals = [v for v in values if v is not None and np.isfinite(v)]
     if not vals:
         return "-"
     return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}" if len(vals) > 1 else f"{100 * vals[0]:.2f}"
+
+
+def write_failures(rows: list[dict], out: Path) -> None:
+    """table_failures.md: every run that could not run or did not finish, with its reason."""
+    failed = [r for r in rows if r["status"] == "failed"]
+    path = out / "table_failures.md"
+    if not failed:
+        path.unlink(missing_ok=True)
+        return
+    lines = ["| variant | epsilon | seed | why |", "|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['epsilon']} | {r['seed']} | {r['error'].replace('|', '/')} |" for r in failed]
+    path.write_text("Runs that failed (the sweep went on without them)\n\n" + "\n".join(lines) + "\n")
 
 
 def _write_table(out: Path, tag: str, head: str, table: list[list[str]]) -> None:
@@ -262,7 +274,9 @@ def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: di
         for v in variants:
             cells = [v]
             for e in epsilons:
-                cells.append(_fmt([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]))
+                these = [r for r in rows if r["variant"] == v and r["epsilon"] == e]
+                failed = these and all(r.get("status") == "failed" for r in these)
+                cells.append("failed" if failed else _fmt([r.get(key) for r in these]))
                 if paper:
                     cells.append(f"{paper[(v, e)]:.2f}" if (v, e) in paper else "-")
             table.append(cells)
@@ -420,6 +434,38 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
         plt.close(fig)
 
 
+# what defines a paper's setup: a --set of one of these (or of any key the preset sets) makes
+# the comparison with the paper's numbers meaningless, so the paper column is left out
+DEFAULT_CLIENTS = 10
+SETUP_KEYS = ("dataset", "clip.model", "clip.pretrained", "partitioner", "dirichlet-alpha", "max-per-class")
+
+
+def setup(preset: str | None, sets: list[str], clients: int | None) -> tuple[dict, int, dict | None]:
+    """(base run config, clients per run, the paper's numbers or None) of a sweep: the preset,
+    then every --set; the paper's numbers only while the setup is still the paper's."""
+    base = dict(PRESETS.get(preset or "", {}))
+    preset_clients = base.pop("_clients", DEFAULT_CLIENTS if preset else None)  # the papers' setups name it or use 10
+    reference = base.pop("_reference", None)
+    changed = []
+    for item in sets:
+        key, _, value = item.partition("=")
+        value = parse_value(value)
+        if (key in base and base[key] != value) or (key not in base and key in SETUP_KEYS):
+            changed.append(f"{key}={value!r}")
+        base[key] = value
+    if clients is not None and preset_clients is not None and clients != preset_clients:
+        changed.append(f"--clients {clients} (the preset: {preset_clients})")
+    if reference and changed:
+        log.warning("not the paper's setup (%s): its numbers are left out of the tables", ", ".join(changed))
+        reference = None
+    return base, int(clients or preset_clients or DEFAULT_CLIENTS), reference
+
+
+def failed_row(variant: str, method: str, eps: str, seed: int, err: BaseException) -> dict:
+    reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    return {"variant": variant, "method": method, "epsilon": eps, "seed": seed, "status": "failed", "error": reason}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path.home() / "fedvlm-sweeps" / "sweep")
@@ -441,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--ranks", default="8")
     p.add_argument("--residual", default="on", help="on, off or on,off (DP-FPL's ablation)")
-    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--clients", type=int, default=None, help="clients per run (default: the preset's, else 10)")
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for every run")
     p.add_argument("--engine", choices=("inprocess", "flwr"), default="inprocess")
@@ -462,12 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("strategies", "server_app", "fedvlm", "models", "data"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    base = dict(PRESETS.get(args.preset, {}))
-    clients = int(base.pop("_clients", args.clients))
-    reference = base.pop("_reference", None)
-    for item in args.set:
-        key, _, value = item.partition("=")
-        base[key] = parse_value(value)
+    base, clients, reference = setup(args.preset, args.set, args.clients)
     out = args.out.expanduser().resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     epsilons = [e.strip() for e in args.epsilons.split(",")]
@@ -488,10 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         if e == "none" or get_method(m).supports_dp
         for s in seeds
     ]
-    rows = []
-    t_all = time.time()
-    for i, (variant, method, extra, eps, seed) in enumerate(plan, 1):
-        name = f"{variant}-eps{eps}-seed{seed}"
+
+    def raw_of(variant: str, method: str, extra: dict, eps: str, seed: int) -> dict:
         raw = {
             **base,
             **extra,
@@ -499,15 +538,59 @@ def main(argv: list[str] | None = None) -> int:
             "seed": seed,
             "privacy.epsilon": 0.0 if eps == "none" else float(eps),
             "output-dir": str(out / "runs"),
-            "run-name": name,
+            "run-name": f"{variant}-eps{eps}-seed{seed}",
         }
         if args.audit and (eps != "none" or get_method(method).family.noise_multiplier > 0):  # a private run
             raw["privacy.audit-canaries"] = args.audit
+        return raw
+
+    # every run's config is checked before the first starts: an impossible pair (FedOTP on a
+    # ResNet CLIP) is a failed row at once, not a crash hours in
+    refused: dict[str, ConfigError] = {}
+    for entry in plan:
+        raw = raw_of(*entry)
+        try:
+            validate(raw)
+        except ConfigError as err:
+            refused[raw["run-name"]] = err
+            log.error("%s cannot run: %s", raw["run-name"], err)
+
+    def report(rows: list[dict]) -> None:
+        """summary.csv and every table, rewritten after each run (a failed one too)."""
+        with open(out / "summary.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+            w.writeheader()
+            w.writerows(rows)
+        done = [r for r in rows if r["status"] != "failed"]
+        write_tables(rows, out, epsilons, reference)
+        write_failures(rows, out)
+        write_audit(done, out)
+        write_attack_table(
+            done,
+            out,
+            "the published personalised prompts (server-*: every upload the server saw, attack.observe-uploads)",
+        )
+
+    rows: list[dict] = []
+    t_all = time.time()
+    for i, (variant, method, extra, eps, seed) in enumerate(plan, 1):
+        raw = raw_of(variant, method, extra, eps, seed)
+        name = raw["run-name"]
+        if name in refused:
+            rows.append(failed_row(variant, method, eps, seed, refused[name]))
+            report(rows)
+            continue
         results_path = out / "runs" / name / "results.json"
         t0 = time.time()
         data = json.loads(results_path.read_text()) if results_path.exists() else None
-        if data is None or data["run"].get("status") not in ("finished", "stopped"):
-            data = run_one(raw, clients, args.engine, out)
+        try:
+            if data is None or data["run"].get("status") not in ("finished", "stopped"):
+                data = run_one(raw, clients, args.engine, out)
+        except Exception as err:  # noqa: BLE001 - a failed variant is a row of the table, not the sweep's end
+            rows.append(failed_row(variant, method, eps, seed, err))
+            log.error("[%d/%d] %s failed: %s", i, len(plan), name, rows[-1]["error"])
+            report(rows)
+            continue
         row = {
             "variant": variant,
             "method": method,
@@ -519,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
             "neighbor-acc": data["final"].get("neighbor-acc"),
             "status": data["run"]["status"],
         }
+        if row["status"] == "failed":  # the ServerApp stopped with an error and said why
+            row["error"] = str(data["run"].get("note") or "the run failed").splitlines()[0][:300]
         spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
         row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
         row.update(audit_row(data))
@@ -549,20 +634,11 @@ def main(argv: list[str] | None = None) -> int:
             f" MIA {100 * row['mia-shokri-acc']:.1f}%" if args.mia else "",
             time.time() - t0,
         )
-        with open(out / "summary.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-            w.writeheader()
-            w.writerows(rows)
-        write_tables(rows, out, epsilons, reference)
-        write_audit(rows, out)
-        write_attack_table(
-            rows,
-            out,
-            "the published personalised prompts (server-*: every upload the server saw, attack.observe-uploads)",
-        )
-    plot(rows, out, epsilons)
-    plot_audit(rows, out)
-    plot_attacks(rows, out)
+        report(rows)
+    done = [r for r in rows if r["status"] != "failed"]
+    plot(done, out, epsilons)
+    plot_audit(done, out)
+    plot_attacks(done, out)
     print((out / "table_final.md").read_text())
     print((out / "table_local.md").read_text())
     print((out / "table_neighbor.md").read_text())
@@ -572,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         print((out / "table_attacks.md").read_text())
     if (out / "table_audit.md").exists():
         print((out / "table_audit.md").read_text())
+    if (out / "table_failures.md").exists():
+        print((out / "table_failures.md").read_text())
     log.info("sweep of %d runs done in %.0fs: %s", len(plan), time.time() - t_all, out)
     return 0
 

@@ -87,6 +87,24 @@ def _pfedmoap_local(cfg: RunConfig) -> LocalDP:
     )
 
 
+def _patch_tokens_check(values: dict) -> None:
+    """FedOTP matches every image's patch embeddings to the prompts: open_clip's own ViT and
+    ResNet image towers and the embedded tiny CLIP's give them (``models.patch_tokens``); a timm
+    tower does not."""
+    name = values["clip.model"]
+    if name == "embedded-tiny":
+        return
+    import open_clip
+
+    timm = (open_clip.get_model_config(name) or {}).get("vision_cfg", {}).get("timm_model_name")
+    if timm:
+        raise ConfigError(
+            f"run config 'method' = {values['method']!r} matches image patches to prompts, but clip.model = "
+            f"{name!r} has a timm image tower ({timm}) whose patch embeddings this project does not take: use a "
+            "ViT or ResNet CLIP (e.g. ViT-B-16, RN50) or embedded-tiny"
+        )
+
+
 def _pfedmoap_check(values: dict) -> None:
     dim, heads = values["pfedmoap.gating-dim"], values["pfedmoap.gating-heads"]
     if dim % heads:
@@ -236,6 +254,7 @@ METHODS: dict[str, MethodSpec] = {
             local_dp=_dp(
                 "ldp-local", "client: gradient of the full-rank local prompt at every local step", noises_upload=False
             ),
+            check=_patch_tokens_check,
         ),
         MethodSpec(
             "fedpgp",

@@ -42,6 +42,21 @@ def test_patch_tokens_tiny_and_vit():
     assert not vit.visual.output_tokens  # restored
 
 
+def test_patch_tokens_of_a_resnet_clip_are_its_attention_pool_at_every_cell():
+    """RN50 (the pFedMoAP comparison's backbone): the pool's output at the mean token is exactly
+    the image feature, and every one of the 7x7 cells is computed the same way."""
+    from fedvlm.models.patch_tokens import attention_pool_everywhere
+
+    rn = open_clip.create_model("RN50", pretrained=None).eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        everywhere = attention_pool_everywhere(rn.visual, x)
+        torch.testing.assert_close(everywhere[:, 0], rn.visual(x), atol=1e-4, rtol=1e-4)
+    tokens = encode_patch_tokens(rn, x)
+    assert tokens.shape == (2, 49, 1024)
+    torch.testing.assert_close(tokens.norm(dim=-1), torch.ones(2, 49))
+
+
 @pytest.mark.parametrize("method,private_keys", [("fedotp", {"local_ctx"}), ("fedpgp", {"u", "v"})])
 def test_baselines_keep_their_local_parts_private(make_cfg, pretrained_clip, method, private_keys):
     cfg = make_cfg(method=method, num_server_rounds=2, privacy__epsilon=1.0)
