@@ -109,6 +109,8 @@ def _largest_category(instances: Path) -> tuple[dict[int, int], list[str]]:
 
 
 CAPTION_PROMPT_REAL = "Write a short caption for this image."
+# the split label of an image COCO's instances file annotates no object in (not 'person', index 0)
+NO_OBJECT = "no annotated object"
 
 
 def load_coco_style(
@@ -131,9 +133,12 @@ def load_coco_style(
     label_of: dict[int, int] = {}
     label_names = ["image"]
     inst = captions_json.with_name(captions_json.name.replace("captions_", "instances_"))
+    unlabelled = 0
     if inst != captions_json and inst.is_file():
-        label_of, label_names = _largest_category(inst)
-    labels = np.array([label_of.get(im["id"], 0) for im in images], dtype=np.int64)
+        label_of, names = _largest_category(inst)
+        label_names = [*names, NO_OBJECT]
+        unlabelled = len(names)
+    labels = np.array([label_of.get(im["id"], unlabelled) for im in images], dtype=np.int64)
     paths = [image_dir / im["file_name"] for im in images]
     refs = [caps[im["id"]] for im in images]
     split = VLMSplit(FileSource(paths, labels, identity), [prompt] * len(images), [r[0] for r in refs], refs)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from PIL import Image
 from torch import nn
 
 from fedvlm.models import tiny_clip
+from fedvlm.runconfig import weights_path
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +216,8 @@ def _load_open_clip(name: str, pretrained: str, cache_dir: Path, load_weights: b
         act = activation_of(name, "", None)
         model, _, preprocess = _random_init(name, act == QUICK_GELU)
         return model, preprocess, tokenizer, act
-    path = Path(pretrained).expanduser()
-    looks_like_path = os.sep in pretrained or path.suffix in {".bin", ".pt", ".pth", ".safetensors"}
-    if looks_like_path:
+    path = weights_path(pretrained)
+    if path is not None:
         if not path.is_absolute():
             raise BackboneError(
                 f"run config 'clip.pretrained' = {pretrained!r} is a relative path: Flower runs the apps in whatever "

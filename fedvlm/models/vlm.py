@@ -91,7 +91,24 @@ def load_model_and_processor(name: str, cache_dir: Path, trust_remote_code: bool
         raise VLMLoadError(
             f"vlm.model = {name!r} could not be loaded: {hint}{extra} ({type(err).__name__}: {err})"
         ) from err
+    ensure_pad_token(processor, name)
     return model, processor
+
+
+def ensure_pad_token(processor, name: str) -> None:
+    """Batches of prompts of different lengths are padded: a tokenizer that has no pad token
+    (many decoder-only LMs) pads with its end-of-sequence token, which the attention mask hides
+    and generation stops at anyway."""
+    tok = getattr(processor, "tokenizer", processor)
+    if tok.pad_token is not None:
+        return
+    if tok.eos_token is None:
+        raise VLMLoadError(
+            f"vlm.model = {name!r}: its tokenizer has neither a pad nor an end-of-sequence token, so prompts of "
+            "different lengths cannot be batched; set tokenizer.pad_token in the checkpoint's tokenizer_config.json"
+        )
+    tok.pad_token = tok.eos_token
+    log.info("%s: the tokenizer has no pad token; padding with its end-of-sequence token %r", name, tok.eos_token)
 
 
 def lora_target_regex(targets: list[str], lm_pattern: str = DEFAULT_LM_PATTERN) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,14 @@ VLM_DATASETS = frozenset(
     {"embedded-captions", "embedded-captions-varied", "embedded-vqa", "coco-captions", "scienceqa"}
 )
 DATASETS_WITH_OPTIONAL_ROOT = frozenset({"scienceqa"})
+WEIGHT_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".safetensors"})
+
+
+def weights_path(value: str) -> Path | None:
+    """clip.pretrained as a checkpoint path (None: an open_clip tag, or empty)."""
+    if os.sep in value or Path(value).suffix in WEIGHT_SUFFIXES:
+        return Path(value).expanduser()
+    return None
 
 
 def parse_value(text: str):
@@ -179,6 +188,20 @@ def finish(values: dict[str, Any]) -> dict[str, Any]:
             f"run config 'data-root' = {values['data-root']!r} is set but dataset "
             f"{values['dataset']!r} is generated in-process and reads no files; remove data-root "
             "or pick a file-backed dataset"
+        )
+    # weights named by a path: Flower runs the apps wherever its processes started, so a relative
+    # path would resolve there (a Hugging Face id such as org/name is not a path)
+    weights = weights_path(values["clip.pretrained"])
+    if weights is not None and not weights.is_absolute():
+        raise ConfigError(
+            f"run config 'clip.pretrained' = {values['clip.pretrained']!r} is a relative path: give the checkpoint's "
+            "absolute path"
+        )
+    vlm = values["vlm.model"]
+    if vlm.startswith(("./", "../")) or (os.sep in vlm and not vlm.startswith(("/", "~")) and Path(vlm).exists()):
+        raise ConfigError(
+            f"run config 'vlm.model' = {vlm!r} is a relative path (a directory here): give its absolute path, or a "
+            "Hugging Face id"
         )
     for path_key in ("output-dir", "cache-dir", "data-root"):
         if values[path_key] and not Path(values[path_key]).expanduser().is_absolute():

@@ -53,6 +53,10 @@ def test_defaults_are_valid_and_resolve_auto():
         ({"privacy.clip": float("inf")}, ["'privacy.clip'", "finite"]),
         ({"privacy.delta": 1.0}, ["'privacy.delta'", "must be below 1"]),
         ({"privacy.delta": float("nan")}, ["'privacy.delta'", "finite"]),
+        # Flower runs the apps wherever its processes started: a relative path would resolve there
+        ({"clip.pretrained": "weights/vit.bin"}, ["'clip.pretrained'", "relative path"]),
+        ({"clip.pretrained": "vit.safetensors"}, ["'clip.pretrained'", "relative path"]),
+        ({"method": "fedrand", "vlm.model": "./my-llava"}, ["'vlm.model'", "relative path"]),
     ],
 )
 def test_errors_name_key_value_and_fix(raw, fragments):
