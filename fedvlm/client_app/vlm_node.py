@@ -2,16 +2,19 @@
 
 Same rules as ``client_app.node`` (one code path for simulation and deployment): node config
 ``partition-id``/``num-partitions`` takes a seeded Dirichlet (or other) split of the run's
-dataset by its split label (object class, topic). Cached per process.
+dataset by its split label (object class, topic); ``data-dir`` is an organisation's own folder of
+images and ``data.jsonl`` records for the run's task (``data.vlm_data.load_vlm_folder``), which
+it trains and evaluates on exactly, drawing its DP noise from the OS. Cached per process.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from fedvlm.client_app.node import noise_source
 from fedvlm.data.partitioners import make_partitions
-from fedvlm.data.vlm_data import VLMDataset, VLMSplit, load_vlm_dataset
+from fedvlm.data.vlm_data import VLMDataError, VLMDataset, VLMSplit, load_vlm_dataset, load_vlm_folder
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.utils.rng import node_seed
 
@@ -32,7 +35,7 @@ class VLMNodeData:
         return node_seed(self.partition_id, self.name)
 
 
-_DATASETS: dict[tuple, VLMDataset] = {}
+_DATASETS: dict[tuple, VLMDataset] = {}  # by what loaded it: the run's dataset, or a node's own folder
 _NODES: dict[tuple, tuple[VLMSplit, VLMSplit]] = {}
 
 
@@ -48,15 +51,23 @@ def vlm_dataset(cfg: RunConfig, shadow: bool = False) -> VLMDataset:
 
 def vlm_node_data(cfg: RunConfig, node_config: dict, shadow: bool = False) -> VLMNodeData:
     if node_config.get("data-dir"):
-        raise ConfigError(
-            "node config 'data-dir' (an organisation's own image folder) is supported by the prompt-learning "
-            "methods; a VLM node takes a partition of the run's dataset: start it with "
-            '--node-config "partition-id=0 num-partitions=N" and point data-root at its copy of the data'
-        )
+        if shadow:
+            raise ConfigError("membership-attack shadow federations train on simulated partitions, not on a data-dir")
+        root = Path(str(node_config["data-dir"])).expanduser()
+        own = ("own", str(root), cfg.dataset, cfg.test_fraction, cfg.seed)
+        if own not in _DATASETS:
+            try:
+                _DATASETS[own] = load_vlm_folder(root, cfg.dataset, cfg.test_fraction, cfg.seed)
+            except VLMDataError as err:
+                raise ConfigError(str(err)) from err
+        ds = _DATASETS[own]
+        name = str(node_config.get("name") or root.name)
+        return VLMNodeData(name, -1, ds, ds.train, ds.test, dict(node_config), noise_source(cfg, node_config, True))
     if "partition-id" not in node_config or "num-partitions" not in node_config:
         raise ConfigError(
-            "this SuperNode's node config lacks 'partition-id'/'num-partitions': start it with "
-            '--node-config "partition-id=0 num-partitions=N"'
+            "this SuperNode has neither 'data-dir' nor 'partition-id'/'num-partitions' in its node config: start it "
+            "with --node-config \"data-dir='/path/to/folder'\" (its own images and data.jsonl) or "
+            '"partition-id=0 num-partitions=N" (a partition of the run\'s dataset)'
         )
     pid, n = int(node_config["partition-id"]), int(node_config["num-partitions"])
     if not 0 <= pid < n:

@@ -11,6 +11,20 @@
   dataset (``datasets.load_from_disk`` directory or a hub id in ``vlm.hf-dataset``); the split
   label is the topic. Questions without an image are dropped (the paper's image subset).
 
+An organisation's own data (a node config's ``data-dir``, ``load_vlm_folder``): images plus
+one ``data.jsonl`` of records, for the task of the run's dataset::
+
+    {"image": "images/0001.jpg", "caption": "a dog on a sofa"}                  captioning
+    {"image": "images/0002.jpg", "captions": ["a dog on a sofa", "a brown dog"]}  several references
+    {"image": "images/0003.jpg", "question": "What colour is the dog?",
+     "choices": ["brown", "white"], "answer": "brown"}                            multiple choice
+
+each optionally with ``"label"`` (its class or topic: the split label, used only to describe the
+data) and ``"split"`` (``"train"`` or ``"test"``; without one, a seeded per-label split by
+``test-fraction``); an optional ``labels.txt`` fixes the label names and their order. The prompt
+a record trains with is the run dataset's (``FOLDER_PROMPTS``), so own-data nodes and partition
+nodes of one federation learn the same task.
+
 Every split is a ``VLMSplit``: an ``ImageSource`` (labels = split label) and three parallel
 lists: prompts, training targets and reference answers.
 """
@@ -24,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from fedvlm.data import scenes
-from fedvlm.data.sources import ArraySource, FileSource, ImageSource, SubsetSource
+from fedvlm.data.sources import ArraySource, FileSource, ImageSource, SubsetSource, stratified_split
 
 EMBEDDED_SIZES = {"train": 1200, "test": 240, "ood": 240}
 
@@ -208,6 +222,107 @@ def load_scienceqa(source: str, max_train: int = 0, max_test: int = 0) -> VLMDat
         return VLMSplit(_HFImages(rows, labels, f"scienceqa:{source}/{name}"), prompts, answers, [[a] for a in answers])
 
     return VLMDataset("scienceqa", "vqa", topics, split("train", max_train), split("test", max_test))
+
+
+# --- an organisation's own folder -------------------------------------------------------------
+FOLDER_FILE, FOLDER_LABELS = "data.jsonl", "labels.txt"
+UNLABELLED = "unlabelled"
+
+
+def _scenes_vqa(question: str, choices: list[str], hint: str) -> str:
+    return scenes.vqa_prompt(question, choices)
+
+
+# the run's dataset -> (task, the captioning prompt, how a multiple-choice record becomes a prompt)
+FOLDER_PROMPTS = {
+    "embedded-captions": ("caption", scenes.CAPTION_PROMPT, _scenes_vqa),
+    "embedded-captions-varied": ("caption", scenes.CAPTION_PROMPT, _scenes_vqa),
+    "coco-captions": ("caption", CAPTION_PROMPT_REAL, scienceqa_prompt),
+    "embedded-vqa": ("vqa", scenes.CAPTION_PROMPT, _scenes_vqa),
+    "scienceqa": ("vqa", CAPTION_PROMPT_REAL, scienceqa_prompt),
+}
+
+
+def _answer_letter(record: dict, where: str) -> str:
+    choices, answer = record["choices"], record["answer"]
+    if isinstance(answer, int) and 0 <= answer < len(choices):
+        return "ABCDE"[answer]
+    if isinstance(answer, str) and answer in choices:
+        return "ABCDE"[choices.index(answer)]
+    if isinstance(answer, str) and len(answer) == 1 and "A" <= answer <= "ABCDE"[len(choices) - 1]:
+        return answer
+    raise VLMDataError(f"{where}: 'answer' {answer!r} is neither one of its choices, their index, nor their letter")
+
+
+def load_vlm_folder(root: Path, dataset: str, test_fraction: float, seed: int) -> VLMDataset:
+    """An organisation's own folder (the module docstring) for a run on ``dataset``."""
+    root = Path(root).expanduser()
+    records_path = root / FOLDER_FILE
+    if not records_path.is_file():
+        raise VLMDataError(
+            f"{records_path} does not exist: an own-data VLM folder holds its images and a {FOLDER_FILE} with one "
+            '{"image": ..., "caption": ...} (or "question"/"choices"/"answer") record per line; '
+            "python -m fedvlm.deploy.export_folder --set method=fedrand writes examples"
+        )
+    task, caption_prompt, vqa_prompt = FOLDER_PROMPTS[dataset.removesuffix("-shadow")]
+    rows = []
+    for n, line in enumerate(records_path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{records_path} line {n}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise VLMDataError(f"{where} is not JSON: {err}") from err
+        if not isinstance(record, dict) or not isinstance(record.get("image"), str):
+            raise VLMDataError(f"{where}: each record needs an 'image' path (relative to {root})")
+        image = root / record["image"]
+        if not image.is_file():
+            raise VLMDataError(f"{where}: image {image} does not exist")
+        if task == "caption":
+            refs = record.get("captions") or ([record["caption"]] if record.get("caption") else [])
+            if not refs or not all(isinstance(r, str) and r.strip() for r in refs):
+                raise VLMDataError(f"{where}: the run trains captioning ({dataset}); give 'caption' or 'captions'")
+            prompt, target, refs = caption_prompt, refs[0].strip(), [r.strip() for r in refs]
+        else:
+            if not {"question", "choices", "answer"} <= set(record) or not record["choices"]:
+                raise VLMDataError(
+                    f"{where}: the run trains multiple-choice answering ({dataset}); give 'question', 'choices' "
+                    "and 'answer'"
+                )
+            prompt = vqa_prompt(record["question"], record["choices"], record.get("hint", ""))
+            target = _answer_letter(record, where)
+            refs = [target]
+        split = record.get("split", "")
+        if split not in ("", "train", "test"):
+            raise VLMDataError(f"{where}: 'split' is {split!r}; use 'train' or 'test' (or leave it out)")
+        rows.append((image, prompt, target, refs, str(record.get("label", UNLABELLED)), split))
+    if not rows:
+        raise VLMDataError(f"{records_path} holds no records")
+    names_file = root / FOLDER_LABELS
+    names = (
+        [x.strip() for x in names_file.read_text().splitlines() if x.strip()]
+        if names_file.is_file()
+        else sorted({r[4] for r in rows})
+    )
+    unknown = sorted({r[4] for r in rows} - set(names))
+    if unknown:
+        raise VLMDataError(f"labels {unknown} are not in {names_file}: add them there or fix the records")
+    labels = np.array([names.index(r[4]) for r in rows], dtype=np.int64)
+    if any(r[5] for r in rows):
+        train_idx = np.array([i for i, r in enumerate(rows) if r[5] != "test"], dtype=np.int64)
+        test_idx = np.array([i for i, r in enumerate(rows) if r[5] == "test"], dtype=np.int64)
+    else:
+        train_idx, test_idx = stratified_split(labels, test_fraction, seed)
+    everything = VLMSplit(
+        FileSource([r[0] for r in rows], labels, f"own-vlm-folder:{root.name}"),
+        [r[1] for r in rows],
+        [r[2] for r in rows],
+        [r[3] for r in rows],
+    )
+    return VLMDataset(
+        f"own:{root.name}", task, names, everything.subset(train_idx, "train"), everything.subset(test_idx, "test")
+    )
 
 
 def load_vlm_dataset(

@@ -9,27 +9,57 @@ real organisation's own images take. The partition is the one a simulation with 
 config computes (dataset, partitioner, seed, ...: ``--set`` takes run-config keys), and every
 folder gets the federation's ``classes.txt`` so that labels mean the same class on every node.
 
-Layout: ``<out>/client-<i>/{train,test}/<class>/<index>.png`` plus ``<out>/client-<i>/classes.txt``.
+Layout: ``<out>/client-<i>/{train,test}/<class>/<index>.png`` plus ``<out>/client-<i>/classes.txt``;
+for a captioning run of the VLM methods (``--set method=fedrand``), the own-data VLM format
+(``data.vlm_data.load_vlm_folder``): ``<out>/client-<i>/images/<index>.png``, ``data.jsonl`` (image,
+captions, label, split) and ``labels.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from fedvlm.client_app.node import node_data
+from fedvlm.client_app.vlm_node import vlm_node_data
+from fedvlm.data.vlm_data import FOLDER_FILE, FOLDER_LABELS
 from fedvlm.methods.registry import validate
 from fedvlm.runconfig import ConfigError, parse_value
+
+
+def export_vlm_partitions(cfg, out: Path, num_partitions: int) -> list[Path]:
+    """The run's captioning partitions as own-data VLM folders (the module docstring)."""
+    written = []
+    for pid in range(num_partitions):
+        node = vlm_node_data(cfg, {"partition-id": pid, "num-partitions": num_partitions})
+        if node.dataset.task != "caption":
+            raise ConfigError(
+                f"deploy.export_folder writes captioning folders; {cfg.dataset} is a {node.dataset.task} task: write "
+                'its records as {"image", "question", "choices", "answer"} (data.vlm_data)'
+            )
+        folder = Path(out).expanduser() / f"client-{pid}"
+        (folder / "images").mkdir(parents=True, exist_ok=True)
+        lines = []
+        for split_name, split in (("train", node.train), ("test", node.test)):
+            for k in range(len(split)):
+                rel = f"images/{split_name}-{k:06d}.png"
+                split.images.image(k).convert("RGB").save(folder / rel)
+                label = node.dataset.label_names[int(split.labels[k])]
+                lines.append(
+                    json.dumps({"image": rel, "captions": split.references[k], "label": label, "split": split_name})
+                )
+        (folder / FOLDER_FILE).write_text("\n".join(lines) + "\n")
+        (folder / FOLDER_LABELS).write_text("\n".join(node.dataset.label_names) + "\n")
+        written.append(folder)
+    return written
 
 
 def export_partitions(out: Path, num_partitions: int, overrides: dict | None = None) -> list[Path]:
     cfg = validate(dict(overrides or {}))
     if cfg.spec.family.image_text:
-        raise ConfigError(
-            "deploy.export_folder writes image-classification partitions; the VLM methods read "
-            "captions/VQA files instead"
-        )
+        return export_vlm_partitions(cfg, out, num_partitions)
     written = []
     for pid in range(num_partitions):
         node = node_data(cfg, {"partition-id": pid, "num-partitions": num_partitions})

@@ -136,18 +136,27 @@ class NodeRegistry:
                 f"backbone {node.backbone} differs from the server's {self.server_fingerprint}: every node must "
                 "load the same weights"
             )
-        if known is not None and node.num_classes != known.num_classes:
+        # a VLM node's split label only describes its data (nothing trains on it): classes need not agree
+        if known is not None and not self.cfg.spec.family.image_text:
+            why = self._class_mismatch(node, known)
+            if why:
+                return why
+        if any(o.name == node.name for o in self.nodes.values()):
+            return f"another node already uses the name {node.name!r}"
+        return ""
+
+    @staticmethod
+    def _class_mismatch(node: NodeInfo, known: NodeInfo) -> str:
+        if node.num_classes != known.num_classes:
             return (
                 f"it has {node.num_classes} classes but {known.name} has {known.num_classes}: every node must "
                 "use the same class list"
             )
-        if known is not None and known.info.get("class-list") != node.info.get("class-list"):
+        if known.info.get("class-list") != node.info.get("class-list"):
             return (
                 f"its class list differs from {known.name}'s (same number, other names or order): give every "
                 "node the same classes.txt"
             )
-        if any(o.name == node.name for o in self.nodes.values()):
-            return f"another node already uses the name {node.name!r}"
         return ""
 
     def wait(self, grid: Grid) -> None:

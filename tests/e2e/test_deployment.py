@@ -312,3 +312,31 @@ def test_what_the_deployment_writes_is_owner_only(federation):
         if stat.S_IMODE(p.stat().st_mode) & 0o077 and p.suffix != ".pub" and p.name not in public
     ]
     assert not exposed, exposed
+
+
+def test_fedrand_organisations_train_on_their_own_folders(federation, tmp_path, vlm_cache):
+    """The own-data VLM format through a real deployment: two organisations' SuperNodes with their
+    own folders of images and captions (data.jsonl) join a FedRand run beside the partition nodes."""
+    from fedvlm.deploy.export_folder import export_partitions
+
+    folders = export_partitions(tmp_path / "vlm-data", 2, {"method": "fedrand", "seed": 3})
+    for i, folder in enumerate(folders):
+        name = f"vlm-{i}"
+        federation.make_credentials(extra=[name])
+        reg = federation.register(name)
+        assert reg.returncode == 0, reg.stdout + reg.stderr
+        federation.start_supernode(name, f"data-dir='{folder}' name='{name}'")
+    _wait_online(federation, 4)
+    out = tmp_path / "runs"
+    run = federation.run_app(
+        f"method='fedrand' num-server-rounds=1 fraction-train=1.0 lora.local-steps=2 vlm.eval-samples=2 "
+        f"vlm.max-new-tokens=8 min-nodes=4 round-timeout=600 cache-dir='{vlm_cache}' output-dir='{out}' run-name='v'",
+        timeout=1200,
+    )
+    data = json.loads((out / "v" / "results.json").read_text())
+    assert data["run"]["status"] == "finished", run.stdout[-4000:]
+    nodes = {n["name"]: n for n in data["run"]["nodes"]}
+    assert {"vlm-0", "vlm-1"} <= set(nodes) and nodes["vlm-0"]["partition_id"] == -1
+    assert {"vlm-0", "vlm-1"} <= set(data["rounds"][0]["clients"])
+    for i in range(2):
+        federation.stop(f"vlm-{i}")

@@ -325,3 +325,25 @@ def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp
     assert not first["dropped"]  # a first participation starts from the whole adapter
     assert len(second["dropped"]) == N_CLIENTS
     assert all("must send exactly that half" in d["reason"] for d in second["dropped"])
+
+
+def test_fedrand_nodes_train_on_their_own_folders_with_partition_nodes(vlm_cache, tmp_path):
+    """An organisation with its own captioned images joins FedRand (data-dir: images + data.jsonl),
+    beside nodes on partitions of the run's dataset; with privacy on its noise is its own."""
+    from fedvlm.deploy.export_folder import export_partitions
+    from fedvlm.methods.registry import validate
+
+    own = export_partitions(tmp_path / "orgs", 2, {"method": "fedrand", "seed": 7})
+    raw = _raw(
+        vlm_cache, tmp_path, "fedrand", **{"privacy.epsilon": 8.0, "fraction-train": 1.0, "num-server-rounds": 2}
+    )
+    nodes = [{"data-dir": str(f), "name": f"org-{i}"} for i, f in enumerate(own)] + [
+        {"partition-id": 0, "num-partitions": 2}
+    ]
+    grid = InProcessGrid(client_app, nodes, raw)
+    data = execute(validate(raw), grid, "own").data
+    assert data["run"]["status"] == "finished", data["run"]
+    info = {n["name"]: n for n in data["run"]["nodes"]}
+    assert {k: info[k]["partition_id"] for k in ("org-0", "org-1")} == {"org-0": -1, "org-1": -1}
+    assert data["privacy"]["noise_sources"]["clients"] == {"org-0": "os", "org-1": "os", "client-0": "seeded"}
+    assert all(r["metrics"]["train-clients"] == 3 and not r["dropped"] for r in data["rounds"])
