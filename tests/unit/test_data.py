@@ -154,3 +154,36 @@ def test_varied_captions_show_the_same_scenes_each_phrased_its_own_way():
     ds = load_vlm_dataset("embedded-captions-varied", max_train=50)
     assert ds.task == "caption" and ds.name == "embedded-captions-varied" and ds.ood is not None
     assert len(ds.train) == 50 and len(ds.train.references[0]) in (8, 16)
+
+
+@pytest.mark.parametrize(
+    "name,make,classes",
+    [
+        ("caltech101", "make_caltech101", ["face", "airplane", "ant"]),
+        ("oxford-pets", "make_oxford_pets", ["Abyssinian", "American Bulldog"]),
+        ("food101", "make_food101", ["apple pie", "baby back ribs"]),
+        ("dtd", "make_dtd", ["banded", "blotchy", "braided"]),
+        ("cifar10", "make_cifar10", None),
+        ("flowers102", "make_flowers102", None),
+    ],
+)
+def test_a_real_format_tree_loads_every_label_and_split_right(tmp_path, monkeypatch, name, make, classes):
+    """Each image's pixels encode its class and split (tests/formats.py): every label the loader
+    gives, and every split it puts an image in, is checked against them."""
+    import torchvision.datasets as tvd
+
+    import tests.formats as formats
+
+    for module in (tvd.cifar, tvd.flowers102):  # torchvision's md5 check of the real archives' files
+        monkeypatch.setattr(module, "check_integrity", lambda *a, **k: True)
+    getattr(formats, make)(tmp_path)
+    data = load_dataset(name, data_root=str(tmp_path), test_fraction=0.34)
+    if classes is not None:
+        assert data.classnames == classes
+    for source, split in ((data.train, "train"), (data.test, "test")):
+        assert len(source) > 0
+        for i in range(len(source)):
+            label, encoded_split = formats.decode(source.image(i))
+            assert label == int(source.labels[i]), (name, split, i)
+            if name != "caltech101":  # Caltech101 has no official split: ours is a seeded stratified one
+                assert encoded_split == split, (name, split, i)
