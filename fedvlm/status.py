@@ -88,6 +88,13 @@ def check(run_dir: Path, max_lost: float = 0.5) -> Verdict:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         return Verdict(UNREADABLE, f"cannot read {path}: {err}")
+    # the status file is written in place at the end even when results.json could not be (a full disk)
+    try:
+        ended = json.loads((Path(run_dir) / "status.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        ended = {}
+    if data.get("run", {}).get("status") == "running" and ended.get("status") not in (None, "running"):
+        data["run"] = {**data["run"], "status": ended["status"], "note": ended.get("note", "")}
     return verdict(data, max_lost, time.time() - path.stat().st_mtime)
 
 

@@ -81,12 +81,18 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     return recorder
 
 
+def run(raw: dict, grid, run_id: int | str) -> RunRecorder:
+    """Validate ``raw`` and execute it; a refused config still leaves a failed run folder."""
+    try:
+        cfg = validate(raw)
+    except ConfigError as err:
+        recorder = RunRecorder.refused(raw, run_id, str(err))
+        log.error("invalid run config: %s (run folder: %s)", err, recorder.dir)
+        raise
+    return execute(cfg, grid, run_id)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     _setup_logging()
-    try:
-        cfg = validate(context.run_config)
-    except ConfigError as err:
-        log.error("invalid run config: %s", err)
-        raise
-    execute(cfg, grid, context.run_id)
+    run(dict(context.run_config), grid, context.run_id)

@@ -1,7 +1,12 @@
 """A run's outputs: one folder holding results.json, the shared parameters and plots.
 
 ``results.json`` is rewritten (atomically) after every round, so a crashed run keeps every
-round it finished. Top-level keys:
+round it finished, and holds only strict JSON (a non-finite number is null). ``status.json``
+beside it holds the run's status and note in a fixed-size file made when the run starts and
+overwritten in place, so that even on a full disk, where results.json can no longer be
+rewritten, the run still ends as failed with its error (``python -m fedvlm.status`` reads it).
+A run config the ServerApp refuses leaves a run folder too, failed with the reason
+(``RunRecorder.refused``). results.json's top-level keys:
 - ``config``: the validated, resolved run config;
 - ``run``: method, backbone, nodes, versions, start time, status;
 - ``rounds``: one object per round with ``round``, ``sampled`` (train messages sent),
@@ -12,6 +17,7 @@ round it finished. Top-level keys:
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import time
@@ -22,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedvlm.utils.files import atomic_torch_save, atomic_write_json
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json, overwrite_in_place
+from fedvlm.utils.paths import default_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ SUMMARY_METRICS = (
     "server-ood-bleu-4",
 )
 VLM_PROGRESS = ("server-cider", "client-cider", "server-accuracy", "client-accuracy")
+STATUS_FILE, STATUS_BYTES = "status.json", 8192
 
 
 def make_run_dir(output_dir: str, run_name: str, method: str, dataset: str, run_id: int | str) -> Path:
@@ -75,6 +83,20 @@ class RunRecorder:
         }
         self.t0 = time.time()
         self.write()
+        self.write_status()
+
+    @classmethod
+    def refused(cls, raw: dict, run_id: int | str, reason: str) -> RunRecorder:
+        """A run folder for a run config the ServerApp refused: failed, with the reason (so that
+        ``fedvlm.status`` does not report the previous run)."""
+        given = raw.get("output-dir")
+        out = Path(given).expanduser() if isinstance(given, str) and given else default_output_dir()
+        out = out if out.is_absolute() else default_output_dir()
+        name = str(raw.get("run-name") or "")
+        run_dir = make_run_dir(str(out), name, "invalid-config", str(raw.get("dataset", "")), run_id)
+        recorder = cls(run_dir, {k: raw[k] for k in sorted(raw)}, {"run_id": str(run_id)})
+        recorder.finish("failed", f"invalid run config: {reason}")
+        return recorder
 
     @classmethod
     def reopen(cls, run_dir: Path, results: dict, upto: int, config: dict, run_id: str) -> RunRecorder:
@@ -100,6 +122,11 @@ class RunRecorder:
 
     def write(self) -> None:
         atomic_write_json(self.data, self.path)
+
+    def write_status(self) -> None:
+        run = self.data["run"]
+        text = json.dumps({"status": run["status"], "note": run.get("note", ""), "ended": run.get("ended")})
+        overwrite_in_place(self.dir / STATUS_FILE, text, STATUS_BYTES)
 
     def set_run_info(self, **info) -> None:
         self.data["run"].update(info)
@@ -140,7 +167,12 @@ class RunRecorder:
         if note:
             self.data["run"]["note"] = note
         self.data["run"]["ended"] = datetime.now(timezone.utc).isoformat()
-        self.write()
+        try:
+            self.write()
+        except OSError as err:  # a full disk: the status file, made when the run began, still takes it
+            self.data["run"]["note"] = f"{note}; results.json could not be written: {err}".lstrip("; ")
+            log.error("could not write %s: %s", self.path, err)
+        self.write_status()
         try:
             from fedvlm.server_app.plots import plot_run
 

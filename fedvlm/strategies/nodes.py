@@ -20,9 +20,9 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedvlm.privacy.ledger import PrivacyLedger
-from fedvlm.protocol import SERVER_ROUND, HelloReport
+from fedvlm.protocol import SERVER_ROUND
 from fedvlm.runconfig import RunConfig
-from fedvlm.strategies.validation import short_reason
+from fedvlm.strategies.validation import ReplyRejected, check_hello
 from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,14 @@ class NodeRegistry:
                     self.exclude(n, f"no reply to {HANDSHAKE_TRIES} handshakes, each within round-timeout")
                 else:
                     log.warning("node %d did not answer the handshake within round-timeout; asking again", n)
-            elif msg.has_error():
-                self.exclude(n, short_reason(msg.error.reason))
             else:
-                m, info = dict(msg.content["metrics"]), dict(msg.content["info"])
-                self.ledger.note_released("handshake", [*m, *info])
-                hello = HelloReport.from_records(info, m)
+                try:
+                    hello = check_hello(msg)
+                except ReplyRejected as bad:
+                    self.exclude(n, str(bad))
+                    continue
+                info = {**hello.details, "name": hello.name, "backbone": hello.backbone}
+                self.ledger.note_released("handshake", [*hello.to_records()[1], *info])
                 node = NodeInfo(
                     n,
                     hello.name,

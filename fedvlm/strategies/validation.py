@@ -1,8 +1,11 @@
 """Checks on every client reply before the server uses it.
 
 A reply is used only if it carries exactly the tensors the server expects from that node
-this round, with the expected shapes, float32 (what every shared tensor travels as) and
-finite values; metrics in a MetricRecord, each a finite number; and, for training, an integer
+this round, each checked from its header before a byte of it is decoded (serialised as a NumPy
+array, float32, the expected shape, no more bytes than that takes), then decoded and checked
+again (the header inside the bytes agrees, finite values); metrics in a MetricRecord, each a
+metric this project's clients report (``METRIC_RULES``), a finite number in that metric's range
+(an accuracy in [0, 1], a count a non-negative integer, ...); and, for training, an integer
 ``num-examples`` between 1 and the training records the node reported in its handshake (a
 client cannot claim more weight than its data). Anything else raises ``ReplyRejected`` with
 the reason; the strategy drops that reply, logs and records the reason, and the round goes on.
@@ -24,13 +27,16 @@ the choice is recorded. Two rules, each on its own part of an update (``ReplyBou
 
 from __future__ import annotations
 
+import io
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
+from fedvlm.protocol import HelloReport
 from fedvlm.runconfig.schema import RepliesConfig
 
 
@@ -43,6 +49,62 @@ def record_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
     return int(sum(np.asarray(a).nbytes for a in arrays.values()))
 
 
+NPY_HEADER_MAX = 4096  # a .npy header is a few hundred bytes; a float32 payload's size is known
+COUNT, PROPORTION = (0.0, math.inf, True), (0.0, 1.0, False)  # (lowest, highest, an integer?)
+# every metric a client of this project reports, and what it may be (first match wins)
+METRIC_RULES: tuple[tuple[re.Pattern, tuple[float, float, bool]], ...] = tuple(
+    (re.compile(pattern), rule)
+    for pattern, rule in (
+        (r"^(local|neighbor)-n$|^(ood-examples|steps|local-steps|rounds-trained)$", COUNT),
+        (r"^audit-(canaries|guesses|correct|guessed-in|steps)$", COUNT),
+        (r"^(local|neighbor|train)-acc$|^dp-clipped-fraction$", PROPORTION),
+        (r"^(local|neighbor|train)-loss(-first|-last)?$|^(server|client)(-ood)?-loss$", (0.0, 1e4, False)),
+        (r"^(server|client)(-ood)?-(bleu-[1-4]|rouge-l|accuracy)$", (0.0, 100.0, False)),
+        (r"^(server|client)(-ood)?-cider$", (0.0, 1000.0, False)),
+        (r"^(compute|train)-seconds$", (0.0, 1e7, False)),
+        (r"^(node-epsilon|audit-epsilon-lower|epsilon-rdp|epsilon-prv)$", (0.0, 1e9, False)),
+    )
+)
+
+
+def check_metric(name: str, value) -> None:
+    """``ReplyRejected`` unless ``value`` is what metric ``name`` may be (``METRIC_RULES``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ReplyRejected(f"metric {name!r} is {value!r}, expected a finite number")
+    rule = next((r for pattern, r in METRIC_RULES if pattern.match(name)), None)
+    if rule is None:
+        raise ReplyRejected(f"metric {name!r} is not one this project's clients report")
+    lo, hi, integer = rule
+    if not (lo <= value <= hi and (isinstance(value, int) or not integer)):
+        expected = "a non-negative integer" if integer else f"in [{lo:g}, {hi:g}]"
+        raise ReplyRejected(f"metric {name!r} is {value!r}, expected {expected}")
+
+
+def decode_tensor(name: str, array: Array, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor ``name`` of a reply, checked from its header before its bytes are decoded."""
+    if not isinstance(array, Array):
+        raise ReplyRejected(f"tensor {name!r} is a {type(array).__name__}, expected a Flower Array")
+    if array.stype != "numpy.ndarray":
+        raise ReplyRejected(f"tensor {name!r} is serialised as {array.stype!r}, expected 'numpy.ndarray'")
+    if array.dtype != "float32":
+        raise ReplyRejected(f"tensor {name!r} has dtype {array.dtype}, expected float32")
+    if tuple(array.shape) != tuple(shape):
+        raise ReplyRejected(f"tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}")
+    most = 4 * math.prod(shape) + NPY_HEADER_MAX
+    if len(array.data) > most:
+        raise ReplyRejected(f"tensor {name!r} holds {len(array.data):,} bytes, more than the {most:,} its shape takes")
+    try:
+        value = np.load(io.BytesIO(array.data), allow_pickle=False)
+    except Exception as err:  # noqa: BLE001 - whatever the bytes are, they are not a NumPy array
+        raise ReplyRejected(f"tensor {name!r}: its bytes are not a NumPy array ({type(err).__name__}: {err})") from err
+    if not isinstance(value, np.ndarray) or value.dtype != np.float32 or tuple(value.shape) != tuple(shape):
+        got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
+        raise ReplyRejected(f"tensor {name!r}: its bytes hold {got}, not the float32 {tuple(shape)} its header says")
+    if not np.isfinite(value).all():
+        raise ReplyRejected(f"tensor {name!r} holds {int((~np.isfinite(value)).sum())} NaN/Inf values")
+    return value
+
+
 def check_reply(
     msg: Message, expected: Mapping[str, tuple[int, ...]], need_examples: bool = True, max_examples: int = 0
 ) -> tuple[dict[str, np.ndarray], dict]:
@@ -51,14 +113,14 @@ def check_reply(
     if msg.has_error():
         raise ReplyRejected(f"the client failed: {short_reason(msg.error.reason)}")
     content = msg.content
-    arrays: dict[str, np.ndarray] = {}
+    tensors = ArrayRecord()
     if "arrays" in content:
-        record = content["arrays"]
-        if not isinstance(record, ArrayRecord):
-            raise ReplyRejected(f"'arrays' is a {type(record).__name__}, expected an ArrayRecord")
-        arrays = {k: v.numpy() for k, v in record.items()}
-    missing = set(expected) - set(arrays)
-    extra = set(arrays) - set(expected)
+        if not isinstance(content["arrays"], ArrayRecord):
+            raise ReplyRejected(f"'arrays' is a {type(content['arrays']).__name__}, expected an ArrayRecord")
+        tensors = content["arrays"]
+    names = set(tensors.keys())
+    missing = set(expected) - names
+    extra = names - set(expected)
     if missing or extra:
         parts = []
         if missing:
@@ -66,32 +128,54 @@ def check_reply(
         if extra:
             parts.append(f"unexpected {', '.join(sorted(extra))}")
         raise ReplyRejected("wrong tensors: " + "; ".join(parts))
-    for name, shape in expected.items():
-        a = arrays[name]
-        if tuple(a.shape) != tuple(shape):
-            raise ReplyRejected(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
-        if a.dtype != np.float32:
-            raise ReplyRejected(f"tensor {name!r} has dtype {a.dtype}, expected float32")
-        if not np.isfinite(a).all():
-            raise ReplyRejected(f"tensor {name!r} holds {int((~np.isfinite(a)).sum())} NaN/Inf values")
+    arrays = {name: decode_tensor(name, tensors[name], shape) for name, shape in expected.items()}
     metrics: dict = {}
     if "metrics" in content:
         record = content["metrics"]
         if not isinstance(record, MetricRecord):
             raise ReplyRejected(f"'metrics' is a {type(record).__name__}, expected a MetricRecord")
         metrics = dict(record)
-    for k, v in metrics.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-            raise ReplyRejected(f"metric {k!r} is {v!r}, expected a finite number")
     if need_examples:
         n = metrics.get("num-examples")
-        if not isinstance(n, int) or n <= 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise ReplyRejected(f"metric 'num-examples' must be a positive integer, got {n!r}")
         if max_examples and n > max_examples:
             raise ReplyRejected(
                 f"it claims num-examples = {n}, more than the {max_examples} training records it reported"
             )
+    elif "num-examples" in metrics and (not isinstance(metrics["num-examples"], int) or metrics["num-examples"] < 0):
+        raise ReplyRejected(f"metric 'num-examples' must be a non-negative integer, got {metrics['num-examples']!r}")
+    for k, v in metrics.items():
+        if k != "num-examples":
+            check_metric(k, v)
     return arrays, metrics
+
+
+NAME = re.compile(r"^[\w.@+-]{1,64}$")
+
+
+def check_hello(msg: Message) -> HelloReport:
+    """A node's handshake reply as a ``HelloReport``, or ``ReplyRejected`` naming what is wrong:
+    its records (a name of letters, digits and ``._@+-``; sizes that are integers, at least one
+    training record, at least one class; a partition id from -1)."""
+    if msg.has_error():
+        raise ReplyRejected(short_reason(msg.error.reason))
+    content = msg.content
+    info, metrics = content.get("info"), content.get("metrics")
+    if not isinstance(info, ConfigRecord) or not isinstance(metrics, MetricRecord):
+        raise ReplyRejected("its handshake lacks the 'info' ConfigRecord or the 'metrics' MetricRecord it must carry")
+    counts = {"partition-id": -1, "num-train": 1, "num-test": 0, "num-neighbor": 0, "num-classes": 1}
+    for key, least in counts.items():
+        value = metrics.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ReplyRejected(f"its handshake reports {key} = {value!r}; expected an integer of at least {least}")
+    for key in ("name", "backbone"):
+        if not isinstance(info.get(key), str) or not info[key]:
+            raise ReplyRejected(f"its handshake has no {key!r}")
+    name = str(info["name"])
+    if not NAME.match(name):
+        raise ReplyRejected(f"its name {name[:80]!r} is not 1-64 letters, digits or ._@+-")
+    return HelloReport.from_records(dict(info), dict(metrics))
 
 
 def update_norm(sent: Mapping[str, np.ndarray], reply: Mapping[str, np.ndarray]) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -52,5 +53,30 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     _atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
+def strict_json(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float as null: JSON has no such numbers, and strict
+    parsers reject the ``NaN``/``Infinity`` Python would write."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def atomic_write_json(obj: Any, path: Path) -> None:
-    _atomic_write(path, lambda fh: fh.write(json.dumps(obj, indent=2, sort_keys=False).encode()))
+    text = json.dumps(strict_json(obj), indent=2, sort_keys=False, allow_nan=False)
+    _atomic_write(path, lambda fh: fh.write(text.encode()))
+
+
+def overwrite_in_place(path: Path, text: str, size: int) -> None:
+    """Write ``text`` (padded with spaces to ``size`` bytes) over the first ``size`` bytes of
+    ``path``: once the file exists at that size, rewriting it needs no new disk blocks, so it
+    still works on a full disk (a run's final status, ``server_app.results``)."""
+    data = text.encode()[: size - 1]
+    data = data + b" " * (size - 1 - len(data)) + b"\n"
+    with open(path, "r+b" if Path(path).exists() else "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
