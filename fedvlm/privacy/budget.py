@@ -140,7 +140,16 @@ class RunBudget:
         return out
 
     def state_dict(self) -> dict:
-        return {"rounds_trained": dict(self.rounds_trained), "sigmas": self.sigmas()}
+        """What was spent, the noise it was drawn with, and what the plan was made for (its
+        clients and their shapes, the global denominator, the noise sources): a resumed run plans
+        from these, whoever is connected when it resumes."""
+        planner = self.planner
+        plan = {
+            "clients": {name: [s.n_train, s.batch_size, s.steps] for name, s in sorted(planner.clients.items())},
+            "denominator": planner.global_dp.denominator if planner.global_dp is not None else 0,
+            "sources": dict(self.ledger.noise_sources.get("clients", {})),
+        }
+        return {"rounds_trained": dict(self.rounds_trained), "sigmas": self.sigmas(), "plan": plan}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue spending from ``state``; a plan that now draws other noise than the one the

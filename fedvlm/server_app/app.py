@@ -15,7 +15,7 @@ from fedvlm.methods.registry import validate
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
-from fedvlm.server_app.resume import resume_point
+from fedvlm.server_app.resume import hold_run_dir, resume_point
 from fedvlm.strategies.base import ResumeError
 
 log = logging.getLogger("fedvlm")
@@ -39,10 +39,12 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     point = resume_point(cfg)
     strategy = spec.strategy(cfg, spec)
     if point is not None:
+        held = hold_run_dir(point.run_dir)
         log.info("resuming %s after its round %d", point.run_dir, point.round)
         recorder = RunRecorder.reopen(point.run_dir, point.results, point.round, cfg.as_dict(), str(run_id))
     else:
         run_dir = make_run_dir(cfg.output_dir, cfg.run_name, spec.name, cfg.dataset, run_id)
+        held = hold_run_dir(run_dir)
         log.info("run folder: %s", run_dir)
         backbone = getattr(strategy, "bundle", None)
         recorder = RunRecorder(
@@ -76,6 +78,8 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
         recorder.finish("failed", f"{type(err).__name__}: {err}")
         log.error("run failed: %s (results so far: %s)", err, recorder.path)
         raise
+    finally:
+        held.close()  # the folder is free (a crash frees it too: the lock dies with the process)
     print(summary_table(recorder.data), flush=True)
     log.info("results: %s", recorder.path)
     return recorder

@@ -71,7 +71,7 @@ def run_rounds(
     """Run every round of ``strategy`` on ``grid`` (after ``resume``'s round, if given);
     returns the finished results."""
     strategy.run_dir = str(recorder.dir)
-    strategy.start(grid)
+    strategy.start(grid, resume.state if resume is not None else None)
     if resume is not None:
         strategy.load_state_dict(resume.state)
         recorder.data["run"]["resumed"][-1].update(charge_abandoned(strategy, resume))

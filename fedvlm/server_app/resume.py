@@ -12,6 +12,15 @@ Every draw is keyed by the seed and the round, so a resumed simulation with seed
 with exactly the numbers and arrays of an uninterrupted run; with OS noise
 (``privacy.noise-source``) the noise differs, as it would between any two runs.
 
+A run's folder is locked while its ServerApp runs (``run.lock``, released when that process
+ends, however it ends): a resume of a run that is still running is refused, instead of two
+ServerApps writing one folder while the nodes restart from fresh private state.
+
+The privacy plan of a resumed run is the interrupted run's (its clients, their sizes and the
+global average's denominator, saved with the budget): a node that is not connected any more is
+simply not sampled, one that joined since is admitted as a late node, so a federation whose
+membership changed can still be resumed with the same config.
+
 A round cut off after its train messages went out may have released the clients' noisy
 updates, so the loop notes its trainees first (``inflight.json``). Run again after a resume with
 seeded noise, each of them releases the very same tensor (same records, state and noise): the
@@ -29,10 +38,11 @@ import torch
 
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.base import FederatedStrategy, ResumeError
-from fedvlm.utils.files import atomic_torch_save, atomic_write_json
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json, try_hold
 
 CHECKPOINT = "checkpoint.pt"
 INFLIGHT = "inflight.json"
+LOCK = "run.lock"
 # keys that may differ: how long the run goes on, and keys that never change what it computes
 # (where a new run's folder would go, how long to wait for replies)
 FREE_KEYS = frozenset({"num-server-rounds", "resume", "output-dir", "run-name", "round-timeout"})
@@ -45,6 +55,19 @@ class ResumePoint:
     round: int  # the last completed round
     state: dict  # the strategy's state after it
     abandoned: dict | None = None  # the round cut off after its train messages went out: round, trainees
+
+
+def hold_run_dir(run_dir: Path):
+    """This ServerApp's lock on its run folder (module docstring); ``ResumeError`` if another
+    process holds it."""
+    held = try_hold(Path(run_dir) / LOCK)
+    if held is None:
+        pid = (Path(run_dir) / LOCK).read_text().strip() or "?"
+        raise ResumeError(
+            f"{Path(run_dir).name} is still running (its ServerApp, process {pid}, holds {LOCK}): wait for it, or "
+            "stop it (python -m fedvlm.stop) before resuming"
+        )
+    return held
 
 
 def save_inflight(run_dir: Path, server_round: int, trainees: list[str]) -> None:

@@ -26,6 +26,7 @@ needs saving: the loop checkpoints this after every round and a resumed run cont
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable
@@ -216,16 +217,20 @@ class FederatedStrategy(Strategy):
             self.cfg.seed,
         )
 
-    def start(self, grid: Grid) -> None:  # type: ignore[override]  # server_app.loop runs the rounds, not Flower
-        """Before round 1: wait for the nodes, build the initial arrays, plan the privacy."""
+    def start(self, grid: Grid, resumed: dict | None = None) -> None:  # type: ignore[override]  # the loop runs rounds
+        """Before round 1: wait for the nodes, build the initial arrays, plan the privacy (a
+        resumed run: the plan its interrupted run made, ``resumed`` being its saved state)."""
         self.summary()
         self.registry.wait(grid)
         self.global_arrays = {k: np.asarray(v) for k, v in self.initial_arrays().items()}
         if self.privacy.enabled:
-            self.plan_privacy()
+            saved = (resumed or {}).get("budget") or {}
+            self.plan_privacy(saved.get("plan"))
 
-    def plan_privacy(self) -> None:
-        """Plan every mechanism for the nodes known now (called once, before round 1)."""
+    def plan_privacy(self, planned: dict | None = None) -> None:
+        """Plan every mechanism for the nodes known now (called once, before round 1), or for the
+        clients an interrupted run planned for (``planned``, its budget's saved plan): nodes not
+        connected now are simply not sampled, nodes that joined since are admitted late."""
         audited = self.privacy.audit_node
         if self.privacy.audit_canaries and all(n.partition_id != audited for n in self.nodes.values()):
             raise ConfigError(
@@ -233,11 +238,19 @@ class FederatedStrategy(Strategy):
                 f"{', '.join(str(n.partition_id) for n in self.nodes.values())}); pick one of them"
             )
         local = self.spec.local_dp(self.cfg) if self.spec.local_dp else None
+        global_dp = self.global_dp()
+        shapes = {n.name: self.client_shape(n) for n in self.nodes.values()}
+        sources = self.noise_sources()
+        if planned is not None:
+            shapes = {name: ClientShape(*shape) for name, shape in planned["clients"].items()}
+            sources = {**planned["sources"], **{k: v for k, v in sources.items() if k in shapes}}
+            if global_dp is not None:
+                global_dp = dataclasses.replace(global_dp, denominator=int(planned["denominator"]))
         self.budget = RunBudget(
-            self.privacy, self.ledger, self.num_rounds(), local, self.global_dp(), self.cfg.privacy.noise_source
+            self.privacy, self.ledger, self.num_rounds(), local, global_dp, self.cfg.privacy.noise_source
         )
         self.ledger.reply_bounds = [b.as_dict(self.cfg.replies) for b in self.reply_bounds()]
-        self.budget.plan({n.name: self.client_shape(n) for n in self.nodes.values()}, self.noise_sources())
+        self.budget.plan(shapes, sources)
 
     def noise_sources(self) -> dict[str, str]:
         return {n.name: str(n.info.get("noise-source", "seeded")) for n in self.nodes.values()}

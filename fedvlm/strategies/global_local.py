@@ -57,8 +57,8 @@ class GlobalGradientStrategy(PromptStrategy):
             tensors=("global_grad",),
         )
 
-    def plan_privacy(self) -> None:
-        super().plan_privacy()
+    def plan_privacy(self, planned: dict | None = None) -> None:
+        super().plan_privacy(planned)
         self.ledger.notes.append(
             "trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient. A record's batch "
             "feeds its client's local release and its share of the global release, so the per-record epsilon "

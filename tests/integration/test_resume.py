@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,46 @@ def test_an_extended_run_keeps_spending_the_same_budget(make_cfg, pretrained_cli
     extended = execute(longer, _grid(longer, nodes), run_id="b")
     rounds = extended.data["privacy"]["rounds"]
     assert [r["round"] for r in rounds] == [1, 2, 3] and rounds[1]["epsilon"] == spent < rounds[2]["epsilon"]
+
+
+def test_a_run_whose_nodes_changed_resumes_on_its_own_plan(make_cfg, pretrained_clip):
+    """DP-FPL's plan depends on the nodes (the global average's denominator, each node's local
+    noise): it used to be re-made from whoever was connected at resume, and refused as 'another
+    config'. Now the interrupted run's plan is kept: a node gone is not sampled, a new one is
+    admitted late, and the nodes planned before spend exactly what they spent."""
+    overrides = {"method": "dpfpl", "privacy__epsilon": 1.0, "num_server_rounds": 3, "min_nodes": 2}
+    cfg = make_cfg(run_name="moved", **overrides)
+    before = [{"partition-id": i, "num-partitions": 4} for i in range(3)]
+    with pytest.raises(Killed):
+        execute(cfg, _grid(cfg, before, _kill_in_round(2)), run_id="first")
+    run_dir = cfg.output_dir + "/moved"
+    first = json.loads(Path(run_dir, "results.json").read_text())
+    planned = {c: m["sigma"] for c, per in first["privacy"]["client_mechanisms"].items() for m in per.values()}
+    after = [{"partition-id": i, "num-partitions": 4} for i in (0, 1, 3)]  # client-2 gone, client-3 new
+    resumed_cfg = make_cfg(resume=run_dir, **overrides)
+    data = execute(resumed_cfg, _grid(resumed_cfg, after), run_id="second").data
+    assert data["run"]["status"] == "finished" and [r["round"] for r in data["rounds"]] == [1, 2, 3]
+    assert data["privacy"]["mechanisms"]["gdp-global"]["sigma"] == first["privacy"]["mechanisms"]["gdp-global"]["sigma"]
+    for client, sigma in planned.items():  # the planned nodes draw the noise they were planned with
+        assert next(iter(data["privacy"]["client_mechanisms"][client].values()))["sigma"] == sigma
+    assert "client-3" in data["privacy"]["client_mechanisms"]  # admitted late
+    assert "client-2" not in data["rounds"][-1]["clients"]
+    assert max(data["privacy"]["rounds"][-1]["per_client"].values()) <= 1.0 * (1 + 1e-6)
+
+
+def test_resuming_a_run_that_is_still_running_is_refused(make_cfg, pretrained_clip):
+    from fedvlm.utils.files import try_hold
+
+    cfg = make_cfg(method="promptfl", num_server_rounds=3, run_name="live")
+    with pytest.raises(Killed):
+        execute(cfg, _grid(cfg, _partitions(2), _kill_in_round(2)), run_id="first")
+    run_dir = cfg.output_dir + "/live"
+    live = try_hold(Path(run_dir) / "run.lock")  # its ServerApp, still at work
+    try:
+        resumed = make_cfg(method="promptfl", num_server_rounds=3, resume=run_dir)
+        with pytest.raises(ResumeError, match="still running"):
+            execute(resumed, _grid(resumed, _partitions(2)), run_id="second")
+    finally:
+        live.close()
+    resumed = make_cfg(method="promptfl", num_server_rounds=3, resume=run_dir)
+    assert execute(resumed, _grid(resumed, _partitions(2)), run_id="third").data["run"]["status"] == "finished"

@@ -12,7 +12,8 @@ import pytest
 from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import run
 from fedvlm.server_app.results import RunRecorder
-from fedvlm.status import check, main as status_main
+from fedvlm.status import check
+from fedvlm.status import main as status_main
 
 
 def test_a_refused_config_leaves_a_failed_run_that_status_reports(tmp_path, capsys):
