@@ -194,7 +194,7 @@ class LocalFederation:
             timeout=120,
         )
 
-    def start_supernode(self, name: str, node_config: str | None = None) -> subprocess.Popen:
+    def start_supernode(self, name: str, node_config: str | None = None, retry_for: float = 600) -> subprocess.Popen:
         """The organisation's SuperNode (process isolation, dialling the gateway) and its pinned
         SuperExec, which starts a ClientApp process per task only for the pinned app; the two
         share a secret so that no other process on the machine can take the node's tasks."""
@@ -209,7 +209,11 @@ class LocalFederation:
         node = self._start(
             name,
             [
-                str(BIN / "flower-supernode"),
+                sys.executable,
+                "-m",
+                "fedvlm.deploy.supernode",  # flower-supernode, started again while a crashed session times out
+                f"--retry-for={retry_for}",
+                "--",
                 "--superlink",
                 f"{PUBLIC}:{self.gateway_port}",
                 "--root-certificates",

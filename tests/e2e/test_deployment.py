@@ -110,7 +110,7 @@ def test_deployment_with_tls_and_auth_matches_the_simulation(federation, flwr_en
 
 
 def test_an_unregistered_supernode_is_refused(federation):
-    proc = federation.start_supernode("intruder", "partition-id=0 num-partitions=2")
+    proc = federation.start_supernode("intruder", "partition-id=0 num-partitions=2", retry_for=0)
     try:
         code = proc.wait(timeout=120)
     finally:

@@ -136,3 +136,41 @@ def test_a_killed_superlink_restarts_on_its_database_and_the_run_resumes(federat
         assert _trained(data, client) == [(r, r) for r in range(1, 4)], client
     ok = subprocess.run([sys.executable, "-m", "fedvlm.status", str(out / "cut")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout
+
+
+def test_a_crashed_supernode_restarted_at_once_rejoins(federation, tmp_path, cache_dir):
+    """A SuperNode killed outright (no goodbye to the SuperLink) and started again at once: the
+    SuperLink refuses its new session until the old one's heartbeats time out, and Flower's
+    SuperNode would exit; deploy.supernode starts it again until it is let in, and it trains on
+    from the state it had written."""
+    import os
+    import signal
+
+    from fedvlm.utils.processes import descendants
+
+    out = tmp_path / "runs"
+    run = _start_run(
+        federation,
+        f"method='coop' num-server-rounds=8 min-nodes=1 round-timeout=240 cache-dir='{cache_dir}' "
+        f"output-dir='{out}' run-name='crash'",
+    )
+    results = out / "crash" / "results.json"
+    try:
+        _wait_rounds(results, 1, run)
+        for name in ("org-1-exec", "org-1"):  # the machine loses power: every process at once, no signal handled
+            root = federation.procs[name].pid
+            for pid in [root, *descendants(root)]:
+                os.kill(pid, signal.SIGKILL)
+            federation.procs[name].wait(timeout=30)
+        federation.start_supernode("org-1")  # and comes back at once
+        log, _ = run.communicate(timeout=1500)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    data = json.loads(results.read_text())
+    assert data["run"]["status"] == "finished", log[-4000:]
+    node_log = federation.log_text("org-1")
+    assert "did not activate this SuperNode" in node_log, node_log[-6000:]  # it was refused, then let in
+    trained = _trained(data, "client-1")
+    assert trained[0] == (1, 1) and trained[-1][0] == 8, trained
+    assert [count for _, count in trained] == list(range(1, len(trained) + 1)), trained  # its state came back
