@@ -105,6 +105,7 @@ class HelloReport:
     num_classes: int
     backbone: str  # fingerprint of the loaded weights; every node must match the server's
     details: dict = field(default_factory=dict)  # family-specific words (device, dataset, noise source, ...)
+    num_partitions: int = 0  # a partition node's num-partitions (0: its own data): all must agree
 
     def to_records(self) -> tuple[dict, dict]:
         """(info, metrics): the two records of the reply."""
@@ -115,6 +116,7 @@ class HelloReport:
             "num-test": self.num_test,
             "num-neighbor": self.num_neighbor,
             "num-classes": self.num_classes,
+            "num-partitions": self.num_partitions,
         }
         return info, metrics
 
@@ -130,4 +132,5 @@ class HelloReport:
             int(metrics["num-classes"]),
             str(info["backbone"]),
             details,
+            int(metrics.get("num-partitions", 0)),
         )

@@ -4,7 +4,9 @@ Two honest nodes (named ``a0`` and ``a1``, so that they answer first in every ro
 real. Every other node forges its replies: the tensors the server asked for (an honest node's
 tensor of that name from this round, else the one it was sent), ``num-examples`` = 1, then one
 corruption. The server must finish the run, drop each corrupted reply with a reason naming the
-fault (or bound the huge update: clip it by default), and keep its shared state finite.
+fault (or bound the huge update: clip it by default), exclude each node whose handshake is
+broken (``HELLO``; those named ``late-...`` join in round 2, as a SuperNode may join a deployed
+run), and keep its shared state finite and its results strict JSON.
 ``tests/integration/test_fuzz.py`` runs it for every method;
 
     python tests/fuzz.py [--methods promptfl,fedrand] [--cache-dir DIR]
@@ -31,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fedvlm.protocol import REPLY_KEYS  # noqa: E402
+from fedvlm.utils.runtime import in_process_node  # noqa: E402
 from tests.regression import CASES  # noqa: E402
 
 # method -> its regression case (the smallest config that shows the method's mechanism)
@@ -51,7 +54,9 @@ METHOD_CASES = {
     "bl-ff": "bl-ff",
     "bl-ts": "bl-ts",
 }
-Corrupt = Callable[[dict, dict], "tuple[dict, dict] | RecordDict | Error"]
+# (arrays, metrics) -> the reply: (arrays, metrics), a RecordDict or an Error; or a list of such
+# replies, each optionally as (the name, or a made-up node id, it claims to come from, reply)
+Corrupt = Callable[[dict, dict], "tuple[dict, dict] | RecordDict | Error | list"]
 
 
 def _first(arrays: dict) -> str:
@@ -66,6 +71,26 @@ def _poke(arrays: dict, x: float) -> dict:
     a = arrays[_first(arrays)].copy()
     a.flat[0] = x
     return _set(arrays, a)
+
+
+def _npy(a: np.ndarray) -> bytes:
+    return Array(np.ascontiguousarray(a)).data
+
+
+def _raw(arrays: dict, data: Callable[[np.ndarray], bytes], stype: str = "numpy.ndarray") -> dict:
+    """The first tensor as an ``Array`` whose header is the honest one (float32, its shape) and
+    whose bytes are ``data(tensor)``: a header that lies about what follows."""
+    a = arrays[_first(arrays)]
+    return _set(arrays, Array(dtype="float32", shape=tuple(a.shape), stype=stype, data=data(a)))
+
+
+def _twice(a: dict, m: dict) -> list:
+    return [(a, m), (a, m)]
+
+
+def _in_name_of(node: str) -> Corrupt:
+    """A plausible reply of its own, and a copy sent in ``node``'s name (its id as the source)."""
+    return lambda a, m: [(a, m), (node, (a, m))]
 
 
 # name -> (what it does to (arrays, metrics), whether it needs a tensor, the reason expected)
@@ -89,7 +114,18 @@ TRAIN: dict[str, tuple[Corrupt, bool, str]] = {
     ),  # noqa: E501
     "empty-reply": (lambda a, m: RecordDict(), False, "missing|num-examples"),
     "error-reply": (lambda a, m: Error(code=1, reason="RuntimeError: the node fell over"), False, "the node fell over"),
+    "not-numpy-bytes": (lambda a, m: (_raw(a, lambda t: b"\x93JUNK" * (t.size // 2 + 1)), m), True, "not a NumPy"),
+    "other-stype": (lambda a, m: (_raw(a, _npy, stype="torch.Tensor"), m), True, "serialised as 'torch.Tensor'"),
+    "oversized-bytes": (lambda a, m: (_raw(a, lambda t: _npy(t) + bytes(1 << 20)), m), True, "more than the"),
+    "header-lies": (lambda a, m: (_raw(a, lambda t: _npy(np.ones(t.size + 7, np.float32))), m), True, "its header"),
+    "loss-1e308": (lambda a, m: (a, {**m, "train-loss": 1e308}), False, "'train-loss' is 1e\\+308"),
+    "unknown-metric": (lambda a, m: (a, {**m, "smuggled-bits": 3.0}), False, "not one this project"),
+    "duplicate-reply": (_twice, False, "2 replies came in this node's name"),
+    "claims-unknown-id": (lambda a, m: [(424242, (a, m))], False, "a node the server does not know"),
+    "claims-other-node": (_in_name_of("a1"), False, "2 replies came in this node's name"),
 }
+# where a corruption's drop is recorded, when not under the forging node's own name
+BLAMED = {"claims-unknown-id": "424242", "claims-other-node": "a1"}
 EVALUATE: dict[str, tuple[Corrupt, bool, str]] = {
     "eval-string-metrics": (
         lambda a, m: RecordDict({"metrics": ConfigRecord({"local-acc": "high"})}),
@@ -98,17 +134,48 @@ EVALUATE: dict[str, tuple[Corrupt, bool, str]] = {
     ),  # noqa: E501
     "eval-nan-metric": (lambda a, m: (a, {**m, "local-acc": float("nan")}), False, "finite number"),
     "eval-error-reply": (lambda a, m: Error(code=1, reason="RuntimeError: out of memory"), False, "out of memory"),
+    "eval-accuracy-1e6": (lambda a, m: (a, {**m, "local-acc": 1e6}), False, "expected in \\[0, 1\\]"),
+    "eval-duplicate-reply": (_twice, False, "2 replies came in this node's name"),
+}
+
+
+def _hello(change: Callable[[dict, dict], tuple[dict, dict] | RecordDict]) -> Callable[[Message], RecordDict]:
+    def made(honest: Message) -> RecordDict:
+        info, metrics = dict(honest.content["info"]), dict(honest.content["metrics"])
+        out = change(info, metrics)
+        return (
+            out
+            if isinstance(out, RecordDict)
+            else RecordDict({"info": ConfigRecord(out[0]), "metrics": MetricRecord(out[1])})
+        )
+
+    return made
+
+
+# handshakes: (the node's honest handshake -> what it sends instead, the reason it is excluded for)
+HELLO: dict[str, tuple[Callable[[Message], RecordDict], str]] = {
+    "hello-without-info": (_hello(lambda i, m: RecordDict({"metrics": MetricRecord(m)})), "lacks the 'info'"),
+    "hello-zero-records": (_hello(lambda i, m: (i, {**m, "num-train": 0})), "num-train = 0"),
+    "hello-negative-records": (_hello(lambda i, m: (i, {**m, "num-test": -4})), "num-test = -4"),
+    "hello-other-split": (
+        _hello(lambda i, m: (i, {**m, "num-partitions": m["num-partitions"] + 1})),
+        "parts of different splits overlap",
+    ),
+    "hello-same-partition": (_hello(lambda i, m: (i, {**m, "partition-id": 0})), "already trains on partition 0"),
+    "late-hello-zero-records": (_hello(lambda i, m: (i, {**m, "num-train": 0})), "num-train = 0"),
+    "late-hello-without-metrics": (
+        _hello(lambda i, m: RecordDict({"info": ConfigRecord(i)})),
+        "lacks the 'info' ConfigRecord or the 'metrics'",
+    ),
 }
 
 
 def _record(arrays: dict) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    return ArrayRecord({k: v if isinstance(v, Array) else Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
 
 
 def _reply(req: Message, made) -> Message:
-    if isinstance(made, Error):
-        return Message(made, reply_to=req)
-    if isinstance(made, RecordDict):
+    if isinstance(made, (Error, RecordDict)):
         return Message(made, reply_to=req)
     arrays, metrics = made
     content = RecordDict({"metrics": MetricRecord(metrics)})
@@ -124,12 +191,20 @@ class Forger:
         self.corruptions = corruptions  # node name -> corruption
         self.grid = None
         self.names: dict[int, str] = {}
+        self.late: set[int] = set()  # nodes that connect once round 1 is evaluated
 
-    def __call__(self, req: Message) -> Message | None:
+    def __call__(self, req: Message) -> Message | list[Message] | None:
+        assert self.grid is not None
         name = self.names.get(req.metadata.dst_node_id, "")
         corruption = self.corruptions.get(name)
         kind = req.metadata.message_type
-        if corruption is None or kind == MessageType.QUERY:
+        if kind == MessageType.EVALUATE:
+            self.grid.offline -= self.late
+        if kind == MessageType.QUERY and corruption in HELLO:
+            with in_process_node():
+                honest = self.grid.app(req, self.grid.contexts[req.metadata.dst_node_id])
+            return Message(HELLO[corruption][0](honest), reply_to=req)
+        if corruption is None or kind == MessageType.QUERY or corruption in HELLO:
             return None  # an honest node, or the handshake: the node answers for itself
         train = kind == MessageType.TRAIN
         config = req.content["config"]
@@ -140,7 +215,16 @@ class Forger:
         table = TRAIN if train else EVALUATE
         if corruption not in table:
             return _reply(req, (arrays, metrics))  # the phase it does not corrupt: a plausible reply
-        return _reply(req, table[corruption][0](arrays, metrics))
+        made = table[corruption][0](arrays, metrics)
+        if not isinstance(made, list):
+            return _reply(req, made)
+        return [self._claimed(req, *m) if len(m) == 2 and not isinstance(m[0], dict) else _reply(req, m) for m in made]
+
+    def _claimed(self, req: Message, sender: str | int, made) -> Message:
+        """A reply that claims to come from ``sender`` (a node's name, or any id)."""
+        ids = {n: i for i, n in self.names.items()}
+        fake = Message(RecordDict(), dst_node_id=ids.get(sender, sender), message_type=req.metadata.message_type)
+        return _reply(fake, made)
 
     def _honest(self, kind: str) -> list[Message]:
         assert self.grid is not None
@@ -175,6 +259,8 @@ def fuzz(method: str, cache_dir: Path, out_dir: Path, **overrides) -> dict[str, 
     raw, _ = CASES[METHOD_CASES[method]]
     raw = {k: v for k, v in raw.items() if k != "max-per-class"}
     raw.update({"fraction-train": 1.0, "cache-dir": str(cache_dir), "output-dir": str(out_dir), "run-name": method})
+    # the fuzz is about replies: an iid split gives each of its ~40 nodes data in every family
+    raw["partitioner"] = "iid"
     raw.update(overrides)
     cfg = validate(raw)
     replies_tensors = method not in ("coop", "zeroshot")  # coop's replies carry metrics only
@@ -184,22 +270,36 @@ def fuzz(method: str, cache_dir: Path, out_dir: Path, **overrides) -> dict[str, 
         if cfg.spec.trains and (replies_tensors or not needs_tensor)
     }
     corruptions.update({f"z-{c}": c for c in EVALUATE})
+    # a late joiner joins in a later round: a method that does not train runs one round
+    corruptions.update({f"z-{c}": c for c in HELLO if cfg.spec.trains or not c.startswith("late-")})
     names = ["a0", "a1", *corruptions]
     forger = Forger(corruptions)
     nodes = [{"partition-id": i, "num-partitions": len(names), "name": n} for i, n in enumerate(names)]
     grid = InProcessGrid(client_app, nodes, cfg.as_dict(), forge=forger)
     forger.grid = grid
     forger.names = {nid: names[i] for i, nid in enumerate(sorted(grid.contexts))}
+    forger.late = {nid for nid, n in forger.names.items() if n.startswith("z-late-")}
+    grid.offline |= forger.late
     rec = execute(cfg, grid, run_id=method)
-    data = json.loads(rec.path.read_text())
+    text = rec.path.read_text()
+    data = json.loads(text, parse_constant=_not_json)  # strict JSON: no NaN or Infinity
     assert data["run"]["status"] == "finished", data["run"].get("note")
-    assert len(data["run"]["nodes"]) == len(names), data["run"].get("excluded_nodes")
+    ids = {n: str(i) for i, n in forger.names.items()}
+    excluded = data["run"].get("excluded_nodes") or {}
+    joined = {n["name"] for n in data["run"]["nodes"]}
+    assert joined == {n for n in names if corruptions.get(n) not in HELLO}, (joined, excluded)
     outcomes = {}
     for node, corruption in corruptions.items():
+        if corruption in HELLO:
+            reason = excluded.get(ids[node], "")
+            assert re.search(HELLO[corruption][1], reason), (node, reason)
+            outcomes[corruption] = f"excluded: {reason}"
+            continue
         expect = (TRAIN | EVALUATE)[corruption][2]
         phase = "evaluate" if corruption in EVALUATE else "train"
+        blamed = BLAMED.get(corruption, node)
         for r in data["rounds"]:
-            dropped = [d["reason"] for d in r["dropped"] if d["client"] == node and d["phase"] == phase]
+            dropped = [d["reason"] for d in r["dropped"] if d["client"] == blamed and d["phase"] == phase]
             bounded = [b for b in r.get("bounded", []) if b["client"] == node]
             if expect == "CLIPPED" and cfg.replies.norm_action == "reject":
                 assert len(dropped) == 1 and "exceeds the round's bound" in dropped[0], (node, dropped)
@@ -209,15 +309,19 @@ def fuzz(method: str, cache_dir: Path, out_dir: Path, **overrides) -> dict[str, 
                 b = bounded[0]
                 outcomes[corruption] = f"clipped: norm {b['norm']:.3g} -> {b['bound']:.3g}"
             else:
-                assert len(dropped) == 1 and re.search(expect, dropped[0]), (node, r["round"], dropped)
+                assert dropped and all(re.search(expect, d) for d in dropped), (node, r["round"], dropped)
                 outcomes[corruption] = f"dropped: {dropped[0]}"
         if phase == "train" and expect != "CLIPPED":  # nothing of a dropped reply reached the aggregate
-            assert all("train/num-examples" not in r["clients"].get(node, {}) for r in data["rounds"]), node
+            assert all("train/num-examples" not in r["clients"].get(blamed, {}) for r in data["rounds"]), node
     for file in ("final_shared.pt", "checkpoint.pt"):
         if (rec.dir / file).exists():
             arrays = torch.load(rec.dir / file, weights_only=True)["arrays"]
             assert all(torch.isfinite(v).all() for v in arrays.values()), file
     return outcomes
+
+
+def _not_json(token: str):
+    raise AssertionError(f"results.json holds {token}, which strict JSON parsers reject")
 
 
 def main() -> None:
@@ -230,7 +334,7 @@ def main() -> None:
     for method in args.methods.split(","):
         table[method] = fuzz(method, cache, Path(tempfile.mkdtemp()))
         print(f"{method}: {len(table[method])} corruptions handled", flush=True)
-    rows = list(TRAIN | EVALUATE)
+    rows = [*TRAIN, *EVALUATE, *HELLO]
     print("\n| corruption | " + " | ".join(table) + " |")
     print("|---|" + "---|" * len(table))
     for c in rows:

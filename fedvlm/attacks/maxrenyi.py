@@ -52,7 +52,7 @@ from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedvlm.attacks.likelihood import bootstrap, rmia
 from fedvlm.server_app.observer import FOLDER as UPLOADS
-from fedvlm.utils.files import atomic_write_json
+from fedvlm.utils.files import atomic_write_json, load_saved
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
         cfg.vlm.trust_remote_code,
         cfg.vlm.dtype,
     )
-    shared = {k: v for k, v in torch.load(run_dir / "final_shared.pt", weights_only=True)["arrays"].items()}
+    shared = dict(load_saved(run_dir / "final_shared.pt", "run the attack on a finished run")["arrays"])
     nodes = [n for n in data["run"]["nodes"] if n["partition_id"] >= 0]
     num = len(nodes)
     parts = {n["name"]: vlm_node_data(cfg, {"partition-id": n["partition_id"], "num-partitions": num}) for n in nodes}
@@ -221,7 +221,7 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
         path = recon_dir / f"{name}.pt"
         if not path.exists():
             continue
-        uploads = torch.load(path, weights_only=True)["arrays"]
+        uploads = load_saved(path, "run the attack on a finished run")["arrays"]
         adapter = {**initial, **shared, **uploads}
         per_client[name], scores = attack(
             vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i, initial

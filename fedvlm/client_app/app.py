@@ -60,7 +60,8 @@ def hello(msg: Message, context: Context) -> Message:
     # a limit on regenerable noise is refused before the run starts, not at its first round
     privacy_floor.check_source(privacy_floor.NodeFloor.from_node_config(client.node.config), client.node.noise_source)
     report = client.hello()
-    info, metrics = replace(report, num_train=client.records(report.num_train)).to_records()
+    partitions = int(client.node.config.get("num-partitions", 0) or 0) if report.partition_id >= 0 else 0
+    info, metrics = replace(report, num_train=client.records(report.num_train), num_partitions=partitions).to_records()
     return guarded_reply(msg, {}, metrics, allowed=frozenset(), info=info)
 
 

@@ -9,7 +9,9 @@ reply (the send guard checks).
 On disk (``state_dir``): the node config's ``state-dir`` (a deployed organisation chooses it)
 holds ``<run folder name>/<node name>/``; a simulated node (one with a partition id) keeps it
 under the run folder the server names (``nodes/<node name>/``); a deployed node without
-``state-dir`` keeps its state in memory only, and a restart loses it. After a message that
+``state-dir`` keeps its state in memory only, and a restart loses it: the run folder is a path
+on the server's machine, and a real node never writes its private state where the server (or a
+path the server names) says. After a message that
 changed the state, the node writes ``round-NNNN.pt`` (owner-only: directory 0700, file 0600)
 and keeps the two newest. A message of round r restores the newest snapshot the server's
 last completed round can have left (before r for training, up to r for evaluation) when the
@@ -27,7 +29,8 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedvlm.utils.files import atomic_torch_save
+from fedvlm.utils.files import atomic_torch_save, load_saved
+from fedvlm.utils.runtime import simulated
 
 PRIVATE = "private"
 META = "meta"
@@ -114,7 +117,7 @@ def state_dir(node_config: dict, run_dir: str, partition_id: int, name: str) -> 
         return None
     if node_config.get(STATE_DIR):
         return Path(str(node_config[STATE_DIR])).expanduser() / Path(run_dir).name / name
-    if partition_id >= 0:
+    if partition_id >= 0 and simulated():
         return Path(run_dir) / "nodes" / name
     return None
 
@@ -138,12 +141,12 @@ def restore(state: RecordDict, where: Path | None, server_round: int, training: 
     usable = {r: p for r, p in snapshots.items() if r <= newest}
     ledger = state.get(LEDGER)
     if snapshots and ledger is None:
-        ledger = _records(torch.load(snapshots[max(snapshots)], weights_only=True)).get(LEDGER)
+        ledger = _records(_load_snapshot(snapshots[max(snapshots)])).get(LEDGER)
     for key in list(state.keys()):
         del state[key]
     restored = None
     if usable:  # else a node that never trained before this round: it starts afresh
-        saved = torch.load(usable[max(usable)], weights_only=True)
+        saved = _load_snapshot(usable[max(usable)])
         for key, record in _records(saved).items():
             state[key] = record
         restored = int(saved["round"])
@@ -151,6 +154,13 @@ def restore(state: RecordDict, where: Path | None, server_round: int, training: 
         state[LEDGER] = ledger
     state[HELD] = ConfigRecord({"round": restored or 0, "changed": ledger is not None})
     return restored
+
+
+def _load_snapshot(path: Path) -> dict:
+    # No falling back to an older snapshot: its privacy ledger would forget what was released since.
+    return load_saved(
+        path, "this node's private state cannot be restored; restore the file from a backup, or start a new run"
+    )
 
 
 def _records(saved: dict) -> dict:

@@ -26,6 +26,7 @@ import numpy as np
 from fedvlm.data import embedded, motifs
 from fedvlm.data.sources import (
     ArraySource,
+    DatasetError,
     DatasetSource,
     DatasetSplits,
     FileSource,
@@ -39,10 +40,6 @@ EMBEDDED_TRAIN_PER_CLASS = 64
 EMBEDDED_TEST_PER_CLASS = 24
 MOTIFS_TRAIN_PER_CLASS = 200  # 2,000 images: about 670 per client of the paper's 3
 MOTIFS_TEST_PER_CLASS = 60
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be loaded; the message says what is missing and how to fix it."""
 
 
 def _clean(name: str) -> str:
@@ -315,7 +312,7 @@ def load_image_folder(root: Path, test_fraction: float, **_) -> DatasetSplits:
     def source(tree, tag):
         paths = [p for c in names for p in tree.get(c, [])]
         labels = np.array([index[c] for c in names for _ in tree.get(c, [])], dtype=np.int64)
-        return FileSource(paths, labels, f"folder:{root.resolve()}:{len(paths)}/{tag}")
+        return FileSource(paths, labels, f"folder:{root.name}:{len(paths)}/{tag}")
 
     if has_split:
         train, test = source(trees["train"], "train"), source(trees["test"], "test")

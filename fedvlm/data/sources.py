@@ -22,6 +22,10 @@ import numpy as np
 from PIL import Image
 
 
+class DatasetError(ValueError):
+    """A dataset that cannot be loaded; the message says what is missing and how to fix it."""
+
+
 class ImageSource:
     labels: np.ndarray
     identity: str
@@ -86,8 +90,14 @@ class FileSource(ImageSource):
         self.identity = identity
 
     def image(self, i: int) -> Image.Image:
-        with Image.open(self.paths[i]) as img:
-            return img.convert("RGB")
+        try:
+            with Image.open(self.paths[i]) as img:
+                return img.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, unknown format, bad header
+            raise DatasetError(
+                f"image {self.paths[i]} of {self.identity} cannot be read ({type(err).__name__}: {err}): replace or "
+                "remove it"
+            ) from err
 
     def _hash_content(self, h) -> None:
         hash_files(h, self.paths)

@@ -161,12 +161,12 @@ def load_coco_style(
 
 def load_coco(root: Path, ood_captions: str = "", max_train: int = 0, max_test: int = 0) -> VLMDataset:
     ann = root / "annotations"
-    train, names = load_coco_style(ann / "captions_train2017.json", root / "train2017", f"coco:{root}/train", max_train)
-    test, _ = load_coco_style(ann / "captions_val2017.json", root / "val2017", f"coco:{root}/val", max_test)
+    train, names = load_coco_style(ann / "captions_train2017.json", root / "train2017", "coco/train", max_train)
+    test, _ = load_coco_style(ann / "captions_val2017.json", root / "val2017", "coco/val", max_test)
     ood = None
     if ood_captions:
         p = Path(ood_captions)
-        ood, _ = load_coco_style(p, p.parent / "images", f"ood:{p}", max_test)
+        ood, _ = load_coco_style(p, p.parent / "images", f"ood:{p.name}", max_test)
     return VLMDataset("coco-captions", "caption", names, train, test, ood)
 
 

@@ -68,10 +68,19 @@ def flower_env(home: Path) -> dict[str, str]:
 class LocalFederation:
     """A SuperLink and SuperNodes as real processes on loopback (see the module docstring)."""
 
-    def __init__(self, workdir: Path, supernodes: list[str], node_configs: dict[str, str] | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        supernodes: list[str],
+        node_configs: dict[str, str] | None = None,
+        node_env: dict[str, dict[str, str]] | None = None,
+    ):
         self.dir = Path(workdir).resolve()
         self.names = list(supernodes)
         self.node_configs = dict(node_configs or {})
+        # extra environment of an organisation's processes (its SuperNode, SuperExec and the
+        # ClientApps they start), e.g. CUDA_VISIBLE_DEVICES to give each node its own GPU
+        self.node_env = dict(node_env or {})
         self.creds = self.dir / "credentials"
         self.home = self.dir / "flwr-home"
         self.env = flower_env(self.home)
@@ -82,7 +91,7 @@ class LocalFederation:
         self.logs: dict[str, Path] = {}
 
     # ---- processes -------------------------------------------------------------------------
-    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _start(self, name: str, cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         log = self.dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.logs[name] = log
@@ -91,7 +100,7 @@ class LocalFederation:
                 cmd,
                 stdout=f,
                 stderr=subprocess.STDOUT,
-                env=self.env,
+                env={**self.env, **(extra_env or {})},
                 cwd=self.dir,
                 start_new_session=True,
                 umask=0o077,  # what Flower writes (the SuperLink's database, a node's apps) is owner-only
@@ -233,6 +242,7 @@ class LocalFederation:
                 "--max-retries",
                 "30",
             ],
+            self.node_env.get(name),
         )
         self._start(
             f"{name}{EXEC}",
@@ -249,6 +259,7 @@ class LocalFederation:
                 "--superexec-auth-secret-file",
                 str(secret),
             ],
+            self.node_env.get(name),
         )
         return node
 

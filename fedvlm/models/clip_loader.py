@@ -228,13 +228,23 @@ def _load_open_clip(name: str, pretrained: str, cache_dir: Path, load_weights: b
                 f"run config 'clip.pretrained' = {pretrained!r} looks like a file path but no such "
                 "file exists on this machine"
             )
-        if is_torchscript(path):
-            model, preprocess = _load_torchscript(name, path)
-            return model, preprocess, tokenizer, QUICK_GELU
-        act = activation_of(name, pretrained, path)
-        model, _, preprocess = open_clip.create_model_and_transforms(
-            name, pretrained=str(path), force_quick_gelu=act == QUICK_GELU
-        )
+        try:
+            if is_torchscript(path):
+                model, preprocess = _load_torchscript(name, path)
+                return model, preprocess, tokenizer, QUICK_GELU
+            act = activation_of(name, pretrained, path)
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                name, pretrained=str(path), force_quick_gelu=act == QUICK_GELU
+            )
+        except BackboneError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a damaged file fails in zip, pickle or state-dict code
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise BackboneError(
+                f"run config 'clip.pretrained' = {pretrained!r} cannot be loaded as {name} weights "
+                f"({type(err).__name__}: {first}): check that the file is complete (its size and checksum against "
+                f"the source) and that clip.model names its architecture"
+            ) from err
         return model, preprocess, tokenizer, act
     tags = open_clip.list_pretrained_tags_by_model(name)
     if pretrained not in tags:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedvlm.data import embedded, motifs
-from fedvlm.utils.files import atomic_torch_save, file_lock
+from fedvlm.utils.files import atomic_torch_save, file_lock, load_saved
 from fedvlm.utils.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ def load_pretrained(name: str, cache_dir: Path) -> tuple[EmbeddedResNet, str, di
                 log.info("pretraining %s once (cached at %s)", name, path)
                 model, report = pretrain(recipe)
                 atomic_torch_save({"recipe": asdict(recipe), "report": report, "state_dict": model.state_dict()}, path)
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = load_saved(path, f"delete it; {name} is pretrained again on next use")
     model = architecture(name)
     model.load_state_dict(saved["state_dict"])
     # caches written before reports were kept hold none: the weights are the same

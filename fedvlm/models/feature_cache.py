@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fedvlm.data.sources import ImageSource
-from fedvlm.utils.files import atomic_torch_save, file_lock
+from fedvlm.utils.files import UnreadableFile, atomic_torch_save, file_lock, load_saved
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,11 @@ def image_features(
     if path is not None:
         with file_lock(path):
             if path.exists():
-                feats = torch.load(path, map_location="cpu", weights_only=True)
-            else:
+                try:
+                    feats = load_saved(path, "it is encoded again")
+                except UnreadableFile as err:  # a cache: what it held is computed again from the images
+                    log.warning("%s", err)
+            if feats is None:
                 t0 = time.time()
                 feats = encode_images(bundle, source, indices, batch_size, kind=kind)
                 atomic_torch_save(feats, path)

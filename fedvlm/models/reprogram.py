@@ -39,6 +39,7 @@ from torch import nn
 
 from fedvlm.models import embedded_resnet
 from fedvlm.models.clip_loader import _hub_reachable
+from fedvlm.utils.files import UnreadableFile, load_saved
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,10 @@ def _torchvision_source(name: str, weights: str) -> tuple[nn.Module, str, str]:
             f"reprogram.source-weights = {weights!r} is neither 'imagenet', 'random' nor an existing state-dict file"
         )
     model = builder(weights=None)
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = load_saved(path, f"reprogram.source-weights must be a complete state-dict file of {name}")
+    except UnreadableFile as err:
+        raise SourceModelError(str(err)) from err
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     try:
         model.load_state_dict(state)

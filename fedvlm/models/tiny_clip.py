@@ -26,7 +26,7 @@ from torch import nn
 
 from fedvlm.data import embedded
 from fedvlm.models.prompt_learner import TextTower
-from fedvlm.utils.files import atomic_torch_save, file_lock
+from fedvlm.utils.files import atomic_torch_save, file_lock, load_saved
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def load_embedded_clip(cache_dir: Path, recipe: PretrainRecipe = PretrainRecipe(
                 log.info("pretraining the embedded tiny CLIP once (cached at %s)", path)
                 model = pretrain(recipe)
                 atomic_torch_save({"recipe": asdict(recipe), "state_dict": model.state_dict()}, path)
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    blob = load_saved(path, "delete it; the embedded model is pretrained again on next use")
     model = build_tiny_clip(recipe)
     model.load_state_dict(blob["state_dict"])
     model.eval().requires_grad_(False)

@@ -38,7 +38,7 @@ import torch
 
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.base import FederatedStrategy, ResumeError
-from fedvlm.utils.files import atomic_torch_save, atomic_write_json, try_hold
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_saved, try_hold
 
 CHECKPOINT = "checkpoint.pt"
 INFLIGHT = "inflight.json"
@@ -106,7 +106,9 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
         )
     if not (run_dir / CHECKPOINT).is_file():
         raise ResumeError(f"{run_dir.name} never completed a round (no {CHECKPOINT}): start it afresh")
-    saved = torch.load(run_dir / CHECKPOINT, weights_only=True)
+    saved = load_saved(
+        run_dir / CHECKPOINT, f"restore it from a backup, or start the run afresh ({run_dir.name} cannot be resumed)"
+    )
     if "state" not in saved:
         raise ResumeError(f"{run_dir / CHECKPOINT} holds no strategy state (written by an older fedvlm): start afresh")
     done = int(saved["round"])

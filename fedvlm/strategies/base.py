@@ -337,15 +337,34 @@ class FederatedStrategy(Strategy):
                     return sent.metadata.dst_node_id
         return nid
 
+    def _origin_problem(self, reply: Message, nid: int, senders: list[int]) -> str:
+        """Why a reply cannot be taken as ``nid``'s answer to this phase ("" if it can). A
+        SuperLink delivers one reply per message, from its addressee; in process, or through a
+        compromised link, a reply may claim another node's id or come twice. Of two replies in
+        one node's name neither is counted: the server cannot tell which is the node's, and
+        counting both would weigh the node twice in the aggregate and in the accounting."""
+        asked = {m.metadata.dst_node_id: m.metadata.message_id for m in self._last_sent}
+        if nid not in asked:
+            return "it answers no message the server sent it in this phase of the round"
+        if senders.count(nid) > 1:
+            return f"{senders.count(nid)} replies came in this node's name in this phase: none is counted"
+        if asked[nid] and reply.metadata.reply_to_message_id != asked[nid]:
+            return "it answers another message than the one the server sent this node"
+        return ""
+
     def _validated(self, replies: Iterable[Message], phase: str) -> list[ClientUpdate]:
         good = []
-        for msg in replies:
-            nid = self._sender(msg)
+        replies = list(replies)
+        senders = [self._sender(m) for m in replies]
+        for msg, nid in zip(replies, senders, strict=True):
             node = self.nodes.get(nid)
             name = node.name if node else str(nid)
             try:
                 if node is None:  # the aggregation needs the node it comes from
                     raise ReplyRejected("it comes from a node the server does not know")
+                why = self._origin_problem(msg, nid, senders)
+                if why:
+                    raise ReplyRejected(why)
                 arrays, metrics = check_reply(
                     msg, self._expected.get(nid, {}), need_examples=phase == "train", max_examples=node.num_train
                 )

@@ -24,6 +24,7 @@ from fedvlm.protocol import SERVER_ROUND
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.validation import ReplyRejected, check_hello
 from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
+from fedvlm.utils.runtime import simulated_grid
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class NodeInfo:
     backbone: str
     num_classes: int
     info: dict = field(default_factory=dict)
+    num_partitions: int = 0  # a partition node's num-partitions; 0 for a node with its own data
 
 
 class NodeRegistry:
@@ -68,7 +70,8 @@ class NodeRegistry:
     def handshake(self, grid: Grid, node_ids: Iterable[int]) -> None:
         """Query the nodes not seen yet (``node_ids``: every connected node); admit or exclude each."""
         connected = set(node_ids)
-        node_ids = [n for n in connected if n not in self.nodes and n not in self.failed]
+        # in id order: which of two clashing nodes is admitted must not depend on set order
+        node_ids = sorted(n for n in connected if n not in self.nodes and n not in self.failed)
         if not node_ids:
             return
         msgs = [
@@ -104,6 +107,7 @@ class NodeRegistry:
                     hello.backbone,
                     hello.num_classes,
                     info,
+                    hello.num_partitions,
                 )
                 why = self._forget_restarted(node, connected) or self._mismatch(node)
                 if why:
@@ -145,6 +149,24 @@ class NodeRegistry:
                 return why
         if any(o.name == node.name for o in self.nodes.values()):
             return f"another node already uses the name {node.name!r}"
+        return self._partition_mismatch(node)
+
+    def _partition_mismatch(self, node: NodeInfo) -> str:
+        """Partition nodes split one dataset: they must agree on how many parts, and hold
+        different ones (two nodes on one part, or parts of different splits, overlap)."""
+        if node.partition_id < 0:
+            return ""
+        for other in self.nodes.values():
+            if other.partition_id < 0:
+                continue
+            if other.num_partitions != node.num_partitions:
+                return (
+                    f"it takes partition {node.partition_id} of {node.num_partitions}, but {other.name} takes one of "
+                    f"{other.num_partitions}: the parts of different splits overlap; start every partition node with "
+                    "the same num-partitions"
+                )
+            if other.partition_id == node.partition_id:
+                return f"{other.name} already trains on partition {node.partition_id}: give each node its own"
         return ""
 
     @staticmethod
@@ -163,8 +185,11 @@ class NodeRegistry:
 
     def wait(self, grid: Grid) -> None:
         """Handshake connected nodes until ``min-nodes`` are healthy; stop with every reason if
-        they cannot be (all failed, or the stragglers' time is up)."""
+        they cannot be: all failed, or no more can come (in simulation every node exists from
+        the start, so as soon as each has answered; in deployment once the stragglers' time,
+        round-timeout, is up)."""
         need = self.cfg.min_nodes
+        sim = simulated_grid(grid)
         t0, last = time.time(), -1
         while True:
             connected = sorted(grid.get_node_ids())
@@ -173,38 +198,46 @@ class NodeRegistry:
             if len(healthy) >= need:
                 return
             everyone_failed = bool(connected) and not healthy
-            if self.failed and (everyone_failed or not self._more_may_join(t0)):
-                reasons: dict[str, list[str]] = {}
-                for n, r in self.failed.items():
-                    reasons.setdefault(r, []).append(str(n))
-                detail = "\n".join(
-                    f"  {len(ids)} node(s) ({', '.join(ids[:4])}{'...' if len(ids) > 4 else ''}): {r}"
-                    for r, ids in reasons.items()
-                )
-                raise FederationError(
-                    f"only {len(healthy)} healthy node(s), {need} needed (min-nodes); excluded nodes:\n{detail}"
-                )
+            if sim:
+                settled = all(n in self.nodes or n in self.failed for n in connected)
+                no_more = settled and connected == sorted(grid.get_node_ids())
+            else:
+                no_more = time.time() - t0 >= self.cfg.round_timeout
+            if (self.failed and everyone_failed) or (no_more and (self.failed or sim)):
+                raise FederationError(self._too_few(len(healthy), len(connected)))
             if len(connected) != last:
                 log.info("waiting for nodes: %d connected, %d healthy, %d needed", len(connected), len(healthy), need)
                 last = len(connected)
             time.sleep(1.0)
 
-    def _more_may_join(self, t0: float) -> bool:
-        # In simulation every node exists from the start; in deployment give stragglers the
-        # round timeout to connect before giving up.
-        return time.time() - t0 < self.cfg.round_timeout
+    def _too_few(self, healthy: int, connected: int) -> str:
+        need = self.cfg.min_nodes
+        if not self.failed:
+            return (
+                f"the simulation has {connected} node(s), {need} needed (min-nodes): lower min-nodes "
+                "or raise the federation's num-supernodes"
+            )
+        reasons: dict[str, list[str]] = {}
+        for n, r in self.failed.items():
+            reasons.setdefault(r, []).append(str(n))
+        detail = "\n".join(
+            f"  {len(ids)} node(s) ({', '.join(ids[:4])}{'...' if len(ids) > 4 else ''}): {r}"
+            for r, ids in reasons.items()
+        )
+        return f"only {healthy} healthy node(s), {need} needed (min-nodes); excluded nodes:\n{detail}"
 
     def refresh(self, grid: Grid) -> set[int]:
         """Handshake the nodes that connected since the last call; the connected ids. While fewer
         than ``min-nodes`` healthy nodes are connected, wait up to round-timeout for them: a
         SuperNode whose heartbeat came late (a busy machine) is marked offline for a moment,
-        and a restarted one needs time to reconnect."""
+        and a restarted one needs time to reconnect. A simulation's nodes never come back later:
+        no wait there."""
         t0, warned = time.time(), False
         while True:
             connected = set(grid.get_node_ids())
             self.handshake(grid, connected)
             healthy = sum(n in self.nodes for n in connected)
-            if healthy >= self.cfg.min_nodes or time.time() - t0 >= self.cfg.round_timeout:
+            if healthy >= self.cfg.min_nodes or simulated_grid(grid) or time.time() - t0 >= self.cfg.round_timeout:
                 return connected
             if not warned:
                 log.warning(

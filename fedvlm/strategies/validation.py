@@ -96,7 +96,8 @@ def decode_tensor(name: str, array: Array, shape: tuple[int, ...]) -> np.ndarray
     try:
         value = np.load(io.BytesIO(array.data), allow_pickle=False)
     except Exception as err:  # noqa: BLE001 - whatever the bytes are, they are not a NumPy array
-        raise ReplyRejected(f"tensor {name!r}: its bytes are not a NumPy array ({type(err).__name__}: {err})") from err
+        why = str(err).split(". ")[0]
+        raise ReplyRejected(f"tensor {name!r}: its bytes are not a NumPy array ({type(err).__name__}: {why})") from err
     if not isinstance(value, np.ndarray) or value.dtype != np.float32 or tuple(value.shape) != tuple(shape):
         got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
         raise ReplyRejected(f"tensor {name!r}: its bytes hold {got}, not the float32 {tuple(shape)} its header says")
@@ -164,7 +165,14 @@ def check_hello(msg: Message) -> HelloReport:
     info, metrics = content.get("info"), content.get("metrics")
     if not isinstance(info, ConfigRecord) or not isinstance(metrics, MetricRecord):
         raise ReplyRejected("its handshake lacks the 'info' ConfigRecord or the 'metrics' MetricRecord it must carry")
-    counts = {"partition-id": -1, "num-train": 1, "num-test": 0, "num-neighbor": 0, "num-classes": 1}
+    counts = {
+        "partition-id": -1,
+        "num-train": 1,
+        "num-test": 0,
+        "num-neighbor": 0,
+        "num-classes": 1,
+        "num-partitions": 0,
+    }
     for key, least in counts.items():
         value = metrics.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -70,6 +70,23 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     _atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
+class UnreadableFile(ValueError):
+    """A saved file that cannot be read back: truncated, corrupt, or not what it should hold."""
+
+
+def load_saved(path: Path, fix: str) -> Any:
+    """``torch.load`` of tensors only (``weights_only``) onto the CPU; a file that cannot be read
+    raises ``UnreadableFile`` naming it, what is wrong and ``fix`` (torch's own errors name
+    neither the file nor what to do)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged file raises zip, pickle, EOF or runtime errors
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UnreadableFile(f"{path} cannot be read ({type(err).__name__}: {first}): {fix}") from err
+
+
 def strict_json(obj: Any) -> Any:
     """``obj`` with every NaN or infinite float as null: JSON has no such numbers, and strict
     parsers reject the ``NaN``/``Infinity`` Python would write."""

@@ -36,7 +36,8 @@ class InProcessGrid:
         node_configs: list[dict],
         run_config: dict,
         intercept: Callable[[Message, Message], Message | None] | None = None,
-        forge: Callable[[Message], Message | None] | None = None,
+        forge: Callable[[Message], Message | list[Message] | None] | None = None,
+        simulation: bool = False,
     ):
         ensure_task_identity()
         self.app = client_app
@@ -50,8 +51,13 @@ class InProcessGrid:
         self.sent: list[Message] = []
         self.replies: list[Message] = []
         self.intercept = intercept  # (request, reply) -> reply, or None to lose it; lets tests corrupt replies
-        self.forge = forge  # request -> a reply made up in place of the node's (None: the node answers)
+        # request -> replies made up in place of the node's (None: the node answers); several
+        # replies, or one in another node's name, are what a SuperLink would never deliver
+        self.forge = forge
         self.offline: set[int] = set()
+        # a simulation's nodes all exist from the start (utils.runtime.simulated_grid); by
+        # default the grid plays a deployment, whose nodes may connect, vanish and come back
+        self.simulation = simulation
 
     def get_node_ids(self) -> Iterable[int]:
         return [n for n in self.contexts if n not in self.offline]
@@ -74,9 +80,10 @@ class InProcessGrid:
                 reply = Message(
                     Error(code=1, reason=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"), reply_to=msg
                 )
-            delivered = self.intercept(msg, reply) if self.intercept is not None else reply
-            if delivered is None:
-                continue  # the node answered, but its reply was lost on the way
-            self.replies.append(delivered)
-            out.append(delivered)
+            for one in reply if isinstance(reply, list) else [reply]:
+                delivered = self.intercept(msg, one) if self.intercept is not None else one
+                if delivered is None:
+                    continue  # the node answered, but its reply was lost on the way
+                self.replies.append(delivered)
+                out.append(delivered)
         return out

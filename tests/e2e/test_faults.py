@@ -7,6 +7,7 @@ folder to the end."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -174,3 +175,53 @@ def test_a_crashed_supernode_restarted_at_once_rejoins(federation, tmp_path, cac
     trained = _trained(data, "client-1")
     assert trained[0] == (1, 1) and trained[-1][0] == 8, trained
     assert [count for _, count in trained] == list(range(1, len(trained) + 1)), trained  # its state came back
+
+
+HOSTILE = Path(__file__).parent / "hostile_node"
+
+
+@pytest.mark.slow
+def test_hostile_organisations_through_a_real_superlink_are_dropped_and_the_run_goes_on(tmp_path, cache_dir):
+    """tests/fuzz.py's corruptions that reach a SuperLink, sent by real SuperNodes whose own
+    machines alter their ClientApp (tests/e2e/hostile_node): one corrupts a reply each phase of
+    each round, one claims no training data in its handshake. Duplicate replies and replies in
+    another node's name do not reach the ServerApp in deployment: the SuperLink takes one reply
+    per message, from the node it was sent to."""
+    from fedvlm.deploy.local_federation import LocalFederation
+
+    names = ("org-0", "org-1", "org-2")
+    configs = {n: f"partition-id={i} num-partitions=3 name='{n}'" for i, n in enumerate(names)}
+    modes = {"org-1": "replies", "org-2": "hello"}
+    hostile = {n: {"PYTHONPATH": str(HOSTILE), "FEDVLM_HOSTILE": mode} for n, mode in modes.items()}
+    out = tmp_path / "runs"
+    with LocalFederation(tmp_path / "fed", list(names), configs, node_env=hostile) as fed:
+        _wait_online(fed, 3)
+        run = fed.run_app(
+            f"method='promptfl' num-server-rounds=3 min-nodes=2 round-timeout=180 cache-dir='{cache_dir}' "
+            f"output-dir='{out}' run-name='hostile'",
+            timeout=900,
+        )
+    assert not pids_matching(str(tmp_path / "fed")), "a Flower process of the federation survived the test"
+    text = (out / "hostile" / "results.json").read_text()
+    data = json.loads(text, parse_constant=lambda token: pytest.fail(f"results.json holds {token}"))
+    assert data["run"]["status"] == "finished", run.stdout[-4000:] + run.stderr[-2000:]
+    excluded = data["run"]["excluded_nodes"]
+    assert list(excluded.values()) == ["its handshake reports num-train = 0; expected an integer of at least 1"]
+    assert sorted(n["name"] for n in data["run"]["nodes"]) == ["org-0", "org-1"]
+    expected = {
+        (1, "train"): "its bytes are not a NumPy array",
+        (1, "evaluate"): r"'local-acc' is 1000000.0, expected in \[0, 1\]",
+        (2, "train"): r"'train-loss' is 1e\+308",
+        (2, "evaluate"): "'smuggled-bits' is not one this project's clients report",
+        (3, "train"): "not the float32 .* its header says",
+        (3, "evaluate"): r"'local-acc' is -0.5, expected in \[0, 1\]",
+    }
+    for r in data["rounds"]:
+        dropped = {(r["round"], d["phase"]): d["reason"] for d in r["dropped"] if d["client"] == "org-1"}
+        assert sorted(dropped) == sorted(k for k in expected if k[0] == r["round"]), r["dropped"]
+        for key, reason in dropped.items():
+            assert re.search(expected[key], reason), (key, reason)
+        assert "org-0" in r["clients"] and not any(d["client"] == "org-0" for d in r["dropped"])
+        assert all(0.0 <= v <= 1.0 for k, v in r["metrics"].items() if k.endswith("acc")), r["metrics"]
+    ok = subprocess.run([sys.executable, "-m", "fedvlm.status", str(out / "hostile")], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout

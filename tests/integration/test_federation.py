@@ -18,13 +18,14 @@ from fedvlm.utils.inprocess import InProcessGrid
 N = 10
 
 
-def _run(make_cfg, n=N, intercept=None, node_configs=None, **overrides):
+def _run(make_cfg, n=N, intercept=None, node_configs=None, simulation=False, **overrides):
     cfg = make_cfg(**overrides)
     grid = InProcessGrid(
         client_app,
         node_configs or [{"partition-id": i, "num-partitions": n} for i in range(n)],
         cfg.as_dict(),
         intercept=intercept,
+        simulation=simulation,
     )
     rec = execute(cfg, grid, run_id="test")
     return rec, grid
@@ -167,6 +168,39 @@ def test_too_few_healthy_nodes_stops_before_training(make_cfg, pretrained_clip, 
     nodes = [{"data-dir": str(tmp_path / "missing")}, {"partition-id": 0, "num-partitions": 1}]
     with pytest.raises(FederationError, match="(?s)only 1 healthy node.*does not exist"):
         _run(make_cfg, node_configs=nodes, method="promptfl", num_server_rounds=1, round_timeout=1.0)
+
+
+class _Naps:
+    """Counts the registry's sleeps; the ``limit``-th ends the wait (a deployment would wait
+    round-timeout)."""
+
+    def __init__(self):
+        self.count, self.limit = 0, None
+
+    def __call__(self, seconds: float) -> None:
+        self.count += 1
+        if self.limit is not None and self.count >= self.limit:
+            raise TimeoutError("still waiting for nodes")
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_a_simulation_short_of_healthy_nodes_fails_once_every_node_answered(
+    broken, make_cfg, pretrained_clip, tmp_path, monkeypatch
+):
+    """In simulation every node exists from the start: no waiting round-timeout (600 s by
+    default) for nodes that cannot come; deployed, the same federation waits for them."""
+    from fedvlm.strategies import nodes as registry
+
+    naps = _Naps()
+    monkeypatch.setattr(registry.time, "sleep", naps)
+    configs = [{"partition-id": 0, "num-partitions": 1}] + ([{"data-dir": str(tmp_path / "missing")}] if broken else [])
+    why = "(?s)only 1 healthy node.*does not exist" if broken else "the simulation has 1 node.*2 needed.*num-supernodes"
+    with pytest.raises(FederationError, match=why):
+        _run(make_cfg, node_configs=configs, simulation=True, method="promptfl", num_server_rounds=1, min_nodes=2)
+    assert naps.count == 0
+    naps.limit = 3
+    with pytest.raises(TimeoutError, match="still waiting"):
+        _run(make_cfg, node_configs=configs, method="promptfl", num_server_rounds=1, min_nodes=2, round_timeout=600)
 
 
 def test_a_config_error_every_node_shares_stops_at_once(make_cfg, pretrained_clip, tmp_path):

@@ -102,7 +102,7 @@ def test_coco_style_loader_reads_captions_and_largest_object(tmp_path):
 
     from PIL import Image
 
-    from fedvlm.data.vlm_data import load_coco_style
+    from fedvlm.data.vlm_data import NO_OBJECT, load_coco_style
 
     (tmp_path / "imgs").mkdir()
     for i in (1, 2):
@@ -126,7 +126,7 @@ def test_coco_style_loader_reads_captions_and_largest_object(tmp_path):
     (tmp_path / "captions_val.json").write_text(json.dumps(caps))
     (tmp_path / "instances_val.json").write_text(json.dumps(inst))
     split, names = load_coco_style(tmp_path / "captions_val.json", tmp_path / "imgs", "t")
-    assert names == ["cat", "dog"] and list(split.labels) == [0, 1]
+    assert names == ["cat", "dog", NO_OBJECT] and list(split.labels) == [0, 1]
     assert split.references[0] == ["a cat.", "cat"] and split.targets[1] == "a dog"
     assert split.images.image(1).size == (8, 8)
 

@@ -15,6 +15,7 @@ from fedvlm.client_app.app import app as client_app
 from fedvlm.protocol import SERVER_ROUND
 from fedvlm.server_app.app import execute
 from fedvlm.strategies.base import ResumeError
+from fedvlm.utils.files import UnreadableFile
 from fedvlm.utils.inprocess import InProcessGrid
 
 
@@ -212,6 +213,11 @@ def test_resuming_refuses_what_it_cannot_continue_exactly(make_cfg, pretrained_c
         execute(longer, _grid(longer, nodes), run_id="b")
     after = json.loads((done / "results.json").read_text())  # every refusal left the run as it was
     assert after["run"]["status"] == "finished" and len(after["rounds"]) == 1 and "resumed" not in after["run"]
+    # a damaged checkpoint is named, with what to do, instead of torch's unpickling error
+    checkpoint = done / "checkpoint.pt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:200])
+    with pytest.raises(UnreadableFile, match=r"checkpoint\.pt cannot be read.*restore it from a backup"):
+        execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")
 
 
 def test_an_extended_run_keeps_spending_the_same_budget(make_cfg, pretrained_clip):

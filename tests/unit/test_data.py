@@ -79,6 +79,18 @@ def test_image_folder_errors(tmp_path):
         load_dataset("image-folder", data_root=str(tmp_path))
 
 
+def test_a_truncated_photo_is_reported_by_name_and_its_folder_keeps_no_secret_path(tmp_path):
+    _write_folder(tmp_path / "site" / "train", ["a", "b"], n=4)
+    _write_folder(tmp_path / "site" / "test", ["a", "b"], n=2)
+    d = load_dataset("image-folder", data_root=str(tmp_path / "site"))
+    # the identity goes to the server in the handshake: the folder's name, not where it lives
+    assert str(tmp_path) not in d.train.identity and d.train.identity.startswith("folder:site:")
+    victim = d.train.paths[5]
+    victim.write_bytes(victim.read_bytes()[:40])
+    with pytest.raises(DatasetError, match=rf"image {victim} of folder:site.*cannot be read.*replace or remove it"):
+        d.train.image(5)
+
+
 def test_classes_txt_fixes_the_federation_label_order(tmp_path):
     _write_folder(tmp_path, ["cat", "ant"], n=3)  # this organisation has two of the four classes
     (tmp_path / "classes.txt").write_text("dog\ncat\n# comment\nbee\nant\n")

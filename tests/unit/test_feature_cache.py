@@ -100,3 +100,17 @@ def test_a_dtd_tree_loads_every_label_and_split_right(tmp_path):
     for source, split in ((data.train, "train"), (data.test, "test")):
         assert len(source) == 6
         assert [decode(source.image(i)) for i in range(len(source))] == [(int(y), split) for y in source.labels]
+
+
+def test_a_damaged_cache_file_is_encoded_again_with_a_warning(pretrained_clip, tmp_path, caplog):
+    data = load_dataset("embedded")
+    idx = np.arange(0, 8)
+    first = feature_cache.image_features(pretrained_clip, data.train, idx, tmp_path)
+    (cached,) = (tmp_path / "features").glob("*.pt")
+    cached.write_bytes(cached.read_bytes()[:100])  # a disk that filled up mid-write, a bad copy
+    feature_cache.clear_memory_cache()
+    again = feature_cache.image_features(pretrained_clip, data.train, idx, tmp_path)
+    assert torch.equal(first, again)
+    assert str(cached) in caplog.text and "it is encoded again" in caplog.text
+    feature_cache.clear_memory_cache()  # the rewritten file reads back
+    assert torch.equal(feature_cache.image_features(pretrained_clip, data.train, idx, tmp_path), first)

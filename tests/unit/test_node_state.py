@@ -21,6 +21,7 @@ from fedvlm.client_app.state import (
     save_private,
     state_dir,
 )
+from fedvlm.utils.runtime import in_process_node
 
 
 def _train_round(state: RecordDict, where, r: int) -> None:
@@ -36,8 +37,12 @@ def test_where_a_node_keeps_its_state(tmp_path):
     own = {"state-dir": str(tmp_path / "org")}
     assert state_dir(own, run, -1, "hospital-a") == tmp_path / "org" / "promptfl-x" / "hospital-a"
     assert state_dir(own, run, 3, "client-3") == tmp_path / "org" / "promptfl-x" / "client-3"  # the node's choice wins
-    assert state_dir({}, run, 3, "client-3") == tmp_path / "runs" / "promptfl-x" / "nodes" / "client-3"
     assert state_dir({}, run, -1, "hospital-a") is None  # deployed without state-dir: memory only
+    # a partition node writes under the server's run folder only when simulated: a real node
+    # (a SuperNode given partition-id) never puts private state where the server's path says
+    assert state_dir({}, run, 3, "client-3") is None
+    with in_process_node():
+        assert state_dir({}, run, 3, "client-3") == tmp_path / "runs" / "promptfl-x" / "nodes" / "client-3"
     assert state_dir(own, "", 3, "client-3") is None  # no run named (the handshake)
 
 
@@ -107,3 +112,19 @@ def test_the_privacy_ledger_is_never_rolled_back(tmp_path):
     assert restore(fresh, where, 3, training=True) == 2  # the private state of round 2
     assert load_meta(fresh, LEDGER) == {"round": [1, 2, 3]}  # but round 3 did leave the node
     assert persist(fresh, where, 3) is not None
+
+
+def test_a_damaged_snapshot_is_refused_naming_the_file_not_replaced_by_an_older_one(tmp_path):
+    """An older snapshot's ledger would forget what the node released since: no fallback."""
+    import pytest
+
+    from fedvlm.utils.files import UnreadableFile
+
+    where = tmp_path / "org" / "run" / "node"
+    state = RecordDict()
+    for r in (1, 2):
+        _train_round(state, where, r)
+    newest = where / "round-0002.pt"
+    newest.write_bytes(newest.read_bytes()[:64])
+    with pytest.raises(UnreadableFile, match=r"round-0002\.pt cannot be read.*cannot be restored"):
+        restore(RecordDict(), where, 3, training=True)

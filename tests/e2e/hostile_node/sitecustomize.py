@@ -1,0 +1,78 @@
+"""Makes the ClientApps of the machine whose PYTHONPATH holds this folder hostile: an
+organisation controls its own node, so it can change what its ClientApp sends (the app the node
+pinned protects the organisation from the server, not the server from the organisation).
+
+``FEDVLM_HOSTILE=hello``: the handshake reports no training records. ``FEDVLM_HOSTILE=replies``:
+each train and evaluate reply is corrupted, one way per round (``CORRUPT``). Python imports
+``sitecustomize`` at start-up from the path, so every Flower process of that node loads it; only
+ClientApp calls change.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def _first(content) -> str:
+    return sorted(content["arrays"].keys())[0]
+
+
+def _header_kept(content, data: bytes, stype: str = "numpy.ndarray") -> None:
+    """The first tensor with its honest header (float32, its shape) and ``data`` behind it."""
+    from flwr.app import Array
+
+    key = _first(content)
+    honest = content["arrays"][key]
+    content["arrays"][key] = Array(dtype="float32", shape=tuple(honest.shape), stype=stype, data=data)
+
+
+def _npy(values: np.ndarray) -> bytes:
+    from flwr.app import Array
+
+    return Array(np.ascontiguousarray(values, dtype=np.float32)).data
+
+
+def _set_metric(name: str, value: float):
+    def corrupt(content) -> None:
+        content["metrics"][name] = value
+
+    return corrupt
+
+
+# (message type, server round) -> what is done to the honest reply's content
+CORRUPT = {
+    ("train", 1): lambda c: _header_kept(c, b"\x93JUNK" * 64),
+    ("evaluate", 1): _set_metric("local-acc", 1e6),
+    ("train", 2): _set_metric("train-loss", 1e308),
+    ("evaluate", 2): _set_metric("smuggled-bits", 3.0),
+    ("train", 3): lambda c: _header_kept(c, _npy(np.ones(11))),
+    ("evaluate", 3): _set_metric("local-acc", -0.5),
+}
+
+
+def _install(mode: str) -> None:
+    from flwr.app import Message
+    from flwr.clientapp import ClientApp
+
+    honest_call = ClientApp.__call__
+
+    def hostile_call(self, message: Message, context):
+        reply = honest_call(self, message, context)
+        if reply.has_error():
+            return reply
+        kind = message.metadata.message_type
+        if mode == "hello" and kind == "query":
+            reply.content["metrics"]["num-train"] = 0
+        elif mode == "replies" and kind in ("train", "evaluate"):
+            corrupt = CORRUPT.get((kind, int(message.content["config"]["server-round"])))
+            if corrupt is not None:
+                corrupt(reply.content)
+        return reply
+
+    ClientApp.__call__ = hostile_call
+
+
+if os.environ.get("FEDVLM_HOSTILE"):
+    _install(os.environ["FEDVLM_HOSTILE"])
