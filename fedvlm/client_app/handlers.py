@@ -1,0 +1,101 @@
+"""What a node does with each message, in whichever process runs it: the ClientApp's own
+(``client_app.app``) or the node's warm worker (``client_app.worker``).
+
+Three message types:
+- ``query`` (once per node, before training): the node validates the run config, loads its
+  data and backbone, and reports who it is (name, sizes, backbone fingerprint). Any problem
+  (bad config, missing data, unknown weights) surfaces here as a failed reply, so the
+  server stops before the first round with the node's own error message. The audited node
+  (``privacy.audit-node``) counts its canary slots among its records (``client_app.audit_node``).
+- ``train`` / ``evaluate``: the method's client trainer runs on the arrays the server sent
+  this node; the reply goes through the send guard. The node's private state is restored from
+  its own disk first where memory lacks it (a restarted SuperNode, a resumed run) and written
+  back after (``client_app.state``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import ArrayRecord, Context, Message, MessageType
+
+from fedvlm.client_app import privacy_floor
+from fedvlm.client_app.audit_node import finish_round, node_canaries
+from fedvlm.client_app.send_guard import guarded_reply
+from fedvlm.client_app.state import persist, restore, state_dir
+from fedvlm.methods.registry import validate
+from fedvlm.protocol import RUN_DIR, SERVER_ROUND, EvaluateInstruction, TrainInstruction
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _setup(msg: Message, context: Context):
+    cfg = validate(context.run_config)
+    spec = cfg.spec
+    node = spec.family.node_data(cfg, dict(context.node_config))
+    config: dict[str, Any] = dict(msg.content["config"]) if "config" in msg.content else {}
+    server_round = int(config.get(SERVER_ROUND, 0))
+    where = state_dir(node.config, str(config.get(RUN_DIR, "")), node.partition_id, node.name)
+    restore(context.state, where, server_round, training=msg.metadata.message_type == MessageType.TRAIN)
+    client = spec.client(cfg, node, context.state, server_round)
+    client.canaries = node_canaries(cfg, node.partition_id, context.state)
+    arrays: dict[str, torch.Tensor] = {}
+    if "arrays" in msg.content:
+        record = msg.content["arrays"]
+        assert isinstance(record, ArrayRecord)  # the server sends its tensors as one
+        arrays = record.to_torch_state_dict()
+    return cfg, spec, client, arrays, config, where
+
+
+def hello(msg: Message, context: Context) -> Message:
+    _, _, client, _, _, _ = _setup(msg, context)
+    # a limit on regenerable noise is refused before the run starts, not at its first round
+    privacy_floor.check_source(privacy_floor.NodeFloor.from_node_config(client.node.config), client.node.noise_source)
+    report = client.hello()
+    partitions = int(client.node.config.get("num-partitions", 0) or 0) if report.partition_id >= 0 else 0
+    info, metrics = replace(report, num_train=client.records(report.num_train), num_partitions=partitions).to_records()
+    return guarded_reply(msg, {}, metrics, allowed=frozenset(), info=info)
+
+
+def train(msg: Message, context: Context) -> Message:
+    t0 = time.time()
+    cfg, spec, client, arrays, config, where = _setup(msg, context)
+    instruction = TrainInstruction.from_config(config)
+    release = privacy_floor.guard(client.node.config, context.state, cfg, instruction, client.node.noise_source)
+    shared, metrics = client.train(arrays, instruction)
+    if release is not None:  # the node's own account of what this reply releases
+        metrics["node-epsilon"] = privacy_floor.record(context.state, release)
+    if client.canaries is not None:
+        metrics.update(finish_round(cfg, client.canaries, context.state))
+    # Everything this node spent on the message (setup included): the rest of a round's
+    # wall time is Flower/Ray/network overhead.
+    metrics["compute-seconds"] = time.time() - t0
+    # The server names what it expects back this round (none named = nothing may leave):
+    # the guard holds the reply to that as well as to the method's shared set.
+    # What may leave this node: the method's sharing rule over the tensors its model has
+    # (a LoRA adapter's names are known only where the model is loaded).
+    allowed = spec.shares(cfg, client.tensor_names)
+    persist(context.state, where, instruction.server_round)
+    return guarded_reply(
+        msg, shared, metrics, allowed=allowed, private=client.private, requested=instruction.reply_keys
+    )
+
+
+def evaluate(msg: Message, context: Context) -> Message:
+    t0 = time.time()
+    _, _, client, arrays, config, where = _setup(msg, context)
+    instruction = EvaluateInstruction.from_config(config)
+    metrics = client.evaluate(arrays, instruction)
+    persist(context.state, where, instruction.server_round)
+    metrics["compute-seconds"] = time.time() - t0
+    return guarded_reply(msg, {}, metrics, allowed=frozenset())
+
+
+HANDLERS = {MessageType.QUERY: hello, MessageType.TRAIN: train, MessageType.EVALUATE: evaluate}
+
+
+def handle(msg: Message, context: Context) -> Message:
+    return HANDLERS[msg.metadata.message_type](msg, context)
