@@ -36,6 +36,9 @@ NUM_TRAIN = "plan.num-train"
 FINAL_ROUND = "final-round"
 PUBLISH_DIR = "publish-dir"  # a node config key (client_app.publishing)
 RUN_DIR = "run-dir"
+# the how-many-th time the server sends this message (server_app.exchange asks a late one again
+# once): Flower names a message by its content, so a copy must differ; the node ignores it
+ATTEMPT = "attempt"
 
 
 def _names(text) -> tuple[str, ...]:

@@ -261,6 +261,9 @@ def fuzz(method: str, cache_dir: Path, out_dir: Path, **overrides) -> dict[str, 
     raw.update({"fraction-train": 1.0, "cache-dir": str(cache_dir), "output-dir": str(out_dir), "run-name": method})
     # the fuzz is about replies: an iid split gives each of its ~40 nodes data in every family
     raw["partitioner"] = "iid"
+    # a forger that answers in another node's name leaves its own message unanswered: no grace
+    # periods to wait out here (tests/integration/test_lost_replies.py covers them)
+    raw["reply-grace"] = 0.0
     raw.update(overrides)
     cfg = validate(raw)
     replies_tensors = method not in ("coop", "zeroshot")  # coop's replies carry metrics only

@@ -19,6 +19,10 @@ What this keeps:
 - Who can reach it: the socket lives in a directory only the node's user can enter (0700), is
   itself 0600, and the worker checks each caller's uid (``SO_PEERCRED``). It serves one node:
   the first message binds it to that node id, and a message of another node is refused.
+- The app the node pinned: the message runs in the worker's copy of the project, so the worker
+  refuses a ClientApp whose project source differs from its own (``code_digest``: every file
+  of the package). A node runs the app it agreed to even when the worker was started from an
+  older checkout; restarting the worker from the pinned version is the fix it names.
 - DP fails closed exactly as in-process: the same handlers run, on the same messages.
 - Failure is a lost reply, never a hang: a worker that dies mid-message closes the socket, and
   the ClientApp raises (Flower sends the server an error reply); a worker that does not answer
@@ -33,6 +37,7 @@ JSON header, the ``Message`` protobuf, the ``Context`` protobuf. A reply has the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -55,6 +60,20 @@ CONNECT_TIMEOUT = 5.0  # seconds to reach a listening worker
 
 class WorkerError(RuntimeError):
     """The worker refused the message, failed on it, or was lost mid-message."""
+
+
+_DIGEST: list[str] = []
+
+
+def code_digest() -> str:
+    """sha256 of the project's Python source as this process imports it (paths and bytes)."""
+    if not _DIGEST:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        _DIGEST.append(h.hexdigest())
+    return _DIGEST[0]
 
 
 # ---- frames ------------------------------------------------------------------------------------
@@ -108,7 +127,7 @@ def forward(msg: Message, context: Context, path: str) -> Message | None:
             return None
         sock.settimeout(float(context.run_config.get("round-timeout", 600.0)))
         try:
-            _send(sock, {"kind": "message"}, msg, context)
+            _send(sock, {"kind": "message", "code": code_digest()}, msg, context)
             header, reply, updated = _receive(sock)
         except (ConnectionError, TimeoutError, OSError) as err:
             raise WorkerError(
@@ -164,8 +183,15 @@ class Worker:
     def __init__(self):
         self.node_id: int | None = None  # bound by the first message
         self.served = 0
+        code_digest()  # the source as it is now, when the worker imports it
 
-    def refusal(self, context: Context) -> str:
+    def refusal(self, header: dict, context: Context) -> str:
+        if header.get("code") != code_digest():
+            return (
+                "this node worker runs other fedvlm code than the ClientApp the SuperNode runs (source "
+                f"{str(header.get('code'))[:12]} there, {code_digest()[:12]} here): restart the worker from the "
+                "app version the node pinned"
+            )
         if self.node_id is not None and context.node_id != self.node_id:
             return (
                 f"this node worker serves node {self.node_id}, not node {context.node_id}: start one worker "
@@ -180,7 +206,7 @@ class Worker:
         if header.get("kind") != "message" or msg is None or context is None:
             _send(conn, {"kind": "error", "error": "the node worker expected a message and its context"}, None, None)
             return
-        why = self.refusal(context)
+        why = self.refusal(header, context)
         if why:
             _send(conn, {"kind": "error", "error": why}, None, None)
             return

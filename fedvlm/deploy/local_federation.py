@@ -74,6 +74,7 @@ class LocalFederation:
         supernodes: list[str],
         node_configs: dict[str, str] | None = None,
         node_env: dict[str, dict[str, str]] | None = None,
+        workers: Sequence[str] = (),
     ):
         self.dir = Path(workdir).resolve()
         self.names = list(supernodes)
@@ -81,6 +82,8 @@ class LocalFederation:
         # extra environment of an organisation's processes (its SuperNode, SuperExec and the
         # ClientApps they start), e.g. CUDA_VISIBLE_DEVICES to give each node its own GPU
         self.node_env = dict(node_env or {})
+        # the organisations with a warm node worker (client_app.worker) beside their SuperNode
+        self.workers = set(workers)
         self.creds = self.dir / "credentials"
         self.home = self.dir / "flwr-home"
         self.env = flower_env(self.home)
@@ -208,6 +211,8 @@ class LocalFederation:
         SuperExec, which starts a ClientApp process per task only for the pinned app; the two
         share a secret so that no other process on the machine can take the node's tasks."""
         cfg = node_config if node_config is not None else self.node_configs.get(name, f"name='{name}'")
+        if name in self.workers:
+            cfg = f"{cfg} node-worker='{self.start_worker(name)}'"
         secret = self.dir / "secrets" / name
         if not secret.exists():
             secret.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -262,6 +267,24 @@ class LocalFederation:
             self.node_env.get(name),
         )
         return node
+
+    def start_worker(self, name: str) -> Path:
+        """The organisation's warm node worker, as its own user beside its SuperNode; its socket
+        (0600, in a 0700 folder) is what the node config's ``node-worker`` names."""
+        sock = self.dir / "workers" / f"{name}.sock"
+        if f"{name}-worker" in self.procs and self.procs[f"{name}-worker"].poll() is None:
+            return sock  # a restarted SuperNode finds its worker still warm
+        self._start(
+            f"{name}-worker",
+            [sys.executable, "-m", "fedvlm.deploy.node_worker", "--socket", str(sock)],
+            self.node_env.get(name),
+        )
+        deadline = time.time() + 120
+        while not sock.exists():
+            if self.procs[f"{name}-worker"].poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{name}'s node worker did not start:\n{self.log_text(f'{name}-worker')[-3000:]}")
+            time.sleep(0.2)
+        return sock
 
     def flwr(self, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -364,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="write a JSON report here: the federation's peak memory per program and each round's time",
     )
+    p.add_argument(
+        "--workers",
+        action="store_true",
+        help="start a warm node worker beside each SuperNode (python -m fedvlm.deploy.node_worker)",
+    )
     args = p.parse_args(argv)
     names = [f"org-{i}" for i in range(args.supernodes)]
     configs = {
@@ -371,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, n in enumerate(names)
     }
     t0 = time.time()
-    with LocalFederation(args.workdir, names, configs) as fed, TreeMemory(str(fed.dir), 1.0) as mem:
+    fed_ = LocalFederation(args.workdir, names, configs, workers=names if args.workers else ())
+    with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem:
         print(
             f"SuperLink on {HOST}:{fed.port} (TLS, SuperNode auth; its Fleet gateway on {PUBLIC}:{fed.gateway_port}), "
             f"SuperNodes: {', '.join(names)}, pinned to app sha256 {fed.pins[0][:12]}; "
@@ -385,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         status, rounds = _rounds(proc.stdout)
         report = {
             "supernodes": args.supernodes,
+            "workers": args.workers,
             "run_config": args.run_config,
             "status": status,
             "setup_seconds": round(started - t0, 1),

@@ -131,6 +131,17 @@ class RunBudget:
         worst = self.entry({n: 1 for n in names})["epsilon"]
         return worst if worst > cap * (1 + 1e-9) else None
 
+    def beyond_promise(self, names: Iterable[str], rounds: int) -> float | None:
+        """The worst per-record epsilon ``rounds`` more rounds of ``names`` would bring, if it
+        crosses what the run promised: privacy.max-epsilon, else the target privacy.epsilon (a
+        run with a fixed noise multiplier promises no epsilon in advance)."""
+        promise = self.settings.max_epsilon or (0.0 if self.settings.fixed_noise else self.settings.epsilon)
+        names = list(names)
+        if not (promise and names):
+            return None
+        worst = self.entry({n: rounds for n in names})["epsilon"]
+        return worst if worst > promise * (1 + 1e-9) else None
+
     # ---- state across rounds (strategies.base.FederatedStrategy.state_dict) -------------------
     def sigmas(self) -> dict[str, float]:
         """The noise level of every planned mechanism, by who draws it."""

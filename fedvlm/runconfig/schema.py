@@ -466,6 +466,13 @@ class RunConfig:
     )
     min_nodes: int = opt(2, "Clients that must be connected before the first round starts.", min=1)
     round_timeout: float = opt(600.0, "Seconds to wait for client replies in one round.", min=1.0)
+    reply_grace: float = opt(
+        10.0,
+        "Seconds a missing reply may still take once no other reply of its phase is arriving (or twice "
+        "the slowest reply time seen, if longer); then it is asked again once, and after as long again "
+        "the round goes on without it. 0 = wait round-timeout for every reply.",
+        min=0.0,
+    )
     # --- where things go --------------------------------------------------------------------
     output_dir: str = opt("", "Absolute directory for run folders; empty = ~/fedvlm-runs.")
     run_name: str = opt("", "Name of this run's folder; empty = <method>-<dataset>-<time>.")

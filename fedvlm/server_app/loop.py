@@ -19,6 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
 from fedvlm.privacy.audit import audit_section
+from fedvlm.server_app.exchange import Exchanger
 from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
@@ -78,7 +79,7 @@ def run_rounds(
     _record_nodes(strategy, recorder)
     if strategy.budget is not None:
         recorder.add_section("privacy", strategy.ledger.as_dict())
-    timeout = strategy.cfg.round_timeout
+    exchange = Exchanger(grid, strategy.cfg.round_timeout, strategy.cfg.reply_grace)
     total = strategy.num_rounds()
     empty = ConfigRecord()
     status, note, rnd = "finished", "", 0
@@ -100,16 +101,16 @@ def run_rounds(
                 rnd -= 1
                 # one more evaluation of the state reached, so that clients publish it
                 strategy.begin_round(rnd, final=True)
-                grid.send_and_receive(strategy.configure_evaluate(rnd, current, empty, grid), timeout=timeout)
+                exchange.run(list(strategy.configure_evaluate(rnd, current, empty, grid)), strategy.ask_again)
                 break
             if strategy.budget is not None:
                 strategy.budget.spend(trainees)
             save_inflight(recorder.dir, rnd, trainees)
-            uploads = list(grid.send_and_receive(messages, timeout=timeout))
+            uploads = exchange.run(messages, strategy.ask_again)
             if strategy.cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
                 record_round(recorder.dir, rnd, messages, uploads, strategy.nodes)
             strategy.aggregate_train(rnd, uploads)
-        replies = grid.send_and_receive(strategy.configure_evaluate(rnd, current, empty, grid), timeout=timeout)
+        replies = exchange.run(list(strategy.configure_evaluate(rnd, current, empty, grid)), strategy.ask_again)
         strategy.aggregate_evaluate(rnd, replies)
         _record_privacy(strategy, rnd, recorder)
         record = strategy.current.as_dict(time.time() - t0)

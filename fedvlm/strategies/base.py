@@ -42,7 +42,7 @@ from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape, GlobalDP
-from fedvlm.protocol import EvaluateInstruction, TrainInstruction
+from fedvlm.protocol import ATTEMPT, EvaluateInstruction, TrainInstruction
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.records import ClientUpdate, RoundRecord, RunOutputs
@@ -313,6 +313,55 @@ class FederatedStrategy(Strategy):
         self._last_sent = msgs  # their ids are set when the grid pushes them; see _sender
         return msgs
 
+    def ask_again(self, late: list[Message]) -> list[Message]:
+        """Copies of the messages whose replies are late (``server_app.exchange``), to send once
+        more; a message left out is not asked again, and why is recorded in the round.
+
+        Why the accounting still holds: the budget spends a round for each trainee when its
+        train message is sent (``RunBudget.spend``), because a lost reply may still have been
+        computed and seen. A copy of a train message makes the node compute again. With the
+        node's and the server's noise seeded, the node restores its state of the round before
+        and releases the same tensors again: nothing is charged, as for a resumed round. With
+        OS noise anywhere it is a second, independent release: the node's round is spent again,
+        and the copy is not sent if that would take its records past the epsilon the run
+        promised, counting the rounds still to come (``RunBudget.beyond_promise``). Only one
+        reply per node enters the aggregate (the exchange pulls the first to come), so the
+        server's noise is added once."""
+        copies = []
+        sources = self.noise_sources()
+        for msg in late:
+            node = self.nodes.get(msg.metadata.dst_node_id)
+            if node is None:
+                continue
+            phase = "train" if msg.metadata.message_type == MessageType.TRAIN else "evaluate"
+            charged = False
+            if phase == "train" and self.budget is not None:
+                fresh = self.budget.server_noise_source(sources) == "os" or sources.get(node.name) == "os"
+                # the copy, and every round still to come in which the node may train again
+                more = 1 + self.num_rounds() - self.current.round
+                over = self.budget.beyond_promise([node.name], more) if fresh else None
+                if over is not None:
+                    self.current.asked_again.append(
+                        {
+                            "client": node.name,
+                            "phase": phase,
+                            "asked": False,
+                            "why": f"asking again would bring epsilon to {over:.4g}, past what the run promised",
+                        }
+                    )
+                    continue
+                if fresh:
+                    self.budget.spend([node.name])
+                    charged = True
+            config = msg.content["config"]
+            assert isinstance(config, ConfigRecord)  # _messages sends one
+            content = RecordDict({"arrays": msg.content["arrays"], "config": ConfigRecord({**config, ATTEMPT: 2})})
+            copy = Message(content, dst_node_id=node.node_id, message_type=msg.metadata.message_type)
+            copies.append(copy)
+            self._last_sent.append(copy)
+            self.current.asked_again.append({"client": node.name, "phase": phase, "asked": True, "charged": charged})
+        return copies
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -343,12 +392,14 @@ class FederatedStrategy(Strategy):
         compromised link, a reply may claim another node's id or come twice. Of two replies in
         one node's name neither is counted: the server cannot tell which is the node's, and
         counting both would weigh the node twice in the aggregate and in the accounting."""
-        asked = {m.metadata.dst_node_id: m.metadata.message_id for m in self._last_sent}
+        asked: dict[int, set[str]] = {}  # node id -> the ids of the messages it was sent (a copy asked again too)
+        for m in self._last_sent:
+            asked.setdefault(m.metadata.dst_node_id, set()).add(m.metadata.message_id)
         if nid not in asked:
             return "it answers no message the server sent it in this phase of the round"
         if senders.count(nid) > 1:
             return f"{senders.count(nid)} replies came in this node's name in this phase: none is counted"
-        if asked[nid] and reply.metadata.reply_to_message_id != asked[nid]:
+        if all(asked[nid]) and reply.metadata.reply_to_message_id not in asked[nid]:
             return "it answers another message than the one the server sent this node"
         return ""
 
@@ -376,6 +427,9 @@ class FederatedStrategy(Strategy):
             self.current.client(name)[f"{phase}/bytes_up"] = record_nbytes(arrays)
             good.append(ClientUpdate(node, arrays, metrics))
             self.on_reply_accepted(node, phase)
+        for nid in sorted({m.metadata.dst_node_id for m in self._last_sent} - set(senders)):
+            node = self.nodes.get(nid)
+            self.current.missing.append({"client": node.name if node else str(nid), "phase": phase})
         return good
 
     def _drop(self, name: str, phase: str, reason: str) -> None:

@@ -30,6 +30,8 @@ class RoundRecord:
     clients: dict[str, dict] = field(default_factory=dict)  # per-client figures, by name
     dropped: list[dict] = field(default_factory=list)  # rejected replies and why
     bounded: list[dict] = field(default_factory=list)  # updates past the norm bound: norm, bound, action
+    asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.exchange)
+    missing: list[dict] = field(default_factory=list)  # sampled clients whose reply never came
     bytes: dict[str, int] = field(default_factory=dict)  # train_down, train_up, evaluate_down, evaluate_up
 
     def client(self, name: str) -> dict:
@@ -50,6 +52,8 @@ class RoundRecord:
             "clients": self.clients,
             "dropped": self.dropped,
             "bounded": self.bounded,
+            "asked_again": self.asked_again,
+            "missing": self.missing,
         }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from fedvlm.utils.runtime import in_process_node
 
@@ -58,32 +59,50 @@ class InProcessGrid:
         # a simulation's nodes all exist from the start (utils.runtime.simulated_grid); by
         # default the grid plays a deployment, whose nodes may connect, vanish and come back
         self.simulation = simulation
+        self._pushed = 0
+        self._held: dict[str, list[Message]] = {}  # message id -> its replies, until pulled
 
     def get_node_ids(self) -> Iterable[int]:
         return [n for n in self.contexts if n not in self.offline]
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        out = []
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Run each message's ClientApp now and keep its replies until pulled (as a SuperLink
+        keeps them); the message ids, as Flower's grids give them."""
+        ids = []
         for msg in messages:
-            self.sent.append(msg)
-            node = msg.metadata.dst_node_id
-            if node in self.offline:
-                continue  # a vanished node never answers
-            forged = self.forge(msg) if self.forge is not None else None
-            try:
-                if forged is not None:
-                    reply = forged
-                else:
-                    with in_process_node():  # a simulated node (utils.runtime)
-                        reply = self.app(msg, self.contexts[node])
-            except Exception as err:  # as Flower does: the server receives an error reply
-                reply = Message(
-                    Error(code=1, reason=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"), reply_to=msg
-                )
-            for one in reply if isinstance(reply, list) else [reply]:
-                delivered = self.intercept(msg, one) if self.intercept is not None else one
-                if delivered is None:
-                    continue  # the node answered, but its reply was lost on the way
-                self.replies.append(delivered)
-                out.append(delivered)
+            self._pushed += 1
+            msg.metadata.__dict__["_message_id"] = f"in-process-{self._pushed}"
+            ids.append(msg.metadata.message_id)
+            self._held[msg.metadata.message_id] = self._answer(msg)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [reply for i in message_ids for reply in self._held.pop(i, [])]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    def _answer(self, msg: Message) -> list[Message]:
+        self.sent.append(msg)
+        node = msg.metadata.dst_node_id
+        if node in self.offline:  # as the SuperLink answers for a node that stopped its heartbeats
+            return [Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable"), reply_to=msg)]
+        forged = self.forge(msg) if self.forge is not None else None
+        try:
+            if forged is not None:
+                reply = forged
+            else:
+                with in_process_node():  # a simulated node (utils.runtime)
+                    reply = self.app(msg, self.contexts[node])
+        except Exception as err:  # as Flower does: the server receives an error reply
+            reply = Message(
+                Error(code=1, reason=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"), reply_to=msg
+            )
+        out = []
+        for one in reply if isinstance(reply, list) else [reply]:
+            delivered = self.intercept(msg, one) if self.intercept is not None else one
+            if delivered is None:
+                continue  # the node answered, but its reply was lost on the way
+            self.replies.append(delivered)
+            out.append(delivered)
         return out

@@ -35,6 +35,7 @@ def federation(tmp_path_factory, cache_dir, pretrained_clip):
         work,
         ["org-0", "org-1"],
         {"org-0": "partition-id=0 num-partitions=2", "org-1": "partition-id=1 num-partitions=2"},
+        workers=["org-1"],  # one organisation with a warm node worker, one without: both paths
     )
     with fed:
         fed.make_credentials(extra=["org-own", "org-bad", "intruder"])  # keys made, not registered
@@ -107,6 +108,8 @@ def test_deployment_with_tls_and_auth_matches_the_simulation(federation, flwr_en
             assert dm[k] == pytest.approx(sm[k], rel=1e-6, abs=1e-9), (d["round"], k)
         assert d["bytes"] == s["bytes"]
     assert _untimed(deployed["final"]) == pytest.approx(_untimed(simulated["final"]))
+    # org-1's messages ran in its warm worker (the handshake and two rounds of train and evaluate)
+    assert federation.log_text("org-1-worker").count("served ") >= 5, federation.log_text("org-1-worker")[-2000:]
 
 
 def test_an_unregistered_supernode_is_refused(federation):

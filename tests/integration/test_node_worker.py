@@ -6,6 +6,7 @@ reply, not a hang."""
 from __future__ import annotations
 
 import json
+import socket
 import stat
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.client_app.worker import NODE_WORKER, WorkerError, _receive, forward, listen
+from fedvlm.client_app.worker import NODE_WORKER, WorkerError, _receive, _send, forward, listen
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid
 from fedvlm.utils.processes import kill_tree
@@ -102,6 +103,12 @@ def test_a_worker_serves_one_node_and_returns_a_handler_error_leaving_the_state(
     with pytest.raises(WorkerError, match="nope"):
         forward(_message(MessageType.QUERY, 1000), broken, str(path))
     assert dict(broken.state["kept"]) == {"x": 1}
+    # a ClientApp of other code (the app the node pinned is not what the worker runs) is refused
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(path))
+        _send(sock, {"kind": "message", "code": "0" * 64}, _message(MessageType.QUERY, 1000), context)
+        header, reply, _ = _receive(sock)
+    assert header["kind"] == "error" and "other fedvlm code" in header["error"] and reply is None
 
 
 def test_no_worker_listening_means_the_message_runs_in_the_clientapp(tmp_path):

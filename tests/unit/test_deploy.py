@@ -112,7 +112,8 @@ def test_compose_files_validate_and_need_the_pin():
         proc = subprocess.run([*tool, *args, "config"], capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr
     services = yaml.safe_load(proc.stdout)["services"]
-    assert set(services) == {"superlink", "gateway", "supernode-0", "exec-0", "supernode-1", "exec-1"}
+    orgs = {f"{role}-{i}" for role in ("supernode", "exec", "worker") for i in (0, 1)}
+    assert set(services) == {"superlink", "gateway", *orgs}
     unpinned = {k: v for k, v in os.environ.items() if k != "APP_PIN"}
     proc = subprocess.run(
         [*tool, "-f", str(ROOT / "docker" / "compose.yml"), "config"], capture_output=True, text=True, env=unpinned
@@ -143,6 +144,7 @@ def test_compose_runs_least_privilege_with_real_flags():
         "fedvlm.deploy.fleet_gateway": _help(sys.executable, "-m", "fedvlm.deploy.fleet_gateway", "--help"),
         "fedvlm.deploy.pinned_app": _help(sys.executable, "-m", "fedvlm.deploy.pinned_app", "exec", "--help")
         | _help(str(BIN / "flower-superexec"), "--help"),
+        "fedvlm.deploy.node_worker": _help(sys.executable, "-m", "fedvlm.deploy.node_worker", "--help"),
     }
     for name, svc in compose["services"].items():
         assert not {"ports", "networks"} & set(svc), name  # host networking only
@@ -163,6 +165,15 @@ def test_compose_runs_least_privilege_with_real_flags():
         if program == "fedvlm.deploy.pinned_app":
             assert data and any(c.startswith("--pin=") for c in cmd)
             assert any(c.startswith("--runtime-api-address=127.0.0.1:") for c in cmd)  # loopback only
+        if program == "fedvlm.deploy.node_worker":  # its socket is on a volume only its exec shares
+            (sock,) = [c.split("=", 1)[1] for c in cmd if c.startswith("--socket=")]
+            (volume,) = [m.split(":")[0] for m in mounts if _target(m) == str(Path(sock).parent)]
+            peers = [
+                n
+                for n, other in compose["services"].items()
+                if any(m.split(":")[0] == volume for m in other.get("volumes", []))
+            ]
+            assert sorted(peers) == sorted([name, name.replace("worker", "exec")]), peers
 
 
 def _imported_files(module: str) -> set[str]:

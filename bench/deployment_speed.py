@@ -1,0 +1,155 @@
+"""Benchmark: a deployment against the same run in simulation, side by side on one machine.
+
+Runs the embedded default (``--method``, ``--rounds``) three ways, ``--repeats`` times,
+alternated:
+
+- ``simulation``: ``flwr run`` with ``--supernodes`` virtual nodes (Ray);
+- ``deployed, cold``: a real SuperLink (TLS, node authentication) and ``--supernodes``
+  SuperNodes on loopback (``deploy.local_federation``), every message in a fresh ClientApp
+  process, as Flower runs it;
+- ``deployed, warm``: the same with a warm node worker beside each SuperNode
+  (``python -m fedvlm.deploy.node_worker``).
+
+Prints seconds per round (round 1 apart: it loads models and features everywhere), the ratio
+of each deployment to the simulation, lost replies, rounds that waited out round-timeout, and
+the federation's peak memory per program; writes all of it as JSON.
+
+    python bench/deployment_speed.py --supernodes 4 --rounds 4
+    python bench/deployment_speed.py --supernodes 20 --rounds 3 --modes warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fedvlm.deploy.local_federation import LocalFederation  # noqa: E402
+from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
+
+
+def _rounds(results: Path) -> list[dict]:
+    return json.loads(results.read_text())["rounds"]
+
+
+def simulation(args, work: Path) -> dict:
+    home = work / "flwr-home"
+    config = f"{args.run_config} output-dir='{work / 'runs'}' run-name='sim'"
+    t0 = time.time()
+    with TreeMemory(str(home), 1.0) as mem:
+        try:
+            proc = flwr_run(flwr_env(home), config, supernodes=args.supernodes, timeout=3600)
+        finally:
+            for pid in pids_matching(str(home)):
+                kill_tree(pid)
+    if proc.returncode:
+        raise SystemExit(f"flwr run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return {"rounds": _rounds(work / "runs" / "sim" / "results.json"), "wall_s": time.time() - t0, "memory": mem}
+
+
+def deployed(args, work: Path, warm: bool) -> dict:
+    names = [f"org-{i}" for i in range(args.supernodes)]
+    configs = {n: f"partition-id={i} num-partitions={args.supernodes}" for i, n in enumerate(names)}
+    config = f"{args.run_config} output-dir='{work / 'runs'}' run-name='dep' min-nodes={args.supernodes}"
+    fed_ = LocalFederation(work / "fed", names, configs, workers=names if warm else ())
+    with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem:
+        _wait_online(fed, args.supernodes)
+        t0 = time.time()
+        proc = fed.run_app(config, timeout=3600)
+        wall = time.time() - t0
+        lost = fed.lost_replies()
+    if proc.returncode:
+        raise SystemExit(f"the deployed run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return {"rounds": _rounds(work / "runs" / "dep" / "results.json"), "wall_s": wall, "lost": lost, "memory": mem}
+
+
+def _wait_online(fed: LocalFederation, n: int, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        proc = fed.flwr("supernode", "list", "loopback", "--format", "json", timeout=60)
+        nodes = json.loads(proc.stdout)["nodes"] if proc.returncode == 0 else []
+        if sum(node["status"] == "online" for node in nodes) >= n:
+            return
+        time.sleep(1)
+    raise SystemExit(f"fewer than {n} SuperNodes online after {timeout:.0f} s")
+
+
+def summary(run: dict, round_timeout: float) -> dict:
+    later = [r["seconds"] for r in run["rounds"][1:]]
+    mem = run["memory"]
+    return {
+        "round_1_s": run["rounds"][0]["seconds"],
+        "later_rounds_s": later,
+        "later_round_mean_s": statistics.mean(later) if later else float("nan"),
+        "rounds_waiting_out_round_timeout": sum(r["seconds"] >= round_timeout for r in run["rounds"]),
+        "asked_again": sum(len(r.get("asked_again", [])) for r in run["rounds"]),
+        "missing": sum(len(r.get("missing", [])) for r in run["rounds"]),
+        "lost_in_transit": run.get("lost", 0),
+        "wall_s": run["wall_s"],
+        "peak_pss_mib": round(mem.peak_pss_mib),
+        "peak_by_program": mem.peak_by_program,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--supernodes", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--method", default="promptfl")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--modes", default="simulation,cold,warm")
+    p.add_argument("--cache-dir", default=os.environ.get("FEDVLM_CACHE", str(Path.home() / ".cache" / "fedvlm")))
+    p.add_argument("--round-timeout", type=float, default=600.0)
+    p.add_argument("--out", default="bench_deployment_speed.json")
+    args = p.parse_args()
+    args.run_config = (
+        f"method='{args.method}' num-server-rounds={args.rounds} cache-dir='{args.cache_dir}' "
+        f"round-timeout={args.round_timeout}"
+    )
+    modes = {
+        "simulation": lambda w: simulation(args, w),
+        "cold": lambda w: deployed(args, w, warm=False),
+        "warm": lambda w: deployed(args, w, warm=True),
+    }
+    chosen = [m for m in args.modes.split(",") if m in modes]
+    rows: dict[str, list[dict]] = {m: [] for m in chosen}
+    for _ in range(args.repeats):
+        for mode in chosen:
+            with tempfile.TemporaryDirectory(prefix=f"fedvlm-bench-{mode}-") as tmp:
+                rows[mode].append(summary(modes[mode](Path(tmp)), args.round_timeout))
+                print(f"{mode}: {json.dumps({k: v for k, v in rows[mode][-1].items() if k != 'peak_by_program'})}")
+    means = {m: statistics.mean(r["later_round_mean_s"] for r in runs) for m, runs in rows.items()}
+    report = {
+        "config": args.run_config,
+        "supernodes": args.supernodes,
+        "machine": {"cpus": os.cpu_count(), "load_1min_at_end": os.getloadavg()[0]},
+        "runs": rows,
+        "later_round_mean_s": means,
+    }
+    if "simulation" in means:
+        report["ratio_to_simulation"] = {m: v / means["simulation"] for m, v in means.items()}
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print(f"\n{args.supernodes} nodes, {args.method}, {args.rounds} rounds, {os.cpu_count()} CPUs")
+    for mode, runs in rows.items():
+        ratio = report.get("ratio_to_simulation", {}).get(mode)
+        print(
+            f"  {mode:<11} round 1 {statistics.mean(r['round_1_s'] for r in runs):7.1f} s, later rounds "
+            f"{means[mode]:7.1f} s"
+            + (f" ({ratio:.2f}x simulation)" if ratio else "")
+            + f", peak {statistics.mean(r['peak_pss_mib'] for r in runs) / 1024:.1f} GiB PSS"
+            + f", asked again {sum(r['asked_again'] for r in runs)}, timed out rounds "
+            f"{sum(r['rounds_waiting_out_round_timeout'] for r in runs)}"
+        )
+    print(f"report: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
