@@ -164,6 +164,10 @@ def test_own_data_nodes_join_and_a_killed_node_leaves_the_rounds_to_the_others(f
     finally:
         if run.poll() is None:
             run.kill()
+        # the module's later tests find the federation as it was: the two partition nodes
+        federation.stop("org-own")
+        federation.stop("org-bad")
+        federation.start_supernode("org-1")
     data = json.loads(results.read_text())
     assert data["run"]["status"] == "finished", log[-4000:]
     nodes = {n["name"]: n for n in data["run"]["nodes"]}
@@ -296,8 +300,11 @@ def test_an_outsider_starts_nothing_and_a_node_runs_only_the_app_it_pinned(feder
     # that host): its ServerApp runs there, and every node refuses it before unpacking it
     run = federation.flwr("run", str(app), "loopback", "--stream", "--run-config", f"marker='{marker}'", timeout=300)
     replies = json.loads((marker / "server.json").read_text()) if (marker / "server.json").exists() else None
-    assert replies is not None and len(replies) == 2, run.stdout[-3000:] + run.stderr[-2000:]
-    for reply in replies:
+    assert replies is not None, run.stdout[-3000:] + run.stderr[-2000:]
+    # a node an earlier test stopped may still count as connected: the SuperLink answers for it
+    live = [r for r in replies if "Node Unavailable" not in r.get("error", "")]
+    assert len(live) >= 2, replies
+    for reply in live:
         assert "AppNotPinned" in reply.get("error", ""), reply
         assert federation.pins[0] in reply["error"] and "outsider/outsider 1.0.0" in reply["error"], reply
     assert sorted(p.name for p in marker.iterdir()) == ["server.json"]  # no node ran a line of it
