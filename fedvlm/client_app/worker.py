@@ -238,3 +238,5 @@ class Worker:
                     self.serve_one(conn)
                 except (ConnectionError, OSError) as err:  # the ClientApp went away: wait for the next
                     log.warning("a ClientApp left mid-message: %s", err)
+                except Exception as err:  # noqa: BLE001 - a malformed frame must not end the worker
+                    log.warning("dropped a connection that sent no valid frame: %s: %s", type(err).__name__, err)

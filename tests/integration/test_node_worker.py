@@ -109,6 +109,11 @@ def test_a_worker_serves_one_node_and_returns_a_handler_error_leaving_the_state(
         _send(sock, {"kind": "message", "code": "0" * 64}, _message(MessageType.QUERY, 1000), context)
         header, reply, _ = _receive(sock)
     assert header["kind"] == "error" and "other fedvlm code" in header["error"] and reply is None
+    # garbage on the socket costs that connection only: the worker serves the next message
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(path))
+        sock.sendall(b"FVW1" + (5).to_bytes(8, "big") + b"{nope" + bytes(16))
+    assert not forward(_message(MessageType.QUERY, 1000), context, str(path)).has_error()
 
 
 def test_no_worker_listening_means_the_message_runs_in_the_clientapp(tmp_path):
