@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fedvlm.deploy.node_worker import spawn  # noqa: E402
+
 COLD = """
 import sys, time, json
 t0 = time.perf_counter()
@@ -129,20 +131,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="fedvlm-msgcost-"))
     msg, ctx = capture(overrides, work)
 
-    sock, log = work / "worker" / "node.sock", work / "worker.log"
-    with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "fedvlm.deploy.node_worker", "--socket", str(sock)],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    sock = work / "worker" / "node.sock"
+    log = work / "worker.log"
+    worker = spawn(sock, log)
     try:
-        while not sock.exists():
-            if worker.poll() is not None:
-                raise RuntimeError(log.read_text())
-            time.sleep(0.2)
         child(FORWARD, str(msg), str(ctx), str(sock))  # the worker's first message loads everything once
         cold, warm = [], []
         for i in range(args.repeats):  # alternated, so that load changes hit both alike

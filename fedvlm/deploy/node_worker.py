@@ -14,13 +14,35 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from fedvlm.client_app.worker import Worker, listen
 
 log = logging.getLogger("fedvlm.node_worker")
+
+
+def spawn(path: Path, log: Path, timeout: float = 120.0) -> subprocess.Popen:
+    """Start a node worker on ``path`` as a process of its own (output to ``log``) and return it
+    once it listens; a worker that exits or is not listening within ``timeout`` raises with its
+    output."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedvlm.deploy.node_worker", "--socket", str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.time() + timeout
+    while not Path(path).exists():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the node worker on {path} did not start:\n{Path(log).read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import socket
 import stat
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,27 +17,10 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.worker import NODE_WORKER, WorkerError, _receive, _send, forward, listen
+from fedvlm.deploy.node_worker import spawn
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid
 from fedvlm.utils.processes import kill_tree
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _start_worker(path: Path, log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fedvlm.deploy.node_worker", "--socket", str(path)],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    deadline = time.time() + 120
-    while not path.exists():
-        assert proc.poll() is None and time.time() < deadline, log.read_text()
-        time.sleep(0.2)
-    return proc
 
 
 @pytest.fixture
@@ -50,7 +31,7 @@ def workers(tmp_path):
         paths = []
         for i in range(n):
             path = tmp_path / "worker" / f"node-{i}.sock"
-            procs.append((_start_worker(path, tmp_path / f"worker-{i}.log"), tmp_path / f"worker-{i}.log"))
+            procs.append((spawn(path, tmp_path / f"worker-{i}.log"), tmp_path / f"worker-{i}.log"))
             paths.append(path)
         return paths
 
