@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedvlm.deploy.node_worker import spawn  # noqa: E402
+from fedvlm.runconfig import parse_value  # noqa: E402
 
 COLD = """
 import sys, time, json
@@ -127,7 +128,7 @@ def main() -> None:
     overrides = {"method": args.method, "cache-dir": args.cache_dir}
     for kv in args.set:
         key, _, value = kv.partition("=")
-        overrides[key] = value
+        overrides[key] = parse_value(value)
     work = Path(tempfile.mkdtemp(prefix="fedvlm-msgcost-"))
     msg, ctx = capture(overrides, work)
 
