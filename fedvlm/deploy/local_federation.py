@@ -75,6 +75,8 @@ class LocalFederation:
         node_configs: dict[str, str] | None = None,
         node_env: dict[str, dict[str, str]] | None = None,
         workers: Sequence[str] = (),
+        polling: tuple[float, float] = (0.5, 0.1),
+        database: bool = True,
     ):
         self.dir = Path(workdir).resolve()
         self.names = list(supernodes)
@@ -84,6 +86,10 @@ class LocalFederation:
         self.node_env = dict(node_env or {})
         # the organisations with a warm node worker (client_app.worker) beside their SuperNode
         self.workers = set(workers)
+        # the SuperNodes' (idle, reply) polling waits (deploy.supernode_polling); Flower's own: (3, 0.5)
+        self.polling = polling
+        # the SuperLink's state in an SQLite file (survives a SuperLink restart) or in its memory
+        self.database = database
         self.creds = self.dir / "credentials"
         self.home = self.dir / "flwr-home"
         self.env = flower_env(self.home)
@@ -155,8 +161,7 @@ class LocalFederation:
                 "--ssl-keyfile",
                 str(c / "server.key"),
                 "--enable-supernode-auth",
-                "--database",
-                str(self.dir / "superlink-state.db"),
+                *(["--database", str(self.dir / "superlink-state.db")] if self.database else []),
                 "--disable-runtime-dependency-installation",
             ],
         )
@@ -227,6 +232,8 @@ class LocalFederation:
                 "-m",
                 "fedvlm.deploy.supernode",  # flower-supernode, started again while a crashed session times out
                 f"--retry-for={retry_for}",
+                f"--idle-poll={self.polling[0]}",
+                f"--reply-poll={self.polling[1]}",
                 "--",
                 "--superlink",
                 f"{PUBLIC}:{self.gateway_port}",
@@ -366,6 +373,8 @@ def _rounds(stdout: str) -> tuple[str, list[dict]]:
             "seconds": r.get("seconds"),
             "train-clients": r["metrics"].get("train-clients"),
             "evaluate-clients": r["metrics"].get("eval-clients"),
+            "asked-again": len(r.get("asked_again", [])),
+            "missing": len(r.get("missing", [])),
         }
         for r in data["rounds"]
     ]
@@ -392,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start a warm node worker beside each SuperNode (python -m fedvlm.deploy.node_worker)",
     )
+    p.add_argument(
+        "--no-database",
+        action="store_true",
+        help="keep the SuperLink's state in its memory instead of an SQLite file (lost if the SuperLink restarts)",
+    )
     args = p.parse_args(argv)
     names = [f"org-{i}" for i in range(args.supernodes)]
     configs = {
@@ -399,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, n in enumerate(names)
     }
     t0 = time.time()
-    fed_ = LocalFederation(args.workdir, names, configs, workers=names if args.workers else ())
+    fed_ = LocalFederation(
+        args.workdir, names, configs, workers=names if args.workers else (), database=not args.no_database
+    )
     with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem:
         print(
             f"SuperLink on {HOST}:{fed.port} (TLS, SuperNode auth; its Fleet gateway on {PUBLIC}:{fed.gateway_port}), "
@@ -415,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "supernodes": args.supernodes,
             "workers": args.workers,
+            "database": not args.no_database,
             "run_config": args.run_config,
             "status": status,
             "setup_seconds": round(started - t0, 1),
@@ -431,7 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n{args.supernodes} SuperNodes: {status}; peak memory {mem.peak_pss_mib / 1024:.1f} GiB PSS "
             f"({mem.peak_rss_mib / 1024:.1f} GiB RSS); "
-            + ", ".join(f"round {r['round']} {r['seconds']:.0f} s ({r['train-clients']} trained)" for r in rounds)
+            + ", ".join(
+                (
+                    f"round {r['round']} {r['seconds']:.0f} s ({r['train-clients']} trained, "
+                    f"{r['asked-again']} asked again, {r['missing']} missing)"
+                )
+                for r in rounds
+            )
             + f"; {lost} replies lost in transit; report: {args.report}"
         )
         for name, row in mem.peak_by_program.items():

@@ -1,6 +1,6 @@
 """A SuperNode that comes back after a crash.
 
-    python -m fedvlm.deploy.supernode [--retry-for 600] -- <flower-supernode's arguments>
+    python -m fedvlm.deploy.supernode [--retry-for 600] [--idle-poll 0.5] -- <flower-supernode's arguments>
 
 Flower's SuperLink takes a SuperNode for gone only once its heartbeats have stopped for a while
 (about a minute); until then it refuses to activate another session with the same key. A
@@ -13,6 +13,10 @@ it again, every ``--retry-every`` seconds, for as long as it ends with Flower's 
 ``--retry-for`` seconds of the first start; any other exit (a stop, a wrong argument, an
 unregistered key after that window) ends it with the SuperNode's own exit status. SIGTERM and
 SIGINT go to the SuperNode.
+
+The SuperNode it runs is Flower's own, with its two hard-coded polling waits (3 s between empty
+pulls, 0.5 s between looks for a reply) set by ``--idle-poll`` and ``--reply-poll``
+(``fedvlm.deploy.supernode_polling``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
+
+from fedvlm.deploy import supernode_polling
 
 log = logging.getLogger("fedvlm.supernode")
 # how Flower's SuperNode says it could not open its session: it exits with status 1 for every
@@ -32,8 +37,18 @@ log = logging.getLogger("fedvlm.supernode")
 NOT_ACTIVATED = "Exit Code: 305"
 
 
-def supervise(args: Sequence[str], retry_for: float, retry_every: float) -> int:
-    command = [str(Path(sys.executable).parent / "flower-supernode"), *args]
+def supervise(
+    args: Sequence[str], retry_for: float, retry_every: float, idle_poll: float = 0.5, reply_poll: float = 0.1
+) -> int:
+    command = [
+        sys.executable,
+        "-m",
+        "fedvlm.deploy.supernode_polling",
+        f"--idle-poll={idle_poll}",
+        f"--reply-poll={reply_poll}",
+        "--",
+        *args,
+    ]
     first = time.time()
     child: subprocess.Popen | None = None
 
@@ -66,11 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.supernode", description=__doc__.split("\n\n")[0])
     p.add_argument("--retry-for", type=float, default=600.0, help="seconds after the first start to keep trying")
     p.add_argument("--retry-every", type=float, default=5.0, help="seconds between tries")
+    supernode_polling.add_arguments(p)
     p.add_argument("supernode_args", nargs=argparse.REMAINDER, help="-- then flower-supernode's arguments")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args
-    return supervise(rest, args.retry_for, args.retry_every)
+    return supervise(rest, args.retry_for, args.retry_every, args.idle_poll, args.reply_poll)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+"""Flower's SuperNode with its two polling waits set by the operator instead of hard-coded.
+
+    python -m fedvlm.deploy.supernode_polling [--idle-poll 0.5] [--reply-poll 0.1] -- <flower-supernode's arguments>
+
+Flower 1.42's SuperNode (``flwr/supernode/start_client_internal.py``) runs one loop: pull a
+message from the SuperLink; when there is none, sleep 3 s; when there is one, wait for the
+ClientApp's reply, looking every 0.5 s, then push it. Neither wait can be configured. A message
+that reaches the SuperLink just after a pull waits up to 3 s before the node sees it, and a reply
+waits up to 0.5 s before it leaves: with two messages per node per round, that is up to 7 s of
+every deployed round spent asleep, when the round's training takes a second (bench/deployment_speed.py).
+
+This runs Flower's own SuperNode command in this process with one change: inside that one module,
+``time`` is a stand-in whose ``sleep(3)`` sleeps ``--idle-poll`` seconds and whose ``sleep(0.5)``
+sleeps ``--reply-poll`` seconds; every other use of ``time`` there, and everything outside that
+module, is untouched. Nothing about what the node runs, accepts or sends changes, only how soon it
+looks again; the SuperLink sees one more cheap pull per node every ``--idle-poll`` seconds.
+
+The change is made only when Flower's module still reads as described (``check_flower``); any
+other Flower version runs unchanged, with a warning, so a Flower upgrade costs speed, never
+correctness. ``tests/unit/test_supernode_polling.py`` fails when the installed Flower no longer
+matches, which is the signal to revisit this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from types import ModuleType
+
+log = logging.getLogger("fedvlm.supernode")
+
+# the waits in Flower 1.42's SuperNode loop, as written there, and how often each is written
+IDLE_WAIT, REPLY_WAIT = 3, 0.5
+FLOWER_SLEEPS = {"time.sleep(3)": 1, "time.sleep(0.5)": 2}
+
+
+class PollingClock:
+    """Stands in for the ``time`` module inside Flower's SuperNode loop only: its two fixed waits
+    become ``idle`` and ``reply`` seconds; every other attribute is the real ``time``'s."""
+
+    def __init__(self, idle: float, reply: float):
+        if not (0 < idle <= IDLE_WAIT and 0 < reply <= REPLY_WAIT):
+            raise ValueError(
+                f"--idle-poll must be in (0, {IDLE_WAIT}] and --reply-poll in (0, {REPLY_WAIT}] seconds "
+                f"(Flower's own waits are the upper ends); got {idle} and {reply}"
+            )
+        self.waits = {IDLE_WAIT: idle, REPLY_WAIT: reply}
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(self.waits.get(seconds, seconds))
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def check_flower(module: ModuleType) -> str | None:
+    """Why ``module`` is not the SuperNode loop this shim was written against, or None when it is:
+    it must use the module-level ``time`` and hold exactly the two waits, as many times as
+    Flower 1.42 does."""
+    if getattr(module, "time", None) is not time:
+        return "it does not use the module-level `time`"
+    source = inspect.getsource(module)
+    for call, count in FLOWER_SLEEPS.items():
+        if source.count(call) != count:
+            return f"it has {source.count(call)} `{call}` (expected {count})"
+    return None
+
+
+def install(idle: float, reply: float) -> bool:
+    """Put the stand-in into Flower's SuperNode loop; False (with a warning) when Flower's module
+    is not the one this was written for, which then runs with its own waits."""
+    import flwr
+    import flwr.supernode.start_client_internal as loop
+
+    problem = check_flower(loop)
+    if problem is not None:
+        log.warning(
+            "Flower %s's SuperNode loop is not the one fedvlm's polling shim knows (%s): running it with its own "
+            "waits (3 s idle, 0.5 s per reply look)",
+            flwr.__version__,
+            problem,
+        )
+        return False
+    loop.time = PollingClock(idle, reply)  # type: ignore[assignment]  # a stand-in for the module
+    return True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The two waits, as this command and the restarting supervisor (deploy.supernode) take them."""
+    p.add_argument("--idle-poll", type=float, default=0.5, help="seconds between empty pulls (Flower: 3)")
+    p.add_argument("--reply-poll", type=float, default=0.1, help="seconds between looks for a reply (Flower: 0.5)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.supernode_polling", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.add_argument("supernode_args", nargs=argparse.REMAINDER, help="-- then flower-supernode's arguments")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        clock_ok = install(args.idle_poll, args.reply_poll)
+    except ValueError as err:
+        p.error(str(err))
+    if clock_ok:
+        log.info("SuperNode polling: every %.2f s when idle, every %.2f s for a reply", args.idle_poll, args.reply_poll)
+    from flwr.supernode.cli.flower_supernode import flower_supernode
+
+    rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args
+    sys.argv = ["flower-supernode", *rest]
+    flower_supernode()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
