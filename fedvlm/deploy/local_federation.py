@@ -117,6 +117,15 @@ class LocalFederation:
         self.procs[name] = proc
         return proc
 
+    def org_env(self, name: str) -> dict[str, str]:
+        """The extra environment of an organisation's processes. Its compute threads are its share
+        of this machine's cores: on a machine of its own a node uses them all (torch's default),
+        but the organisations here share one, and each with a thread per core would spend its
+        time switching (bench/deployment_speed.py). Ray does the same for the simulation's actors
+        (OMP_NUM_THREADS = the CPUs an actor is given). ``node_env`` may set its own."""
+        share = max(1, (os.cpu_count() or 1) // max(1, len(self.names)))
+        return {"OMP_NUM_THREADS": str(share), **self.node_env.get(name, {})}
+
     def log_text(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace") if name in self.logs and self.logs[name].exists() else ""
 
@@ -254,7 +263,7 @@ class LocalFederation:
                 "--max-retries",
                 "30",
             ],
-            self.node_env.get(name),
+            self.org_env(name),
         )
         self._start(
             f"{name}{EXEC}",
@@ -271,7 +280,7 @@ class LocalFederation:
                 "--superexec-auth-secret-file",
                 str(secret),
             ],
-            self.node_env.get(name),
+            self.org_env(name),
         )
         return node
 
@@ -284,7 +293,7 @@ class LocalFederation:
         self._start(
             f"{name}-worker",
             [sys.executable, "-m", "fedvlm.deploy.node_worker", "--socket", str(sock)],
-            self.node_env.get(name),
+            self.org_env(name),
         )
         deadline = time.time() + 120
         while not sock.exists():
