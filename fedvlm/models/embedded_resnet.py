@@ -100,7 +100,7 @@ DOMAINS: dict[str, Domain] = {
 SOURCES: dict[str, ResNetRecipe] = {
     "embedded-motif-resnet": ResNetRecipe("motifs", (32, 64, 128, 256), images_per_class=150, steps=900),
     # The same, trained with label smoothing 0.1 as torchvision's current ImageNet weights
-    # (IMAGENET1K_V2) are: bounded logits, the property the README's ablation isolates.
+    # (IMAGENET1K_V2) are: bounded logits, the property the ablation in docs/results/reprogramming.md isolates.
     "embedded-motif-resnet-ls": ResNetRecipe(
         "motifs", (32, 64, 128, 256), images_per_class=150, steps=900, label_smoothing=0.1
     ),

@@ -4,7 +4,7 @@ The dataclasses below are the single source of truth. A section is one dotted pr
 (``prompt.lr`` is ``RunConfig.prompt.lr``); a field's annotation is the key's type and its
 ``opt`` metadata holds the help text and the accepted range. ``KEYS`` is read from them;
 ``pyproject.toml``'s ``[tool.flwr.app.config]`` must list exactly these keys with these
-defaults (a test checks it), the README's key table is checked against them, and
+defaults (a test checks it), docs/configuration.md's key table is generated from them, and
 ``methods.registry.validate`` enforces them on the server and on every client before any work
 starts.
 

@@ -4,7 +4,7 @@ with TLS and SuperNode authentication on 127.0.0.1, its Fleet gateway, two organ
 and pinned SuperExecs; host networking, each service on its own loopback port), register the two
 keys, run two rounds of DP-FPL, check `python -m fedvlm.status` in the SuperLink's container, and
 see an unregistered SuperNode refused. It prints the build time, the image size and the run time
-(the README's "Docker" figures).
+(the "Docker" figures of docs/results/deployment.md).
 
 Skipped, with the reason, where no Docker engine answers, where the base image is missing (the
 mmdebstrap recipe makes it), or where the test cannot hand the key files to the containers' user

@@ -3,8 +3,8 @@ SuperNode authentication): every node joins, trains and evaluates in every round
 report holds the federation's peak memory per program and each round's time.
 
 About 10 minutes on two cores (each message starts a ClientApp process that imports torch and
-loads CLIP), plus round-timeout for every round in which a reply was lost; the README's scale
-figures come from the same command with three rounds."""
+loads CLIP), plus round-timeout for every round in which a reply was lost; the scale figures of
+docs/results/deployment.md come from the same command with three rounds."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def test_noise_costs_accuracy(make_cfg, pretrained_clip):
 
 @pytest.mark.slow
 def test_dpfpl_beats_noisy_promptfl_at_the_same_epsilon(make_cfg, pretrained_clip):
-    """The paper's headline in the README sweep's setting (10 clients, 20 rounds, one local
+    """The paper's headline in the setting of docs/results/experiments.md (10 clients, 20 rounds, one local
     step, epsilon 0.4 per record): DP-FPL about 33% against PromptFL's 24% on seed 0."""
     kw = {"num_server_rounds": 20, "prompt__local_steps": 1, "privacy__epsilon": 0.4}
     dpfpl = _mean_local(make_cfg(method="dpfpl", **kw), 10, 10)

@@ -7,7 +7,7 @@ than it announced). The node (``max-epsilon=3 delta=1e-5`` in its own node confi
 refuse before it releases anything, or train and report in its own ledger the epsilon that an
 independent accountant gives for what it actually released: every private step is recorded as it
 happens (clip norm, divisor, sigma, noised groups, how its batch was sampled), and the
-composition is written out here with dp-accounting's events. The README's table "Every privacy
+composition is written out here with dp-accounting's events. docs/privacy.md's table "Every privacy
 knob the server sets, checked by the node" has one row per case.
 """
 
@@ -135,7 +135,7 @@ class HostileServer:
 
 @dataclass(frozen=True)
 class Knob:
-    """One row of the README's table: the knob, the server's adversarial setting, the outcome."""
+    """One row of docs/privacy.md's table: the knob, the server's adversarial setting, the outcome."""
 
     knob: str
     overrides: dict

@@ -140,7 +140,7 @@ def test_random_selection_is_seeded_and_differs_per_node_and_round(make_cfg, pre
 
 
 def test_k_bounds_what_a_node_receives_not_how_many_nodes_receive_a_prompt(make_cfg, pretrained_clip):
-    """The README's threat model: one prompt can be every other node's nearest (here the centre of
+    """docs/privacy.md's threat model: one prompt can be every other node's nearest (here the centre of
     the pool), so with K = 1 it reaches all of them in one round."""
     cfg = make_cfg(method="pfedmoap", pfedmoap__k=1)
     strategy = cfg.spec.strategy(cfg, cfg.spec)

@@ -50,7 +50,7 @@ def test_labelled_variants_sweep_and_resume(tmp_path, cache_dir, pretrained_clip
 def test_an_impossible_variant_is_refused_before_the_first_run_and_the_sweep_goes_on(
     tmp_path, cache_dir, pretrained_clip
 ):
-    """The README's pFedMoAP comparison used to die at FedOTP on RN50 before pFedMoAP ran (RN50 now
+    """pFedMoAP's comparison (docs/results/pfedmoap.md) used to die at FedOTP on RN50 before pFedMoAP ran (RN50 now
     gives patch tokens); a pair that still cannot run (FedOTP on a timm image tower) is refused by
     validation before the first run, the sweep goes on, and the table says so."""
     out = tmp_path / "sweep"

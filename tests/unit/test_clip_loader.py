@@ -98,7 +98,7 @@ def _presets() -> list[tuple[str, str]]:
     from fedvlm.experiments.sweep import PRESETS
 
     found = {(p["clip.model"], p["clip.pretrained"]) for p in PRESETS.values() if p.get("clip.pretrained")}
-    return sorted(found | {("ViT-B-16", "openai")})  # and the README's example
+    return sorted(found | {("ViT-B-16", "openai")})  # and docs/configuration.md's example
 
 
 @pytest.mark.parametrize("name,tag", _presets())
