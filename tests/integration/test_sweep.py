@@ -83,7 +83,7 @@ def test_an_impossible_variant_is_refused_before_the_first_run_and_the_sweep_goe
 
 
 def test_the_papers_numbers_appear_only_for_the_papers_setup():
-    from fedvlm.experiments.sweep import setup
+    from fedvlm.experiments.presets import setup
 
     base, clients, reference = setup("paper-pfedmoap-dtd", [], None)
     assert reference and clients == 10 and base["clip.model"] == "RN50"

@@ -95,7 +95,7 @@ def _activations(model) -> set[str]:
 
 
 def _presets() -> list[tuple[str, str]]:
-    from fedvlm.experiments.sweep import PRESETS
+    from fedvlm.experiments.presets import PRESETS
 
     found = {(p["clip.model"], p["clip.pretrained"]) for p in PRESETS.values() if p.get("clip.pretrained")}
     return sorted(found | {("ViT-B-16", "openai")})  # and docs/configuration.md's example

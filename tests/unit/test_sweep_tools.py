@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedvlm.experiments.sweep import COMPARISONS, PRESETS, _labelled, audit_row, plot_audit, write_audit, write_tables
+from fedvlm.experiments.presets import COMPARISONS, PRESETS
+from fedvlm.experiments.sweep import _labelled
+from fedvlm.experiments.sweep_report import audit_row, plot_audit, write_audit, write_tables
 from fedvlm.methods.registry import validate
 
 

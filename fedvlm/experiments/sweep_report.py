@@ -1,0 +1,215 @@
+"""A sweep's rows as tables and figures in its ``--out`` folder: a table per metric (variants x
+epsilon, mean ± std over seeds, the paper's number beside ours where the preset has one), the
+failed runs, the one-run audits, and the accuracy, MIA and audit plots."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+
+def _fmt(values: list[float | None]) -> str:
+    vals = [v for v in values if v is not None and np.isfinite(v)]
+    if not vals:
+        return "-"
+    return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}" if len(vals) > 1 else f"{100 * vals[0]:.2f}"
+
+
+def write_failures(rows: list[dict], out: Path) -> None:
+    """table_failures.md: every run that could not run or did not finish, with its reason."""
+    failed = [r for r in rows if r["status"] == "failed"]
+    path = out / "table_failures.md"
+    if not failed:
+        path.unlink(missing_ok=True)
+        return
+    lines = ["| variant | epsilon | seed | why |", "|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['epsilon']} | {r['seed']} | {r['error'].replace('|', '/')} |" for r in failed]
+    path.write_text("Runs that failed (the sweep went on without them)\n\n" + "\n".join(lines) + "\n")
+
+
+def _write_table(out: Path, tag: str, head: str, table: list[list[str]]) -> None:
+    with open(out / f"table_{tag}.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(table)
+    md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    md += ["| " + " | ".join(r) + " |" for r in table[1:]]
+    (out / f"table_{tag}.md").write_text(f"{head}, mean ± std over seeds\n\n" + "\n".join(md) + "\n")
+
+
+def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: dict | None = None) -> None:
+    """One table per metric, variants x epsilon; ``reference`` ((variant, epsilon) -> the paper's
+    accuracy in %) adds a paper column beside each of ours in the final-accuracy table."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    metrics = [("local", "local-acc-last10"), ("neighbor", "neighbor-acc-last10"), ("final", "local-acc")]
+    if any(r.get("mia-shokri-acc") is not None for r in rows):
+        metrics += [
+            ("mia", "mia-shokri-acc"),
+            ("mia_auc", "mia-shokri-auc"),
+            ("mia_loss", "mia-loss-acc"),
+            ("mia_loss_auc", "mia-loss-auc"),
+        ]
+    for tag, key in metrics:
+        paper = reference if tag == "final" and reference else {}
+        table = [["method"] + [h for e in epsilons for h in [f"eps={e}"] + ([f"paper eps={e}"] if paper else [])]]
+        for v in variants:
+            cells = [v]
+            for e in epsilons:
+                these = [r for r in rows if r["variant"] == v and r["epsilon"] == e]
+                failed = these and all(r.get("status") == "failed" for r in these)
+                cells.append("failed" if failed else _fmt([r.get(key) for r in these]))
+                if paper:
+                    cells.append(f"{paper[(v, e)]:.2f}" if (v, e) in paper else "-")
+            table.append(cells)
+        what = {
+            "local": "Mean of the last 10 rounds (local classes), %",
+            "neighbor": "Mean of the last 10 rounds (neighbor classes), %",
+            "final": "Local accuracy after the last round, %" + (" (paper: its reported number)" if paper else ""),
+            "mia": "Membership inference on the published personalised prompts: Shokri MIA accuracy (chance 50)",
+            "mia_auc": "Membership inference on the published personalised prompts: Shokri MIA AUC (x100, chance 50)",
+            "mia_loss": "Membership inference on the published personalised prompts: loss-threshold MIA accuracy "
+            "(chance 50)",
+            "mia_loss_auc": "Membership inference on the published personalised prompts: loss-threshold MIA AUC "
+            "(x100, chance 50)",
+        }[tag]
+        _write_table(out, tag, what, table)
+
+
+def _bars(plt, rows: list[dict], path: Path) -> None:
+    """Local and neighbor accuracy after the last round, mean over seeds, one bar pair per variant."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(variants)), 4))
+    x = np.arange(len(variants))
+    for i, (key, label) in enumerate((("local-acc", "local classes"), ("neighbor-acc", "neighbor classes"))):
+        means = [
+            100 * np.mean([r[key] for r in rows if r["variant"] == v and r.get(key) is not None] or [np.nan])
+            for v in variants
+        ]
+        ax.bar(x + (i - 0.5) * 0.4, means, width=0.4, label=label)
+    ax.set_xticks(x, variants, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("accuracy after the last round (%)")
+    ax.set_ylim(0, 115)  # room for the legend above the bars
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def audit_row(data: dict) -> dict:
+    """The one-run audit of a run (results.json 'audit'), for the audited node."""
+    nodes = (data.get("audit") or {}).get("nodes") or {}
+    if not nodes:
+        return {}
+    name, node = next(iter(sorted(nodes.items())))
+    return {
+        "audit-node": name,
+        "audit-canaries": node["canaries"],
+        "audit-guesses": node["guesses"],
+        "audit-correct": node["correct"],
+        "audit-epsilon-lower": node["epsilon_lower"],
+        "audit-accounted-mechanism": node["accounted_epsilon_audited_mechanism"],
+        "audit-accounted": node["accounted_epsilon"],
+        "audit-status": node["status"].split(":")[0],
+    }
+
+
+def write_audit(rows: list[dict], out: Path) -> None:
+    """table_audit.md/.csv: per audited run, the accounted epsilon beside the audit's lower bound."""
+    audited = [r for r in rows if "audit-epsilon-lower" in r]
+    if not audited:
+        return
+    table = [["method", "target eps", "seed", "accounted eps (composed)", "accounted eps (audited mechanism)"]]
+    table[0] += ["audited lower bound", "guesses", "correct", "status"]
+    for r in audited:
+        table.append(
+            [
+                r["variant"],
+                r["epsilon"],
+                str(r["seed"]),
+                f"{r['audit-accounted']:.3f}" if r["audit-accounted"] is not None else "-",
+                f"{r['audit-accounted-mechanism']:.3f}" if r["audit-accounted-mechanism"] is not None else "-",
+                f"{r['audit-epsilon-lower']:.3f}",
+                str(r["audit-guesses"]),
+                str(r["audit-correct"]),
+                r["audit-status"],
+            ]
+        )
+    with open(out / "table_audit.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(table)
+    md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    md += ["| " + " | ".join(r) + " |" for r in table[1:]]
+    head = "One-run privacy audit (privacy.audit-canaries): accounted epsilon vs the audit's 95% lower bound"
+    (out / "table_audit.md").write_text(head + "\n\n" + "\n".join(md) + "\n")
+
+
+def plot_audit(rows: list[dict], out: Path) -> None:
+    """audit_vs_accounted.png: the audit's lower bound against the accounted epsilon of the
+    mechanism it audits; a point above the diagonal is a broken mechanism or accounting."""
+    audited = [r for r in rows if r.get("audit-accounted-mechanism") is not None]
+    if not audited:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    for v in dict.fromkeys(r["variant"] for r in audited):
+        pts = [(r["audit-accounted-mechanism"], r["audit-epsilon-lower"]) for r in audited if r["variant"] == v]
+        ax.scatter(*zip(*pts, strict=True), label=v)
+    top = max(max(r["audit-accounted-mechanism"], r["audit-epsilon-lower"]) for r in audited) * 1.1
+    ax.plot([0, top], [0, top], color="gray", ls="--", lw=1, label="lower bound = accounted")
+    ax.set_xlabel("accounted epsilon (audited mechanism)")
+    ax.set_ylabel("audited lower bound (95%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "audit_vs_accounted.png", dpi=110)
+    plt.close(fig)
+
+
+def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [e for e in epsilons if e != "none"]
+    panels = [("local-acc-last10", "local accuracy (%)"), ("neighbor-acc-last10", "neighbor accuracy (%)")]
+    if not xs:  # no epsilon axis: one bar per variant
+        _bars(plt, rows, out / "accuracy_by_variant.png")
+        return
+    figs = [("accuracy_vs_epsilon.png", panels)]
+    if any(r.get("mia-shokri-acc") is not None for r in rows):
+        figs.append(
+            (
+                "mia_vs_epsilon.png",
+                [("mia-shokri-acc", "Shokri MIA accuracy (%)"), ("mia-loss-acc", "loss-threshold MIA accuracy (%)")],
+            )
+        )
+    for fname, keys in figs:
+        fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4))
+        for ax, (key, label) in zip(np.atleast_1d(axes), keys, strict=True):
+            for v in dict.fromkeys(r["variant"] for r in rows):
+                pts = [
+                    (float(e), 100 * np.mean([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]))
+                    for e in xs
+                    if any(r["variant"] == v and r["epsilon"] == e and r.get(key) is not None for r in rows)
+                ]
+                line = ax.plot(*zip(*pts, strict=True), marker="o", label=v)[0] if pts else None
+                clean = [
+                    r[key] for r in rows if r["variant"] == v and r["epsilon"] == "none" and r.get(key) is not None
+                ]
+                if clean and line is not None:
+                    ax.axhline(100 * np.mean(clean), color=line.get_color(), ls=":", lw=1)
+            if "mia" in key:
+                ax.axhline(50, color="gray", ls="--", lw=1)
+            ax.set_xscale("log")
+            ax.set_xlabel("epsilon (dotted: no noise)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
