@@ -1,12 +1,14 @@
 """The round loop: the strategy's Flower hooks, round after round, with the privacy budget's
 stop, and every round written to the run folder before the next.
 
-A round: sample and build the train messages (``configure_train``); stop here if they would
-take a record past ``privacy.max-epsilon``; send, validate and aggregate the replies; evaluate;
-record the round (metrics, bytes, per-client figures, dropped replies, the ledger) and the
-checkpoint a resumed run continues from (``server_app.resume``); with
-``attack.observe-uploads``, also every train message and reply as the server saw them
-(``server_app.observer``).
+A round, as Flower's ``Strategy.start`` runs one, using only what the hooks return: admit the
+nodes that joined (``admit``); build the train messages from the global arrays
+(``configure_train``); stop here if they would take a record past ``privacy.max-epsilon``; send
+them and aggregate the replies (``aggregate_train`` returns the new global arrays and the
+round's training figures); the same for evaluation; then the round's record, built here from
+the round's plan (``strategies.plan``) and those figures, the ledger, and the checkpoint a
+resumed run continues from (``server_app.resume``); with ``attack.observe-uploads``, also every
+train message and reply as the server saw them (``server_app.observer``).
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import logging
 import time
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
 from fedvlm.privacy.audit import audit_section
+from fedvlm.protocol import FINAL_ROUND, RUN_DIR
 from fedvlm.server_app.exchange import Exchanger
 from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
 from fedvlm.strategies.base import FederatedStrategy
+from fedvlm.strategies.records import RoundRecord
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +39,16 @@ def _record_nodes(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
         recorder.set_run_info(nodes=nodes, excluded_nodes=excluded)
 
 
-def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: RunRecorder) -> None:
+def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: RunRecorder) -> dict[str, float]:
+    """The round's ledger entry, written; the round's privacy figure for its record."""
     budget = strategy.budget
     if budget is None:
-        return
+        return {}
     entry = strategy.privacy_entry()
     budget.record_noise_sources(strategy.noise_sources())  # nodes may have joined since the last round
     strategy.ledger.record_round(server_round, entry)
-    strategy.current.metrics["epsilon/per-record-max"] = entry["epsilon"]
     recorder.add_section("privacy", strategy.ledger.as_dict())
+    return {"epsilon/per-record-max": entry["epsilon"]}
 
 
 def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
@@ -66,12 +71,25 @@ def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
     recorder.add_section("audit", section)
 
 
+def _figures(record: MetricRecord | None) -> dict[str, float]:
+    """A hook's returned metrics, for the round's record."""
+    return {k: v for k, v in (record or {}).items() if isinstance(v, (int, float))}
+
+
+def _phase_config(recorder: RunRecorder, final: bool | None = None) -> ConfigRecord:
+    """What a phase's messages carry besides the plan: the run folder; for an evaluation,
+    whether it is the run's last (nodes publish then)."""
+    config = ConfigRecord({RUN_DIR: str(recorder.dir)})
+    if final is not None:
+        config[FINAL_ROUND] = final
+    return config
+
+
 def run_rounds(
     strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder, resume: ResumePoint | None = None
 ) -> dict:
     """Run every round of ``strategy`` on ``grid`` (after ``resume``'s round, if given);
     returns the finished results."""
-    strategy.run_dir = str(recorder.dir)
     strategy.start(grid, resume.state if resume is not None else None)
     if resume is not None:
         strategy.load_state_dict(resume.state)
@@ -81,17 +99,18 @@ def run_rounds(
         recorder.add_section("privacy", strategy.ledger.as_dict())
     exchange = Exchanger(grid, strategy.cfg.round_timeout, strategy.cfg.reply_grace)
     total = strategy.num_rounds()
-    empty = ConfigRecord()
+    arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in strategy.global_arrays.items()})
     status, note, rnd = "finished", "", 0
     for rnd in range(resume.round + 1 if resume else 1, total + 1):
         t0 = time.time()
-        strategy.begin_round(rnd, final=rnd == total)
-        current = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in strategy.global_arrays.items()})
+        metrics: dict[str, float] = {}
         if strategy.spec.trains:
-            messages = list(strategy.configure_train(rnd, current, empty, grid))
+            strategy.admit(grid)
+            messages = list(strategy.configure_train(rnd, arrays, _phase_config(recorder), grid))
             trainees = [strategy.nodes[m.metadata.dst_node_id].name for m in messages]
             over = strategy.budget.would_exceed(trainees) if strategy.budget is not None else None
             if over is not None:
+                strategy.plans.pop(rnd)  # never sent: it leaves no trace
                 status = "stopped"
                 note = (
                     f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
@@ -100,8 +119,10 @@ def run_rounds(
                 log.warning(note)
                 rnd -= 1
                 # one more evaluation of the state reached, so that clients publish it
-                strategy.begin_round(rnd, final=True)
-                exchange.run(list(strategy.configure_evaluate(rnd, current, empty, grid)), strategy.ask_again)
+                strategy.admit(grid)
+                publish = list(strategy.configure_evaluate(rnd, arrays, _phase_config(recorder, final=True), grid))
+                exchange.run(publish, strategy.ask_again)
+                strategy.plans.pop(rnd)
                 break
             if strategy.budget is not None:
                 strategy.budget.spend(trainees)
@@ -109,11 +130,14 @@ def run_rounds(
             uploads = exchange.run(messages, strategy.ask_again)
             if strategy.cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
                 record_round(recorder.dir, rnd, messages, uploads, strategy.nodes)
-            strategy.aggregate_train(rnd, uploads)
-        replies = exchange.run(list(strategy.configure_evaluate(rnd, current, empty, grid)), strategy.ask_again)
-        strategy.aggregate_evaluate(rnd, replies)
-        _record_privacy(strategy, rnd, recorder)
-        record = strategy.current.as_dict(time.time() - t0)
+            new_arrays, train_metrics = strategy.aggregate_train(rnd, uploads)
+            arrays = new_arrays if new_arrays is not None else arrays
+            metrics.update(_figures(train_metrics))
+        strategy.admit(grid)
+        evaluate = list(strategy.configure_evaluate(rnd, arrays, _phase_config(recorder, final=rnd == total), grid))
+        metrics.update(_figures(strategy.aggregate_evaluate(rnd, exchange.run(evaluate, strategy.ask_again))))
+        metrics.update(_record_privacy(strategy, rnd, recorder))
+        record = RoundRecord.of(strategy.plans.pop(rnd), metrics).as_dict(time.time() - t0)
         recorder.add_round(record)
         _record_audit(strategy, recorder)
         _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
@@ -122,8 +146,8 @@ def run_rounds(
     if strategy.global_arrays:
         recorder.save_arrays("final_shared.pt", strategy.global_arrays, rnd)
     outputs = strategy.outputs(recorder.data["rounds"])
-    for name, arrays in outputs.arrays.items():
-        recorder.save_arrays(name, arrays, rnd)
+    for name, saved in outputs.arrays.items():
+        recorder.save_arrays(name, saved, rnd)
     for key, section in outputs.sections.items():
         recorder.add_section(key, section)
     return recorder.finish(status, note)

@@ -4,18 +4,23 @@ It implements Flower's hooks (``configure_train``, ``aggregate_train``, ``config
 ``aggregate_evaluate``) for every method, on parts that live elsewhere:
 - the node registry (``strategies.nodes``): handshake, waiting for nodes, seeded sampling;
 - the run's privacy budget (``privacy.budget``): the plan, what records have spent, the stop;
-- per-node messages: a subclass decides what each node receives (``train_payload``) and what
-  it must send back (``reply_shapes``), e.g. FedRand's per-node half; the plan for the node's
-  local training travels with it (``protocol.TrainInstruction``);
+- per-node messages: a subclass decides what each node receives and must send back
+  (``train_payload`` / ``evaluate_payload`` return a ``Payload``), e.g. FedRand's per-node half;
+  the plan for the node's local training travels with it (``protocol.TrainInstruction``);
 - reply validation (``strategies.validation``): a reply with an error, wrong tensors or shapes,
   another dtype than float32, non-finite values, malformed metrics or more examples than the
   node's handshake reported is dropped with a logged, recorded reason; an update past its norm
   bound (``reply_bounds``: fixed at the clip norm for what the server noises, ``replies.*``
   for the rest) is clipped or dropped, and recorded.
 
-What a round did is written to its ``RoundRecord`` (``strategies.records``); the loop that
-runs the rounds and writes the run folder is ``server_app.loop``. Subclasses implement
-``initial_arrays`` and ``aggregate`` and may override the payload hooks.
+The loop (``server_app.loop``) owns the round, as Flower's ``Strategy.start`` does: it admits the
+nodes that joined before each phase, passes the global arrays and the phase's config to
+``configure_*`` and uses what they and ``aggregate_*`` return. ``configure_*`` only build
+messages: they sample among the connected nodes and keep what they sent, and what validation
+later finds, in the round's plan (``strategies.plan``, kept by round in ``plans``); the loop
+builds the round's record from that plan. Subclasses implement ``initial_arrays`` and
+``aggregate`` and may override the payload hooks; they record per-client figures only through
+``Payload.rows`` and per-round figures only through what ``aggregate`` returns.
 
 Everything a strategy carries from one round to the next goes in and out through one pair,
 ``state_dict`` / ``load_state_dict`` (tensors, numbers, strings, lists and dicts only, so that
@@ -42,10 +47,11 @@ from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape, GlobalDP
-from fedvlm.protocol import ATTEMPT, EvaluateInstruction, TrainInstruction
+from fedvlm.protocol import ATTEMPT, FINAL_ROUND, RUN_DIR, SERVER_ROUND, EvaluateInstruction, TrainInstruction
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
-from fedvlm.strategies.records import ClientUpdate, RoundRecord, RunOutputs
+from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
+from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.strategies.validation import (
     ReplyBound,
     ReplyRejected,
@@ -83,11 +89,9 @@ class FederatedStrategy(Strategy):
         self.registry = NodeRegistry(cfg, self.ledger)
         self.global_arrays: dict[str, np.ndarray] = {}  # set after the handshake (initial_arrays)
         self.budget: RunBudget | None = None  # with privacy on, once the nodes are known (plan_privacy)
-        self.current = RoundRecord(0)  # the round being run (the loop starts each with begin_round)
-        self.run_dir = ""  # the run folder, named in every instruction (set by the loop)
-        self._expected: dict[int, dict[str, tuple]] = {}
-        self._payload: dict[int, dict[str, np.ndarray]] = {}  # what each node was sent to train on
-        self._last_sent: list[Message] = []
+        # the rounds being run, by round: what was sent and what validation found (the loop
+        # builds each round's record from its plan, then drops it)
+        self.plans: dict[int, RoundPlan] = {}
 
     @property
     def nodes(self) -> dict[int, NodeInfo]:
@@ -105,21 +109,39 @@ class FederatedStrategy(Strategy):
     def num_rounds(self) -> int:
         return self.cfg.num_server_rounds
 
-    def train_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
-        """Arrays sent to ``node`` for training (default: every global array)."""
-        return dict(self.global_arrays)
+    def train_payload(self, node: NodeInfo, server_round: int, arrays: dict[str, np.ndarray]) -> Payload:
+        """What ``node`` is sent to train on (default: every global array) and must send back
+        (default: the shared ones). Called only while configuring: keep it free of effects, the
+        round may not be sent (the budget's stop)."""
+        shared = self.spec.shares(self.cfg, arrays)
+        return Payload(dict(arrays), {k: v.shape for k, v in arrays.items() if k in shared})
 
-    def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
-        """Tensors ``node`` must send back, with shapes (default: the shared global arrays)."""
-        return {
-            k: v.shape for k, v in self.global_arrays.items() if k in self.spec.shares(self.cfg, self.global_arrays)
-        }
+    def evaluate_payload(self, node: NodeInfo, server_round: int, arrays: dict[str, np.ndarray]) -> Payload:
+        return Payload(dict(arrays))
 
-    def evaluate_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
-        return dict(self.global_arrays)
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
+        """Fold the validated updates into ``self.global_arrays``; the round's figures the method
+        adds to its record."""
+        return {}
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """Fold the validated updates into ``self.global_arrays``."""
+    def evaluation_metrics(self, updates: list[ClientUpdate]) -> dict[str, float]:
+        """The federation's figures from the validated evaluation replies: the mean (as the
+        papers report it), spread and example-weighted accuracy of each kind."""
+        metrics: dict[str, float] = {}
+        for tag in ("local", "neighbor"):
+            accs = [u.metrics[f"{tag}-acc"] for u in updates if f"{tag}-acc" in u.metrics]
+            if accs:
+                metrics[f"{tag}-acc"] = float(np.mean(accs))
+                metrics[f"{tag}-acc-std"] = float(np.std(accs))
+                metrics.update(
+                    _weighted_metrics(
+                        [u.metrics for u in updates],
+                        (f"{tag}-acc", f"{tag}-loss"),
+                        weight_key=f"{tag}-n",
+                        suffix="-weighted",
+                    )
+                )
+        return metrics
 
     def outputs(self, rounds: list[dict]) -> RunOutputs:
         """What the method adds to the run folder after the last round (``rounds``: every
@@ -267,51 +289,68 @@ class FederatedStrategy(Strategy):
             except BudgetError as why:
                 self.registry.exclude(nid, str(why))
 
-    def begin_round(self, server_round: int, final: bool) -> RoundRecord:
-        self.current = RoundRecord(server_round, final)
-        return self.current
-
-    # ---- sampling and messages ---------------------------------------------------------------
-    def sample(self, grid: Grid, server_round: int, fraction: float, stream: ServerStream) -> list[NodeInfo]:
-        connected = self.registry.refresh(grid)  # nodes that joined since the last round
+    def admit(self, grid: Grid) -> None:
+        """Before each phase (called by the loop, never by ``configure_*``): handshake the nodes
+        that connected since the last phase, and plan or exclude the ones that joined late."""
+        self.registry.refresh(grid)
         self.admit_late_nodes()
-        return self.registry.choose(connected, server_round, fraction, stream)
 
-    def _messages(self, nodes: list[NodeInfo], server_round: int, kind: str) -> list[Message]:
-        phase = "train" if kind == MessageType.TRAIN else "evaluate"
-        msgs, down = [], 0
+    # ---- messages ------------------------------------------------------------------------------
+    def _phase(
+        self, phase: str, server_round: int, arrays: ArrayRecord, config: ConfigRecord, fraction: float
+    ) -> list[Message]:
+        """Sample ``fraction`` of the connected nodes, build each one's message, and keep what
+        was sent in the round's plan."""
+        stream = ServerStream.TRAIN_SAMPLE if phase == "train" else ServerStream.EVALUATE_SAMPLE
+        nodes = self.registry.choose(self.registry.connected, server_round, fraction, stream)
+        global_arrays = {k: v.numpy() for k, v in arrays.items()}
+        plan = self.plans.setdefault(server_round, RoundPlan(server_round))
+        kept = PhasePlan(phase, server_round)
+        setattr(plan, phase, kept)
+        run_dir = str(config.get(RUN_DIR, ""))
+        kind = MessageType.TRAIN if phase == "train" else MessageType.EVALUATE
         for node in nodes:
-            if kind == MessageType.TRAIN:
-                payload = self.train_payload(node, server_round)
-                expected = self.reply_shapes(node, server_round)
+            if phase == "train":
+                payload = self.train_payload(node, server_round, global_arrays)
                 shape = self.client_shape(node)
-                config = TrainInstruction(
+                instruction = TrainInstruction(
                     server_round,
-                    tuple(sorted(expected)),
+                    tuple(sorted(payload.expected)),
                     shape.steps,
                     shape.batch_size,
                     node.num_train,
                     self.local_sigma(node),
-                    self.run_dir,
+                    run_dir,
                 ).to_config()
             else:  # on the last evaluation clients publish their personalised prompts (client_app.publishing)
-                payload, expected = self.evaluate_payload(node, server_round), {}
-                config = EvaluateInstruction(server_round, self.current.final, self.run_dir).to_config()
-            self._expected[node.node_id] = expected
-            if kind == MessageType.TRAIN:
-                self._payload[node.node_id] = payload
-            down += record_nbytes(payload)
-            self.current.client(node.name)[f"{phase}/bytes_down"] = record_nbytes(payload)
+                payload = self.evaluate_payload(node, server_round, global_arrays)
+                final = bool(config.get(FINAL_ROUND, False))
+                instruction = EvaluateInstruction(server_round, final, run_dir).to_config()
+            nbytes = record_nbytes(payload.arrays)
+            kept.outgoing[node.node_id] = Outgoing(node, payload)
+            kept.bytes_down += nbytes
+            kept.client(node.name).update({**payload.rows, f"{phase}/bytes_down": nbytes})
             content = RecordDict(
                 {
-                    "arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.items()}),
-                    "config": ConfigRecord(config),
+                    "arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.arrays.items()}),
+                    "config": ConfigRecord(instruction),
                 }
             )
-            msgs.append(Message(content, dst_node_id=node.node_id, message_type=kind))
-        self.current.bytes[f"{phase}_down"] = down
-        self._last_sent = msgs  # their ids are set when the grid pushes them; see _sender
-        return msgs
+            kept.messages.append(Message(content, dst_node_id=node.node_id, message_type=kind))
+        return kept.messages
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The round's train messages, built from ``arrays`` (the global arrays) and ``config``
+        (the run folder); no I/O: the loop has admitted the nodes (``admit``)."""
+        return self._phase("train", server_round, arrays, config, self.cfg.fraction_train)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The round's evaluate messages (``config``: the run folder, whether it is the last)."""
+        return self._phase("evaluate", server_round, arrays, config, self.cfg.fraction_evaluate)
 
     def ask_again(self, late: list[Message]) -> list[Message]:
         """Copies of the messages whose replies are late (``server_app.exchange``), to send once
@@ -333,15 +372,19 @@ class FederatedStrategy(Strategy):
             node = self.nodes.get(msg.metadata.dst_node_id)
             if node is None:
                 continue
+            config = msg.content["config"]
+            assert isinstance(config, ConfigRecord)  # _phase sends one
+            server_round = int(config[SERVER_ROUND])  # type: ignore[arg-type]  # written by _phase
             phase = "train" if msg.metadata.message_type == MessageType.TRAIN else "evaluate"
+            kept = self.plans[server_round].phase(phase)
             charged = False
             if phase == "train" and self.budget is not None:
                 fresh = self.budget.server_noise_source(sources) == "os" or sources.get(node.name) == "os"
                 # the copy, and every round still to come in which the node may train again
-                more = 1 + self.num_rounds() - self.current.round
+                more = 1 + self.num_rounds() - server_round
                 over = self.budget.beyond_promise([node.name], more) if fresh else None
                 if over is not None:
-                    self.current.asked_again.append(
+                    kept.asked_again.append(
                         {
                             "client": node.name,
                             "phase": phase,
@@ -353,47 +396,34 @@ class FederatedStrategy(Strategy):
                 if fresh:
                     self.budget.spend([node.name])
                     charged = True
-            config = msg.content["config"]
-            assert isinstance(config, ConfigRecord)  # _messages sends one
             content = RecordDict({"arrays": msg.content["arrays"], "config": ConfigRecord({**config, ATTEMPT: 2})})
             copy = Message(content, dst_node_id=node.node_id, message_type=msg.metadata.message_type)
             copies.append(copy)
-            self._last_sent.append(copy)
-            self.current.asked_again.append({"client": node.name, "phase": phase, "asked": True, "charged": charged})
+            kept.messages.append(copy)
+            kept.asked_again.append({"client": node.name, "phase": phase, "asked": True, "charged": charged})
         return copies
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        nodes = self.sample(grid, server_round, self.cfg.fraction_train, ServerStream.TRAIN_SAMPLE)
-        self.current.sampled = len(nodes)
-        return self._messages(nodes, server_round, MessageType.TRAIN)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        nodes = self.sample(grid, server_round, self.cfg.fraction_evaluate, ServerStream.EVALUATE_SAMPLE)
-        return self._messages(nodes, server_round, MessageType.EVALUATE)
-
-    def _sender(self, reply: Message) -> int:
+    # ---- replies -------------------------------------------------------------------------------
+    def _sender(self, reply: Message, kept: PhasePlan) -> int:
         """The node a reply concerns. An error the SuperLink writes itself (e.g. 'Node Unavailable'
         for a SuperNode that stopped sending heartbeats) comes from the SuperLink's own id: map it
         back through the message it answers."""
         nid = reply.metadata.src_node_id
         if nid not in self.nodes:
-            for sent in self._last_sent:
+            for sent in kept.messages:
                 if sent.metadata.message_id and sent.metadata.message_id == reply.metadata.reply_to_message_id:
                     return sent.metadata.dst_node_id
         return nid
 
-    def _origin_problem(self, reply: Message, nid: int, senders: list[int]) -> str:
+    @staticmethod
+    def _origin_problem(reply: Message, nid: int, senders: list[int], kept: PhasePlan) -> str:
         """Why a reply cannot be taken as ``nid``'s answer to this phase ("" if it can). A
         SuperLink delivers one reply per message, from its addressee; in process, or through a
         compromised link, a reply may claim another node's id or come twice. Of two replies in
         one node's name neither is counted: the server cannot tell which is the node's, and
         counting both would weigh the node twice in the aggregate and in the accounting."""
         asked: dict[int, set[str]] = {}  # node id -> the ids of the messages it was sent (a copy asked again too)
-        for m in self._last_sent:
+        for m in kept.messages:
             asked.setdefault(m.metadata.dst_node_id, set()).add(m.metadata.message_id)
         if nid not in asked:
             return "it answers no message the server sent it in this phase of the round"
@@ -403,51 +433,50 @@ class FederatedStrategy(Strategy):
             return "it answers another message than the one the server sent this node"
         return ""
 
-    def _validated(self, replies: Iterable[Message], phase: str) -> list[ClientUpdate]:
+    def _validated(self, replies: Iterable[Message], kept: PhasePlan) -> list[ClientUpdate]:
         good = []
         replies = list(replies)
-        senders = [self._sender(m) for m in replies]
+        senders = [self._sender(m, kept) for m in replies]
         for msg, nid in zip(replies, senders, strict=True):
             node = self.nodes.get(nid)
             name = node.name if node else str(nid)
             try:
                 if node is None:  # the aggregation needs the node it comes from
                     raise ReplyRejected("it comes from a node the server does not know")
-                why = self._origin_problem(msg, nid, senders)
+                why = self._origin_problem(msg, nid, senders, kept)
                 if why:
                     raise ReplyRejected(why)
+                sent = kept.outgoing.get(nid)
                 arrays, metrics = check_reply(
-                    msg, self._expected.get(nid, {}), need_examples=phase == "train", max_examples=node.num_train
+                    msg,
+                    sent.payload.expected if sent else {},
+                    need_examples=kept.phase == "train",
+                    max_examples=node.num_train,
                 )
             except ReplyRejected as why:
-                self._drop(name, phase, str(why))
+                _drop(kept, name, str(why))
                 continue
-            self.ledger.note_released(phase, metrics)
-            self.current.add_bytes(f"{phase}_up", record_nbytes(arrays))
-            self.current.client(name)[f"{phase}/bytes_up"] = record_nbytes(arrays)
+            self.ledger.note_released(kept.phase, metrics)
+            kept.add_up(name, record_nbytes(arrays))
             good.append(ClientUpdate(node, arrays, metrics))
-            self.on_reply_accepted(node, phase)
-        for nid in sorted({m.metadata.dst_node_id for m in self._last_sent} - set(senders)):
+            self.on_reply_accepted(node, kept.phase)
+        for nid in sorted({m.metadata.dst_node_id for m in kept.messages} - set(senders)):
             node = self.nodes.get(nid)
-            self.current.missing.append({"client": node.name if node else str(nid), "phase": phase})
+            kept.missing.append({"client": node.name if node else str(nid), "phase": kept.phase})
         return good
 
-    def _drop(self, name: str, phase: str, reason: str) -> None:
-        log.warning("round %s: dropped the %s reply of %s: %s", self.current.round, phase, name, reason)
-        self.current.dropped.append({"client": name, "phase": phase, "reason": reason})
-
-    def _bound_norms(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+    def _bound_norms(self, updates: list[ClientUpdate], kept: PhasePlan) -> list[ClientUpdate]:
         """Clip or drop the updates past their bounds (``reply_bounds``), recording each."""
-        sent = [self._payload.get(u.node.node_id, {}) for u in updates]
+        sent = [kept.outgoing[u.node.node_id].payload.arrays for u in updates]  # validated: each was sent one
         results = bound_round(sent, [u.arrays for u in updates], self.cfg.replies, self.reply_bounds())
-        kept = []
+        kept_updates = []
         for u, (arrays, entries) in zip(updates, results, strict=True):
             for e in entries:
-                self.current.bounded.append({"client": u.node.name, **e})
+                kept.bounded.append({"client": u.node.name, **e})
                 if arrays is not None:
                     log.warning(
                         "round %s: clipped the update of %s from norm %.4g to %.4g (%s)",
-                        self.current.round,
+                        kept.round,
                         u.node.name,
                         e["norm"],
                         e["bound"],
@@ -455,53 +484,45 @@ class FederatedStrategy(Strategy):
                     )
             if arrays is None:
                 e = entries[0]
-                self._drop(
+                _drop(
+                    kept,
                     u.node.name,
-                    "train",
                     f"update norm {e['norm']:.4g} exceeds the round's bound {e['bound']:.4g} ({e['rule']})",
                 )
                 continue
-            kept.append(ClientUpdate(u.node, arrays, u.metrics) if entries else u)
-        return kept
+            kept_updates.append(ClientUpdate(u.node, arrays, u.metrics) if entries else u)
+        return kept_updates
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        updates = self._bound_norms(self._validated(replies, "train"))
+        """The new global arrays and the round's training figures, from the validated, bounded
+        replies to this round's train messages."""
+        kept = self.plans[server_round].phase("train")
+        updates = self._bound_norms(self._validated(replies, kept), kept)
         for u in updates:
-            self.current.client(u.node.name).update({f"train/{k}": v for k, v in u.metrics.items()})
-        if updates:
-            self.aggregate(server_round, updates)
-        metrics = _weighted_metrics([u.metrics for u in updates], ("train-loss", "train-acc"))
+            kept.client(u.node.name).update({f"train/{k}": v for k, v in u.metrics.items()})
+        metrics = self.aggregate(server_round, updates) if updates else {}
+        metrics.update(_weighted_metrics([u.metrics for u in updates], ("train-loss", "train-acc")))
         metrics["train-compute-seconds"] = float(sum(u.metrics.get("compute-seconds", 0.0) for u in updates))
         metrics["train-clients"] = len(updates)
-        self.current.metrics.update(metrics)
         arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in self.global_arrays.items()})
-        return arrays, MetricRecord(metrics)
+        return arrays, MetricRecord(dict(metrics))
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        updates = self._validated(replies, "evaluate")
+        kept = self.plans[server_round].phase("evaluate")
+        updates = self._validated(replies, kept)
         for u in updates:
-            self.current.client(u.node.name).update({f"eval/{k}": v for k, v in u.metrics.items()})
-        metrics: dict = {}
-        for tag in ("local", "neighbor"):
-            accs = [u.metrics[f"{tag}-acc"] for u in updates if f"{tag}-acc" in u.metrics]
-            if accs:
-                # The papers average per-client accuracy; the weighted figure is kept too.
-                metrics[f"{tag}-acc"] = float(np.mean(accs))
-                metrics[f"{tag}-acc-std"] = float(np.std(accs))
-                metrics.update(
-                    _weighted_metrics(
-                        [u.metrics for u in updates],
-                        (f"{tag}-acc", f"{tag}-loss"),
-                        weight_key=f"{tag}-n",
-                        suffix="-weighted",
-                    )
-                )
+            kept.client(u.node.name).update({f"eval/{k}": v for k, v in u.metrics.items()})
+        metrics = self.evaluation_metrics(updates)
         metrics["eval-clients"] = len(updates)
         metrics["eval-compute-seconds"] = float(sum(u.metrics.get("compute-seconds", 0.0) for u in updates))
-        self.current.metrics.update(metrics)
-        return MetricRecord(metrics)
+        return MetricRecord(dict(metrics))
+
+
+def _drop(kept: PhasePlan, name: str, reason: str) -> None:
+    log.warning("round %s: dropped the %s reply of %s: %s", kept.round, kept.phase, name, reason)
+    kept.dropped.append({"client": name, "phase": kept.phase, "reason": reason})
 
 
 def _weighted_metrics(

@@ -20,6 +20,7 @@ import torch
 
 from fedvlm.privacy.mechanisms import gaussian_noise, noise_generator
 from fedvlm.privacy.planner import GlobalDP
+from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptStrategy
 from fedvlm.strategies.records import ClientUpdate
 from fedvlm.utils.rng import ServerStream, server_key
@@ -37,14 +38,11 @@ class GlobalGradientStrategy(PromptStrategy):
     def initial_arrays(self):
         return {"global_ctx": self.initial_context()}
 
-    def reply_shapes(self, node, server_round):
-        return {"global_grad": self.global_arrays["global_ctx"].shape}
+    def train_payload(self, node, server_round, arrays):
+        return Payload({"global_ctx": arrays["global_ctx"]}, {"global_grad": arrays["global_ctx"].shape})
 
-    def train_payload(self, node, server_round):
-        return {"global_ctx": self.global_arrays["global_ctx"]}
-
-    def evaluate_payload(self, node, server_round):
-        return {"global_ctx": self.global_arrays["global_ctx"]}
+    def evaluate_payload(self, node, server_round, arrays):
+        return Payload({"global_ctx": arrays["global_ctx"]})
 
     # ---- privacy plan ---------------------------------------------------------------------
     def global_dp(self) -> GlobalDP:
@@ -67,21 +65,22 @@ class GlobalGradientStrategy(PromptStrategy):
         )
 
     # ---- aggregation ----------------------------------------------------------------------
-    def denominator(self, updates: list[ClientUpdate]) -> int:
+    def denominator(self, server_round: int, updates: list[ClientUpdate]) -> int:
         """What the round's sum is divided by: this round's sample, and never fewer than the
         clients the noise was planned for."""
-        n = max(self.current.sampled, len(updates))
+        n = max(self.plans[server_round].sampled, len(updates))
         if self.budget is not None:
             assert self.budget.planner.global_dp is not None  # planned from this strategy's global_dp()
             n = max(n, self.budget.planner.global_dp.denominator)
         return n
 
-    def pre_noise_mean(self, updates: list[ClientUpdate]) -> np.ndarray:
+    def pre_noise_mean(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
         """The average the server noises: the bounded uploads (``reply_bounds``) over the denominator."""
-        return np.sum([u.arrays["global_grad"] for u in updates], axis=0) / self.denominator(updates)
+        return np.sum([u.arrays["global_grad"] for u in updates], axis=0) / self.denominator(server_round, updates)
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        grad = torch.from_numpy(self.pre_noise_mean(updates).astype(np.float32))
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
+        grad = torch.from_numpy(self.pre_noise_mean(server_round, updates).astype(np.float32))
+        metrics: dict[str, float] = {}
         if self.budget is not None:
             assert self.budget.planner.global_plan is not None  # planned with global_dp
             sigma = self.budget.planner.global_plan.sigma
@@ -89,8 +88,9 @@ class GlobalGradientStrategy(PromptStrategy):
                 self.server_noise_source(), server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
             )
             grad = grad + gaussian_noise(grad.shape, sigma, gen)
-            self.current.metrics.update({"gdp-sigma": sigma, "gdp-denominator": self.denominator(updates)})
+            metrics = {"gdp-sigma": sigma, "gdp-denominator": self.denominator(server_round, updates)}
         self._server_step(grad)
+        return metrics
 
     def _optimizer(self) -> torch.optim.Optimizer:
         if self._server_opt is None:

@@ -26,6 +26,7 @@ from fedvlm.models.vlm import AdapterSpec, load_vlm
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
 from fedvlm.strategies.base import FederatedStrategy, to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
 
@@ -53,22 +54,16 @@ class LoRAStrategy(FederatedStrategy):
         self.adapter_initial = {k: v.numpy() for k, v in initial.items()}
         self.shared_names = sorted(spec.shares(cfg, initial))
         self.last_upload: dict[str, dict[str, np.ndarray]] = {}  # client -> its latest uploaded tensors
-        self.participated: set[str] = set()
-        self.train_messages = 0  # train messages sent, for the communication summary
 
     def state_dict(self) -> dict:
         return {
             **super().state_dict(),
             "last_upload": {name: to_tensors(up) for name, up in self.last_upload.items()},
-            "participated": sorted(self.participated),
-            "train_messages": self.train_messages,
         }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.last_upload = {name: to_arrays(up) for name, up in state["last_upload"].items()}
-        self.participated = set(state["participated"])
-        self.train_messages = int(state["train_messages"])
 
     def adapter_bytes(self) -> int:
         return int(sum(v.nbytes for v in self.adapter_initial.values()))
@@ -76,32 +71,28 @@ class LoRAStrategy(FederatedStrategy):
     def initial_arrays(self) -> dict[str, np.ndarray]:
         return {k: self.adapter_initial[k].copy() for k in self.shared_names}
 
-    def train_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
-        self.train_messages += 1
-        return dict(self.global_arrays)
+    def train_payload(self, node: NodeInfo, server_round: int, arrays: dict[str, np.ndarray]) -> Payload:
+        return Payload(dict(arrays), {k: v.shape for k, v in arrays.items()})
 
-    def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
-        return {k: v.shape for k, v in self.global_arrays.items()}
-
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
             self.last_upload.setdefault(u.node.name, {}).update(u.arrays)
         avg = weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
         self.global_arrays.update(avg)
+        return {}
 
-    def aggregate_evaluate(self, server_round, replies):
-        out = super().aggregate_evaluate(server_round, replies)
-        # weighted by test size: the federation's figure for the union of the clients' test sets
-        rows = [c for c in self.current.clients.values() if "eval/num-examples" in c]
-        keys = sorted({k[5:] for r in rows for k in r if k.startswith(("eval/client-", "eval/server-"))})
-        metrics = {}
+    def evaluation_metrics(self, updates: list[ClientUpdate]) -> dict[str, float]:
+        """Adds each task metric weighted by test size: the federation's figure for the union of
+        the clients' test sets."""
+        metrics = super().evaluation_metrics(updates)
+        rows = [u.metrics for u in updates if "num-examples" in u.metrics]
+        keys = sorted({k for r in rows for k in r if k.startswith(CLIENT_METRICS_PREFIX)})
         for k in keys:
-            have = [r for r in rows if f"eval/{k}" in r]
-            weight = "eval/ood-examples" if k.startswith("server-ood-") else "eval/num-examples"
+            have = [r for r in rows if k in r]
+            weight = "ood-examples" if k.startswith("server-ood-") else "num-examples"
             w = np.array([r[weight] for r in have], dtype=float)
-            metrics[k] = float(np.average([r[f"eval/{k}"] for r in have], weights=w))
-        self.current.metrics.update(metrics)
-        return out
+            metrics[k] = float(np.average([r[k] for r in have], weights=w))
+        return metrics
 
     def outputs(self, rounds: list[dict]) -> RunOutputs:
         """What the server could reconstruct of each client's model (its last uploads), and what
@@ -110,7 +101,7 @@ class LoRAStrategy(FederatedStrategy):
         up = sum(r.get("bytes", {}).get("train_up", 0) for r in rounds)
         down = sum(r.get("bytes", {}).get("train_down", 0) for r in rounds)
         trained = sum(r["metrics"].get("train-clients", 0) for r in rounds)
-        sent = self.train_messages
+        sent = sum(r["sampled"] for r in rounds)  # train messages sent: a round is recorded once it was sent
         communication = {
             "adapter_bytes": full,
             "train_bytes_up": int(up),
@@ -130,6 +121,9 @@ class FedRandStrategy(LoRAStrategy):
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
         self.halves = {h: adapter_parts.lora_half(self.shared_names, h) for h in adapter_parts.HALVES}
+        # nodes sent a train message (the whole adapter, the first time): a lost reply counts, the
+        # node may have trained and keeps what it was sent
+        self.participated: set[str] = set()
         # round -> client -> half drawn ('A' | 'B'); a draw is keyed by seed, round and node, so a
         # resumed run draws the same halves without saving them
         self.draws: dict[int, dict[str, str]] = {}
@@ -146,19 +140,28 @@ class FedRandStrategy(LoRAStrategy):
             per_round[node.name] = "A" if rng.random() < self.cfg.fedrand.rho else "B"
         return per_round[node.name]
 
-    def train_payload(self, node: NodeInfo, server_round: int) -> dict[str, np.ndarray]:
-        self.train_messages += 1
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "participated": sorted(self.participated)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.participated = set(state["participated"])
+
+    def train_payload(self, node: NodeInfo, server_round: int, arrays: dict[str, np.ndarray]) -> Payload:
         half = self.draw(node, server_round)
         first = node.name not in self.participated
-        self.participated.add(node.name)
-        self.current.client(node.name).update({"fedrand/half": half, "fedrand/first": first})
         names = self.shared_names if first else self.halves[half]
-        return {k: self.global_arrays[k] for k in names}
+        return Payload(
+            {k: arrays[k] for k in names},
+            {k: arrays[k].shape for k in self.halves[half]},
+            {"fedrand/half": half, "fedrand/first": first},
+        )
 
-    def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
-        return {k: self.global_arrays[k].shape for k in self.halves[self.draw(node, server_round)]}
+    def aggregate_train(self, server_round, replies):
+        self.participated.update(o.node.name for o in self.plans[server_round].phase("train").outgoing.values())
+        return super().aggregate_train(server_round, replies)
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
             self.last_upload.setdefault(u.node.name, {}).update(u.arrays)
         chosen = [self.draws[server_round][u.node.name] for u in updates]
@@ -172,9 +175,7 @@ class FedRandStrategy(LoRAStrategy):
             [u.metrics["num-examples"] for u in updates],
             chosen,
         )
-        self.current.metrics.update(
-            {
-                "fedrand/clients-A": sum(self.draws[server_round][u.node.name] == "A" for u in updates),
-                "fedrand/clients-B": sum(self.draws[server_round][u.node.name] == "B" for u in updates),
-            }
-        )
+        return {
+            "fedrand/clients-A": sum(self.draws[server_round][u.node.name] == "A" for u in updates),
+            "fedrand/clients-B": sum(self.draws[server_round][u.node.name] == "B" for u in updates),
+        }

@@ -61,6 +61,7 @@ class NodeRegistry:
         self.failed: dict[int, str] = {}  # node id -> why it was excluded
         self.unanswered: dict[int, int] = {}  # node id -> handshakes it has not answered yet
         self.server_fingerprint: str | None = None  # the backbone every node must load, where the server knows it
+        self.connected: set[int] = set()  # the node ids connected at the last refresh (what a round samples from)
 
     def exclude(self, node_id: int, reason: str) -> None:
         node = self.nodes.pop(node_id, None)
@@ -238,6 +239,7 @@ class NodeRegistry:
             self.handshake(grid, connected)
             healthy = sum(n in self.nodes for n in connected)
             if healthy >= self.cfg.min_nodes or simulated_grid(grid) or time.time() - t0 >= self.cfg.round_timeout:
+                self.connected = connected
                 return connected
             if not warned:
                 log.warning(

@@ -2,8 +2,9 @@
 messages that carry the node's expert prompts.
 
 Round t:
-1. at the start of the round the pool is snapshot; every expert choice of the round's training
-   uses the snapshot (the public code mutates the pool while its clients train in sequence);
+1. every expert choice of the round's training uses the pool as it was at the start of the
+   round (the public code mutates the pool while its clients train in sequence): the train
+   messages are all built before any reply enters the pool;
 2. a sampled node that is not in the pool gets only the aggregate P_g (a plain CoOp round); a
    node in the pool gets P_g and ``experts`` [K', ...]: its K nearest other pool prompts by L2
    distance between the prompt tensors (float64, ties broken by node name; all of them when
@@ -15,7 +16,7 @@ Round t:
 
 The experts a node receives were uploaded by other nodes: each node's prompt reaches the server
 and every peer that picks it, up to all of them in one round (K bounds the experts a node
-receives, not how many nodes receive one prompt; README, threat model).
+receives, not how many nodes receive one prompt; docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import numpy as np
 from fedvlm.runconfig import ConfigError
 from fedvlm.strategies.base import to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptFLStrategy
-from fedvlm.strategies.records import ClientUpdate, RoundRecord
+from fedvlm.strategies.records import ClientUpdate
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
 
 
@@ -47,7 +49,6 @@ class PFedMoAPStrategy(PromptFLStrategy):
                 f"{cfg.clip.model}: pick a divisor of {embed}"
             )
         self.pool: dict[str, np.ndarray] = {}  # node name -> its latest accepted prompt
-        self.snapshot: dict[str, np.ndarray] = {}  # the pool at the start of the round
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "pool": to_tensors(self.pool)}
@@ -55,10 +56,6 @@ class PFedMoAPStrategy(PromptFLStrategy):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.pool = to_arrays(state["pool"])
-
-    def begin_round(self, server_round: int, final: bool) -> RoundRecord:
-        self.snapshot = dict(self.pool)
-        return super().begin_round(server_round, final)
 
     def experts(self, node: NodeInfo, pool: dict[str, np.ndarray], server_round: int) -> list[str]:
         """The names of the pool prompts ``node`` gets as experts (none when it is not in ``pool``)."""
@@ -75,20 +72,24 @@ class PFedMoAPStrategy(PromptFLStrategy):
             return sorted(numpy_rng(key).choice(sorted(others), size=k, replace=False).tolist())
         return nearest(pool[node.name], others, k)
 
-    def _with_experts(self, node: NodeInfo, pool: dict[str, np.ndarray], server_round: int, phase: str) -> dict:
-        names = self.experts(node, pool, server_round)
-        self.current.client(node.name)[f"{phase}/experts"] = names
-        return {"experts": np.stack([pool[n] for n in names])} if names else {}
+    def _with_experts(self, node: NodeInfo, own: dict[str, np.ndarray], server_round: int, phase: str) -> Payload:
+        """``own`` and the node's experts from the pool (the names recorded in the round)."""
+        names = self.experts(node, self.pool, server_round)
+        experts = {"experts": np.stack([self.pool[n] for n in names])} if names else {}
+        return Payload({**own, **experts}, rows={f"{phase}/experts": names})
 
-    def train_payload(self, node, server_round):
-        return {**self.global_arrays, **self._with_experts(node, self.snapshot, server_round, "train")}
+    def train_payload(self, node, server_round, arrays):
+        payload = self._with_experts(node, arrays, server_round, "train")
+        shared = self.spec.shares(self.cfg, arrays)
+        payload.expected = {k: v.shape for k, v in arrays.items() if k in shared}
+        return payload
 
-    def evaluate_payload(self, node, server_round):
+    def evaluate_payload(self, node, server_round, arrays):
         if node.name not in self.pool:
-            return dict(self.global_arrays)
-        return {"ctx": self.pool[node.name], **self._with_experts(node, self.pool, server_round, "eval")}
+            return Payload(dict(arrays))
+        return self._with_experts(node, {"ctx": self.pool[node.name]}, server_round, "eval")
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
             self.pool[u.node.name] = np.asarray(u.arrays["ctx"])
-        super().aggregate(server_round, updates)
+        return super().aggregate(server_round, updates)

@@ -13,6 +13,7 @@ from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.prompt_learner import TextTower, init_context
 from fedvlm.strategies.aggregation import weighted_average
 from fedvlm.strategies.base import FederatedStrategy
+from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.records import ClientUpdate
 
 
@@ -51,8 +52,9 @@ class PromptFLStrategy(PromptStrategy):
     every step's gradient), so the prompt it shares is already protected: noise added on the
     client before sharing, as DP-FPL's PromptFL baseline."""
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         self.global_arrays = weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
+        return {}
 
 
 class LocalOnlyStrategy(PromptStrategy):
@@ -74,14 +76,11 @@ class LocalOnlyStrategy(PromptStrategy):
         super().load_state_dict(state)
         self.initialised = set(state["initialised"])
 
-    def train_payload(self, node, server_round):
-        return {} if node.name in self.initialised else dict(self.global_arrays)
+    def train_payload(self, node, server_round, arrays):
+        return Payload({} if node.name in self.initialised else dict(arrays))
 
-    def evaluate_payload(self, node, server_round):
-        return self.train_payload(node, server_round)
-
-    def reply_shapes(self, node, server_round):
-        return {}
+    def evaluate_payload(self, node, server_round, arrays):
+        return self.train_payload(node, server_round, arrays)
 
 
 class EvaluateOnlyStrategy(PromptStrategy):
@@ -93,5 +92,5 @@ class EvaluateOnlyStrategy(PromptStrategy):
     def num_rounds(self) -> int:
         return 1
 
-    def evaluate_payload(self, node, server_round):
-        return {}
+    def evaluate_payload(self, node, server_round, arrays):
+        return Payload({})

@@ -1,5 +1,6 @@
-"""What a strategy's hooks write while a round runs, and what a strategy leaves at the end of a
-run; the server loop (``server_app.loop``) turns both into the run folder."""
+"""What a round and a run leave behind: a validated reply (``ClientUpdate``), a round's record
+(built by the loop from the round's plan, ``strategies.plan``) and what a strategy adds to the
+run folder at the end (``RunOutputs``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from fedvlm.strategies.nodes import NodeInfo
+    from fedvlm.strategies.plan import RoundPlan
 
 
 @dataclass
@@ -21,10 +23,10 @@ class ClientUpdate:
 
 @dataclass
 class RoundRecord:
-    """One round, as results.json records it (``server_app.results``)."""
+    """One round, as results.json records it (``server_app.results``): built by the loop from
+    the round's plan and the metrics the aggregation returned (``of``)."""
 
     round: int
-    final: bool = False  # the last evaluation of the run: clients publish what they reached
     sampled: int = 0  # clients sent a train message
     metrics: dict[str, float] = field(default_factory=dict)
     clients: dict[str, dict] = field(default_factory=dict)  # per-client figures, by name
@@ -34,11 +36,22 @@ class RoundRecord:
     missing: list[dict] = field(default_factory=list)  # sampled clients whose reply never came
     bytes: dict[str, int] = field(default_factory=dict)  # train_down, train_up, evaluate_down, evaluate_up
 
-    def client(self, name: str) -> dict:
-        return self.clients.setdefault(name, {})
-
-    def add_bytes(self, key: str, n: int) -> None:
-        self.bytes[key] = self.bytes.get(key, 0) + n
+    @classmethod
+    def of(cls, plan: RoundPlan, metrics: dict[str, float]) -> RoundRecord:
+        record = cls(plan.round, plan.sampled, dict(metrics))
+        for phase in (plan.train, plan.evaluate):
+            if phase is None:
+                continue
+            for name, row in phase.clients.items():
+                record.clients.setdefault(name, {}).update(row)
+            record.dropped += phase.dropped
+            record.bounded += phase.bounded
+            record.asked_again += phase.asked_again
+            record.missing += phase.missing
+            record.bytes[f"{phase.phase}_down"] = phase.bytes_down
+            if phase.bytes_up is not None:
+                record.bytes[f"{phase.phase}_up"] = phase.bytes_up
+        return record
 
     def as_dict(self, seconds: float) -> dict:
         return {

@@ -19,6 +19,7 @@ from fedvlm.models.reprogram import initial_model, source_model, trainable_state
 from fedvlm.strategies.aggregation import weighted_average
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.records import ClientUpdate
 
 
@@ -36,16 +37,17 @@ class ReprogramStrategy(FederatedStrategy):
             self._initial = {k: v.numpy().copy() for k, v in trainable_state(model).items()}
         return {k: v.copy() for k, v in self._initial.items()}
 
-    def reply_shapes(self, node: NodeInfo, server_round: int) -> dict[str, tuple]:
-        return {k: v.shape for k, v in self.global_arrays.items()}
+    def train_payload(self, node: NodeInfo, server_round: int, arrays: dict[str, np.ndarray]) -> Payload:
+        return Payload(dict(arrays), {k: v.shape for k, v in arrays.items()})
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
             if "epsilon-rdp" in u.metrics:
                 self.client_reported[u.node.name] = {"rdp": u.metrics["epsilon-rdp"], "prv": u.metrics["epsilon-prv"]}
         self.global_arrays.update(
             weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
         )
+        return {}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "client_reported": self.client_reported}

@@ -52,7 +52,8 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     spec = cfg.spec
     strategy = spec.strategy(cfg, spec)
     from fedvlm.strategies.nodes import NodeInfo
-    from fedvlm.strategies.records import ClientUpdate, RoundRecord
+    from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
+    from fedvlm.strategies.records import ClientUpdate
 
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
@@ -62,7 +63,8 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
         ClientUpdate(n, {"global_grad": np.zeros((16, 96), np.float32)}, {"num-examples": 64})
         for n in strategy.nodes.values()
     ]
-    strategy.current = RoundRecord(1, sampled=4)
+    sent = {n.node_id: Outgoing(n, Payload({})) for n in strategy.nodes.values()}  # all 4 sampled
+    strategy.plans[1] = RoundPlan(1, train=PhasePlan("train", 1, outgoing=sent))
     strategy.aggregate(1, zero)
     step = before - strategy.global_arrays["global_ctx"]  # sgd, lr 1: exactly the noise
     sigma = strategy.ledger.plans["gdp-global"].sigma

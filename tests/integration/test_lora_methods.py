@@ -289,11 +289,14 @@ def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp
     rebuild a client's whole adapter: the client refuses (checked on the node, not trusted)."""
     from fedvlm.strategies.lora import FedRandStrategy
 
-    monkeypatch.setattr(
-        FedRandStrategy,
-        "reply_shapes",
-        lambda self, node, rnd: {k: self.global_arrays[k].shape for k in self.shared_names},
-    )
+    drawn = FedRandStrategy.train_payload
+
+    def ask_both(self, node, rnd, arrays):
+        payload = drawn(self, node, rnd, arrays)
+        payload.expected = {k: arrays[k].shape for k in self.shared_names}
+        return payload
+
+    monkeypatch.setattr(FedRandStrategy, "train_payload", ask_both)
     grid, rec = _run(
         _raw(
             vlm_cache,
@@ -306,11 +309,11 @@ def test_fedrand_clients_refuse_requests_that_break_the_half_rule(vlm_cache, tmp
     assert len(dropped) == N_CLIENTS and all("not one whole LoRA half" in d["reason"] for d in dropped), dropped
 
     monkeypatch.undo()
-    drawn = FedRandStrategy.train_payload
 
-    def both_halves(self, node, rnd):
-        drawn(self, node, rnd)
-        return dict(self.global_arrays)
+    def both_halves(self, node, rnd, arrays):
+        payload = drawn(self, node, rnd, arrays)
+        payload.arrays = dict(arrays)
+        return payload
 
     monkeypatch.setattr(FedRandStrategy, "train_payload", both_halves)
     grid, rec = _run(
@@ -347,3 +350,28 @@ def test_fedrand_nodes_train_on_their_own_folders_with_partition_nodes(vlm_cache
     assert {k: info[k]["partition_id"] for k in ("org-0", "org-1")} == {"org-0": -1, "org-1": -1}
     assert data["privacy"]["noise_sources"]["clients"] == {"org-0": "os", "org-1": "os", "client-0": "seeded"}
     assert all(r["metrics"]["train-clients"] == 3 and not r["dropped"] for r in data["rounds"])
+
+
+def test_a_run_stopped_by_its_budget_counts_only_the_train_messages_it_sent(vlm_cache, tmp_path):
+    """The round the budget stops is planned and never sent: it must leave no trace in the
+    communication summary (it used to be counted as sent, understating down_vs_full_lora)."""
+    raw = _raw(
+        vlm_cache,
+        tmp_path,
+        "fedavg-lora",
+        **{
+            "num-server-rounds": 10,
+            "fraction-train": 1.0,
+            "lora.local-steps": 1,
+            "privacy.noise-multiplier": 1.0,
+            "privacy.max-epsilon": 1.6,  # round 4 would take each record to 1.63
+        },
+    )
+    grid, recorder = _run(raw)
+    data = recorder.data
+    assert data["run"]["status"] == "stopped" and len(data["rounds"]) == 3
+    sent = sum(m.metadata.message_type == "train" for m in grid.sent)
+    assert sent == N_CLIENTS * len(data["rounds"])
+    comm = data["communication"]
+    assert comm["full_lora_bytes_down"] == comm["adapter_bytes"] * sent
+    assert comm["down_vs_full_lora"] == pytest.approx(comm["train_bytes_down"] / (comm["adapter_bytes"] * sent))

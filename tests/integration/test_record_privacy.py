@@ -165,7 +165,8 @@ def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip)
     import numpy as np
 
     from fedvlm.strategies.nodes import NodeInfo
-    from fedvlm.strategies.records import ClientUpdate, RoundRecord
+    from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
+    from fedvlm.strategies.records import ClientUpdate
 
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, dpfpl__server_lr=1.0, dpfpl__server_optimizer="sgd")
     strategy = cfg.spec.strategy(cfg, cfg.spec)
@@ -178,7 +179,8 @@ def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip)
     )  # isolate the average from the noise
     before = strategy.global_arrays["global_ctx"].copy()
     ones = np.ones((16, 96), np.float32)
-    strategy.current = RoundRecord(1, sampled=2)  # two of the four planned nodes are left
+    left = {n.node_id: Outgoing(n, Payload({})) for n in list(strategy.nodes.values())[:2]}
+    strategy.plans[1] = RoundPlan(1, train=PhasePlan("train", 1, outgoing=left))  # two of the four planned are left
     strategy.aggregate(
         1, [ClientUpdate(n, {"global_grad": ones}, {"num-examples": 64}) for n in list(strategy.nodes.values())[:2]]
     )

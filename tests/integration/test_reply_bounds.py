@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate
 
 C, B, N = 10.0, 32, 3
@@ -38,8 +39,16 @@ def _strategy(make_cfg, **replies):
         strategy.registry.nodes[1000 + i] = NodeInfo(1000 + i, f"client-{i}", i, 200, 50, 0, "fp", 40)
     strategy.global_arrays = {"global_ctx": np.zeros((4, 8), np.float32)}
     strategy.plan_privacy()
-    strategy.current.sampled = N
     return strategy
+
+
+def _sent(strategy) -> PhasePlan:
+    """Round 1's train phase, as if every node had been sent the zero prompt."""
+    kept = PhasePlan("train", 1)
+    for n in strategy.nodes.values():
+        kept.outgoing[n.node_id] = Outgoing(n, Payload({"global_ctx": strategy.global_arrays["global_ctx"]}))
+    strategy.plans[1] = RoundPlan(1, train=kept)
+    return kept
 
 
 def _clip(g: np.ndarray) -> np.ndarray:
@@ -50,7 +59,7 @@ def _clip(g: np.ndarray) -> np.ndarray:
 def _average(strategy, uploads: list[np.ndarray]) -> np.ndarray:
     nodes = list(strategy.nodes.values())
     updates = [ClientUpdate(n, {"global_grad": u}, {"num-examples": 32}) for n, u in zip(nodes, uploads, strict=True)]
-    return strategy.pre_noise_mean(strategy._bound_norms(updates))
+    return strategy.pre_noise_mean(1, strategy._bound_norms(updates, _sent(strategy)))
 
 
 # (client 0's norm, client 1's norm without the record, client 2's norm): the audit's table and
@@ -91,11 +100,12 @@ def test_the_server_noised_tensor_is_bounded_at_the_clip_norm_and_the_ledger_say
         ClientUpdate(n, {"global_grad": u}, {"num-examples": 32})
         for n, u in zip(nodes, [small, honest, forged], strict=True)
     ]
-    kept = strategy._bound_norms(updates)
+    phase = _sent(strategy)
+    kept = strategy._bound_norms(updates, phase)
     assert [np.linalg.norm(u.arrays["global_grad"]) for u in kept] == pytest.approx(
         [np.linalg.norm(small), C, C], rel=1e-5
     )
-    assert [b["client"] for b in strategy.current.bounded] == ["client-2"]
+    assert [b["client"] for b in phase.bounded] == ["client-2"]
 
 
 def test_without_server_noise_the_relative_rule_still_applies(make_cfg, pretrained_clip):

@@ -1,0 +1,80 @@
+"""One round as the strategy planned and saw it: what each node was sent and must send back, and
+what validation found in the replies.
+
+A strategy keeps one ``RoundPlan`` per round it is running (``FederatedStrategy.plans``, keyed by
+round, as Flower's DP wrappers keep their per-round state): ``configure_train`` and
+``configure_evaluate`` fill a phase, ``ask_again`` adds its copies, ``aggregate_*`` add what
+validation found, and the loop builds the round's record from the plan and what the
+aggregation returned (``RoundRecord.of``). Nothing of a round lives anywhere else, so a round
+that is planned and not sent (the budget's stop) leaves no trace once its plan is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from flwr.app import Message
+
+    from fedvlm.strategies.nodes import NodeInfo
+
+
+@dataclass
+class Payload:
+    """What a method sends one node in one phase (``FederatedStrategy.train_payload`` and
+    ``evaluate_payload``)."""
+
+    arrays: dict[str, np.ndarray]
+    expected: dict[str, tuple] = field(default_factory=dict)  # tensors the reply must carry, with shapes
+    rows: dict = field(default_factory=dict)  # per-client figures the method records (e.g. FedRand's half)
+
+
+@dataclass
+class Outgoing:
+    node: NodeInfo
+    payload: Payload
+
+
+@dataclass
+class PhasePlan:
+    """One phase ('train' or 'evaluate') of a round."""
+
+    phase: str
+    round: int
+    outgoing: dict[int, Outgoing] = field(default_factory=dict)  # node id -> what it was sent
+    messages: list[Message] = field(default_factory=list)  # as sent; copies asked again appended
+    clients: dict[str, dict] = field(default_factory=dict)  # per-client figures, by name
+    dropped: list[dict] = field(default_factory=list)  # rejected replies and why
+    bounded: list[dict] = field(default_factory=list)  # updates past their norm bound
+    asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.exchange)
+    missing: list[dict] = field(default_factory=list)  # nodes whose reply never came
+    bytes_down: int = 0
+    bytes_up: int | None = None  # None until a reply is accepted
+
+    def client(self, name: str) -> dict:
+        return self.clients.setdefault(name, {})
+
+    def add_up(self, name: str, nbytes: int) -> None:
+        self.bytes_up = (self.bytes_up or 0) + nbytes
+        self.client(name)[f"{self.phase}/bytes_up"] = nbytes
+
+
+@dataclass
+class RoundPlan:
+    round: int
+    train: PhasePlan | None = None  # None: the method does not train, or the round was not sent
+    evaluate: PhasePlan | None = None
+
+    @property
+    def sampled(self) -> int:
+        """Clients sent a train message this round."""
+        return len(self.train.outgoing) if self.train is not None else 0
+
+    def phase(self, phase: str) -> PhasePlan:
+        found = self.train if phase == "train" else self.evaluate
+        if found is None:
+            raise KeyError(f"round {self.round} has no {phase} phase planned")
+        return found

@@ -1,0 +1,82 @@
+"""The round has one owner, the loop (``server_app.loop``): a strategy's ``configure_*`` only build
+messages, from what they are given, and leave the strategy as they found it; what a round
+sent is kept in its plan, and a plan dropped unsent leaves nothing behind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from fedvlm.client_app.app import app as client_app
+from fedvlm.methods.registry import validate
+from fedvlm.protocol import FINAL_ROUND, RUN_DIR
+from fedvlm.utils.inprocess import InProcessGrid
+
+N = 4
+
+
+class NoGrid:
+    """What ``configure_*`` get for a grid: any use of it fails the test (the loop admits nodes
+    before configuring; building messages needs no network)."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"configure used the grid ({name})")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+def _content(messages) -> list[tuple]:
+    return [
+        (
+            m.metadata.dst_node_id,
+            {k: v.numpy().tobytes() for k, v in m.content["arrays"].items()},
+            dict(m.content["config"]),
+        )
+        for m in messages
+    ]
+
+
+@pytest.mark.parametrize("method", ["promptfl", "pfedmoap", "dpfpl", "fedrand", "coop", "reprogram"])
+def test_configure_builds_messages_from_its_inputs_and_changes_nothing(method, vlm_cache, pretrained_clip, tmp_path):
+    raw = {"method": method, "cache-dir": str(vlm_cache), "output-dir": str(tmp_path), "fraction-train": 1.0}
+    if method == "dpfpl":
+        raw["privacy.epsilon"] = 1.0
+    cfg = validate(raw)
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N} for i in range(N)], raw)
+    strategy = cfg.spec.strategy(cfg, cfg.spec)
+    strategy.start(grid)
+    if method == "pfedmoap":  # every node in the pool: its messages carry experts
+        strategy.pool = {
+            n.name: np.full_like(strategy.global_arrays["ctx"], i) for i, n in enumerate(strategy.nodes.values())
+        }
+    strategy.admit(grid)
+    before = strategy.state_dict()
+    arrays = ArrayRecord({k: Array(np.ascontiguousarray(v + 1.0)) for k, v in strategy.global_arrays.items()})
+    built = []
+    for _ in range(2):
+        train = list(strategy.configure_train(1, arrays, ConfigRecord({RUN_DIR: "/runs/x"}), NoGrid()))
+        evaluate = list(
+            strategy.configure_evaluate(1, arrays, ConfigRecord({RUN_DIR: "/runs/x", FINAL_ROUND: True}), NoGrid())
+        )
+        built.append((_content(train), _content(evaluate)))
+        strategy.plans.clear()  # the round is dropped unsent (the budget's stop)
+        assert _same(strategy.state_dict(), before), "configure changed the strategy's state"
+    assert built[0] == built[1]
+    train, evaluate = built[0]
+    assert len(train) == N and all(config[RUN_DIR] == "/runs/x" for _, _, config in train)
+    assert all(config[FINAL_ROUND] is True for _, _, config in evaluate)
+    # what was sent is the global arrays it was given, not the strategy's own copy
+    given = {k: v.numpy().tobytes() for k, v in arrays.items()}
+    assert any(sent.get(k) == given[k] for _, sent, _ in train for k in given)
