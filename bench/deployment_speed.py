@@ -1,17 +1,19 @@
 """Benchmark: a deployment against the same run in simulation, side by side on one machine.
 
-Runs the embedded default (``--method``, ``--rounds``) three ways, ``--repeats`` times,
-alternated:
+Runs the embedded default (``--method``, ``--rounds``) several ways (``--modes``),
+``--repeats`` times, alternated:
 
 - ``simulation``: ``flwr run`` with ``--supernodes`` virtual nodes (Ray);
-- ``deployed, cold``: a real SuperLink (TLS, node authentication) and ``--supernodes``
-  SuperNodes on loopback (``deploy.local_federation``), every message in a fresh ClientApp
-  process, as Flower runs it;
-- ``deployed, warm``: the same with a warm node worker beside each SuperNode
-  (``python -m fedvlm.deploy.node_worker``);
-- ``warm-flower-waits``: warm, with the SuperNodes polling as Flower's own loop does (3 s
-  between empty pulls, 0.5 s between looks for a reply) instead of ``deploy.supernode_polling``'s
-  0.5 s and 0.1 s, which ``cold`` and ``warm`` use.
+- ``cold``: a real SuperLink (TLS, node authentication) and ``--supernodes`` SuperNodes on
+  loopback (``deploy.local_federation``), each message run in its ClientApp process, which
+  loads torch, the model and the data;
+- ``warm``: the same with a warm node worker beside each SuperNode
+  (``python -m fedvlm.deploy.node_worker``): the deployment as docs/deployment.md sets it up;
+- ``warm-spawn``: warm, with each ClientApp process started from scratch, as Flower starts it,
+  instead of forked from the SuperExec's fork server (``deploy.clientapp_forks``);
+- ``warm-flower-waits``: warm, with the SuperNodes and SuperExecs looking for work as often as
+  Flower's own do (``FLOWER_WAITS``: 3 s between empty pulls, 0.5 s between looks for a reply,
+  1 s between looks for a task) instead of 0.5 s, 0.1 s and 0.2 s.
 
 Prints seconds per round (round 1 apart: it loads models and features everywhere), the ratio
 of each deployment to the simulation, lost replies, rounds that waited out round-timeout, and
@@ -35,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedvlm.deploy.local_federation import LocalFederation  # noqa: E402
+from fedvlm.deploy.local_federation import FLOWER_WAITS, OUR_WAITS, LocalFederation, NodeWaits  # noqa: E402
 from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
 
 
@@ -58,20 +60,21 @@ def simulation(args, work: Path) -> dict:
     return {"rounds": _rounds(work / "runs" / "sim" / "results.json"), "wall_s": time.time() - t0, "memory": mem}
 
 
-def deployed(args, work: Path, warm: bool, polling: tuple[float, float] = (0.5, 0.1)) -> dict:
+def deployed(args, work: Path, warm: bool, waits: NodeWaits = OUR_WAITS, fork: bool = True) -> dict:
     names = [f"org-{i}" for i in range(args.supernodes)]
     configs = {n: f"partition-id={i} num-partitions={args.supernodes}" for i, n in enumerate(names)}
     config = f"{args.run_config} output-dir='{work / 'runs'}' run-name='dep' min-nodes={args.supernodes}"
-    fed_ = LocalFederation(work / "fed", names, configs, workers=names if warm else (), polling=polling)
+    fed_ = LocalFederation(work / "fed", names, configs, workers=names if warm else (), waits=waits, fork=fork)
     with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem:
         _wait_online(fed, args.supernodes)
         t0 = time.time()
         proc = fed.run_app(config, timeout=3600)
         wall = time.time() - t0
         lost = fed.lost_replies()
-    if proc.returncode:
+    results = work / "runs" / "dep" / "results.json"
+    if proc.returncode or not results.exists():  # flwr run exits 0 when the ServerApp fails
         raise SystemExit(f"the deployed run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return {"rounds": _rounds(work / "runs" / "dep" / "results.json"), "wall_s": wall, "lost": lost, "memory": mem}
+    return {"rounds": _rounds(results), "wall_s": wall, "lost": lost, "memory": mem}
 
 
 def _wait_online(fed: LocalFederation, n: int, timeout: float = 600) -> None:
@@ -108,7 +111,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--method", default="promptfl")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--modes", default="simulation,cold,warm,warm-flower-waits")
+    p.add_argument("--modes", default="simulation,warm,warm-spawn,warm-flower-waits,cold")
     p.add_argument("--cache-dir", default=os.environ.get("FEDVLM_CACHE", str(Path.home() / ".cache" / "fedvlm")))
     p.add_argument("--round-timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench_deployment_speed.json")
@@ -121,7 +124,8 @@ def main() -> None:
         "simulation": lambda w: simulation(args, w),
         "cold": lambda w: deployed(args, w, warm=False),
         "warm": lambda w: deployed(args, w, warm=True),
-        "warm-flower-waits": lambda w: deployed(args, w, warm=True, polling=(3, 0.5)),
+        "warm-spawn": lambda w: deployed(args, w, warm=True, fork=False),
+        "warm-flower-waits": lambda w: deployed(args, w, warm=True, waits=FLOWER_WAITS),
     }
     chosen = [m for m in args.modes.split(",") if m in modes]
     rows: dict[str, list[dict]] = {m: [] for m in chosen}

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedvlm.deploy.credentials import generate
@@ -65,6 +66,21 @@ def flower_env(home: Path) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class NodeWaits:
+    """How often an organisation's processes look for work, in seconds: the SuperNode between
+    empty pulls and between looks for a reply (deploy.supernode_polling), the SuperExec between
+    looks for a task (pinned_app exec --task-poll). ``FLOWER_WAITS`` are Flower's own."""
+
+    idle_poll: float = 0.5
+    reply_poll: float = 0.1
+    task_poll: float = 0.2
+
+
+FLOWER_WAITS = NodeWaits(3.0, 0.5, 1.0)
+OUR_WAITS = NodeWaits()
+
+
 class LocalFederation:
     """A SuperLink and SuperNodes as real processes on loopback (see the module docstring)."""
 
@@ -75,7 +91,8 @@ class LocalFederation:
         node_configs: dict[str, str] | None = None,
         node_env: dict[str, dict[str, str]] | None = None,
         workers: Sequence[str] = (),
-        polling: tuple[float, float] = (0.5, 0.1),
+        waits: NodeWaits = OUR_WAITS,
+        fork: bool = True,
         database: bool = True,
     ):
         self.dir = Path(workdir).resolve()
@@ -86,8 +103,9 @@ class LocalFederation:
         self.node_env = dict(node_env or {})
         # the organisations with a warm node worker (client_app.worker) beside their SuperNode
         self.workers = set(workers)
-        # the SuperNodes' (idle, reply) polling waits (deploy.supernode_polling); Flower's own: (3, 0.5)
-        self.polling = polling
+        self.waits = waits
+        # each ClientApp forked from its SuperExec's fork server (deploy.clientapp_forks), or a new process
+        self.fork = fork
         # the SuperLink's state in an SQLite file (survives a SuperLink restart) or in its memory
         self.database = database
         self.creds = self.dir / "credentials"
@@ -241,8 +259,8 @@ class LocalFederation:
                 "-m",
                 "fedvlm.deploy.supernode",  # flower-supernode, started again while a crashed session times out
                 f"--retry-for={retry_for}",
-                f"--idle-poll={self.polling[0]}",
-                f"--reply-poll={self.polling[1]}",
+                f"--idle-poll={self.waits.idle_poll}",
+                f"--reply-poll={self.waits.reply_poll}",
                 "--",
                 "--superlink",
                 f"{PUBLIC}:{self.gateway_port}",
@@ -273,6 +291,8 @@ class LocalFederation:
                 "fedvlm.deploy.pinned_app",
                 "exec",
                 *(f"--pin={p}" for p in self.pins),
+                f"--clientapp-start={'fork' if self.fork else 'spawn'}",
+                f"--task-poll={self.waits.task_poll}",
                 "--",
                 "--runtime-api-address",
                 f"{HOST}:{runtime_port}",

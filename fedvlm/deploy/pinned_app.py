@@ -13,7 +13,9 @@ cannot pin this project's app. This module is the project-side layer:
   publishes it with the release the organisations review;
 - ``exec``: runs Flower's own SuperExec (``flower-superexec``, the process that starts a
   ClientApp process for every task of a SuperNode started with ``--isolation process``), with
-  one change: the ClientApp process it starts is ``fedvlm-clientapp``;
+  one change: the ClientApp process it starts is ``fedvlm-clientapp``, forked from a warm fork
+  server on Linux (``deploy.clientapp_forks``; ``--clientapp-start spawn``: a new process, as
+  Flower starts it), and it looks for tasks every ``--task-poll`` seconds (Flower: 1 s);
 - ``fedvlm-clientapp`` is Flower's ``flwr-clientapp`` with one check first: the SHA-256 of the
   run's FAB, computed here from its bytes (never the hash the run claims), must be one the
   organisation pinned. Otherwise the task ends with an error reply naming the app and the pinned
@@ -36,8 +38,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedvlm.deploy import log_beside_flower
+
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 CLIENTAPP_COMMAND = "fedvlm-clientapp"  # pyproject [project.scripts]
+TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads it (seconds, default 1)
 _SHA256 = re.compile(r"^(sha256:)?([0-9a-f]{64})$")
 
 
@@ -119,8 +124,8 @@ def clientapp_main() -> None:
     flwr_clientapp()
 
 
-def _exec(pins: Sequence[str], superexec_args: Sequence[str]) -> None:
-    """Flower's SuperExec, starting ``fedvlm-clientapp`` for ClientApp tasks."""
+def _exec(pins: Sequence[str], superexec_args: Sequence[str], fork: bool, task_poll: float) -> None:
+    """Flower's SuperExec, starting ``fedvlm-clientapp`` for ClientApp tasks (forked, with ``fork``)."""
     from flwr.supercore import constant
     from flwr.supercore.cli.flower_superexec import flower_superexec
 
@@ -128,8 +133,13 @@ def _exec(pins: Sequence[str], superexec_args: Sequence[str]) -> None:
     if not command.exists():
         raise SystemExit(f"{command} is missing: install this project (pip install -e .) in this environment")
     os.environ[PINS_ENV] = ",".join(pins)  # inherited by every ClientApp process it starts
+    os.environ.setdefault(TASK_POLL_ENV, str(task_poll))  # an operator's own setting wins
     commands: dict[Any, str] = constant.TASK_TYPE_TO_COMMAND  # keyed by a StrEnum (Python 3.11)
     commands[constant.TaskType.CLIENT_APP] = str(command)
+    if fork:
+        from fedvlm.deploy.clientapp_forks import install
+
+        install(str(command))  # before the SuperExec opens a connection: the fork server starts single-threaded
     sys.argv = ["flower-superexec", *superexec_args]
     flower_superexec()
 
@@ -141,6 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     h.add_argument("app", type=Path, nargs="?", default=Path("."))
     e = sub.add_parser("exec", help="Flower's SuperExec that runs only the pinned apps (args after --)")
     e.add_argument("--pin", action="append", required=True, help="SHA-256 of an app this node may run (repeatable)")
+    e.add_argument(
+        "--clientapp-start",
+        choices=("fork", "spawn"),
+        default="fork" if sys.platform.startswith("linux") else "spawn",
+        help="fork each ClientApp from a warm fork server (Linux default) or start it as a new process (Flower's way)",
+    )
+    e.add_argument("--task-poll", type=float, default=0.2, help="seconds between looks for a task (Flower: 1)")
     e.add_argument("superexec_args", nargs=argparse.REMAINDER, help="-- then flower-superexec's arguments")
     args = p.parse_args(argv)
     if args.command == "hash":
@@ -152,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         p.error(str(err))
     rest = args.superexec_args[1:] if args.superexec_args[:1] == ["--"] else args.superexec_args
-    _exec(pins, rest)
+    log_beside_flower()
+    _exec(pins, rest, args.clientapp_start == "fork", args.task_poll)
     return 0
 
 

@@ -31,6 +31,8 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
+from fedvlm.deploy import log_beside_flower
+
 log = logging.getLogger("fedvlm.supernode")
 
 # the waits in Flower 1.42's SuperNode loop, as written there, and how often each is written
@@ -100,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(p)
     p.add_argument("supernode_args", nargs=argparse.REMAINDER, help="-- then flower-supernode's arguments")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_beside_flower()
     try:
         clock_ok = install(args.idle_poll, args.reply_poll)
     except ValueError as err:

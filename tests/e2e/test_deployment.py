@@ -76,6 +76,9 @@ def test_deployment_with_tls_and_auth_matches_the_simulation(federation, flwr_en
     assert deployed["run"]["status"] == "finished", log[-3000:]
     assert sorted(n["name"] for n in deployed["run"]["nodes"]) == ["client-0", "client-1"]
     assert "[round 2/2]" in log
+    for org in ("org-0", "org-1"):  # every ClientApp was forked from its SuperExec's fork server
+        exec_log = federation.log_text(f"{org}-exec")
+        assert "forked from a warm fork server" in exec_log and "fork server is gone" not in exec_log, exec_log[-3000:]
 
     sim = subprocess.run(
         [

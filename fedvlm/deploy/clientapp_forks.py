@@ -1,0 +1,169 @@
+"""ClientApp processes forked from a warm parent instead of started from nothing.
+
+Flower's SuperExec starts a new ClientApp process for every message a node receives
+(``SubprocessExecutor``: ``subprocess.Popen([command, args...])``). With a warm node worker
+holding the model and data, that process only forwards the message, yet it first spends 1.2 to
+1.5 s of CPU importing Flower (gRPC, protobuf, cryptography): most of a warm message's cost,
+twice per node per round (bench/deployment_speed.py).
+
+``pinned_app exec`` therefore starts, before Flower's SuperExec opens any connection, one fork
+server: a process that imports what a ClientApp process imports (Flower's ClientApp runtime and
+the pin check, no app code) and then waits on a pipe. The SuperExec's ``Popen`` of the ClientApp
+command is replaced, in that one module, by a stand-in that writes the arguments to the pipe;
+the server forks, and the child runs exactly what ``fedvlm-clientapp`` runs with those arguments
+(``pinned_app.clientapp_main``) and exits with its status. Any other command still gets a real
+process.
+
+Why every guarantee still holds: the child runs the same code with the same arguments as the
+process it replaces, so the pin is checked in the child against the run's FAB before any of it
+is unpacked, and the token, addresses and parent monitor are the SuperExec's own. It skips only
+the imports. The server runs no task itself and holds nothing of a run: every child starts from
+the same state, which no earlier message has touched, and shares no memory with another child
+that either can change (fork copies on write). The server is single-threaded when it forks
+(checked before it serves: fork in a process with other threads could copy a lock held by one),
+and it is the SuperExec's child, so stopping the SuperExec's process tree stops it and the
+ClientApps it started; it exits when the SuperExec's end of the pipe closes. If it is gone, the
+stand-in starts a real process, as Flower would.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Iterable, Sequence
+from types import ModuleType
+
+log = logging.getLogger("fedvlm.exec")
+
+
+def thread_count() -> int:
+    """The process's threads, as the kernel counts them (gRPC's own threads included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _run_child(args: list[str], quiet: bool) -> None:
+    """In the forked child: ``fedvlm-clientapp`` with ``args``; never returns."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores its children; the app may wait on its own
+        if quiet:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+        from fedvlm.deploy.pinned_app import CLIENTAPP_COMMAND, clientapp_main
+
+        sys.argv = [CLIENTAPP_COMMAND, *args]
+        clientapp_main()
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as the process would, then the status
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(requests: Iterable[str] | None = None) -> int:
+    """The fork server: one JSON request per line on stdin (``{"args": [...], "quiet": bool}``),
+    one forked ClientApp each; ends at end of input."""
+    # numpy (which Flower imports) starts an OpenBLAS thread pool of cores - 1 threads: one BLAS
+    # thread keeps the server single-threaded; the children's torch keeps its own threads
+    blas = os.environ.pop("OPENBLAS_NUM_THREADS", None)
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    import flwr.supernode.cli.flwr_clientapp  # noqa: F401 - what every ClientApp process imports
+    import flwr.supernode.runtime.run_clientapp  # noqa: F401
+
+    import fedvlm.deploy.pinned_app  # noqa: F401
+
+    del os.environ["OPENBLAS_NUM_THREADS"]
+    if blas is not None:
+        os.environ["OPENBLAS_NUM_THREADS"] = blas
+
+    threads = thread_count()
+    if threads != 1:
+        log.error("the ClientApp fork server has %d threads after its imports; fork needs one: not serving", threads)
+        return 3
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    for line in requests if requests is not None else sys.stdin:
+        request = json.loads(line)
+        if os.fork() == 0:
+            _run_child([str(a) for a in request["args"]], bool(request.get("quiet")))
+    return 0
+
+
+class ForkingPopen:
+    """Stands in for the ``subprocess`` module inside Flower's ``SubprocessExecutor`` only: a
+    ``Popen`` of ``command`` becomes a request to the fork server; anything else is the real
+    ``subprocess``."""
+
+    def __init__(self, command: str, server: subprocess.Popen):
+        self.command = command
+        self.server = server
+
+    def Popen(self, args, *rest, **kwargs):  # noqa: N802 - the name it stands in for
+        if args and str(args[0]) == self.command and self.server.poll() is None and self.server.stdin is not None:
+            quiet = kwargs.get("stdout") is subprocess.DEVNULL
+            try:
+                self.server.stdin.write(json.dumps({"args": [str(a) for a in args[1:]], "quiet": quiet}) + "\n")
+                self.server.stdin.flush()
+                return None  # Flower's executor keeps no handle on the processes it starts
+            except (BrokenPipeError, OSError):
+                log.warning("the ClientApp fork server is gone: starting ClientApp processes from scratch")
+        return subprocess.Popen(args, *rest, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+
+def check_flower(module: ModuleType) -> str | None:
+    """Why Flower's executor module is not the one this stands in for (None when it is): it must
+    start each task with one ``subprocess.Popen`` whose handle it does not keep."""
+    if getattr(module, "subprocess", None) is not subprocess:
+        return "it does not use the module-level `subprocess`"
+    launch = inspect.getsource(module.SubprocessExecutor.launch)
+    if "subprocess.Popen(" not in launch or "= subprocess.Popen(" in launch:
+        return "its launch no longer starts each task with an unkept subprocess.Popen"
+    return None
+
+
+def install(command: str) -> subprocess.Popen | None:
+    """Start the fork server and put the stand-in into Flower's executor; None (with a warning)
+    where Flower's executor is not the one this was written for, or the server cannot serve."""
+    import flwr
+    import flwr.supercore.superexec.executor.subprocess_executor as executor
+
+    problem = check_flower(executor)
+    if problem is not None:
+        log.warning(
+            "Flower %s's SuperExec executor is not the one fedvlm's fork server knows (%s): every ClientApp "
+            "starts as a new process",
+            flwr.__version__,
+            problem,
+        )
+        return None
+    server = subprocess.Popen([sys.executable, "-m", "fedvlm.deploy.clientapp_forks"], stdin=subprocess.PIPE, text=True)
+    executor.subprocess = ForkingPopen(command, server)  # type: ignore[assignment]  # a stand-in for the module
+    log.info("ClientApp processes are forked from a warm fork server (PID %d)", server.pid)
+    return server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # no logging set up here: the children inherit it, and must start as a fresh process would
+    del argv
+    return serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

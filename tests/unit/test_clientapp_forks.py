@@ -1,0 +1,94 @@
+"""The ClientApp fork server: a forked child runs Flower's ClientApp command with the arguments
+the SuperExec gave, only that command is forked, and a Flower it does not know, or a server that
+is gone, means processes started as Flower starts them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fedvlm.deploy import clientapp_forks as forks
+
+
+def _server() -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedvlm.deploy.clientapp_forks"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_installed_flower_is_the_executor_the_fork_server_knows():
+    import flwr.supercore.superexec.executor.subprocess_executor as executor
+
+    assert forks.check_flower(executor) is None
+
+
+def test_a_forked_child_runs_the_clientapp_command_with_the_given_arguments():
+    server = _server()
+    assert server.stdin is not None
+    server.stdin.write(json.dumps({"args": ["--help"], "quiet": False}) + "\n")
+    server.stdin.write(json.dumps({"args": ["--help"], "quiet": True}) + "\n")  # what Flower sends to DEVNULL
+    server.stdin.close()  # the SuperExec is gone: the server ends
+    assert server.stdout is not None
+    out = server.stdout.read()
+    assert server.wait(timeout=60) == 0, out
+    # Flower's own ClientApp command line, once: the quiet child printed nothing
+    assert out.count("usage: fedvlm-clientapp") == 1, out
+
+
+def test_the_server_refuses_to_fork_with_threads(monkeypatch):
+    monkeypatch.setattr(forks, "thread_count", lambda: 3)
+    forked = []
+    monkeypatch.setattr(forks.os, "fork", lambda: forked.append(1) or 1)
+    assert forks.serve(['{"args": []}\n']) == 3
+    assert not forked
+
+
+class _Dead:
+    stdin = None
+
+    @staticmethod
+    def poll():
+        return 1
+
+
+def test_only_the_clientapp_command_is_forked(monkeypatch):
+    server = _server()
+    started = []
+    monkeypatch.setattr(forks.subprocess, "Popen", lambda args, *a, **k: started.append(list(args)) or "proc")
+    try:
+        stand_in = forks.ForkingPopen("/venv/bin/fedvlm-clientapp", server)
+        assert stand_in.Popen(["/venv/bin/fedvlm-clientapp", "--token", "t"]) is None  # to the fork server
+        assert stand_in.Popen(["/venv/bin/flwr-serverapp", "--x"]) == "proc"  # any other command: a process
+        assert stand_in.DEVNULL is subprocess.DEVNULL
+        assert started == [["/venv/bin/flwr-serverapp", "--x"]]
+        # the fork server gone: the ClientApp starts as a process, as Flower would start it
+        gone = forks.ForkingPopen("/venv/bin/fedvlm-clientapp", _Dead())  # type: ignore[arg-type]
+        assert gone.Popen(["/venv/bin/fedvlm-clientapp", "--token", "t"]) == "proc"
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(timeout=60)
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        "def launch(self, spec):\n    proc = subprocess.Popen(['x'])\n    return proc\n",
+        "def launch(self, spec):\n    os.execv('x', ['x'])\n",
+    ],
+)
+def test_an_executor_that_changed_is_left_alone(launch, monkeypatch):
+    import flwr.supercore.superexec.executor.subprocess_executor as executor
+
+    monkeypatch.setattr(forks.inspect, "getsource", lambda obj: launch)
+    assert forks.check_flower(executor) is not None
+    monkeypatch.setattr(executor, "subprocess", subprocess)
+    assert forks.install("/venv/bin/fedvlm-clientapp") is None
+    assert executor.subprocess is subprocess
