@@ -96,6 +96,23 @@ def check_fab(fab: bytes, pins: frozenset[str]) -> None:
         )
 
 
+def installed_app(fab: bytes) -> Path | None:
+    """Where Flower has installed exactly this FAB already (None: nowhere yet). Flower's
+    ``install_from_fab`` extracts the whole FAB into a temporary folder and checks every file's
+    hash before it finds the app installed and returns its folder, for every message (0.2 s of a
+    node's CPU for this app's FAB): the same bytes pass the same checks, so an installed folder
+    named by this FAB's hash (``get_project_dir``, where Flower installs and loads it) is returned
+    as Flower would return it."""
+    from flwr.common.config import get_fab_config, get_metadata_from_config, get_project_dir
+
+    try:
+        fab_id, version = get_metadata_from_config(get_fab_config(fab))
+        path = get_project_dir(fab_id, version, fab_hash(fab))
+    except Exception:  # noqa: BLE001 - a FAB Flower cannot name: let Flower's install report it
+        return None
+    return path if path.is_dir() else None
+
+
 def build_hash(app: Path) -> tuple[str, str]:
     """(sha256, name) of the FAB Flower builds from ``app`` (a directory), or of a .fab file."""
     if app.is_file():
@@ -117,8 +134,10 @@ def clientapp_main() -> None:
     install = runtime.install_from_fab
 
     def install_pinned(fab_file: Path | bytes, install_dir: Path | None = None, skip_prompt: bool = False) -> Path:
-        check_fab(fab_file.read_bytes() if isinstance(fab_file, Path) else fab_file, pinned_from_env())
-        return install(fab_file, install_dir, skip_prompt)
+        fab = fab_file.read_bytes() if isinstance(fab_file, Path) else fab_file
+        check_fab(fab, pinned_from_env())
+        installed = installed_app(fab) if install_dir is None and skip_prompt else None
+        return installed if installed is not None else install(fab_file, install_dir, skip_prompt)
 
     runtime.install_from_fab = install_pinned
     flwr_clientapp()

@@ -140,7 +140,8 @@ def test_compose_runs_least_privilege_with_real_flags():
     assert base["network_mode"] == "host" and base["user"] == "10001"  # no bridge network, never root
     helps = {
         "flower-superlink": _help(str(BIN / "flower-superlink"), "--help"),
-        "flower-supernode": _help(str(BIN / "flower-supernode"), "--help"),
+        "fedvlm.deploy.supernode_polling": _help(sys.executable, "-m", "fedvlm.deploy.supernode_polling", "--help")
+        | _help(str(BIN / "flower-supernode"), "--help"),
         "fedvlm.deploy.fleet_gateway": _help(sys.executable, "-m", "fedvlm.deploy.fleet_gateway", "--help"),
         "fedvlm.deploy.pinned_app": _help(sys.executable, "-m", "fedvlm.deploy.pinned_app", "exec", "--help")
         | _help(str(BIN / "flower-superexec"), "--help"),
@@ -158,7 +159,7 @@ def test_compose_runs_least_privilege_with_real_flags():
         assert all(m.endswith(":ro") for m in mounts if "/credentials/" in m or "/secrets/" in m), name
         if program == "flower-superlink":
             assert "--host=127.0.0.1" in cmd and "--enable-supernode-auth" in cmd and "--insecure" not in cmd
-        if program == "flower-supernode":
+        if program == "fedvlm.deploy.supernode_polling":
             assert not data  # the network-facing process never sees the data
             assert {"--root-certificates", "--auth-supernode-private-key", "--isolation", "--host"} <= used
             assert "--host=127.0.0.1" in cmd and "--insecure" not in cmd

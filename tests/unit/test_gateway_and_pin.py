@@ -21,6 +21,7 @@ from fedvlm.deploy.pinned_app import (
     build_hash,
     check_fab,
     fab_hash,
+    installed_app,
     parse_pin,
     pinned_from_env,
 )
@@ -108,3 +109,17 @@ def test_a_node_runs_only_a_pinned_app_and_fails_closed_without_pins(tmp_path, m
         pinned_from_env()
     with pytest.raises(ValueError, match="not a SHA-256"):
         parse_pin("6def36ef")
+
+
+def test_an_installed_app_is_found_by_its_exact_bytes_only(tmp_path, monkeypatch):
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.cli.install import install_from_fab
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    ours = build_fab_from_disk(_app(tmp_path / "ours", "x = 1\n"))
+    changed = build_fab_from_disk(_app(tmp_path / "changed", "x = 2\n"))  # same name and version
+    assert installed_app(ours) is None  # not installed yet: Flower installs it
+    path = install_from_fab(ours, skip_prompt=True)
+    assert installed_app(ours) == path and (path / "demo.py").read_text() == "x = 1\n"
+    assert installed_app(changed) is None  # other bytes: another folder, installed by Flower
+    assert installed_app(b"not a zip") is None  # Flower's install reports what is wrong with it
