@@ -149,12 +149,15 @@ def _memory_kib(pid: int) -> tuple[int, int]:
 
 
 def program(pid: int) -> str:
-    """The program a process runs: the script's name for ``python script``, else the executable's."""
+    """The program a process runs: the module for ``python -m module``, the script's name for
+    ``python script``, else the executable's (a forked process keeps its parent's)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return "?"
     name = Path(argv[0].decode(errors="replace")).name
+    if name.startswith("python") and len(argv) > 2 and argv[1] == b"-m":
+        return argv[2].decode(errors="replace")
     if name.startswith("python") and len(argv) > 1 and argv[1] and not argv[1].startswith(b"-"):
         name = Path(argv[1].decode(errors="replace")).name
     return name
