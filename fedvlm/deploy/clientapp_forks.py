@@ -11,7 +11,8 @@ server: a process that imports what a ClientApp process imports (Flower's Client
 the pin check, no app code) and then waits on a pipe. The SuperExec's ``Popen`` of the ClientApp
 command is replaced, in that one module, by a stand-in that writes the arguments to the pipe;
 the server forks, and the child runs exactly what ``fedvlm-clientapp`` runs with those arguments
-(``pinned_app.clientapp_main``) and exits with its status. Any other command still gets a real
+(``pinned_app.clientapp_main``, named to the server as ``module:function``) and exits with its
+status. Any other command still gets a real
 process.
 
 Why every guarantee still holds: the child runs the same code with the same arguments as the
@@ -28,6 +29,7 @@ stand-in starts a real process, as Flower would.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import logging
@@ -37,7 +39,8 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger("fedvlm.exec")
@@ -51,8 +54,14 @@ def thread_count() -> int:
         return threading.active_count()
 
 
-def _run_child(args: list[str], quiet: bool) -> None:
-    """In the forked child: ``fedvlm-clientapp`` with ``args``; never returns."""
+def _entry(target: str) -> Callable[[], object]:
+    """``module:function``, imported: what the ClientApp command runs."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _run_child(entry: Callable[[], object], argv: list[str], quiet: bool) -> None:
+    """In the forked child: ``entry`` with ``argv`` as the command line; never returns."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores its children; the app may wait on its own
@@ -60,10 +69,8 @@ def _run_child(args: list[str], quiet: bool) -> None:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
             os.dup2(null, 2)
-        from fedvlm.deploy.pinned_app import CLIENTAPP_COMMAND, clientapp_main
-
-        sys.argv = [CLIENTAPP_COMMAND, *args]
-        clientapp_main()
+        sys.argv = argv
+        entry()
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
@@ -75,9 +82,10 @@ def _run_child(args: list[str], quiet: bool) -> None:
         os._exit(code)
 
 
-def serve(requests: Iterable[str] | None = None) -> int:
-    """The fork server: one JSON request per line on stdin (``{"args": [...], "quiet": bool}``),
-    one forked ClientApp each; ends at end of input."""
+def serve(target: str, requests: Iterable[str] | None = None) -> int:
+    """The fork server for the command whose code is ``target`` (``module:function``): one JSON
+    request per line on stdin (``{"argv": [...], "quiet": bool}``), one forked child running it
+    each; ends at end of input."""
     # numpy (which Flower imports) starts an OpenBLAS thread pool of cores - 1 threads: one BLAS
     # thread keeps the server single-threaded; the children's torch keeps its own threads
     blas = os.environ.pop("OPENBLAS_NUM_THREADS", None)
@@ -85,8 +93,7 @@ def serve(requests: Iterable[str] | None = None) -> int:
     import flwr.supernode.cli.flwr_clientapp  # noqa: F401 - what every ClientApp process imports
     import flwr.supernode.runtime.run_clientapp  # noqa: F401
 
-    import fedvlm.deploy.pinned_app  # noqa: F401
-
+    entry = _entry(target)
     del os.environ["OPENBLAS_NUM_THREADS"]
     if blas is not None:
         os.environ["OPENBLAS_NUM_THREADS"] = blas
@@ -99,7 +106,7 @@ def serve(requests: Iterable[str] | None = None) -> int:
     for line in requests if requests is not None else sys.stdin:
         request = json.loads(line)
         if os.fork() == 0:
-            _run_child([str(a) for a in request["args"]], bool(request.get("quiet")))
+            _run_child(entry, [str(a) for a in request["argv"]], bool(request.get("quiet")))
     return 0
 
 
@@ -116,7 +123,8 @@ class ForkingPopen:
         if args and str(args[0]) == self.command and self.server.poll() is None and self.server.stdin is not None:
             quiet = kwargs.get("stdout") is subprocess.DEVNULL
             try:
-                self.server.stdin.write(json.dumps({"args": [str(a) for a in args[1:]], "quiet": quiet}) + "\n")
+                argv = [Path(str(args[0])).name, *(str(a) for a in args[1:])]
+                self.server.stdin.write(json.dumps({"argv": argv, "quiet": quiet}) + "\n")
                 self.server.stdin.flush()
                 return None  # Flower's executor keeps no handle on the processes it starts
             except (BrokenPipeError, OSError):
@@ -138,9 +146,10 @@ def check_flower(module: ModuleType) -> str | None:
     return None
 
 
-def install(command: str) -> subprocess.Popen | None:
-    """Start the fork server and put the stand-in into Flower's executor; None (with a warning)
-    where Flower's executor is not the one this was written for, or the server cannot serve."""
+def install(command: str, target: str) -> subprocess.Popen | None:
+    """Start the fork server for ``command`` (its code: ``target``, ``module:function``) and put
+    the stand-in into Flower's executor; None (with a warning) where Flower's executor is not
+    the one this was written for."""
     import flwr
     import flwr.supercore.superexec.executor.subprocess_executor as executor
 
@@ -153,7 +162,9 @@ def install(command: str) -> subprocess.Popen | None:
             problem,
         )
         return None
-    server = subprocess.Popen([sys.executable, "-m", "fedvlm.deploy.clientapp_forks"], stdin=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fedvlm.deploy.clientapp_forks", target], stdin=subprocess.PIPE, text=True
+    )
     executor.subprocess = ForkingPopen(command, server)  # type: ignore[assignment]  # a stand-in for the module
     log.info("ClientApp processes are forked from a warm fork server (PID %d)", server.pid)
     return server
@@ -161,8 +172,11 @@ def install(command: str) -> subprocess.Popen | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # no logging set up here: the children inherit it, and must start as a fresh process would
-    del argv
-    return serve()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or ":" not in args[0]:
+        print("usage: python -m fedvlm.deploy.clientapp_forks MODULE:FUNCTION  (requests on stdin)", file=sys.stderr)
+        return 2
+    return serve(args[0])
 
 
 if __name__ == "__main__":

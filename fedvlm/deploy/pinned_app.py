@@ -42,6 +42,7 @@ from fedvlm.deploy import log_beside_flower
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 CLIENTAPP_COMMAND = "fedvlm-clientapp"  # pyproject [project.scripts]
+CLIENTAPP_ENTRY = "fedvlm.deploy.pinned_app:clientapp_main"  # what that script runs
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads it (seconds, default 1)
 _SHA256 = re.compile(r"^(sha256:)?([0-9a-f]{64})$")
 
@@ -158,7 +159,8 @@ def _exec(pins: Sequence[str], superexec_args: Sequence[str], fork: bool, task_p
     if fork:
         from fedvlm.deploy.clientapp_forks import install
 
-        install(str(command))  # before the SuperExec opens a connection: the fork server starts single-threaded
+        # before the SuperExec opens a connection: the fork server starts single-threaded
+        install(str(command), CLIENTAPP_ENTRY)
     sys.argv = ["flower-superexec", *superexec_args]
     flower_superexec()
 

@@ -11,11 +11,12 @@ import sys
 import pytest
 
 from fedvlm.deploy import clientapp_forks as forks
+from fedvlm.deploy.pinned_app import CLIENTAPP_ENTRY
 
 
 def _server() -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "fedvlm.deploy.clientapp_forks"],
+        [sys.executable, "-m", "fedvlm.deploy.clientapp_forks", CLIENTAPP_ENTRY],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -32,8 +33,8 @@ def test_installed_flower_is_the_executor_the_fork_server_knows():
 def test_a_forked_child_runs_the_clientapp_command_with_the_given_arguments():
     server = _server()
     assert server.stdin is not None
-    server.stdin.write(json.dumps({"args": ["--help"], "quiet": False}) + "\n")
-    server.stdin.write(json.dumps({"args": ["--help"], "quiet": True}) + "\n")  # what Flower sends to DEVNULL
+    server.stdin.write(json.dumps({"argv": ["fedvlm-clientapp", "--help"], "quiet": False}) + "\n")
+    server.stdin.write(json.dumps({"argv": ["fedvlm-clientapp", "--help"], "quiet": True}) + "\n")  # Flower: DEVNULL
     server.stdin.close()  # the SuperExec is gone: the server ends
     assert server.stdout is not None
     out = server.stdout.read()
@@ -46,7 +47,7 @@ def test_the_server_refuses_to_fork_with_threads(monkeypatch):
     monkeypatch.setattr(forks, "thread_count", lambda: 3)
     forked = []
     monkeypatch.setattr(forks.os, "fork", lambda: forked.append(1) or 1)
-    assert forks.serve(['{"args": []}\n']) == 3
+    assert forks.serve(CLIENTAPP_ENTRY, ['{"argv": []}\n']) == 3
     assert not forked
 
 
@@ -90,5 +91,14 @@ def test_an_executor_that_changed_is_left_alone(launch, monkeypatch):
     monkeypatch.setattr(forks.inspect, "getsource", lambda obj: launch)
     assert forks.check_flower(executor) is not None
     monkeypatch.setattr(executor, "subprocess", subprocess)
-    assert forks.install("/venv/bin/fedvlm-clientapp") is None
+    assert forks.install("/venv/bin/fedvlm-clientapp", CLIENTAPP_ENTRY) is None
     assert executor.subprocess is subprocess
+
+
+def test_the_entry_is_the_clientapp_script():
+    from pathlib import Path
+
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["fedvlm-clientapp"] == CLIENTAPP_ENTRY  # the fork server runs what the script runs
