@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import torch
+
 from fedvlm.privacy.accounting import BudgetError, check_delta
 from fedvlm.privacy.ledger import PrivacyLedger
-from fedvlm.privacy.mechanisms import NOISE_SOURCES
+from fedvlm.privacy.mechanisms import NOISE_SOURCES, gaussian_noise, noise_generator
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP, PrivacyPlanner
 from fedvlm.runconfig.schema import PrivacyConfig
 
@@ -141,6 +143,44 @@ class RunBudget:
             return None
         worst = self.entry({n: rounds for n in names})["epsilon"]
         return worst if worst > promise * (1 + 1e-9) else None
+
+    # ---- what the strategies and the loop read of the plan ---------------------------------
+    def local_sigma(self, name: str) -> float | None:
+        """The std of node ``name``'s local-DP noise (None: the method has no local mechanism)."""
+        return self.planner.local_sigma(name) if self.planner.local is not None else None
+
+    def global_denominator(self) -> int | None:
+        """What the server's average is divided by at least (None: no server mechanism)."""
+        return self.planner.global_dp.denominator if self.planner.global_dp is not None else None
+
+    def release_global(
+        self, mean: torch.Tensor, key: list[int], sources: Mapping[str, str]
+    ) -> tuple[torch.Tensor, float]:
+        """The server's release: ``mean`` (the bounded uploads over ``global_denominator``) plus
+        its planned Gaussian noise, drawn from the server's noise source (``key``: the round's
+        seeded stream, used only when that source is 'seeded'); with the noise's std."""
+        plan = self.planner.global_plan
+        if plan is None:
+            raise BudgetError("this run planned no server-side mechanism: nothing to release")
+        noise = gaussian_noise(mean.shape, plan.sigma, noise_generator(self.server_noise_source(sources), key))
+        return mean + noise, plan.sigma
+
+    def audit_inputs(self) -> tuple[LocalDP, str | None] | None:
+        """What the one-run audit needs of the plan: the local mechanism, and the server's
+        mechanism's name if there is one (None: no local mechanism to audit)."""
+        if self.planner.local is None:
+            return None
+        return self.planner.local, self.planner.global_dp.name if self.planner.global_dp is not None else None
+
+    def by_accountant(self, extra: Mapping[str, int] | None = None) -> dict[str, dict[str, float]]:
+        """Every planned node's epsilon so far by each of dp-accounting's accountants (``extra``:
+        rounds not yet counted), for methods that report both next to the nodes' own figures."""
+        out = {}
+        for client in self.planner.clients:
+            account = self.planner.account(client)
+            rounds = self.rounds_trained.get(client, 0) + (extra or {}).get(client, 0)
+            out[client] = {acc: account.epsilon(rounds, self.settings.delta, acc) for acc in ("rdp", "pld")}
+        return out
 
     # ---- state across rounds (strategies.base.FederatedStrategy.state_dict) -------------------
     def sigmas(self) -> dict[str, float]:

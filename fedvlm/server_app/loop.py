@@ -53,15 +53,12 @@ def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: Ru
 
 def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
     """The one-run audit's section, beside the ledger, once the audited node reported one."""
-    budget = strategy.budget
-    if budget is None or budget.planner.local is None or not strategy.privacy.audit_canaries:
+    inputs = strategy.budget.audit_inputs() if strategy.budget is not None else None
+    if inputs is None or not strategy.privacy.audit_canaries:
         return
-    global_dp = budget.planner.global_dp
+    local, global_name = inputs
     section = audit_section(
-        recorder.data["rounds"],
-        strategy.ledger.rounds[-1] if strategy.ledger.rounds else {},
-        budget.planner.local,
-        global_dp.name if global_dp else None,
+        recorder.data["rounds"], strategy.ledger.rounds[-1] if strategy.ledger.rounds else {}, local, global_name
     )
     if section is None:
         return

@@ -183,16 +183,6 @@ class FederatedStrategy(Strategy):
         """``node``'s local training per round (batch size, steps): planned here, sent to it."""
         return self.spec.family.local_shape(self.cfg, node.num_train)
 
-    def local_sigma(self, node: NodeInfo) -> float | None:
-        """The std of ``node``'s local-DP noise this round (None: no local DP)."""
-        if self.budget is not None and self.budget.planner.local is not None:
-            return self.budget.planner.local_sigma(node.name)
-        return None
-
-    def server_noise_source(self) -> str:
-        assert self.budget is not None  # only a planned global mechanism draws server noise
-        return self.budget.server_noise_source(self.noise_sources())
-
     # ---- state across rounds (a checkpoint, a resumed run) -----------------------------------
     def state_dict(self) -> dict:
         """What the next round depends on: the shared arrays, the privacy spent and its ledger,
@@ -319,7 +309,7 @@ class FederatedStrategy(Strategy):
                     shape.steps,
                     shape.batch_size,
                     node.num_train,
-                    self.local_sigma(node),
+                    self.budget.local_sigma(node.name) if self.budget is not None else None,
                     run_dir,
                 ).to_config()
             else:  # on the last evaluation clients publish their personalised prompts (client_app.publishing)

@@ -18,7 +18,6 @@ import logging
 import numpy as np
 import torch
 
-from fedvlm.privacy.mechanisms import gaussian_noise, noise_generator
 from fedvlm.privacy.planner import GlobalDP
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptStrategy
@@ -69,10 +68,8 @@ class GlobalGradientStrategy(PromptStrategy):
         """What the round's sum is divided by: this round's sample, and never fewer than the
         clients the noise was planned for."""
         n = max(self.plans[server_round].sampled, len(updates))
-        if self.budget is not None:
-            assert self.budget.planner.global_dp is not None  # planned from this strategy's global_dp()
-            n = max(n, self.budget.planner.global_dp.denominator)
-        return n
+        planned = self.budget.global_denominator() if self.budget is not None else None
+        return max(n, planned or 0)
 
     def pre_noise_mean(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
         """The average the server noises: the bounded uploads (``reply_bounds``) over the denominator."""
@@ -82,12 +79,8 @@ class GlobalGradientStrategy(PromptStrategy):
         grad = torch.from_numpy(self.pre_noise_mean(server_round, updates).astype(np.float32))
         metrics: dict[str, float] = {}
         if self.budget is not None:
-            assert self.budget.planner.global_plan is not None  # planned with global_dp
-            sigma = self.budget.planner.global_plan.sigma
-            gen = noise_generator(
-                self.server_noise_source(), server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
-            )
-            grad = grad + gaussian_noise(grad.shape, sigma, gen)
+            key = server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
+            grad, sigma = self.budget.release_global(grad, key, self.noise_sources())
             metrics = {"gdp-sigma": sigma, "gdp-denominator": self.denominator(server_round, updates)}
         self._server_step(grad)
         return metrics

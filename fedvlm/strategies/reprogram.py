@@ -61,11 +61,6 @@ class ReprogramStrategy(FederatedStrategy):
         Opacus accountants (they must agree: the test suite checks it)."""
         entry = super().privacy_entry(extra)
         assert self.budget is not None  # checked by the base's privacy_entry
-        both = {}
-        planner, trained = self.budget.planner, self.budget.rounds_trained
-        for client in planner.clients:
-            account, rounds = planner.account(client), trained.get(client, 0) + (extra or {}).get(client, 0)
-            both[client] = {acc: account.epsilon(rounds, self.privacy.delta, acc) for acc in ("rdp", "pld")}
-        entry["by_accountant"] = both
+        entry["by_accountant"] = self.budget.by_accountant(extra)
         entry["client_reported"] = dict(self.client_reported)
         return entry

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import fedvlm.strategies.global_local as global_local
+import fedvlm.privacy.budget as budget
 from fedvlm.client_app.app import app as client_app
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.server_app.app import execute
@@ -19,13 +19,13 @@ def _grid(cfg, n):
 
 def test_private_parts_never_leave_and_server_noise_is_drawn_once_per_round(make_cfg, pretrained_clip, monkeypatch):
     draws = []
-    real = global_local.gaussian_noise
+    real = budget.gaussian_noise
 
     def spy(shape, std, generator, device=None):
         draws.append((tuple(shape), std))
         return real(shape, std, generator, device)
 
-    monkeypatch.setattr(global_local, "gaussian_noise", spy)
+    monkeypatch.setattr(budget, "gaussian_noise", spy)  # the server's release (RunBudget.release_global)
     cfg = make_cfg(method="dpfpl", num_server_rounds=3, privacy__epsilon=1.0)
     grid = _grid(cfg, 3)
     rec = execute(cfg, grid, run_id="t")

@@ -13,10 +13,10 @@ import pytest
 from fedvlm.client_app.app import app as client_app
 from fedvlm.methods.registry import validate
 from fedvlm.privacy.accounting import BudgetError
+from fedvlm.privacy.budget import RunBudget
 from fedvlm.protocol import SERVER_ROUND, TrainInstruction
 from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import execute
-from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.utils.inprocess import InProcessGrid
 
 DELTA = 1e-5
@@ -245,10 +245,10 @@ def test_a_late_node_gets_local_noise_that_keeps_its_records_within_the_target(m
 
 def _lower_noise(factor):
     """A server that sends no local noise level (factor None) or ``factor`` times the planned one."""
-    real = FederatedStrategy.local_sigma
+    real = RunBudget.local_sigma
 
-    def patched(self, node):
-        return None if factor is None else real(self, node) * factor
+    def patched(self, name):
+        return None if factor is None else real(self, name) * factor
 
     return patched
 
@@ -269,7 +269,7 @@ FAMILIES = [
 def test_every_client_refuses_less_noise_than_its_own_plan(
     make_cfg, pretrained_clip, monkeypatch, method, overrides, factor, reason
 ):
-    monkeypatch.setattr(FederatedStrategy, "local_sigma", _lower_noise(factor))
+    monkeypatch.setattr(RunBudget, "local_sigma", _lower_noise(factor))
     rec, grid = _run(make_cfg, 2, method=method, num_server_rounds=1, **overrides)
     train = [m for m in grid.replies if m.metadata.message_type == "train"]
     assert len(train) == 2 and all(m.has_error() for m in train)
@@ -319,7 +319,7 @@ def test_clients_take_the_steps_the_plan_sends(make_cfg, pretrained_clip, monkey
 
 
 def test_lora_clients_refuse_less_noise_than_their_own_plan(vlm_cache, tmp_path, monkeypatch):
-    monkeypatch.setattr(FederatedStrategy, "local_sigma", _lower_noise(0.5))
+    monkeypatch.setattr(RunBudget, "local_sigma", _lower_noise(0.5))
     raw = {
         "method": "fedavg-lora",
         "num-server-rounds": 1,

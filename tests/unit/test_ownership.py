@@ -4,6 +4,10 @@ The round: the loop (``server_app.loop``) runs it, as Flower's ``Strategy.start`
 nodes before each phase, so building messages (``configure_*``) needs no network: only the
 setup (``start``), the admission (``admit``) and the node registry's handshakes talk to the
 grid. It builds each round's record from the round's plan; no strategy writes one.
+
+The privacy budget: the strategies and the loop see the run's ``RunBudget`` (plan, admit, a
+node's local sigma, would-exceed, spend, the ledger entry, the audit's inputs, the server's noised
+release); the planner behind it is the budget's own.
 """
 
 from __future__ import annotations
@@ -51,3 +55,20 @@ def test_only_the_loop_builds_a_round_record():
             if named or imported:
                 users.add(str(path.relative_to(PACKAGE)))
     assert users == {"strategies/records.py", "server_app/loop.py"}  # where it is defined, and its one user
+
+
+def _attribute_users(attr: str, root: Path) -> set[str]:
+    users = set()
+    for path in root.rglob("*.py"):
+        if any(isinstance(n, ast.Attribute) and n.attr == attr for n in ast.walk(ast.parse(path.read_text()))):
+            users.add(str(path.relative_to(root)))
+    return users
+
+
+def test_only_the_privacy_package_reaches_into_the_planner():
+    assert {u for u in _attribute_users("planner", PACKAGE) if not u.startswith("privacy/")} == set()
+
+
+def test_the_planner_rule_sees_a_reach_in(tmp_path):
+    (tmp_path / "s.py").write_text("sigma = strategy.budget.planner.global_plan.sigma\n")
+    assert _attribute_users("planner", tmp_path) == {"s.py"}
