@@ -23,12 +23,15 @@ the same state, which no earlier message has touched, and shares no memory with 
 that either can change (fork copies on write). The server is single-threaded when it forks
 (checked before it serves: fork in a process with other threads could copy a lock held by one),
 and it is the SuperExec's child, so stopping the SuperExec's process tree stops it and the
-ClientApps it started; it exits when the SuperExec's end of the pipe closes. If it is gone, the
-stand-in starts a real process, as Flower would.
+ClientApps it started; it exits when the SuperExec's end of the pipe closes, is killed when the
+SuperExec dies, and each ClientApp it forked is killed when it dies (``die_with_parent``), as
+Flower's own ClientApp processes end with their parent. If it is gone, the stand-in starts a
+real process, as Flower would.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import inspect
 import json
@@ -44,6 +47,7 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger("fedvlm.exec")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def thread_count() -> int:
@@ -54,17 +58,29 @@ def thread_count() -> int:
         return threading.active_count()
 
 
+def die_with_parent(parent: int) -> None:
+    """Linux: this process is killed when ``parent`` dies (``prctl(PR_SET_PDEATHSIG)``), and exits
+    now if it already has. A ClientApp forked here has the fork server for parent, not the
+    SuperExec: without this, one still running when the node is torn down outlives it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _entry(target: str) -> Callable[[], object]:
     """``module:function``, imported: what the ClientApp command runs."""
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
-def _run_child(entry: Callable[[], object], argv: list[str], quiet: bool) -> None:
+def _run_child(entry: Callable[[], object], argv: list[str], quiet: bool, server: int) -> None:
     """In the forked child: ``entry`` with ``argv`` as the command line; never returns."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores its children; the app may wait on its own
+        die_with_parent(server)
         if quiet:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
@@ -86,6 +102,7 @@ def serve(target: str, requests: Iterable[str] | None = None) -> int:
     """The fork server for the command whose code is ``target`` (``module:function``): one JSON
     request per line on stdin (``{"argv": [...], "quiet": bool}``), one forked child running it
     each; ends at end of input."""
+    superexec = os.getppid()
     # numpy (which Flower imports) starts an OpenBLAS thread pool of cores - 1 threads: one BLAS
     # thread keeps the server single-threaded; the children's torch keeps its own threads
     blas = os.environ.pop("OPENBLAS_NUM_THREADS", None)
@@ -102,11 +119,13 @@ def serve(target: str, requests: Iterable[str] | None = None) -> int:
     if threads != 1:
         log.error("the ClientApp fork server has %d threads after its imports; fork needs one: not serving", threads)
         return 3
+    die_with_parent(superexec)  # and its children with it (die_with_parent in each)
+    server = os.getpid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     for line in requests if requests is not None else sys.stdin:
         request = json.loads(line)
         if os.fork() == 0:
-            _run_child(entry, [str(a) for a in request["argv"]], bool(request.get("quiet")))
+            _run_child(entry, [str(a) for a in request["argv"]], bool(request.get("quiet")), server)
     return 0
 
 

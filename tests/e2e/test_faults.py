@@ -104,9 +104,12 @@ def test_a_restarted_supernode_rejoins_with_its_private_state(federation, tmp_pa
     assert data["run"]["status"] == "finished", log[-4000:]
     trained = _trained(data, "client-1")
     # it missed a round while down, trained again after the restart, and counted on from the
-    # state it had written before (a node that lost its state would report 1 again)
+    # state it had written before (a node that lost its state would report 1 again). A round it
+    # trained in just before it was stopped counts too, though its reply never arrived
     assert trained[0] == (1, 1) and len(trained) < 5 and trained[-1][0] == 5, trained
-    assert [count for _, count in trained] == list(range(1, len(trained) + 1)), trained
+    counts = [count for _, count in trained]
+    assert counts == sorted(set(counts)), trained  # strictly increasing
+    assert all(count <= rnd for rnd, count in trained), trained
     assert _trained(data, "client-0") == [(r, r) for r in range(1, 6)]
 
 
@@ -174,7 +177,10 @@ def test_a_crashed_supernode_restarted_at_once_rejoins(federation, tmp_path, cac
     assert "did not activate this SuperNode" in node_log, node_log[-6000:]  # it was refused, then let in
     trained = _trained(data, "client-1")
     assert trained[0] == (1, 1) and trained[-1][0] == 8, trained
-    assert [count for _, count in trained] == list(range(1, len(trained) + 1)), trained  # its state came back
+    # its state came back: it counts on (a round it trained in just before the crash counts too,
+    # though its reply was lost with the machine)
+    counts = [count for _, count in trained]
+    assert counts == sorted(set(counts)) and all(count <= rnd for rnd, count in trained), trained
 
 
 HOSTILE = Path(__file__).parent / "hostile_node"

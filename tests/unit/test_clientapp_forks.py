@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -102,3 +103,31 @@ def test_the_entry_is_the_clientapp_script():
 
     scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["fedvlm-clientapp"] == CLIENTAPP_ENTRY  # the fork server runs what the script runs
+
+
+def test_a_forked_child_dies_with_its_fork_server():
+    import os
+    import signal
+    from pathlib import Path
+
+    # a target that never returns, so the child is still running when the server is killed
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fedvlm.deploy.clientapp_forks", "signal:pause"], stdin=subprocess.PIPE, text=True
+    )
+    assert server.stdin is not None
+    server.stdin.write(json.dumps({"argv": ["pause"]}) + "\n")
+    server.stdin.flush()
+    children: list[int] = []
+    for _ in range(300):
+        children = [int(p) for p in Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()]
+        if children:
+            break
+        time.sleep(0.1)
+    assert len(children) == 1
+    os.kill(server.pid, signal.SIGKILL)  # the node is torn down
+    server.wait(timeout=30)
+    for _ in range(100):
+        if not Path(f"/proc/{children[0]}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{children[0]}").exists(), "a forked ClientApp outlived its fork server"
