@@ -9,6 +9,9 @@ Runs the embedded default (``--method``, ``--rounds``) several ways (``--modes``
   loads torch, the model and the data;
 - ``warm``: the same with a warm node worker beside each SuperNode
   (``python -m fedvlm.deploy.node_worker``): the deployment as docs/deployment.md sets it up;
+- ``warm-memory``: warm, with the SuperLink's state in its memory (no ``--database``): what
+  Flower's SQLite state costs per round (every pull and push is a SQLAlchemy transaction in the
+  SuperLink's one process);
 - ``warm-spawn``: warm, with each ClientApp process started from scratch, as Flower starts it,
   instead of forked from the SuperExec's fork server (``deploy.clientapp_forks``);
 - ``warm-flower-waits``: warm, with the SuperNodes and SuperExecs looking for work as often as
@@ -60,11 +63,15 @@ def simulation(args, work: Path) -> dict:
     return {"rounds": _rounds(work / "runs" / "sim" / "results.json"), "wall_s": time.time() - t0, "memory": mem}
 
 
-def deployed(args, work: Path, warm: bool, waits: NodeWaits = OUR_WAITS, fork: bool = True) -> dict:
+def deployed(
+    args, work: Path, warm: bool, waits: NodeWaits = OUR_WAITS, fork: bool = True, database: bool = True
+) -> dict:
     names = [f"org-{i}" for i in range(args.supernodes)]
     configs = {n: f"partition-id={i} num-partitions={args.supernodes}" for i, n in enumerate(names)}
     config = f"{args.run_config} output-dir='{work / 'runs'}' run-name='dep' min-nodes={args.supernodes}"
-    fed_ = LocalFederation(work / "fed", names, configs, workers=names if warm else (), waits=waits, fork=fork)
+    fed_ = LocalFederation(
+        work / "fed", names, configs, workers=names if warm else (), waits=waits, fork=fork, database=database
+    )
     with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem:
         _wait_online(fed, args.supernodes)
         t0 = time.time()
@@ -111,7 +118,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--method", default="promptfl")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--modes", default="simulation,warm,warm-spawn,warm-flower-waits,cold")
+    p.add_argument("--modes", default="simulation,warm,warm-memory,warm-spawn,warm-flower-waits,cold")
     p.add_argument("--cache-dir", default=os.environ.get("FEDVLM_CACHE", str(Path.home() / ".cache" / "fedvlm")))
     p.add_argument("--round-timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench_deployment_speed.json")
@@ -124,6 +131,7 @@ def main() -> None:
         "simulation": lambda w: simulation(args, w),
         "cold": lambda w: deployed(args, w, warm=False),
         "warm": lambda w: deployed(args, w, warm=True),
+        "warm-memory": lambda w: deployed(args, w, warm=True, database=False),
         "warm-spawn": lambda w: deployed(args, w, warm=True, fork=False),
         "warm-flower-waits": lambda w: deployed(args, w, warm=True, waits=FLOWER_WAITS),
     }

@@ -12,6 +12,11 @@ Three exchanges (``docs/architecture.md`` has the table):
 - evaluate: an ``EvaluateInstruction`` (the round; whether it is the last one, when nodes
   publish their personalised prompts) plus the arrays; the reply holds metrics only.
 
+Replies are typed too: a client returns a ``TrainReply`` or an ``EvaluateReply``, the send guard
+turns it into records (``to_records``), and the server's checks turn a reply message back into
+one (``strategies.validation``, which reads every tensor's header before decoding it). The
+tensors' names are in ``fedvlm.tensor_names``.
+
 Both name the run folder (``run-dir``): a simulated node keeps its private state and publishes
 under it; a deployed node keys its own state directory by the folder's name
 (``client_app.state``), so that a resumed run finds the state of the run it continues.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # The config-record keys: the one place they are spelled.
 SERVER_ROUND = "server-round"
@@ -39,6 +45,12 @@ RUN_DIR = "run-dir"
 # the how-many-th time the server sends this message (server_app.exchange asks a late one again
 # once): Flower names a message by its content, so a copy must differ; the node ignores it
 ATTEMPT = "attempt"
+
+# The reply metrics that both sides read (every other reported figure is checked by its rule on
+# the server, ``strategies.validation.METRIC_RULES``, and recorded as it is).
+NUM_EXAMPLES = "num-examples"  # a train reply's weight in the aggregate; an evaluation's test records
+COMPUTE_SECONDS = "compute-seconds"  # the node's time on the message, setup included
+NODE_EPSILON = "node-epsilon"  # a node's own account of what its reply releases (client_app.privacy_floor)
 
 
 def _names(text) -> tuple[str, ...]:
@@ -137,3 +149,62 @@ class HelloReport:
             details,
             int(metrics.get("num-partitions", 0)),
         )
+
+
+Figures = Mapping[str, float | int]
+
+
+class _ReplyFigures:
+    """What every reply's metrics say that the server reads."""
+
+    metrics: Figures
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.metrics.get(NUM_EXAMPLES, 0))
+
+    @property
+    def compute_seconds(self) -> float:
+        return float(self.metrics.get(COMPUTE_SECONDS, 0.0))
+
+
+@dataclass(frozen=True)
+class TrainReply(_ReplyFigures):
+    """A node's answer to a train message: the shared tensors the server asked for (torch tensors
+    on the node, NumPy arrays once the server has checked and decoded them) and its metrics, with
+    ``num-examples`` (its weight in the aggregate)."""
+
+    arrays: Mapping[str, Any]
+    metrics: Figures
+
+    def with_metrics(self, more: Figures) -> TrainReply:
+        return TrainReply(self.arrays, {**self.metrics, **more})
+
+    def to_records(self) -> tuple[dict, dict]:
+        """(arrays, metrics): the reply's two records."""
+        return dict(self.arrays), dict(self.metrics)
+
+    @classmethod
+    def from_records(cls, arrays: Mapping[str, Any], metrics: Mapping) -> TrainReply:
+        return cls(dict(arrays), dict(metrics))
+
+
+@dataclass(frozen=True)
+class EvaluateReply(_ReplyFigures):
+    """A node's answer to an evaluate message: metrics only (``num-examples``: its test records)."""
+
+    metrics: Figures
+
+    @property
+    def arrays(self) -> Mapping[str, Any]:
+        return {}  # nothing leaves a node when it evaluates
+
+    def with_metrics(self, more: Figures) -> EvaluateReply:
+        return EvaluateReply({**self.metrics, **more})
+
+    def to_records(self) -> tuple[dict, dict]:
+        return {}, dict(self.metrics)
+
+    @classmethod
+    def from_records(cls, metrics: Mapping) -> EvaluateReply:
+        return cls(dict(metrics))

@@ -38,6 +38,7 @@ from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedvlm.attacks.likelihood import bootstrap, lira_offline, lira_online, logit_confidence, rmia
 from fedvlm.client_app.node import node_data
+from fedvlm.client_app.prompt_clients import PromptClient
 from fedvlm.data.membership import membership_candidates
 from fedvlm.methods.registry import get_method
 from fedvlm.models.clip_loader import load_clip
@@ -79,7 +80,9 @@ def client_records(
         )
     members, non_members = membership_candidates(node.part, seed, published["partition_id"])
     k = len(members)
-    scorer = get_method(published["method"]).client.scorer_class(bundle, node.splits.classnames, cfg)
+    client = get_method(published["method"]).client
+    assert issubclass(client, PromptClient)  # a published prompt comes from a prompt method's node
+    scorer = client.scorer_class(bundle, node.splits.classnames, cfg)
     probs, labels = [], []
     for split, idx in ((node.splits.train, members), (node.splits.test, non_members)):
         feats = scorer.image_features(split, idx, cfg.cache_path).to(bundle.device)

@@ -30,6 +30,8 @@ from fedvlm.models.lowrank import factorize, rebuild_gradient
 from fedvlm.models.prompt_learner import clip_logits
 from fedvlm.privacy.mechanisms import clip_tensor
 from fedvlm.privacy.planner import client_plan
+from fedvlm.protocol import TrainReply
+from fedvlm.tensor_names import GLOBAL_CTX, GLOBAL_GRAD
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 
 
@@ -75,29 +77,29 @@ class GlobalLocalClient(PromptClient):
     @classmethod
     def server_view(cls, sent, uploaded, known):
         """The upload is the global prompt's gradient: the descent is its negative."""
-        prompts, leaf = cls.server_prompts(sent["global_ctx"])
-        return UploadView(prompts, {leaf: -uploaded["global_grad"]})
+        prompts, leaf = cls.server_prompts(sent[GLOBAL_CTX])
+        return UploadView(prompts, {leaf: -uploaded[GLOBAL_GRAD]})
 
     # ---- shared machinery -------------------------------------------------------------------
     def load_local(self, global_ctx: torch.Tensor) -> dict[str, torch.Tensor]:
-        keys = [k for k in self.private if not k.startswith("opt.")]  # everything but optimiser state
+        keys = [k for k in self.own if not k.startswith("opt.")]  # everything but optimiser state
         if not keys:
             return {k: v.to(self.bundle.device) for k, v in self.init_local(global_ctx).items()}
-        return {k: self.private[k].to(self.bundle.device) for k in keys}
+        return {k: self.own[k].to(self.bundle.device) for k in keys}
 
     def store_local(self, local: dict[str, torch.Tensor]) -> None:
-        self.private.update({k: v.detach().cpu() for k, v in local.items()})
+        self.own.update({k: v.detach().cpu() for k, v in local.items()})
 
     def train(self, arrays, instruction):
         _, labels = self.train_data()
         shape, sigma = client_plan(self.cfg, self.records(len(labels)), instruction)
         dev = self.bundle.device
-        self._p_global = arrays["global_ctx"].to(dev)
+        self._p_global = arrays[GLOBAL_CTX].to(dev)
         self._local = self.load_local(self._p_global)
         for t in self._local.values():
             t.requires_grad_(True)
         self._opt = self.make_optimizer(self.local_opt_params(self._local))
-        restore_optimizer(self._opt, {k: v.to(dev) for k, v in self.private.items()})
+        restore_optimizer(self._opt, {k: v.to(dev) for k, v in self.own.items()})
         self._factor_gen = generator_for(
             node_key(self.cfg.seed, self.node.seed, NodeStream.POWER_ITERATION, self.round)
         )
@@ -107,9 +109,9 @@ class GlobalLocalClient(PromptClient):
         if self.privacy.enabled:  # the average of clipped steps has norm <= C; clip again for safety
             g_global, _ = clip_tensor(g_global, self.privacy.clip)
         self.store_local({k: v.detach() for k, v in self._local.items()})
-        self.private.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
+        self.own.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
         self.persist()
-        return {"global_grad": g_global.cpu()}, self.train_metrics(stats)
+        return TrainReply({GLOBAL_GRAD: g_global.cpu()}, self.train_metrics(stats))
 
     # ---- Learner hooks (client_app.trainer) -------------------------------------------------
     def begin_step(self) -> dict[str, torch.Tensor]:
@@ -138,7 +140,7 @@ class GlobalLocalClient(PromptClient):
         self.apply_local(self._local, self._leaves, self._step_ctx, grads, self._opt)
 
     def personal_prompts(self, arrays):
-        p_global = arrays["global_ctx"].to(self.bundle.device)
+        p_global = arrays[GLOBAL_CTX].to(self.bundle.device)
         local = self.load_local(p_global)
         self.store_local(local)  # first contact: keep the initial local part
         return self.published_prompts(p_global, local)

@@ -23,10 +23,17 @@ from flwr.app import ArrayRecord, Context, Message, MessageType
 
 from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
-from fedvlm.client_app.send_guard import guarded_reply
+from fedvlm.client_app.send_guard import guarded_reply, hello_reply
 from fedvlm.client_app.state import persist, restore, state_dir
 from fedvlm.methods.registry import validate
-from fedvlm.protocol import RUN_DIR, SERVER_ROUND, EvaluateInstruction, TrainInstruction
+from fedvlm.protocol import (
+    COMPUTE_SECONDS,
+    NODE_EPSILON,
+    RUN_DIR,
+    SERVER_ROUND,
+    EvaluateInstruction,
+    TrainInstruction,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +47,7 @@ def _setup(msg: Message, context: Context):
     server_round = int(config.get(SERVER_ROUND, 0))
     where = state_dir(node.config, str(config.get(RUN_DIR, "")), node.partition_id, node.name)
     restore(context.state, where, server_round, training=msg.metadata.message_type == MessageType.TRAIN)
-    client = spec.client(cfg, node, context.state, server_round)
-    client.canaries = node_canaries(cfg, node.partition_id, context.state)
+    client = spec.client(cfg, node, context.state, server_round, node_canaries(cfg, node.partition_id, context.state))
     arrays: dict[str, torch.Tensor] = {}
     if "arrays" in msg.content:
         record = msg.content["arrays"]
@@ -56,8 +62,7 @@ def hello(msg: Message, context: Context) -> Message:
     privacy_floor.check_source(privacy_floor.NodeFloor.from_node_config(client.node.config), client.node.noise_source)
     report = client.hello()
     partitions = int(client.node.config.get("num-partitions", 0) or 0) if report.partition_id >= 0 else 0
-    info, metrics = replace(report, num_train=client.records(report.num_train), num_partitions=partitions).to_records()
-    return guarded_reply(msg, {}, metrics, allowed=frozenset(), info=info)
+    return hello_reply(msg, replace(report, num_train=client.records(report.num_train), num_partitions=partitions))
 
 
 def train(msg: Message, context: Context) -> Message:
@@ -65,33 +70,30 @@ def train(msg: Message, context: Context) -> Message:
     cfg, spec, client, arrays, config, where = _setup(msg, context)
     instruction = TrainInstruction.from_config(config)
     release = privacy_floor.guard(client.node.config, context.state, cfg, instruction, client.node.noise_source)
-    shared, metrics = client.train(arrays, instruction)
+    reply = client.train(arrays, instruction)
     if release is not None:  # the node's own account of what this reply releases
-        metrics["node-epsilon"] = privacy_floor.record(context.state, release)
+        reply = reply.with_metrics({NODE_EPSILON: privacy_floor.record(context.state, release)})
     if client.canaries is not None:
-        metrics.update(finish_round(cfg, client.canaries, context.state))
+        reply = reply.with_metrics(finish_round(cfg, client.canaries, context.state))
     # Everything this node spent on the message (setup included): the rest of a round's
     # wall time is Flower/Ray/network overhead.
-    metrics["compute-seconds"] = time.time() - t0
+    reply = reply.with_metrics({COMPUTE_SECONDS: time.time() - t0})
     # The server names what it expects back this round (none named = nothing may leave):
     # the guard holds the reply to that as well as to the method's shared set.
     # What may leave this node: the method's sharing rule over the tensors its model has
     # (a LoRA adapter's names are known only where the model is loaded).
     allowed = spec.shares(cfg, client.tensor_names)
     persist(context.state, where, instruction.server_round)
-    return guarded_reply(
-        msg, shared, metrics, allowed=allowed, private=client.private, requested=instruction.reply_keys
-    )
+    return guarded_reply(msg, reply, allowed=allowed, private=client.private, requested=instruction.reply_keys)
 
 
 def evaluate(msg: Message, context: Context) -> Message:
     t0 = time.time()
     _, _, client, arrays, config, where = _setup(msg, context)
     instruction = EvaluateInstruction.from_config(config)
-    metrics = client.evaluate(arrays, instruction)
+    reply = client.evaluate(arrays, instruction)
     persist(context.state, where, instruction.server_round)
-    metrics["compute-seconds"] = time.time() - t0
-    return guarded_reply(msg, {}, metrics, allowed=frozenset())
+    return guarded_reply(msg, reply.with_metrics({COMPUTE_SECONDS: time.time() - t0}), allowed=frozenset())
 
 
 HANDLERS = {MessageType.QUERY: hello, MessageType.TRAIN: train, MessageType.EVALUATE: evaluate}

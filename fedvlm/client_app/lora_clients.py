@@ -26,29 +26,30 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from fedvlm.client_app.client import Client
 from fedvlm.client_app.server_view import UploadView
-from fedvlm.client_app.state import load_meta, load_private, save_meta, save_private
-from fedvlm.client_app.trainer import Learner, StepOutput, local_round
+from fedvlm.client_app.state import load_meta, save_meta, save_private
+from fedvlm.client_app.trainer import StepOutput, local_round
 from fedvlm.client_app.vlm_node import VLMNodeData
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
+from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
-from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
+from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 from fedvlm.utils.vlm_metrics import score_split
 
 
-class LoRAClient(Learner):
+class LoRAClient(Client):
     """A LoRA method's client: the adapter kind and what it may share come from the method's
     registry entry (``MethodSpec.adapter``, ``MethodSpec.shares``)."""
 
-    def __init__(self, cfg: RunConfig, node: VLMNodeData, state, server_round: int):
-        self.cfg = cfg
-        self.node = node
-        self.state = state
-        self.round = server_round
+    node: VLMNodeData
+
+    def __init__(self, cfg: RunConfig, node: VLMNodeData, state, server_round: int, canaries: Canaries | None = None):
+        super().__init__(cfg, node, state, server_round, canaries)
         self.vlm, self.initial, self.backbone = load_vlm(
             cfg.vlm.model,
             cfg.cache_path,
@@ -58,15 +59,14 @@ class LoRAClient(Learner):
             cfg.vlm.trust_remote_code,
             cfg.vlm.dtype,
         )
-        self.own = load_private(state)  # this node's adapter tensors from its last round
         self.shareable = sorted(cfg.spec.shares(cfg, self.initial))  # every tensor it may ever send
         self.meta = load_meta(state)
 
     # --- what is shared ------------------------------------------------------------------------
     @property
-    def tensor_names(self) -> list[str]:
+    def tensor_names(self) -> frozenset[str]:
         """The adapter's tensors (what the method's sharing rule chooses from)."""
-        return sorted(self.initial)
+        return frozenset(self.initial)
 
     @property
     def private(self) -> dict[str, torch.Tensor]:
@@ -108,9 +108,7 @@ class LoRAClient(Learner):
         out.update(received)
         return out
 
-    def train(
-        self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction
-    ) -> tuple[dict[str, torch.Tensor], dict]:
+    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> TrainReply:
         if not len(self.node.train):
             raise RuntimeError(f"{self.node.name} holds no training samples")
         self.check_request(arrays, instruction)
@@ -140,8 +138,9 @@ class LoRAClient(Learner):
         self.meta["rounds-trained"] = int(self.meta.get("rounds-trained", 0)) + 1
         save_private(self.state, self.own)
         save_meta(self.state, self.meta)
-        reply = {k: trained[k] for k in requested}
-        return reply, {**stats.metrics(len(split)), "train-seconds": time.time() - t0}
+        return TrainReply(
+            {k: trained[k] for k in requested}, {**stats.metrics(len(split)), "train-seconds": time.time() - t0}
+        )
 
     # --- Learner hooks (client_app.trainer) ----------------------------------------------------
     @property
@@ -179,7 +178,7 @@ class LoRAClient(Learner):
         """What the node stores for its next round: everything it trained (its personal model
         is its last trained adapter, and the next round starts from its private part), or
         nothing where it shares every tensor each round (FedAvg: its model is the server's)."""
-        return {} if self.shareable == self.tensor_names else trained
+        return {} if frozenset(self.shareable) == self.tensor_names else trained
 
     # --- evaluation -------------------------------------------------------------------------------
     def personal_adapter(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -191,11 +190,11 @@ class LoRAClient(Learner):
         """The server's model: the global shared tensors, initial values for the rest."""
         return {**self.initial, **arrays}
 
-    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> dict:
+    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> EvaluateReply:
         c, split = self.cfg, self.node.test
         if c.vlm.eval_samples and len(split) > c.vlm.eval_samples:
             split = split.subset(np.arange(c.vlm.eval_samples), f"first{c.vlm.eval_samples}")
-        metrics: dict = {"num-examples": len(split)}
+        metrics: dict = {NUM_EXAMPLES: len(split)}
         models = {"client": self.personal_adapter(arrays), "server": self.server_adapter(arrays)}
         for tag, adapter in models.items():
             if adapter is None:
@@ -211,7 +210,7 @@ class LoRAClient(Learner):
             scores = score_split(self.vlm, ood, self.node.dataset.task, c.vlm.max_new_tokens, c.vlm.eval_batch_size)
             metrics.update({f"server-ood-{k}": v for k, v in scores.items()})
             metrics["ood-examples"] = len(ood)
-        return metrics
+        return EvaluateReply(metrics)
 
     def ood_shard(self):
         ood = self.node.dataset.ood

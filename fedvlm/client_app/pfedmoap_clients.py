@@ -33,7 +33,9 @@ from fedvlm.models.gating import AttentionGate, moe_logits
 from fedvlm.models.prompt_learner import clip_logits
 from fedvlm.privacy.dpsgd import DPStep, privatize_batch
 from fedvlm.privacy.planner import client_plan
+from fedvlm.protocol import TrainReply
 from fedvlm.runconfig.schema import PrivacyConfig
+from fedvlm.tensor_names import CTX, EXPERTS
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 
 GATE = "gate."  # the gate's weights, in the node's private state and in a published model
@@ -65,7 +67,7 @@ class MoAPScorer(PromptScorer):
 
     def logits(self, prompts, feats):
         local = self.text(prompts["ctx"])  # [C, D]
-        experts, gate = prompts.get("experts"), self.gate(prompts)
+        experts, gate = prompts.get(EXPERTS), self.gate(prompts)
         if experts is None or len(experts) == 0 or gate is None:
             return clip_logits(feats, local, self.scale)
         lam = self.cfg.pfedmoap.lambda_
@@ -79,7 +81,7 @@ class PFedMoAPClient(PromptClient):
 
     # ---- the gate --------------------------------------------------------------------------
     def load_gate(self) -> AttentionGate:
-        weights = {k[len(GATE) :]: v for k, v in self.private.items() if k.startswith(GATE)}
+        weights = {k[len(GATE) :]: v for k, v in self.own.items() if k.startswith(GATE)}
         if weights:
             gate = build_gate(self.bundle.embed_dim, self.cfg)
             gate.load_state_dict(weights)
@@ -97,16 +99,16 @@ class PFedMoAPClient(PromptClient):
             opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=m.gating_lr, weight_decay=p.weight_decay)
         else:
             opt = torch.optim.SGD(params, lr=m.gating_lr, momentum=p.momentum, weight_decay=p.weight_decay)
-        restore_optimizer(opt, {k: v.to(self.bundle.device) for k, v in self.private.items()}, prefix=GATE_OPT)
+        restore_optimizer(opt, {k: v.to(self.bundle.device) for k, v in self.own.items()}, prefix=GATE_OPT)
         return opt
 
     def gate_private(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.private.items() if k.startswith((GATE, GATE_OPT))}
+        return {k: v for k, v in self.own.items() if k.startswith((GATE, GATE_OPT))}
 
     # ---- a round ------------------------------------------------------------------------------
     def train(self, arrays: dict[str, torch.Tensor], instruction):
-        p_global = arrays["ctx"]
-        experts = arrays.get("experts")
+        p_global = arrays[CTX]
+        experts = arrays.get(EXPERTS)
         self._gate = None
         if experts is not None and len(experts) > 0:
             self._gate = self.load_gate()
@@ -114,12 +116,12 @@ class PFedMoAPClient(PromptClient):
             self._expert_text = self.scorer.expert_text(experts)  # [K, C, D], no gradient
         ctx, stats = self.train_context(p_global, instruction)
         if self._gate is not None:
-            self.private.update({GATE + k: v.detach().cpu() for k, v in self._gate.state_dict().items()})
-            self.private.update({k: v.cpu() for k, v in optimizer_tensors(self._gate_opt, prefix=GATE_OPT).items()})
+            self.own.update({GATE + k: v.detach().cpu() for k, v in self._gate.state_dict().items()})
+            self.own.update({k: v.cpu() for k, v in optimizer_tensors(self._gate_opt, prefix=GATE_OPT).items()})
         if self.uploads_noised():
             ctx = self.noised_upload(p_global, ctx, instruction)
         self.persist()
-        return {"ctx": ctx}, self.train_metrics(stats)
+        return TrainReply({CTX: ctx}, self.train_metrics(stats))
 
     def uploads_noised(self) -> bool:
         return self.privacy.enabled and self.cfg.pfedmoap.dp_placement == "upload"
@@ -173,8 +175,8 @@ class PFedMoAPClient(PromptClient):
     # ---- evaluation ---------------------------------------------------------------------------
     def personal_prompts(self, arrays):
         """What this node evaluates with and publishes: its pool prompt, its experts, its gate."""
-        prompts = {"ctx": arrays["ctx"]}
-        if "experts" in arrays:
-            prompts["experts"] = arrays["experts"]
-        prompts.update({k: v for k, v in self.private.items() if k.startswith(GATE)})
+        prompts = {"ctx": arrays[CTX]}
+        if EXPERTS in arrays:
+            prompts[EXPERTS] = arrays[EXPERTS]
+        prompts.update({k: v for k, v in self.own.items() if k.startswith(GATE)})
         return prompts

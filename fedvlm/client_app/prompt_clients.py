@@ -18,51 +18,49 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedvlm.client_app.client import Client
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.scoring import PromptScorer, TemplateScorer
 from fedvlm.client_app.server_view import UploadView
 from fedvlm.client_app.state import (
     load_meta,
-    load_private,
     optimizer_tensors,
     restore_optimizer,
     save_meta,
     save_private,
 )
-from fedvlm.client_app.trainer import Learner, RoundStats, StepOutput, local_round
+from fedvlm.client_app.trainer import RoundStats, StepOutput, local_round
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.feature_cache import encode_images
 from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
+from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
-from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
+from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
+from fedvlm.tensor_names import CTX
 from fedvlm.utils.rng import NodeStream, node_key
 
 
-class PromptClient(Learner):
+class PromptClient(Client):
     """Shared machinery; subclasses implement ``train`` and ``personal_prompts`` (what the
     client evaluates with and, at the end of a run, publishes). The ``Learner`` hooks here train
     one context ``ctx`` (PromptFL, CoOp); the global/local methods override them."""
 
     scorer_class = PromptScorer
 
-    # a prompt method's sharing rule names its tensors itself (MethodSpec.shares)
-    tensor_names: tuple[str, ...] = ()
     # the prompt's optimiser state (momentum, Adam moments) carries over to the next round
     keeps_prompt_optimizer = True
 
-    def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int):
-        self.cfg = cfg
-        self.node = node
-        self.state = state
-        self.round = server_round
+    node: NodeData
+
+    def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int, canaries: Canaries | None = None):
+        super().__init__(cfg, node, state, server_round, canaries)
         self.bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
         self.scale = self.bundle.logit_scale
         self.classnames = node.splits.classnames
-        self.private = load_private(state)
         self.meta = load_meta(state)
         self.privacy = cfg.privacy
         self.scorer = self.scorer_class(self.bundle, self.classnames, cfg)
@@ -171,12 +169,12 @@ class PromptClient(Learner):
         self._ctx = ctx0.detach().clone().to(self.bundle.device).requires_grad_(True)
         self._opt = self.make_optimizer([self._ctx])
         if self.keeps_prompt_optimizer:
-            restore_optimizer(self._opt, {k: v.to(self.bundle.device) for k, v in self.private.items()})
+            restore_optimizer(self._opt, {k: v.to(self.bundle.device) for k, v in self.own.items()})
         self._encoder = self.encoder(self._ctx)
         self._anchor, self._mu = anchor, mu
         stats = local_round(self, shape, self.step_privacy(), sigma, self.rng(), self.noise())
         if self.keeps_prompt_optimizer:
-            self.private.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
+            self.own.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
         return self._ctx.detach().cpu(), stats
 
     def step_privacy(self) -> PrivacyConfig:
@@ -221,7 +219,7 @@ class PromptClient(Learner):
             feats, labels = self.features(which)
             if len(labels):
                 sets[tag] = (feats, labels)
-        out: dict[str, float] = {"num-examples": len(sets["local"][1]) if "local" in sets else 0}
+        out: dict[str, float] = {NUM_EXAMPLES: len(sets["local"][1]) if "local" in sets else 0}
         if not sets:
             return out
         # One scoring pass over both sets: the prompts' text features are encoded once.
@@ -233,15 +231,15 @@ class PromptClient(Learner):
             out[f"{tag}-n"] = int(len(labels))
         return out
 
-    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> dict[str, float]:
+    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> EvaluateReply:
         prompts = self.personal_prompts(arrays)
-        save_private(self.state, self.private)  # a first contact may have initialised private parts
+        save_private(self.state, self.own)  # a first contact may have initialised private parts
         publish(self, prompts, instruction)
-        return self.evaluate_prompts(prompts)
+        return EvaluateReply(self.evaluate_prompts(prompts))
 
     def persist(self) -> None:
         self.meta["rounds-trained"] = int(self.meta.get("rounds-trained", 0)) + 1
-        save_private(self.state, self.private)
+        save_private(self.state, self.own)
         save_meta(self.state, self.meta)
 
     def train_metrics(self, stats: RoundStats) -> dict[str, float]:
@@ -251,14 +249,14 @@ class PromptClient(Learner):
 class PromptFLClient(PromptClient):
     """Trains the received global prompt; sends it back for weighted averaging."""
 
-    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction):
-        global_ctx = arrays["ctx"]
+    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> TrainReply:
+        global_ctx = arrays[CTX]
         ctx, stats = self.train_context(global_ctx, instruction, anchor=global_ctx, mu=self.cfg.prompt.fedprox_mu)
         self.persist()
-        return {"ctx": ctx}, self.train_metrics(stats)
+        return TrainReply({CTX: ctx}, self.train_metrics(stats))
 
     def personal_prompts(self, arrays):
-        return {"ctx": arrays["ctx"]}
+        return {"ctx": arrays[CTX]}
 
 
 class CoOpClient(PromptClient):
@@ -268,17 +266,17 @@ class CoOpClient(PromptClient):
     time the node is reached, so that every method starts from the same point."""
 
     def _own_ctx(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "ctx" not in self.private:
-            if "ctx" not in arrays:
+        if "ctx" not in self.own:
+            if CTX not in arrays:
                 raise RuntimeError("first contact with this node but the server sent no initial prompt")
-            self.private["ctx"] = arrays["ctx"].clone()
-        return self.private["ctx"]
+            self.own["ctx"] = arrays[CTX].clone()
+        return self.own["ctx"]
 
     def train(self, arrays, instruction):
         ctx, stats = self.train_context(self._own_ctx(arrays), instruction)
-        self.private["ctx"] = ctx
+        self.own["ctx"] = ctx
         self.persist()
-        return {}, self.train_metrics(stats)
+        return TrainReply({}, self.train_metrics(stats))
 
     def personal_prompts(self, arrays):
         return {"ctx": self._own_ctx(arrays)}

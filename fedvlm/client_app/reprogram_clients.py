@@ -24,15 +24,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedvlm.client_app.client import Client
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.state import load_meta, save_meta
-from fedvlm.client_app.trainer import Learner, StepOutput, local_round
+from fedvlm.client_app.trainer import StepOutput, local_round
 from fedvlm.models.clip_loader import resolve_device
 from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
+from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import NodeAccountant
 from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
-from fedvlm.protocol import EvaluateInstruction, HelloReport, TrainInstruction
+from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.utils.rng import NodeStream, node_key
 
@@ -46,13 +48,15 @@ def resized(source, i: int, size: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
-class ReprogramClient(Learner):
+class ReprogramClient(Client):
     """Reprogrammable-FL and its baselines: what trains is the method's ``model_kind``."""
 
     net: torch.nn.Module  # set in __init__; the trainer swaps in its per-sample wrapper
 
-    def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int):
-        self.cfg, self.node, self.state, self.round = cfg, node, state, server_round
+    node: NodeData
+
+    def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int, canaries: Canaries | None = None):
+        super().__init__(cfg, node, state, server_round, canaries)
         self.device = resolve_device(cfg.device)
         self.source = source_model(cfg)
         self.kind = cfg.spec.model_kind
@@ -61,7 +65,6 @@ class ReprogramClient(Learner):
         self.size = input_size(self.kind, self.source, cfg.reprogram.image_size)
         self.settings = cfg.privacy
         self.meta = load_meta(state)
-        self.private: dict[str, torch.Tensor] = {}  # nothing tensor-valued is private here
 
     @property
     def tensor_names(self) -> frozenset[str]:
@@ -117,7 +120,7 @@ class ReprogramClient(Learner):
                 params[k].copy_(v.to(params[k].device, params[k].dtype))
 
     # --- training ------------------------------------------------------------------------------
-    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> tuple[dict, dict]:
+    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> TrainReply:
         t0 = time.time()
         c = self.cfg
         self._load_global(arrays)
@@ -145,7 +148,7 @@ class ReprogramClient(Learner):
             eps = accountant.epsilon(self.settings.delta)
             metrics.update({"epsilon-rdp": eps["rdp"], "epsilon-prv": eps["prv"]})
         shared = {k: v.detach().cpu().clone() for k, v in trainable_state(self.model).items()}
-        return shared, metrics
+        return TrainReply(shared, metrics)
 
     # --- Learner hooks (client_app.trainer) ----------------------------------------------------
     def begin_step(self) -> Mapping[str, torch.Tensor]:
@@ -168,7 +171,7 @@ class ReprogramClient(Learner):
 
     # --- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> dict:
+    def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> EvaluateReply:
         self._load_global(arrays)
         self.model.eval()
         n = len(self.node.part.test)
@@ -179,4 +182,6 @@ class ReprogramClient(Learner):
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
         acc = correct / n if n else float("nan")
-        return {"local-acc": acc, "local-loss": loss / n if n else float("nan"), "local-n": n, "num-examples": n}
+        return EvaluateReply(
+            {"local-acc": acc, "local-loss": loss / n if n else float("nan"), "local-n": n, NUM_EXAMPLES: n}
+        )

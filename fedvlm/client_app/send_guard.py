@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedvlm.protocol import EvaluateReply, HelloReport, TrainReply
+
 
 class PrivacyGuardError(RuntimeError):
     pass
@@ -55,20 +57,30 @@ def check_outgoing(
 
 def guarded_reply(
     msg: Message,
-    arrays: Mapping[str, torch.Tensor],
-    metrics: Mapping[str, float | int],
+    reply: TrainReply | EvaluateReply,
     allowed: Iterable[str],
     private: Mapping[str, torch.Tensor] | None = None,
     requested: Iterable[str] | None = None,
-    info: Mapping[str, str | int | float | bool] | None = None,
 ) -> Message:
     """The reply message, after ``check_outgoing`` has passed."""
+    arrays, metrics = reply.to_records()
     check_outgoing(arrays, allowed, private, requested)
     content = RecordDict()
     content["arrays"] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
-    content["metrics"] = MetricRecord(
-        {k: (float(v) if isinstance(v, (float, np.floating)) else int(v)) for k, v in metrics.items()}
-    )
-    if info:
-        content["info"] = ConfigRecord(dict(info))
+    content["metrics"] = _metric_record(metrics)
     return Message(content, reply_to=msg)
+
+
+def hello_reply(msg: Message, report: HelloReport) -> Message:
+    """The handshake's reply: the node's words and sizes, and no tensor (an empty ``arrays``
+    record, so that every reply has the same two records, and the handshake a third)."""
+    info, metrics = report.to_records()
+    content = RecordDict()
+    content["arrays"] = ArrayRecord()
+    content["info"] = ConfigRecord(info)
+    content["metrics"] = _metric_record(metrics)
+    return Message(content, reply_to=msg)
+
+
+def _metric_record(metrics: Mapping[str, float | int]) -> MetricRecord:
+    return MetricRecord({k: (float(v) if isinstance(v, (float, np.floating)) else int(v)) for k, v in metrics.items()})

@@ -36,6 +36,7 @@ from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import DPStep, ModuleGradients, functional_per_sample, privatize, privatize_batch
 from fedvlm.privacy.mechanisms import OsNoise
 from fedvlm.privacy.planner import ClientShape
+from fedvlm.protocol import NUM_EXAMPLES
 from fedvlm.runconfig.schema import PrivacyConfig
 
 
@@ -133,7 +134,7 @@ class RoundStats:
 
     def metrics(self, num_examples: int) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "num-examples": num_examples,
+            NUM_EXAMPLES: num_examples,
             "train-loss": self.loss,
             "steps": self.steps,
             "train-loss-first": self.losses[0] if self.losses else float("nan"),

@@ -39,6 +39,7 @@ from fedvlm.strategies.lora import FedRandStrategy, LoRAStrategy
 from fedvlm.strategies.pfedmoap import PFedMoAPStrategy
 from fedvlm.strategies.prompt import EvaluateOnlyStrategy, LocalOnlyStrategy, PromptFLStrategy
 from fedvlm.strategies.reprogram import ReprogramStrategy
+from fedvlm.tensor_names import CTX, GLOBAL_GRAD
 
 
 def _dp(name: str, where: str, tensors: int = 1, noises_upload: bool = True) -> Callable[[RunConfig], LocalDP]:
@@ -175,7 +176,7 @@ _LORA_DP = _dp(
     "client: per-sample-clipped gradient of the whole adapter at every local step "
     "(DP-SGD); the tensors sent are post-processing",
 )
-_GLOBAL_GRAD = shares_only("global_grad")
+_GLOBAL_GRAD = shares_only(GLOBAL_GRAD)
 _ONE_STEP = {"prompt.local-steps": 1}  # DP-FPL's Algorithm 1: one local step per round
 # what 'auto' means for a key no method decided: full local epochs (PromptFL's and CoOp's setting)
 _UNDECIDED = {"prompt.local-steps": 0}
@@ -208,7 +209,7 @@ METHODS: dict[str, MethodSpec] = {
             "PromptFL: one shared prompt, FedAvg weighted by client data size (optional FedProx).",
             PromptFLStrategy,
             PromptFLClient,
-            shares=shares_only("ctx"),
+            shares=shares_only(CTX),
             dp_defaults=_ONE_STEP,  # DP-FPL's baselines under DP: one local step per round (Algorithm 1)
             local_dp=_dp(
                 "ldp-prompt",
@@ -280,7 +281,7 @@ METHODS: dict[str, MethodSpec] = {
             "server's pool) through a private attention gate; FedAvg of the prompts.",
             PFedMoAPStrategy,
             PFedMoAPClient,
-            shares=shares_only("ctx"),
+            shares=shares_only(CTX),
             dp_defaults=_ONE_STEP,  # under DP, one local step per round like the other prompt baselines
             local_dp=_pfedmoap_local,
             check=_pfedmoap_check,

@@ -9,11 +9,13 @@ code, so both sides can type against it without an import cycle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from abc import abstractmethod
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fedvlm.privacy.planner import ClientShape, LocalDP
+from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig.schema import RunConfig
 
 # (run config, names of the tensors the client's model has) -> names that may leave a client.
@@ -33,6 +35,45 @@ def shares_only(*fixed: str) -> SharedRule:
     """A fixed set of tensor names, whatever the model holds (e.g. a prompt method's
     ``global_grad``, a gradient that is not itself a model tensor)."""
     return lambda cfg, names: frozenset(fixed)
+
+
+class NodeClient(Protocol):
+    """What the ClientApp's handlers (``client_app.handlers``) call on a method's client: the one
+    contract every family's client meets. ``client_app.client.Client`` is the base class that
+    implements it (the state every client is built with); the three messages are each family's.
+    The ClientApp builds one per message: ``client(run config, the node's data, its private state
+    (Flower's Context.state), the round, the audited node's canaries or None)``."""
+
+    def __init__(self, cfg: RunConfig, node: Any, state: Any, server_round: int, canaries: Any = None): ...
+
+    node: Any  # the node's data (client_app.node.NodeData, client_app.vlm_node.VLMNodeData)
+    canaries: Any  # the audited node's canaries (privacy.canaries.Canaries), given at construction; else None
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        """The tensors of the node's model the method's sharing rule (``MethodSpec.shares``) chooses from."""
+        ...
+
+    @property
+    def private(self) -> Mapping[str, Any]:
+        """Tensors that must never appear in a reply (the send guard compares bytes)."""
+        ...
+
+    def records(self, n_real: int) -> int:
+        """The training records the node reports and plans with (the audit's canary slots included)."""
+        ...
+
+    @abstractmethod
+    def hello(self) -> HelloReport:
+        """Who this node is, for the server's handshake."""
+
+    @abstractmethod
+    def train(self, arrays: dict[str, Any], instruction: TrainInstruction) -> TrainReply:
+        """The plan's local steps on what the server sent: the shared tensors and the metrics."""
+
+    @abstractmethod
+    def evaluate(self, arrays: dict[str, Any], instruction: EvaluateInstruction) -> EvaluateReply:
+        """This node's figures for the state the server sent."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +103,7 @@ class MethodSpec:
     family: Family
     summary: str
     strategy: type  # the server strategy (a strategies.base.FederatedStrategy)
-    client: type[Any]  # the client trainer
+    client: type[NodeClient]  # the client class (a client_app.client.Client subclass)
     shares: SharedRule = shares_nothing  # which tensors may leave a client
     trains: bool = True
     defaults: dict = field(default_factory=dict)  # what 'auto' means per flat key, for this method

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -47,7 +47,16 @@ from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape, GlobalDP
-from fedvlm.protocol import ATTEMPT, FINAL_ROUND, RUN_DIR, SERVER_ROUND, EvaluateInstruction, TrainInstruction
+from fedvlm.protocol import (
+    ATTEMPT,
+    FINAL_ROUND,
+    NUM_EXAMPLES,
+    RUN_DIR,
+    SERVER_ROUND,
+    EvaluateInstruction,
+    TrainInstruction,
+    TrainReply,
+)
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
@@ -56,7 +65,8 @@ from fedvlm.strategies.validation import (
     ReplyBound,
     ReplyRejected,
     bound_round,
-    check_reply,
+    check_evaluate_reply,
+    check_train_reply,
     fixed_bound,
     record_nbytes,
     relative_bound,
@@ -129,13 +139,13 @@ class FederatedStrategy(Strategy):
         papers report it), spread and example-weighted accuracy of each kind."""
         metrics: dict[str, float] = {}
         for tag in ("local", "neighbor"):
-            accs = [u.metrics[f"{tag}-acc"] for u in updates if f"{tag}-acc" in u.metrics]
+            accs = [u.reply.metrics[f"{tag}-acc"] for u in updates if f"{tag}-acc" in u.reply.metrics]
             if accs:
                 metrics[f"{tag}-acc"] = float(np.mean(accs))
                 metrics[f"{tag}-acc-std"] = float(np.std(accs))
                 metrics.update(
                     _weighted_metrics(
-                        [u.metrics for u in updates],
+                        [u.reply.metrics for u in updates],
                         (f"{tag}-acc", f"{tag}-loss"),
                         weight_key=f"{tag}-n",
                         suffix="-weighted",
@@ -437,18 +447,17 @@ class FederatedStrategy(Strategy):
                 if why:
                     raise ReplyRejected(why)
                 sent = kept.outgoing.get(nid)
-                arrays, metrics = check_reply(
-                    msg,
-                    sent.payload.expected if sent else {},
-                    need_examples=kept.phase == "train",
-                    max_examples=node.num_train,
+                reply = (
+                    check_train_reply(msg, sent.payload.expected if sent else {}, node.num_train)
+                    if kept.phase == "train"
+                    else check_evaluate_reply(msg)
                 )
             except ReplyRejected as why:
                 _drop(kept, name, str(why))
                 continue
-            self.ledger.note_released(kept.phase, metrics)
-            kept.add_up(name, record_nbytes(arrays))
-            good.append(ClientUpdate(node, arrays, metrics))
+            self.ledger.note_released(kept.phase, reply.metrics)
+            kept.add_up(name, record_nbytes(reply.arrays))
+            good.append(ClientUpdate(node, reply))
             self.on_reply_accepted(node, kept.phase)
         for nid in sorted({m.metadata.dst_node_id for m in kept.messages} - set(senders)):
             node = self.nodes.get(nid)
@@ -458,7 +467,7 @@ class FederatedStrategy(Strategy):
     def _bound_norms(self, updates: list[ClientUpdate], kept: PhasePlan) -> list[ClientUpdate]:
         """Clip or drop the updates past their bounds (``reply_bounds``), recording each."""
         sent = [kept.outgoing[u.node.node_id].payload.arrays for u in updates]  # validated: each was sent one
-        results = bound_round(sent, [u.arrays for u in updates], self.cfg.replies, self.reply_bounds())
+        results = bound_round(sent, [u.reply.arrays for u in updates], self.cfg.replies, self.reply_bounds())
         kept_updates = []
         for u, (arrays, entries) in zip(updates, results, strict=True):
             for e in entries:
@@ -480,7 +489,7 @@ class FederatedStrategy(Strategy):
                     f"update norm {e['norm']:.4g} exceeds the round's bound {e['bound']:.4g} ({e['rule']})",
                 )
                 continue
-            kept_updates.append(ClientUpdate(u.node, arrays, u.metrics) if entries else u)
+            kept_updates.append(ClientUpdate(u.node, TrainReply(arrays, u.reply.metrics)) if entries else u)
         return kept_updates
 
     def aggregate_train(
@@ -491,10 +500,10 @@ class FederatedStrategy(Strategy):
         kept = self.plans[server_round].phase("train")
         updates = self._bound_norms(self._validated(replies, kept), kept)
         for u in updates:
-            kept.client(u.node.name).update({f"train/{k}": v for k, v in u.metrics.items()})
+            kept.client(u.node.name).update({f"train/{k}": v for k, v in u.reply.metrics.items()})
         metrics = self.aggregate(server_round, updates) if updates else {}
-        metrics.update(_weighted_metrics([u.metrics for u in updates], ("train-loss", "train-acc")))
-        metrics["train-compute-seconds"] = float(sum(u.metrics.get("compute-seconds", 0.0) for u in updates))
+        metrics.update(_weighted_metrics([u.reply.metrics for u in updates], ("train-loss", "train-acc")))
+        metrics["train-compute-seconds"] = float(sum(u.reply.compute_seconds for u in updates))
         metrics["train-clients"] = len(updates)
         arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in self.global_arrays.items()})
         return arrays, MetricRecord(dict(metrics))
@@ -503,10 +512,10 @@ class FederatedStrategy(Strategy):
         kept = self.plans[server_round].phase("evaluate")
         updates = self._validated(replies, kept)
         for u in updates:
-            kept.client(u.node.name).update({f"eval/{k}": v for k, v in u.metrics.items()})
+            kept.client(u.node.name).update({f"eval/{k}": v for k, v in u.reply.metrics.items()})
         metrics = self.evaluation_metrics(updates)
         metrics["eval-clients"] = len(updates)
-        metrics["eval-compute-seconds"] = float(sum(u.metrics.get("compute-seconds", 0.0) for u in updates))
+        metrics["eval-compute-seconds"] = float(sum(u.reply.compute_seconds for u in updates))
         return MetricRecord(dict(metrics))
 
 
@@ -516,7 +525,7 @@ def _drop(kept: PhasePlan, name: str, reason: str) -> None:
 
 
 def _weighted_metrics(
-    metrics: list[dict], keys: Iterable[str], weight_key: str = "num-examples", suffix: str = ""
+    metrics: Sequence[Mapping], keys: Iterable[str], weight_key: str = NUM_EXAMPLES, suffix: str = ""
 ) -> dict:
     out = {}
     for key in keys:

@@ -22,6 +22,7 @@ from fedvlm.privacy.planner import GlobalDP
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptStrategy
 from fedvlm.strategies.records import ClientUpdate
+from fedvlm.tensor_names import GLOBAL_CTX, GLOBAL_GRAD
 from fedvlm.utils.rng import ServerStream, server_key
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,13 @@ class GlobalGradientStrategy(PromptStrategy):
         self._server_opt: torch.optim.Optimizer | None = None  # built at the first step, on the global prompt
 
     def initial_arrays(self):
-        return {"global_ctx": self.initial_context()}
+        return {GLOBAL_CTX: self.initial_context()}
 
     def train_payload(self, node, server_round, arrays):
-        return Payload({"global_ctx": arrays["global_ctx"]}, {"global_grad": arrays["global_ctx"].shape})
+        return Payload({GLOBAL_CTX: arrays[GLOBAL_CTX]}, {GLOBAL_GRAD: arrays[GLOBAL_CTX].shape})
 
     def evaluate_payload(self, node, server_round, arrays):
-        return Payload({"global_ctx": arrays["global_ctx"]})
+        return Payload({GLOBAL_CTX: arrays[GLOBAL_CTX]})
 
     # ---- privacy plan ---------------------------------------------------------------------
     def global_dp(self) -> GlobalDP:
@@ -51,7 +52,7 @@ class GlobalGradientStrategy(PromptStrategy):
             f"server: average of the sampled clients' clipped global-prompt gradients "
             f"(divided by at least {n}), once per round",
             denominator=n,
-            tensors=("global_grad",),
+            tensors=(GLOBAL_GRAD,),
         )
 
     def plan_privacy(self, planned: dict | None = None) -> None:
@@ -73,7 +74,7 @@ class GlobalGradientStrategy(PromptStrategy):
 
     def pre_noise_mean(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
         """The average the server noises: the bounded uploads (``reply_bounds``) over the denominator."""
-        return np.sum([u.arrays["global_grad"] for u in updates], axis=0) / self.denominator(server_round, updates)
+        return np.sum([u.reply.arrays[GLOBAL_GRAD] for u in updates], axis=0) / self.denominator(server_round, updates)
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         grad = torch.from_numpy(self.pre_noise_mean(server_round, updates).astype(np.float32))
@@ -87,7 +88,7 @@ class GlobalGradientStrategy(PromptStrategy):
 
     def _optimizer(self) -> torch.optim.Optimizer:
         if self._server_opt is None:
-            param = torch.nn.Parameter(torch.from_numpy(self.global_arrays["global_ctx"].copy()))
+            param = torch.nn.Parameter(torch.from_numpy(self.global_arrays[GLOBAL_CTX].copy()))
             lr = self.cfg.dpfpl.server_lr
             adam = self.cfg.dpfpl.server_optimizer == "adam"
             self._server_opt = torch.optim.Adam([param], lr=lr) if adam else torch.optim.SGD([param], lr=lr)
@@ -109,4 +110,4 @@ class GlobalGradientStrategy(PromptStrategy):
         opt.zero_grad()
         param.grad = grad
         opt.step()
-        self.global_arrays = {"global_ctx": param.detach().numpy().copy()}
+        self.global_arrays = {GLOBAL_CTX: param.detach().numpy().copy()}

@@ -23,6 +23,7 @@ import numpy as np
 
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_vlm
+from fedvlm.protocol import NUM_EXAMPLES
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
 from fedvlm.strategies.base import FederatedStrategy, to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
@@ -76,8 +77,8 @@ class LoRAStrategy(FederatedStrategy):
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
-            self.last_upload.setdefault(u.node.name, {}).update(u.arrays)
-        avg = weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
+            self.last_upload.setdefault(u.node.name, {}).update(u.reply.arrays)
+        avg = weighted_average([u.reply.arrays for u in updates], [u.reply.num_examples for u in updates])
         self.global_arrays.update(avg)
         return {}
 
@@ -85,11 +86,11 @@ class LoRAStrategy(FederatedStrategy):
         """Adds each task metric weighted by test size: the federation's figure for the union of
         the clients' test sets."""
         metrics = super().evaluation_metrics(updates)
-        rows = [u.metrics for u in updates if "num-examples" in u.metrics]
+        rows = [u.reply.metrics for u in updates if NUM_EXAMPLES in u.reply.metrics]
         keys = sorted({k for r in rows for k in r if k.startswith(CLIENT_METRICS_PREFIX)})
         for k in keys:
             have = [r for r in rows if k in r]
-            weight = "ood-examples" if k.startswith("server-ood-") else "num-examples"
+            weight = "ood-examples" if k.startswith("server-ood-") else NUM_EXAMPLES
             w = np.array([r[weight] for r in have], dtype=float)
             metrics[k] = float(np.average([r[k] for r in have], weights=w))
         return metrics
@@ -163,7 +164,7 @@ class FedRandStrategy(LoRAStrategy):
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
-            self.last_upload.setdefault(u.node.name, {}).update(u.arrays)
+            self.last_upload.setdefault(u.node.name, {}).update(u.reply.arrays)
         chosen = [self.draws[server_round][u.node.name] for u in updates]
         for half in self.halves:
             if half not in chosen:
@@ -171,8 +172,8 @@ class FedRandStrategy(LoRAStrategy):
         self.global_arrays = per_group_average(
             self.global_arrays,
             self.halves,
-            [u.arrays for u in updates],
-            [u.metrics["num-examples"] for u in updates],
+            [u.reply.arrays for u in updates],
+            [u.reply.num_examples for u in updates],
             chosen,
         )
         return {

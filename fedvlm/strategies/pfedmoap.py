@@ -29,6 +29,7 @@ from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptFLStrategy
 from fedvlm.strategies.records import ClientUpdate
+from fedvlm.tensor_names import CTX, EXPERTS
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
 
 
@@ -75,7 +76,7 @@ class PFedMoAPStrategy(PromptFLStrategy):
     def _with_experts(self, node: NodeInfo, own: dict[str, np.ndarray], server_round: int, phase: str) -> Payload:
         """``own`` and the node's experts from the pool (the names recorded in the round)."""
         names = self.experts(node, self.pool, server_round)
-        experts = {"experts": np.stack([self.pool[n] for n in names])} if names else {}
+        experts = {EXPERTS: np.stack([self.pool[n] for n in names])} if names else {}
         return Payload({**own, **experts}, rows={f"{phase}/experts": names})
 
     def train_payload(self, node, server_round, arrays):
@@ -87,9 +88,9 @@ class PFedMoAPStrategy(PromptFLStrategy):
     def evaluate_payload(self, node, server_round, arrays):
         if node.name not in self.pool:
             return Payload(dict(arrays))
-        return self._with_experts(node, {"ctx": self.pool[node.name]}, server_round, "eval")
+        return self._with_experts(node, {CTX: self.pool[node.name]}, server_round, "eval")
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
-            self.pool[u.node.name] = np.asarray(u.arrays["ctx"])
+            self.pool[u.node.name] = np.asarray(u.reply.arrays[CTX])
         return super().aggregate(server_round, updates)

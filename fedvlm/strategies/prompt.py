@@ -15,6 +15,7 @@ from fedvlm.strategies.aggregation import weighted_average
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.records import ClientUpdate
+from fedvlm.tensor_names import CTX
 
 
 class PromptStrategy(FederatedStrategy):
@@ -42,7 +43,7 @@ class PromptStrategy(FederatedStrategy):
         return ctx.numpy().astype(np.float32)
 
     def initial_arrays(self) -> dict[str, np.ndarray]:
-        return {"ctx": self.initial_context()}
+        return {CTX: self.initial_context()}
 
 
 class PromptFLStrategy(PromptStrategy):
@@ -53,7 +54,9 @@ class PromptFLStrategy(PromptStrategy):
     client before sharing, as DP-FPL's PromptFL baseline."""
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
-        self.global_arrays = weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
+        self.global_arrays = weighted_average(
+            [u.reply.arrays for u in updates], [u.reply.num_examples for u in updates]
+        )
         return {}
 
 

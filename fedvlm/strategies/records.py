@@ -9,16 +9,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedvlm.protocol import EvaluateReply, TrainReply
+
 if TYPE_CHECKING:
     from fedvlm.strategies.nodes import NodeInfo
     from fedvlm.strategies.plan import RoundPlan
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClientUpdate:
+    """A reply the server checked and took: whose it is, and what it says (its tensors decoded)."""
+
     node: NodeInfo
-    arrays: dict[str, np.ndarray]
-    metrics: dict
+    reply: TrainReply | EvaluateReply
 
 
 @dataclass

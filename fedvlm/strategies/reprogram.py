@@ -42,10 +42,13 @@ class ReprogramStrategy(FederatedStrategy):
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
-            if "epsilon-rdp" in u.metrics:
-                self.client_reported[u.node.name] = {"rdp": u.metrics["epsilon-rdp"], "prv": u.metrics["epsilon-prv"]}
+            if "epsilon-rdp" in u.reply.metrics:
+                self.client_reported[u.node.name] = {
+                    "rdp": u.reply.metrics["epsilon-rdp"],
+                    "prv": u.reply.metrics["epsilon-prv"],
+                }
         self.global_arrays.update(
-            weighted_average([u.arrays for u in updates], [u.metrics["num-examples"] for u in updates])
+            weighted_average([u.reply.arrays for u in updates], [u.reply.num_examples for u in updates])
         )
         return {}
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from fedvlm.protocol import HelloReport
+from fedvlm.protocol import NUM_EXAMPLES, EvaluateReply, HelloReport, TrainReply
 from fedvlm.runconfig.schema import RepliesConfig
 
 
@@ -106,11 +106,9 @@ def decode_tensor(name: str, array: Array, shape: tuple[int, ...]) -> np.ndarray
     return value
 
 
-def check_reply(
-    msg: Message, expected: Mapping[str, tuple[int, ...]], need_examples: bool = True, max_examples: int = 0
-) -> tuple[dict[str, np.ndarray], dict]:
-    """The reply's arrays and metrics, or ``ReplyRejected``; ``max_examples`` (> 0): the most
-    ``num-examples`` the node may claim."""
+def _records(msg: Message, expected: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, np.ndarray], dict]:
+    """A reply's tensors (exactly ``expected``, each checked from its header before it is decoded)
+    and its metrics record, or ``ReplyRejected``."""
     if msg.has_error():
         raise ReplyRejected(f"the client failed: {short_reason(msg.error.reason)}")
     content = msg.content
@@ -136,20 +134,43 @@ def check_reply(
         if not isinstance(record, MetricRecord):
             raise ReplyRejected(f"'metrics' is a {type(record).__name__}, expected a MetricRecord")
         metrics = dict(record)
-    if need_examples:
-        n = metrics.get("num-examples")
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ReplyRejected(f"metric 'num-examples' must be a positive integer, got {n!r}")
-        if max_examples and n > max_examples:
-            raise ReplyRejected(
-                f"it claims num-examples = {n}, more than the {max_examples} training records it reported"
-            )
-    elif "num-examples" in metrics and (not isinstance(metrics["num-examples"], int) or metrics["num-examples"] < 0):
-        raise ReplyRejected(f"metric 'num-examples' must be a non-negative integer, got {metrics['num-examples']!r}")
-    for k, v in metrics.items():
-        if k != "num-examples":
-            check_metric(k, v)
     return arrays, metrics
+
+
+def _count(metrics: Mapping, least: int) -> None:
+    n = metrics.get(NUM_EXAMPLES)
+    if not isinstance(n, int) or isinstance(n, bool) or n < least:
+        kind = "positive" if least > 0 else "non-negative"
+        raise ReplyRejected(f"metric {NUM_EXAMPLES!r} must be a {kind} integer, got {n!r}")
+
+
+def _figures(metrics: Mapping) -> None:
+    for k, v in metrics.items():
+        if k != NUM_EXAMPLES:
+            check_metric(k, v)
+
+
+def check_train_reply(msg: Message, expected: Mapping[str, tuple[int, ...]], max_examples: int = 0) -> TrainReply:
+    """A train reply as a ``TrainReply`` (its tensors decoded), or ``ReplyRejected``: it must hold
+    exactly the ``expected`` tensors and a positive integer ``num-examples``, at most
+    ``max_examples`` (> 0: the training records the node reported)."""
+    arrays, metrics = _records(msg, expected)
+    _count(metrics, 1)
+    n = metrics[NUM_EXAMPLES]
+    if max_examples and n > max_examples:
+        raise ReplyRejected(f"it claims num-examples = {n}, more than the {max_examples} training records it reported")
+    _figures(metrics)
+    return TrainReply.from_records(arrays, metrics)
+
+
+def check_evaluate_reply(msg: Message) -> EvaluateReply:
+    """An evaluate reply as an ``EvaluateReply``, or ``ReplyRejected``: metrics only, a
+    ``num-examples`` (where given) a non-negative integer."""
+    _, metrics = _records(msg, {})
+    if NUM_EXAMPLES in metrics:
+        _count(metrics, 0)
+    _figures(metrics)
+    return EvaluateReply.from_records(metrics)
 
 
 NAME = re.compile(r"^[\w.@+-]{1,64}$")
@@ -264,7 +285,7 @@ def fixed_bound(tensors: Sequence[str], clip: float) -> ReplyBound:
 
 def bound_round(
     sent: Sequence[Mapping[str, np.ndarray]],
-    replies: Sequence[dict[str, np.ndarray]],
+    replies: Sequence[Mapping[str, np.ndarray]],
     settings: RepliesConfig,
     rules: Sequence[ReplyBound],
 ) -> list[tuple[dict[str, np.ndarray] | None, list[dict]]]:

@@ -51,16 +51,18 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     cfg = make_cfg(method="dpfpl", privacy__epsilon=0.05, dpfpl__server_lr=1.0)
     spec = cfg.spec
     strategy = spec.strategy(cfg, spec)
+    from fedvlm.protocol import NUM_EXAMPLES, TrainReply
     from fedvlm.strategies.nodes import NodeInfo
     from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
     from fedvlm.strategies.records import ClientUpdate
+    from fedvlm.tensor_names import GLOBAL_GRAD
 
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
     strategy.plan_privacy()
     before = strategy.global_arrays["global_ctx"].copy()
     zero = [
-        ClientUpdate(n, {"global_grad": np.zeros((16, 96), np.float32)}, {"num-examples": 64})
+        ClientUpdate(n, TrainReply({GLOBAL_GRAD: np.zeros((16, 96), np.float32)}, {NUM_EXAMPLES: 64}))
         for n in strategy.nodes.values()
     ]
     sent = {n.node_id: Outgoing(n, Payload({})) for n in strategy.nodes.values()}  # all 4 sampled

@@ -10,7 +10,7 @@ import pytest
 from flwr.app import Array, ArrayRecord
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.protocol import SERVER_ROUND
+from fedvlm.protocol import NUM_EXAMPLES, SERVER_ROUND, TrainReply
 from fedvlm.server_app.app import execute
 from fedvlm.strategies.nodes import FederationError
 from fedvlm.utils.inprocess import InProcessGrid
@@ -147,7 +147,7 @@ def test_send_guard_stops_a_leaking_client(make_cfg, pretrained_clip, monkeypatc
 
     def leaky_train(self, arrays, config):
         ctx = self._own_ctx(arrays)
-        return {"ctx": ctx}, {"num-examples": 1}
+        return TrainReply({"ctx": ctx}, {NUM_EXAMPLES: 1})
 
     monkeypatch.setattr(prompt_clients.CoOpClient, "train", leaky_train)
     rec, grid = _run(make_cfg, n=3, method="coop", num_server_rounds=1)

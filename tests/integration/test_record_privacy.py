@@ -164,9 +164,11 @@ def test_a_lost_node_does_not_shrink_the_global_denominator(make_cfg, pretrained
 def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip):
     import numpy as np
 
+    from fedvlm.protocol import NUM_EXAMPLES, TrainReply
     from fedvlm.strategies.nodes import NodeInfo
     from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
     from fedvlm.strategies.records import ClientUpdate
+    from fedvlm.tensor_names import GLOBAL_GRAD
 
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, dpfpl__server_lr=1.0, dpfpl__server_optimizer="sgd")
     strategy = cfg.spec.strategy(cfg, cfg.spec)
@@ -182,7 +184,11 @@ def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip)
     left = {n.node_id: Outgoing(n, Payload({})) for n in list(strategy.nodes.values())[:2]}
     strategy.plans[1] = RoundPlan(1, train=PhasePlan("train", 1, outgoing=left))  # two of the four planned are left
     strategy.aggregate(
-        1, [ClientUpdate(n, {"global_grad": ones}, {"num-examples": 64}) for n in list(strategy.nodes.values())[:2]]
+        1,
+        [
+            ClientUpdate(n, TrainReply({GLOBAL_GRAD: ones}, {NUM_EXAMPLES: 64}))
+            for n in list(strategy.nodes.values())[:2]
+        ],
     )
     np.testing.assert_allclose(before - strategy.global_arrays["global_ctx"], 2 / 4, rtol=1e-6)
 

@@ -14,9 +14,11 @@ import itertools
 import numpy as np
 import pytest
 
+from fedvlm.protocol import NUM_EXAMPLES, TrainReply
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate
+from fedvlm.tensor_names import GLOBAL_GRAD
 
 C, B, N = 10.0, 32, 3
 SETTINGS = [
@@ -58,7 +60,9 @@ def _clip(g: np.ndarray) -> np.ndarray:
 
 def _average(strategy, uploads: list[np.ndarray]) -> np.ndarray:
     nodes = list(strategy.nodes.values())
-    updates = [ClientUpdate(n, {"global_grad": u}, {"num-examples": 32}) for n, u in zip(nodes, uploads, strict=True)]
+    updates = [
+        ClientUpdate(n, TrainReply({GLOBAL_GRAD: u}, {NUM_EXAMPLES: 32})) for n, u in zip(nodes, uploads, strict=True)
+    ]
     return strategy.pre_noise_mean(1, strategy._bound_norms(updates, _sent(strategy)))
 
 
@@ -97,12 +101,12 @@ def test_the_server_noised_tensor_is_bounded_at_the_clip_norm_and_the_ledger_say
     forged = np.full((4, 8), 1e3, np.float32)
     small = np.full((4, 8), 1e-3, np.float32)
     updates = [
-        ClientUpdate(n, {"global_grad": u}, {"num-examples": 32})
+        ClientUpdate(n, TrainReply({GLOBAL_GRAD: u}, {NUM_EXAMPLES: 32}))
         for n, u in zip(nodes, [small, honest, forged], strict=True)
     ]
     phase = _sent(strategy)
     kept = strategy._bound_norms(updates, phase)
-    assert [np.linalg.norm(u.arrays["global_grad"]) for u in kept] == pytest.approx(
+    assert [np.linalg.norm(u.reply.arrays[GLOBAL_GRAD]) for u in kept] == pytest.approx(
         [np.linalg.norm(small), C, C], rel=1e-5
     )
     assert [b["client"] for b in phase.bounded] == ["client-2"]

@@ -8,6 +8,14 @@ grid. It builds each round's record from the round's plan; no strategy writes on
 The privacy budget: the strategies and the loop see the run's ``RunBudget`` (plan, admit, a
 node's local sigma, would-exceed, spend, the ledger entry, the audit's inputs, the server's noised
 release); the planner behind it is the budget's own.
+
+The client: every method's client is a ``client_app.client.Client``, the one contract the
+ClientApp calls (``methods.spec.NodeClient``: hello, train, evaluate, the tensors it may share,
+its private tensors), built with everything it needs; nothing sets state on it from outside.
+
+The reply: a client answers a typed ``TrainReply``/``EvaluateReply`` and the server's checks
+return one (``protocol``); the metrics both sides read and the tensors that travel are named once
+(``protocol``, ``tensor_names``), so no other module spells them.
 """
 
 from __future__ import annotations
@@ -72,3 +80,71 @@ def test_only_the_privacy_package_reaches_into_the_planner():
 def test_the_planner_rule_sees_a_reach_in(tmp_path):
     (tmp_path / "s.py").write_text("sigma = strategy.budget.planner.global_plan.sigma\n")
     assert _attribute_users("planner", tmp_path) == {"s.py"}
+
+
+# the names that travel, and where each is spelled
+SPELLED_ONCE = {
+    "num-examples": "protocol.py",
+    "compute-seconds": "protocol.py",
+    "node-epsilon": "protocol.py",
+    "global_grad": "tensor_names.py",
+    "global_ctx": "tensor_names.py",
+    "experts": "tensor_names.py",
+}
+
+
+def _spelled(root: Path) -> set[tuple[str, str]]:
+    """(file, name) for every string literal in ``root`` equal to one of ``SPELLED_ONCE``."""
+    found = set()
+    for path in root.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Constant) and n.value in SPELLED_ONCE:
+                found.add((str(path.relative_to(root)), n.value))
+    return found
+
+
+def test_reply_metrics_and_tensor_names_are_spelled_once():
+    assert _spelled(PACKAGE) == {(where, name) for name, where in SPELLED_ONCE.items()}
+
+
+def test_the_spelling_rule_sees_a_literal(tmp_path):
+    (tmp_path / "s.py").write_text('n = metrics["num-examples"]\n')
+    assert _spelled(tmp_path) == {("s.py", "num-examples")}
+
+
+def test_every_method_client_meets_the_one_contract():
+    import inspect
+
+    from fedvlm.client_app.client import Client
+    from fedvlm.methods.registry import METHODS
+
+    for name, spec in METHODS.items():
+        assert issubclass(spec.client, Client), name
+        assert not inspect.isabstract(spec.client), f"{name}: {spec.client.__abstractmethods__}"
+        params = list(inspect.signature(spec.client).parameters)
+        assert params == ["cfg", "node", "state", "server_round", "canaries"], (name, params)
+
+
+def _set_from_outside(attr: str, root: Path) -> set[str]:
+    """Files that assign ``<something other than self>.<attr>``."""
+    users = set()
+    for path in root.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+            for t in targets:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr == attr
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
+                    users.add(str(path.relative_to(root)))
+    return users
+
+
+def test_nothing_sets_a_clients_canaries_from_outside():
+    assert _set_from_outside("canaries", PACKAGE) == set()
+
+
+def test_the_outside_setter_rule_sees_one(tmp_path):
+    (tmp_path / "s.py").write_text("client.canaries = node_canaries(cfg)\n")
+    assert _set_from_outside("canaries", tmp_path) == {"s.py"}

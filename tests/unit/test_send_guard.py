@@ -7,12 +7,13 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedvlm.client_app.send_guard import PrivacyGuardError, check_outgoing, guarded_reply
+from fedvlm.protocol import NUM_EXAMPLES, TrainReply
 
 
 def test_allowed_tensor_passes_and_is_sent():
     req = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=1, message_type=MessageType.TRAIN)
-    reply = guarded_reply(req, {"ctx": torch.ones(2, 3)}, {"num-examples": 5}, allowed={"ctx"})
-    assert list(reply.content["arrays"].keys()) == ["ctx"]
+    reply = guarded_reply(req, TrainReply({"ctx": torch.ones(2, 3)}, {NUM_EXAMPLES: 5}), allowed={"ctx"})
+    assert list(reply.content["arrays"].keys()) == ["ctx"] and reply.content["metrics"][NUM_EXAMPLES] == 5
 
 
 def test_undeclared_tensor_is_refused():

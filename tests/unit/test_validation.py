@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
-from fedvlm.protocol import SERVER_ROUND
-from fedvlm.strategies.validation import ReplyRejected, check_reply, clipped, norm_bound, update_norm
+from fedvlm.protocol import SERVER_ROUND, EvaluateReply, TrainReply
+from fedvlm.strategies.validation import (
+    ReplyRejected,
+    check_evaluate_reply,
+    check_train_reply,
+    clipped,
+    norm_bound,
+    update_norm,
+)
 
 
 def _request():
@@ -27,8 +34,19 @@ EXPECTED = {"ctx": (4, 8)}
 
 
 def test_good_reply_passes():
-    arrays, metrics = check_reply(_reply({"ctx": np.zeros((4, 8), np.float32)}), EXPECTED)
-    assert arrays["ctx"].shape == (4, 8) and metrics["num-examples"] == 10
+    reply = check_train_reply(_reply({"ctx": np.zeros((4, 8), np.float32)}), EXPECTED)
+    assert isinstance(reply, TrainReply)
+    assert reply.arrays["ctx"].shape == (4, 8) and reply.num_examples == 10 and reply.metrics["num-examples"] == 10
+
+
+def test_an_evaluate_reply_carries_no_tensor_and_may_count_nothing():
+    reply = check_evaluate_reply(_reply(metrics={"num-examples": 0, "local-acc": 0.5, "compute-seconds": 0.25}))
+    assert isinstance(reply, EvaluateReply) and reply.arrays == {}
+    assert (reply.num_examples, reply.compute_seconds, reply.metrics["local-acc"]) == (0, 0.25, 0.5)
+    with pytest.raises(ReplyRejected, match="unexpected ctx"):
+        check_evaluate_reply(_reply({"ctx": np.zeros((4, 8), np.float32)}))
+    with pytest.raises(ReplyRejected, match="non-negative integer, got -1"):
+        check_evaluate_reply(_reply(metrics={"num-examples": -1}))
 
 
 @pytest.mark.parametrize(
@@ -50,14 +68,14 @@ def test_good_reply_passes():
 )
 def test_bad_replies_are_rejected_with_reason(arrays, metrics, match):
     with pytest.raises(ReplyRejected, match=match):
-        check_reply(_reply(arrays, metrics), EXPECTED, max_examples=10)
+        check_train_reply(_reply(arrays, metrics), EXPECTED, max_examples=10)
 
 
 def test_metrics_must_be_numbers_in_a_metric_record():
     msg = _reply({"ctx": np.zeros((4, 8), np.float32)})
     msg.content["metrics"] = ConfigRecord({"num-examples": 5, "train-loss": "low"})
     with pytest.raises(ReplyRejected, match="ConfigRecord, expected a MetricRecord"):
-        check_reply(msg, EXPECTED)
+        check_train_reply(msg, EXPECTED)
 
 
 def test_an_update_is_what_the_reply_changes_and_clipping_scales_only_that():
@@ -83,7 +101,7 @@ def test_the_bound_is_a_multiple_of_the_lower_median_or_the_absolute_one():
 def test_error_reply_is_rejected():
     err = Message(Error(code=3, reason="CUDA out of memory"), reply_to=_request())
     with pytest.raises(ReplyRejected, match="out of memory"):
-        check_reply(err, EXPECTED)
+        check_train_reply(err, EXPECTED)
 
 
 def test_short_reason_keeps_the_original_exception_line():
