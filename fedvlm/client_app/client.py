@@ -15,13 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedvlm.client_app.state import load_private
 from fedvlm.client_app.trainer import Learner
 from fedvlm.methods.spec import NodeClient
 from fedvlm.privacy.canaries import Canaries
+from fedvlm.privacy.mechanisms import OsNoise, noise_generator, sampling_rng
 from fedvlm.runconfig import RunConfig
+from fedvlm.utils.rng import NodeStream, node_key
 
 
 class Client(Learner, NodeClient):
@@ -43,6 +46,19 @@ class Client(Learner, NodeClient):
         """Tensors that must never appear in a reply (the send guard compares bytes): by default
         every tensor the node keeps."""
         return self.own
+
+    def rng(self) -> np.random.Generator:
+        """This round's batch sampling: from the node's noise source (the OS on a real node, so the
+        batches are as secret as the noise), keyed by the run's seed, the node and the round."""
+        return sampling_rng(
+            self.node.noise_source, node_key(self.cfg.seed, self.node.seed, NodeStream.BATCHES, self.round)
+        )
+
+    def noise(self) -> torch.Generator | OsNoise:
+        """This round's local-DP noise, from the same source and key."""
+        return noise_generator(
+            self.node.noise_source, node_key(self.cfg.seed, self.node.seed, NodeStream.LOCAL_NOISE, self.round)
+        )
 
     @property
     def tensor_names(self) -> frozenset[str]:

@@ -34,7 +34,6 @@ from fedvlm.client_app.vlm_node import VLMNodeData
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
 from fedvlm.privacy.canaries import Canaries
-from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
@@ -117,10 +116,7 @@ class LoRAClient(Client):
         load_adapter_state(self.vlm.model, self.starting_adapter(arrays))
         self._params = trainable(self.vlm.model)
         self._opt = torch.optim.AdamW(list(self._params.values()), lr=c.lora.lr, weight_decay=c.lora.weight_decay)
-        rng = sampling_rng(self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.BATCHES, self.round))
-        noise = noise_generator(
-            self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.LOCAL_NOISE, self.round)
-        )
+        rng, noise = self.rng(), self.noise()
         t0 = time.time()
         self.vlm.model.train()
         with torch.random.fork_rng():

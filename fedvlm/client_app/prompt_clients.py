@@ -35,13 +35,11 @@ from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.feature_cache import encode_images
 from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
 from fedvlm.privacy.canaries import Canaries
-from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.tensor_names import CTX
-from fedvlm.utils.rng import NodeStream, node_key
 
 
 class PromptClient(Client):
@@ -131,18 +129,6 @@ class PromptClient(Client):
 
     def encoder(self, ctx: torch.Tensor) -> PromptEncoder:
         return self.scorer.encoder(ctx)
-
-    def rng(self) -> np.random.Generator:
-        """This round's batch sampling (secret with the node's OS noise source)."""
-        return sampling_rng(
-            self.node.noise_source, node_key(self.cfg.seed, self.node.seed, NodeStream.BATCHES, self.round)
-        )
-
-    def noise(self):
-        """This round's local-DP noise generator."""
-        return noise_generator(
-            self.node.noise_source, node_key(self.cfg.seed, self.node.seed, NodeStream.LOCAL_NOISE, self.round)
-        )
 
     # --- training ------------------------------------------------------------------------------
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:

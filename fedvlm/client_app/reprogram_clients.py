@@ -32,11 +32,9 @@ from fedvlm.models.clip_loader import resolve_device
 from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import NodeAccountant
-from fedvlm.privacy.mechanisms import noise_generator, sampling_rng
 from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
-from fedvlm.utils.rng import NodeStream, node_key
 
 _IMAGES: dict[tuple, torch.Tensor] = {}
 CACHE_LIMIT_BYTES = 512 * 2**20  # keep a split's resized images in memory below this size
@@ -128,10 +126,7 @@ class ReprogramClient(Client):
         if n == 0:
             raise RuntimeError(f"{self.node.name} holds no training images")
         shape, sigma = client_plan(c, self.records(n), instruction)
-        rng = sampling_rng(self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.BATCHES, self.round))
-        noise = noise_generator(
-            self.node.noise_source, node_key(c.seed, self.node.seed, NodeStream.LOCAL_NOISE, self.round)
-        )
+        rng, noise = self.rng(), self.noise()
         self._params = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
         self._opt = torch.optim.SGD(list(self._params.values()), lr=c.reprogram.lr)
         self.model.train()
