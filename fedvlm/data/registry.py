@@ -34,6 +34,7 @@ from fedvlm.data.sources import (
     limit_per_class,
     stratified_split,
 )
+from fedvlm.runconfig import datasets as catalogue
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 EMBEDDED_TRAIN_PER_CLASS = 64
@@ -371,8 +372,8 @@ def load_bloodmnist(root: Path, test_fraction: float = 0.3, **_) -> DatasetSplit
     )
 
 
-TORCHVISION_SETS = ("caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100")
-DATASETS = ("embedded", "embedded-shadow", "digits", "motifs", *TORCHVISION_SETS, "image-folder", "bloodmnist")
+TORCHVISION_SETS = catalogue.TORCHVISION
+DATASETS = tuple(name for name in catalogue.NAMES if name not in catalogue.IMAGE_TEXT)  # what load_dataset loads
 
 
 def load_dataset(

@@ -16,30 +16,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedvlm.runconfig import datasets
 from fedvlm.runconfig.schema import AUTO, DEFAULTS, KEY_BY_NAME, KEYS, Key, RunConfig
 from fedvlm.utils.paths import default_cache_dir, default_output_dir
 
 __all__ = ["AUTO", "ConfigError", "RunConfig", "check_keys", "finish", "parse_value", "KEYS", "KEY_BY_NAME", "DEFAULTS"]
 
-# Datasets whose files must be supplied (or downloaded) under data-root.
-DATASETS_NEEDING_ROOT = frozenset(
-    {
-        "caltech101",
-        "oxford-pets",
-        "flowers102",
-        "food101",
-        "dtd",
-        "cifar10",
-        "cifar100",
-        "image-folder",
-        "coco-captions",
-        "bloodmnist",
-    }
-)
-VLM_DATASETS = frozenset(
-    {"embedded-captions", "embedded-captions-varied", "embedded-vqa", "coco-captions", "scienceqa"}
-)
-DATASETS_WITH_OPTIONAL_ROOT = frozenset({"scienceqa"})
+# the datasets' facts the checks read, from the one catalogue (runconfig.datasets)
+DATASETS_NEEDING_ROOT = datasets.NEEDING_ROOT
+VLM_DATASETS = datasets.IMAGE_TEXT
+DATASETS_WITH_OPTIONAL_ROOT = datasets.OPTIONAL_ROOT
 WEIGHT_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".safetensors"})
 
 

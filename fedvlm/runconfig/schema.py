@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedvlm.runconfig.datasets import NAMES as DATASET_NAMES
+
 AUTO = "auto"
 
 
@@ -491,28 +493,7 @@ class RunConfig:
     dataset: str = opt(
         AUTO,
         "Dataset; 'auto' = the method family's embedded default.",
-        choices=(
-            AUTO,
-            "embedded",
-            "embedded-shadow",
-            "digits",
-            "motifs",
-            "caltech101",
-            "oxford-pets",
-            "flowers102",
-            "food101",
-            "dtd",
-            "cifar10",
-            "cifar100",
-            "image-folder",
-            "bloodmnist",
-            # the VLM methods' datasets
-            "embedded-captions",
-            "embedded-captions-varied",
-            "embedded-vqa",
-            "coco-captions",
-            "scienceqa",
-        ),
+        choices=(AUTO, *DATASET_NAMES),  # the catalogue's order: image classification, then the VLM methods'
     )
     data_root: str = opt(
         "", "Directory holding the dataset files (torchvision layouts or an image folder <root>/<class>/*.jpg)."

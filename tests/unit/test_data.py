@@ -199,3 +199,23 @@ def test_a_real_format_tree_loads_every_label_and_split_right(tmp_path, monkeypa
             assert label == int(source.labels[i]), (name, split, i)
             if name != "caltech101":  # Caltech101 has no official split: ours is a seeded stratified one
                 assert encoded_split == split, (name, split, i)
+
+
+def test_the_catalogue_is_what_the_config_accepts_and_the_loaders_dispatch(tmp_path):
+    """One list of datasets (runconfig.datasets): the schema's choices, the loaders' dispatch and
+    the data-root rule read it; a file-backed set with an empty root fails for its files, never
+    as an unknown name."""
+    from fedvlm.data.registry import DATASETS
+    from fedvlm.data.vlm_data import VLMDataError, load_vlm_dataset
+    from fedvlm.runconfig import KEY_BY_NAME, datasets
+
+    assert KEY_BY_NAME["dataset"].choices == ("auto", *datasets.NAMES)
+    assert set(DATASETS) | datasets.IMAGE_TEXT == set(datasets.NAMES) and not set(DATASETS) & datasets.IMAGE_TEXT
+    for name in datasets.NEEDING_ROOT - datasets.IMAGE_TEXT:
+        with pytest.raises(DatasetError) as err:
+            load_dataset(name, data_root=str(tmp_path))
+        assert "unknown dataset" not in str(err.value), name
+    for name in datasets.IMAGE_TEXT - datasets.NEEDING_ROOT - datasets.OPTIONAL_ROOT:
+        assert len(load_vlm_dataset(name).train) > 0, name
+    with pytest.raises(VLMDataError, match="not a VLM dataset"):
+        load_vlm_dataset("caltech101")
