@@ -42,7 +42,7 @@ import torch
 from flwr.common.serde import message_from_proto, context_from_proto
 from flwr.proto.message_pb2 import Message as M, Context as C
 from fedvlm.client_app.handlers import handle
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 t_import = time.perf_counter()
 m, c = M(), C()
 m.ParseFromString(open(sys.argv[1], "rb").read()); c.ParseFromString(open(sys.argv[2], "rb").read())
@@ -81,7 +81,7 @@ def capture(overrides: dict, work: Path) -> tuple[Path, Path]:
     from flwr.common.serde import context_to_proto, message_to_proto
 
     from fedvlm.client_app.app import app as client_app
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
 

@@ -66,7 +66,7 @@ def run_flwr(method: str, rounds: int, work: Path, cache: str) -> tuple[dict, fl
 
 def run_inprocess(method: str, rounds: int, work: Path, cache: str) -> tuple[dict, float]:
     from fedvlm.client_app.app import app
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid
 

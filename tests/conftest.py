@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedvlm.methods.registry import validate  # noqa: E402
+from fedvlm.methods.validation import validate  # noqa: E402
 
 KINDS = ("unit", "integration", "e2e")
 

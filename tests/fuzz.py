@@ -251,7 +251,7 @@ def fuzz(method: str, cache_dir: Path, out_dir: Path, **overrides) -> dict[str, 
     """Run ``method`` with one forging node per applicable corruption; the outcome per corruption
     ('dropped: <reason>' / 'clipped: <norm> -> <bound>'). Raises AssertionError on a violation."""
     from fedvlm.client_app.app import app as client_app
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid, ensure_task_identity
 

@@ -103,7 +103,7 @@ def explain(diff: list[str], fixture: dict) -> str:
 def run_case(name: str, cache_dir: Path, out_dir: Path) -> list[dict[str, float]]:
     """The case's per-round metrics (wall-clock figures left out)."""
     from fedvlm.client_app.app import app as client_app
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
     from fedvlm.server_app.app import execute
     from fedvlm.utils.inprocess import InProcessGrid, ensure_task_identity
 

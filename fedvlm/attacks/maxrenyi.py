@@ -166,7 +166,7 @@ def attack(
 
 def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
     from fedvlm.client_app.vlm_node import vlm_node_data
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
     from fedvlm.models.vlm import AdapterSpec, load_vlm
 
     run_dir = Path(run_dir)

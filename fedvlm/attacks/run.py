@@ -44,7 +44,8 @@ from fedvlm.attacks.server import ATTACKS as SERVER_ATTACKS
 from fedvlm.attacks.server import ServerAttack, server_scores
 from fedvlm.client_app.node import node_data
 from fedvlm.data.membership import reference_inclusion
-from fedvlm.methods.registry import get_method, validate
+from fedvlm.methods.registry import get_method
+from fedvlm.methods.validation import validate
 from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.utils.files import atomic_write_json
 

@@ -25,7 +25,7 @@ from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
 from fedvlm.client_app.send_guard import guarded_reply, hello_reply
 from fedvlm.client_app.state import persist, restore, state_dir
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.protocol import (
     COMPUTE_SECONDS,
     NODE_EPSILON,

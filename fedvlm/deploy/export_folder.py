@@ -25,7 +25,7 @@ from pathlib import Path
 from fedvlm.client_app.node import node_data
 from fedvlm.client_app.vlm_node import vlm_node_data
 from fedvlm.data.vlm_data import FOLDER_FILE, FOLDER_LABELS
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, parse_value
 
 

@@ -43,7 +43,8 @@ from pathlib import Path
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
 from fedvlm.experiments.sweep_report import audit_row, plot, plot_audit, write_audit, write_failures, write_tables
-from fedvlm.methods.registry import PROMPT, get_method, methods_of, validate
+from fedvlm.methods.registry import PROMPT, get_method, methods_of
+from fedvlm.methods.validation import validate
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 
 log = logging.getLogger("sweep")

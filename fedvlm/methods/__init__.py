@@ -1,2 +1,2 @@
-"""Methods: ``spec`` says what a method is, ``registry`` lists every method and turns a raw run
-config into a checked one (``registry.validate``)."""
+"""Methods: ``spec`` says what a method is, ``registry`` lists every method once, and
+``validation`` turns a raw run config into a checked one (``validation.validate``)."""

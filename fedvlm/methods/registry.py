@@ -2,15 +2,14 @@
 
 Adding a method means one entry here plus, where its behaviour is new, one strategy class and
 one client hooks class (``docs/adding-a-method.md``); no other module dispatches on method or
-family names. ``validate`` turns Flower's flat run config into a checked ``RunConfig``, with
-the family's and the method's defaults and checks applied.
+family names. ``methods.validation.validate`` turns Flower's flat run config into a checked
+``RunConfig`` with the family's and the method's defaults and checks from this table.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from fedvlm.client_app.global_local_clients import DPFPLClient, FedOTPClient, FedPGPClient
 from fedvlm.client_app.lora_clients import FedParaClient, FedRandClient, LoRAClient
@@ -23,15 +22,9 @@ from fedvlm.methods.spec import Family, MethodSpec, shares_all, shares_only
 from fedvlm.models import adapter_parts
 from fedvlm.privacy.planner import ClientShape, LocalDP
 from fedvlm.runconfig import (
-    AUTO,
-    KEY_BY_NAME,
-    VLM_DATASETS,
     ConfigError,
     RunConfig,
-    check_keys,
     check_reprogram,
-    finish,
-    resolve_derived,
 )
 from fedvlm.runconfig.schema import LoRAConfig, PromptConfig
 from fedvlm.strategies.global_local import GlobalGradientStrategy
@@ -57,16 +50,6 @@ def _dpfpl_local(cfg: RunConfig) -> LocalDP:
     return LocalDP(
         "ldp-local", "client: gradient of the full-rank local prompt at every local step", noises_upload=False
     )
-
-
-def _check_rank(values: dict, key: str) -> None:
-    """A low-rank prompt's rank is at most its M context tokens (with a ``prompt.ctx-init``
-    phrase M is its token count, known once tokenised: ``models.lowrank.factorize`` checks)."""
-    if not values["prompt.ctx-init"] and values[key] > values["prompt.n-ctx"]:
-        raise ConfigError(
-            f"run config {key!r} = {values[key]} exceeds the {values['prompt.n-ctx']} context tokens "
-            f"(prompt.n-ctx); use a rank of at most {values['prompt.n-ctx']}"
-        )
 
 
 def _pfedmoap_local(cfg: RunConfig) -> LocalDP:
@@ -178,8 +161,6 @@ _LORA_DP = _dp(
 )
 _GLOBAL_GRAD = shares_only(GLOBAL_GRAD)
 _ONE_STEP = {"prompt.local-steps": 1}  # DP-FPL's Algorithm 1: one local step per round
-# what 'auto' means for a key no method decided: full local epochs (PromptFL's and CoOp's setting)
-_UNDECIDED = {"prompt.local-steps": 0}
 _REPROGRAM_DP = _dp(
     "dp-sgd",
     "client: DP-SGD (Opacus) on every trainable parameter: each sample's whole gradient "
@@ -370,83 +351,3 @@ def get_method(name: str) -> MethodSpec:
 
 def methods_of(family: Family) -> list[MethodSpec]:
     return [m for m in METHODS.values() if m.family is family]
-
-
-def validate(raw: Mapping[str, Any]) -> RunConfig:
-    """Check every key of ``raw`` (missing keys take their defaults), resolve what the family
-    and the method decide, and run their checks; a ``ConfigError`` names the key and the fix."""
-    values = check_keys(raw)
-    try:
-        method = get_method(values["method"])
-    except UnknownMethod as err:
-        raise ConfigError(str(err)) from None
-    family = method.family
-    family_decides = {
-        "dataset": family.default_dataset,
-        "partitioner": family.default_partitioner,
-        "dirichlet-alpha": family.dirichlet_alpha,
-        "fraction-train": family.fraction_train,
-        "privacy.clip": family.privacy_clip,
-    }
-    for key, value in family_decides.items():
-        if values[key] == AUTO:
-            values[key] = value
-    if values["privacy.noise-multiplier"] == AUTO:
-        # the family's fixed noise is the default only when no epsilon is asked for
-        values["privacy.noise-multiplier"] = 0.0 if values["privacy.epsilon"] > 0 else family.noise_multiplier
-    elif values["privacy.noise-multiplier"] > 0 and values["privacy.epsilon"] > 0:
-        raise ConfigError(
-            f"run config sets both 'privacy.epsilon' = {values['privacy.epsilon']} (calibrate the noise to it) and "
-            f"'privacy.noise-multiplier' = {values['privacy.noise-multiplier']} (fixed noise, epsilon only reported); "
-            "set one of them, the other to 0"
-        )
-    resolve_derived(values)
-    if family.check:
-        family.check(values)
-    if (values["dataset"] in VLM_DATASETS) != family.image_text:
-        fitting = (
-            sorted(VLM_DATASETS)
-            if family.image_text
-            else [d for d in KEY_BY_NAME["dataset"].choices or () if d not in VLM_DATASETS and d != AUTO]
-        )
-        raise ConfigError(
-            f"run config 'dataset' = {values['dataset']!r} does not fit method {method.name!r} "
-            f"({'image-text' if family.image_text else 'image classification'} data needed); "
-            f"accepted: {', '.join(fitting)}"
-        )
-    private = values["privacy.epsilon"] > 0 or values["privacy.noise-multiplier"] > 0
-    for key, value in {**_UNDECIDED, **method.defaults, **(method.dp_defaults if private else {})}.items():
-        if values[key] == AUTO:  # the method decides
-            values[key] = value
-    if private and not method.supports_dp:
-        dp_methods = ", ".join(m.name for m in METHODS.values() if m.supports_dp)
-        raise ConfigError(
-            f"run config 'privacy.epsilon' = {values['privacy.epsilon']} but method {method.name!r} "
-            f"has no DP mechanism; set privacy.epsilon=0 or use one of: {dp_methods}"
-        )
-    if method.rank_key:
-        _check_rank(values, method.rank_key)
-    if method.check:
-        method.check(values)
-    cfg = RunConfig.from_flat(finish(values), method)
-    if cfg.privacy.audit_canaries:
-        _check_audit(cfg)
-    return cfg
-
-
-def _check_audit(cfg: RunConfig) -> None:
-    """The one-run audit scores canaries in a per-record DP-SGD mechanism (``privacy.canaries``)."""
-    m = cfg.privacy.audit_canaries
-    if not cfg.privacy.enabled:
-        raise ConfigError(
-            f"run config 'privacy.audit-canaries' = {m} audits a DP mechanism but privacy is off; set "
-            "privacy.epsilon or privacy.noise-multiplier, or privacy.audit-canaries=0"
-        )
-    assert cfg.spec.local_dp is not None  # privacy on: validate refused methods without a mechanism
-    local = cfg.spec.local_dp(cfg)
-    if local.per_participation:
-        raise ConfigError(
-            f"run config 'privacy.audit-canaries' = {m}: the {local.name} mechanism noises each round's whole "
-            "update once, with no per-record step for a canary to enter; audit a per-step placement instead "
-            "(e.g. pfedmoap.dp-placement='step')"
-        )

@@ -4,7 +4,7 @@
 for unknown keys, wrong types and values out of range or not among the choices; ``finish``
 checks what the resolved values must satisfy (data roots, absolute paths) and fills in the
 default directories. What a family or method decides, and the combinations it cannot run, are
-applied between the two by ``methods.registry.validate``, the one entry point.
+applied between the two by ``methods.validation.validate``, the one entry point.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from flwr.common.config import parse_config_args
 
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError
 from fedvlm.runconfig.schema import KEYS
 

@@ -5,7 +5,7 @@ The dataclasses below are the single source of truth. A section is one dotted pr
 ``opt`` metadata holds the help text and the accepted range. ``KEYS`` is read from them;
 ``pyproject.toml``'s ``[tool.flwr.app.config]`` must list exactly these keys with these
 defaults (a test checks it), docs/configuration.md's key table is generated from them, and
-``methods.registry.validate`` enforces them on the server and on every client before any work
+``methods.validation.validate`` enforces them on the server and on every client before any work
 starts.
 
 Keys are flat strings in Flower's run config (``prompt.lr = 0.01`` in TOML,
@@ -444,7 +444,7 @@ class AttackConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The validated, resolved, read-only run config (``methods.registry.validate`` makes it).
+    """The validated, resolved, read-only run config (``methods.validation.validate`` makes it).
 
     Top-level keys are fields here; dotted keys live in their section (``cfg.privacy.clip``).
     ``spec`` is the method's registry entry, attached by ``validate``.

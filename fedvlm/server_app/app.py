@@ -11,7 +11,7 @@ import flwr
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table

@@ -13,7 +13,7 @@ from regression import CASES
 import fedvlm.privacy.dpsgd as dpsgd
 from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.state import AUDIT
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid

@@ -69,7 +69,7 @@ def test_fedpara_shares_the_first_loha_pair():
 
 
 def test_vlm_family_defaults_and_dataset_mismatch():
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
     from fedvlm.runconfig import ConfigError
 
     cfg = validate({"method": "fedrand"})

@@ -35,7 +35,7 @@ def _raw(cache_dir, tmp_path, method: str, **extra) -> dict:
 
 
 def _run(raw: dict):
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
 
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N_CLIENTS} for i in range(N_CLIENTS)], raw)
     recorder = execute(validate(raw), grid, raw["method"])
@@ -147,7 +147,8 @@ def test_fedrand_loss_falls_and_caption_metrics_are_written(fedrand_run):
 
 
 def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
-    from fedvlm.methods.registry import get_method, validate
+    from fedvlm.methods.registry import get_method
+    from fedvlm.methods.validation import validate
     from fedvlm.strategies.nodes import NodeInfo
 
     nodes = [NodeInfo(i, f"client-{i}", i, 10, 5, 0, "x", 4) for i in range(8)]
@@ -165,7 +166,7 @@ def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
 def test_lora_state_survives_between_rounds_in_the_node_state(vlm_cache):
     from fedvlm.client_app.lora_clients import FedRandClient
     from fedvlm.client_app.vlm_node import vlm_node_data
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
 
     cfg = validate({"method": "fedrand", "cache-dir": str(vlm_cache), "lora.local-steps": 2})
     node = vlm_node_data(cfg, {"partition-id": 0, "num-partitions": 4})
@@ -334,7 +335,7 @@ def test_fedrand_nodes_train_on_their_own_folders_with_partition_nodes(vlm_cache
     """An organisation with its own captioned images joins FedRand (data-dir: images + data.jsonl),
     beside nodes on partitions of the run's dataset; with privacy on its noise is its own."""
     from fedvlm.deploy.export_folder import export_partitions
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
 
     own = export_partitions(tmp_path / "orgs", 2, {"method": "fedrand", "seed": 7})
     raw = _raw(

@@ -35,7 +35,7 @@ def _memorisation_task(vlm_cache):
     """Scenes whose targets are random word strings keyed by a random code in the prompt:
     nothing but memorisation of the training pairs predicts them."""
     from fedvlm.client_app.vlm_node import vlm_dataset
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
 
     cfg = validate({"method": "fedavg-lora", "cache-dir": str(vlm_cache), "lora.dropout": 0.0})
     ds = vlm_dataset(cfg)

@@ -27,7 +27,7 @@ def _arrays(record) -> dict[str, np.ndarray]:
 def moap_run(tmp_path_factory, cache_dir, pretrained_clip):
     """3 rounds, 4 clients, K = 2 (fewer than the 3 others, so KNN chooses); in round 3 the
     first node's reply is corrupted and must be dropped."""
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
 
     cfg = validate(
         {

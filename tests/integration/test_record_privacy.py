@@ -11,7 +11,7 @@ import dp_accounting
 import pytest
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.protocol import SERVER_ROUND, TrainInstruction

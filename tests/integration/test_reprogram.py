@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.models.reprogram import InputProgram, build_model, load_source, trainable_state
 from fedvlm.runconfig import ConfigError
 

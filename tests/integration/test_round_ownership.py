@@ -10,7 +10,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR
 from fedvlm.utils.inprocess import InProcessGrid
 

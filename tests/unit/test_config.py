@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError
 from fedvlm.runconfig.__main__ import main as runconfig_cli
 from fedvlm.runconfig.schema import AUTO, DEFAULTS, KEYS, PrivacyConfig, PromptConfig

@@ -108,7 +108,7 @@ def test_classes_txt_fixes_the_federation_label_order(tmp_path):
 def test_exported_partitions_hold_exactly_the_simulated_partition(tmp_path):
     from fedvlm.client_app.node import node_data
     from fedvlm.deploy.export_folder import export_partitions
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
 
     folders = export_partitions(tmp_path, 3, {"max-per-class": 6})
     cfg = validate({"max-per-class": 6})

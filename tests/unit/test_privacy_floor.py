@@ -7,7 +7,7 @@ import pytest
 from flwr.app import RecordDict
 
 from fedvlm.client_app.privacy_floor import NodeFloor, check_round, load_ledger, record
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 from fedvlm.privacy.planner import ClientShape, NoiseRefused, local_plan
 from fedvlm.protocol import TrainInstruction
 from fedvlm.runconfig import ConfigError

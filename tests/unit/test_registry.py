@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fedvlm.methods.registry import FAMILIES, METHODS, validate
+from fedvlm.methods.registry import FAMILIES, METHODS
+from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fedvlm"

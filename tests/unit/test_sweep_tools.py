@@ -9,7 +9,7 @@ import pytest
 from fedvlm.experiments.presets import COMPARISONS, PRESETS
 from fedvlm.experiments.sweep import _labelled
 from fedvlm.experiments.sweep_report import audit_row, plot_audit, write_audit, write_tables
-from fedvlm.methods.registry import validate
+from fedvlm.methods.validation import validate
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

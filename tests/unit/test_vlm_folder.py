@@ -77,7 +77,7 @@ def test_a_folder_without_records_names_the_format(tmp_path):
 def test_the_export_is_the_simulated_partition_in_the_own_data_format(tmp_path):
     from fedvlm.client_app.vlm_node import vlm_node_data
     from fedvlm.deploy.export_folder import export_partitions
-    from fedvlm.methods.registry import validate
+    from fedvlm.methods.validation import validate
 
     folders = export_partitions(tmp_path, 2, {"method": "fedrand"})
     cfg = validate({"method": "fedrand"})
