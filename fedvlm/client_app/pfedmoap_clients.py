@@ -14,12 +14,11 @@ A round without experts (first participation, or K = 0) is a plain CoOp round fr
 
 DP (``pfedmoap.dp-placement``): 'step' runs DP-SGD on both the prompt and the gate at every
 step (two clip groups, one noise level); 'upload' trains without noise and clips and noises the
-prompt's update once before it is sent (``privacy.dpsgd.privatize_batch``).
+prompt's update once before it is sent (the 'upload' placement is the local mechanism's
+``per_participation``, which ``PromptClient.release`` applies).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -31,10 +30,7 @@ from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
 from fedvlm.client_app.trainer import StepOutput
 from fedvlm.models.gating import AttentionGate, moe_logits
 from fedvlm.models.prompt_learner import clip_logits
-from fedvlm.privacy.dpsgd import DPStep, privatize_batch
-from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import TrainReply
-from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.tensor_names import CTX, EXPERTS
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 
@@ -118,25 +114,9 @@ class PFedMoAPClient(PromptClient):
         if self._gate is not None:
             self.own.update({GATE + k: v.detach().cpu() for k, v in self._gate.state_dict().items()})
             self.own.update({k: v.cpu() for k, v in optimizer_tensors(self._gate_opt, prefix=GATE_OPT).items()})
-        if self.uploads_noised():
-            ctx = self.noised_upload(p_global, ctx, instruction)
+        ctx = self.release(p_global, ctx, instruction)  # 'upload' placement: noised once here
         self.persist()
         return TrainReply({CTX: ctx}, self.train_metrics(stats))
-
-    def uploads_noised(self) -> bool:
-        return self.privacy.enabled and self.cfg.pfedmoap.dp_placement == "upload"
-
-    def step_privacy(self) -> PrivacyConfig:
-        if self.uploads_noised():  # the steps train on raw data; the upload is noised once
-            return replace(self.privacy, epsilon=0.0, noise_multiplier=0.0)
-        return self.privacy
-
-    def noised_upload(self, p_global: torch.Tensor, ctx: torch.Tensor, instruction) -> torch.Tensor:
-        """The 'upload' placement: P_g + (the update clipped to C) + N(0, sigma^2)."""
-        _, sigma = client_plan(self.cfg, self.records(len(self._labels)), instruction)
-        step = DPStep(self.privacy.clip, 1, sigma, (("ctx",),), frozenset({"ctx"}))
-        noised, _ = privatize_batch({"ctx": ctx - p_global}, step, self.noise())
-        return p_global + noised["ctx"]
 
     # ---- Learner hooks (client_app.trainer) ----------------------------------------------------
     def begin_step(self) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ over all classes of the dataset.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.feature_cache import encode_images
 from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
 from fedvlm.privacy.canaries import Canaries
+from fedvlm.privacy.dpsgd import DPStep, privatize_batch
 from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
@@ -163,9 +165,29 @@ class PromptClient(Client):
             self.own.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
         return self._ctx.detach().cpu(), stats
 
+    def noised_once(self) -> bool:
+        """Whether the method's local mechanism is placed on the round's whole update rather than
+        on every step (``LocalDP.per_participation``, e.g. pFedMoAP's ``dp-placement='upload'``)."""
+        local = self.cfg.spec.local_dp
+        return self.privacy.enabled and local is not None and local(self.cfg).per_participation
+
     def step_privacy(self) -> PrivacyConfig:
-        """The privacy of each local step (a method that noises elsewhere trains without it)."""
+        """The privacy of each local step: none where the mechanism noises the update once (the
+        steps then train on raw records, and ``release`` noises what leaves)."""
+        if self.noised_once():
+            return replace(self.privacy, epsilon=0.0, noise_multiplier=0.0)
         return self.privacy
+
+    def release(self, sent: torch.Tensor, trained: torch.Tensor, instruction: TrainInstruction) -> torch.Tensor:
+        """The context that leaves the node, trained from ``sent``: as trained, or, where the
+        mechanism noises the update once, ``sent`` + (the update clipped to C) + N(0, sigma^2),
+        with the sigma the node's own plan needs for one release a round (``client_plan``)."""
+        if not self.noised_once():
+            return trained
+        _, sigma = client_plan(self.cfg, self.records(len(self._labels)), instruction)
+        step = DPStep(self.privacy.clip, 1, sigma, (("ctx",),), frozenset({"ctx"}))
+        noised, _ = privatize_batch({"ctx": trained - sent}, step, self.noise())
+        return sent + noised["ctx"]
 
     def batch_features(self, batch: np.ndarray) -> torch.Tensor:
         return self._augmented_batch(batch) if self.cfg.prompt.augment else self._feats[batch]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
-from fedvlm.client_app import pfedmoap_clients, trainer
+from fedvlm.client_app import prompt_clients, trainer
 from fedvlm.client_app.app import app as client_app
 from fedvlm.privacy.planner import local_plan
 from fedvlm.protocol import SERVER_ROUND, TrainInstruction
@@ -76,7 +76,7 @@ class Recorder:
         monkeypatch.setattr(trainer, "privatize", privatize)
         monkeypatch.setattr(trainer, "privatize_batch", privatize_whole)
         # pFedMoAP's upload: the round's update, every record in it (no sampling)
-        monkeypatch.setattr(pfedmoap_clients, "privatize_batch", lambda g, s, n: privatize_whole(g, s, n, rate=1.0))
+        monkeypatch.setattr(prompt_clients, "privatize_batch", lambda g, s, n: privatize_whole(g, s, n, rate=1.0))
 
     def epsilon(self, accountant: str) -> float:
         events = []
