@@ -1,6 +1,6 @@
 """Clients of the global/local prompt methods: DP-FPL and its baselines (FedOTP, FedPGP).
 
-All share one set of training hooks (``GlobalLocalClient``, run by ``client_app.trainer``),
+All share one round (``GlobalLocalRound``, whose hooks ``client_app.trainer`` runs),
 which is DP-FPL's Algorithm 1 generalised to ``local-steps`` steps per round:
 - the global prompt p_G arrives from the server; the local part stays in the node's private
   state and never leaves it;
@@ -17,6 +17,8 @@ and the local part make logits) and ``apply_local`` (how the local part is updat
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -25,11 +27,10 @@ from fedvlm.client_app.prompt_clients import PromptClient
 from fedvlm.client_app.scoring import OTScorer
 from fedvlm.client_app.server_view import UploadView
 from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
-from fedvlm.client_app.trainer import StepOutput, local_round
+from fedvlm.client_app.trainer import Learner, StepOutput
 from fedvlm.models.lowrank import factorize, rebuild_gradient
 from fedvlm.models.prompt_learner import clip_logits
 from fedvlm.privacy.mechanisms import clip_tensor
-from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import TrainReply
 from fedvlm.tensor_names import GLOBAL_CTX, GLOBAL_GRAD
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
@@ -90,54 +91,25 @@ class GlobalLocalClient(PromptClient):
     def store_local(self, local: dict[str, torch.Tensor]) -> None:
         self.own.update({k: v.detach().cpu() for k, v in local.items()})
 
-    def train(self, arrays, instruction):
-        _, labels = self.train_data()
-        shape, sigma = client_plan(self.cfg, self.records(len(labels)), instruction)
+    def begin_round(self, arrays, instruction) -> GlobalLocalRound:
+        feats, labels = self.features("train")
         dev = self.bundle.device
-        self._p_global = arrays[GLOBAL_CTX].to(dev)
-        self._local = self.load_local(self._p_global)
-        for t in self._local.values():
+        p_global = arrays[GLOBAL_CTX].to(dev)
+        local = self.load_local(p_global)
+        for t in local.values():
             t.requires_grad_(True)
-        self._opt = self.make_optimizer(self.local_opt_params(self._local))
-        restore_optimizer(self._opt, {k: v.to(dev) for k, v in self.own.items()})
-        self._factor_gen = generator_for(
-            node_key(self.cfg.seed, self.node.seed, NodeStream.POWER_ITERATION, self.round)
-        )
-        self._g_global = torch.zeros_like(self._p_global)
-        stats = local_round(self, shape, self.privacy, sigma, self.rng(), self.noise())
-        g_global = self._g_global / shape.steps
+        opt = self.make_optimizer(self.local_opt_params(local))
+        restore_optimizer(opt, {k: v.to(dev) for k, v in self.own.items()})
+        factors = generator_for(node_key(self.cfg.seed, self.node.seed, NodeStream.POWER_ITERATION, self.round))
+        return GlobalLocalRound(self, p_global, local, opt, factors, feats, labels)
+
+    def finish_round(self, session, stats, shape, sigma, instruction):
+        g_global = session.g_global / shape.steps
         if self.privacy.enabled:  # the average of clipped steps has norm <= C; clip again for safety
             g_global, _ = clip_tensor(g_global, self.privacy.clip)
-        self.store_local({k: v.detach() for k, v in self._local.items()})
-        self.own.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
-        self.persist()
-        return TrainReply({GLOBAL_GRAD: g_global.cpu()}, self.train_metrics(stats))
-
-    # ---- Learner hooks (client_app.trainer) -------------------------------------------------
-    def begin_step(self) -> dict[str, torch.Tensor]:
-        self._leaves, self._step_ctx = self.local_leaves(self._local, self._factor_gen)
-        self._g_leaf = self._p_global.clone().requires_grad_(True)
-        return {"global": self._g_leaf, **self._leaves}
-
-    def forward(self, batch: np.ndarray) -> StepOutput:
-        y = self._labels[batch]
-        losses, logits, self._via = self.score(self._g_leaf, self._leaves, self._step_ctx, self._feats[batch], y)
-        return StepOutput(losses, self._via, correct=int((logits.detach().argmax(1) == y).sum()))
-
-    def noised(self, names):
-        return frozenset(names) - {"global"}  # p_G's gradient is noised on the server (global DP)
-
-    def extra_gradients(self) -> dict[str, torch.Tensor]:
-        reg = self.regularizer(self._g_leaf, self._leaves, self._step_ctx, self._via)
-        if reg is None:
-            return {}
-        names = ["global", *self._leaves]
-        extra = torch.autograd.grad(reg, [self._g_leaf, *self._leaves.values()], allow_unused=True)
-        return {k: g for k, g in zip(names, extra, strict=True) if g is not None}
-
-    def apply(self, grads: dict[str, torch.Tensor]) -> None:
-        self._g_global += grads.pop("global")
-        self.apply_local(self._local, self._leaves, self._step_ctx, grads, self._opt)
+        self.store_local({k: v.detach() for k, v in session.local.items()})
+        self.own.update({k: v.cpu() for k, v in optimizer_tensors(session.opt).items()})
+        return TrainReply({GLOBAL_GRAD: g_global.cpu()}, self.train_metrics(stats, session))
 
     def personal_prompts(self, arrays):
         p_global = arrays[GLOBAL_CTX].to(self.bundle.device)
@@ -147,6 +119,62 @@ class GlobalLocalClient(PromptClient):
 
     def published_prompts(self, p_global: torch.Tensor, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"ctx": self.personal_prompt(p_global, local)}
+
+
+class GlobalLocalRound(Learner):
+    """One round of a global/local method: the ``Learner`` hooks of ``client_app.trainer`` on the
+    received global prompt, the private local part and the round's sum of p_G's gradients; the
+    method's own forward and update are its client's hooks (``local_leaves``, ``score``,
+    ``regularizer``, ``apply_local``)."""
+
+    def __init__(
+        self,
+        client: GlobalLocalClient,
+        p_global: torch.Tensor,
+        local: dict[str, torch.Tensor],
+        opt: torch.optim.Optimizer,
+        factors: torch.Generator,
+        feats: torch.Tensor,
+        labels: torch.Tensor,
+    ):
+        self.client = client
+        self.p_global = p_global  # [M, d] the global prompt received; it does not change this round
+        self.local = local  # the private local part, trained (DP-FPL's p_L, FedPGP's u and v)
+        self.opt = opt  # the local part's optimiser
+        self.factors = factors  # DP-FPL's power iterations, keyed by the node and round
+        self.feats, self.labels = feats, labels  # [n, D] the node's cached training features; [n]
+        self.g_global = torch.zeros_like(p_global)  # the sum of p_G's clipped step gradients
+        # this step's: the local leaves, what score/apply_local need besides, p_G's leaf, the text
+        # features the leaves reach the losses through
+        self.leaves: dict[str, torch.Tensor] = {}
+        self.step_ctx: dict = {}
+        self.g_leaf = p_global
+        self.via: list[torch.Tensor] = []
+
+    def begin_step(self) -> dict[str, torch.Tensor]:
+        self.leaves, self.step_ctx = self.client.local_leaves(self.local, self.factors)
+        self.g_leaf = self.p_global.clone().requires_grad_(True)
+        return {"global": self.g_leaf, **self.leaves}
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        y = self.labels[batch]
+        losses, logits, self.via = self.client.score(self.g_leaf, self.leaves, self.step_ctx, self.feats[batch], y)
+        return StepOutput(losses, self.via, correct=int((logits.detach().argmax(1) == y).sum()))
+
+    def noised(self, names):
+        return frozenset(names) - {"global"}  # p_G's gradient is noised on the server (global DP)
+
+    def extra_gradients(self) -> dict[str, torch.Tensor]:
+        reg = self.client.regularizer(self.g_leaf, self.leaves, self.step_ctx, self.via)
+        if reg is None:
+            return {}
+        names = ["global", *self.leaves]
+        extra = torch.autograd.grad(reg, [self.g_leaf, *self.leaves.values()], allow_unused=True)
+        return {k: g for k, g in zip(names, extra, strict=True) if g is not None}
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        self.g_global += grads.pop("global")
+        self.client.apply_local(self.local, self.leaves, self.step_ctx, grads, self.opt)
 
 
 class DPFPLClient(GlobalLocalClient):
@@ -254,14 +282,14 @@ class FedPGPClient(GlobalLocalClient):
         logits = clip_logits(feats, text, self.scale)
         return F.cross_entropy(logits, labels, reduction="none"), logits, [text]
 
+    @cached_property
     def handcrafted_text(self) -> torch.Tensor:
-        if not hasattr(self, "_handcrafted"):
-            template = self.cfg.zeroshot.template
-            tokens = self.bundle.tokenizer([template.format(c) for c in self.classnames]).to(self.bundle.device)
-            with torch.no_grad():
-                text = self.bundle.model.encode_text(tokens)  # type: ignore[operator]  # open_clip, typed as nn.Module
-                self._handcrafted = F.normalize(text.float(), dim=-1)
-        return self._handcrafted
+        """CLIP's text features of the hand-written template, [C, D] (encoded once per client)."""
+        template = self.cfg.zeroshot.template
+        tokens = self.bundle.tokenizer([template.format(c) for c in self.classnames]).to(self.bundle.device)
+        with torch.no_grad():
+            text = self.bundle.model.encode_text(tokens)  # type: ignore[operator]  # open_clip, typed as nn.Module
+        return F.normalize(text.float(), dim=-1)
 
     def regularizer(self, p_global, leaves, ctx, via):
         mu = self.cfg.fedpgp.mu
@@ -270,7 +298,7 @@ class FedPGPClient(GlobalLocalClient):
         tau = self.cfg.fedpgp.temperature
         text_global = self.scorer.text(p_global)
         text_personal = via[0]
-        pos = (text_global * self.handcrafted_text()).sum(-1) / tau
+        pos = (text_global * self.handcrafted_text).sum(-1) / tau
         neg = (text_global * text_personal).sum(-1) / tau
         return mu * (torch.logsumexp(torch.stack([pos, neg]), 0) - pos).mean()
 

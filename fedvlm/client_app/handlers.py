@@ -10,7 +10,9 @@ Three message types:
 - ``train`` / ``evaluate``: the method's client trainer runs on the arrays the server sent
   this node; the reply goes through the send guard. The node's private state is restored from
   its own disk first where memory lacks it (a restarted SuperNode, a resumed run) and written
-  back after (``client_app.state``).
+  back after (``client_app.state``). A client's ``evaluate`` only evaluates: the handler commits
+  what the node keeps and, on the run's last evaluation, publishes the node's model on its own
+  disk (``client_app.publishing``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from flwr.app import ArrayRecord, Context, Message, MessageType
 
 from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
+from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.send_guard import guarded_reply, hello_reply
 from fedvlm.client_app.state import persist, restore, state_dir
 from fedvlm.methods.validation import validate
@@ -92,6 +95,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     _, _, client, arrays, config, where = _setup(msg, context)
     instruction = EvaluateInstruction.from_config(config)
     reply = client.evaluate(arrays, instruction)
+    client.commit()  # a first contact may have initialised the node's own parts
+    if instruction.final_round:  # the run's last evaluation: the node publishes on its own disk
+        publish(client.node, client.published(arrays), instruction)
     persist(context.state, where, instruction.server_round)
     return guarded_reply(msg, reply.with_metrics({COMPUTE_SECONDS: time.time() - t0}), allowed=frozenset())
 

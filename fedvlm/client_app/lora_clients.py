@@ -21,20 +21,19 @@ tensor the node has never sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 
 import numpy as np
 import torch
 
 from fedvlm.client_app.client import Client
 from fedvlm.client_app.server_view import UploadView
-from fedvlm.client_app.state import load_meta, save_meta, save_private
-from fedvlm.client_app.trainer import StepOutput, local_round
+from fedvlm.client_app.trainer import Learner, StepOutput
 from fedvlm.client_app.vlm_node import VLMNodeData
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
 from fedvlm.privacy.canaries import Canaries
-from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
@@ -59,7 +58,6 @@ class LoRAClient(Client):
             cfg.vlm.dtype,
         )
         self.shareable = sorted(cfg.spec.shares(cfg, self.initial))  # every tensor it may ever send
-        self.meta = load_meta(state)
 
     # --- what is shared ------------------------------------------------------------------------
     @property
@@ -107,62 +105,46 @@ class LoRAClient(Client):
         out.update(received)
         return out
 
-    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> TrainReply:
+    # --- a round (client_app.client.Client.train) ----------------------------------------------
+    def training_records(self) -> int:
         if not len(self.node.train):
             raise RuntimeError(f"{self.node.name} holds no training samples")
-        self.check_request(arrays, instruction)
-        c, split = self.cfg, self.node.train
-        shape, sigma = client_plan(c, self.records(len(split)), instruction)
+        return len(self.node.train)
+
+    def begin_round(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> LoRARound:
         load_adapter_state(self.vlm.model, self.starting_adapter(arrays))
-        self._params = trainable(self.vlm.model)
-        self._opt = torch.optim.AdamW(list(self._params.values()), lr=c.lora.lr, weight_decay=c.lora.weight_decay)
-        rng, noise = self.rng(), self.noise()
-        t0 = time.time()
+        params = trainable(self.vlm.model)
+        opt = torch.optim.AdamW(list(params.values()), lr=self.cfg.lora.lr, weight_decay=self.cfg.lora.weight_decay)
+        return LoRARound(self, params, opt)
+
+    def loop_context(self) -> AbstractContextManager:
+        """LoRA dropout draws from torch's global generator: seed it per node and round (and put it
+        back after), so a run repeats whatever ran before in the same process; the model trains
+        in train mode."""
+        return self._seeded_training()
+
+    @contextmanager
+    def _seeded_training(self) -> Iterator[None]:
+        c = self.cfg
         self.vlm.model.train()
-        with torch.random.fork_rng():
-            # LoRA dropout draws from torch's global generator: seed it per node and round, so a
-            # run repeats whatever ran before in the same process
-            torch.manual_seed(
-                generator_for(node_key(c.seed, self.node.seed, NodeStream.LORA_DROPOUT, self.round)).initial_seed()
-            )
-            stats = local_round(self, shape, c.privacy, sigma, rng, noise)
-        self.vlm.model.eval()
-        trained = {k: v.detach().cpu().clone() for k, v in self._params.items()}
+        try:
+            with torch.random.fork_rng():
+                torch.manual_seed(
+                    generator_for(node_key(c.seed, self.node.seed, NodeStream.LORA_DROPOUT, self.round)).initial_seed()
+                )
+                yield
+        finally:
+            self.vlm.model.eval()
+
+    def finish_round(self, session, stats, shape, sigma, instruction):
+        trained = {k: v.detach().cpu().clone() for k, v in session.params.items()}
         requested = list(instruction.reply_keys)
         self.own = self.keep(trained)
         self.meta["sent"] = ",".join(requested)
-        self.meta["rounds-trained"] = int(self.meta.get("rounds-trained", 0)) + 1
-        save_private(self.state, self.own)
-        save_meta(self.state, self.meta)
         return TrainReply(
-            {k: trained[k] for k in requested}, {**stats.metrics(len(split)), "train-seconds": time.time() - t0}
+            {k: trained[k] for k in requested},
+            {**stats.metrics(len(self.node.train)), "train-seconds": time.time() - session.started},
         )
-
-    # --- Learner hooks (client_app.trainer) ----------------------------------------------------
-    @property
-    def module(self) -> torch.nn.Module:  # type: ignore[override]  # read-only here; the trainer only reads it
-        return self.vlm.model
-
-    def begin_step(self) -> Mapping[str, torch.Tensor]:
-        return self._params
-
-    def clip_groups(self, names):
-        return (tuple(names),)  # the whole adapter's per-sample gradient is clipped as one
-
-    def forward(self, batch: np.ndarray) -> StepOutput:
-        if not len(batch):
-            return StepOutput(torch.zeros(0, device=self.vlm.device))
-        split = self.node.train
-        inputs = self.vlm.training_batch(
-            [split.images.image(i) for i in batch], [split.prompts[i] for i in batch], [split.targets[i] for i in batch]
-        )
-        per_sample, token_mean = self.vlm.losses(inputs)
-        return StepOutput(per_sample, objective=token_mean)
-
-    def apply(self, grads: dict[str, torch.Tensor]) -> None:
-        for k, p in self._params.items():
-            p.grad = grads[k]
-        self._opt.step()
 
     def check_request(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> None:
         """Refuse a train message that breaks the method's rule on what is exchanged."""
@@ -218,6 +200,43 @@ class LoRAClient(Client):
         if cap and len(idx) > cap:
             idx = idx[:cap]
         return ood.subset(idx, f"ood{self.node.partition_id}of{n}") if len(idx) else None
+
+
+class LoRARound(Learner):
+    """One round of a LoRA method: the ``Learner`` hooks of ``client_app.trainer`` on the
+    adapter's trainable tensors (per-sample gradients from Opacus on the VLM, the whole adapter
+    clipped as one)."""
+
+    def __init__(self, client: LoRAClient, params: Mapping[str, torch.Tensor], opt: torch.optim.Optimizer):
+        self.client = client
+        self.params = params  # the adapter's trainable tensors, by name (the model's own parameters)
+        self.opt = opt
+        self.started = time.time()
+
+    @property
+    def module(self) -> torch.nn.Module:  # type: ignore[override]  # read-only here; the trainer only reads it
+        return self.client.vlm.model
+
+    def begin_step(self) -> Mapping[str, torch.Tensor]:
+        return self.params
+
+    def clip_groups(self, names):
+        return (tuple(names),)  # the whole adapter's per-sample gradient is clipped as one
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        vlm, split = self.client.vlm, self.client.node.train
+        if not len(batch):
+            return StepOutput(torch.zeros(0, device=vlm.device))
+        inputs = vlm.training_batch(
+            [split.images.image(i) for i in batch], [split.prompts[i] for i in batch], [split.targets[i] for i in batch]
+        )
+        per_sample, token_mean = vlm.losses(inputs)
+        return StepOutput(per_sample, objective=token_mean)
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        for k, p in self.params.items():
+            p.grad = grads[k]
+        self.opt.step()
 
 
 class FedRandClient(LoRAClient):

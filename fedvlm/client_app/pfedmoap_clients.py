@@ -24,13 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.prompt_clients import PromptClient
+from fedvlm.client_app.prompt_clients import PromptClient, PromptRound
 from fedvlm.client_app.scoring import PromptScorer
 from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
 from fedvlm.client_app.trainer import StepOutput
 from fedvlm.models.gating import AttentionGate, moe_logits
 from fedvlm.models.prompt_learner import clip_logits
-from fedvlm.protocol import TrainReply
 from fedvlm.tensor_names import CTX, EXPERTS
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 
@@ -102,55 +101,24 @@ class PFedMoAPClient(PromptClient):
         return {k: v for k, v in self.own.items() if k.startswith((GATE, GATE_OPT))}
 
     # ---- a round ------------------------------------------------------------------------------
-    def train(self, arrays: dict[str, torch.Tensor], instruction):
-        p_global = arrays[CTX]
+    def begin_round(self, arrays, instruction) -> PromptRound:
+        """A round from the received aggregate; with experts, the gate trains beside the prompt."""
         experts = arrays.get(EXPERTS)
-        self._gate = None
-        if experts is not None and len(experts) > 0:
-            self._gate = self.load_gate()
-            self._gate_opt = self.gate_optimizer(self._gate)
-            self._expert_text = self.scorer.expert_text(experts)  # [K, C, D], no gradient
-        ctx, stats = self.train_context(p_global, instruction)
-        if self._gate is not None:
-            self.own.update({GATE + k: v.detach().cpu() for k, v in self._gate.state_dict().items()})
-            self.own.update({k: v.cpu() for k, v in optimizer_tensors(self._gate_opt, prefix=GATE_OPT).items()})
-        ctx = self.release(p_global, ctx, instruction)  # 'upload' placement: noised once here
-        self.persist()
-        return TrainReply({CTX: ctx}, self.train_metrics(stats))
+        if experts is None or len(experts) == 0:
+            return self.prompt_round(arrays)
+        gate = self.load_gate()
+        gate_opt = self.gate_optimizer(gate)
+        expert_text = self.scorer.expert_text(experts)  # [K, C, D], no gradient
+        plain = self.prompt_round(arrays)
+        return MoAPRound(plain, gate, gate_opt, expert_text)
 
-    # ---- Learner hooks (client_app.trainer) ----------------------------------------------------
-    def begin_step(self) -> dict[str, torch.Tensor]:
-        leaves = {"ctx": self._ctx}
-        if self._gate is not None:
-            leaves.update({GATE + k: p for k, p in self._gate.named_parameters()})
-        return leaves
-
-    def forward(self, batch: np.ndarray) -> StepOutput:
-        if self._gate is None:
-            return super().forward(batch)
-        text = self._encoder(self._ctx)  # [C, D]
-        lam = self.cfg.pfedmoap.lambda_
-        logits = moe_logits(self._gate, self.batch_features(batch), text, self._expert_text, self.scale, lam)
-        y = self._labels[batch]
-        gate_names = [GATE + k for k, _ in self._gate.named_parameters()]
-        return StepOutput(
-            F.cross_entropy(logits, y, reduction="none"),
-            [text],
-            direct=gate_names,
-            correct=int((logits.argmax(1) == y).sum()),
-        )
-
-    def clip_groups(self, names):
-        """The prompt and the gate are clipped to C separately (a two-tensor mechanism)."""
-        return (("ctx",), tuple(k for k in names if k.startswith(GATE))) if self._gate is not None else (("ctx",),)
-
-    def apply(self, grads: dict[str, torch.Tensor]) -> None:
-        super().apply(grads)
-        if self._gate is not None:
-            self._gate_opt.zero_grad(set_to_none=True)
-            for k, p in self._gate.named_parameters():
-                p.grad = grads[GATE + k]
-            self._gate_opt.step()
+    def finish_round(self, session, stats, shape, sigma, instruction):
+        """The gate and its optimiser state stay on the node; the prompt leaves it (noised once
+        first with ``dp-placement='upload'``, ``PromptClient.release``)."""
+        if isinstance(session, MoAPRound):
+            self.own.update({GATE + k: v.detach().cpu() for k, v in session.gate.state_dict().items()})
+            self.own.update({k: v.cpu() for k, v in optimizer_tensors(session.gate_opt, prefix=GATE_OPT).items()})
+        return super().finish_round(session, stats, shape, sigma, instruction)
 
     # ---- evaluation ---------------------------------------------------------------------------
     def personal_prompts(self, arrays):
@@ -160,3 +128,45 @@ class PFedMoAPClient(PromptClient):
             prompts[EXPERTS] = arrays[EXPERTS]
         prompts.update({k: v for k, v in self.own.items() if k.startswith(GATE)})
         return prompts
+
+
+class MoAPRound(PromptRound):
+    """A pFedMoAP round with experts: the prompt's round (``PromptRound``) plus the private gate,
+    which takes its own optimiser step on every batch; logits are the gated mixture
+    (``models.gating.moe_logits``)."""
+
+    def __init__(
+        self, plain: PromptRound, gate: AttentionGate, gate_opt: torch.optim.Optimizer, expert_text: torch.Tensor
+    ):
+        super().__init__(plain.client, plain.start, plain.ctx, plain.opt, plain.encoder, plain.feats, plain.labels)
+        self.gate = gate
+        self.gate_opt = gate_opt
+        self.expert_text = expert_text  # [K, C, D] the experts' class text features, no gradient
+        self.gate_names = [GATE + k for k, _ in gate.named_parameters()]
+
+    def begin_step(self) -> dict[str, torch.Tensor]:
+        return {"ctx": self.ctx, **{GATE + k: p for k, p in self.gate.named_parameters()}}
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        client = self.client
+        text = self.encoder(self.ctx)  # [C, D]
+        feats = client.batch_features(batch, self.feats)
+        logits = moe_logits(self.gate, feats, text, self.expert_text, client.scale, client.cfg.pfedmoap.lambda_)
+        y = self.labels[batch]
+        return StepOutput(
+            F.cross_entropy(logits, y, reduction="none"),
+            [text],
+            direct=self.gate_names,
+            correct=int((logits.argmax(1) == y).sum()),
+        )
+
+    def clip_groups(self, names):
+        """The prompt and the gate are clipped to C separately (a two-tensor mechanism)."""
+        return (("ctx",), tuple(k for k in names if k.startswith(GATE)))
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        super().apply(grads)
+        self.gate_opt.zero_grad(set_to_none=True)
+        for k, p in self.gate.named_parameters():
+            p.grad = grads[GATE + k]
+        self.gate_opt.step()

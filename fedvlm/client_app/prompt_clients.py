@@ -19,25 +19,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.client import Client
+from fedvlm.client_app.client import ROUNDS_TRAINED, Client
 from fedvlm.client_app.node import NodeData
-from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.scoring import PromptScorer, TemplateScorer
 from fedvlm.client_app.server_view import UploadView
-from fedvlm.client_app.state import (
-    load_meta,
-    optimizer_tensors,
-    restore_optimizer,
-    save_meta,
-    save_private,
-)
-from fedvlm.client_app.trainer import RoundStats, StepOutput, local_round
+from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
+from fedvlm.client_app.trainer import Learner, RoundStats, StepOutput
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.feature_cache import encode_images
 from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import DPStep, privatize_batch
-from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
@@ -45,9 +37,10 @@ from fedvlm.tensor_names import CTX
 
 
 class PromptClient(Client):
-    """Shared machinery; subclasses implement ``train`` and ``personal_prompts`` (what the
-    client evaluates with and, at the end of a run, publishes). The ``Learner`` hooks here train
-    one context ``ctx`` (PromptFL, CoOp); the global/local methods override them."""
+    """Shared machinery; subclasses implement ``finish_round`` (what leaves the node) and
+    ``personal_prompts`` (what the client evaluates with and, at the end of a run, publishes).
+    A round here trains one context (``PromptRound``: PromptFL, CoOp); the global/local methods
+    and pFedMoAP start their own sessions."""
 
     scorer_class = PromptScorer
 
@@ -61,7 +54,6 @@ class PromptClient(Client):
         self.bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
         self.scale = self.bundle.logit_scale
         self.classnames = node.splits.classnames
-        self.meta = load_meta(state)
         self.privacy = cfg.privacy
         self.scorer = self.scorer_class(self.bundle, self.classnames, cfg)
 
@@ -132,38 +124,48 @@ class PromptClient(Client):
     def encoder(self, ctx: torch.Tensor) -> PromptEncoder:
         return self.scorer.encoder(ctx)
 
-    # --- training ------------------------------------------------------------------------------
+    # --- a round (client_app.client.Client.train) ----------------------------------------------
     def make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.cfg
         if c.prompt.optimizer == "adam":
             return torch.optim.Adam(params, lr=c.prompt.lr, weight_decay=c.prompt.weight_decay)
         return torch.optim.SGD(params, lr=c.prompt.lr, momentum=c.prompt.momentum, weight_decay=c.prompt.weight_decay)
 
-    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        feats, labels = self.features("train")
-        if len(labels) == 0:
+    def training_records(self) -> int:
+        if len(self.node.part.train) == 0:
             raise RuntimeError(f"{self.node.name} holds no training images")
-        self._feats, self._labels = feats, labels
-        return feats, labels
+        return len(self.node.part.train)
 
-    def train_context(
-        self, ctx0: torch.Tensor, instruction: TrainInstruction, anchor: torch.Tensor | None = None, mu: float = 0.0
-    ) -> tuple[torch.Tensor, RoundStats]:
-        """The plan's local steps on the context: CE over all classes (+ FedProx term when mu > 0),
-        with clipping and local-DP noise when privacy is on. The optimiser state (momentum / Adam
-        moments) persists in the node's private state."""
-        _, labels = self.train_data()
-        shape, sigma = client_plan(self.cfg, self.records(len(labels)), instruction)
-        self._ctx = ctx0.detach().clone().to(self.bundle.device).requires_grad_(True)
-        self._opt = self.make_optimizer([self._ctx])
+    def start_context(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The context this round trains from (default: the one the server sent)."""
+        return arrays[CTX]
+
+    def begin_round(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> Learner:
+        return self.prompt_round(arrays)
+
+    def prompt_round(self, arrays: dict[str, torch.Tensor]) -> PromptRound:
+        """A round on one context: CE over all classes, trained from ``start_context``; the
+        optimiser state (momentum, Adam moments) carries over in the node's private state where
+        the method keeps it."""
+        feats, labels = self.features("train")
+        start = self.start_context(arrays)
+        ctx = start.detach().clone().to(self.bundle.device).requires_grad_(True)
+        opt = self.make_optimizer([ctx])
         if self.keeps_prompt_optimizer:
-            restore_optimizer(self._opt, {k: v.to(self.bundle.device) for k, v in self.own.items()})
-        self._encoder = self.encoder(self._ctx)
-        self._anchor, self._mu = anchor, mu
-        stats = local_round(self, shape, self.step_privacy(), sigma, self.rng(), self.noise())
+            restore_optimizer(opt, {k: v.to(self.bundle.device) for k, v in self.own.items()})
+        return PromptRound(self, start, ctx, opt, self.encoder(ctx), feats, labels)
+
+    def finish_round(self, session, stats, shape, sigma, instruction) -> TrainReply:
+        """A prompt method sends its trained context (noised once first where its mechanism
+        says so, ``release``)."""
+        ctx = self.release(session.start, self.trained_context(session), sigma)
+        return TrainReply({CTX: ctx}, self.train_metrics(stats, session))
+
+    def trained_context(self, session: PromptRound) -> torch.Tensor:
+        """The round's trained context; the optimiser state kept for the next round."""
         if self.keeps_prompt_optimizer:
-            self.own.update({k: v.cpu() for k, v in optimizer_tensors(self._opt).items()})
-        return self._ctx.detach().cpu(), stats
+            self.own.update({k: v.cpu() for k, v in optimizer_tensors(session.opt).items()})
+        return session.ctx.detach().cpu()
 
     def noised_once(self) -> bool:
         """Whether the method's local mechanism is placed on the round's whole update rather than
@@ -178,41 +180,22 @@ class PromptClient(Client):
             return replace(self.privacy, epsilon=0.0, noise_multiplier=0.0)
         return self.privacy
 
-    def release(self, sent: torch.Tensor, trained: torch.Tensor, instruction: TrainInstruction) -> torch.Tensor:
+    def release(self, sent: torch.Tensor, trained: torch.Tensor, sigma: float) -> torch.Tensor:
         """The context that leaves the node, trained from ``sent``: as trained, or, where the
         mechanism noises the update once, ``sent`` + (the update clipped to C) + N(0, sigma^2),
-        with the sigma the node's own plan needs for one release a round (``client_plan``)."""
+        with ``sigma`` the std the node's own plan needs for one release a round (``client_plan``)."""
         if not self.noised_once():
             return trained
-        _, sigma = client_plan(self.cfg, self.records(len(self._labels)), instruction)
         step = DPStep(self.privacy.clip, 1, sigma, (("ctx",),), frozenset({"ctx"}))
         noised, _ = privatize_batch({"ctx": trained - sent}, step, self.noise())
         return sent + noised["ctx"]
 
-    def batch_features(self, batch: np.ndarray) -> torch.Tensor:
-        return self._augmented_batch(batch) if self.cfg.prompt.augment else self._feats[batch]
+    def batch_features(self, batch: np.ndarray, feats: torch.Tensor) -> torch.Tensor:
+        """A batch's image features: freshly augmented and encoded, or the cached ``feats`` rows."""
+        return self._augmented_batch(batch) if self.cfg.prompt.augment else feats[batch]
 
-    # --- Learner hooks (client_app.trainer) ----------------------------------------------------
-    def begin_step(self) -> dict[str, torch.Tensor]:
-        return {"ctx": self._ctx}
-
-    def forward(self, batch: np.ndarray) -> StepOutput:
-        text = self._encoder(self._ctx)  # [C, d]
-        logits = clip_logits(self.batch_features(batch), text, self.scale)  # [b, C]
-        y = self._labels[batch]
-        return StepOutput(
-            F.cross_entropy(logits, y, reduction="none"), [text], correct=int((logits.argmax(1) == y).sum())
-        )
-
-    def extra_gradients(self) -> dict[str, torch.Tensor]:
-        if self._mu > 0 and self._anchor is not None:  # FedProx's proximal term
-            return {"ctx": self._mu * (self._ctx.detach() - self._anchor.to(self._ctx.device))}
-        return {}
-
-    def apply(self, grads: dict[str, torch.Tensor]) -> None:
-        self._opt.zero_grad(set_to_none=True)
-        self._ctx.grad = grads["ctx"]
-        self._opt.step()
+    def train_metrics(self, stats: RoundStats, session: PromptRound) -> dict[str, float]:
+        return {**stats.metrics(len(session.labels)), ROUNDS_TRAINED: int(self.meta.get(ROUNDS_TRAINED, 0))}
 
     # --- evaluation and publishing -----------------------------------------------------------
     def personal_prompts(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -240,28 +223,79 @@ class PromptClient(Client):
         return out
 
     def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> EvaluateReply:
+        # a first contact may initialise private parts in ``own``: the handler commits them
+        return EvaluateReply(self.evaluate_prompts(self.personal_prompts(arrays)))
+
+    def published(self, arrays: dict[str, torch.Tensor]) -> dict | None:
+        """The node's personal prompts (what it evaluates with), with what a user of the file
+        needs to score with them: the class list and the backbone."""
         prompts = self.personal_prompts(arrays)
-        save_private(self.state, self.own)  # a first contact may have initialised private parts
-        publish(self, prompts, instruction)
-        return EvaluateReply(self.evaluate_prompts(prompts))
+        if not prompts:
+            return None
+        return {
+            "method": self.cfg.method,
+            "node": self.node.name,
+            "partition_id": self.node.partition_id,
+            "round": self.round,
+            "prompts": {k: v.detach().cpu() for k, v in prompts.items()},
+            "classnames": list(self.classnames),
+            "backbone": self.bundle.fingerprint,
+        }
 
-    def persist(self) -> None:
-        self.meta["rounds-trained"] = int(self.meta.get("rounds-trained", 0)) + 1
-        save_private(self.state, self.own)
-        save_meta(self.state, self.meta)
 
-    def train_metrics(self, stats: RoundStats) -> dict[str, float]:
-        return {**stats.metrics(len(self._labels)), "rounds-trained": int(self.meta.get("rounds-trained", 0))}
+class PromptRound(Learner):
+    """One round of training one context (PromptFL, CoOp; pFedMoAP's round without experts):
+    the ``Learner`` hooks of ``client_app.trainer`` on what the round holds."""
+
+    def __init__(
+        self,
+        client: PromptClient,
+        start: torch.Tensor,
+        ctx: torch.Tensor,
+        opt: torch.optim.Optimizer,
+        encoder: PromptEncoder,
+        feats: torch.Tensor,
+        labels: torch.Tensor,
+        anchor: torch.Tensor | None = None,
+        mu: float = 0.0,
+    ):
+        self.client = client
+        self.start = start  # [M, d] the context the round started from, as received or kept
+        self.ctx = ctx  # [M, d] the context being trained (a leaf)
+        self.opt = opt
+        self.encoder = encoder  # ctx -> the class text features [C, D]
+        self.feats, self.labels = feats, labels  # [n, D] the node's cached training features; [n]
+        self.anchor, self.mu = anchor, mu  # FedProx's anchor (the prompt received) and weight
+
+    def begin_step(self) -> dict[str, torch.Tensor]:
+        return {"ctx": self.ctx}
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        text = self.encoder(self.ctx)  # [C, D]
+        logits = clip_logits(self.client.batch_features(batch, self.feats), text, self.client.scale)  # [b, C]
+        y = self.labels[batch]
+        return StepOutput(
+            F.cross_entropy(logits, y, reduction="none"), [text], correct=int((logits.argmax(1) == y).sum())
+        )
+
+    def extra_gradients(self) -> dict[str, torch.Tensor]:
+        if self.mu > 0 and self.anchor is not None:  # FedProx's proximal term
+            return {"ctx": self.mu * (self.ctx.detach() - self.anchor.to(self.ctx.device))}
+        return {}
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.ctx.grad = grads["ctx"]
+        self.opt.step()
 
 
 class PromptFLClient(PromptClient):
     """Trains the received global prompt; sends it back for weighted averaging."""
 
-    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> TrainReply:
-        global_ctx = arrays[CTX]
-        ctx, stats = self.train_context(global_ctx, instruction, anchor=global_ctx, mu=self.cfg.prompt.fedprox_mu)
-        self.persist()
-        return TrainReply({CTX: ctx}, self.train_metrics(stats))
+    def begin_round(self, arrays, instruction):
+        session = self.prompt_round(arrays)
+        session.anchor, session.mu = arrays[CTX], self.cfg.prompt.fedprox_mu  # FedProx, where mu > 0
+        return session
 
     def personal_prompts(self, arrays):
         return {"ctx": arrays[CTX]}
@@ -280,11 +314,12 @@ class CoOpClient(PromptClient):
             self.own["ctx"] = arrays[CTX].clone()
         return self.own["ctx"]
 
-    def train(self, arrays, instruction):
-        ctx, stats = self.train_context(self._own_ctx(arrays), instruction)
-        self.own["ctx"] = ctx
-        self.persist()
-        return TrainReply({}, self.train_metrics(stats))
+    def start_context(self, arrays):
+        return self._own_ctx(arrays)
+
+    def finish_round(self, session, stats, shape, sigma, instruction):
+        self.own["ctx"] = self.trained_context(session)
+        return TrainReply({}, self.train_metrics(stats, session))
 
     def personal_prompts(self, arrays):
         return {"ctx": self._own_ctx(arrays)}
@@ -295,7 +330,7 @@ class ZeroShotClient(PromptClient):
 
     scorer_class = TemplateScorer
 
-    def train(self, arrays, instruction):
+    def training_records(self):
         raise RuntimeError("zeroshot does not train; the server should not send it train messages")
 
     def personal_prompts(self, arrays):

@@ -25,23 +25,14 @@ def publish_dir(node_config: dict, instruction: EvaluateInstruction, partition_i
     return None
 
 
-def publish(client, prompts: dict, instruction: EvaluateInstruction) -> Path | None:
-    if not instruction.final_round or not prompts:
+def publish(node, published: dict | None, instruction: EvaluateInstruction) -> Path | None:
+    """Write what ``node``'s client publishes (``Client.published``) where the node publishes, on
+    the run's last round; the path written, or None."""
+    if not instruction.final_round or not published:
         return None
-    where = publish_dir(client.node.config, instruction, client.node.partition_id)
+    where = publish_dir(node.config, instruction, node.partition_id)
     if where is None:
         return None
-    path = where / f"{client.node.name}.pt"
-    atomic_torch_save(
-        {
-            "method": client.cfg.method,
-            "node": client.node.name,
-            "partition_id": client.node.partition_id,
-            "round": client.round,
-            "prompts": {k: v.detach().cpu() for k, v in prompts.items()},
-            "classnames": list(client.classnames),
-            "backbone": client.bundle.fingerprint,
-        },
-        path,
-    )
+    path = where / f"{node.name}.pt"
+    atomic_torch_save(published, path)
     return path

@@ -26,13 +26,11 @@ import torch.nn.functional as F
 
 from fedvlm.client_app.client import Client
 from fedvlm.client_app.node import NodeData
-from fedvlm.client_app.state import load_meta, save_meta
-from fedvlm.client_app.trainer import StepOutput, local_round
+from fedvlm.client_app.trainer import Learner, StepOutput
 from fedvlm.models.clip_loader import resolve_device
 from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import NodeAccountant
-from fedvlm.privacy.planner import client_plan
 from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 
@@ -49,8 +47,6 @@ def resized(source, i: int, size: int) -> torch.Tensor:
 class ReprogramClient(Client):
     """Reprogrammable-FL and its baselines: what trains is the method's ``model_kind``."""
 
-    net: torch.nn.Module  # set in __init__; the trainer swaps in its per-sample wrapper
-
     node: NodeData
 
     def __init__(self, cfg: RunConfig, node: NodeData, state, server_round: int, canaries: Canaries | None = None):
@@ -59,10 +55,8 @@ class ReprogramClient(Client):
         self.source = source_model(cfg)
         self.kind = cfg.spec.model_kind
         self.model = initial_model(cfg, node.splits.n_classes).to(self.device)
-        self.module = self.net = self.model
         self.size = input_size(self.kind, self.source, cfg.reprogram.image_size)
         self.settings = cfg.privacy
-        self.meta = load_meta(state)
 
     @property
     def tensor_names(self) -> frozenset[str]:
@@ -91,7 +85,7 @@ class ReprogramClient(Client):
         )
 
     # --- data ----------------------------------------------------------------------------------
-    def _images(self, split: str, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def images(self, split: str, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Images resized to the model's input side, in [0, 1], and their labels."""
         source = self.node.splits.train if split == "train" else self.node.splits.test
         rows = self.node.part.train if split == "train" else self.node.part.test
@@ -117,21 +111,24 @@ class ReprogramClient(Client):
             for k, v in arrays.items():
                 params[k].copy_(v.to(params[k].device, params[k].dtype))
 
-    # --- training ------------------------------------------------------------------------------
-    def train(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> TrainReply:
-        t0 = time.time()
-        c = self.cfg
-        self._load_global(arrays)
+    # --- a round (client_app.client.Client.train) ----------------------------------------------
+    def training_records(self) -> int:
         n = len(self.node.part.train)
         if n == 0:
             raise RuntimeError(f"{self.node.name} holds no training images")
-        shape, sigma = client_plan(c, self.records(n), instruction)
-        rng, noise = self.rng(), self.noise()
-        self._params = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
-        self._opt = torch.optim.SGD(list(self._params.values()), lr=c.reprogram.lr)
+        return n
+
+    def begin_round(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> ReprogramRound:
+        started = time.time()
+        self._load_global(arrays)
+        params = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
+        opt = torch.optim.SGD(list(params.values()), lr=self.cfg.reprogram.lr)
         self.model.train()
-        stats = local_round(self, shape, self.settings, sigma, rng, noise)
-        metrics = {**stats.metrics(n), "local-steps": shape.steps, "train-seconds": time.time() - t0}
+        return ReprogramRound(self, params, opt, started)
+
+    def finish_round(self, session, stats, shape, sigma, instruction):
+        c, n = self.cfg, len(self.node.part.train)
+        metrics = {**stats.metrics(n), "local-steps": shape.steps, "train-seconds": time.time() - session.started}
         if self.settings.enabled:
             # the node's own account, by Opacus' accountants: z = sigma / (C / B)
             accountant = NodeAccountant(self.meta.get("dp-history"))
@@ -139,30 +136,10 @@ class ReprogramClient(Client):
                 sigma * shape.expected_batch / c.privacy.clip, shape.sampling_rate(self.settings), shape.steps
             )
             self.meta["dp-history"] = accountant.save()
-            save_meta(self.state, self.meta)
             eps = accountant.epsilon(self.settings.delta)
             metrics.update({"epsilon-rdp": eps["rdp"], "epsilon-prv": eps["prv"]})
         shared = {k: v.detach().cpu().clone() for k, v in trainable_state(self.model).items()}
         return TrainReply(shared, metrics)
-
-    # --- Learner hooks (client_app.trainer) ----------------------------------------------------
-    def begin_step(self) -> Mapping[str, torch.Tensor]:
-        return self._params
-
-    def clip_groups(self, names):
-        return (tuple(names),)  # DP-SGD: each sample's whole gradient is clipped as one
-
-    def forward(self, batch: np.ndarray) -> StepOutput:
-        if not len(batch):
-            return StepOutput(torch.zeros(0, device=self.device), correct=0)
-        x, y = self._images("train", batch)
-        logits = self.net(x)
-        return StepOutput(F.cross_entropy(logits, y, reduction="none"), correct=int((logits.argmax(1) == y).sum()))
-
-    def apply(self, grads: dict[str, torch.Tensor]) -> None:
-        for k, p in self._params.items():
-            p.grad = grads[k]
-        self._opt.step()
 
     # --- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -172,7 +149,7 @@ class ReprogramClient(Client):
         n = len(self.node.part.test)
         loss, correct, bs = 0.0, 0, 256
         for start in range(0, n, bs):
-            x, y = self._images("test", np.arange(start, min(n, start + bs)))
+            x, y = self.images("test", np.arange(start, min(n, start + bs)))
             logits = self.model(x)
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
@@ -180,3 +157,37 @@ class ReprogramClient(Client):
         return EvaluateReply(
             {"local-acc": acc, "local-loss": loss / n if n else float("nan"), "local-n": n, NUM_EXAMPLES: n}
         )
+
+
+class ReprogramRound(Learner):
+    """One round of Reprogrammable-FL or a baseline: the ``Learner`` hooks of
+    ``client_app.trainer`` on the model's trainable parameters (per-sample gradients from Opacus,
+    each sample's whole gradient clipped as one)."""
+
+    def __init__(
+        self, client: ReprogramClient, params: Mapping[str, torch.Tensor], opt: torch.optim.Optimizer, started: float
+    ):
+        self.client = client
+        self.module = self.net = client.model  # the trainer swaps in its per-sample wrapper as net
+        self.params = params  # the trainable parameters, by name
+        self.opt = opt
+        self.started = started
+
+    def begin_step(self) -> Mapping[str, torch.Tensor]:
+        return self.params
+
+    def clip_groups(self, names):
+        return (tuple(names),)  # DP-SGD: each sample's whole gradient is clipped as one
+
+    def forward(self, batch: np.ndarray) -> StepOutput:
+        if not len(batch):
+            return StepOutput(torch.zeros(0, device=self.client.device), correct=0)
+        x, y = self.client.images("train", batch)
+        assert self.net is not None  # the model, or the trainer's per-sample wrapper of it
+        logits = self.net(x)
+        return StepOutput(F.cross_entropy(logits, y, reduction="none"), correct=int((logits.argmax(1) == y).sum()))
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        for k, p in self.params.items():
+            p.grad = grads[k]
+        self.opt.step()

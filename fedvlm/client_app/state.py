@@ -58,8 +58,8 @@ def _same(record, tensors: dict[str, torch.Tensor]) -> bool:
 
 def save_private(state: RecordDict, tensors: dict[str, torch.Tensor], key: str = PRIVATE) -> None:
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    if key in state and _same(state[key], tensors):
-        return  # unchanged: nothing new to write to disk either
+    if key in state and _same(state[key], tensors) or key not in state and not tensors:
+        return  # unchanged (nothing kept reads back as nothing): nothing new to write to disk either
     state[key] = ArrayRecord(tensors)
     _mark_changed(state)
 

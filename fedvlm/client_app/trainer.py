@@ -74,7 +74,9 @@ class StepOutput:
 
 
 class Learner:
-    """The hooks of one method's local training (a client class implements them)."""
+    """The hooks of one method's local training, implemented by a round's session: the object a
+    client builds for one round (``Client.begin_round``) that holds what the round trains (the
+    leaves, the optimiser, the data) and lives only as long as the round."""
 
     # nn.Module-based methods: the module whose trainable parameters are the leaves; per-sample
     # gradients then come from Opacus (``privacy.dpsgd.ModuleGradients``). None: prompt tensors
@@ -82,13 +84,6 @@ class Learner:
     module: nn.Module | None = None
     # what the forward calls: the module, or the wrapper the per-sample backend needs while attached
     net: nn.Module | None = None
-    # the audited node's canaries (``privacy.canaries``), set by the ClientApp; None: no audit
-    canaries: Canaries | None = None
-
-    def records(self, n_real: int) -> int:
-        """The training records this node reports and plans with: its own, plus the audit's
-        canary slots (all m of them, present or not, so the count reveals nothing)."""
-        return n_real + (self.canaries.m if self.canaries is not None else 0)
 
     def begin_step(self) -> Mapping[str, torch.Tensor]:
         """The tensors this step differentiates (leaves requiring grad), by name."""
@@ -154,13 +149,15 @@ def local_round(
     sigma: float,
     sampling: np.random.Generator,
     noise: torch.Generator | OsNoise,
+    canaries: Canaries | None = None,
 ) -> RoundStats:
     """Run the plan's local steps (see the module docstring). ``sigma``: the std of this node's
-    local-DP noise, already checked against its own plan (0 without privacy). With canaries, the
-    slots past the node's real records are theirs: a present canary sampled into a step adds its
-    gradient row, and the step's released gradients are scored (``privacy.canaries``)."""
+    local-DP noise, already checked against its own plan (0 without privacy). With the audited
+    node's ``canaries``, the slots past the node's real records are theirs: a present canary
+    sampled into a step adds its gradient row, and the step's released gradients are scored
+    (``privacy.canaries``)."""
     stats = RoundStats(steps=shape.steps)
-    canaries = learner.canaries if privacy.enabled else None
+    canaries = canaries if privacy.enabled else None
     n_real = shape.n_train - (canaries.m if canaries is not None else 0)
     no_canary = np.empty(0, dtype=np.int64)
     per_sample = privacy.enabled and privacy.clipping == "per-sample"

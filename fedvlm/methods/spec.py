@@ -63,6 +63,15 @@ class NodeClient(Protocol):
         """The training records the node reports and plans with (the audit's canary slots included)."""
         ...
 
+    def commit(self) -> None:
+        """Write what the node keeps into its private state (the handler persists it after)."""
+        ...
+
+    def published(self, arrays: dict[str, Any]) -> dict | None:
+        """What the node publishes on its own disk at the end of a run, for the state the server
+        sent; None: nothing."""
+        ...
+
     @abstractmethod
     def hello(self) -> HelloReport:
         """Who this node is, for the server's handshake."""
@@ -73,7 +82,8 @@ class NodeClient(Protocol):
 
     @abstractmethod
     def evaluate(self, arrays: dict[str, Any], instruction: EvaluateInstruction) -> EvaluateReply:
-        """This node's figures for the state the server sent."""
+        """This node's figures for the state the server sent: it only evaluates (what the node
+        keeps is committed, and its model published, by the handler)."""
 
 
 @dataclass(frozen=True)

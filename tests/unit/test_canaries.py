@@ -95,12 +95,11 @@ class Linear(Learner):
 
 
 def _audited_round(sigma: float, steps: int = 200, m: int = 100) -> Canaries:
-    learner = Linear()
-    learner.canaries = Canaries.draw(m)
+    canaries = Canaries.draw(m)
     settings = PrivacyConfig(noise_multiplier=1.0, clip=1.0)
-    shape = ClientShape(learner.records(40), batch_size=24, steps=steps)
-    local_round(learner, shape, settings, sigma, np.random.default_rng(0), generator_for([1]))
-    return learner.canaries
+    shape = ClientShape(40 + canaries.m, batch_size=24, steps=steps)
+    local_round(Linear(), shape, settings, sigma, np.random.default_rng(0), generator_for([1]), canaries)
+    return canaries
 
 
 def test_without_noise_the_released_steps_give_every_canary_away():

@@ -11,7 +11,9 @@ release); the planner behind it is the budget's own.
 
 The client: every method's client is a ``client_app.client.Client``, the one contract the
 ClientApp calls (``methods.spec.NodeClient``: hello, train, evaluate, the tensors it may share,
-its private tensors), built with everything it needs; nothing sets state on it from outside.
+its private tensors), built with everything it needs; nothing sets state on it from outside. Every
+method trains through the one ``Client.train``; what a round holds lives in the round's session,
+not on the client.
 
 The reply: a client answers a typed ``TrainReply``/``EvaluateReply`` and the server's checks
 return one (``protocol``); the metrics both sides read and the tensors that travel are named once
@@ -123,6 +125,30 @@ def test_every_method_client_meets_the_one_contract():
         assert not inspect.isabstract(spec.client), f"{name}: {spec.client.__abstractmethods__}"
         params = list(inspect.signature(spec.client).parameters)
         assert params == ["cfg", "node", "state", "server_round", "canaries"], (name, params)
+        assert spec.client.train is Client.train, f"{name}: one train skeleton for every method (Client.train)"
+
+
+def _kept_on_self(root: Path) -> set[tuple[str, str]]:
+    """(file, attribute) for every ``self._<name> = ...`` in a client module: what a round holds
+    belongs to its session (``begin_round``), not to the client between hooks."""
+    found = set()
+    for path in root.rglob("*_clients.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+            for e in [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]:
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                    if e.attr.startswith("_"):
+                        found.add((str(path.relative_to(root)), e.attr))
+    return found
+
+
+def test_no_client_keeps_a_rounds_state_on_itself():
+    assert _kept_on_self(PACKAGE / "client_app") == set()
+
+
+def test_the_session_rule_sees_state_kept_on_a_client(tmp_path):
+    (tmp_path / "x_clients.py").write_text("class C:\n    def train(self):\n        self._ctx, self.n = 1, 2\n")
+    assert _kept_on_self(tmp_path) == {("x_clients.py", "_ctx")}
 
 
 def _set_from_outside(attr: str, root: Path) -> set[str]:
