@@ -20,7 +20,7 @@ from fedvlm.client_app.reprogram_clients import ReprogramClient
 from fedvlm.client_app.vlm_node import vlm_node_data
 from fedvlm.methods.spec import Family, MethodSpec, shares_all, shares_only
 from fedvlm.models import adapter_parts
-from fedvlm.privacy.planner import ClientShape, LocalDP
+from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP
 from fedvlm.runconfig import (
     ConfigError,
     RunConfig,
@@ -69,6 +69,35 @@ def _pfedmoap_local(cfg: RunConfig) -> LocalDP:
         note="the gate is noised too: the prompt's gradients pass through it, so a gate trained on raw records "
         "would carry their influence into every later upload, and it is part of the published personalised model",
     )
+
+
+def _global_gradient_dp(cfg: RunConfig, per_round: int) -> GlobalDP:
+    """DP-FPL's server mechanism (and its baselines'): Gaussian noise on the average of the
+    sampled clients' clipped global-prompt gradients, divided by at least ``per_round``."""
+    return GlobalDP(
+        "gdp-global",
+        f"server: average of the sampled clients' clipped global-prompt gradients (divided by at least {per_round}), "
+        "once per round",
+        denominator=per_round,
+        tensors=(GLOBAL_GRAD,),
+        note="trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient. A record's batch "
+        "feeds its client's local release and its share of the global release, so the per-record epsilon "
+        "(records, rounds[].per_client) composes both; it bounds what the published global prompt and the "
+        "client's published personalised prompt together reveal of a record",
+    )
+
+
+def _shared_context_check(values: dict) -> None:
+    """The global/local methods average one shared context's gradient (``strategies.global_local``)."""
+    if values["prompt.class-specific"]:
+        raise ConfigError(
+            f"run config 'method' = {values['method']!r} needs a shared context: set prompt.class-specific=false"
+        )
+
+
+def _otp_check(values: dict) -> None:
+    _shared_context_check(values)
+    _patch_tokens_check(values)
 
 
 def _patch_tokens_check(values: dict) -> None:
@@ -222,7 +251,9 @@ METHODS: dict[str, MethodSpec] = {
             shares=_GLOBAL_GRAD,
             defaults=_ONE_STEP,
             local_dp=_dpfpl_local,
+            global_dp=_global_gradient_dp,
             rank_key="dpfpl.rank",
+            check=_shared_context_check,
         ),
         MethodSpec(
             "fedotp",
@@ -236,7 +267,8 @@ METHODS: dict[str, MethodSpec] = {
             local_dp=_dp(
                 "ldp-local", "client: gradient of the full-rank local prompt at every local step", noises_upload=False
             ),
-            check=_patch_tokens_check,
+            global_dp=_global_gradient_dp,
+            check=_otp_check,
         ),
         MethodSpec(
             "fedpgp",
@@ -253,7 +285,9 @@ METHODS: dict[str, MethodSpec] = {
                 2,
                 noises_upload=False,
             ),
+            global_dp=_global_gradient_dp,
             rank_key="fedpgp.rank",
+            check=_shared_context_check,
         ),
         MethodSpec(
             "pfedmoap",

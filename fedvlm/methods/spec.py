@@ -2,7 +2,7 @@
 
 Everything method-specific is a field here, so that no other module needs to ask which
 method or family it is running: the strategy and client classes, the rule for which tensors
-may leave a client, the local-DP mechanism, what trains (model kind, adapter kind), the
+may leave a client, the local-DP mechanism and the server's, what trains (model kind, adapter kind), the
 method's config defaults and the rank key its config check reads. This module imports no strategy or client
 code, so both sides can type against it without an import cycle.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fedvlm.privacy.planner import ClientShape, LocalDP
+from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP
 from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig.schema import RunConfig
 
@@ -121,6 +121,9 @@ class MethodSpec:
     # the local-DP mechanism its clients run when privacy is on (a function of the run config);
     # None: no DP mechanism
     local_dp: Callable[[RunConfig], LocalDP] | None = None
+    # the server's mechanism when privacy is on, from the run config and the clients sampled per
+    # round (its average's fixed denominator); None: the server adds no noise
+    global_dp: Callable[[RunConfig, int], GlobalDP] | None = None
     model_kind: str = ""  # reprogramming: what trains ('mr', 'ff', 'pf', 'ts'; models.reprogram)
     adapter: str = ""  # VLM methods: the peft adapter ('lora', 'loha')
     rank_key: str = ""  # low-rank prompt methods: the config key of the rank k (checked: k <= M)

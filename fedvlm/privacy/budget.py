@@ -8,6 +8,7 @@ which nodes are planned, how many rounds each has been sent, and the ledger entr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -26,6 +27,8 @@ SEEDED_NOTE = (
 
 
 class RunBudget:
+    """A run's privacy on the server (the module docstring); built by ``planned``."""
+
     def __init__(
         self,
         settings: PrivacyConfig,
@@ -43,6 +46,32 @@ class RunBudget:
         self.noise_choice = noise_choice  # the run config's privacy.noise-source
         self.planner = PrivacyPlanner(settings, ledger, rounds, local, global_dp)
         self.rounds_trained: dict[str, int] = {}  # node name -> rounds it was sent a train message
+
+    @classmethod
+    def planned(
+        cls,
+        settings: PrivacyConfig,
+        ledger: PrivacyLedger,
+        rounds: int,
+        local: LocalDP | None,
+        global_dp: GlobalDP | None,
+        shapes: Mapping[str, ClientShape],
+        sources: Mapping[str, str],
+        saved: Mapping | None = None,
+    ) -> RunBudget:
+        """The run's budget, every mechanism planned for the nodes known now (``shapes``: each
+        one's local training; ``sources``: where each draws its noise), or, resuming, for the
+        clients the interrupted run planned for (``saved``: its ``state_dict()['plan']``, with the
+        global average's denominator it was planned with): a node not connected any more is
+        simply not sampled, one that joined since is admitted late."""
+        if saved is not None:
+            shapes = {name: ClientShape(*shape) for name, shape in saved["clients"].items()}
+            sources = {**saved["sources"], **{k: v for k, v in sources.items() if k in shapes}}
+            if global_dp is not None:
+                global_dp = dataclasses.replace(global_dp, denominator=int(saved["denominator"]))
+        budget = cls(settings, ledger, rounds, local, global_dp, settings.noise_source)
+        budget.plan(shapes, sources)
+        return budget
 
     # ---- planning -------------------------------------------------------------------------
     def _check_sources(self, sources: Mapping[str, str]) -> None:
@@ -64,6 +93,8 @@ class RunBudget:
         )
         self.planner.plan(dict(shapes))
         self.record_noise_sources(sources)
+        if self.planner.global_dp is not None and self.planner.global_dp.note:
+            self.ledger.notes.append(self.planner.global_dp.note)
         cap = self.settings.max_epsilon
         if self.settings.fixed_noise or not cap:  # a budget-limited run stops when the cap is reached
             return
@@ -149,6 +180,11 @@ class RunBudget:
         """The std of node ``name``'s local-DP noise (None: the method has no local mechanism)."""
         return self.planner.local_sigma(name) if self.planner.local is not None else None
 
+    def noised_tensors(self) -> tuple[str, ...]:
+        """The reply tensors the server noises (its mechanism's), whose bound must not depend on
+        the data (``strategies.validation.reply_bounds``)."""
+        return self.planner.global_dp.tensors if self.planner.global_dp is not None else ()
+
     def global_denominator(self) -> int | None:
         """What the server's average is divided by at least (None: no server mechanism)."""
         return self.planner.global_dp.denominator if self.planner.global_dp is not None else None
@@ -224,6 +260,12 @@ class RunBudget:
         if self.noise_choice != "auto":
             return self.noise_choice
         return "os" if "os" in sources.values() else "seeded"
+
+    def replay_is_fresh(self, names: Iterable[str], sources: Mapping[str, str]) -> bool:
+        """Whether computing a round of ``names`` again (a message asked again, a resumed round)
+        is a second, independent release: with OS noise at the server or at one of them. With
+        seeded noise everywhere the same records, state and noise release the same tensors."""
+        return self.server_noise_source(sources) == "os" or any(sources.get(n) == "os" for n in names)
 
     def record_noise_sources(self, sources: Mapping[str, str]) -> None:
         self.ledger.noise_sources = {

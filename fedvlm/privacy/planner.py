@@ -205,6 +205,7 @@ class GlobalDP:
     where: str
     denominator: int
     tensors: tuple[str, ...] = ()
+    note: str = ""  # what the ledger must say about who sees what (e.g. a trusted server)
 
 
 class PrivacyPlanner:

@@ -127,9 +127,8 @@ def charge_abandoned(strategy: FederatedStrategy, point: ResumePoint) -> dict:
     (module docstring); what was decided, for ``run.resumed``."""
     if point.abandoned is None or strategy.budget is None:
         return {}
-    sources = strategy.noise_sources()
     trainees = [t for t in point.abandoned["trainees"] if strategy.budget.is_planned(t)]
-    fresh = strategy.budget.server_noise_source(sources) == "os" or any(sources.get(t) == "os" for t in trainees)
+    fresh = strategy.budget.replay_is_fresh(trainees, strategy.registry.noise_sources())
     if fresh:
         strategy.budget.spend(trainees)
     return {

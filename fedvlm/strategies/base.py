@@ -31,7 +31,6 @@ needs saving: the loop checkpoints this after every round and a resumed run cont
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,7 +45,7 @@ from fedvlm.methods.spec import MethodSpec
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
-from fedvlm.privacy.planner import ClientShape, GlobalDP
+from fedvlm.privacy.planner import ClientShape
 from fedvlm.protocol import (
     ATTEMPT,
     FINAL_ROUND,
@@ -67,9 +66,8 @@ from fedvlm.strategies.validation import (
     bound_round,
     check_evaluate_reply,
     check_train_reply,
-    fixed_bound,
     record_nbytes,
-    relative_bound,
+    reply_bounds,
 )
 from fedvlm.utils.rng import ServerStream
 
@@ -98,7 +96,10 @@ class FederatedStrategy(Strategy):
         self.ledger = PrivacyLedger(self.privacy, spec.name)
         self.registry = NodeRegistry(cfg, self.ledger)
         self.global_arrays: dict[str, np.ndarray] = {}  # set after the handshake (initial_arrays)
-        self.budget: RunBudget | None = None  # with privacy on, once the nodes are known (plan_privacy)
+        self.budget: RunBudget | None = None  # with privacy on, once the nodes are known (prepare)
+        # how each part of an update is bounded (strategies.validation.reply_bounds): what the
+        # server noises at the fixed clip, once its mechanism is planned; the rest by replies.*
+        self.bounds: list[ReplyBound] = reply_bounds((), self.privacy.clip)
         # the rounds being run, by round: what was sent and what validation found (the loop
         # builds each round's record from its plan, then drops it)
         self.plans: dict[int, RoundPlan] = {}
@@ -161,25 +162,6 @@ class FederatedStrategy(Strategy):
     def on_reply_accepted(self, node: NodeInfo, phase: str) -> None:
         """Called for every reply that passed validation (phase: 'train' or 'evaluate')."""
 
-    def global_dp(self) -> GlobalDP | None:
-        """The method's server-side mechanism, if it has one."""
-        return None
-
-    def reply_bounds(self) -> list[ReplyBound]:
-        """How each part of an update is bounded (``strategies.validation``): the tensors the
-        server noises at a fixed norm, the clip C, whatever ``replies.*`` says (a data-dependent
-        bound before the server's noise would change the sensitivity its ledger accounts); the
-        others by ``replies.*``."""
-        g = self.global_dp() if self.privacy.enabled else None
-        fixed = [fixed_bound(g.tensors, self.privacy.clip)] if g is not None and g.tensors else []
-        return [
-            *fixed,
-            relative_bound(
-                "acts only on tensors the server does not noise: each is noised by its sender (local DP), so the "
-                "bound is post-processing of what the sender released, or no DP guarantee covers it"
-            ),
-        ]
-
     def privacy_entry(self, extra: dict[str, int] | None = None) -> dict:
         """The ledger's entry for the rounds so far (a method may add its own figures)."""
         assert self.budget is not None  # called only with privacy on (server_app.loop)
@@ -240,60 +222,53 @@ class FederatedStrategy(Strategy):
         )
 
     def start(self, grid: Grid, resumed: dict | None = None) -> None:  # type: ignore[override]  # the loop runs rounds
-        """Before round 1: wait for the nodes, build the initial arrays, plan the privacy (a
-        resumed run: the plan its interrupted run made, ``resumed`` being its saved state)."""
+        """Before round 1: wait for the nodes, then ``prepare`` (``resumed``: the interrupted
+        run's saved state)."""
         self.summary()
         self.registry.wait(grid)
-        self.global_arrays = {k: np.asarray(v) for k, v in self.initial_arrays().items()}
-        if self.privacy.enabled:
-            saved = (resumed or {}).get("budget") or {}
-            self.plan_privacy(saved.get("plan"))
+        self.prepare(resumed)
 
-    def plan_privacy(self, planned: dict | None = None) -> None:
-        """Plan every mechanism for the nodes known now (called once, before round 1), or for the
-        clients an interrupted run planned for (``planned``, its budget's saved plan): nodes not
-        connected now are simply not sampled, nodes that joined since are admitted late."""
+    def prepare(self, resumed: dict | None = None) -> None:
+        """Once the nodes are known: the initial arrays, and, with privacy on, the run's budget
+        (``privacy.budget.RunBudget.planned``: every mechanism planned for these nodes, or, for a
+        resumed run, for the clients its interrupted run planned for)."""
+        self.global_arrays = {k: np.asarray(v) for k, v in self.initial_arrays().items()}
+        if not self.privacy.enabled:
+            return
         audited = self.privacy.audit_node
         if self.privacy.audit_canaries and all(n.partition_id != audited for n in self.nodes.values()):
             raise ConfigError(
                 f"run config 'privacy.audit-node' = {audited} names no connected node (partition ids: "
                 f"{', '.join(str(n.partition_id) for n in self.nodes.values())}); pick one of them"
             )
-        local = self.spec.local_dp(self.cfg) if self.spec.local_dp else None
-        global_dp = self.global_dp()
-        shapes = {n.name: self.client_shape(n) for n in self.nodes.values()}
-        sources = self.noise_sources()
-        if planned is not None:
-            shapes = {name: ClientShape(*shape) for name, shape in planned["clients"].items()}
-            sources = {**planned["sources"], **{k: v for k, v in sources.items() if k in shapes}}
-            if global_dp is not None:
-                global_dp = dataclasses.replace(global_dp, denominator=int(planned["denominator"]))
-        self.budget = RunBudget(
-            self.privacy, self.ledger, self.num_rounds(), local, global_dp, self.cfg.privacy.noise_source
+        spec = self.spec
+        self.budget = RunBudget.planned(
+            self.privacy,
+            self.ledger,
+            self.num_rounds(),
+            spec.local_dp(self.cfg) if spec.local_dp else None,
+            spec.global_dp(self.cfg, self.nodes_per_round()) if spec.global_dp else None,
+            {n.name: self.client_shape(n) for n in self.nodes.values()},
+            self.registry.noise_sources(),
+            ((resumed or {}).get("budget") or {}).get("plan"),
         )
-        self.ledger.reply_bounds = [b.as_dict(self.cfg.replies) for b in self.reply_bounds()]
-        self.budget.plan(shapes, sources)
+        self.bounds = reply_bounds(self.budget.noised_tensors(), self.privacy.clip)
+        self.ledger.reply_bounds = [b.as_dict(self.cfg.replies) for b in self.bounds]
 
-    def noise_sources(self) -> dict[str, str]:
-        return {n.name: str(n.info.get("noise-source", "seeded")) for n in self.nodes.values()}
-
-    def admit_late_nodes(self) -> None:
-        """Plan the nodes that joined after round 1's plan; exclude one the plan cannot cover."""
+    def admit(self, grid: Grid) -> None:
+        """Before each phase (called by the loop, never by ``configure_*``): handshake the nodes
+        that connected since the last phase; with privacy on, plan the ones that joined late, or
+        exclude one the plan cannot cover."""
+        self.registry.refresh(grid)
         if self.budget is None:
             return
         for nid, node in list(self.nodes.items()):
             if self.budget.is_planned(node.name):
                 continue
             try:
-                self.budget.admit(node.name, self.client_shape(node), str(node.info.get("noise-source", "seeded")))
+                self.budget.admit(node.name, self.client_shape(node), self.registry.noise_sources()[node.name])
             except BudgetError as why:
                 self.registry.exclude(nid, str(why))
-
-    def admit(self, grid: Grid) -> None:
-        """Before each phase (called by the loop, never by ``configure_*``): handshake the nodes
-        that connected since the last phase, and plan or exclude the ones that joined late."""
-        self.registry.refresh(grid)
-        self.admit_late_nodes()
 
     # ---- messages ------------------------------------------------------------------------------
     def _phase(
@@ -367,7 +342,7 @@ class FederatedStrategy(Strategy):
         reply per node enters the aggregate (the exchange pulls the first to come), so the
         server's noise is added once."""
         copies = []
-        sources = self.noise_sources()
+        sources = self.registry.noise_sources()
         for msg in late:
             node = self.nodes.get(msg.metadata.dst_node_id)
             if node is None:
@@ -379,7 +354,7 @@ class FederatedStrategy(Strategy):
             kept = self.plans[server_round].phase(phase)
             charged = False
             if phase == "train" and self.budget is not None:
-                fresh = self.budget.server_noise_source(sources) == "os" or sources.get(node.name) == "os"
+                fresh = self.budget.replay_is_fresh([node.name], sources)
                 # the copy, and every round still to come in which the node may train again
                 more = 1 + self.num_rounds() - server_round
                 over = self.budget.beyond_promise([node.name], more) if fresh else None
@@ -465,9 +440,9 @@ class FederatedStrategy(Strategy):
         return good
 
     def _bound_norms(self, updates: list[ClientUpdate], kept: PhasePlan) -> list[ClientUpdate]:
-        """Clip or drop the updates past their bounds (``reply_bounds``), recording each."""
+        """Clip or drop the updates past their bounds (``bounds``), recording each."""
         sent = [kept.outgoing[u.node.node_id].payload.arrays for u in updates]  # validated: each was sent one
-        results = bound_round(sent, [u.reply.arrays for u in updates], self.cfg.replies, self.reply_bounds())
+        results = bound_round(sent, [u.reply.arrays for u in updates], self.cfg.replies, self.bounds)
         kept_updates = []
         for u, (arrays, entries) in zip(updates, results, strict=True):
             for e in entries:

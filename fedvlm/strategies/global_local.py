@@ -8,7 +8,8 @@ optimiser step on the global prompt (DP-FPL's Algorithm 1, lines 16-18).
 
 Trust model, as in the paper: the server is honest and sees each client's un-noised
 global-prompt gradient. A record's batch feeds both its client's local release and the global
-one, so the epsilon reported for it is their composition (``privacy.planner``).
+one, so the epsilon reported for it is their composition (``privacy.planner``). The mechanism
+itself, with the ledger's note on that trust, is the methods' registry entry's ``global_dp``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import numpy as np
 import torch
 
-from fedvlm.privacy.planner import GlobalDP
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptStrategy
 from fedvlm.strategies.records import ClientUpdate
@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 class GlobalGradientStrategy(PromptStrategy):
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
-        if cfg.prompt.class_specific:
-            raise ValueError(f"method {spec.name!r} needs a shared context (prompt.class-specific=false)")
         self._server_opt: torch.optim.Optimizer | None = None  # built at the first step, on the global prompt
 
     def initial_arrays(self):
@@ -43,26 +41,6 @@ class GlobalGradientStrategy(PromptStrategy):
 
     def evaluate_payload(self, node, server_round, arrays):
         return Payload({GLOBAL_CTX: arrays[GLOBAL_CTX]})
-
-    # ---- privacy plan ---------------------------------------------------------------------
-    def global_dp(self) -> GlobalDP:
-        n = self.nodes_per_round()
-        return GlobalDP(
-            "gdp-global",
-            f"server: average of the sampled clients' clipped global-prompt gradients "
-            f"(divided by at least {n}), once per round",
-            denominator=n,
-            tensors=(GLOBAL_GRAD,),
-        )
-
-    def plan_privacy(self, planned: dict | None = None) -> None:
-        super().plan_privacy(planned)
-        self.ledger.notes.append(
-            "trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient. A record's batch "
-            "feeds its client's local release and its share of the global release, so the per-record epsilon "
-            "(records, rounds[].per_client) composes both; it bounds what the published global prompt and the "
-            "client's published personalised prompt together reveal of a record"
-        )
 
     # ---- aggregation ----------------------------------------------------------------------
     def denominator(self, server_round: int, updates: list[ClientUpdate]) -> int:
@@ -81,7 +59,7 @@ class GlobalGradientStrategy(PromptStrategy):
         metrics: dict[str, float] = {}
         if self.budget is not None:
             key = server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
-            grad, sigma = self.budget.release_global(grad, key, self.noise_sources())
+            grad, sigma = self.budget.release_global(grad, key, self.registry.noise_sources())
             metrics = {"gdp-sigma": sigma, "gdp-denominator": self.denominator(server_round, updates)}
         self._server_step(grad)
         return metrics

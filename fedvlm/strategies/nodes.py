@@ -267,6 +267,10 @@ class NodeRegistry:
         chosen = rng.choice(len(pool), size=k, replace=False)
         return [pool[i] for i in sorted(chosen)]
 
+    def noise_sources(self) -> dict[str, str]:
+        """Where each known node draws its noise ('os' or 'seeded'), as its handshake said."""
+        return {n.name: str(n.info.get("noise-source", "seeded")) for n in self.nodes.values()}
+
     def table(self) -> tuple[list[dict], dict[str, str]]:
         """(nodes, excluded) as results.json records them."""
         nodes = [vars(n) | {"node_id": str(n.node_id)} for n in sorted(self.nodes.values(), key=lambda n: n.name)]

@@ -283,6 +283,20 @@ def fixed_bound(tensors: Sequence[str], clip: float) -> ReplyBound:
     )
 
 
+def reply_bounds(noised: Sequence[str], clip: float) -> list[ReplyBound]:
+    """How each part of an update is bounded: the tensors the server noises (``noised``) at the
+    fixed clip C, whatever ``replies.*`` says (a data-dependent bound before the server's noise
+    would change the sensitivity its ledger accounts); the others by ``replies.*``."""
+    fixed = [fixed_bound(noised, clip)] if noised else []
+    return [
+        *fixed,
+        relative_bound(
+            "acts only on tensors the server does not noise: each is noised by its sender (local DP), so the "
+            "bound is post-processing of what the sender released, or no DP guarantee covers it"
+        ),
+    ]
+
+
 def bound_round(
     sent: Sequence[Mapping[str, np.ndarray]],
     replies: Sequence[Mapping[str, np.ndarray]],

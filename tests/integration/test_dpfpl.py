@@ -58,8 +58,7 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     from fedvlm.tensor_names import GLOBAL_GRAD
 
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
-    strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
-    strategy.plan_privacy()
+    strategy.prepare()
     before = strategy.global_arrays["global_ctx"].copy()
     zero = [
         ClientUpdate(n, TrainReply({GLOBAL_GRAD: np.zeros((16, 96), np.float32)}, {NUM_EXAMPLES: 64}))

@@ -173,8 +173,7 @@ def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip)
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, dpfpl__server_lr=1.0, dpfpl__server_optimizer="sgd")
     strategy = cfg.spec.strategy(cfg, cfg.spec)
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
-    strategy.global_arrays = {k: np.asarray(v) for k, v in strategy.initial_arrays().items()}
-    strategy.plan_privacy()
+    strategy.prepare()
     planner = strategy.budget.planner
     planner.global_plan = type(planner.global_plan)(
         **{**vars(planner.global_plan), "sigma": 0.0}

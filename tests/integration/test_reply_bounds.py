@@ -39,8 +39,7 @@ def _strategy(make_cfg, **replies):
     strategy = cfg.spec.strategy(cfg, cfg.spec)
     for i in range(N):
         strategy.registry.nodes[1000 + i] = NodeInfo(1000 + i, f"client-{i}", i, 200, 50, 0, "fp", 40)
-    strategy.global_arrays = {"global_ctx": np.zeros((4, 8), np.float32)}
-    strategy.plan_privacy()
+    strategy.prepare()
     return strategy
 
 
@@ -115,4 +114,6 @@ def test_the_server_noised_tensor_is_bounded_at_the_clip_norm_and_the_ledger_say
 def test_without_server_noise_the_relative_rule_still_applies(make_cfg, pretrained_clip):
     cfg = make_cfg(method="promptfl", privacy__epsilon=1.0, **{"replies__norm_ratio": 2.0})
     strategy = cfg.spec.strategy(cfg, cfg.spec)
-    assert [b.tensors for b in strategy.reply_bounds()] == [None]  # PromptFL's uploads are noised by their sender
+    strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(N)}
+    strategy.prepare()
+    assert [b.tensors for b in strategy.bounds] == [None]  # PromptFL's uploads are noised by their sender

@@ -100,3 +100,12 @@ def test_cli_check_names_the_bad_key(capsys):
     assert runconfig_cli(["check", "-c", "method='coop' prompt.lr=0.002"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"prompt.lr = 0.002", out)
+
+
+@pytest.mark.parametrize("method", ["dpfpl", "fedotp", "fedpgp"])
+def test_a_global_local_method_refuses_a_class_specific_context_at_validation(method):
+    """Its server averages one shared context's gradient: refused by the method's own check, with
+    the fix, before any strategy or node is built."""
+    with pytest.raises(ConfigError, match=r"needs a shared context: set prompt.class-specific=false"):
+        validate({"method": method, "prompt.class-specific": True})
+    assert validate({"method": method}).prompt.class_specific is False

@@ -7,7 +7,8 @@ grid. It builds each round's record from the round's plan; no strategy writes on
 
 The privacy budget: the strategies and the loop see the run's ``RunBudget`` (plan, admit, a
 node's local sigma, would-exceed, spend, the ledger entry, the audit's inputs, the server's noised
-release); the planner behind it is the budget's own.
+release); the planner behind it is the budget's own, and the mechanisms it plans are the method
+table's.
 
 The client: every method's client is a ``client_app.client.Client``, the one contract the
 ClientApp calls (``methods.spec.NodeClient``: hello, train, evaluate, the tensors it may share,
@@ -112,6 +113,28 @@ def test_reply_metrics_and_tensor_names_are_spelled_once():
 def test_the_spelling_rule_sees_a_literal(tmp_path):
     (tmp_path / "s.py").write_text('n = metrics["num-examples"]\n')
     assert _spelled(tmp_path) == {("s.py", "num-examples")}
+
+
+def _calls(names: set[str], root: Path) -> set[tuple[str, str]]:
+    """(file, name) for every call of one of ``names`` under ``root``."""
+    found = set()
+    for path in root.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names:
+                found.add((str(path.relative_to(root)), n.func.id))
+    return found
+
+
+def test_a_mechanism_is_defined_only_in_the_method_table():
+    """A method's mechanisms are its registry entry's (``local_dp``, ``global_dp``); the budget
+    plans them (``RunBudget.planned``): no strategy or client makes up one of its own."""
+    outside = {(f, n) for f, n in _calls({"LocalDP", "GlobalDP", "RunBudget"}, PACKAGE) if not f.startswith("privacy/")}
+    assert outside == {("methods/registry.py", "LocalDP"), ("methods/registry.py", "GlobalDP")}
+
+
+def test_the_mechanism_rule_sees_a_strategy_that_makes_one(tmp_path):
+    (tmp_path / "s.py").write_text("def global_dp(self):\n    return GlobalDP('x', 'server', 3)\n")
+    assert _calls({"GlobalDP"}, tmp_path) == {("s.py", "GlobalDP")}
 
 
 def test_every_method_client_meets_the_one_contract():
