@@ -59,6 +59,7 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
 
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.prepare()
+    assert any(n.startswith("trusted server (as in DP-FPL)") for n in strategy.ledger.notes)  # the mechanism's note
     before = strategy.global_arrays["global_ctx"].copy()
     zero = [
         ClientUpdate(n, TrainReply({GLOBAL_GRAD: np.zeros((16, 96), np.float32)}, {NUM_EXAMPLES: 64}))
