@@ -1,6 +1,6 @@
 """The names of the tensors that travel between the server and the nodes, each written once.
 
-A method's sharing rule (``methods.spec.MethodSpec.shares``), the server's payloads and reply
+A method's sharing rule (``spec.MethodSpec.shares``), the server's payloads and reply
 checks, and the clients' replies all name tensors through these. LoRA adapters and reprogramming
 models travel under their own module names (``models``), which the sharing rule reads from the
 loaded model.

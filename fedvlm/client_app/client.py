@@ -1,7 +1,7 @@
 """What every method's client is: the contract the ClientApp's handlers (``client_app.handlers``)
 call, the state each client is built with, and the one round of training every method runs.
 
-The contract is ``methods.spec.NodeClient`` (the registry's entries type against it). A family's
+The contract is ``spec.NodeClient`` (the registry's entries type against it). A family's
 client subclasses ``Client``. It is built once per message from the run config, the node's data,
 the node's private state (Flower's ``Context.state``), the round, and, on the audited node only,
 the audit's canaries: nothing is set on it from outside afterwards. It answers with typed replies
@@ -27,13 +27,13 @@ import torch
 
 from fedvlm.client_app.state import load_meta, load_private, save_meta, save_private
 from fedvlm.client_app.trainer import Learner, RoundStats, local_round
-from fedvlm.methods.spec import NodeClient
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.mechanisms import OsNoise, noise_generator, sampling_rng
 from fedvlm.privacy.planner import ClientShape, client_plan
 from fedvlm.protocol import TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
+from fedvlm.spec import NodeClient
 from fedvlm.utils.rng import NodeStream, node_key
 
 ROUNDS_TRAINED = "rounds-trained"  # in the node's meta: how many rounds it has trained

@@ -4,6 +4,12 @@ Adding a method means one entry here plus, where its behaviour is new, one strat
 one client hooks class (``docs/adding-a-method.md``); no other module dispatches on method or
 family names. ``methods.validation.validate`` turns Flower's flat run config into a checked
 ``RunConfig`` with the family's and the method's defaults and checks from this table.
+
+An entry names its strategy and client classes (and a family its data loader) by path,
+``'module:name'``; each side imports only what it runs (``spec.MethodSpec.strategy``,
+``.client``). So this table sits below both: every node validates its run config with it
+without importing any server code, and the server imports a client class only where it needs
+one (the attacks' view of an upload). ``tests/unit/test_registry.py`` resolves every path.
 """
 
 from __future__ import annotations
@@ -11,14 +17,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from fedvlm.client_app.global_local_clients import DPFPLClient, FedOTPClient, FedPGPClient
-from fedvlm.client_app.lora_clients import FedParaClient, FedRandClient, LoRAClient
-from fedvlm.client_app.node import node_data
-from fedvlm.client_app.pfedmoap_clients import PFedMoAPClient
-from fedvlm.client_app.prompt_clients import CoOpClient, PromptFLClient, ZeroShotClient
-from fedvlm.client_app.reprogram_clients import ReprogramClient
-from fedvlm.client_app.vlm_node import vlm_node_data
-from fedvlm.methods.spec import Family, MethodSpec, shares_all, shares_only
 from fedvlm.models import adapter_parts
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP
 from fedvlm.runconfig import (
@@ -27,11 +25,7 @@ from fedvlm.runconfig import (
     check_reprogram,
 )
 from fedvlm.runconfig.schema import LoRAConfig, PromptConfig
-from fedvlm.strategies.global_local import GlobalGradientStrategy
-from fedvlm.strategies.lora import FedRandStrategy, LoRAStrategy
-from fedvlm.strategies.pfedmoap import PFedMoAPStrategy
-from fedvlm.strategies.prompt import EvaluateOnlyStrategy, LocalOnlyStrategy, PromptFLStrategy
-from fedvlm.strategies.reprogram import ReprogramStrategy
+from fedvlm.spec import Family, MethodSpec, shares_all, shares_only
 from fedvlm.tensor_names import CTX, GLOBAL_GRAD
 
 
@@ -160,10 +154,24 @@ def _reprogram_shape(cfg: RunConfig, n_train: int) -> ClientShape:
 
 
 PROMPT = Family(
-    "prompt", False, "embedded", "pathological", 0.3, 1.0, node_data, _steps_or_epochs(lambda cfg: cfg.prompt)
+    "prompt",
+    False,
+    "embedded",
+    "pathological",
+    0.3,
+    1.0,
+    "fedvlm.client_app.node:node_data",
+    _steps_or_epochs(lambda cfg: cfg.prompt),
 )
 VLM = Family(
-    "vlm", True, "embedded-captions", "dirichlet", 0.5, 0.3, vlm_node_data, _steps_or_epochs(lambda cfg: cfg.lora)
+    "vlm",
+    True,
+    "embedded-captions",
+    "dirichlet",
+    0.5,
+    0.3,
+    "fedvlm.client_app.vlm_node:vlm_node_data",
+    _steps_or_epochs(lambda cfg: cfg.lora),
 )
 # Reprogrammable-FL: 3 clients, IID, all of them every round, DP-SGD with C = 1, z = 1.1
 REPROGRAM = Family(
@@ -173,7 +181,7 @@ REPROGRAM = Family(
     "iid",
     0.5,
     1.0,
-    node_data,
+    "fedvlm.client_app.node:node_data",
     _reprogram_shape,
     privacy_clip=1.0,
     noise_multiplier=1.1,
@@ -202,8 +210,8 @@ def _reprogram(name: str, kind: str, summary: str) -> MethodSpec:
         name,
         REPROGRAM,
         summary,
-        ReprogramStrategy,
-        ReprogramClient,
+        "fedvlm.strategies.reprogram:ReprogramStrategy",
+        "fedvlm.client_app.reprogram_clients:ReprogramClient",
         shares=shares_all,
         local_dp=_REPROGRAM_DP,
         model_kind=kind,
@@ -217,8 +225,8 @@ METHODS: dict[str, MethodSpec] = {
             "promptfl",
             PROMPT,
             "PromptFL: one shared prompt, FedAvg weighted by client data size (optional FedProx).",
-            PromptFLStrategy,
-            PromptFLClient,
+            "fedvlm.strategies.prompt:PromptFLStrategy",
+            "fedvlm.client_app.prompt_clients:PromptFLClient",
             shares=shares_only(CTX),
             dp_defaults=_ONE_STEP,  # DP-FPL's baselines under DP: one local step per round (Algorithm 1)
             local_dp=_dp(
@@ -230,15 +238,15 @@ METHODS: dict[str, MethodSpec] = {
             "coop",
             PROMPT,
             "CoOp trained locally: every client learns its own prompt; nothing is aggregated.",
-            LocalOnlyStrategy,
-            CoOpClient,
+            "fedvlm.strategies.prompt:LocalOnlyStrategy",
+            "fedvlm.client_app.prompt_clients:CoOpClient",
         ),
         MethodSpec(
             "zeroshot",
             PROMPT,
             "Zero-shot CLIP with a hand-written template; evaluation only.",
-            EvaluateOnlyStrategy,
-            ZeroShotClient,
+            "fedvlm.strategies.prompt:EvaluateOnlyStrategy",
+            "fedvlm.client_app.prompt_clients:ZeroShotClient",
             trains=False,
         ),
         MethodSpec(
@@ -246,8 +254,8 @@ METHODS: dict[str, MethodSpec] = {
             PROMPT,
             "DP-FPL: global prompt (server, global DP) + private local prompt factorised every step "
             "into u v + residual (local DP on the gradients of u and v).",
-            GlobalGradientStrategy,
-            DPFPLClient,
+            "fedvlm.strategies.global_local:GlobalGradientStrategy",
+            "fedvlm.client_app.global_local_clients:DPFPLClient",
             shares=_GLOBAL_GRAD,
             defaults=_ONE_STEP,
             local_dp=_dpfpl_local,
@@ -260,8 +268,8 @@ METHODS: dict[str, MethodSpec] = {
             PROMPT,
             "FedOTP: global + local prompt per class, matched to image patches by unbalanced optimal "
             "transport; global DP on the global prompt, local DP on the local prompt.",
-            GlobalGradientStrategy,
-            FedOTPClient,
+            "fedvlm.strategies.global_local:GlobalGradientStrategy",
+            "fedvlm.client_app.global_local_clients:FedOTPClient",
             shares=_GLOBAL_GRAD,
             defaults=_ONE_STEP,
             local_dp=_dp(
@@ -275,8 +283,8 @@ METHODS: dict[str, MethodSpec] = {
             PROMPT,
             "FedPGP: global prompt + low-rank personal u v (factorised once) with a prompt-wise "
             "contrastive term; global DP on the global prompt, local DP on u and v.",
-            GlobalGradientStrategy,
-            FedPGPClient,
+            "fedvlm.strategies.global_local:GlobalGradientStrategy",
+            "fedvlm.client_app.global_local_clients:FedPGPClient",
             shares=_GLOBAL_GRAD,
             defaults=_ONE_STEP,
             local_dp=_dp(
@@ -294,8 +302,8 @@ METHODS: dict[str, MethodSpec] = {
             PROMPT,
             "pFedMoAP: each node mixes its prompt with its K nearest other nodes' prompts (experts, from the "
             "server's pool) through a private attention gate; FedAvg of the prompts.",
-            PFedMoAPStrategy,
-            PFedMoAPClient,
+            "fedvlm.strategies.pfedmoap:PFedMoAPStrategy",
+            "fedvlm.client_app.pfedmoap_clients:PFedMoAPClient",
             shares=shares_only(CTX),
             dp_defaults=_ONE_STEP,  # under DP, one local step per round like the other prompt baselines
             local_dp=_pfedmoap_local,
@@ -306,8 +314,8 @@ METHODS: dict[str, MethodSpec] = {
             VLM,
             "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
             "one randomly drawn half (all A or all B), the other half stays private; per-half averaging.",
-            FedRandStrategy,
-            FedRandClient,
+            "fedvlm.strategies.lora:FedRandStrategy",
+            "fedvlm.client_app.lora_clients:FedRandClient",
             shares=shares_all,
             local_dp=_LORA_DP,
             adapter="lora",
@@ -316,8 +324,8 @@ METHODS: dict[str, MethodSpec] = {
             "fedavg-lora",
             VLM,
             "FedAvg on the full LoRA adapter (both halves both ways): FedRand's oracle baseline.",
-            LoRAStrategy,
-            LoRAClient,
+            "fedvlm.strategies.lora:LoRAStrategy",
+            "fedvlm.client_app.lora_clients:LoRAClient",
             shares=shares_all,
             local_dp=_LORA_DP,
             adapter="lora",
@@ -326,8 +334,8 @@ METHODS: dict[str, MethodSpec] = {
             "fedper-lora",
             VLM,
             "FedPer: the top layers' LoRA is shared (fedper.shared-layers), the rest stays on the client.",
-            LoRAStrategy,
-            LoRAClient,
+            "fedvlm.strategies.lora:LoRAStrategy",
+            "fedvlm.client_app.lora_clients:LoRAClient",
             shares=_fedper_top,
             local_dp=_LORA_DP,
             adapter="lora",
@@ -336,8 +344,8 @@ METHODS: dict[str, MethodSpec] = {
             "fedpara-lora",
             VLM,
             "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) (peft LoHa).",
-            LoRAStrategy,
-            FedParaClient,
+            "fedvlm.strategies.lora:LoRAStrategy",
+            "fedvlm.client_app.lora_clients:FedParaClient",
             shares=_fedpara_global,
             local_dp=_LORA_DP,
             adapter="loha",

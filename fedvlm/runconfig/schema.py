@@ -536,7 +536,7 @@ class RunConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     replies: RepliesConfig = field(default_factory=RepliesConfig)
-    # the method's registry entry, a methods.spec.MethodSpec (typed Any: that module types
+    # the method's registry entry, a spec.MethodSpec (typed Any: that module types
     # against this one, and the import graph stays acyclic)
     spec: Any = field(kw_only=True, compare=False, repr=False)
 

@@ -41,7 +41,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedvlm.methods.spec import MethodSpec
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
@@ -57,6 +56,7 @@ from fedvlm.protocol import (
     TrainReply,
 )
 from fedvlm.runconfig import ConfigError, RunConfig
+from fedvlm.spec import MethodSpec
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate, RunOutputs

@@ -4,6 +4,8 @@ names (docs/architecture.md) import only downwards."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fedvlm"
@@ -81,8 +83,29 @@ def test_layers_import_only_downwards():
         ("fedvlm.privacy", "fedvlm.strategies"),
         ("fedvlm.privacy", "fedvlm.client_app"),
         ("fedvlm.models", "fedvlm.client_app"),
-        ("fedvlm.methods.spec", "fedvlm.strategies"),  # both sides type against the spec
-        ("fedvlm.methods.spec", "fedvlm.client_app"),
+        ("fedvlm.spec", "fedvlm.strategies"),  # both sides type against the spec
+        ("fedvlm.spec", "fedvlm.client_app"),
+        ("fedvlm.client_app", "fedvlm.strategies"),  # a node never imports server code ...
+        ("fedvlm.methods", "fedvlm.strategies"),  # ... not even through the method table it validates with
+        ("fedvlm.methods", "fedvlm.client_app"),  # the table names both sides' classes by path, below both
+        ("fedvlm.protocol", "fedvlm.methods"),
+        ("fedvlm.spec", "fedvlm.methods"),  # the spec is below the table that fills it
     ]
     found = [edge for source, target in forbidden for edge in _imports_between(graph, source, target)]
     assert not found, found
+
+
+def test_a_node_imports_no_server_code():
+    """What a ClientApp loads to answer a message (its handlers, the run config's validation with
+    the method table, every client class) imports no strategy: the table names each strategy by
+    path, imported only where a server runs (``spec.MethodSpec.strategy``)."""
+    code = (
+        "import sys\n"
+        "import fedvlm.client_app.app, fedvlm.client_app.handlers\n"
+        "from fedvlm.methods.validation import validate\n"
+        "cfg = validate({'method': 'dpfpl'})\n"
+        "assert cfg.spec.client.__name__ == 'DPFPLClient'\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('fedvlm.strategies', 'fedvlm.server_app'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

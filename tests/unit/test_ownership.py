@@ -11,7 +11,7 @@ release); the planner behind it is the budget's own, and the mechanisms it plans
 table's.
 
 The client: every method's client is a ``client_app.client.Client``, the one contract the
-ClientApp calls (``methods.spec.NodeClient``: hello, train, evaluate, the tensors it may share,
+ClientApp calls (``spec.NodeClient``: hello, train, evaluate, the tensors it may share,
 its private tensors), built with everything it needs; nothing sets state on it from outside. Every
 method trains through the one ``Client.train``; what a round holds lives in the round's session,
 not on the client.

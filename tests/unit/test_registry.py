@@ -47,8 +47,11 @@ def test_the_source_check_catches_a_comparison(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_entry_names_real_classes_and_a_family(name):
+    from fedvlm.strategies.base import FederatedStrategy
+
     spec = METHODS[name]
-    assert isinstance(spec.strategy, type) and isinstance(spec.client, type)
+    assert isinstance(spec.client, type)
+    assert isinstance(spec.strategy, type) and issubclass(spec.strategy, FederatedStrategy), spec.server
     assert FAMILIES[spec.family.name] is spec.family
     cfg = validate({"method": name})
     assert cfg.spec is spec

@@ -9,6 +9,7 @@ code, so both sides can type against it without an import cycle.
 
 from __future__ import annotations
 
+import importlib
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ def shares_only(*fixed: str) -> SharedRule:
     """A fixed set of tensor names, whatever the model holds (e.g. a prompt method's
     ``global_grad``, a gradient that is not itself a model tensor)."""
     return lambda cfg, names: frozenset(fixed)
+
+
+def load(path: str) -> Any:
+    """The object a table entry names by path, ``'package.module:name'``."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class NodeClient(Protocol):
@@ -97,7 +104,8 @@ class Family:
     default_partitioner: str
     dirichlet_alpha: float  # what dirichlet-alpha = 'auto' means (the family's papers' value)
     fraction_train: float  # what fraction-train = 'auto' means
-    node_data: Callable[[Any, dict], Any]  # (run config, node config) -> the node's data
+    # 'module:function' of (run config, node config) -> the node's data, imported where a node runs
+    node_loader: str
     # (run config, a node's training records) -> its local training per round: batch size and
     # steps. The server plans with it and sends the result; clients never recompute it.
     local_shape: Callable[[RunConfig, int], ClientShape]
@@ -106,14 +114,23 @@ class Family:
     # the combinations the family cannot run (raises ConfigError), on the resolved flat values
     check: Callable[[dict], None] | None = None
 
+    @property
+    def node_data(self) -> Callable[[Any, dict], Any]:
+        """How a node loads its data: (run config, node config) -> the node's data."""
+        return load(self.node_loader)
+
 
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
     family: Family
     summary: str
-    strategy: type  # the server strategy (a strategies.base.FederatedStrategy)
-    client: type[NodeClient]  # the client class (a client_app.client.Client subclass)
+    # the server strategy (a strategies.base.FederatedStrategy) and the client class (a
+    # client_app.client.Client), each named 'module:Class' and imported only by the side that runs
+    # it (``strategy``, ``client``): a node never imports server code, and the table itself sits
+    # below both sides
+    strategy_path: str
+    client_path: str
     shares: SharedRule = shares_nothing  # which tensors may leave a client
     trains: bool = True
     defaults: dict = field(default_factory=dict)  # what 'auto' means per flat key, for this method
@@ -129,6 +146,16 @@ class MethodSpec:
     rank_key: str = ""  # low-rank prompt methods: the config key of the rank k (checked: k <= M)
     # the method's own config checks on the resolved flat values (raises ConfigError)
     check: Callable[[dict], None] | None = None
+
+    @property
+    def strategy(self) -> type:
+        """The server strategy class (imported on first use)."""
+        return load(self.strategy_path)
+
+    @property
+    def client(self) -> type[NodeClient]:
+        """The client class (imported on first use)."""
+        return load(self.client_path)
 
     @property
     def supports_dp(self) -> bool:
