@@ -75,7 +75,9 @@ def train(msg: Message, context: Context) -> Message:
     release = privacy_floor.guard(client.node.config, context.state, cfg, instruction, client.node.noise_source)
     reply = client.train(arrays, instruction)
     if release is not None:  # the node's own account of what this reply releases
-        reply = reply.with_metrics({NODE_EPSILON: privacy_floor.record(context.state, release)})
+        spent = privacy_floor.record(context.state, release, fresh=client.node.noise_source == "os")
+        if release.limited:
+            reply = reply.with_metrics({NODE_EPSILON: spent})
     if client.canaries is not None:
         reply = reply.with_metrics(finish_round(cfg, client.canaries, context.state))
     # Everything this node spent on the message (setup included): the rest of a round's

@@ -1,4 +1,13 @@
-"""A node's own privacy floor, and its ledger of what it released.
+"""A node's ledger of what it released, and its own privacy floor.
+
+Every node that trains under a local mechanism covering what it uploads keeps one ledger of its
+releases (round, noise multiplier, steps, sampling rate, epsilon so far), in its private state and
+persisted with it (``client_app.state``), never rolled back: it is the node's one account of its
+privacy, which the node reports when it states a limit (below) and from which a reprogramming
+node's Opacus figures are computed (``client_app.reprogram_clients``). A round trained again (a
+message asked again, a resumed run) counts twice when the node's noise is fresh OS entropy, since
+the two releases of the same records are independent, and once with seeded noise, which releases
+the very same tensor again (``prior``).
 
 With local DP the server is the party the noise protects against, so a node cannot take the
 server's word for how much noise is enough: the run config and the noise level both come from
@@ -13,10 +22,8 @@ clip, local steps, batch size and record count):
 - under the server's plan: every one of the run's ``num-server-rounds`` rounds at this noise;
 - in fact: the rounds in its own ledger plus this one;
 and refuses to train (the error reply names both numbers) if either exceeds ``max-epsilon``.
-After it trains, the round goes in its ledger (round, noise multiplier, steps, sampling rate,
-epsilon so far), kept in its private state and so persisted with it (``client_app.state``),
-never rolled back. A round trained again after a resume counts twice: the node's noise is
-fresh OS entropy, so the two releases of the same records are independent.
+After it trains, the round goes in its ledger, and its reply carries the epsilon its records
+have spent (``node-epsilon``).
 
 The limit holds only for noise nobody else can regenerate. A node that states one never
 defaults to noise derived from the run seed (``privacy.mechanisms.node_noise_source``), and one
@@ -93,6 +100,37 @@ def check_source(floor: NodeFloor | None, noise_source: str) -> None:
         )
 
 
+def _release(cfg: RunConfig, instruction: TrainInstruction) -> tuple[GaussianReleases, str] | None:
+    """What this round releases under the node's local noise, as the accountant reads it, and in
+    words; None where that noise covers nothing that leaves the node (no privacy, no local
+    mechanism, an upload the local noise does not cover, no noise level)."""
+    settings, spec = cfg.privacy, cfg.spec
+    if not settings.enabled or spec.local_dp is None:
+        return None
+    local = spec.local_dp(cfg)
+    sigma = instruction.local_sigma
+    if not local.noises_upload or sigma is None or not sigma > 0:
+        return None
+    shape = ClientShape(instruction.num_train, instruction.batch_size, instruction.local_steps)
+    z = sigma / valid_sensitivity(settings, *local.sensitivity(settings, shape))
+    rate, steps = local.account_shape(settings, shape)
+    what = (
+        f"sigma {sigma:.4g} (noise multiplier {z:.4g}), {steps} step(s) a round at sampling rate {rate:.4g} over "
+        f"{shape.n_train} records, {settings.accountant} accountant"
+    )
+    return GaussianReleases(z, steps, rate), what
+
+
+def _row(server_round: int, this: GaussianReleases, spent: float) -> dict:
+    return {
+        "round": server_round,
+        "noise-multiplier": this.noise_multiplier,
+        "steps": this.count,
+        "sampling-rate": this.sampling_rate,
+        "epsilon": spent,
+    }
+
+
 def check_round(
     floor: NodeFloor, cfg: RunConfig, instruction: TrainInstruction, history: list[dict], noise_source: str
 ) -> dict:
@@ -109,23 +147,17 @@ def check_round(
             f"method {spec.name} uploads a tensor that its local noise ({local.name}) does not cover (its server is "
             f"trusted with un-noised updates), so nothing bounds what the server learns: {limit} does not allow it"
         )
-    sigma = instruction.local_sigma
-    if sigma is None or not sigma > 0:
+    released = _release(cfg, instruction)
+    if released is None:
         raise NoiseRefused(f"the server sent no local noise level; {limit} does not allow training without it")
-    shape = ClientShape(instruction.num_train, instruction.batch_size, instruction.local_steps)
+    this, what = released
     try:
-        check_delta(floor.delta, shape.n_train, "this node's", f"lower its node config {DELTA}")
+        check_delta(floor.delta, instruction.num_train, "this node's", f"lower its node config {DELTA}")
     except BudgetError as why:
         raise NoiseRefused(str(why)) from why
-    z = sigma / valid_sensitivity(settings, *local.sensitivity(settings, shape))
-    rate, steps = local.account_shape(settings, shape)
-    this = GaussianReleases(z, steps, rate)
-    planned = epsilon_spent(GaussianReleases(z, steps * cfg.num_server_rounds, rate), floor.delta, settings.accountant)
+    whole_run = GaussianReleases(this.noise_multiplier, this.count * cfg.num_server_rounds, this.sampling_rate)
+    planned = epsilon_spent(whole_run, floor.delta, settings.accountant)
     spent = epsilon_spent([*_releases(history), this], floor.delta, settings.accountant)
-    what = (
-        f"sigma {sigma:.4g} (noise multiplier {z:.4g}), {steps} step(s) a round at sampling rate {rate:.4g} over "
-        f"{shape.n_train} records, {settings.accountant} accountant"
-    )
     if planned > floor.max_epsilon * (1 + 1e-9):
         raise NoiseRefused(
             f"the server's plan would spend epsilon = {planned:.4g} per record over {cfg.num_server_rounds} rounds "
@@ -136,26 +168,46 @@ def check_round(
             f"this round would bring this node's records to epsilon = {spent:.4g} after {len(history) + 1} rounds "
             f"({what}), above {limit}; refusing to train"
         )
-    return {
-        "round": instruction.server_round,
-        "noise-multiplier": z,
-        "steps": steps,
-        "sampling-rate": rate,
-        "epsilon": spent,
-    }
+    return _row(instruction.server_round, this, spent)
+
+
+@dataclass(frozen=True)
+class Release:
+    """The ledger row of a round the node is about to train, and whether it trains under its own
+    limit (then its reply carries the epsilon its records have spent)."""
+
+    row: dict
+    limited: bool
+
+
+def prior(state: RecordDict, server_round: int, fresh: bool) -> list[dict]:
+    """The ledger before ``server_round``'s release. A round the node trains again (asked again,
+    a resumed run) is a second release when its noise is fresh (``fresh``: OS noise) and counts
+    twice; with seeded noise it is the same release, so its earlier row gives way to the new one."""
+    rows = load_ledger(state)
+    return rows if fresh else [r for r in rows if int(r["round"]) != server_round]
 
 
 def guard(
     node_config: dict, state: RecordDict, cfg: RunConfig, instruction: TrainInstruction, noise_source: str
-) -> dict | None:
-    """Refuse the round if the node's floor forbids it; else the row to record once it trained
-    (None: the node states no floor)."""
+) -> Release | None:
+    """Refuse the round if the node's floor forbids it; else what to record once it trained
+    (None: this round releases nothing the node's local noise covers)."""
     floor = NodeFloor.from_node_config(node_config)
-    return None if floor is None else check_round(floor, cfg, instruction, load_ledger(state), noise_source)
+    history = prior(state, instruction.server_round, noise_source == "os")
+    if floor is not None:
+        return Release(check_round(floor, cfg, instruction, history, noise_source), limited=True)
+    released = _release(cfg, instruction)
+    if released is None:
+        return None
+    this, _ = released
+    spent = epsilon_spent([*_releases(history), this], cfg.privacy.delta, cfg.privacy.accountant)
+    return Release(_row(instruction.server_round, this, spent), limited=False)
 
 
-def record(state: RecordDict, row: dict) -> float:
-    """Add a trained round to the node's ledger; the epsilon its records have spent."""
-    rows = [*load_ledger(state), row]
+def record(state: RecordDict, release: Release, fresh: bool) -> float:
+    """Add a trained round to the node's ledger (``prior``'s rule for a round trained again); the
+    epsilon its records have spent."""
+    rows = [*prior(state, int(release.row["round"]), fresh), release.row]
     save_meta(state, {k: [r[k] for r in rows] for k in COLUMNS}, LEDGER)
-    return float(row["epsilon"])
+    return float(release.row["epsilon"])

@@ -2,8 +2,9 @@
 
 One client, ``ReprogramClient``; the methods differ only in the model they build
 (``models.reprogram``): every parameter that trains is shared and averaged (DP-FedAvg), so
-nothing tensor-valued is private, but the node's privacy accountant is: it lives in the node's
-state across rounds and is never restarted (``privacy.dpsgd.NodeAccountant``).
+nothing tensor-valued is private. The node reports its own account of its records' epsilon by
+Opacus' accountants (``privacy.dpsgd.NodeAccountant``), over the releases in its one ledger
+(``client_app.privacy_floor``) and this round's.
 
 A round on a client (Algorithm 1 of the paper): load the global trainable parameters, take L
 DP-SGD steps (``reprogram.local-iterations``, sent in the server's plan), each on a
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from fedvlm.client_app.client import Client
 from fedvlm.client_app.node import NodeData
+from fedvlm.client_app.privacy_floor import prior
 from fedvlm.client_app.trainer import Learner, StepOutput
 from fedvlm.models.clip_loader import resolve_device
 from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
@@ -130,12 +132,18 @@ class ReprogramClient(Client):
         c, n = self.cfg, len(self.node.part.train)
         metrics = {**stats.metrics(n), "local-steps": shape.steps, "train-seconds": time.time() - session.started}
         if self.settings.enabled:
-            # the node's own account, by Opacus' accountants: z = sigma / (C / B)
-            accountant = NodeAccountant(self.meta.get("dp-history"))
+            # the node's own account, by Opacus' accountants, of its ledger's releases before this
+            # round (client_app.privacy_floor, the node's one ledger) and of this one: z = sigma / (C / B)
+            fresh = self.node.noise_source == "os"
+            accountant = NodeAccountant(
+                [
+                    (r["noise-multiplier"], r["sampling-rate"], int(r["steps"]))
+                    for r in prior(self.state, self.round, fresh)
+                ]
+            )
             accountant.step(
                 sigma * shape.expected_batch / c.privacy.clip, shape.sampling_rate(self.settings), shape.steps
             )
-            self.meta["dp-history"] = accountant.save()
             eps = accountant.epsilon(self.settings.delta)
             metrics.update({"epsilon-rdp": eps["rdp"], "epsilon-prv": eps["prv"]})
         shared = {k: v.detach().cpu().clone() for k, v in trainable_state(self.model).items()}

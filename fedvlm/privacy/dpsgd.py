@@ -38,13 +38,12 @@ Per-sample gradients, exactly, three ways (``backend_for``):
   rule for (peft LoHa keeps its factors in ``ParameterDict``s, which are never called).
 
 ``NodeAccountant`` is a node's own account of what its DP-SGD steps spent: Opacus' RDP and PRV
-accountants, persisted through their ``state_dict``.
+accountants over the releases in the node's ledger (``client_app.privacy_floor``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -330,25 +329,20 @@ class ModuleGradients:
 
 # ---- a node's own accountant ------------------------------------------------------------------
 class NodeAccountant:
-    """What this node's DP-SGD steps have spent, by Opacus' RDP and PRV accountants; the state
-    (their history of (noise multiplier, sampling rate, steps)) persists in the node's state
-    through the accountants' own ``state_dict``, so the figure covers every round it trained."""
+    """What this node's DP-SGD steps have spent, by Opacus' RDP and PRV accountants, from the
+    releases in the node's ledger (``client_app.privacy_floor``: (noise multiplier, sampling rate,
+    steps) per round) and those ``step`` adds."""
 
-    def __init__(self, saved: str | None = None):
+    def __init__(self, releases: list[tuple[float, float, int]] | None = None):
         from opacus.accountants import RDPAccountant
 
         self.rdp = RDPAccountant()
-        if saved:
-            self.rdp.load_state_dict(
-                {"history": [tuple(h) for h in json.loads(saved)], "mechanism": self.rdp.mechanism()}
-            )
+        for z, rate, steps in releases or []:
+            self.step(z, rate, steps)
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int) -> None:
         for _ in range(steps):
             self.rdp.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
-
-    def save(self) -> str:
-        return json.dumps(self.rdp.state_dict()["history"])
 
     def epsilon(self, delta: float) -> dict[str, float]:
         """RDP and PRV epsilon at ``delta``. The PRV accountant discretises a domain that grows

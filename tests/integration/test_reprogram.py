@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedvlm.client_app.privacy_floor import load_ledger
 from fedvlm.methods.validation import validate
 from fedvlm.models.reprogram import InputProgram, build_model, load_source, trainable_state
 from fedvlm.runconfig import ConfigError
@@ -222,10 +223,11 @@ def test_epsilon_after_k_rounds_is_dp_accountings_and_the_nodes_accountant_persi
             mine = entry["client_reported"][client]
             assert mine["rdp"] == pytest.approx(direct["rdp"], rel=2e-2)
             assert mine["prv"] == pytest.approx(direct["pld"], rel=5e-2)
-    # the history in every node's state covers all rounds (never restarted)
+    # every node's one ledger covers all rounds (never restarted)
     for ctx in grid.contexts.values():
-        history = json.loads(ctx.state["meta"]["dp-history"])
-        assert sum(h[2] for h in history) == rounds * steps and all(h[0] == 1.1 for h in history)
+        rows = load_ledger(ctx.state)
+        assert [r["round"] for r in rows] == list(range(1, rounds + 1))
+        assert sum(r["steps"] for r in rows) == rounds * steps and all(r["noise-multiplier"] == 1.1 for r in rows)
     eps = [r["epsilon"] for r in ledger["rounds"]]
     assert eps == sorted(eps) and eps[0] > 0
     # no server mechanism: a record's epsilon is its client's DP-SGD alone

@@ -183,10 +183,8 @@ def test_per_batch_clipping_clips_each_group_as_a_whole():
     assert float(out["a"].norm()) == pytest.approx(1.0) and torch.equal(out["b"], grads["b"]) and frac == 0.5
 
 
-def test_node_accountant_survives_its_state_and_matches_an_independent_accountant():
-    acc = NodeAccountant()
-    acc.step(1.1, 0.05, 30)
-    restored = NodeAccountant(acc.save())
+def test_node_accountant_continues_from_the_ledgers_releases_and_matches_an_independent_accountant():
+    restored = NodeAccountant([(1.1, 0.05, 30)])  # the node's ledger: one earlier round of 30 steps
     restored.step(1.1, 0.05, 20)
     whole = NodeAccountant()
     whole.step(1.1, 0.05, 50)

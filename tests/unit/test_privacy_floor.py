@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from flwr.app import RecordDict
 
-from fedvlm.client_app.privacy_floor import NodeFloor, check_round, load_ledger, record
+from fedvlm.client_app.privacy_floor import NodeFloor, Release, check_round, guard, load_ledger, record
 from fedvlm.methods.validation import validate
 from fedvlm.privacy.planner import ClientShape, NoiseRefused, local_plan
 from fedvlm.protocol import TrainInstruction
@@ -59,7 +59,8 @@ def test_the_running_ledger_stops_what_the_plan_did_not_announce():
     state = RecordDict()
     rows = []
     for r in range(1, ROUNDS + 1):  # the planned rounds fit
-        rows.append(record(state, check_round(floor, cfg, _at(instruction, r), load_ledger(state), "os")))
+        row = check_round(floor, cfg, _at(instruction, r), load_ledger(state), "os")
+        rows.append(record(state, Release(row, limited=True), fresh=True))
     assert rows == sorted(rows) and rows[-1] == pytest.approx(2.0, rel=1e-3)
     with pytest.raises(NoiseRefused, match=f"after {ROUNDS + 1} rounds"):  # one more than announced
         check_round(floor, cfg, _at(instruction, ROUNDS + 1), load_ledger(state), "os")
@@ -70,9 +71,30 @@ def test_a_round_trained_again_counts_twice():
     cfg, instruction = _plan(**{"privacy.epsilon": 2.0})
     floor = NodeFloor(5.0, cfg.privacy.delta)
     state = RecordDict()
-    first = record(state, check_round(floor, cfg, instruction, load_ledger(state), "os"))
-    again = record(state, check_round(floor, cfg, instruction, load_ledger(state), "os"))
+    first = record(state, Release(check_round(floor, cfg, instruction, load_ledger(state), "os"), True), fresh=True)
+    again = record(state, Release(check_round(floor, cfg, instruction, load_ledger(state), "os"), True), fresh=True)
     assert len(load_ledger(state)) == 2 and again > first
+
+
+def test_every_private_node_keeps_the_one_ledger_and_a_seeded_rerun_counts_once():
+    """Without a limit too (a reprogramming node's Opacus figures are read from it). A round
+    trained again with seeded noise releases the same tensor: its row gives way to the new one;
+    with OS noise it is a second release and counts twice."""
+    cfg, instruction = _plan(**{"privacy.epsilon": 2.0})
+    state = RecordDict()
+    release = guard({}, state, cfg, instruction, "seeded")
+    assert release is not None and not release.limited
+    first = record(state, release, fresh=False)
+    again = record(state, guard({}, state, cfg, instruction, "seeded"), fresh=False)
+    assert len(load_ledger(state)) == 1 and again == pytest.approx(first)
+    later = record(state, guard({}, state, cfg, _at(instruction, 2), "seeded"), fresh=False)
+    assert [r["round"] for r in load_ledger(state)] == [1, 2] and later > first
+    os_state = RecordDict()
+    record(os_state, guard({}, os_state, cfg, instruction, "os"), fresh=True)
+    twice = record(os_state, guard({}, os_state, cfg, instruction, "os"), fresh=True)
+    assert len(load_ledger(os_state)) == 2 and twice == pytest.approx(later)
+    off, sent = _plan()  # no privacy: no local noise, nothing the ledger could account
+    assert guard({}, RecordDict(), off, sent, "seeded") is None
 
 
 def test_a_limit_on_regenerable_noise_is_refused():
