@@ -51,6 +51,8 @@ ATTEMPT = "attempt"
 NUM_EXAMPLES = "num-examples"  # a train reply's weight in the aggregate; an evaluation's test records
 COMPUTE_SECONDS = "compute-seconds"  # the node's time on the message, setup included
 NODE_EPSILON = "node-epsilon"  # a node's own account of what its reply releases (client_app.privacy_floor)
+# a reprogramming node's own account of its records' epsilon, by Opacus' RDP and PRV accountants
+NODE_EPSILON_RDP, NODE_EPSILON_PRV = "epsilon-rdp", "epsilon-prv"
 
 
 def _names(text) -> tuple[str, ...]:

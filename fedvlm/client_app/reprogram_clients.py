@@ -33,7 +33,16 @@ from fedvlm.models.clip_loader import resolve_device
 from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import NodeAccountant
-from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
+from fedvlm.protocol import (
+    NODE_EPSILON_PRV,
+    NODE_EPSILON_RDP,
+    NUM_EXAMPLES,
+    EvaluateInstruction,
+    EvaluateReply,
+    HelloReport,
+    TrainInstruction,
+    TrainReply,
+)
 from fedvlm.runconfig import RunConfig
 
 _IMAGES: dict[tuple, torch.Tensor] = {}
@@ -145,7 +154,7 @@ class ReprogramClient(Client):
                 sigma * shape.expected_batch / c.privacy.clip, shape.sampling_rate(self.settings), shape.steps
             )
             eps = accountant.epsilon(self.settings.delta)
-            metrics.update({"epsilon-rdp": eps["rdp"], "epsilon-prv": eps["prv"]})
+            metrics.update({NODE_EPSILON_RDP: eps["rdp"], NODE_EPSILON_PRV: eps["prv"]})
         shared = {k: v.detach().cpu().clone() for k, v in trainable_state(self.model).items()}
         return TrainReply(shared, metrics)
 

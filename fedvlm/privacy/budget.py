@@ -46,6 +46,9 @@ class RunBudget:
         self.noise_choice = noise_choice  # the run config's privacy.noise-source
         self.planner = PrivacyPlanner(settings, ledger, rounds, local, global_dp)
         self.rounds_trained: dict[str, int] = {}  # node name -> rounds it was sent a train message
+        # node name -> its own latest account of its records' epsilon, by accountant (the figures a
+        # reprogramming node reports from its ledger with Opacus), set beside the server's figures
+        self.node_accounts: dict[str, dict[str, float]] = {}
 
     @classmethod
     def planned(
@@ -152,7 +155,14 @@ class RunBudget:
             g = planner.global_plan
             components[g.name] = g.epsilon_after(max(self.rounds_trained.values(), default=0))
         out["components"] = components
+        if self.node_accounts:  # the nodes' own accounts, beside every accountant's figure for the same rounds
+            out["by_accountant"] = self.by_accountant(extra)
+            out["client_reported"] = {k: dict(v) for k, v in self.node_accounts.items()}
         return out
+
+    def note_node_account(self, name: str, figures: Mapping[str, float]) -> None:
+        """What node ``name`` reports its records have spent, by accountant (its latest reply)."""
+        self.node_accounts[name] = {k: float(v) for k, v in figures.items()}
 
     def would_exceed(self, names: Iterable[str]) -> float | None:
         """The worst per-record epsilon a round training ``names`` would bring, if it crosses
@@ -236,7 +246,12 @@ class RunBudget:
             "denominator": planner.global_dp.denominator if planner.global_dp is not None else 0,
             "sources": dict(self.ledger.noise_sources.get("clients", {})),
         }
-        return {"rounds_trained": dict(self.rounds_trained), "sigmas": self.sigmas(), "plan": plan}
+        return {
+            "rounds_trained": dict(self.rounds_trained),
+            "node_accounts": {k: dict(v) for k, v in self.node_accounts.items()},
+            "sigmas": self.sigmas(),
+            "plan": plan,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue spending from ``state``; a plan that now draws other noise than the one the
@@ -251,6 +266,7 @@ class RunBudget:
                 "privacy.noise-multiplier to extend a run)"
             )
         self.rounds_trained = {str(k): int(v) for k, v in state["rounds_trained"].items()}
+        self.node_accounts = {str(k): dict(v) for k, v in state["node_accounts"].items()}
 
     # ---- noise sources ------------------------------------------------------------------------
     def server_noise_source(self, sources: Mapping[str, str]) -> str:

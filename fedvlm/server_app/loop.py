@@ -44,7 +44,7 @@ def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: Ru
     budget = strategy.budget
     if budget is None:
         return {}
-    entry = strategy.privacy_entry()
+    entry = budget.entry()
     budget.record_noise_sources(strategy.registry.noise_sources())  # nodes may have joined since the last round
     strategy.ledger.record_round(server_round, entry)
     recorder.add_section("privacy", strategy.ledger.as_dict())

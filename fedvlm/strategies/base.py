@@ -162,11 +162,6 @@ class FederatedStrategy(Strategy):
     def on_reply_accepted(self, node: NodeInfo, phase: str) -> None:
         """Called for every reply that passed validation (phase: 'train' or 'evaluate')."""
 
-    def privacy_entry(self, extra: dict[str, int] | None = None) -> dict:
-        """The ledger's entry for the rounds so far (a method may add its own figures)."""
-        assert self.budget is not None  # called only with privacy on (server_app.loop)
-        return self.budget.entry(extra)
-
     def nodes_per_round(self) -> int:
         """Clients sampled for training each round (the fixed denominator of a DP average)."""
         return min(len(self.nodes), max(1, math.ceil(self.cfg.fraction_train * len(self.nodes))))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedvlm.models.reprogram import initial_model, source_model, trainable_state
+from fedvlm.protocol import NODE_EPSILON_PRV, NODE_EPSILON_RDP
 from fedvlm.strategies.aggregation import weighted_average
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.nodes import NodeInfo
@@ -28,7 +29,6 @@ class ReprogramStrategy(FederatedStrategy):
         super().__init__(cfg, spec)
         self.source = source_model(cfg)
         self.registry.server_fingerprint = self.source.fingerprint
-        self.client_reported: dict[str, dict[str, float]] = {}
         self._initial: dict[str, np.ndarray] | None = None
 
     def initial_arrays(self) -> dict[str, np.ndarray]:
@@ -42,28 +42,11 @@ class ReprogramStrategy(FederatedStrategy):
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
-            if "epsilon-rdp" in u.reply.metrics:
-                self.client_reported[u.node.name] = {
-                    "rdp": u.reply.metrics["epsilon-rdp"],
-                    "prv": u.reply.metrics["epsilon-prv"],
-                }
+            if self.budget is not None and NODE_EPSILON_RDP in u.reply.metrics:
+                self.budget.note_node_account(
+                    u.node.name, {"rdp": u.reply.metrics[NODE_EPSILON_RDP], "prv": u.reply.metrics[NODE_EPSILON_PRV]}
+                )
         self.global_arrays.update(
             weighted_average([u.reply.arrays for u in updates], [u.reply.num_examples for u in updates])
         )
         return {}
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "client_reported": self.client_reported}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.client_reported = {k: dict(v) for k, v in state["client_reported"].items()}
-
-    def privacy_entry(self, extra: dict[str, int] | None = None) -> dict:
-        """Add, per client, ε by both of dp-accounting's accountants and by the client's own
-        Opacus accountants (they must agree: the test suite checks it)."""
-        entry = super().privacy_entry(extra)
-        assert self.budget is not None  # checked by the base's privacy_entry
-        entry["by_accountant"] = self.budget.by_accountant(extra)
-        entry["client_reported"] = dict(self.client_reported)
-        return entry

@@ -16,6 +16,9 @@ its private tensors), built with everything it needs; nothing sets state on it f
 method trains through the one ``Client.train``; what a round holds lives in the round's session,
 not on the client.
 
+The config check: one entry point, ``methods.validation.validate``, builds every ``RunConfig``
+(with the method table's defaults and checks).
+
 The reply: a client answers a typed ``TrainReply``/``EvaluateReply`` and the server's checks
 return one (``protocol``); the metrics both sides read and the tensors that travel are named once
 (``protocol``, ``tensor_names``), so no other module spells them.
@@ -88,6 +91,8 @@ def test_the_planner_rule_sees_a_reach_in(tmp_path):
 # the names that travel, and where each is spelled
 SPELLED_ONCE = {
     "num-examples": "protocol.py",
+    "epsilon-rdp": "protocol.py",
+    "epsilon-prv": "protocol.py",
     "compute-seconds": "protocol.py",
     "node-epsilon": "protocol.py",
     "global_grad": "tensor_names.py",
@@ -135,6 +140,27 @@ def test_a_mechanism_is_defined_only_in_the_method_table():
 def test_the_mechanism_rule_sees_a_strategy_that_makes_one(tmp_path):
     (tmp_path / "s.py").write_text("def global_dp(self):\n    return GlobalDP('x', 'server', 3)\n")
     assert _calls({"GlobalDP"}, tmp_path) == {("s.py", "GlobalDP")}
+
+
+def _attribute_calls(attr: str, root: Path) -> set[str]:
+    """Files under ``root`` that call ``<something>.<attr>(...)``."""
+    found = set()
+    for path in root.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr:
+                found.add(str(path.relative_to(root)))
+    return found
+
+
+def test_a_run_config_is_built_only_by_validate():
+    """The config check has one entry point (``methods.validation.validate``, with the method
+    table's defaults and checks): nothing else builds a ``RunConfig`` from values."""
+    assert _attribute_calls("from_flat", PACKAGE) == {"methods/validation.py"}
+
+
+def test_the_entry_point_rule_sees_another_builder(tmp_path):
+    (tmp_path / "s.py").write_text("cfg = RunConfig.from_flat(values, spec)\n")
+    assert _attribute_calls("from_flat", tmp_path) == {"s.py"}
 
 
 def test_every_method_client_meets_the_one_contract():
