@@ -109,3 +109,10 @@ def test_a_node_imports_no_server_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_the_config_layer_imports_no_method_table_but_its_command_line():
+    """``runconfig`` is below the method table; only its command line (``python -m
+    fedvlm.runconfig check``, an entry point, at the top like every ``__main__``) validates with it."""
+    edges = _imports_between(_graph(), "fedvlm.runconfig", "fedvlm.methods")
+    assert edges == ["fedvlm.runconfig.__main__ -> fedvlm.methods.validation"], edges
