@@ -37,10 +37,10 @@ from fedvlm.tensor_names import CTX
 
 
 class PromptClient(Client):
-    """Shared machinery; subclasses implement ``finish_round`` (what leaves the node) and
-    ``personal_prompts`` (what the client evaluates with and, at the end of a run, publishes).
-    A round here trains one context (``PromptRound``: PromptFL, CoOp); the global/local methods
-    and pFedMoAP start their own sessions."""
+    """Shared machinery; subclasses implement ``personal_prompts`` (what the client evaluates
+    with and, at the end of a run, publishes) and, where it differs from sending the trained
+    context, ``finish_round``. A round here trains one context (``PromptRound``: PromptFL, CoOp);
+    the global/local methods and pFedMoAP start their own sessions."""
 
     scorer_class = PromptScorer
 
