@@ -12,6 +12,13 @@ Three exchanges (``docs/architecture.md`` has the table):
 - evaluate: an ``EvaluateInstruction`` (the round; whether it is the last one, when nodes
   publish their personalised prompts) plus the arrays; the reply holds metrics only.
 
+A round's evaluation travels with the next round's train messages (``server_app.loop``): a node
+sampled for both gets one train message that also carries the evaluation (``EVALUATE_CONFIG``,
+and ``EVALUATE_ARRAYS`` where its arrays differ from the training's). The node evaluates first,
+on the state it would have evaluated in a message of its own, then trains; its reply carries the
+evaluation's metrics in a record of their own (``EVALUATION``). One message instead of two per
+node and round: on a real deployment each exchange costs a round trip through the SuperLink.
+
 Replies are typed too: a client returns a ``TrainReply`` or an ``EvaluateReply``, the send guard
 turns it into records (``to_records``), and the server's checks turn a reply message back into
 one (``strategies.validation``, which reads every tensor's header before decoding it). The
@@ -45,6 +52,10 @@ RUN_DIR = "run-dir"
 # the how-many-th time the server sends this message (server_app.exchange asks a late one again
 # once): Flower names a message by its content, so a copy must differ; the node ignores it
 ATTEMPT = "attempt"
+# The records of a train message that carries the previous round's evaluation, and of its reply.
+EVALUATE_CONFIG = "evaluate-config"  # the evaluation's instruction (an ``EvaluateInstruction``)
+EVALUATE_ARRAYS = "evaluate-arrays"  # its arrays, where they differ from the train message's
+EVALUATION = "evaluation"  # in the reply: the evaluation's metrics
 
 # The reply metrics that both sides read (every other reported figure is checked by its rule on
 # the server, ``strategies.validation.METRIC_RULES``, and recorded as it is).

@@ -12,7 +12,9 @@ Three message types:
   its own disk first where memory lacks it (a restarted SuperNode, a resumed run) and written
   back after (``client_app.state``). A client's ``evaluate`` only evaluates: the handler commits
   what the node keeps and, on the run's last evaluation, publishes the node's model on its own
-  disk (``client_app.publishing``).
+  disk (``client_app.publishing``). A train message may carry the previous round's evaluation
+  (``protocol.EVALUATE_CONFIG``): the node runs it first, exactly as its own message, and the
+  reply carries its metrics beside the training's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import ArrayRecord, Context, Message, MessageType
+from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 
 from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
@@ -31,10 +33,13 @@ from fedvlm.client_app.state import persist, restore, state_dir
 from fedvlm.methods.validation import validate
 from fedvlm.protocol import (
     COMPUTE_SECONDS,
+    EVALUATE_ARRAYS,
+    EVALUATE_CONFIG,
     NODE_EPSILON,
     RUN_DIR,
     SERVER_ROUND,
     EvaluateInstruction,
+    EvaluateReply,
     TrainInstruction,
 )
 
@@ -42,25 +47,29 @@ if TYPE_CHECKING:
     import torch
 
 
-def _setup(msg: Message, context: Context):
+def _setup(
+    context: Context, content: RecordDict, training: bool, config_key: str = "config", arrays_key: str = "arrays"
+):
+    """The run config, the method, this message's client and arrays, its config, and where the
+    node keeps its state; ``config_key``/``arrays_key``: the records a bundled evaluation reads."""
     cfg = validate(context.run_config)
     spec = cfg.spec
     node = spec.family.node_data(cfg, dict(context.node_config))
-    config: dict[str, Any] = dict(msg.content["config"]) if "config" in msg.content else {}
+    config: dict[str, Any] = dict(content[config_key]) if config_key in content else {}
     server_round = int(config.get(SERVER_ROUND, 0))
     where = state_dir(node.config, str(config.get(RUN_DIR, "")), node.partition_id, node.name)
-    restore(context.state, where, server_round, training=msg.metadata.message_type == MessageType.TRAIN)
+    restore(context.state, where, server_round, training=training)
     client = spec.client(cfg, node, context.state, server_round, node_canaries(cfg, node.partition_id, context.state))
     arrays: dict[str, torch.Tensor] = {}
-    if "arrays" in msg.content:
-        record = msg.content["arrays"]
+    if arrays_key in content:
+        record = content[arrays_key]
         assert isinstance(record, ArrayRecord)  # the server sends its tensors as one
         arrays = record.to_torch_state_dict()
     return cfg, spec, client, arrays, config, where
 
 
 def hello(msg: Message, context: Context) -> Message:
-    _, _, client, _, _, _ = _setup(msg, context)
+    _, _, client, _, _, _ = _setup(context, msg.content, training=False)
     # a limit on regenerable noise is refused before the run starts, not at its first round
     privacy_floor.check_source(privacy_floor.NodeFloor.from_node_config(client.node.config), client.node.noise_source)
     report = client.hello()
@@ -68,9 +77,29 @@ def hello(msg: Message, context: Context) -> Message:
     return hello_reply(msg, replace(report, num_train=client.records(report.num_train), num_partitions=partitions))
 
 
-def train(msg: Message, context: Context) -> Message:
+def _evaluation(context: Context, content: RecordDict, config_key: str, arrays_key: str) -> EvaluateReply:
+    """One evaluation (its own message's, or one bundled into a train message): the reply, with
+    the node's state committed and persisted, and its model published on the run's last."""
     t0 = time.time()
-    cfg, spec, client, arrays, config, where = _setup(msg, context)
+    _, _, client, arrays, config, where = _setup(context, content, False, config_key, arrays_key)
+    instruction = EvaluateInstruction.from_config(config)
+    reply = client.evaluate(arrays, instruction)
+    client.commit()  # a first contact may have initialised the node's own parts
+    if instruction.final_round:  # the run's last evaluation: the node publishes on its own disk
+        publish(client.node, client.published(arrays), instruction)
+    persist(context.state, where, instruction.server_round)
+    return reply.with_metrics({COMPUTE_SECONDS: time.time() - t0})
+
+
+def train(msg: Message, context: Context) -> Message:
+    # The previous round's evaluation, where it came with this message, runs first: on the state
+    # the node ends that round with, as it would in an evaluate message of its own.
+    evaluation = None
+    if EVALUATE_CONFIG in msg.content:
+        arrays_key = EVALUATE_ARRAYS if EVALUATE_ARRAYS in msg.content else "arrays"
+        evaluation = _evaluation(context, msg.content, EVALUATE_CONFIG, arrays_key)
+    t0 = time.time()
+    cfg, spec, client, arrays, config, where = _setup(context, msg.content, training=True)
     instruction = TrainInstruction.from_config(config)
     release = privacy_floor.guard(client.node.config, context.state, cfg, instruction, client.node.noise_source)
     reply = client.train(arrays, instruction)
@@ -89,19 +118,13 @@ def train(msg: Message, context: Context) -> Message:
     # (a LoRA adapter's names are known only where the model is loaded).
     allowed = spec.shares(cfg, client.tensor_names)
     persist(context.state, where, instruction.server_round)
-    return guarded_reply(msg, reply, allowed=allowed, private=client.private, requested=instruction.reply_keys)
+    return guarded_reply(
+        msg, reply, allowed=allowed, private=client.private, requested=instruction.reply_keys, evaluation=evaluation
+    )
 
 
 def evaluate(msg: Message, context: Context) -> Message:
-    t0 = time.time()
-    _, _, client, arrays, config, where = _setup(msg, context)
-    instruction = EvaluateInstruction.from_config(config)
-    reply = client.evaluate(arrays, instruction)
-    client.commit()  # a first contact may have initialised the node's own parts
-    if instruction.final_round:  # the run's last evaluation: the node publishes on its own disk
-        publish(client.node, client.published(arrays), instruction)
-    persist(context.state, where, instruction.server_round)
-    return guarded_reply(msg, reply.with_metrics({COMPUTE_SECONDS: time.time() - t0}), allowed=frozenset())
+    return guarded_reply(msg, _evaluation(context, msg.content, "config", "arrays"), allowed=frozenset())
 
 
 HANDLERS = {MessageType.QUERY: hello, MessageType.TRAIN: train, MessageType.EVALUATE: evaluate}

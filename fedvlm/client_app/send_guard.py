@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedvlm.protocol import EvaluateReply, HelloReport, TrainReply
+from fedvlm.protocol import EVALUATION, EvaluateReply, HelloReport, TrainReply
 
 
 class PrivacyGuardError(RuntimeError):
@@ -61,13 +61,19 @@ def guarded_reply(
     allowed: Iterable[str],
     private: Mapping[str, torch.Tensor] | None = None,
     requested: Iterable[str] | None = None,
+    evaluation: EvaluateReply | None = None,
 ) -> Message:
-    """The reply message, after ``check_outgoing`` has passed."""
+    """The reply message, after ``check_outgoing`` has passed; ``evaluation``: the metrics of an
+    evaluation the message carried (``protocol.EVALUATION``), which may hold no tensor."""
     arrays, metrics = reply.to_records()
     check_outgoing(arrays, allowed, private, requested)
     content = RecordDict()
     content["arrays"] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
     content["metrics"] = _metric_record(metrics)
+    if evaluation is not None:
+        tensors, figures = evaluation.to_records()
+        check_outgoing(tensors, allowed=())
+        content[EVALUATION] = _metric_record(figures)
     return Message(content, reply_to=msg)
 
 

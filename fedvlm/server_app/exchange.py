@@ -1,12 +1,13 @@
-"""One phase of a round on the grid: push the messages, pull the replies as they come, and
-decide when a reply is late.
+"""One exchange on the grid (a round's train messages, and the previous round's evaluation,
+``FederatedStrategy.one_exchange``): push the messages, pull the replies as they come, and decide when
+a reply is late.
 
 Flower's ``Grid.send_and_receive`` waits for every reply or for ``round-timeout`` (600 s by
 default), polling every 3 s. A reply lost on the way (a SuperLink that answered the SuperNode's
 push with an error, a node that crashed) then costs the whole round-timeout. Here:
 
 - replies are pulled every ``POLL_S`` seconds;
-- once no other reply of the phase is still coming in, the ones missing get a grace period:
+- once no other reply of the exchange is still coming in, the ones missing get a grace period:
   ``reply-grace`` seconds, or ``GRACE_FACTOR`` times the slowest reply time seen (this round's,
   and the node's own in earlier rounds) if that is longer, so a node with more data or a slower
   machine is not taken for lost; a node that has never answered this kind of message yet (its
@@ -16,7 +17,7 @@ push with an error, a node that crashed) then costs the whole round-timeout. Her
   replies comes first is the node's, the other is never pulled;
 - after one more grace period the round goes on without it, never later than round-timeout.
 
-With ``reply-grace = 0`` a phase waits for every reply until round-timeout, as before.
+With ``reply-grace = 0`` an exchange waits for every reply until round-timeout, as before.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ GRACE_FACTOR = 2.0
 
 
 class Exchanger:
-    """Sends each phase's messages for a whole run; remembers each node's reply times."""
+    """Sends each exchange's messages for a whole run; remembers each node's reply times."""
 
     def __init__(self, grid, round_timeout: float, grace: float):
         self.grid = grid
@@ -42,14 +43,14 @@ class Exchanger:
         self.grace = grace
         self.seen: dict[tuple[int, str], float] = {}  # (node id, message type) -> slowest reply, seconds
 
-    def _grace_for(self, nodes: Iterable[int], kind: str, slowest_now: float) -> float | None:
-        """Seconds the missing replies of ``nodes`` may still take once no other is arriving;
-        None while one of them has never answered this kind of message (its first round, a
-        node that joined late): it may be slow by nature (more data, a slower machine, loading
-        its model), so it gets round-timeout, as without a grace."""
-        nodes = list(nodes)
-        own = [self.seen[(n, kind)] for n in nodes if (n, kind) in self.seen]
-        if len(own) < len(nodes):
+    def _grace_for(self, waiting: Iterable[tuple[int, str]], slowest_now: float) -> float | None:
+        """Seconds the missing replies may still take once no other is arriving (``waiting``: each
+        late message's node and type); None while one of them has never answered this kind of
+        message (its first round, a node that joined late): it may be slow by nature (more data,
+        a slower machine, loading its model), so it gets round-timeout, as without a grace."""
+        waiting = list(waiting)
+        own = [self.seen[w] for w in waiting if w in self.seen]
+        if len(own) < len(waiting):
             return None
         return max(self.grace, GRACE_FACTOR * max([slowest_now, *own]))
 
@@ -61,7 +62,6 @@ class Exchanger:
             return []
         if self.grace <= 0:
             return list(self.grid.send_and_receive(messages, timeout=self.round_timeout))
-        kind = messages[0].metadata.message_type
         start = time.time()
         deadline = start + self.round_timeout
         pending: dict[str, Message] = {}  # message id -> message
@@ -78,7 +78,7 @@ class Exchanger:
                 answers = reply.metadata.reply_to_message_id
                 if answers not in pending:
                     continue
-                node = pending[answers].metadata.dst_node_id
+                node, kind = pending[answers].metadata.dst_node_id, pending[answers].metadata.message_type
                 took = now - sent_at[answers]
                 slowest, last_arrival = max(slowest, took), now
                 self.seen[(node, kind)] = max(self.seen.get((node, kind), 0.0), took)
@@ -86,8 +86,8 @@ class Exchanger:
                     del pending[other]  # the node's other copy, if it was asked again: never pulled
             if not pending:
                 break
-            waiting = {m.metadata.dst_node_id for m in pending.values()}
-            grace = self._grace_for(waiting, kind, slowest)
+            waiting = {(m.metadata.dst_node_id, m.metadata.message_type) for m in pending.values()}
+            grace = self._grace_for(waiting, slowest)
             if grace is not None and now - last_arrival >= grace:
                 late = [m for m in pending.values() if m.metadata.dst_node_id not in tried]
                 if not late:
@@ -97,10 +97,10 @@ class Exchanger:
                 for msg, mid in zip(copies, self.grid.push_messages(copies), strict=True):
                     pending[mid], sent_at[mid] = msg, time.time()
                 log.warning(
-                    "%d %s repl%s late after a %.1f s grace: asked again once",
+                    "%d repl%s (%s) late after a %.1f s grace: asked again once",
                     len(late),
-                    kind,
                     "y" if len(late) == 1 else "ies",
+                    ", ".join(sorted({m.metadata.message_type for m in late})),
                     grace,
                 )
                 last_arrival = time.time()

@@ -17,7 +17,7 @@ import logging
 import time
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from fedvlm.privacy.audit import audit_section
@@ -27,7 +27,8 @@ from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
 from fedvlm.strategies.base import FederatedStrategy
-from fedvlm.strategies.records import RoundRecord
+from fedvlm.strategies.plan import RoundPlan
+from fedvlm.strategies.records import RoundRecord, with_evaluation
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,46 @@ def _phase_config(recorder: RunRecorder, final: bool | None = None) -> ConfigRec
     return config
 
 
+def _evaluation(
+    strategy: FederatedStrategy, server_round: int, arrays: ArrayRecord, recorder: RunRecorder, grid: Grid, final: bool
+) -> list[Message]:
+    """Round ``server_round``'s evaluate messages (a fresh plan of its evaluation)."""
+    return list(strategy.configure_evaluate(server_round, arrays, _phase_config(recorder, final=final), grid))
+
+
+def _settle(
+    strategy: FederatedStrategy,
+    recorder: RunRecorder,
+    server_round: int,
+    replies: list[Message],
+    seconds: float | None,
+    total: int,
+) -> None:
+    """Round ``server_round``'s evaluation is back (in ``replies``, among an exchange's others):
+    its figures complete the round's record, which the run folder then holds."""
+    figures = _figures(strategy.aggregate_evaluate(server_round, replies))
+    evaluation = RoundRecord.of(strategy.plans.pop(server_round), figures)
+    rounds = recorder.data["rounds"]
+    at = next(i for i, r in enumerate(rounds) if r["round"] == server_round)
+    rounds[at] = with_evaluation(rounds[at], evaluation, seconds)
+    if strategy.budget is not None:  # what the evaluation released beside the noised tensors
+        recorder.add_section("privacy", strategy.ledger.as_dict())
+    _record_audit(strategy, recorder)
+    recorder.write()
+    log.info(progress_line(rounds[at], total))
+
+
 def run_rounds(
     strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder, resume: ResumePoint | None = None
 ) -> dict:
     """Run every round of ``strategy`` on ``grid`` (after ``resume``'s round, if given);
-    returns the finished results."""
+    returns the finished results.
+
+    A round's evaluation travels with the next round's train messages (``strategy.one_exchange``):
+    one exchange per round instead of two, each a round trip through the SuperLink on a real
+    deployment. Its record is written when the round's training is done (``evaluated``: false)
+    and completed when the evaluation comes back; the last round's evaluation, and any round's
+    of a method that does not train, go out on their own."""
     strategy.start(grid, resume.state if resume is not None else None)
     if resume is not None:
         strategy.load_state_dict(resume.state)
@@ -97,17 +133,22 @@ def run_rounds(
     exchange = Exchanger(grid, strategy.cfg.round_timeout, strategy.cfg.reply_grace)
     total = strategy.num_rounds()
     arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in strategy.global_arrays.items()})
-    status, note, rnd = "finished", "", 0
+    owed = resume.round if resume is not None and resume.evaluation_owed else None  # the round whose evaluation is due
+    started: dict[int, float] = {}  # round -> when it began (its record's seconds run to the next's start)
+    status, note, rnd = "finished", "", resume.round if resume is not None else 0
     for rnd in range(resume.round + 1 if resume else 1, total + 1):
-        t0 = time.time()
-        metrics: dict[str, float] = {}
+        started[rnd] = t0 = time.time()
+        strategy.admit(grid)
+        evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
+        train: list[Message] = []
         if strategy.spec.trains:
-            strategy.admit(grid)
-            messages = list(strategy.configure_train(rnd, arrays, _phase_config(recorder), grid))
-            trainees = [strategy.nodes[m.metadata.dst_node_id].name for m in messages]
+            train = list(strategy.configure_train(rnd, arrays, _phase_config(recorder), grid))
+            trainees = [strategy.nodes[m.metadata.dst_node_id].name for m in train]
             over = strategy.budget.would_exceed(trainees) if strategy.budget is not None else None
             if over is not None:
                 strategy.plans.pop(rnd)  # never sent: it leaves no trace
+                if owed is not None:
+                    strategy.plans.pop(owed)  # sent below as the run's last evaluation
                 status = "stopped"
                 note = (
                     f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
@@ -115,31 +156,43 @@ def run_rounds(
                 )
                 log.warning(note)
                 rnd -= 1
-                # one more evaluation of the state reached, so that clients publish it
-                strategy.admit(grid)
-                publish = list(strategy.configure_evaluate(rnd, arrays, _phase_config(recorder, final=True), grid))
-                exchange.run(publish, strategy.ask_again)
-                strategy.plans.pop(rnd)
                 break
             if strategy.budget is not None:
                 strategy.budget.spend(trainees)
             save_inflight(recorder.dir, rnd, trainees)
-            uploads = exchange.run(messages, strategy.ask_again)
+        replies = exchange.run(strategy.one_exchange(train, evaluation), strategy.ask_again)
+        if owed is not None:
+            _settle(strategy, recorder, owed, replies, t0 - started[owed] if owed in started else None, total)
+            owed = None
+        metrics: dict[str, float] = {}
+        if train:
             if strategy.cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
-                record_round(recorder.dir, rnd, messages, uploads, strategy.nodes)
-            new_arrays, train_metrics = strategy.aggregate_train(rnd, uploads)
+                record_round(recorder.dir, rnd, train, replies, strategy.nodes)
+            new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             arrays = new_arrays if new_arrays is not None else arrays
             metrics.update(_figures(train_metrics))
-        strategy.admit(grid)
-        evaluate = list(strategy.configure_evaluate(rnd, arrays, _phase_config(recorder, final=rnd == total), grid))
-        metrics.update(_figures(strategy.aggregate_evaluate(rnd, exchange.run(evaluate, strategy.ask_again))))
         metrics.update(_record_privacy(strategy, rnd, recorder))
-        record = RoundRecord.of(strategy.plans.pop(rnd), metrics).as_dict(time.time() - t0)
-        recorder.add_round(record)
+        plan = strategy.plans.pop(rnd, RoundPlan(rnd))  # none for a method that does not train
+        recorder.add_round(RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False))
         _record_audit(strategy, recorder)
         _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
         save_checkpoint(recorder.dir, strategy, rnd)
-        log.info(progress_line(record, total))
+        owed = rnd
+        if not train or rnd == total:  # nothing to travel with: evaluated on its own
+            strategy.admit(grid)
+            alone = _evaluation(strategy, rnd, arrays, recorder, grid, final=rnd == total)
+            _settle(strategy, recorder, rnd, exchange.run(alone, strategy.ask_again), time.time() - t0, total)
+            owed = None
+    if status == "stopped" or owed is not None:
+        # the run's last evaluation, of the state reached, so that the nodes publish it (after
+        # the budget's stop, or in a resumed run that was cut off in it); it completes that
+        # round's record where it was still owed
+        strategy.admit(grid)
+        replies = exchange.run(_evaluation(strategy, rnd, arrays, recorder, grid, final=True), strategy.ask_again)
+        if owed == rnd:
+            _settle(strategy, recorder, rnd, replies, time.time() - started[rnd] if rnd in started else None, total)
+        else:
+            strategy.plans.pop(rnd)
     if strategy.global_arrays:
         recorder.save_arrays("final_shared.pt", strategy.global_arrays, rnd)
     outputs = strategy.outputs(recorder.data["rounds"])

@@ -1,7 +1,12 @@
 """A run's checkpoint, and continuing an interrupted run from it (``resume = '<run dir>'``).
 
-After every round the loop writes ``checkpoint.pt`` (atomically): the round, the shared arrays,
-and the strategy's ``state_dict`` (its own state, the privacy spent, the ledger). A run killed at
+After every round's training the loop writes ``checkpoint.pt`` (atomically): the round, the
+shared arrays, and the strategy's ``state_dict`` (its own state, the privacy spent, the ledger).
+The round's evaluation goes out with the next round's train messages; until it is back, the
+round's record in results.json says ``"evaluated": false``, and a run resumed from there sends
+that evaluation first (a node evaluates from its snapshot of that round, ``client_app.state``,
+so the figures are the ones the uninterrupted run would have recorded; a run cut off in its
+last evaluation is resumed to finish it). A run killed at
 any point (the ServerApp, the SuperLink, the machine) continues from its run folder with the
 same config; only ``num-server-rounds`` (and the keys below that change nothing computed) may
 differ, so a finished run can also be extended. The resumed run writes into the same folder, drops any round
@@ -55,6 +60,7 @@ class ResumePoint:
     round: int  # the last completed round
     state: dict  # the strategy's state after it
     abandoned: dict | None = None  # the round cut off after its train messages went out: round, trainees
+    evaluation_owed: bool = False  # the last completed round's evaluation never came back (the loop sends it)
 
 
 def hold_run_dir(run_dir: Path):
@@ -112,14 +118,16 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
     if "state" not in saved:
         raise ResumeError(f"{run_dir / CHECKPOINT} holds no strategy state (written by an older fedvlm): start afresh")
     done = int(saved["round"])
-    if done >= cfg.num_server_rounds:
+    last = [r for r in data["rounds"] if r["round"] == done]
+    owed = bool(last) and last[0].get("evaluated", True) is False
+    if done > cfg.num_server_rounds or done == cfg.num_server_rounds and not owed:
         raise ResumeError(
             f"{run_dir.name} has completed {done} round(s), num-server-rounds is {cfg.num_server_rounds}: nothing to "
             f"resume; raise num-server-rounds to run it further"
         )
     inflight = json.loads((run_dir / INFLIGHT).read_text()) if (run_dir / INFLIGHT).is_file() else None
     abandoned = inflight if inflight is not None and inflight["round"] > done else None
-    return ResumePoint(run_dir, data, done, saved["state"], abandoned)
+    return ResumePoint(run_dir, data, done, saved["state"], abandoned, owed)
 
 
 def charge_abandoned(strategy: FederatedStrategy, point: ResumePoint) -> dict:

@@ -47,6 +47,8 @@ from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape
 from fedvlm.protocol import (
     ATTEMPT,
+    EVALUATE_ARRAYS,
+    EVALUATE_CONFIG,
     FINAL_ROUND,
     NUM_EXAMPLES,
     RUN_DIR,
@@ -322,6 +324,42 @@ class FederatedStrategy(Strategy):
         """The round's evaluate messages (``config``: the run folder, whether it is the last)."""
         return self._phase("evaluate", server_round, arrays, config, self.cfg.fraction_evaluate)
 
+    def one_exchange(self, train: list[Message], evaluation: list[Message]) -> list[Message]:
+        """One exchange's messages, one per node: this round's ``train`` messages and the
+        previous round's ``evaluation`` messages (both as ``configure_*`` returned them). A node
+        in both gets its evaluation inside its train message (``protocol.EVALUATE_CONFIG``; the
+        arrays too, as ``EVALUATE_ARRAYS``, only where they differ from the training's), and the
+        evaluation's plan keeps that message as the one it sent the node.
+
+        Why nothing changes for the node: it runs the evaluation first, with the state it would
+        have had for an evaluate message of its own (nothing happens to its state between the two
+        messages), and on the arrays that message would have carried. Why nothing changes for the
+        server: the evaluation's figures come back in their own record and are validated and
+        aggregated by ``aggregate_evaluate`` of their round; a reply that fails fails both."""
+        if not train or not evaluation:
+            return train + evaluation
+        hosts = {m.metadata.dst_node_id: m for m in train}
+        alone = []
+        for msg in evaluation:
+            host = hosts.get(msg.metadata.dst_node_id)
+            if host is None:
+                alone.append(msg)
+                continue
+            config = msg.content["config"]
+            assert isinstance(config, ConfigRecord)  # _phase sends one
+            kept = self.plans[int(config[SERVER_ROUND])].phase("evaluate")  # type: ignore[arg-type]  # written by _phase
+            host.content[EVALUATE_CONFIG] = config
+            arrays, shared = msg.content["arrays"], host.content["arrays"]
+            assert isinstance(arrays, ArrayRecord) and isinstance(shared, ArrayRecord)  # _phase sends them
+            if _same_arrays(arrays, shared):  # nothing more to send: the node evaluates the train message's
+                nbytes = record_nbytes({k: v.numpy() for k, v in arrays.items()})
+                kept.bytes_down -= nbytes
+                kept.client(self.nodes[host.metadata.dst_node_id].name)["evaluate/bytes_down"] = 0
+            else:
+                host.content[EVALUATE_ARRAYS] = arrays
+            kept.messages = [host if m is msg else m for m in kept.messages]
+        return train + alone
+
     def ask_again(self, late: list[Message]) -> list[Message]:
         """Copies of the messages whose replies are late (``server_app.exchange``), to send once
         more; a message left out is not asked again, and why is recorded in the round.
@@ -366,11 +404,17 @@ class FederatedStrategy(Strategy):
                 if fresh:
                     self.budget.spend([node.name])
                     charged = True
-            content = RecordDict({"arrays": msg.content["arrays"], "config": ConfigRecord({**config, ATTEMPT: 2})})
+            content = RecordDict(dict(msg.content.items()))  # a bundled evaluation too
+            content["config"] = ConfigRecord({**config, ATTEMPT: 2})
             copy = Message(content, dst_node_id=node.node_id, message_type=msg.metadata.message_type)
             copies.append(copy)
+            asked = {"client": node.name, "phase": phase, "asked": True, "charged": charged}
             kept.messages.append(copy)
-            kept.asked_again.append({"client": node.name, "phase": phase, "asked": True, "charged": charged})
+            kept.asked_again.append(asked)
+            if EVALUATE_CONFIG in content:  # the evaluation it carries is asked again with it
+                evaluated = self.plans[int(content[EVALUATE_CONFIG][SERVER_ROUND])].phase("evaluate")  # type: ignore[arg-type]
+                evaluated.messages.append(copy)
+                evaluated.asked_again.append({**asked, "phase": "evaluate", "charged": False})
         return copies
 
     # ---- replies -------------------------------------------------------------------------------
@@ -404,8 +448,11 @@ class FederatedStrategy(Strategy):
         return ""
 
     def _validated(self, replies: Iterable[Message], kept: PhasePlan) -> list[ClientUpdate]:
+        """The replies that answer ``kept``'s messages (an exchange may carry two phases,
+        ``one_exchange``), checked; what was dropped, and who did not answer, recorded in ``kept``."""
         good = []
-        replies = list(replies)
+        sent = {m.metadata.message_id: m for m in kept.messages}
+        replies = [m for m in replies if m.metadata.reply_to_message_id in sent]
         senders = [self._sender(m, kept) for m in replies]
         for msg, nid in zip(replies, senders, strict=True):
             node = self.nodes.get(nid)
@@ -416,11 +463,12 @@ class FederatedStrategy(Strategy):
                 why = self._origin_problem(msg, nid, senders, kept)
                 if why:
                     raise ReplyRejected(why)
-                sent = kept.outgoing.get(nid)
+                out = kept.outgoing.get(nid)
+                carried = sent[msg.metadata.reply_to_message_id].metadata.message_type == MessageType.TRAIN
                 reply = (
-                    check_train_reply(msg, sent.payload.expected if sent else {}, node.num_train)
+                    check_train_reply(msg, out.payload.expected if out else {}, node.num_train)
                     if kept.phase == "train"
-                    else check_evaluate_reply(msg)
+                    else check_evaluate_reply(msg, carried)
                 )
             except ReplyRejected as why:
                 _drop(kept, name, str(why))
@@ -487,6 +535,12 @@ class FederatedStrategy(Strategy):
         metrics["eval-clients"] = len(updates)
         metrics["eval-compute-seconds"] = float(sum(u.reply.compute_seconds for u in updates))
         return MetricRecord(dict(metrics))
+
+
+def _same_arrays(a: ArrayRecord, b: ArrayRecord) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].data == b[k].data for k in a
+    )
 
 
 def _drop(kept: PhasePlan, name: str, reason: str) -> None:

@@ -56,10 +56,14 @@ class RoundRecord:
                 record.bytes[f"{phase.phase}_up"] = phase.bytes_up
         return record
 
-    def as_dict(self, seconds: float) -> dict:
+    def as_dict(self, seconds: float, evaluated: bool = True) -> dict:
+        """The record results.json keeps; ``evaluated`` False: written before the round's
+        evaluation came back (it travels with the next round's train messages), completed by
+        ``with_evaluation``."""
         return {
             "round": self.round,
             "sampled": self.sampled,
+            "evaluated": evaluated,
             "metrics": self.metrics,
             "seconds": round(seconds, 3),
             "bytes_up": sum(v for k, v in self.bytes.items() if k.endswith("_up")),
@@ -71,6 +75,28 @@ class RoundRecord:
             "asked_again": self.asked_again,
             "missing": self.missing,
         }
+
+
+def with_evaluation(record: dict, evaluation: RoundRecord, seconds: float | None = None) -> dict:
+    """``record`` (a round's, written before its evaluation came back) completed with
+    ``evaluation`` (the record of that round's evaluation phase alone); ``seconds``: the round's
+    time, where known now (not after a resume)."""
+    done = evaluation.as_dict(seconds if seconds is not None else record["seconds"])
+    out = {
+        **record,
+        "evaluated": True,
+        "seconds": done["seconds"],
+        "metrics": {**record["metrics"], **evaluation.metrics},
+    }
+    out["clients"] = {name: dict(row) for name, row in record["clients"].items()}
+    for name, row in evaluation.clients.items():
+        out["clients"].setdefault(name, {}).update(row)
+    for key in ("dropped", "bounded", "asked_again", "missing"):
+        out[key] = record[key] + done[key]
+    out["bytes"] = {**record["bytes"], **evaluation.bytes}
+    out["bytes_up"] = sum(v for k, v in out["bytes"].items() if k.endswith("_up"))
+    out["bytes_down"] = sum(v for k, v in out["bytes"].items() if k.endswith("_down"))
+    return out
 
 
 @dataclass

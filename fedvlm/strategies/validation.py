@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from fedvlm.protocol import NUM_EXAMPLES, EvaluateReply, HelloReport, TrainReply
+from fedvlm.protocol import EVALUATION, NUM_EXAMPLES, EvaluateReply, HelloReport, TrainReply
 from fedvlm.runconfig.schema import RepliesConfig
 
 
@@ -128,13 +128,17 @@ def _records(msg: Message, expected: Mapping[str, tuple[int, ...]]) -> tuple[dic
             parts.append(f"unexpected {', '.join(sorted(extra))}")
         raise ReplyRejected("wrong tensors: " + "; ".join(parts))
     arrays = {name: decode_tensor(name, tensors[name], shape) for name, shape in expected.items()}
-    metrics: dict = {}
-    if "metrics" in content:
-        record = content["metrics"]
-        if not isinstance(record, MetricRecord):
-            raise ReplyRejected(f"'metrics' is a {type(record).__name__}, expected a MetricRecord")
-        metrics = dict(record)
-    return arrays, metrics
+    return arrays, _metrics(content, "metrics")
+
+
+def _metrics(content, key: str) -> dict:
+    """A reply's metrics record ``key`` (none: no metrics), or ``ReplyRejected``."""
+    if key not in content:
+        return {}
+    record = content[key]
+    if not isinstance(record, MetricRecord):
+        raise ReplyRejected(f"{key!r} is a {type(record).__name__}, expected a MetricRecord")
+    return dict(record)
 
 
 def _count(metrics: Mapping, least: int) -> None:
@@ -163,10 +167,19 @@ def check_train_reply(msg: Message, expected: Mapping[str, tuple[int, ...]], max
     return TrainReply.from_records(arrays, metrics)
 
 
-def check_evaluate_reply(msg: Message) -> EvaluateReply:
+def check_evaluate_reply(msg: Message, carried: bool = False) -> EvaluateReply:
     """An evaluate reply as an ``EvaluateReply``, or ``ReplyRejected``: metrics only, a
-    ``num-examples`` (where given) a non-negative integer."""
-    _, metrics = _records(msg, {})
+    ``num-examples`` (where given) a non-negative integer. ``carried``: the evaluation came in a
+    train message, whose reply holds its metrics in the ``evaluation`` record
+    (``protocol.EVALUATION``)."""
+    if carried:
+        if msg.has_error():
+            raise ReplyRejected(f"the client failed: {short_reason(msg.error.reason)}")
+        if EVALUATION not in msg.content:
+            raise ReplyRejected(f"it lacks the {EVALUATION!r} record of the evaluation its message carried")
+        metrics = _metrics(msg.content, EVALUATION)
+    else:
+        _, metrics = _records(msg, {})
     if NUM_EXAMPLES in metrics:
         _count(metrics, 0)
     _figures(metrics)
