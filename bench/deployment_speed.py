@@ -18,8 +18,10 @@ Runs the embedded default (``--method``, ``--rounds``) several ways (``--modes``
   Flower's own do (``FLOWER_WAITS``: 3 s between empty pulls, 0.5 s between looks for a reply,
   1 s between looks for a task) instead of 0.5 s, 0.1 s and 0.2 s.
 
-Prints seconds per round (round 1 apart: it loads models and features everywhere), the ratio
-of each deployment to the simulation, lost replies, rounds that waited out round-timeout, and
+Prints seconds per round (round 1 apart: it loads models and features everywhere; a round's
+time runs from its start to the next's, and the last round's includes its evaluation, which goes
+alone), their mean and median over every run of a mode, the ratio of each deployment to the
+simulation, lost replies, rounds that waited out round-timeout, and
 the federation's peak memory per program; writes all of it as JSON.
 
     python bench/deployment_speed.py --supernodes 4 --rounds 4
@@ -143,23 +145,31 @@ def main() -> None:
                 rows[mode].append(summary(modes[mode](Path(tmp)), args.round_timeout))
                 print(f"{mode}: {json.dumps({k: v for k, v in rows[mode][-1].items() if k != 'peak_by_program'})}")
     means = {m: statistics.mean(r["later_round_mean_s"] for r in runs) for m, runs in rows.items()}
+    # a round's median over every run of the mode: one slow round (a noisy neighbour, the last
+    # round's evaluation going alone) moves it less than the mean
+    medians = {m: statistics.median(s for r in runs for s in r["later_rounds_s"]) for m, runs in rows.items()}
     report = {
         "config": args.run_config,
         "supernodes": args.supernodes,
         "machine": {"cpus": os.cpu_count(), "load_1min_at_end": os.getloadavg()[0]},
         "runs": rows,
         "later_round_mean_s": means,
+        "later_round_median_s": medians,
     }
     if "simulation" in means:
         report["ratio_to_simulation"] = {m: v / means["simulation"] for m, v in means.items()}
+        report["median_ratio_to_simulation"] = {m: v / medians["simulation"] for m, v in medians.items()}
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print(f"\n{args.supernodes} nodes, {args.method}, {args.rounds} rounds, {os.cpu_count()} CPUs")
     for mode, runs in rows.items():
         ratio = report.get("ratio_to_simulation", {}).get(mode)
+        median_ratio = report.get("median_ratio_to_simulation", {}).get(mode)
         print(
             f"  {mode:<17} round 1 {statistics.mean(r['round_1_s'] for r in runs):7.1f} s, later rounds "
             f"{means[mode]:7.1f} s"
             + (f" ({ratio:.2f}x simulation)" if ratio else "")
+            + f", median {medians[mode]:.2f} s"
+            + (f" ({median_ratio:.2f}x)" if median_ratio else "")
             + f", peak {statistics.mean(r['peak_pss_mib'] for r in runs) / 1024:.1f} GiB PSS"
             + f", asked again {sum(r['asked_again'] for r in runs)}, timed out rounds "
             f"{sum(r['rounds_waiting_out_round_timeout'] for r in runs)}"

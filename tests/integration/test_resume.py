@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.protocol import SERVER_ROUND
+from fedvlm.protocol import FINAL_ROUND, SERVER_ROUND
 from fedvlm.server_app.app import execute
 from fedvlm.strategies.base import ResumeError
 from fedvlm.utils.files import UnreadableFile
@@ -109,6 +109,30 @@ def test_a_killed_run_resumes_to_the_uninterrupted_numbers(make_cfg, pretrained_
         # the same release, spent once (which is why the ledgers above agree)
         entry = resumed.data["run"]["resumed"][0]
         assert (entry["from_round"], entry["abandoned_round"], entry["charged"]) == (1, 2, False)
+
+
+def test_a_run_cut_off_in_its_last_evaluation_resumes_to_finish_it(make_cfg, pretrained_clip):
+    """The last round's evaluation goes out after its checkpoint: a run killed in it is resumed to
+    send it again, and ends as the uninterrupted run (figures, published prompts)."""
+
+    def kill_in_last_evaluation(req, reply):
+        if req.metadata.message_type == "evaluate" and req.content["config"][FINAL_ROUND]:
+            raise Killed
+        return reply
+
+    same = {"method": "promptfl", "num_server_rounds": 2}
+    whole_cfg = make_cfg(run_name="whole", **same)
+    whole = execute(whole_cfg, _grid(whole_cfg, _partitions(3)), run_id="whole")
+    cfg = make_cfg(run_name="cut", **same)
+    with pytest.raises(Killed):
+        execute(cfg, _grid(cfg, _partitions(3), kill_in_last_evaluation), run_id="first")
+    killed = json.loads((whole.dir.parent / "cut" / "results.json").read_text())
+    assert [r["evaluated"] for r in killed["rounds"]] == [True, False]
+    assert "eval-clients" not in killed["rounds"][-1]["metrics"]
+    later = make_cfg(resume=str(whole.dir.parent / "cut"), **same)
+    resumed = execute(later, _grid(later, _partitions(3)), run_id="second")
+    _assert_same_run(whole, resumed)
+    assert resumed.data["run"]["resumed"][0]["from_round"] == 2
 
 
 def test_reprogram_under_dp_resumes_with_the_nodes_accountants(make_cfg, cache_dir):

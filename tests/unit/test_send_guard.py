@@ -7,7 +7,7 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedvlm.client_app.send_guard import PrivacyGuardError, check_outgoing, guarded_reply
-from fedvlm.protocol import NUM_EXAMPLES, TrainReply
+from fedvlm.protocol import EVALUATION, NUM_EXAMPLES, EvaluateReply, TrainReply
 
 
 def test_allowed_tensor_passes_and_is_sent():
@@ -38,3 +38,15 @@ def test_only_what_the_server_asked_for():
         check_outgoing(
             {"lora_A": torch.ones(1), "lora_B": torch.ones(1)}, allowed={"lora_A", "lora_B"}, requested=["lora_A"]
         )
+
+
+def test_a_carried_evaluation_leaves_as_metrics_beside_the_training():
+    request = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=3, message_type=MessageType.TRAIN)
+    reply = guarded_reply(
+        request,
+        TrainReply({"shared": torch.ones(2)}, {NUM_EXAMPLES: 4}),
+        allowed={"shared"},
+        evaluation=EvaluateReply({NUM_EXAMPLES: 2, "local-acc": 0.5}),
+    )
+    assert dict(reply.content[EVALUATION]) == {NUM_EXAMPLES: 2, "local-acc": 0.5}
+    assert dict(reply.content["metrics"]) == {NUM_EXAMPLES: 4} and list(reply.content["arrays"]) == ["shared"]

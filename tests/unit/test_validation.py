@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
-from fedvlm.protocol import SERVER_ROUND, EvaluateReply, TrainReply
+from fedvlm.protocol import EVALUATION, SERVER_ROUND, EvaluateReply, TrainReply
 from fedvlm.strategies.validation import (
     ReplyRejected,
     check_evaluate_reply,
@@ -115,3 +115,18 @@ def test_short_reason_keeps_the_original_exception_line():
     )
     assert short_reason(ray_style) == "RuntimeError: boom"
     assert short_reason("Traceback...\ndata.registry.DatasetError: no such folder") == "DatasetError: no such folder"
+
+
+def test_an_evaluation_carried_by_a_train_message_is_read_from_its_own_record():
+    reply = _reply({"ctx": np.zeros((4, 8), np.float32)})
+    reply.content[EVALUATION] = MetricRecord({"num-examples": 3, "local-acc": 0.75})
+    carried = check_evaluate_reply(reply, carried=True)
+    assert carried.arrays == {} and carried.metrics == {"num-examples": 3, "local-acc": 0.75}
+    # the train reply's own tensors and metrics are the training's, not the evaluation's
+    assert check_train_reply(reply, EXPECTED).metrics == {"num-examples": 10}
+    with pytest.raises(ReplyRejected, match="lacks the 'evaluation' record"):
+        check_evaluate_reply(_reply({"ctx": np.zeros((4, 8), np.float32)}), carried=True)
+    bad = _reply()
+    bad.content[EVALUATION] = MetricRecord({"local-acc": 7.0})
+    with pytest.raises(ReplyRejected, match="expected in"):
+        check_evaluate_reply(bad, carried=True)

@@ -1,0 +1,60 @@
+"""A round's evaluation travels with the next round's train messages (``server_app.loop``,
+``FederatedStrategy.one_exchange``): one message per node and round; a node sampled for the
+evaluation and not for the next round's training gets an evaluate message of its own in the
+same exchange; the last round's evaluation goes alone. That the figures are those separate
+messages gave is the regression fixture's check (``test_regression.py``, recorded before)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from fedvlm.client_app.app import app as client_app
+from fedvlm.protocol import EVALUATE_ARRAYS, EVALUATE_CONFIG, FINAL_ROUND, SERVER_ROUND
+from fedvlm.server_app.app import execute
+from fedvlm.utils.inprocess import InProcessGrid
+
+NODES = 4
+
+
+def test_each_round_is_one_exchange_carrying_the_previous_evaluation(make_cfg, pretrained_clip):
+    seen = []  # (type, round, round of the evaluation it carries or None, node, final)
+
+    def intercept(req, reply):
+        if req.metadata.message_type in ("train", "evaluate"):
+            config = req.content["config"]
+            carried = int(req.content[EVALUATE_CONFIG][SERVER_ROUND]) if EVALUATE_CONFIG in req.content else None
+            assert EVALUATE_ARRAYS not in req.content  # promptfl evaluates the arrays it trains from
+            final = bool(config.get(FINAL_ROUND, False))
+            seen.append(
+                (req.metadata.message_type, int(config[SERVER_ROUND]), carried, req.metadata.dst_node_id, final)
+            )
+        return reply
+
+    cfg = make_cfg(method="promptfl", num_server_rounds=3, fraction_train=0.5, run_name="travels")
+    nodes = [{"partition-id": i, "num-partitions": NODES} for i in range(NODES)]
+    run = execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict(), intercept=intercept), run_id="travels")
+
+    train = {r: [s for s in seen if s[0] == "train" and s[1] == r] for r in (1, 2, 3)}
+    evaluate = {r: [s for s in seen if s[0] == "evaluate" and s[1] == r] for r in (1, 2, 3)}
+    everyone = {s[3] for s in evaluate[3]}
+    assert len(everyone) == NODES and all(s[4] for s in evaluate[3])  # the last goes alone, as the final one
+    assert [len(train[r]) for r in (1, 2, 3)] == [2, 2, 2]
+    assert all(s[2] is None for s in train[1])  # nothing evaluated before round 1
+    for r in (1, 2):
+        trainees = {s[3] for s in train[r + 1]}
+        assert all(s[2] == r for s in train[r + 1])  # the next round's trainees evaluate round r first
+        assert {s[3] for s in evaluate[r]} == everyone - trainees and not any(s[4] for s in evaluate[r])
+
+    def exchange(s):  # round r's exchange: its train messages and round r - 1's evaluation
+        kind, rnd, _, _, final = s
+        return rnd if kind == "train" else "last" if final else rnd + 1
+
+    per_node = Counter((exchange(s), s[3]) for s in seen)
+    assert max(per_node.values()) == 1  # never two messages to one node in one exchange
+
+    rounds = run.data["rounds"]
+    assert [r["evaluated"] for r in rounds] == [True, True, True]
+    assert all(r["metrics"]["eval-clients"] == NODES and r["metrics"]["train-clients"] == 2 for r in rounds)
+    for r in rounds[:2]:  # a carried evaluation adds no bytes to the message it travels in
+        zero = [c for c, row in r["clients"].items() if row.get("evaluate/bytes_down") == 0]
+        assert len(zero) == 2 and r["bytes"]["evaluate_down"] * 2 == rounds[2]["bytes"]["evaluate_down"]
