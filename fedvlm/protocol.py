@@ -16,7 +16,9 @@ A round's evaluation travels with the next round's train messages (``server_app.
 sampled for both gets one train message that also carries the evaluation (``EVALUATE_CONFIG``,
 and ``EVALUATE_ARRAYS`` where its arrays differ from the training's). The node evaluates first,
 on the state it would have evaluated in a message of its own, then trains; its reply carries the
-evaluation's metrics in a record of their own (``EVALUATION``). One message instead of two per
+evaluation's metrics in a record of their own (``EVALUATION``). Where one part fails, the other's
+answer still goes back, and the failed part's error in ``FAILED``: a node that refuses to train
+(its own epsilon limit reached) still reports its evaluations. One message instead of two per
 node and round: on a real deployment each exchange costs a round trip through the SuperLink.
 
 Replies are typed too: a client returns a ``TrainReply`` or an ``EvaluateReply``, the send guard
@@ -56,6 +58,9 @@ ATTEMPT = "attempt"
 EVALUATE_CONFIG = "evaluate-config"  # the evaluation's instruction (an ``EvaluateInstruction``)
 EVALUATE_ARRAYS = "evaluate-arrays"  # its arrays, where they differ from the train message's
 EVALUATION = "evaluation"  # in the reply: the evaluation's metrics
+# in the reply: the part of a train message that carried an evaluation which failed ("train" or
+# "evaluation" -> the error), so that one part's failure does not take the other's reply with it
+FAILED = "failed"
 
 # The reply metrics that both sides read (every other reported figure is checked by its rule on
 # the server, ``strategies.validation.METRIC_RULES``, and recorded as it is).

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedvlm.protocol import REPLY_KEYS  # noqa: E402
+from fedvlm.protocol import EVALUATE_CONFIG, EVALUATION, REPLY_KEYS  # noqa: E402
 from fedvlm.utils.runtime import in_process_node  # noqa: E402
 from tests.regression import CASES  # noqa: E402
 
@@ -174,13 +174,24 @@ def _record(arrays: dict) -> ArrayRecord:
     return ArrayRecord({k: v if isinstance(v, Array) else Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
 
 
-def _reply(req: Message, made) -> Message:
-    if isinstance(made, (Error, RecordDict)):
+def _reply(req: Message, made, evaluation=None) -> Message:
+    """The reply ``made`` describes (an Error, a RecordDict, or (arrays, metrics)); ``evaluation``:
+    what answers the evaluation ``req`` carried (``protocol.EVALUATE_CONFIG``), in the same forms."""
+    if isinstance(made, Error):
         return Message(made, reply_to=req)
-    arrays, metrics = made
-    content = RecordDict({"metrics": MetricRecord(metrics)})
-    if arrays:
-        content["arrays"] = _record(arrays)
+    if isinstance(made, RecordDict):
+        content = made
+    else:
+        arrays, metrics = made
+        content = RecordDict({"metrics": MetricRecord(metrics)})
+        if arrays:
+            content["arrays"] = _record(arrays)
+    if isinstance(evaluation, Error):
+        return Message(evaluation, reply_to=req)  # the whole message failed
+    if isinstance(evaluation, RecordDict) and "metrics" in evaluation:
+        content[EVALUATION] = evaluation["metrics"]
+    elif evaluation is not None and not isinstance(evaluation, RecordDict):
+        content[EVALUATION] = MetricRecord(evaluation[1])
     return Message(content, reply_to=req)
 
 
@@ -198,7 +209,7 @@ class Forger:
         name = self.names.get(req.metadata.dst_node_id, "")
         corruption = self.corruptions.get(name)
         kind = req.metadata.message_type
-        if kind == MessageType.EVALUATE:
+        if kind == MessageType.EVALUATE or EVALUATE_CONFIG in req.content:  # round 1 has been trained
             self.grid.offline -= self.late
         if kind == MessageType.QUERY and corruption in HELLO:
             with in_process_node():
@@ -212,28 +223,43 @@ class Forger:
         sent = {k: v.numpy() for k, v in req.content["arrays"].items()} if "arrays" in req.content else {}
         arrays = {k: self._honest_tensor(k, sent) for k in wanted}
         metrics = {"num-examples": 1, "train-loss": 1.0} if train else self._honest_metrics()
+        # the previous round's evaluation, where it rides in this train message: answered
+        # plausibly, or corrupted by an evaluation's corruption (the training then plausible)
+        evaluation = ({}, self._honest_metrics()) if train and EVALUATE_CONFIG in req.content else None
+        if evaluation is not None and corruption in EVALUATE:
+            bad = EVALUATE[corruption][0](*evaluation)
+            return (
+                [_reply(req, (arrays, metrics), b) for b in bad]
+                if isinstance(bad, list)
+                else _reply(req, (arrays, metrics), bad)
+            )
         table = TRAIN if train else EVALUATE
         if corruption not in table:
-            return _reply(req, (arrays, metrics))  # the phase it does not corrupt: a plausible reply
+            return _reply(req, (arrays, metrics), evaluation)  # the phase it does not corrupt: a plausible reply
         made = table[corruption][0](arrays, metrics)
         if not isinstance(made, list):
-            return _reply(req, made)
-        return [self._claimed(req, *m) if len(m) == 2 and not isinstance(m[0], dict) else _reply(req, m) for m in made]
+            return _reply(req, made, evaluation)
+        return [
+            self._claimed(req, *m, evaluation)
+            if len(m) == 2 and not isinstance(m[0], dict)
+            else _reply(req, m, evaluation)
+            for m in made
+        ]
 
-    def _claimed(self, req: Message, sender: str | int, made) -> Message:
+    def _claimed(self, req: Message, sender: str | int, made, evaluation=None) -> Message:
         """A reply that claims to come from ``sender`` (a node's name, or any id)."""
         ids = {n: i for i, n in self.names.items()}
         fake = Message(RecordDict(), dst_node_id=ids.get(sender, sender), message_type=req.metadata.message_type)
-        return _reply(fake, made)
+        return _reply(fake, made, evaluation)
 
-    def _honest(self, kind: str) -> list[Message]:
+    def _honest(self, *kinds: str) -> list[Message]:
         assert self.grid is not None
         return [
             r
             for r in self.grid.replies
             if not r.has_error()
             and self.names.get(r.metadata.src_node_id, "z") < "z"
-            and r.metadata.message_type == kind
+            and r.metadata.message_type in kinds
         ]
 
     def _honest_tensor(self, name: str, sent: dict) -> np.ndarray:
@@ -243,8 +269,14 @@ class Forger:
         return np.array(sent[name], np.float32)
 
     def _honest_metrics(self) -> dict:
-        replies = self._honest(MessageType.EVALUATE)
-        return dict(replies[-1].content["metrics"]) if replies else {"local-acc": 0.5}
+        """An honest node's latest evaluation figures (from an evaluate reply, or the evaluation a
+        train reply carried)."""
+        for r in reversed(self._honest(MessageType.EVALUATE, MessageType.TRAIN)):
+            if r.metadata.message_type == MessageType.EVALUATE:
+                return dict(r.content["metrics"])
+            if EVALUATION in r.content:
+                return dict(r.content[EVALUATION])
+        return {"local-acc": 0.5}
 
 
 def fuzz(method: str, cache_dir: Path, out_dir: Path, **overrides) -> dict[str, str]:

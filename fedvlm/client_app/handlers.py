@@ -28,7 +28,7 @@ from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
 from fedvlm.client_app.publishing import publish
-from fedvlm.client_app.send_guard import guarded_reply, hello_reply
+from fedvlm.client_app.send_guard import failed_reply, guarded_reply, hello_reply
 from fedvlm.client_app.state import persist, restore, state_dir
 from fedvlm.methods.validation import validate
 from fedvlm.protocol import (
@@ -92,12 +92,24 @@ def _evaluation(context: Context, content: RecordDict, config_key: str, arrays_k
 
 
 def train(msg: Message, context: Context) -> Message:
-    # The previous round's evaluation, where it came with this message, runs first: on the state
-    # the node ends that round with, as it would in an evaluate message of its own.
-    evaluation = None
-    if EVALUATE_CONFIG in msg.content:
-        arrays_key = EVALUATE_ARRAYS if EVALUATE_ARRAYS in msg.content else "arrays"
+    if EVALUATE_CONFIG not in msg.content:
+        return _train(msg, context)
+    # The previous round's evaluation came with this message: it runs first, on the state the
+    # node ends that round with, as in an evaluate message of its own. Each part's failure is
+    # reported in the reply (``protocol.FAILED``) without taking the other part down with it.
+    arrays_key = EVALUATE_ARRAYS if EVALUATE_ARRAYS in msg.content else "arrays"
+    evaluation: EvaluateReply | Exception
+    try:
         evaluation = _evaluation(context, msg.content, EVALUATE_CONFIG, arrays_key)
+    except Exception as err:  # noqa: BLE001 - reported to the server, as Flower reports any error
+        evaluation = err
+    try:
+        return _train(msg, context, evaluation)
+    except Exception as err:  # noqa: BLE001 - as above; nothing of the training leaves the node
+        return failed_reply(msg, err, evaluation)
+
+
+def _train(msg: Message, context: Context, evaluation: EvaluateReply | Exception | None = None) -> Message:
     t0 = time.time()
     cfg, spec, client, arrays, config, where = _setup(context, msg.content, training=True)
     instruction = TrainInstruction.from_config(config)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedvlm.protocol import EVALUATION, EvaluateReply, HelloReport, TrainReply
+from fedvlm.protocol import EVALUATION, FAILED, EvaluateReply, HelloReport, TrainReply
 
 
 class PrivacyGuardError(RuntimeError):
@@ -61,20 +61,42 @@ def guarded_reply(
     allowed: Iterable[str],
     private: Mapping[str, torch.Tensor] | None = None,
     requested: Iterable[str] | None = None,
-    evaluation: EvaluateReply | None = None,
+    evaluation: EvaluateReply | Exception | None = None,
 ) -> Message:
-    """The reply message, after ``check_outgoing`` has passed; ``evaluation``: the metrics of an
-    evaluation the message carried (``protocol.EVALUATION``), which may hold no tensor."""
+    """The reply message, after ``check_outgoing`` has passed; ``evaluation``: the evaluation the
+    message carried, its metrics (``protocol.EVALUATION``, no tensor) or its error."""
     arrays, metrics = reply.to_records()
     check_outgoing(arrays, allowed, private, requested)
     content = RecordDict()
     content["arrays"] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
     content["metrics"] = _metric_record(metrics)
-    if evaluation is not None:
+    _add_evaluation(content, evaluation, {})
+    return Message(content, reply_to=msg)
+
+
+def failed_reply(msg: Message, error: Exception, evaluation: EvaluateReply | Exception | None) -> Message:
+    """The reply to a train message whose training failed (``error``; no tensor leaves) and that
+    carried an evaluation, which goes back as it ended (``protocol.FAILED``)."""
+    content = RecordDict()
+    content["arrays"] = ArrayRecord()
+    content["metrics"] = MetricRecord()
+    _add_evaluation(content, evaluation, {"train": _reason(error)})
+    return Message(content, reply_to=msg)
+
+
+def _add_evaluation(content: RecordDict, evaluation: EvaluateReply | Exception | None, failed: dict) -> None:
+    if isinstance(evaluation, Exception):
+        failed["evaluation"] = _reason(evaluation)
+    elif evaluation is not None:
         tensors, figures = evaluation.to_records()
         check_outgoing(tensors, allowed=())
         content[EVALUATION] = _metric_record(figures)
-    return Message(content, reply_to=msg)
+    if failed:
+        content[FAILED] = ConfigRecord(failed)
+
+
+def _reason(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def hello_reply(msg: Message, report: HelloReport) -> Message:

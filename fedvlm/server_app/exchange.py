@@ -10,8 +10,8 @@ push with an error, a node that crashed) then costs the whole round-timeout. Her
 - once no other reply of the exchange is still coming in, the ones missing get a grace period:
   ``reply-grace`` seconds, or ``GRACE_FACTOR`` times the slowest reply time seen (this round's,
   and the node's own in earlier rounds) if that is longer, so a node with more data or a slower
-  machine is not taken for lost; a node that has never answered this kind of message yet (its
-  first round) is waited for until round-timeout, as there is nothing to judge it by;
+  machine is not taken for lost; a node that has never answered yet (its first round) is waited
+  for until round-timeout, as there is nothing to judge it by;
 - a late message is asked again once (the strategy's ``ask_again`` makes the copies and decides
   what the copy costs in privacy, see ``FederatedStrategy.ask_again``); whichever of the two
   replies comes first is the node's, the other is never pulled;
@@ -41,16 +41,17 @@ class Exchanger:
         self.grid = grid
         self.round_timeout = round_timeout
         self.grace = grace
-        self.seen: dict[tuple[int, str], float] = {}  # (node id, message type) -> slowest reply, seconds
+        self.seen: dict[int, float] = {}  # node id -> its slowest reply, seconds
 
-    def _grace_for(self, waiting: Iterable[tuple[int, str]], slowest_now: float) -> float | None:
-        """Seconds the missing replies may still take once no other is arriving (``waiting``: each
-        late message's node and type); None while one of them has never answered this kind of
-        message (its first round, a node that joined late): it may be slow by nature (more data,
-        a slower machine, loading its model), so it gets round-timeout, as without a grace."""
-        waiting = list(waiting)
-        own = [self.seen[w] for w in waiting if w in self.seen]
-        if len(own) < len(waiting):
+    def _grace_for(self, nodes: Iterable[int], slowest_now: float) -> float | None:
+        """Seconds the missing replies of ``nodes`` may still take once no other is arriving;
+        None while one of them has never answered yet (its first round, a node that joined
+        late): it may be slow by nature (more data, a slower machine, loading its model), so it
+        gets round-timeout, as without a grace. A node's slowest reply of any kind judges it: a
+        train message (which may carry an evaluation) takes longer than an evaluation alone."""
+        nodes = list(nodes)
+        own = [self.seen[n] for n in nodes if n in self.seen]
+        if len(own) < len(nodes):
             return None
         return max(self.grace, GRACE_FACTOR * max([slowest_now, *own]))
 
@@ -78,15 +79,15 @@ class Exchanger:
                 answers = reply.metadata.reply_to_message_id
                 if answers not in pending:
                     continue
-                node, kind = pending[answers].metadata.dst_node_id, pending[answers].metadata.message_type
+                node = pending[answers].metadata.dst_node_id
                 took = now - sent_at[answers]
                 slowest, last_arrival = max(slowest, took), now
-                self.seen[(node, kind)] = max(self.seen.get((node, kind), 0.0), took)
+                self.seen[node] = max(self.seen.get(node, 0.0), took)
                 for other in [m for m, sent in pending.items() if sent.metadata.dst_node_id == node]:
                     del pending[other]  # the node's other copy, if it was asked again: never pulled
             if not pending:
                 break
-            waiting = {(m.metadata.dst_node_id, m.metadata.message_type) for m in pending.values()}
+            waiting = {m.metadata.dst_node_id for m in pending.values()}
             grace = self._grace_for(waiting, slowest)
             if grace is not None and now - last_arrival >= grace:
                 late = [m for m in pending.values() if m.metadata.dst_node_id not in tried]

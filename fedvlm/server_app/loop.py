@@ -108,6 +108,7 @@ def _settle(
     if strategy.budget is not None:  # what the evaluation released beside the noised tensors
         recorder.add_section("privacy", strategy.ledger.as_dict())
     _record_audit(strategy, recorder)
+    _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
     recorder.write()
     log.info(progress_line(rounds[at], total))
 
@@ -139,7 +140,6 @@ def run_rounds(
     for rnd in range(resume.round + 1 if resume else 1, total + 1):
         started[rnd] = t0 = time.time()
         strategy.admit(grid)
-        evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
         train: list[Message] = []
         if strategy.spec.trains:
             train = list(strategy.configure_train(rnd, arrays, _phase_config(recorder), grid))
@@ -147,8 +147,6 @@ def run_rounds(
             over = strategy.budget.would_exceed(trainees) if strategy.budget is not None else None
             if over is not None:
                 strategy.plans.pop(rnd)  # never sent: it leaves no trace
-                if owed is not None:
-                    strategy.plans.pop(owed)  # sent below as the run's last evaluation
                 status = "stopped"
                 note = (
                     f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
@@ -160,6 +158,7 @@ def run_rounds(
             if strategy.budget is not None:
                 strategy.budget.spend(trainees)
             save_inflight(recorder.dir, rnd, trainees)
+        evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
         replies = exchange.run(strategy.one_exchange(train, evaluation), strategy.ask_again)
         if owed is not None:
             _settle(strategy, recorder, owed, replies, t0 - started[owed] if owed in started else None, total)

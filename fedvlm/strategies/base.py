@@ -448,11 +448,21 @@ class FederatedStrategy(Strategy):
         return ""
 
     def _validated(self, replies: Iterable[Message], kept: PhasePlan) -> list[ClientUpdate]:
-        """The replies that answer ``kept``'s messages (an exchange may carry two phases,
-        ``one_exchange``), checked; what was dropped, and who did not answer, recorded in ``kept``."""
+        """The replies that concern ``kept`` (an exchange may carry two phases, ``one_exchange``),
+        checked; what was dropped, and who did not answer, recorded in ``kept``. A reply concerns
+        the phase whose message it answers; one that answers no message of a phase in progress
+        (forged, or mangled on the way) is judged, and recorded, by the training's phase where
+        one is in progress, else by the evaluation's."""
         good = []
         sent = {m.metadata.message_id: m for m in kept.messages}
-        replies = [m for m in replies if m.metadata.reply_to_message_id in sent]
+        live = [p for plan in self.plans.values() for p in (plan.train, plan.evaluate) if p is not None]
+        known = {m.metadata.message_id for p in live for m in p.messages}
+        judges_strays = kept.phase == "train" or not any(p.phase == "train" for p in live)
+        replies = [
+            m
+            for m in replies
+            if m.metadata.reply_to_message_id in sent or judges_strays and m.metadata.reply_to_message_id not in known
+        ]
         senders = [self._sender(m, kept) for m in replies]
         for msg, nid in zip(replies, senders, strict=True):
             node = self.nodes.get(nid)
@@ -464,7 +474,8 @@ class FederatedStrategy(Strategy):
                 if why:
                     raise ReplyRejected(why)
                 out = kept.outgoing.get(nid)
-                carried = sent[msg.metadata.reply_to_message_id].metadata.message_type == MessageType.TRAIN
+                answered = sent.get(msg.metadata.reply_to_message_id)
+                carried = answered is not None and answered.metadata.message_type == MessageType.TRAIN
                 reply = (
                     check_train_reply(msg, out.payload.expected if out else {}, node.num_train)
                     if kept.phase == "train"

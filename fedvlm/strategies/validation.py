@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from fedvlm.protocol import EVALUATION, NUM_EXAMPLES, EvaluateReply, HelloReport, TrainReply
+from fedvlm.protocol import EVALUATION, FAILED, NUM_EXAMPLES, EvaluateReply, HelloReport, TrainReply
 from fedvlm.runconfig.schema import RepliesConfig
 
 
@@ -106,11 +106,20 @@ def decode_tensor(name: str, array: Array, shape: tuple[int, ...]) -> np.ndarray
     return value
 
 
+def _failed(msg: Message, part: str) -> None:
+    """``ReplyRejected`` where the node reports ``part`` ('train', 'evaluation') failed: an error
+    reply, or the part of a train message that carried an evaluation (``protocol.FAILED``)."""
+    if msg.has_error():
+        raise ReplyRejected(f"the client failed: {short_reason(msg.error.reason)}")
+    failed = msg.content.get(FAILED)
+    if isinstance(failed, ConfigRecord) and part in failed:
+        raise ReplyRejected(f"the client failed: {short_reason(str(failed[part]))}")
+
+
 def _records(msg: Message, expected: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, np.ndarray], dict]:
     """A reply's tensors (exactly ``expected``, each checked from its header before it is decoded)
     and its metrics record, or ``ReplyRejected``."""
-    if msg.has_error():
-        raise ReplyRejected(f"the client failed: {short_reason(msg.error.reason)}")
+    _failed(msg, "train")
     content = msg.content
     tensors = ArrayRecord()
     if "arrays" in content:
@@ -173,8 +182,7 @@ def check_evaluate_reply(msg: Message, carried: bool = False) -> EvaluateReply:
     train message, whose reply holds its metrics in the ``evaluation`` record
     (``protocol.EVALUATION``)."""
     if carried:
-        if msg.has_error():
-            raise ReplyRejected(f"the client failed: {short_reason(msg.error.reason)}")
+        _failed(msg, "evaluation")
         if EVALUATION not in msg.content:
             raise ReplyRejected(f"it lacks the {EVALUATION!r} record of the evaluation its message carried")
         metrics = _metrics(msg.content, EVALUATION)

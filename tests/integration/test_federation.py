@@ -47,15 +47,18 @@ def test_promptfl_learns_and_writes_results(make_cfg, pretrained_clip):
         assert len(r["clients"]) == N and not r["dropped"]
     acc = [r["metrics"]["local-acc"] for r in rounds]
     assert acc[-1] > acc[0] + 0.05, acc  # the learning curve rises
-    # 10 clients x one 16x96 float32 prompt: up once, down for training and for evaluation
+    # 10 clients x one 16x96 float32 prompt: up once, down once for training; a round's
+    # evaluation travels with the next round's train messages and evaluates the prompt they carry
+    # (nothing more is sent), except the last round's, which goes alone
     prompt = 16 * 96 * 4
-    assert rounds[0]["bytes_up"] == N * prompt and rounds[0]["bytes_down"] == 2 * N * prompt
+    assert rounds[0]["bytes_up"] == N * prompt and rounds[0]["bytes_down"] == N * prompt
     assert rounds[0]["bytes"] == {
         "train_down": N * prompt,
         "train_up": N * prompt,
-        "evaluate_down": N * prompt,
+        "evaluate_down": 0,
         "evaluate_up": 0,
     }
+    assert rounds[-1]["bytes"]["evaluate_down"] == N * prompt and rounds[-1]["bytes_down"] == 2 * N * prompt
     assert {"local-acc-last10-mean", "neighbor-acc-last10-mean"} <= set(data["final"])
     assert data["run"]["status"] == "finished"
     for f in ("accuracy.png", "loss.png", "final_shared.pt", "checkpoint.pt"):
@@ -252,10 +255,21 @@ def test_option_combinations_run(make_cfg, pretrained_clip, overrides):
         assert rec.data["run"]["nodes"][0]["num_classes"] == 10
 
 
+def _trained_round_1(req, node) -> bool:
+    """``req`` is ``node``'s train message of round 1 (its reply is on its way)."""
+    return (
+        req.metadata.message_type == "train"
+        and int(req.content["config"][SERVER_ROUND]) == 1
+        and req.metadata.dst_node_id == node
+    )
+
+
 def _go_offline_after_round_1(grid_ref, victims):
+    """Each victim goes offline once it has answered its train message of round 1."""
+
     def intercept(req, reply):
-        if req.metadata.message_type == "evaluate" and int(req.content["config"][SERVER_ROUND]) == 1:
-            grid_ref[0].offline.update(victims)
+        if any(_trained_round_1(req, v) for v in victims):
+            grid_ref[0].offline.add(req.metadata.dst_node_id)
         return reply
 
     return intercept
@@ -285,7 +299,7 @@ def test_a_node_restarted_under_a_new_id_rejoins_with_its_state(make_cfg, pretra
 
     def restart_after_round_1(req, reply):
         grid = grid_ref[0]
-        if req.metadata.message_type == "evaluate" and int(req.content["config"][SERVER_ROUND]) == 1:
+        if _trained_round_1(req, 1002):
             if 1002 not in grid.offline:
                 old = grid.contexts[1002]
                 grid.offline.add(1002)

@@ -140,7 +140,7 @@ def test_a_lost_node_does_not_shrink_the_global_denominator(make_cfg, pretrained
     lost = 1001
 
     def lose_after_round_1(req, reply):
-        if req.metadata.message_type == "evaluate" and req.content["config"][SERVER_ROUND] == 1:
+        if req.metadata.dst_node_id == lost and req.metadata.message_type == "train":  # after its round 1
             grid.offline.add(lost)
         return reply
 
@@ -197,8 +197,8 @@ def _late(node, at_round):
 
     def hook(grid):
         def intercept(req, reply):
-            if req.metadata.message_type == "evaluate" and req.content["config"][SERVER_ROUND] == at_round - 1:
-                grid.offline.discard(node)
+            if req.metadata.message_type == "train" and req.content["config"][SERVER_ROUND] == at_round - 1:
+                grid.offline.discard(node)  # connected once the round before has trained
             return reply
 
         grid.offline.add(node)
@@ -392,7 +392,7 @@ def test_a_node_that_rejoins_with_other_data_is_refused(make_cfg, pretrained_cli
     from flwr.app import Context, RecordDict
 
     def restart_smaller_after_round_1(req, reply):
-        if req.metadata.message_type == "evaluate" and int(req.content["config"][SERVER_ROUND]) == 1:
+        if req.metadata.dst_node_id == 1002 and req.metadata.message_type == "train":  # after its round 1
             if 1002 not in grid.offline:
                 old = grid.contexts[1002]
                 grid.offline.add(1002)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
-from fedvlm.protocol import EVALUATION, SERVER_ROUND, EvaluateReply, TrainReply
+from fedvlm.protocol import EVALUATION, FAILED, SERVER_ROUND, EvaluateReply, TrainReply
 from fedvlm.strategies.validation import (
     ReplyRejected,
     check_evaluate_reply,
@@ -130,3 +130,15 @@ def test_an_evaluation_carried_by_a_train_message_is_read_from_its_own_record():
     bad.content[EVALUATION] = MetricRecord({"local-acc": 7.0})
     with pytest.raises(ReplyRejected, match="expected in"):
         check_evaluate_reply(bad, carried=True)
+
+
+def test_a_failed_part_of_a_train_message_fails_that_part_only():
+    reply = _reply()
+    reply.content[FAILED] = ConfigRecord({"train": "PrivacyFloorError: round 3 would pass this node's limit"})
+    reply.content[EVALUATION] = MetricRecord({"num-examples": 3, "local-acc": 0.75})
+    with pytest.raises(ReplyRejected, match="the client failed: PrivacyFloorError: round 3 would pass"):
+        check_train_reply(reply, {})
+    assert check_evaluate_reply(reply, carried=True).metrics["local-acc"] == 0.75
+    reply.content[FAILED] = ConfigRecord({"evaluation": "RuntimeError: out of memory"})
+    with pytest.raises(ReplyRejected, match="out of memory"):
+        check_evaluate_reply(reply, carried=True)

@@ -3,7 +3,8 @@ organisation controls its own node, so it can change what its ClientApp sends (t
 pinned protects the organisation from the server, not the server from the organisation).
 
 ``FEDVLM_HOSTILE=hello``: the handshake reports no training records. ``FEDVLM_HOSTILE=replies``:
-each train and evaluate reply is corrupted, one way per round (``CORRUPT``). Python imports
+each train and evaluate reply is corrupted, one way per round (``CORRUPT``), and so is each
+evaluation that travels with a train message. Python imports
 ``sitecustomize`` at start-up from the path, so every Flower process of that node loads it; only
 ClientApp calls change.
 """
@@ -35,13 +36,14 @@ def _npy(values: np.ndarray) -> bytes:
 
 
 def _set_metric(name: str, value: float):
-    def corrupt(content) -> None:
-        content["metrics"][name] = value
+    def corrupt(content, record: str = "metrics") -> None:
+        content[record][name] = value
 
     return corrupt
 
 
-# (message type, server round) -> what is done to the honest reply's content
+# (message type, server round) -> what is done to the honest reply's content (an evaluation's:
+# to its metrics, also where it rode in a train message, whose reply holds them in "evaluation")
 CORRUPT = {
     ("train", 1): lambda c: _header_kept(c, b"\x93JUNK" * 64),
     ("evaluate", 1): _set_metric("local-acc", 1e6),
@@ -69,6 +71,10 @@ def _install(mode: str) -> None:
             corrupt = CORRUPT.get((kind, int(message.content["config"]["server-round"])))
             if corrupt is not None:
                 corrupt(reply.content)
+            if kind == "train" and "evaluate-config" in message.content:  # the evaluation it carried
+                carried = CORRUPT.get(("evaluate", int(message.content["evaluate-config"]["server-round"])))
+                if carried is not None:
+                    carried(reply.content, "evaluation")
         return reply
 
     ClientApp.__call__ = hostile_call
