@@ -106,6 +106,9 @@ def train(msg: Message, context: Context) -> Message:
     try:
         return _train(msg, context, evaluation)
     except Exception as err:  # noqa: BLE001 - as above; nothing of the training leaves the node
+        # What the failed training wrote in the node's state stays (Flower would drop it with
+        # the whole message): the state only changes when a round is committed, which is then
+        # on disk too, and the node's ledger may count a release that never left: conservative.
         return failed_reply(msg, err, evaluation)
 
 

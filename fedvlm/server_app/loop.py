@@ -3,12 +3,14 @@ stop, and every round written to the run folder before the next.
 
 A round, as Flower's ``Strategy.start`` runs one, using only what the hooks return: admit the
 nodes that joined (``admit``); build the train messages from the global arrays
-(``configure_train``); stop here if they would take a record past ``privacy.max-epsilon``; send
-them and aggregate the replies (``aggregate_train`` returns the new global arrays and the
-round's training figures); the same for evaluation; then the round's record, built here from
-the round's plan (``strategies.plan``) and those figures, the ledger, and the checkpoint a
-resumed run continues from (``server_app.resume``); with ``attack.observe-uploads``, also every
-train message and reply as the server saw them (``server_app.observer``).
+(``configure_train``); stop here if they would take a record past ``privacy.max-epsilon``; build
+the previous round's evaluate messages (``configure_evaluate``) and send both in one exchange
+(``one_exchange``); complete the previous round's record with its evaluation
+(``aggregate_evaluate``); aggregate the training (``aggregate_train`` returns the new global
+arrays and the round's training figures); then the round's record, built here from the round's
+plan (``strategies.plan``) and those figures, the ledger, and the checkpoint a resumed run
+continues from (``server_app.resume``); with ``attack.observe-uploads``, also every train
+message and reply as the server saw them (``server_app.observer``).
 """
 
 from __future__ import annotations
