@@ -111,8 +111,9 @@ def test_deployment_with_tls_and_auth_matches_the_simulation(federation, flwr_en
             assert dm[k] == pytest.approx(sm[k], rel=1e-6, abs=1e-9), (d["round"], k)
         assert d["bytes"] == s["bytes"]
     assert _untimed(deployed["final"]) == pytest.approx(_untimed(simulated["final"]))
-    # org-1's messages ran in its warm worker (the handshake and two rounds of train and evaluate)
-    assert federation.log_text("org-1-worker").count("served ") >= 5, federation.log_text("org-1-worker")[-2000:]
+    # org-1's messages ran in its warm worker: the handshake, round 1's training, round 2's
+    # (carrying round 1's evaluation) and round 2's evaluation
+    assert federation.log_text("org-1-worker").count("served ") >= 4, federation.log_text("org-1-worker")[-2000:]
 
 
 def test_an_unregistered_supernode_is_refused(federation):
