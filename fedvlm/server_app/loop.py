@@ -162,16 +162,16 @@ def run_rounds(
             save_inflight(recorder.dir, rnd, trainees)
         evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
         replies = exchange.run(strategy.one_exchange(train, evaluation), strategy.ask_again)
-        if owed is not None:
-            _settle(strategy, recorder, owed, replies, t0 - started[owed] if owed in started else None, total)
-            owed = None
         metrics: dict[str, float] = {}
-        if train:
+        if train:  # while both phases' plans are held, so that each knows the other's replies
             if strategy.cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
                 record_round(recorder.dir, rnd, train, replies, strategy.nodes)
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             arrays = new_arrays if new_arrays is not None else arrays
             metrics.update(_figures(train_metrics))
+        if owed is not None:
+            _settle(strategy, recorder, owed, replies, t0 - started[owed] if owed in started else None, total)
+            owed = None
         metrics.update(_record_privacy(strategy, rnd, recorder))
         plan = strategy.plans.pop(rnd, RoundPlan(rnd))  # none for a method that does not train
         recorder.add_round(RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False))

@@ -55,6 +55,8 @@ def test_each_round_is_one_exchange_carrying_the_previous_evaluation(make_cfg, p
     rounds = run.data["rounds"]
     assert [r["evaluated"] for r in rounds] == [True, True, True]
     assert all(r["metrics"]["eval-clients"] == NODES and r["metrics"]["train-clients"] == 2 for r in rounds)
+    # each reply was judged by the phase whose message it answered: none was taken for a stray
+    assert not any(r["dropped"] or r["missing"] for r in rounds), [r["dropped"] for r in rounds]
     for r in rounds[:2]:  # a carried evaluation adds no bytes to the message it travels in
         zero = [c for c, row in r["clients"].items() if row.get("evaluate/bytes_down") == 0]
         assert len(zero) == 2 and r["bytes"]["evaluate_down"] * 2 == rounds[2]["bytes"]["evaluate_down"]
