@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import log_beside_flower
+from fedvlm.deploy import log_beside_flower, object_pulls
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 CLIENTAPP_COMMAND = "fedvlm-clientapp"  # pyproject [project.scripts]
@@ -141,6 +141,8 @@ def clientapp_main() -> None:
         return installed if installed is not None else install(fab_file, install_dir, skip_prompt)
 
     runtime.install_from_fab = install_pinned
+    # the message's objects, which its SuperNode may still be pulling from the SuperLink
+    object_pulls.install(cap=object_pulls.SUPERNODE_CAP_S)
     flwr_clientapp()
 
 

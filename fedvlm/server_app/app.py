@@ -11,6 +11,7 @@ import flwr
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedvlm.deploy import object_pulls
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.server_app.loop import run_rounds
@@ -99,4 +100,5 @@ def run(raw: dict, grid, run_id: int | str) -> RunRecorder:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     _setup_logging()
+    object_pulls.install()  # a deployment's replies arrive sooner; a simulation pulls no objects
     run(dict(context.run_config), grid, context.run_id)
