@@ -17,21 +17,29 @@ two objects at once, heard "not yet", and asked again 1 s later, a third of a 3.
 training took 0.65 s.
 
 ``install`` makes the first wait in this process ``FIRST_RETRY_S`` (0.05 s); it then doubles as
-Flower's does, up to a cap: 1 s where the object is on its way to the SuperLink (the SuperNode's
-and the ServerApp's pulls, over the network: after the first second, once a second at most),
-0.1 s where it is on its way to the node's own SuperNode (the ClientApp's, on loopback). The
-number of tries grows as the waits shrink, so a pull gives up when Flower's would. Nothing else
-changes: what is pulled, the check on it (an object's id is the hash of its content, checked when
-it is inflated), the limit on time. Each extra ask is a lookup in the sender's store that answers
-"not yet". Nothing here touches data or privacy: the same objects arrive, only sooner. Measured
-the same way with it: the ClientApp forwards its message 0.35 s after it starts instead of 1.3 s,
-and a round takes 2.9 s instead of 3.3 to 3.8 s.
+Flower's does, up to a cap, and a pull gives up after as long as Flower's would (the number of
+tries grows as the waits shrink). Two processes install it:
 
-Each process of ours that pulls installs it: the SuperNode (``deploy.supernode_polling``), the
-ClientApp (``deploy.pinned_app.clientapp_main``) and the ServerApp (``server_app.app``). As with
-the polling shim, a Flower whose ``pull_objects`` no longer reads as described runs unchanged,
-with a warning (``check_flower``), and ``tests/unit/test_object_pulls.py`` fails, which is the
-signal to revisit this module.
+- the ClientApp (``deploy.pinned_app.clientapp_main``), whose objects are on their way to its
+  own SuperNode: asked for on loopback, at most every 0.25 s (``CLIENTAPP_CAP_S``);
+- the ServerApp (``server_app.app``), one process, whose replies' objects are on their way to the
+  SuperLink: at most once a second (``SERVERAPP_CAP_S``).
+
+The SuperNode keeps Flower's waits for its own pulls from the SuperLink: it hears "not yet" only
+while the server is still pushing a message, and twenty SuperNodes each asking every second
+would add to the load of the one SuperLink process that is then busy taking the server's pushes.
+Every extra ask costs CPU while a pull waits: a lookup that answers "not yet". On one 2-core
+machine running twenty organisations, ClientApps asking every 0.1 s and SuperNodes every second
+made rounds about twice as long (one run each, docs/results/deployment.md); each organisation on
+its own machine pays its own asks only.
+
+Nothing else changes: what is pulled, the check on it (an object's id is the hash of its
+content, checked when it is inflated), the limit on time. Nothing here touches data or privacy:
+the same objects arrive, only sooner.
+
+As with the polling shim, a Flower whose pulls no longer read as described runs unchanged, with a
+warning (``check_flower``), and ``tests/unit/test_object_pulls.py`` fails, which is the signal to
+revisit this module.
 """
 
 from __future__ import annotations
@@ -45,18 +53,15 @@ from collections.abc import Callable
 log = logging.getLogger("fedvlm.deploy")
 
 FIRST_RETRY_S = 0.05
-# the longest wait between two asks: for an object on its way to the SuperLink, asked for over
-# the network, Flower's first wait, so that many nodes asking add little to the SuperLink's load;
-# for one on its way to this node's SuperNode, asked for over loopback, short enough that the
-# ClientApp starts at most 0.1 s after it could
-SUPERLINK_CAP_S = 1.0
-SUPERNODE_CAP_S = 0.1
+# the longest wait between two asks (see the module docstring)
+CLIENTAPP_CAP_S = 0.25
+SERVERAPP_CAP_S = 1.0
 # where Flower 1.42 pulls: pull_objects, and pull_and_inflate_object_from_tree (the ClientApp's
-# pulls), which passes its own defaults on to it; the modules that import pull_objects by name
-# (the ServerApp's HTTP grid, the SuperNode's loop) call it with its defaults
+# pulls), which passes its own defaults on to it; the ServerApp's HTTP grid imports pull_objects
+# by name and calls it with its defaults
 UTILS = "flwr.supercore.inflatable.inflatable_utils"
 PULLS = ("pull_objects", "pull_and_inflate_object_from_tree")
-CALLERS = ("flwr.superlink.grid.http_grid", "flwr.supernode.start_client_internal")
+CALLERS = ("flwr.superlink.grid.http_grid",)
 KNOBS = ("initial_backoff", "backoff_cap", "max_tries_per_object")
 
 
@@ -86,7 +91,7 @@ def check_flower() -> str | None:
     return None
 
 
-def install(first: float = FIRST_RETRY_S, cap: float = SUPERLINK_CAP_S) -> bool:
+def install(cap: float, first: float = FIRST_RETRY_S) -> bool:
     """Make every object pull in this process ask again after ``first`` seconds, doubling up to
     ``cap``, never later than Flower would; it gives up when Flower's would, after as long (its
     number of tries grows as its waits shrink). Returns whether it took effect (False, with a

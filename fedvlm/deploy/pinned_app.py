@@ -142,7 +142,7 @@ def clientapp_main() -> None:
 
     runtime.install_from_fab = install_pinned
     # the message's objects, which its SuperNode may still be pulling from the SuperLink
-    object_pulls.install(cap=object_pulls.SUPERNODE_CAP_S)
+    object_pulls.install(object_pulls.CLIENTAPP_CAP_S)
     flwr_clientapp()
 
 

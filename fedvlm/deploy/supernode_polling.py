@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-from fedvlm.deploy import log_beside_flower, object_pulls
+from fedvlm.deploy import log_beside_flower
 
 log = logging.getLogger("fedvlm.supernode")
 
@@ -109,7 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(err))
     if clock_ok:
         log.info("SuperNode polling: every %.2f s when idle, every %.2f s for a reply", args.idle_poll, args.reply_poll)
-    object_pulls.install()  # a message's objects from the SuperLink
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args

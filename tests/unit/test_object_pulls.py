@@ -1,6 +1,6 @@
 """Object pulls asked again sooner: the installed Flower is the one the module knows, a pull of an
 object that is not there yet asks again after the new waits (the ClientApp's path through
-``pull_and_inflate_object_from_tree`` and the SuperNode's and ServerApp's through ``pull_objects``),
+``pull_and_inflate_object_from_tree`` and the ServerApp's through ``pull_objects``),
 the same message arrives, and a Flower the module does not know is left alone."""
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ def _message() -> Message:
 
 def test_installed_flower_is_the_one_the_module_knows():
     # fails on a Flower upgrade that moved or renamed the pulls' waits: revisit object_pulls then
-    import flwr.superlink.grid.http_grid  # noqa: F401 - every caller imported, so each is checked
-    import flwr.supernode.start_client_internal  # noqa: F401
+    import flwr.superlink.grid.http_grid  # noqa: F401 - the caller imported, so it is checked
 
     assert object_pulls.check_flower() is None
 
@@ -84,7 +83,7 @@ def test_flower_asks_again_after_one_second_and_ours_after_the_first_retry(flowe
     utils.pull_objects([array], _store(message, array, times=3))
     assert waits == [1, 2, 4]  # Flower's own
     waits.clear()
-    assert object_pulls.install(0.05, 0.1)
+    assert object_pulls.install(0.1, first=0.05)
     utils.pull_objects([array], _store(message, array, times=3))
     assert waits == [0.05, 0.1, 0.1]
 
@@ -93,7 +92,7 @@ def test_the_clientapps_pull_of_a_whole_message_asks_sooner_and_gets_the_same_me
     message = _message()
     tree = get_object_tree(message)
     array = next(oid for oid, obj in get_all_nested_objects(message).items() if isinstance(obj, Array))
-    assert object_pulls.install(cap=object_pulls.SUPERNODE_CAP_S)
+    assert object_pulls.install(object_pulls.CLIENTAPP_CAP_S)
     confirmed: list[str] = []
     got = utils.pull_and_inflate_object_from_tree(
         tree, _store(message, array, times=2), confirmed.append, return_type=Message
@@ -106,8 +105,8 @@ def test_the_clientapps_pull_of_a_whole_message_asks_sooner_and_gets_the_same_me
 
 def test_it_gives_up_after_as_long_as_flower_would_and_installing_twice_changes_nothing(flower_defaults):
     flower = dict(utils.pull_objects.__kwdefaults__)
-    assert object_pulls.install(0.05, 0.1)
-    assert object_pulls.install(0.05, 0.1)  # a second install starts from Flower's values again
+    assert object_pulls.install(0.1, first=0.05)
+    assert object_pulls.install(0.1, first=0.05)  # a second install starts from Flower's values again
     ours = utils.pull_objects.__kwdefaults__
     assert ours["max_tries_per_object"] * ours["backoff_cap"] >= flower["max_tries_per_object"] * flower["backoff_cap"]
     assert ours["max_time"] == flower["max_time"]
@@ -115,7 +114,7 @@ def test_it_gives_up_after_as_long_as_flower_would_and_installing_twice_changes_
 
 
 def test_never_later_than_flower(flower_defaults):
-    assert object_pulls.install(5.0, 50.0)
+    assert object_pulls.install(50.0, first=5.0)
     ours = utils.pull_objects.__kwdefaults__
     assert (ours["initial_backoff"], ours["backoff_cap"]) == (1, 10)
 
@@ -123,7 +122,7 @@ def test_never_later_than_flower(flower_defaults):
 def test_a_flower_it_does_not_know_is_left_alone(flower_defaults, monkeypatch, caplog):
     monkeypatch.setattr(utils.pull_objects, "__kwdefaults__", {"max_time": 7200})
     assert "initial_backoff" in object_pulls.check_flower()
-    assert not object_pulls.install()
+    assert not object_pulls.install(object_pulls.SERVERAPP_CAP_S)
     assert utils.pull_objects.__kwdefaults__ == {"max_time": 7200}
     assert "leaving them as they are" in caplog.text
 
@@ -131,4 +130,4 @@ def test_a_flower_it_does_not_know_is_left_alone(flower_defaults, monkeypatch, c
 @pytest.mark.parametrize("first, cap", [(0, 1), (-1, 1), (0.5, 0.1), (float("nan"), 1)])
 def test_waits_that_make_no_sense_are_refused(first, cap):
     with pytest.raises(ValueError, match="first retry"):
-        object_pulls.install(first, cap)
+        object_pulls.install(cap, first=first)
