@@ -18,20 +18,20 @@ training took 0.65 s.
 
 ``install`` makes the first wait in this process ``FIRST_RETRY_S`` (0.05 s); it then doubles as
 Flower's does, up to a cap, and a pull gives up after as long as Flower's would (the number of
-tries grows as the waits shrink). Two processes install it:
+tries grows as the waits shrink). Each process of ours that pulls installs it:
 
 - the ClientApp (``deploy.pinned_app.clientapp_main``), whose objects are on their way to its
   own SuperNode: asked for on loopback, at most every 0.25 s (``CLIENTAPP_CAP_S``);
-- the ServerApp (``server_app.app``), one process, whose replies' objects are on their way to the
-  SuperLink: at most once a second (``SERVERAPP_CAP_S``).
+- the SuperNode (``deploy.supernode_polling``), whose message's objects may still be on their
+  way from the server (it sees a message as soon as the server has pushed its first part), and
+  the ServerApp (``server_app.app``), whose replies' objects may still be on their way from a
+  SuperNode: asked for over the network, at most once a second (``SUPERLINK_CAP_S``), so that
+  the SuperLink, one process serving every node, is asked little more than Flower asks it.
 
-The SuperNode keeps Flower's waits for its own pulls from the SuperLink: it hears "not yet" only
-while the server is still pushing a message, and twenty SuperNodes each asking every second
-would add to the load of the one SuperLink process that is then busy taking the server's pushes.
-Every extra ask costs CPU while a pull waits: a lookup that answers "not yet". On one 2-core
-machine running twenty organisations, ClientApps asking every 0.1 s and SuperNodes every second
-made rounds about twice as long (one run each, docs/results/deployment.md); each organisation on
-its own machine pays its own asks only.
+Every extra ask costs some CPU while a pull waits, a lookup that answers "not yet". On one 2-core
+machine running twenty organisations, ClientApps asking every 0.1 s made rounds about twice as
+long in one run (docs/results/deployment.md); every 0.25 s did not. On its own machine, each
+organisation pays its own asks only.
 
 Nothing else changes: what is pulled, the check on it (an object's id is the hash of its
 content, checked when it is inflated), the limit on time. Nothing here touches data or privacy:
@@ -55,13 +55,13 @@ log = logging.getLogger("fedvlm.deploy")
 FIRST_RETRY_S = 0.05
 # the longest wait between two asks (see the module docstring)
 CLIENTAPP_CAP_S = 0.25
-SERVERAPP_CAP_S = 1.0
+SUPERLINK_CAP_S = 1.0
 # where Flower 1.42 pulls: pull_objects, and pull_and_inflate_object_from_tree (the ClientApp's
-# pulls), which passes its own defaults on to it; the ServerApp's HTTP grid imports pull_objects
-# by name and calls it with its defaults
+# pulls), which passes its own defaults on to it; the ServerApp's HTTP grid and the SuperNode's
+# loop import pull_objects by name and call it with its defaults
 UTILS = "flwr.supercore.inflatable.inflatable_utils"
 PULLS = ("pull_objects", "pull_and_inflate_object_from_tree")
-CALLERS = ("flwr.superlink.grid.http_grid",)
+CALLERS = ("flwr.superlink.grid.http_grid", "flwr.supernode.start_client_internal")
 KNOBS = ("initial_backoff", "backoff_cap", "max_tries_per_object")
 
 

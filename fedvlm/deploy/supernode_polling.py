@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-from fedvlm.deploy import log_beside_flower
+from fedvlm.deploy import log_beside_flower, object_pulls
 
 log = logging.getLogger("fedvlm.supernode")
 
@@ -109,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(err))
     if clock_ok:
         log.info("SuperNode polling: every %.2f s when idle, every %.2f s for a reply", args.idle_poll, args.reply_poll)
+    object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # a message's objects, the server may still be pushing
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args

@@ -100,5 +100,5 @@ def run(raw: dict, grid, run_id: int | str) -> RunRecorder:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     _setup_logging()
-    object_pulls.install(object_pulls.SERVERAPP_CAP_S)  # replies pulled sooner (a simulation pulls none)
+    object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # replies pulled sooner (a simulation pulls none)
     run(dict(context.run_config), grid, context.run_id)

@@ -1,6 +1,6 @@
 """Object pulls asked again sooner: the installed Flower is the one the module knows, a pull of an
 object that is not there yet asks again after the new waits (the ClientApp's path through
-``pull_and_inflate_object_from_tree`` and the ServerApp's through ``pull_objects``),
+``pull_and_inflate_object_from_tree``, the SuperNode's and the ServerApp's through ``pull_objects``),
 the same message arrives, and a Flower the module does not know is left alone."""
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def _message() -> Message:
 
 def test_installed_flower_is_the_one_the_module_knows():
     # fails on a Flower upgrade that moved or renamed the pulls' waits: revisit object_pulls then
-    import flwr.superlink.grid.http_grid  # noqa: F401 - the caller imported, so it is checked
+    import flwr.superlink.grid.http_grid  # noqa: F401 - every caller imported, so each is checked
+    import flwr.supernode.start_client_internal  # noqa: F401
 
     assert object_pulls.check_flower() is None
 
@@ -122,7 +123,7 @@ def test_never_later_than_flower(flower_defaults):
 def test_a_flower_it_does_not_know_is_left_alone(flower_defaults, monkeypatch, caplog):
     monkeypatch.setattr(utils.pull_objects, "__kwdefaults__", {"max_time": 7200})
     assert "initial_backoff" in object_pulls.check_flower()
-    assert not object_pulls.install(object_pulls.SERVERAPP_CAP_S)
+    assert not object_pulls.install(object_pulls.SUPERLINK_CAP_S)
     assert utils.pull_objects.__kwdefaults__ == {"max_time": 7200}
     assert "leaving them as they are" in caplog.text
 
