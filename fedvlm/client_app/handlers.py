@@ -2,10 +2,12 @@
 (``client_app.app``) or the node's warm worker (``client_app.worker``).
 
 Three message types:
-- ``query`` (once per node, before training): the node validates the run config, loads its
-  data and backbone, and reports who it is (name, sizes, backbone fingerprint). Any problem
-  (bad config, missing data, unknown weights) surfaces here as a failed reply, so the
-  server stops before the first round with the node's own error message. The audited node
+- ``query`` (once per node, before training): the node validates the run config (a real node
+  also refuses what its node config does not allow it to load or write, ``client_app.node_policy``,
+  and a run its own privacy limit cannot take, ``client_app.privacy_floor``), loads its data and
+  backbone, and reports who it is (name, sizes, backbone fingerprint). Any problem (bad config,
+  missing data, unknown weights) surfaces here as a failed reply, so the server excludes the
+  node before the first round with the node's own error message. The audited node
   (``privacy.audit-node``) counts its canary slots among its records (``client_app.audit_node``).
 - ``train`` / ``evaluate``: the method's client trainer runs on the arrays the server sent
   this node; the reply goes through the send guard. The node's private state is restored from
@@ -27,6 +29,7 @@ from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 
 from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
+from fedvlm.client_app.node_policy import for_node
 from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.send_guard import failed_reply, guarded_reply, hello_reply
 from fedvlm.client_app.state import persist, restore, state_dir
@@ -52,7 +55,8 @@ def _setup(
 ):
     """The run config, the method, this message's client and arrays, its config, and where the
     node keeps its state; ``config_key``/``arrays_key``: the records a bundled evaluation reads."""
-    cfg = validate(context.run_config)
+    # a real node decides for itself what it loads and where it writes (client_app.node_policy)
+    cfg = for_node(validate(context.run_config), dict(context.node_config))
     spec = cfg.spec
     node = spec.family.node_data(cfg, dict(context.node_config))
     config: dict[str, Any] = dict(content[config_key]) if config_key in content else {}
@@ -69,10 +73,10 @@ def _setup(
 
 
 def hello(msg: Message, context: Context) -> Message:
-    _, _, client, _, _, _ = _setup(context, msg.content, training=False)
-    # a limit on regenerable noise is refused before the run starts, not at its first round
-    privacy_floor.check_source(privacy_floor.NodeFloor.from_node_config(client.node.config), client.node.noise_source)
+    cfg, _, client, _, _, _ = _setup(context, msg.content, training=False)
     report = client.hello()
+    # a run the node's own limit cannot take is refused before it starts, not at its first round
+    privacy_floor.hello_check(client.node, context.state, cfg, client.records(report.num_train))
     partitions = int(client.node.config.get("num-partitions", 0) or 0) if report.partition_id >= 0 else 0
     return hello_reply(msg, replace(report, num_train=client.records(report.num_train), num_partitions=partitions))
 
@@ -116,10 +120,10 @@ def _train(msg: Message, context: Context, evaluation: EvaluateReply | Exception
     t0 = time.time()
     cfg, spec, client, arrays, config, where = _setup(context, msg.content, training=True)
     instruction = TrainInstruction.from_config(config)
-    release = privacy_floor.guard(client.node.config, context.state, cfg, instruction, client.node.noise_source)
+    release = privacy_floor.guard(client.node, context.state, cfg, instruction)
     reply = client.train(arrays, instruction)
-    if release is not None:  # the node's own account of what this reply releases
-        spent = privacy_floor.record(context.state, release, fresh=client.node.noise_source == "os")
+    if release is not None:  # the node's own account of what this reply releases, checked again
+        spent = privacy_floor.record(client.node, context.state, cfg, release)
         if release.limited:
             reply = reply.with_metrics({NODE_EPSILON: spent})
     if client.canaries is not None:

@@ -3,8 +3,8 @@
 One client, ``ReprogramClient``; the methods differ only in the model they build
 (``models.reprogram``): every parameter that trains is shared and averaged (DP-FedAvg), so
 nothing tensor-valued is private. The node reports its own account of its records' epsilon by
-Opacus' accountants (``privacy.dpsgd.NodeAccountant``), over the releases in its one ledger
-(``client_app.privacy_floor``) and this round's.
+Opacus' accountants (``privacy.dpsgd.NodeAccountant``), over this run's releases in its one
+ledger (``client_app.privacy_floor``) and this round's.
 
 A round on a client (Algorithm 1 of the paper): load the global trainable parameters, take L
 DP-SGD steps (``reprogram.local-iterations``, sent in the server's plan), each on a
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fedvlm.client_app.client import Client
 from fedvlm.client_app.node import NodeData
-from fedvlm.client_app.privacy_floor import prior
+from fedvlm.client_app.privacy_floor import run_history
 from fedvlm.client_app.trainer import Learner, StepOutput
 from fedvlm.models.clip_loader import resolve_device
 from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
@@ -143,11 +143,10 @@ class ReprogramClient(Client):
         if self.settings.enabled:
             # the node's own account, by Opacus' accountants, of its ledger's releases before this
             # round (client_app.privacy_floor, the node's one ledger) and of this one: z = sigma / (C / B)
-            fresh = self.node.noise_source == "os"
             accountant = NodeAccountant(
                 [
                     (r["noise-multiplier"], r["sampling-rate"], int(r["steps"]))
-                    for r in prior(self.state, self.round, fresh)
+                    for r in run_history(self.node, self.state, instruction.run_dir, self.round)
                 ]
             )
             accountant.step(

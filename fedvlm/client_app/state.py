@@ -7,24 +7,29 @@ one ConfigRecord, an audited node's canaries under another ArrayRecord; none is 
 reply (the send guard checks).
 
 On disk (``state_dir``): the node config's ``state-dir`` (a deployed organisation chooses it)
-holds ``<run folder name>/<node name>/``; a simulated node (one with a partition id) keeps it
+holds ``<run folder>/<node name>/``, where the run folder is one safe path component made from
+the server's run folder (``run_folder``: its name and a digest of its whole path, so nothing the
+server sends leads outside the state-dir); a simulated node (one with a partition id) keeps it
 under the run folder the server names (``nodes/<node name>/``); a deployed node without
 ``state-dir`` keeps its state in memory only, and a restart loses it: the run folder is a path
 on the server's machine, and a real node never writes its private state where the server (or a
-path the server names) says. After a message that
-changed the state, the node writes ``round-NNNN.pt`` (owner-only: directory 0700, file 0600)
-and keeps the two newest. A message of round r restores the newest snapshot the server's
-last completed round can have left (before r for training, up to r for evaluation) when the
-node holds nothing in memory, or holds a state ahead of that: a run killed in round r + 1
-resumes from round r, and the node's snapshot of the unfinished round r + 1 is not used.
-Its privacy ledger is the exception: what the node released in round r + 1 did leave it, so the
-ledger always comes from the newest snapshot.
+path the server names) says. After a message that changed the state, the node writes
+``round-NNNN.pt`` (owner-only: directory 0700, file 0600) and keeps the two newest. A message of
+round r restores the newest snapshot the server's last completed round can have left (before r
+for training, up to r for evaluation) when the node holds nothing in memory, or holds a state
+ahead of that: a run killed in round r + 1 resumes from round r, and the node's snapshot of the
+unfinished round r + 1 is not used. The run's privacy ledger of a node without a state-dir
+(``client_app.privacy_floor``) is the exception: what the node released in round r + 1 did leave
+it, so that ledger always comes from the newest snapshot. A node with a state-dir keeps its ledger
+beside the runs' folders, across every run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -111,12 +116,20 @@ def _mark_changed(state: RecordDict) -> None:
     state[HELD] = ConfigRecord({"round": _held_round(state) or 0, "changed": True})
 
 
+def run_folder(run_dir: str) -> str:
+    """The folder a node with a state-dir keeps a run's state in: one path component the server
+    cannot steer out of the state-dir (its run folder's last part, made safe, and a digest of the
+    whole path, so that '..', '/' or two servers' same-named folders never meet)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", PurePosixPath(run_dir.replace("\\", "/")).name).strip("._")[:64]
+    return f"{name or 'run'}-{hashlib.sha256(run_dir.encode()).hexdigest()[:12]}"
+
+
 def state_dir(node_config: dict, run_dir: str, partition_id: int, name: str) -> Path | None:
     """Where this node keeps its state on disk for the run in ``run_dir`` (module docstring)."""
     if not run_dir:
         return None
     if node_config.get(STATE_DIR):
-        return Path(str(node_config[STATE_DIR])).expanduser() / Path(run_dir).name / name
+        return Path(str(node_config[STATE_DIR])).expanduser() / run_folder(run_dir) / name
     if partition_id >= 0 and simulated():
         return Path(run_dir) / "nodes" / name
     return None

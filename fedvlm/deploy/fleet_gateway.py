@@ -1,43 +1,73 @@
-"""The SuperLink's public face: the Fleet API that SuperNodes use, and nothing else.
+"""The SuperLink's public face: the Fleet API that SuperNodes use, and nothing else, held to what
+a SuperNode may send.
 
-Flower 1.41 serves three APIs on the SuperLink's one HTTPS port: the Fleet API (SuperNodes pull
+Flower serves three APIs on the SuperLink's one HTTPS port: the Fleet API (SuperNodes pull
 messages and push replies), the Control API (``flwr run``, ``flwr ls``, ``flwr log``, ``flwr
-supernode register``: whoever reaches it can start a run, read every run's log and register
-SuperNode keys) and the ServerApp runtime. Authentication of Control API users exists only in
-Flower's enterprise distribution (``FLWR_OIDC_ENABLED`` needs ``flwr.ee``), so an open-source
-SuperLink that listens on a public address lets anyone holding the public ``ca.crt`` start a run
-whose ServerApp executes on the SuperLink host and whose ClientApp every SuperNode executes.
+supernode register``) and the ServerApp runtime. Open-source Flower authenticates no Control API
+user, so the SuperLink listens on 127.0.0.1 only (``deploy.superlink`` admits only the
+researcher's account there) and this gateway listens where SuperNodes can reach it. It terminates
+TLS with the SuperLink's certificate and forwards ``POST /v1/fleet/<call>`` for the Fleet API's
+calls (a fixed list: ``FLEET_CALLS``) to the SuperLink over TLS on loopback; everything else is
+answered 403 and logged.
 
-So the SuperLink listens on 127.0.0.1 only, and this gateway listens where SuperNodes can reach
-it. It terminates TLS with the SuperLink's certificate, forwards ``POST /v1/fleet/<call>`` for
-the Fleet API's calls (a fixed list: ``FLEET_CALLS``) to the SuperLink over TLS on loopback,
-headers and body unchanged (SuperNode authentication signs its own headers, which the SuperLink
-checks), and answers every other request 403 with a line saying where the Control API is. The
-researcher reaches the Control API on the SuperLink host, or through an SSH tunnel to it
-(docs/deployment.md).
+What it holds a request to:
+- **A node pushes only its own replies, to the SuperLink.** Flower's SuperLink checks that a
+  request is signed by the key of the node it names, not who the pushed message claims to be
+  from: an organisation could push a message "from the SuperLink" to another organisation's node,
+  which would act on it, or a reply in another node's name. ``check_push`` parses every
+  ``push-messages`` body and refuses, with 403 and a log line, any message whose sender is not
+  the node the request names (whose key the SuperLink then checks), whose destination is not the
+  SuperLink, that answers no message, or whose id is not the hash of the Message object those
+  very fields make (the SuperLink checks every object's hash when it arrives, so the object it
+  stores carries the fields checked here). ``push-object`` must name its push session.
+- **Size.** A body is at most ``--max-body`` bytes (default: Flower's largest array chunk, 5 MiB,
+  plus 1 MiB for the rest of a request: the largest thing a real SuperNode sends is one chunk of
+  one array), refused with 413 from its Content-Length or as soon as it grows past it; headers at
+  most ``--max-header`` bytes (default 16 KiB; a SuperNode sends under 1 KiB).
+- **Time.** A TLS handshake must finish within ``--handshake-timeout`` seconds, a request's
+  headers within ``--header-timeout`` seconds of the connection (or of the previous response), its
+  body within ``--body-timeout`` seconds of its headers; an idle keep-alive connection is closed
+  after ``--keep-alive`` seconds. A client that sends a byte a second holds a connection for
+  seconds, not forever.
+- **Connections.** At most ``--max-connections`` open at once and ``--max-per-peer`` from one
+  address; past either, a new connection is closed at once (and logged, at most once a minute
+  per address). The process's open-file limit is raised to its hard limit.
+- **Who called.** Forwarding headers a client sends (``Forwarded``, ``X-Forwarded-*``,
+  ``X-Real-IP``) are dropped and ``X-Forwarded-For`` is set to the caller's real address, so the
+  SuperLink's log cannot be told another one; every forwarded call is logged with the real peer,
+  the call, the status, the bytes and the time, to ``--log-file`` (rotated: ``--log-max-mb``,
+  ``--log-backups``) or standard error.
 
     python -m fedvlm.deploy.fleet_gateway --listen 0.0.0.0:9092 --superlink 127.0.0.1:9093 \\
-        --certfile server.crt --keyfile server.key --ca ca.crt
+        --certfile server.crt --keyfile server.key --ca ca.crt --log-file gateway.log
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import functools
+import hashlib
 import logging
+import logging.handlers
+import resource
 import ssl
 import sys
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import httpx
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 log = logging.getLogger("fedvlm.fleet_gateway")
 
-# Flower 1.41's Fleet API (flwr/supernode/fleet_http_client.py): every call a SuperNode makes
+# Flower 1.42's Fleet API (flwr/supernode/fleet_http_client.py): every call a SuperNode makes
 FLEET_CALLS = frozenset(
     {
         "register-node",
@@ -70,11 +100,37 @@ HOP_HEADERS = frozenset(
         "content-length",
     }
 )
+# what a caller may say about where a request came from: never believed, never passed on
+FORWARDING_HEADERS = frozenset({"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip"})
 REFUSED = (
     "this address serves only the Fleet API that SuperNodes use; the Control API (flwr run, ls, log, supernode "
     "register) is reachable only on the SuperLink host (127.0.0.1) or through an SSH tunnel to it\n"
 )
 UPSTREAM_TIMEOUT = 600.0  # a SuperNode's call waits at most this for the SuperLink
+
+
+def _chunk_limit() -> int:
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+
+    return int(FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one caller may take of the gateway (the module docstring)."""
+
+    max_body: int = 0  # bytes; 0: Flower's largest array chunk plus 1 MiB
+    max_header: int = 16 * 1024
+    handshake_timeout: float = 10.0
+    header_timeout: float = 10.0
+    body_timeout: float = 120.0
+    keep_alive: int = 30
+    max_connections: int = 1024
+    max_per_peer: int = 64
+
+    @property
+    def body(self) -> int:
+        return self.max_body or _chunk_limit() + (1 << 20)
 
 
 def fleet_call(method: str, path: str) -> str | None:
@@ -86,12 +142,110 @@ def fleet_call(method: str, path: str) -> str | None:
 
 
 def _forwardable(headers) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS | FORWARDING_HEADERS}
 
 
-def make_app(superlink: str, ca: str, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+# ---- what a node may push ------------------------------------------------------------------------
+def message_object_id(proto_message, children: Sequence[str]) -> str:
+    """The id (SHA-256) of the Message object whose metadata and error are ``proto_message``'s and
+    whose children are ``children``: what ``flwr.app.Message.deflate`` hashes
+    (``check_message_ids`` holds it to the installed Flower)."""
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+    from flwr.supercore.constant import HEAD_BODY_DIVIDER, HEAD_VALUE_DIVIDER
+
+    metadata = type(proto_message.metadata)()
+    metadata.CopyFrom(proto_message.metadata)
+    metadata.message_id = ""
+    body = ProtoMessage(
+        metadata=metadata, content=None, error=proto_message.error if proto_message.HasField("error") else None
+    ).SerializeToString(deterministic=True)
+    head = f"Message{HEAD_VALUE_DIVIDER}{','.join(children)}{HEAD_VALUE_DIVIDER}{len(body)}".encode()
+    return hashlib.sha256(head + HEAD_BODY_DIVIDER + body).hexdigest()
+
+
+def check_message_ids() -> None:
+    """``RuntimeError`` unless ``message_object_id`` gives the installed Flower's ids, for a
+    reply with content and one with an error (the gateway then refuses to start)."""
+    from flwr.app import ConfigRecord, Error, Message, RecordDict
+    from flwr.common.serde import message_from_proto, message_to_proto, recorddict_to_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+    from flwr.proto.message_pb2 import Metadata as ProtoMetadata
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree
+
+    md = ProtoMetadata(run_id=5, src_node_id=1, dst_node_id=1234, group_id="1", created_at=1.0, ttl=60.0)
+    md.message_type = "train"
+    ask = message_from_proto(ProtoMessage(metadata=md, content=recorddict_to_proto(RecordDict())))
+    ask.metadata.__dict__["_message_id"] = ask.object_id
+    replies = (Message(RecordDict({"m": ConfigRecord({"x": 1})}), reply_to=ask), Message(Error(2, "x"), reply_to=ask))
+    for reply in replies:
+        tree = get_object_tree(reply)
+        proto = message_to_proto(reply)
+        if message_object_id(proto, [c.object_id for c in tree.children]) != tree.object_id:
+            raise RuntimeError("this Flower hashes a Message differently from what the gateway checks")
+
+
+def check_push(body: bytes) -> str | None:
+    """Why a ``push-messages`` body must not reach the SuperLink (None: it may)."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from google.protobuf.message import DecodeError
+
+    try:
+        req = PushMessagesRequest.FromString(body)
+    except DecodeError:
+        return "not a PushMessagesRequest"
+    if len(req.messages_list) != 1 or len(req.message_object_trees) != 1:
+        return f"{len(req.messages_list)} messages and {len(req.message_object_trees)} trees, not one of each"
+    node, md, tree = req.node.node_id, req.messages_list[0].metadata, req.message_object_trees[0]
+    if md.src_node_id != node:
+        return f"node {node} pushed a message from node {md.src_node_id}"
+    if md.dst_node_id != SUPERLINK_NODE_ID:
+        return f"node {node} pushed a message to node {md.dst_node_id}: a node may send only replies, to the SuperLink"
+    if not md.reply_to_message_id:
+        return f"node {node} pushed a message that answers no message"
+    routed = message_object_id(req.messages_list[0], [c.object_id for c in tree.children])
+    if not md.message_id == tree.object_id == routed:
+        return f"node {node} pushed a message whose id is not the hash of its own fields"
+    return None
+
+
+def check_push_object(body: bytes) -> str | None:
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from google.protobuf.message import DecodeError
+
+    try:
+        req = PushObjectRequest.FromString(body)
+    except DecodeError:
+        return "not a PushObjectRequest"
+    return None if req.session_id else f"node {req.node.node_id} pushed an object outside a push session"
+
+
+CHECKS = {"push-messages": check_push, "push-object": check_push_object}
+
+
+# ---- the app -------------------------------------------------------------------------------------
+class TooLarge(Exception):
+    pass
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise TooLarge(declared)
+    out = bytearray()
+    async for chunk in request.stream():
+        out += chunk
+        if len(out) > limit:
+            raise TooLarge(len(out))
+    return bytes(out)
+
+
+def make_app(
+    superlink: str, ca: str, limits: Limits = Limits(), transport: httpx.AsyncBaseTransport | None = None
+) -> Starlette:
     """The gateway for the SuperLink at ``superlink`` (host:port on this machine), whose
     certificate ``ca`` verifies (``transport``: another way to reach it, for tests)."""
+    check_message_ids()
     client = httpx.AsyncClient(
         base_url=f"https://{superlink}",
         verify=ssl.create_default_context(cafile=ca) if transport is None else True,
@@ -100,18 +254,50 @@ def make_app(superlink: str, ca: str, transport: httpx.AsyncBaseTransport | None
     )
 
     async def forward(request: Request) -> Response:
+        t0 = time.monotonic()
         call = fleet_call(request.method, request.url.path)
         peer = request.client.host if request.client else "?"
         if call is None:
-            log.warning("refused %s %s from %s", request.method, request.url.path, peer)
+            log.warning("refused %s %s from %s", request.method, request.url.path[:200], peer)
             return PlainTextResponse(REFUSED, status_code=403)
-        try:
-            upstream = await client.post(
-                FLEET_PREFIX + call, content=await request.body(), headers=_forwardable(request.headers)
+        # h11 bounds headers still arriving (max_header); these arrived whole, in one read
+        header_bytes = sum(len(k) + len(v) + 4 for k, v in request.headers.raw)
+        if header_bytes > limits.max_header:
+            log.warning("refused %s from %s: %d bytes of headers, over %d", call, peer, header_bytes, limits.max_header)
+            return PlainTextResponse(
+                f"request headers may be at most {limits.max_header} bytes\n",
+                status_code=431,
+                headers={"connection": "close"},
             )
+        try:
+            body = await _body(request, limits.body)
+        except TooLarge as size:
+            log.warning("refused %s from %s: a body of %s bytes, over %d", call, peer, size, limits.body)
+            return PlainTextResponse(
+                f"a request body may be at most {limits.body} bytes\n", status_code=413, headers={"connection": "close"}
+            )
+        except ClientDisconnect:
+            return Response(status_code=400)
+        check = CHECKS.get(call)
+        why = check(body) if check is not None else None
+        if why is not None:
+            log.warning("refused %s from %s: %s", call, peer, why)
+            return PlainTextResponse(f"refused: {why}\n", status_code=403)
+        headers = {**_forwardable(request.headers), "x-forwarded-for": peer}
+        try:
+            upstream = await client.post(FLEET_PREFIX + call, content=body, headers=headers)
         except httpx.HTTPError as err:
-            log.error("the SuperLink at %s did not answer %s: %s", superlink, call, err)
+            log.error("the SuperLink at %s did not answer %s from %s: %s", superlink, call, peer, err)
             return PlainTextResponse(f"the SuperLink did not answer: {type(err).__name__}\n", status_code=502)
+        log.info(
+            "%s %s %d in %d out %d %.0f ms",
+            peer,
+            call,
+            upstream.status_code,
+            len(body),
+            len(upstream.content),
+            1000 * (time.monotonic() - t0),
+        )
         return Response(upstream.content, status_code=upstream.status_code, headers=_forwardable(upstream.headers))
 
     @contextlib.asynccontextmanager
@@ -123,11 +309,144 @@ def make_app(superlink: str, ca: str, transport: httpx.AsyncBaseTransport | None
     return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
 
 
+# ---- the server: connections and their time ------------------------------------------------------
+def guarded_protocol(limits: Limits):
+    """uvicorn's HTTP/1.1 protocol with the connection and time limits (the module docstring)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    open_by_peer: Counter[str] = Counter()
+    warned: dict[str, float] = {}
+
+    class Guarded(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+        _peer = ""
+        _cycle_seen: object = None
+
+        def _arm(self, seconds: float, what: str) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expire, what)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self, what: str) -> None:
+            log.warning("closed a connection from %s: %s took longer than allowed", self._peer, what)
+            self.transport.abort()
+
+        def connection_made(self, transport) -> None:
+            peername = transport.get_extra_info("peername")
+            self._peer = str(peername[0]) if peername else "?"
+            total = sum(open_by_peer.values())
+            if total >= limits.max_connections or open_by_peer[self._peer] >= limits.max_per_peer:
+                now = time.monotonic()
+                if now - warned.get(self._peer, -1e9) > 60:
+                    warned[self._peer] = now
+                    log.warning(
+                        "refused connections from %s: %d open from it, %d in all (limits %d, %d)",
+                        self._peer,
+                        open_by_peer[self._peer],
+                        total,
+                        limits.max_per_peer,
+                        limits.max_connections,
+                    )
+                self._peer = ""  # counted nowhere
+                transport.abort()
+                return
+            open_by_peer[self._peer] += 1
+            super().connection_made(transport)
+            self._arm(limits.header_timeout, "the request's headers")
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            cycle = self.cycle
+            if cycle is not None and cycle is not self._cycle_seen:  # a new request's headers are in
+                self._cycle_seen = cycle
+                self._arm(limits.body_timeout, "the request's body")
+            if cycle is not None and not cycle.more_body:  # its body is in: the app's turn
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm(limits.header_timeout + limits.keep_alive, "the next request's headers")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            if self._peer:
+                open_by_peer[self._peer] -= 1
+                if open_by_peer[self._peer] <= 0:
+                    del open_by_peer[self._peer]
+                self._peer = ""
+            if hasattr(self, "transport"):
+                super().connection_lost(exc)
+
+    return Guarded
+
+
+def raise_open_files() -> int:
+    """The soft limit on open files raised to the hard one (each connection holds one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def serve(app: Starlette, host: str, port: int, limits: Limits, certfile: str | None, keyfile: str | None) -> None:
+    """Serve ``app`` with ``limits`` (TLS with ``certfile``/``keyfile``)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            # uvicorn does not pass asyncio's TLS handshake timeout (60 s by default) through
+            loop = asyncio.get_running_loop()
+            create = loop.create_server
+            loop.create_server = functools.partial(  # type: ignore[method-assign]
+                create, ssl_handshake_timeout=limits.handshake_timeout
+            )
+            try:
+                await super().startup(sockets)
+            finally:
+                del loop.create_server  # the loop's own method again
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        ssl_certfile=certfile,
+        ssl_keyfile=keyfile,
+        http=guarded_protocol(limits),
+        loop="asyncio",  # startup's timeout patch needs asyncio's loop (uvloop's is not a Python class)
+        h11_max_incomplete_event_size=limits.max_header,
+        timeout_keep_alive=limits.keep_alive,
+        proxy_headers=False,  # a caller's X-Forwarded-For is never believed
+        server_header=False,
+        access_log=False,  # every call is logged by the app, with its real peer
+        log_level="warning",
+        backlog=limits.max_connections,
+    )
+    Server(config).run()
+
+
 def _host_port(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def _logging(path: str | None, max_mb: float, backups: int) -> None:
+    handler: logging.Handler = (
+        logging.handlers.RotatingFileHandler(path, maxBytes=int(max_mb * 2**20), backupCount=backups)
+        if path
+        else logging.StreamHandler()
+    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,20 +456,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--certfile", required=True, help="the SuperLink's certificate (server.crt)")
     p.add_argument("--keyfile", required=True, help="its private key (server.key)")
     p.add_argument("--ca", required=True, help="the CA certificate that verifies the SuperLink (ca.crt)")
+    d = Limits()
+    p.add_argument("--max-body", type=int, default=d.max_body, help="bytes (0: Flower's array chunk + 1 MiB)")
+    p.add_argument("--max-header", type=int, default=d.max_header, help="bytes of a request's headers")
+    p.add_argument("--handshake-timeout", type=float, default=d.handshake_timeout, help="seconds for TLS")
+    p.add_argument("--header-timeout", type=float, default=d.header_timeout, help="seconds for a request's headers")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout, help="seconds for a request's body")
+    p.add_argument("--keep-alive", type=int, default=d.keep_alive, help="seconds an idle connection stays open")
+    p.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections in all")
+    p.add_argument("--max-per-peer", type=int, default=d.max_per_peer, help="open connections from one address")
+    p.add_argument("--log-file", help="log here, rotated (default: standard error)")
+    p.add_argument("--log-max-mb", type=float, default=20.0, help="size at which the log file is rotated")
+    p.add_argument("--log-backups", type=int, default=5, help="rotated log files kept")
     args = p.parse_args(argv)
-    import uvicorn
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    host, port = args.listen
-    log.info("forwarding the Fleet API from %s:%d to %s; every other request is refused", host, port, args.superlink)
-    uvicorn.run(
-        make_app(args.superlink, args.ca),
-        host=host,
-        port=port,
-        ssl_certfile=args.certfile,
-        ssl_keyfile=args.keyfile,
-        log_level="warning",
+    limits = Limits(
+        args.max_body,
+        args.max_header,
+        args.handshake_timeout,
+        args.header_timeout,
+        args.body_timeout,
+        args.keep_alive,
+        args.max_connections,
+        args.max_per_peer,
     )
+    _logging(args.log_file, args.log_max_mb, args.log_backups)
+    host, port = args.listen
+    files = raise_open_files()
+    log.info(
+        "forwarding the Fleet API from %s:%d to %s (every other request refused): %s, %d open files",
+        host,
+        port,
+        args.superlink,
+        limits,
+        files,
+    )
+    serve(make_app(args.superlink, args.ca, limits), host, port, limits, args.certfile, args.keyfile)
     return 0
 
 

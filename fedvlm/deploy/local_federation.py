@@ -258,6 +258,7 @@ class LocalFederation:
                 sys.executable,
                 "-m",
                 "fedvlm.deploy.supernode",  # flower-supernode, started again while a crashed session times out
+                *(f"--pin={p}" for p in self.pins),  # the SuperNode itself takes only runs of the pinned app
                 f"--retry-for={retry_for}",
                 f"--idle-poll={self.waits.idle_poll}",
                 f"--reply-poll={self.waits.reply_poll}",

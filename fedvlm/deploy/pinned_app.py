@@ -16,13 +16,18 @@ cannot pin this project's app. This module is the project-side layer:
   one change: the ClientApp process it starts is ``fedvlm-clientapp``, forked from a warm fork
   server on Linux (``deploy.clientapp_forks``; ``--clientapp-start spawn``: a new process, as
   Flower starts it), and it looks for tasks every ``--task-poll`` seconds (Flower: 1 s);
-- ``fedvlm-clientapp`` is Flower's ``flwr-clientapp`` with one check first: the SHA-256 of the
+- ``fedvlm-clientapp`` is Flower's ``flwr-clientapp`` with two checks first: the SHA-256 of the
   run's FAB, computed here from its bytes (never the hash the run claims), must be one the
-  organisation pinned. Otherwise the task ends with an error reply naming the app and the pinned
-  values, before the FAB is unpacked; nothing of the app ran.
+  organisation pinned; and, with ``exec --server-key``, the message must carry the signature of
+  the federation's ServerApp (``deploy.instruction_signing``). Otherwise the task ends with an
+  error reply naming what failed, before the FAB is unpacked; nothing of the app ran.
+
+The SuperNode itself checks the FAB against the same pins first, for every kind of run
+(``deploy.supernode_gate``, ``python -m fedvlm.deploy.supernode --pin``); this is the second
+layer, and the only place a message's content is at hand.
 
     python -m fedvlm.deploy.pinned_app hash .                      # the researcher, once per release
-    python -m fedvlm.deploy.pinned_app exec --pin <sha256> -- \\
+    python -m fedvlm.deploy.pinned_app exec --pin <sha256> --server-key server-signing.pub -- \\
         --runtime-api-address 127.0.0.1:9094 --insecure \\
         --superexec-auth-secret-file secret                        # the organisation, beside its SuperNode
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import re
 import sys
@@ -41,6 +47,7 @@ from typing import Any
 from fedvlm.deploy import log_beside_flower, object_pulls
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
+SERVER_KEYS_ENV = "FEDVLM_SERVER_KEYS"  # and the ServerApp keys whose signatures they accept
 CLIENTAPP_COMMAND = "fedvlm-clientapp"  # pyproject [project.scripts]
 CLIENTAPP_ENTRY = "fedvlm.deploy.pinned_app:clientapp_main"  # what that script runs
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads it (seconds, default 1)
@@ -125,28 +132,50 @@ def build_hash(app: Path) -> tuple[str, str]:
     return fab_hash(fab), fab_name(fab)
 
 
+def server_keys_from_env() -> list:
+    """The ServerApp keys ``exec --server-key`` pinned (none: messages are not verified)."""
+    from fedvlm.deploy.instruction_signing import load_public
+
+    return [load_public(Path(p)) for p in os.environ.get(SERVER_KEYS_ENV, "").split(os.pathsep) if p]
+
+
 def clientapp_main() -> None:
     """``fedvlm-clientapp``: Flower's ``flwr-clientapp``, with the run's FAB checked against the
-    pins before Flower unpacks it (its ``install_from_fab`` is the first thing that touches the
-    FAB's content). A refusal raises inside Flower's task, which replies with the error."""
+    pins and the message's signature against the pinned ServerApp keys, after Flower pulled the
+    message and before it unpacks the FAB (its ``install_from_fab`` is the first thing that
+    touches the FAB's content). A refusal raises inside Flower's task, which replies with the
+    error; nothing of the app ran."""
     import flwr.supernode.runtime.run_clientapp as runtime
     from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 
-    install = runtime.install_from_fab
+    from fedvlm.deploy.instruction_signing import verify
+
+    install, pull = runtime.install_from_fab, runtime.pull_task_input
+    keys, pulled = server_keys_from_env(), {}
+
+    def pull_kept(client):
+        message, context, run, fab = pull(client)
+        pulled["message"] = message
+        return message, context, run, fab
 
     def install_pinned(fab_file: Path | bytes, install_dir: Path | None = None, skip_prompt: bool = False) -> Path:
         fab = fab_file.read_bytes() if isinstance(fab_file, Path) else fab_file
         check_fab(fab, pinned_from_env())
+        if keys:
+            verify(pulled["message"], keys)
         installed = installed_app(fab) if install_dir is None and skip_prompt else None
         return installed if installed is not None else install(fab_file, install_dir, skip_prompt)
 
+    runtime.pull_task_input = pull_kept
     runtime.install_from_fab = install_pinned
     # the message's objects, which its SuperNode may still be pulling from the SuperLink
     object_pulls.install(object_pulls.CLIENTAPP_CAP_S)
     flwr_clientapp()
 
 
-def _exec(pins: Sequence[str], superexec_args: Sequence[str], fork: bool, task_poll: float) -> None:
+def _exec(
+    pins: Sequence[str], server_keys: Sequence[Path], superexec_args: Sequence[str], fork: bool, task_poll: float
+) -> None:
     """Flower's SuperExec, starting ``fedvlm-clientapp`` for ClientApp tasks (forked, with ``fork``)."""
     from flwr.supercore import constant
     from flwr.supercore.cli.flower_superexec import flower_superexec
@@ -155,9 +184,16 @@ def _exec(pins: Sequence[str], superexec_args: Sequence[str], fork: bool, task_p
     if not command.exists():
         raise SystemExit(f"{command} is missing: install this project (pip install -e .) in this environment")
     os.environ[PINS_ENV] = ",".join(pins)  # inherited by every ClientApp process it starts
+    os.environ[SERVER_KEYS_ENV] = os.pathsep.join(str(Path(k).resolve()) for k in server_keys)
     os.environ.setdefault(TASK_POLL_ENV, str(task_poll))  # an operator's own setting wins
     commands: dict[Any, str] = constant.TASK_TYPE_TO_COMMAND  # keyed by a StrEnum (Python 3.11)
     commands[constant.TaskType.CLIENT_APP] = str(command)
+    # A node's tasks are ClientApps: the SuperNode refuses every other kind of run before it
+    # stores it (deploy.supernode_gate), and this executor takes no other task type either.
+    from flwr.supercore.superexec.plugin.base_exec_plugin import AutoExecPlugin
+
+    client_app: Any = constant.TaskType.CLIENT_APP  # a StrEnum member, typed as its str value by mypy
+    AutoExecPlugin.supported_task_types = frozenset({client_app})
     if fork:
         from fedvlm.deploy.clientapp_forks import install
 
@@ -175,6 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     e = sub.add_parser("exec", help="Flower's SuperExec that runs only the pinned apps (args after --)")
     e.add_argument("--pin", action="append", required=True, help="SHA-256 of an app this node may run (repeatable)")
     e.add_argument(
+        "--server-key",
+        action="append",
+        type=Path,
+        default=[],
+        help="the federation's ServerApp key (server-signing.pub): run only messages it signed (repeatable)",
+    )
+    e.add_argument(
         "--clientapp-start",
         choices=("fork", "spawn"),
         default="fork" if sys.platform.startswith("linux") else "spawn",
@@ -191,9 +234,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         pins = [parse_pin(x) for x in args.pin]
     except ValueError as err:
         p.error(str(err))
+    try:
+        from fedvlm.deploy.instruction_signing import load_public
+
+        for key in args.server_key:
+            load_public(key)
+    except (OSError, ValueError) as err:
+        p.error(f"--server-key: {err}")
     rest = args.superexec_args[1:] if args.superexec_args[:1] == ["--"] else args.superexec_args
     log_beside_flower()
-    _exec(pins, rest, args.clientapp_start == "fork", args.task_poll)
+    if not args.server_key:
+        logging.getLogger("fedvlm.exec").warning(
+            "no --server-key: this node runs any message of a pinned app that reaches it, whoever pushed it; pin the "
+            "federation's server-signing.pub so that it acts only on its ServerApp's instructions"
+        )
+    _exec(pins, args.server_key, rest, args.clientapp_start == "fork", args.task_poll)
     return 0
 
 

@@ -1,6 +1,7 @@
 """A SuperNode that comes back after a crash.
 
-    python -m fedvlm.deploy.supernode [--retry-for 600] [--idle-poll 0.5] -- <flower-supernode's arguments>
+    python -m fedvlm.deploy.supernode --pin <sha256> [--retry-for 600] [--idle-poll 0.5] -- \\
+        <flower-supernode's arguments>
 
 Flower's SuperLink takes a SuperNode for gone only once its heartbeats have stopped for a while
 (about a minute); until then it refuses to activate another session with the same key. A
@@ -14,8 +15,10 @@ it again, every ``--retry-every`` seconds, for as long as it ends with Flower's 
 unregistered key after that window) ends it with the SuperNode's own exit status. SIGTERM and
 SIGINT go to the SuperNode.
 
-The SuperNode it runs is Flower's own, with its two hard-coded polling waits (3 s between empty
-pulls, 0.5 s between looks for a reply) set by ``--idle-poll`` and ``--reply-poll``
+The SuperNode it runs is Flower's own, gated to the apps ``--pin`` names
+(``fedvlm.deploy.supernode_gate``: any other app, and any run that is not a ClientApp's, is
+refused before anything of it is stored or started), with its two hard-coded polling waits (3 s
+between empty pulls, 0.5 s between looks for a reply) set by ``--idle-poll`` and ``--reply-poll``
 (``fedvlm.deploy.supernode_polling``).
 """
 
@@ -38,12 +41,18 @@ NOT_ACTIVATED = "Exit Code: 305"
 
 
 def supervise(
-    args: Sequence[str], retry_for: float, retry_every: float, idle_poll: float = 0.5, reply_poll: float = 0.1
+    args: Sequence[str],
+    pins: Sequence[str],
+    retry_for: float,
+    retry_every: float,
+    idle_poll: float = 0.5,
+    reply_poll: float = 0.1,
 ) -> int:
     command = [
         sys.executable,
         "-m",
         "fedvlm.deploy.supernode_polling",
+        *(f"--pin={pin}" for pin in pins),
         f"--idle-poll={idle_poll}",
         f"--reply-poll={reply_poll}",
         "--",
@@ -86,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args
-    return supervise(rest, args.retry_for, args.retry_every, args.idle_poll, args.reply_poll)
+    return supervise(rest, args.pin, args.retry_for, args.retry_every, args.idle_poll, args.reply_poll)
 
 
 if __name__ == "__main__":

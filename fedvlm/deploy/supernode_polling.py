@@ -1,6 +1,10 @@
 """Flower's SuperNode with its two polling waits set by the operator instead of hard-coded.
 
-    python -m fedvlm.deploy.supernode_polling [--idle-poll 0.5] [--reply-poll 0.1] -- <flower-supernode's arguments>
+    python -m fedvlm.deploy.supernode_polling --pin <sha256> [--idle-poll 0.5] [--reply-poll 0.1] -- \\
+        <flower-supernode's arguments>
+
+It also gates the SuperNode to the pinned apps (``deploy.supernode_gate``): a run of any other
+app, or of any task type but a ClientApp, is refused before anything of it is stored.
 
 Flower 1.42's SuperNode (``flwr/supernode/start_client_internal.py``) runs one loop: pull a
 message from the SuperLink; when there is none, sleep 3 s; when there is one, wait for the
@@ -31,7 +35,8 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-from fedvlm.deploy import log_beside_flower, object_pulls
+from fedvlm.deploy import log_beside_flower, object_pulls, supernode_gate
+from fedvlm.deploy.pinned_app import parse_pin
 
 log = logging.getLogger("fedvlm.supernode")
 
@@ -92,7 +97,14 @@ def install(idle: float, reply: float) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The two waits, as this command and the restarting supervisor (deploy.supernode) take them."""
+    """The pins and the two waits, as this command and the restarting supervisor (deploy.supernode) take them."""
+    p.add_argument(
+        "--pin",
+        action="append",
+        required=True,
+        type=parse_pin,
+        help="SHA-256 of an app this node may run (repeatable; `python -m fedvlm.deploy.pinned_app hash APP`)",
+    )
     p.add_argument("--idle-poll", type=float, default=0.5, help="seconds between empty pulls (Flower: 3)")
     p.add_argument("--reply-poll", type=float, default=0.1, help="seconds between looks for a reply (Flower: 0.5)")
 
@@ -103,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("supernode_args", nargs=argparse.REMAINDER, help="-- then flower-supernode's arguments")
     args = p.parse_args(argv)
     log_beside_flower()
+    supernode_gate.install(args.pin)  # before Flower's SuperNode pulls anything
     try:
         clock_ok = install(args.idle_poll, args.reply_poll)
     except ValueError as err:

@@ -12,12 +12,14 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedvlm.deploy import object_pulls
+from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, key_id, sign_pushes, signing_key_from_env
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 from fedvlm.server_app.resume import hold_run_dir, resume_point
 from fedvlm.strategies.base import ResumeError
+from fedvlm.utils.runtime import simulated_grid
 
 log = logging.getLogger("fedvlm")
 app = ServerApp()
@@ -97,8 +99,25 @@ def run(raw: dict, grid, run_id: int | str) -> RunRecorder:
     return execute(cfg, grid, run_id)
 
 
+def sign_instructions(grid) -> None:
+    """Sign every message this ServerApp sends with its host's key, where the host names one
+    (``deploy.instruction_signing``); a deployed run without one says so, since nodes that pin
+    the federation's key refuse unsigned messages."""
+    key = signing_key_from_env()
+    if key is not None:
+        sign_pushes(grid, key)
+        log.info("every instruction is signed with the federation's ServerApp key %s", key_id(key.public_key()))
+    elif not simulated_grid(grid):
+        log.warning(
+            "%s is not set: this ServerApp's messages are unsigned, and nodes that pin the federation's "
+            "server-signing.pub refuse them (docs/deployment.md, section 2)",
+            SIGNING_KEY_ENV,
+        )
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     _setup_logging()
     object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # replies pulled sooner (a simulation pulls none)
+    sign_instructions(grid)
     run(dict(context.run_config), grid, context.run_id)

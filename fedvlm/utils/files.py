@@ -52,18 +52,29 @@ def try_hold(path: Path):
     return fh
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write, durable: bool = False) -> None:
+    """Write through a temporary file renamed over ``path``; ``durable``: on disk before this
+    returns (the file and the rename fsynced), for what must survive a power cut."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             write(fh)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -99,9 +110,9 @@ def strict_json(obj: Any) -> Any:
     return obj
 
 
-def atomic_write_json(obj: Any, path: Path) -> None:
+def atomic_write_json(obj: Any, path: Path, durable: bool = False) -> None:
     text = json.dumps(strict_json(obj), indent=2, sort_keys=False, allow_nan=False)
-    _atomic_write(path, lambda fh: fh.write(text.encode()))
+    _atomic_write(path, lambda fh: fh.write(text.encode()), durable)
 
 
 def overwrite_in_place(path: Path, text: str, size: int) -> None:

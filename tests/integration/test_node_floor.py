@@ -1,8 +1,13 @@
 """A node enforces its own privacy floor in a federation: it trains under a plan within its
 limit (and its own account agrees with the server's ledger), and refuses a server that weakens
-the privacy config, with the numbers; nodes without a floor are unaffected."""
+the privacy config, with the numbers, and a run that would take its records past the limit
+after what earlier runs spent (its ledger on its own disk, whatever happened to the server's run
+folders); nodes without a floor are unaffected."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -18,30 +23,62 @@ from fedvlm.utils.rng import NodeStream, node_key, node_seed
 FLOOR = {"max-epsilon": 3.0, "delta": 1e-5}
 
 
-def _run(make_cfg, epsilon, name):
-    cfg = make_cfg(method="promptfl", num_server_rounds=2, max_per_class=6, privacy__epsilon=epsilon, run_name=name)
-    nodes = [{"partition-id": i, "num-partitions": 3, **(FLOOR if i < 2 else {})} for i in range(3)]
-    return execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id=name)
+def _run(make_cfg, epsilon, name, state, rounds=2):
+    """Three partition nodes, the first two with a limit (and their ledgers under ``state``)."""
+    cfg = make_cfg(
+        method="promptfl",
+        num_server_rounds=rounds,
+        max_per_class=6,
+        privacy__epsilon=epsilon,
+        run_name=name,
+        min_nodes=1,  # the node without a limit carries on where the others refuse
+    )
+    nodes = [
+        {"partition-id": i, "num-partitions": 3, **({**FLOOR, "state-dir": str(state / f"n{i}")} if i < 2 else {})}
+        for i in range(3)
+    ]
+    return execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict(), simulation=True), run_id=name)
 
 
-def test_a_node_trains_within_its_floor_and_refuses_a_weakened_plan(make_cfg, pretrained_clip):
-    honest = _run(make_cfg, 2.0, "honest")
+def test_a_node_trains_within_its_floor_and_refuses_a_weakened_plan(make_cfg, pretrained_clip, tmp_path):
+    honest = _run(make_cfg, 2.0, "honest", tmp_path / "honest")
     for r, spent in zip(honest.data["rounds"], honest.data["privacy"]["rounds"], strict=True):
         assert r["metrics"]["train-clients"] == 3 and not r["dropped"]
         for client in ("client-0", "client-1"):  # the node's own account is the server's ledger's
             assert r["clients"][client]["train/node-epsilon"] == pytest.approx(spent["per_client"][client], rel=1e-6)
         assert "train/node-epsilon" not in r["clients"]["client-2"]
-    saved = torch.load(honest.dir / "nodes" / "client-0" / "round-0002.pt", weights_only=True)["records"]
-    assert saved["node-ledger"][1]["round"] == [1, 2]  # kept with the node's state
+    (ledger,) = (tmp_path / "honest" / "n0" / "ledgers").glob("*.json")  # on the node's own disk
+    assert [r["round"] for r in json.loads(ledger.read_text())["rows"]] == [1, 2]
+    saved = torch.load(honest.dir / "nodes" / "client-2" / "round-0002.pt", weights_only=True)["records"]
+    assert saved["node-ledger"][1]["round"] == [1, 2]  # a node without a state-dir: kept with its state
 
-    weakened = _run(make_cfg, 50.0, "weakened")  # config and sigma agree: only the node's own limit stops it
-    for r in weakened.data["rounds"]:
-        reasons = {d["client"]: d["reason"] for d in r["dropped"]}
-        assert sorted(reasons) == ["client-0", "client-1"] and r["metrics"]["train-clients"] == 1
-        assert all(
-            "plan would spend epsilon = 50 per record" in why and "max-epsilon = 3" in why for why in reasons.values()
-        )
+    # config and sigma agree: only the node's own limit stops it, at the handshake
+    weakened = _run(make_cfg, 50.0, "weakened", tmp_path / "weakened")
+    excluded = weakened.data["run"]["excluded_nodes"]  # by node id: a refused handshake names no node
+    assert len(excluded) == 2, excluded
+    assert all("would bring them to 50" in why and "max-epsilon = 3" in why for why in excluded.values())
+    assert all(r["metrics"]["train-clients"] == 1 for r in weakened.data["rounds"])
     assert weakened.data["run"]["status"] == "finished"
+
+
+def test_the_limit_spans_every_run_on_the_same_records(make_cfg, pretrained_clip, tmp_path):
+    """Two one-round runs at epsilon 2.9 on the same records compose past a limit of 3: the second
+    run is refused at the handshake with what the first spent, also after the server wiped its
+    run folders and started again under the same name."""
+    state = tmp_path / "state"
+    first = _run(make_cfg, 2.9, "first", state, rounds=1)
+    assert first.data["rounds"][0]["metrics"]["train-clients"] == 3
+    for attempt in ("second", "first"):  # a new run; the first run's folder wiped and run again
+        shutil.rmtree(first.dir, ignore_errors=True)
+        again = _run(make_cfg, 2.9, attempt, state, rounds=1)
+        excluded = again.data["run"]["excluded_nodes"]
+        assert len(excluded) == 2, excluded
+        for why in excluded.values():
+            assert "have spent epsilon = 2.9" in why and "1 earlier run(s)" in why and "max-epsilon = 3" in why, why
+        assert again.data["rounds"][0]["clients"].keys() == {"client-2"}  # the node without a limit trains
+    for node in ("n0", "n1"):  # one release each: nothing refused was counted
+        (ledger,) = (state / node / "ledgers").glob("*.json")
+        assert len(json.loads(ledger.read_text())["rows"]) == 1
 
 
 def test_the_noise_of_a_node_with_a_limit_cannot_be_regenerated_from_the_run_config(make_cfg, pretrained_clip):

@@ -28,7 +28,7 @@ from fedvlm.privacy.planner import local_plan
 from fedvlm.protocol import SERVER_ROUND, TrainInstruction
 
 LIMIT, NODE_DELTA = 3.0, 1e-5
-NODE = {"partition-id": 0, "num-partitions": 2, "max-epsilon": LIMIT, "delta": NODE_DELTA}
+NODE = {"partition-id": 0, "num-partitions": 2, "max-epsilon": LIMIT, "delta": NODE_DELTA}  # + its state-dir
 
 
 @dataclass
@@ -96,21 +96,26 @@ class HostileServer:
     """Sends the node what an honest server of ``cfg`` would: the handshake, then train messages
     with the plan and sigma the real planner makes for that config."""
 
-    def __init__(self, cfg, pretrained_clip):
+    def __init__(self, cfg, pretrained_clip, state_dir):
         self.cfg = cfg
+        node_config = {**NODE, "state-dir": str(state_dir)}  # a fresh node: its ledger is empty
         self.context = Context(
-            run_id=1, node_id=7, node_config=dict(NODE), state=RecordDict(), run_config=cfg.as_dict()
+            run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config=cfg.as_dict()
         )
         width = pretrained_clip.model.token_embedding.weight.shape[1]
         self.ctx = np.random.default_rng(0).normal(0, 0.02, (cfg.prompt.n_ctx, width)).astype(np.float32)
 
-    def hello(self) -> Message:
+    def hello(self) -> str | None:
+        """None once the node answered the handshake; the reason it refused the run otherwise."""
         msg = Message(RecordDict({"config": ConfigRecord({SERVER_ROUND: 0})}), dst_node_id=7, message_type="query")
-        reply = client_app(msg, self.context)
+        try:
+            reply = client_app(msg, self.context)
+        except Exception as err:  # noqa: BLE001 - a refusal, as the server would read it
+            return f"{type(err).__name__}: {err}"
         assert not reply.has_error(), reply.error.reason
         self.n_train = int(reply.content["metrics"]["num-train"])
         self.info = dict(reply.content["info"])
-        return reply
+        return None
 
     def train(self, server_round: int) -> dict | str:
         """The node's reply metrics, or the reason it refused (its exception, which Flower would
@@ -143,25 +148,28 @@ class Knob:
     rounds_sent: int = 1  # train messages the server sends (more than num-server-rounds: it lies)
 
 
+# how the node refuses a plan past its limit: at the handshake (from the plan it computes itself),
+# or at a round (from the sigma it is sent)
+OVER = r"(?:plan would spend epsilon = |would bring them to )"
 BASE = {"method": "promptfl", "num-server-rounds": 2, "max-per-class": 8, "privacy.epsilon": 2.0}
 KNOBS = [
-    Knob("privacy.epsilon", {"privacy.epsilon": 50.0}, r"plan would spend epsilon = 50 per record"),
-    Knob("privacy.noise-multiplier", {"privacy.epsilon": 0.0, "privacy.noise-multiplier": 0.3}, r"plan would spend"),
+    Knob("privacy.epsilon", {"privacy.epsilon": 50.0}, OVER + "50"),
+    Knob("privacy.noise-multiplier", {"privacy.epsilon": 0.0, "privacy.noise-multiplier": 0.3}, OVER),
     Knob("privacy.clip", {"privacy.clip": 1000.0}),
-    Knob("privacy.clipping", {"privacy.clipping": "per-batch"}, r"plan would spend epsilon = \d+"),
-    Knob("privacy.calibration", {"privacy.calibration": "paper"}, r"plan would spend epsilon"),
+    Knob("privacy.clipping", {"privacy.clipping": "per-batch"}, OVER + r"\d+"),
+    Knob("privacy.calibration", {"privacy.calibration": "paper"}, OVER),
     Knob("privacy.accountant", {"privacy.accountant": "pld"}),
-    Knob("privacy.delta", {"privacy.delta": 0.05, "privacy.epsilon": 2.9}, r"plan would spend epsilon = [3-9]"),
+    Knob("privacy.delta", {"privacy.delta": 0.05, "privacy.epsilon": 2.9}, OVER + "[3-9]"),
     Knob("prompt.batch-size", {"prompt.batch-size": 10_000}),
     Knob(
         "prompt.local-steps",
         {"privacy.epsilon": 0.0, "privacy.noise-multiplier": 1.5, "prompt.local-steps": 20},
-        r"plan would spend",
+        OVER,
     ),
     Knob(
         "num-server-rounds",
         {"privacy.epsilon": 0.0, "privacy.noise-multiplier": 1.0, "num-server-rounds": 1},
-        r"bring this node's records to epsilon = .* after \d+ rounds",
+        r"bring this node's records to epsilon = .* after \d+ releases",
         rounds_sent=40,
     ),
     Knob("fraction-train", {"fraction-train": 0.1}),
@@ -174,16 +182,17 @@ KNOBS = [
 
 
 @pytest.mark.parametrize("knob", KNOBS, ids=lambda k: k.knob)
-def test_the_node_refuses_or_accounts_for_what_it_released(knob, make_cfg, pretrained_clip, monkeypatch):
+def test_the_node_refuses_or_accounts_for_what_it_released(knob, make_cfg, pretrained_clip, monkeypatch, tmp_path):
     raw = {**BASE, **knob.overrides}
     cfg = make_cfg(**{k.replace(".", "__").replace("-", "_"): v for k, v in raw.items()})
     recorder = Recorder(uniform=cfg.privacy.enabled and cfg.privacy.sampling == "uniform")
     recorder.install(monkeypatch)
-    server = HostileServer(cfg, pretrained_clip)
-    server.hello()
-    assert server.info["noise-source"] == "os"  # a node with a limit: whatever the run config says
-    outcome: dict | str = {}
-    for r in range(1, knob.rounds_sent + 1):
+    server = HostileServer(cfg, pretrained_clip, tmp_path / "node-state")
+    # a plan past the limit is refused at the handshake already (the node plans for itself)
+    outcome: dict | str = server.hello() or {}
+    if not outcome:
+        assert server.info["noise-source"] == "os"  # a node with a limit: whatever the run config says
+    for r in range(1, knob.rounds_sent + 1 if not outcome else 1):
         before = len(recorder.releases)
         outcome = server.train(r)
         if isinstance(outcome, str):
@@ -201,14 +210,14 @@ def test_the_node_refuses_or_accounts_for_what_it_released(knob, make_cfg, pretr
         assert recorder.releases
 
 
-def test_the_recorder_sees_every_release(make_cfg, pretrained_clip, monkeypatch):
+def test_the_recorder_sees_every_release(make_cfg, pretrained_clip, monkeypatch, tmp_path):
     """The independent figure is only as good as the record of releases: one round of PromptFL
     at one local step is exactly one Poisson-sampled Gaussian release."""
     cfg = make_cfg(**{k.replace(".", "__").replace("-", "_"): v for k, v in BASE.items()})
     recorder = Recorder(uniform=False)
     recorder.install(monkeypatch)
-    server = HostileServer(cfg, pretrained_clip)
-    server.hello()
+    server = HostileServer(cfg, pretrained_clip, tmp_path / "node-state")
+    assert server.hello() is None
     assert isinstance(server.train(1), dict)
     (only,) = recorder.releases
     shape = cfg.spec.family.local_shape(cfg, server.n_train)

@@ -17,6 +17,7 @@ from fedvlm.client_app.state import (
     load_private,
     persist,
     restore,
+    run_folder,
     save_meta,
     save_private,
     state_dir,
@@ -35,8 +36,16 @@ def _train_round(state: RecordDict, where, r: int) -> None:
 def test_where_a_node_keeps_its_state(tmp_path):
     run = str(tmp_path / "runs" / "promptfl-x")
     own = {"state-dir": str(tmp_path / "org")}
-    assert state_dir(own, run, -1, "hospital-a") == tmp_path / "org" / "promptfl-x" / "hospital-a"
-    assert state_dir(own, run, 3, "client-3") == tmp_path / "org" / "promptfl-x" / "client-3"  # the node's choice wins
+    folder = run_folder(run)
+    assert folder.startswith("promptfl-x-") and len(folder) == len("promptfl-x-") + 12
+    assert state_dir(own, run, -1, "hospital-a") == tmp_path / "org" / folder / "hospital-a"
+    assert state_dir(own, run, 3, "client-3") == tmp_path / "org" / folder / "client-3"  # the node's choice wins
+    # whatever the server names, the run's folder is one component inside the node's state-dir
+    for hostile in ("..", "/", "/srv/../..", "a/../../etc", "", ".", "x" * 5000, "../../" + run):
+        inside = state_dir(own, hostile or "/", -1, "hospital-a")
+        assert inside is not None and inside.parent.parent == tmp_path / "org" and ".." not in inside.parts
+        assert len(inside.parent.name) <= 64 + 13
+    assert run_folder(run) != run_folder(run + "/") != run_folder("/other/runs/promptfl-x")
     assert state_dir({}, run, -1, "hospital-a") is None  # deployed without state-dir: memory only
     # a partition node writes under the server's run folder only when simulated: a real node
     # (a SuperNode given partition-id) never puts private state where the server's path says

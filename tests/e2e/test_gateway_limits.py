@@ -1,0 +1,141 @@
+"""The Fleet gateway as a real process on loopback, under clients that abuse it: a TLS handshake
+or a request that never finishes is cut off in seconds, one address cannot hold more than its
+share of connections, oversized headers are refused, every refusal is logged with the real peer,
+and the log rotates; meanwhile an honest request is still answered. bench/gateway_abuse.py
+measures what an honest SuperNode sees under heavier abuse."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedvlm.deploy.credentials import generate
+from fedvlm.utils.processes import free_port, kill_tree
+
+pytestmark = pytest.mark.ci  # seconds, not minutes: kept in CI
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    work = tmp_path_factory.mktemp("gateway")
+    generate(work / "creds", [], [], [])
+    port = free_port()
+    log = work / "gateway.log"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedvlm.deploy.fleet_gateway",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--superlink",
+            f"127.0.0.1:{free_port()}",  # nothing listens: an honest call is answered 502
+            "--certfile",
+            str(work / "creds" / "server.crt"),
+            "--keyfile",
+            str(work / "creds" / "server.key"),
+            "--ca",
+            str(work / "creds" / "ca.crt"),
+            "--handshake-timeout=1",
+            "--header-timeout=1",
+            "--body-timeout=2",
+            "--max-per-peer=4",
+            "--max-header=4096",
+            "--log-file",
+            str(log),
+            "--log-max-mb=0.001",  # about 1 KB: rotated within the test
+            "--log-backups=2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    context = ssl.create_default_context(cafile=str(work / "creds" / "ca.crt"))
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"the gateway did not start: {log.read_text() if log.exists() else ''}") from None
+            time.sleep(0.2)
+    yield port, context, log
+    kill_tree(proc.pid)
+
+
+def _tls(port: int, context: ssl.SSLContext) -> ssl.SSLSocket:
+    return context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="localhost")
+
+
+def _closed_within(sock, seconds: float) -> float:
+    """How long until the server closed ``sock`` (AssertionError after ``seconds``)."""
+    t0 = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(1024):
+            pass
+    except TimeoutError:
+        raise AssertionError(f"still open after {seconds} s") from None
+    except (ConnectionError, ssl.SSLError, OSError):
+        pass
+    return time.monotonic() - t0
+
+
+def _honest(port: int, context: ssl.SSLContext) -> int:
+    """An honest Fleet call's status (502: the gateway answered; its SuperLink is not there)."""
+    with _tls(port, context) as s:
+        s.sendall(b"POST /v1/fleet/send-node-heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        return int(s.recv(4096).split(b" ", 2)[1])
+
+
+def _logged(log, text: str, seconds: float = 5.0) -> str:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        logs = "".join(p.read_text() for p in sorted(log.parent.glob(log.name + "*")))
+        if text in logs:
+            return logs
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in the gateway's log:\n{logs[-3000:]}")
+
+
+def test_slow_clients_are_cut_off_and_an_honest_one_is_answered(gateway):
+    port, context, log = gateway
+    silent = socket.create_connection(("127.0.0.1", port), timeout=10)  # never starts TLS
+    dripping = _tls(port, context)
+    dripping.sendall(b"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: x\r\n")
+    t0 = time.monotonic()
+    with pytest.raises((ConnectionError, ssl.SSLError, OSError)):
+        for _ in range(40):  # a header byte every 0.1 s: 4 s if nothing cut it off
+            dripping.sendall(b"X")
+            time.sleep(0.1)
+    assert time.monotonic() - t0 < 3.0
+    assert _closed_within(silent, 4.0) < 4.0
+    assert _honest(port, context) == 502
+    _logged(log, "closed a connection from 127.0.0.1: the request's headers took longer than allowed")
+
+
+def test_one_address_holds_at_most_its_share_and_headers_are_bounded(gateway):
+    port, context, log = gateway
+    held = [_tls(port, context) for _ in range(4)]
+    extra = _tls(port, context)  # the handshake completes; the connection is closed at once
+    assert _closed_within(extra, 0.9) < 0.9
+    _logged(log, "refused connections from 127.0.0.1: 4 open from it")
+    for s in held:
+        s.close()
+    time.sleep(0.2)
+    with _tls(port, context) as s:
+        s.sendall(b"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
+        assert int(s.recv(4096).split(b" ", 2)[1]) in (400, 431)
+    assert _honest(port, context) == 502
+    for _ in range(8):  # refused, each with a log line naming the real peer
+        with _tls(port, context) as s:
+            s.sendall(b"POST /v1/control/start-run HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.66\r\n\r\n")
+            assert int(s.recv(4096).split(b" ", 2)[1]) == 403
+    logs = _logged(log, "refused POST /v1/control/start-run from 127.0.0.1")
+    assert "203.0.113.66" not in logs
+    assert (log.parent / (log.name + ".1")).exists() and not (log.parent / (log.name + ".3")).exists()  # rotated

@@ -1,0 +1,130 @@
+"""What the Fleet gateway lets through (deploy.fleet_gateway): a node pushes only its own replies,
+to the SuperLink, each message's id the hash of the fields that route it; bodies past the cap are
+refused before they are read; the SuperLink hears the caller's real address."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app.message.message import remove_content_from_message
+from flwr.common.serde import message_from_proto, message_to_proto, recorddict_to_proto
+from flwr.proto.fleet_pb2 import PushMessagesRequest
+from flwr.proto.message_pb2 import Message as ProtoMessage
+from flwr.proto.message_pb2 import Metadata as ProtoMetadata
+from flwr.proto.message_pb2 import PushObjectRequest
+from flwr.proto.node_pb2 import Node
+from flwr.supercore.inflatable.inflatable_object import get_object_tree
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from fedvlm.deploy.fleet_gateway import Limits, check_push, check_push_object, make_app
+
+A, B = 1234, 5678  # two organisations' node ids
+
+
+def _instruction(dst: int) -> Message:
+    md = ProtoMetadata(run_id=5, src_node_id=1, dst_node_id=dst, group_id="2", created_at=1.0, ttl=60.0)
+    md.message_type = "train"
+    ask = message_from_proto(ProtoMessage(metadata=md, content=recorddict_to_proto(RecordDict())))
+    ask.metadata.__dict__["_message_id"] = ask.object_id
+    return ask
+
+
+def _push(reply: Message, node: int) -> PushMessagesRequest:
+    """What a SuperNode sends to push ``reply`` (flwr/supernode/fleet_http_connection.py)."""
+    reply.metadata.__dict__["_message_id"] = reply.object_id
+    return PushMessagesRequest(
+        node=Node(node_id=node),
+        messages_list=[message_to_proto(remove_content_from_message(reply))],
+        message_object_trees=[get_object_tree(reply)],
+    )
+
+
+def _reply(to: Message) -> Message:
+    return Message(RecordDict({"metrics": ConfigRecord({"x": 1})}), reply_to=to)
+
+
+def test_a_nodes_own_reply_passes():
+    assert check_push(_push(_reply(_instruction(A)), A).SerializeToString()) is None
+
+
+@pytest.mark.parametrize(
+    "forge, why",
+    [
+        # A, with its own key, instructs B in the SuperLink's name (the attack that was shown)
+        (
+            lambda req: (setattr(req.messages_list[0].metadata, "src_node_id", 1), req)[1],
+            "pushed a message from node 1",
+        ),
+        (lambda req: (setattr(req.messages_list[0].metadata, "dst_node_id", B), req)[1], "to node 5678"),
+        (lambda req: (setattr(req.messages_list[0].metadata, "reply_to_message_id", ""), req)[1], "answers no message"),
+        (lambda req: (req.messages_list.append(req.messages_list[0]), req)[1], "2 messages and 1 trees"),
+    ],
+)
+def test_a_node_cannot_push_what_is_not_its_reply(forge, why):
+    body = forge(_push(_reply(_instruction(A)), A)).SerializeToString()
+    assert why in (check_push(body) or "")
+
+
+def test_a_reply_whose_object_names_another_sender_is_refused():
+    """A routes its message as its own but pushes an object that says it comes from B: the
+    SuperLink stores the object (its hash is right), and the ServerApp would read B's name."""
+    theirs = _push(_reply(_instruction(B)), B)  # the object, in B's name
+    mine = _push(_reply(_instruction(A)), A)
+    mine.message_object_trees[0].CopyFrom(theirs.message_object_trees[0])
+    mine.messages_list[0].metadata.message_id = theirs.message_object_trees[0].object_id
+    assert "whose id is not the hash of its own fields" in (check_push(mine.SerializeToString()) or "")
+    assert check_push(b"\xff\xff not protobuf") == "not a PushMessagesRequest"
+
+
+def test_an_object_is_pushed_only_inside_a_push_session():
+    req = PushObjectRequest(node=Node(node_id=A), run_id=5, object_id="ab" * 32, object_content=b"x")
+    assert "outside a push session" in (check_push_object(req.SerializeToString()) or "")
+    req.session_id = "s"
+    assert check_push_object(req.SerializeToString()) is None
+
+
+def _gateway(limits: Limits | None = None):
+    seen: list = []
+
+    async def echo(request: Request) -> Response:
+        seen.append((request.url.path, dict(request.headers), await request.body()))
+        return Response(b"ok")
+
+    upstream = Starlette(routes=[Route("/{p:path}", echo, methods=["POST"])])
+    return make_app("127.0.0.1:9093", "", limits or Limits(), transport=httpx.ASGITransport(app=upstream)), seen
+
+
+def test_forged_pushes_never_reach_the_superlink_and_the_real_peer_is_told():
+    gateway, seen = _gateway()
+    with TestClient(gateway) as client:
+        forged = _push(_reply(_instruction(A)), A)
+        forged.messages_list[0].metadata.src_node_id = 1
+        r = client.post("/v1/fleet/push-messages", content=forged.SerializeToString())
+        assert r.status_code == 403 and "pushed a message from node 1" in r.text
+        genuine = _push(_reply(_instruction(A)), A).SerializeToString()
+        lies = {"x-forwarded-for": "203.0.113.66", "forwarded": "for=203.0.113.66", "x-real-ip": "203.0.113.66"}
+        assert client.post("/v1/fleet/push-messages", content=genuine, headers=lies).status_code == 200
+    ((path, headers, body),) = seen  # only the genuine reply
+    assert path == "/v1/fleet/push-messages" and body == genuine
+    assert headers["x-forwarded-for"] == "testclient" and "forwarded" not in headers and "x-real-ip" not in headers
+
+
+def test_a_body_past_the_cap_is_refused_before_it_is_read():
+    gateway, seen = _gateway(Limits(max_body=1000))
+    with TestClient(gateway) as client:
+        assert client.post("/v1/fleet/pull-object", content=b"x" * 1000).status_code == 200
+        r = client.post("/v1/fleet/pull-object", content=b"x" * 1001)
+        assert r.status_code == 413 and "at most 1000 bytes" in r.text
+
+        def chunks():  # no Content-Length: refused once it has grown past the cap
+            for _ in range(50):
+                yield b"y" * 100
+
+        assert client.post("/v1/fleet/pull-object", content=chunks()).status_code == 413
+    assert len(seen) == 1
+    assert Limits().body == 5 * 2**20 + 2**20  # Flower's largest array chunk and 1 MiB of the rest
