@@ -12,6 +12,9 @@ writes
                                     and always for localhost and 127.0.0.1: the SuperLink's own
                                     ServerApp process, the Fleet gateway and a researcher on the
                                     host (or through an SSH tunnel) dial it there
+    <out>/server-signing.key        the ServerApp's instruction signing key (Ed25519, 0600): stays on
+    <out>/server-signing.pub        the SuperLink host; every organisation pins the public one
+                                    (deploy.instruction_signing, pinned_app exec --server-key)
     <out>/supernodes/<name>         a SuperNode's authentication key (EC P-384, OpenSSH format,
                                     0600): stays on that SuperNode's machine
     <out>/supernodes/<name>.pub     its public key: the researcher registers it with
@@ -21,9 +24,9 @@ Run it again with new --supernode names to add organisations later: an existing 
 certificate are reused, existing keys are never overwritten (use --force to reissue the server
 certificate, e.g. for a new address). The CA key signs nothing else: keep it offline.
 
-Only ca.crt and server.crt/server.key go to the SuperLink machine, only ca.crt and its own key to
-a SuperNode. Nothing here is ever committed (the repository's .gitignore excludes the usual
-output folders and key files).
+Only ca.crt, server.crt/server.key and server-signing.key go to the SuperLink machine; only ca.crt,
+server-signing.pub and its own key to a SuperNode. Nothing here is ever committed (the
+repository's .gitignore excludes the usual output folders and key files).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedvlm.deploy import instruction_signing as signing
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -198,6 +203,12 @@ def generate(
         made.append("server.crt")
     else:
         kept.append("server.crt")
+    if (out / "server-signing.key").exists():
+        kept.append("server-signing.key")
+    else:
+        (out / "server-signing.pub").unlink(missing_ok=True)  # a public key without its private one
+        signing.generate(out / "server-signing.key", out / "server-signing.pub")
+        made.append("server-signing.key")
     for name in supernodes:
         if (out / "supernodes" / name).exists():
             kept.append(f"supernodes/{name}")
@@ -232,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         f"The SuperLink certificate is valid for {', '.join([*args.server_name, *args.server_ip])}"
         f"{' and ' if args.server_name or args.server_ip else ''}localhost and 127.0.0.1 (the SuperLink dials itself "
         "there). "
-        f"SuperLink machine: {out}/ca.crt, server.crt, server.key. "
-        f"Each SuperNode: {out}/ca.crt and its supernodes/<name>. Keep ca.key offline."
+        f"SuperLink machine: {out}/ca.crt, server.crt, server.key, server-signing.key. "
+        f"Each SuperNode: {out}/ca.crt, server-signing.pub and its supernodes/<name>. Keep ca.key offline."
     )
     return 0
 

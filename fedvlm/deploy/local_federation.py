@@ -6,7 +6,7 @@ for trying the deployment path before using several machines, and for the loopba
         --run-config "num-server-rounds=2"
 
 does, in order, what docs/deployment.md tells organisations to do on their own machines:
-credentials (``deploy.credentials``), ``flower-superlink`` with TLS and
+credentials (``deploy.credentials``), ``flower-superlink`` (behind ``deploy.superlink``) with TLS and
 ``--enable-supernode-auth`` listening on 127.0.0.1 only, the Fleet gateway
 (``deploy.fleet_gateway``) on the federation's "public" address (here 127.0.0.2, another
 loopback address, so that what is reachable only on the SuperLink host is told apart), a
@@ -94,6 +94,7 @@ class LocalFederation:
         waits: NodeWaits = OUR_WAITS,
         fork: bool = True,
         database: bool = True,
+        cache_dir: Path | None = None,
     ):
         self.dir = Path(workdir).resolve()
         self.names = list(supernodes)
@@ -108,6 +109,9 @@ class LocalFederation:
         self.fork = fork
         # the SuperLink's state in an SQLite file (survives a SuperLink restart) or in its memory
         self.database = database
+        # where the organisations' nodes cache (a real node's cache is its own, never the run
+        # config's: client_app.node_policy); None: each node's default
+        self.cache_dir = cache_dir
         self.creds = self.dir / "credentials"
         self.home = self.dir / "flwr-home"
         self.env = flower_env(self.home)
@@ -140,9 +144,11 @@ class LocalFederation:
         of this machine's cores: on a machine of its own a node uses them all (torch's default),
         but the organisations here share one, and each with a thread per core would spend its
         time switching (bench/deployment_speed.py). Ray does the same for the simulation's actors
-        (OMP_NUM_THREADS = the CPUs an actor is given). ``node_env`` may set its own."""
+        (OMP_NUM_THREADS = the CPUs an actor is given). Its cache is ``cache_dir`` where one is
+        given. ``node_env`` may set its own."""
         share = max(1, (os.cpu_count() or 1) // max(1, len(self.names)))
-        return {"OMP_NUM_THREADS": str(share), **self.node_env.get(name, {})}
+        cache = {"FEDVLM_CACHE": str(self.cache_dir)} if self.cache_dir else {}
+        return {"OMP_NUM_THREADS": str(share), **cache, **self.node_env.get(name, {})}
 
     def log_text(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace") if name in self.logs and self.logs[name].exists() else ""
@@ -172,11 +178,19 @@ class LocalFederation:
         generate(self.creds, [], [PUBLIC], [*self.names, *extra])  # loopback is always in the certificate
 
     def start_superlink(self) -> None:
+        """Flower's SuperLink behind the host's lock (deploy.superlink): only this account reaches
+        it, its own SuperExec takes the ServerApp's tasks with a secret, and every ServerApp signs
+        its instructions."""
         c = self.creds
         self._start(
             "superlink",
             [
-                str(BIN / "flower-superlink"),
+                sys.executable,
+                "-m",
+                "fedvlm.deploy.superlink",
+                "--signing-key",
+                str(c / "server-signing.key"),
+                "--",
                 "--host",
                 HOST,
                 "--port",
@@ -292,6 +306,7 @@ class LocalFederation:
                 "fedvlm.deploy.pinned_app",
                 "exec",
                 *(f"--pin={p}" for p in self.pins),
+                f"--server-key={self.creds / 'server-signing.pub'}",  # it acts only on the federation's ServerApp
                 f"--clientapp-start={'fork' if self.fork else 'spawn'}",
                 f"--task-poll={self.waits.task_poll}",
                 "--",
@@ -431,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start a warm node worker beside each SuperNode (python -m fedvlm.deploy.node_worker)",
     )
+    p.add_argument("--cache-dir", type=Path, help="the organisations' cache (default: each node's own)")
     p.add_argument(
         "--no-database",
         action="store_true",
@@ -444,7 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.time()
     fed_ = LocalFederation(
-        args.workdir, names, configs, workers=names if args.workers else (), database=not args.no_database
+        args.workdir,
+        names,
+        configs,
+        workers=names if args.workers else (),
+        database=not args.no_database,
+        cache_dir=args.cache_dir,
     )
     with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem:
         print(

@@ -109,6 +109,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reply-poll", type=float, default=0.1, help="seconds between looks for a reply (Flower: 0.5)")
 
 
+def warn_without_limit(supernode_args: Sequence[str]) -> bool:
+    """Say loudly when this node's config states no privacy limit (True when it states one):
+    without one it trains with whatever noise the server sets (docs/privacy.md, "A node's own
+    limit"); a bad limit is the handshake's to refuse, with its reason."""
+    from flwr.common.config import parse_config_args
+
+    given = [a.split("=", 1)[1] for a in supernode_args if a.startswith("--node-config=")]
+    given += [b for a, b in zip(supernode_args, supernode_args[1:], strict=False) if a == "--node-config"]
+    try:
+        config = parse_config_args(given)
+    except Exception:  # noqa: BLE001 - Flower's own parser reports a malformed node config when it starts
+        return False
+    if "max-epsilon" in config:
+        return True
+    log.warning(
+        "THIS NODE STATES NO PRIVACY LIMIT: it trains with whatever noise the server's run config sets, and its "
+        "records may spend any epsilon. Add max-epsilon=<limit> delta=<delta> state-dir=<folder> to its "
+        "--node-config (docs/deployment.md, section 4)"
+    )
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.supernode_polling", description=__doc__.split("\n\n")[0])
     add_arguments(p)
@@ -126,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args
+    warn_without_limit(rest)
     sys.argv = ["flower-supernode", *rest]
     flower_supernode()
     return 0

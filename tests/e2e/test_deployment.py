@@ -8,6 +8,7 @@ a test fails."""
 from __future__ import annotations
 
 import json
+import re
 import stat
 import subprocess
 import sys
@@ -36,6 +37,7 @@ def federation(tmp_path_factory, cache_dir, pretrained_clip):
         ["org-0", "org-1"],
         {"org-0": "partition-id=0 num-partitions=2", "org-1": "partition-id=1 num-partitions=2"},
         workers=["org-1"],  # one organisation with a warm node worker, one without: both paths
+        cache_dir=cache_dir,  # the organisations' own cache (a run config's cache-dir is the server's)
     )
     with fed:
         fed.make_credentials(extra=["org-own", "org-bad", "intruder"])  # keys made, not registered
@@ -314,6 +316,144 @@ def test_an_outsider_starts_nothing_and_a_node_runs_only_the_app_it_pinned(feder
     assert sorted(p.name for p in marker.iterdir()) == ["server.json"]  # no node ran a line of it
 
 
+AGENT_OUTSIDER = """\
+import json
+import os
+import pathlib
+import time
+
+from flwr.agentapp import AgentApp, AgentSession
+from flwr.app import Context
+
+app = AgentApp()
+MARKER = pathlib.Path(MARKER_DIR)
+# importing this module is already running its code: leave a trace, with the runtime API it serves
+MARKER.mkdir(parents=True, exist_ok=True)
+(MARKER / f"imported-{os.getpid()}").write_text(" ".join(__import__("sys").argv))
+
+
+def _call(agent, name, **arguments):
+    call = {"type": "function_call", "call_id": f"{name}-{time.time_ns()}", "name": name}
+    out = agent.grid.call({**call, "arguments": json.dumps(arguments)})
+    return json.loads(out["output"])
+
+
+@app.main()
+def main(agent: AgentSession, context: Context) -> None:
+    if context.node_id != 1:  # on a SuperNode: a benign proof that it ran there
+        (MARKER / f"ran-on-{context.node_id}").write_text(agent.prompt)
+        _call(agent, "push_reply_message", payload="ran")
+        return
+    nodes = _call(agent, "get_nodes", sample_size=None)["nodes"]
+    pushed = _call(
+        agent, "push_messages", messages=[{"dst_node_id": n["id"], "payload": agent.prompt} for n in nodes]
+    )["results"]
+    ids = [r["message_id"] for r in pushed if r["message_id"]]
+    replies = _call(agent, "pull_messages", message_ids=ids, timeout=60)
+    agent.events.emit({"type": "response.output_text.delta", "delta": json.dumps(replies)})
+    agent.events.emit({"type": "response.completed"})
+"""
+
+SUBMIT_CHAT = """\
+import json, sys
+from pathlib import Path
+from flwr.cli.chat.chat_app import start_chat_run, parse_task_event
+from flwr.cli.chat.chat_local_agent import build_local_agent
+from flwr.cli.flower_config import read_superlink_connection
+from flwr.cli.utils import init_http_client_from_connection
+from flwr.proto.control_pb2 import StreamRunEventsRequest
+
+conn = read_superlink_connection(sys.argv[2])
+stub = init_http_client_from_connection(conn)
+agent = build_local_agent(Path(sys.argv[1]))
+fab = (agent.app_spec, agent.fab_hash, agent.fab_content)
+run_id, _ = start_chat_run(stub, "hello nodes", conn.federation, None, *fab)
+for res in stub.StreamRunEvents(StreamRunEventsRequest(run_id=run_id)):
+    print(json.dumps(parse_task_event(res.task_event), default=str), flush=True)
+"""
+
+
+def _agent_outsider(tmp_path: Path, marker: Path) -> Path:
+    """The outsider's app as an AgentApp (as `flwr chat` loads one): no ClientApp at all."""
+    app = tmp_path / "agent-outsider"
+    (app / "agent_outsider").mkdir(parents=True)
+    (app / "agent_outsider" / "__init__.py").write_text("")
+    (app / "agent_outsider" / "app.py").write_text(AGENT_OUTSIDER.replace("MARKER_DIR", repr(str(marker))))
+    (app / "pyproject.toml").write_text(
+        textwrap.dedent(
+            """\
+            [project]
+            name = "agent-outsider"
+            version = "1.0.0"
+            description = "not the federation's app"
+            license = "Apache-2.0"
+            dependencies = []
+
+            [tool.flwr.app]
+            publisher = "outsider"
+
+            [tool.flwr.app.components]
+            agentapp = "agent_outsider.app:app"
+
+            [tool.flwr.app.config]
+            """
+        )
+    )
+    return app
+
+
+@pytest.mark.ci
+def test_an_agentapp_form_of_the_outsider_is_refused_by_every_node(federation, tmp_path):
+    """Flower's SuperExec serves every task type: a FAB declaring an ``agentapp`` component makes an
+    AgentApp run, which a node would install and import with Flower's own ``flwr-agentapp``. Every
+    node's SuperNode refuses the run before it stores anything of it (deploy.supernode_gate)."""
+    marker = tmp_path / "marker"
+    app = _agent_outsider(tmp_path, marker)
+    submit = tmp_path / "submit.py"
+    submit.write_text(SUBMIT_CHAT)
+    run = subprocess.run(
+        [sys.executable, str(submit), str(app), "loopback"],
+        env=federation.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    events = run.stdout + run.stderr
+    assert "NotAClientApp" in events, events[-3000:]  # each node's refusal, as the submitter reads it
+    for org in ("org-0", "org-1"):
+        assert "NotAClientApp" in federation.log_text(org), federation.log_text(org)[-2000:]
+        assert "flwr-agentapp" not in federation.log_text(f"{org}-exec")
+    # its code ran only where the researcher's code runs, on the SuperLink host: the submitter's
+    # side of the AgentApp, started by the SuperLink's own SuperExec; on no node
+    imported = [p.read_text() for p in marker.glob("imported-*")]
+    assert imported and all(f"127.0.0.1:{federation.port}" in argv for argv in imported), imported
+    assert not list(marker.glob("ran-on-*"))
+
+
+def test_other_accounts_on_the_superlink_host_reach_nothing(federation, tmp_path):
+    """Every local account but the operator's is refused by the SuperLink itself (deploy.superlink):
+    the Control API, and taking the ServerApp's tasks."""
+    import os
+
+    if os.getuid() != 0:
+        pytest.skip("switching to another account needs root")
+    home = tmp_path / "nobody"
+    home.mkdir(mode=0o755)
+    (home / "config.toml").write_text((federation.home / "config.toml").read_text())
+    (home / "config.toml").chmod(0o644)
+    (federation.creds / "ca.crt").chmod(0o644)
+    for folder in (federation.dir, federation.creds, federation.home.parent):
+        folder.chmod(folder.stat().st_mode | 0o011)
+    proc = subprocess.run(
+        ["su", "nobody", "-s", "/bin/sh", "-c", f"FLWR_HOME={home} {BIN / 'flwr'} ls loopback"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "403" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "the calling socket belongs to uid 65534" in federation.log_text("superlink")
+
+
 @pytest.mark.ci
 def test_what_the_deployment_writes_is_owner_only(federation):
     """Keys, secrets, the SuperLink's database, logs and the apps a node unpacked are readable by
@@ -354,3 +494,113 @@ def test_fedrand_organisations_train_on_their_own_folders(federation, tmp_path, 
     assert {"vlm-0", "vlm-1"} <= set(data["rounds"][0]["clients"])
     for i in range(2):
         federation.stop(f"vlm-{i}")
+
+
+def _node_id(federation, name: str) -> int:
+    found = re.findall(r"SuperNode ID: (\d+)", federation.log_text(name))
+    assert found, federation.log_text(name)[-2000:]
+    return int(found[-1])
+
+
+def _forge(federation, address: str, attacker: str, victim: int, run_id: int) -> dict:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "e2e" / "hostile_node" / "forge_instruction.py"),
+            address,
+            str(federation.creds / "ca.crt"),
+            str(federation.creds / "supernodes" / attacker),
+            str(_node_id(federation, attacker)),
+            str(victim),
+            str(run_id),
+        ],
+        env=federation.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_one_organisation_cannot_instruct_another_and_a_nodes_limit_spans_its_runs(federation, tmp_path, cache_dir):
+    """org-0 pushes a train message "from the SuperLink" to a node with a privacy limit while a run
+    is going: the gateway refuses the push; pushed past the gateway (from the SuperLink host), the
+    victim pulls it and its ClientApp refuses it as unsigned, before the app runs, so it spends
+    nothing. A second run at the same epsilon on the same records is then refused by that node at
+    the handshake, with the epsilon its records spent in the first. A run config that names a path
+    of the nodes' machines is refused by every node at the handshake, naming the key (the model and
+    remote-code keys, which the server loads itself first: tests/unit/test_node_policy.py)."""
+    from fedvlm.deploy.export_folder import export_partitions
+    from fedvlm.deploy.local_federation import HOST, PUBLIC
+
+    own = export_partitions(tmp_path / "org-data", 2)[0]
+    state = tmp_path / "org-lim-state"
+    federation.make_credentials(extra=["org-lim"])
+    reg = federation.register("org-lim")
+    assert reg.returncode == 0, reg.stdout + reg.stderr
+    federation.start_supernode(
+        "org-lim", f"data-dir='{own}' name='org-lim' max-epsilon=3 delta=1e-5 state-dir='{state}'"
+    )
+    try:
+        _wait_online(federation, 3)
+        victim = _node_id(federation, "org-lim")
+        out = tmp_path / "runs"
+        common = f"method='promptfl' privacy.epsilon=2.9 min-nodes=3 round-timeout=120 cache-dir='{cache_dir}'"
+        run = subprocess.Popen(
+            [
+                str(BIN / "flwr"),
+                "run",
+                str(ROOT),
+                "loopback",
+                "--stream",
+                "--run-config",
+                f"{common} num-server-rounds=3 output-dir='{out}' run-name='first'",
+            ],
+            env=federation.env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        results = out / "first" / "results.json"
+        deadline = time.time() + 600
+        while time.time() < deadline and not (results.exists() and json.loads(results.read_text())["rounds"]):
+            assert run.poll() is None, run.stdout.read() if run.stdout else ""
+            time.sleep(0.5)
+        run_id = int(json.loads(results.read_text())["run"]["run_id"])
+        through_gateway = _forge(federation, f"{PUBLIC}:{federation.gateway_port}", "org-0", victim, run_id)
+        assert not through_gateway["pushed"] and through_gateway["status"] == 403, through_gateway
+        assert "pushed a message from node 1" in through_gateway["text"]
+        assert "refused push-messages from 127.0.0.2" not in federation.log_text("gateway")  # logged by real peer
+        assert "pushed a message from node 1" in federation.log_text("gateway")
+        past_gateway = _forge(federation, f"{HOST}:{federation.port}", "org-0", victim, run_id)
+        assert past_gateway["pushed"], past_gateway  # Flower's SuperLink takes it
+        log, _ = run.communicate(timeout=900)
+        first = json.loads(results.read_text())
+        assert first["run"]["status"] == "finished", log[-3000:]
+        refused = federation.log_text("org-lim-exec")
+        assert "UnsignedInstruction" in refused and "carries no signature" in refused, refused[-3000:]
+        (ledger,) = (state / "ledgers").glob("*.json")
+        rows = json.loads(ledger.read_text())["rows"]
+        trained = sum("org-lim" in r["clients"] for r in first["rounds"])
+        assert len(rows) == trained == 3  # the forged message spent nothing
+
+        second = federation.run_app(f"{common} num-server-rounds=1 min-nodes=2 output-dir='{out}' run-name='second'")
+        data = json.loads((out / "second" / "results.json").read_text())
+        assert data["run"]["status"] == "finished", second.stdout[-3000:]
+        why = " ".join(data["run"]["excluded_nodes"].values())
+        assert "have spent epsilon = 2.9" in why and "1 earlier run(s)" in why, data["run"]["excluded_nodes"]
+        assert len(json.loads(ledger.read_text())["rows"]) == 3
+
+        # a path of the node's machine named by the run config (the server's own copy loads fine)
+        code = federation.run_app(
+            f"dataset='image-folder' data-root='{own.parent}' min-nodes=1 round-timeout=20 cache-dir='{cache_dir}' "
+            f"output-dir='{out}' run-name='paths'"
+        )
+        data = json.loads((out / "paths" / "results.json").read_text())
+        reasons = list(data["run"]["excluded_nodes"].values())
+        assert data["run"]["status"] == "failed" and len(reasons) == 3, code.stdout[-3000:]
+        assert all("run config 'data-root'" in why and "node config's data-dir" in why for why in reasons), reasons
+    finally:
+        federation.stop("org-lim")

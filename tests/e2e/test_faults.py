@@ -31,6 +31,7 @@ def federation(tmp_path, cache_dir, pretrained_clip):
         tmp_path / "fed",
         list(NODES),
         {n: f"partition-id={i} num-partitions=2 state-dir='{state / n}'" for i, n in enumerate(NODES)},
+        cache_dir=cache_dir,
     )
     with fed:
         _wait_online(fed, 2)
@@ -200,7 +201,7 @@ def test_hostile_organisations_through_a_real_superlink_are_dropped_and_the_run_
     modes = {"org-1": "replies", "org-2": "hello"}
     hostile = {n: {"PYTHONPATH": str(HOSTILE), "FEDVLM_HOSTILE": mode} for n, mode in modes.items()}
     out = tmp_path / "runs"
-    with LocalFederation(tmp_path / "fed", list(names), configs, node_env=hostile) as fed:
+    with LocalFederation(tmp_path / "fed", list(names), configs, node_env=hostile, cache_dir=cache_dir) as fed:
         _wait_online(fed, 3)
         run = fed.run_app(
             f"method='promptfl' num-server-rounds=3 min-nodes=2 round-timeout=180 cache-dir='{cache_dir}' "

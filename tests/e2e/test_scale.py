@@ -30,6 +30,8 @@ def test_twenty_supernodes_join_one_superlink_and_train_every_round(tmp_path, ca
             str(NODES),
             "--report",
             str(report),
+            "--cache-dir",
+            str(cache_dir),
             "--run-config",
             f"method='promptfl' num-server-rounds=2 min-nodes={NODES} round-timeout=480 cache-dir='{cache_dir}' "
             f"output-dir='{tmp_path / 'runs'}'",

@@ -81,7 +81,9 @@ def test_the_limit_spans_every_run_on_the_same_records(make_cfg, pretrained_clip
         assert len(json.loads(ledger.read_text())["rows"]) == 1
 
 
-def test_the_noise_of_a_node_with_a_limit_cannot_be_regenerated_from_the_run_config(make_cfg, pretrained_clip):
+def test_the_noise_of_a_node_with_a_limit_cannot_be_regenerated_from_the_run_config(
+    make_cfg, pretrained_clip, tmp_path
+):
     """The audit's attack: with the run config, regenerate a node's seeded noise and subtract it
     from what the node released (one SGD step at learning rate 1: the upload is the initial prompt
     minus the noised gradient). Against a plain partition node it works (what is left is the clean
@@ -97,7 +99,8 @@ def test_the_noise_of_a_node_with_a_limit_cannot_be_regenerated_from_the_run_con
         prompt__weight_decay=0.0,
         run_name="regen",
     )
-    nodes = [{"partition-id": 0, "num-partitions": 2, **FLOOR}, {"partition-id": 1, "num-partitions": 2}]
+    limited = {"partition-id": 0, "num-partitions": 2, **FLOOR, "state-dir": str(tmp_path / "state")}
+    nodes = [limited, {"partition-id": 1, "num-partitions": 2}]
     grid = InProcessGrid(client_app, nodes, cfg.as_dict())
     rec = execute(cfg, grid, run_id="regen")
     assert rec.data["privacy"]["noise_sources"]["clients"] == {"client-0": "os", "client-1": "seeded"}

@@ -28,9 +28,9 @@ BIN = Path(sys.executable).parent
 def test_credentials_make_a_ca_a_server_certificate_and_supernode_keys(tmp_path):
     out = tmp_path / "creds"
     done = generate(out, ["superlink.example.org"], ["10.0.0.5"], ["org-a", "org-b"])
-    assert done["created"] == ["ca.crt", "server.crt", "supernodes/org-a", "supernodes/org-b"]
+    assert done["created"] == ["ca.crt", "server.crt", "server-signing.key", "supernodes/org-a", "supernodes/org-b"]
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
-    for secret in ("ca.key", "server.key", "supernodes/org-a", "supernodes/org-b"):
+    for secret in ("ca.key", "server.key", "server-signing.key", "supernodes/org-a", "supernodes/org-b"):
         assert mode(out / secret) == 0o600, secret
     assert mode(out) == 0o700
 
@@ -53,9 +53,11 @@ def test_credentials_make_a_ca_a_server_certificate_and_supernode_keys(tmp_path)
 def test_credentials_add_organisations_later_without_touching_existing_ones(tmp_path):
     out = tmp_path / "creds"
     generate(out, ["localhost"], [], ["org-a"])
-    before = {p: (out / p).read_bytes() for p in ("ca.crt", "ca.key", "server.crt", "supernodes/org-a")}
+    kept = ("ca.crt", "ca.key", "server.crt", "server-signing.key", "server-signing.pub", "supernodes/org-a")
+    before = {p: (out / p).read_bytes() for p in kept}
     done = generate(out, ["localhost"], [], ["org-a", "org-c"])
-    assert done["created"] == ["supernodes/org-c"] and set(done["kept"]) == {"ca.crt", "server.crt", "supernodes/org-a"}
+    assert done["created"] == ["supernodes/org-c"]
+    assert set(done["kept"]) == {"ca.crt", "server.crt", "server-signing.key", "supernodes/org-a"}
     assert all((out / p).read_bytes() == b for p, b in before.items())
     server = x509.load_pem_x509_certificate((out / "server.crt").read_bytes())
     server.verify_directly_issued_by(x509.load_pem_x509_certificate((out / "ca.crt").read_bytes()))
@@ -65,7 +67,7 @@ def test_credentials_refuse_bad_input(tmp_path):
     with pytest.raises(CredentialsError, match="not an IP address"):
         generate(tmp_path / "a", ["localhost"], ["superlink.example.org"], [])
     only_loopback = generate(tmp_path / "b", [], [], [])  # a SuperLink reached on its host only
-    assert only_loopback["created"] == ["ca.crt", "server.crt"]
+    assert only_loopback["created"] == ["ca.crt", "server.crt", "server-signing.key"]
     with pytest.raises(CredentialsError, match="must be 1-64 letters"):
         generate(tmp_path / "c", ["localhost"], [], ["../escape"])
     generate(tmp_path / "d", ["localhost"], [], [])
@@ -138,8 +140,10 @@ def test_compose_runs_least_privilege_with_real_flags():
     compose = yaml.safe_load((ROOT / "docker" / "compose.yml").read_text())
     base = compose["x-fedvlm"]
     assert base["network_mode"] == "host" and base["user"] == "10001"  # no bridge network, never root
+    assert base["logging"]["options"]["max-size"]  # Docker rotates every container's log
     helps = {
-        "flower-superlink": _help(str(BIN / "flower-superlink"), "--help"),
+        "fedvlm.deploy.superlink": _help(sys.executable, "-m", "fedvlm.deploy.superlink", "--help")
+        | _help(str(BIN / "flower-superlink"), "--help"),
         "fedvlm.deploy.supernode_polling": _help(sys.executable, "-m", "fedvlm.deploy.supernode_polling", "--help")
         | _help(str(BIN / "flower-supernode"), "--help"),
         "fedvlm.deploy.fleet_gateway": _help(sys.executable, "-m", "fedvlm.deploy.fleet_gateway", "--help"),
@@ -157,14 +161,19 @@ def test_compose_runs_least_privilege_with_real_flags():
         data = [m for m in mounts if _target(m) == "/data"]
         assert all(m.endswith(":ro") for m in data), name  # the organisation's images: read-only
         assert all(m.endswith(":ro") for m in mounts if "/credentials/" in m or "/secrets/" in m), name
-        if program == "flower-superlink":
+        # the federation's side runs as an account of its own, which the organisations' containers are not
+        assert svc["user"] == ("10000" if name in ("superlink", "gateway") else "10001"), name
+        if program == "fedvlm.deploy.superlink":
             assert "--host=127.0.0.1" in cmd and "--enable-supernode-auth" in cmd and "--insecure" not in cmd
+            assert "--allow-uid=10000" in cmd and "--allow-uid=10001" not in cmd and "--signing-key" in used
         if program == "fedvlm.deploy.supernode_polling":
             assert not data  # the network-facing process never sees the data
-            assert {"--root-certificates", "--auth-supernode-private-key", "--isolation", "--host"} <= used
+            assert {"--root-certificates", "--auth-supernode-private-key", "--isolation", "--host", "--pin"} <= used
             assert "--host=127.0.0.1" in cmd and "--insecure" not in cmd
+            (node_config,) = [c for c in cmd if c.startswith("--node-config=")]
+            assert "max-epsilon=" in node_config and "delta=" in node_config  # every documented node has a limit
         if program == "fedvlm.deploy.pinned_app":
-            assert data and any(c.startswith("--pin=") for c in cmd)
+            assert data and any(c.startswith("--pin=") for c in cmd) and "--server-key" in used
             assert any(c.startswith("--runtime-api-address=127.0.0.1:") for c in cmd)  # loopback only
         if program == "fedvlm.deploy.node_worker":  # its socket is on a volume only its exec shares
             (sock,) = [c.split("=", 1)[1] for c in cmd if c.startswith("--socket=")]

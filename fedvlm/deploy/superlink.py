@@ -1,0 +1,238 @@
+"""The SuperLink host's lock: only the researcher's account reaches the SuperLink, and only its
+own SuperExec takes the ServerApp's tasks.
+
+Flower 1.42's SuperLink serves the Control API (``flwr run``, ``ls``, ``log``, ``stop``,
+``supernode register``), the ServerApp runtime and the Fleet API on one port, authenticates no
+Control API user (that is Flower's enterprise edition), and with its default isolation starts a
+SuperExec that takes ServerApp tasks with no secret: on the SuperLink host every local account
+was the researcher (it could start runs, and take a running ServerApp's task with its token, run
+config and FAB), and so was every container on a host network.
+
+    python -m fedvlm.deploy.superlink [--allow-uid UID ...] [--signing-key server-signing.key] -- \\
+        <flower-superlink's arguments (--host 127.0.0.1 --port ... TLS ... --database ...)>
+
+runs Flower's own SuperLink in this process with two changes:
+
+- **Only the allowed accounts** (``--allow-uid``; default: the account running it, which also
+  runs the Fleet gateway and whose ``flwr`` the researcher uses on the host or through an SSH
+  tunnel) reach any of its APIs. For every request the kernel's table of this machine's TCP
+  sockets (``/proc/net/tcp``, ``/proc/net/tcp6``) names the account that owns the calling socket
+  while the connection is open; a request from another account, or from a socket not on this
+  machine, is answered 403 and logged. So the SuperLink must listen on a loopback address, and
+  SuperNodes reach it only through the gateway.
+- **Its own SuperExec, with a secret.** Flower's SuperLink is run with ``--isolation process``
+  and ``--superexec-auth-secret-file``, and this process starts ``flower-superexec`` beside it
+  with the same secret (made anew at every start, 0600 in a 0700 folder, unless given):
+  ``acquire-task`` needs the secret's HMAC. The SuperExec, and so every ServerApp, gets
+  ``FEDVLM_SIGNING_KEY`` from ``--signing-key``: every instruction the ServerApp sends is signed
+  (``deploy.instruction_signing``).
+
+The ServerApp's task token is on its process's command line (Flower's executor puts it there):
+another account can read it with ``ps``, but cannot use it, since its requests are refused here.
+What a root account on the host can do is outside any of this (docs/deployment.md, threat model).
+Linux only (``/proc``); the check is made in this process, from the kernel's own table, with no
+root needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedvlm.deploy import log_beside_flower
+from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, load_private
+
+log = logging.getLogger("fedvlm.superlink")
+OWNED_BY_US = ("--isolation", "--superexec-auth-secret-file")  # flower-superlink flags this sets itself
+ESTABLISHED = "01"  # /proc/net/tcp's state column
+
+
+def _address(hex_address: str) -> tuple[str, int]:
+    """``/proc/net/tcp``'s ``ADDR:PORT`` (the address in the kernel's word order) as text."""
+    addr, port = hex_address.split(":")
+    raw = bytes.fromhex(addr)
+    # each 32-bit word is little-endian in the table
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), int(port, 16)
+
+
+def _normal(host: str) -> str:
+    ip = ipaddress.ip_address(host)
+    return str(ip.ipv4_mapped) if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None else str(ip)
+
+
+def socket_owner(client: tuple[str, int], server: tuple[str, int], tables: Sequence[str] = ()) -> int | None:
+    """The uid of the open socket at ``client`` connected to ``server`` on this machine (None: no
+    such socket here, e.g. a caller on another machine)."""
+    want = ((_normal(client[0]), client[1]), (_normal(server[0]), server[1]))
+    for table in tables or ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            # an open socket of a live process: established, with an inode (a closed one reads uid 0)
+            if len(cols) < 10 or cols[3] != ESTABLISHED or cols[9] == "0":
+                continue
+            if (_address(cols[1]), _address(cols[2])) == want:
+                return int(cols[7])
+    return None
+
+
+class AccountGuard:
+    """ASGI middleware: a request is served only when the socket it came from belongs to one of
+    ``uids`` (the module docstring)."""
+
+    def __init__(self, app: Any, uids: Collection[int]):
+        self.app, self.uids = app, frozenset(uids)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        client, server = scope.get("client"), scope.get("server")
+        owner = socket_owner(tuple(client), tuple(server)) if client and server else None
+        if owner in self.uids:
+            return await self.app(scope, receive, send)
+        log.warning(
+            "refused %s %s from %s: the calling socket belongs to %s, not to the accounts this SuperLink serves (%s)",
+            scope.get("method"),
+            scope.get("path", "")[:200],
+            client,
+            f"uid {owner}" if owner is not None else "no account on this machine",
+            ", ".join(str(u) for u in sorted(self.uids)),
+        )
+        body = (
+            b"this SuperLink serves only the accounts its operator named (fedvlm.deploy.superlink --allow-uid); "
+            b"SuperNodes reach it through the Fleet gateway\n"
+        )
+        await send({"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def check_flower(module: Any) -> str | None:
+    """Why Flower's SuperLink command is not the one this wraps (None when it is)."""
+    import inspect
+
+    run = getattr(module, "_run_superlink_http_api", None)
+    if getattr(module, "uvicorn", None) is None or run is None:
+        return "it has no module-level uvicorn or _run_superlink_http_api"
+    if "uvicorn.run(" not in inspect.getsource(run):
+        return "_run_superlink_http_api no longer serves with uvicorn.run"
+    return None
+
+
+class GuardedUvicorn:
+    """Stands in for ``uvicorn`` inside Flower's SuperLink command only: ``run`` serves the app
+    behind ``AccountGuard``, believes no forwarding header, and first starts ``before``."""
+
+    def __init__(self, uvicorn: Any, uids: Collection[int], before: Any):
+        self.uvicorn, self.uids, self.before = uvicorn, uids, before
+
+    def run(self, app: Any, **kwargs: Any) -> None:
+        self.before()
+        self.uvicorn.run(AccountGuard(app, self.uids), **{**kwargs, "proxy_headers": False})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.uvicorn, name)
+
+
+def _flag(args: Sequence[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def superexec_command(args: Sequence[str], secret: Path) -> list[str]:
+    """The SuperExec that takes this SuperLink's ServerApp tasks, with ``secret``."""
+    host = _flag(args, "--host") or "127.0.0.1"
+    port = _flag(args, "--port") or "8000"
+    ca = _flag(args, "--ssl-ca-certfile")
+    tls = ["--root-certificates", ca] if ca else ["--insecure"]
+    command = [str(Path(sys.executable).parent / "flower-superexec"), *tls]
+    command += ["--runtime-api-address", f"{host}:{port}", "--parent-pid", str(os.getpid())]
+    return [*command, "--superexec-auth-secret-file", str(secret)]
+
+
+def _secret(given: Path | None) -> Path:
+    if given is not None:
+        return given
+    folder = Path(tempfile.mkdtemp(prefix="fedvlm-superexec-"))  # 0700
+    path = folder / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(secrets.token_bytes(32))
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.superlink", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=[],
+        help="an account that may reach the SuperLink (repeatable; default: the one running it)",
+    )
+    p.add_argument("--signing-key", type=Path, help="the ServerApp's signing key (server-signing.key)")
+    p.add_argument("--superexec-secret", type=Path, help="the SuperExec's secret file (default: a new one each start)")
+    p.add_argument("superlink_args", nargs=argparse.REMAINDER, help="-- then flower-superlink's arguments")
+    args = p.parse_args(argv)
+    rest = args.superlink_args[1:] if args.superlink_args[:1] == ["--"] else list(args.superlink_args)
+    taken = [f for f in OWNED_BY_US if _flag(rest, f) is not None or f in rest]
+    if taken:
+        p.error(f"{', '.join(taken)}: set by this command (its own SuperExec, with a secret); leave them out")
+    if args.signing_key is not None:
+        try:
+            load_private(args.signing_key)
+        except (OSError, ValueError) as err:
+            p.error(f"--signing-key: {err}")
+        os.environ[SIGNING_KEY_ENV] = str(args.signing_key.resolve())  # the SuperExec's and ServerApps' environment
+    log_beside_flower()
+    import importlib
+
+    flower = importlib.import_module(
+        "flwr.superlink.cli.flower_superlink"
+    )  # the package exports a function of that name
+    problem = check_flower(flower)
+    if problem is not None:
+        raise SystemExit(
+            f"Flower's SuperLink command is not the one fedvlm.deploy.superlink knows ({problem}): refusing to start a "
+            "SuperLink every local account could use; install the Flower version in constraints.txt"
+        )
+    secret = _secret(args.superexec_secret)
+    uids = args.allow_uid or [os.getuid()]
+    started: list[subprocess.Popen] = []
+
+    def start_superexec() -> None:
+        started.append(subprocess.Popen(superexec_command(rest, secret)))
+        log.info("SuperExec (PID %d) takes this SuperLink's ServerApp tasks, with a secret", started[0].pid)
+
+    flower.uvicorn = GuardedUvicorn(flower.uvicorn, uids, start_superexec)  # type: ignore[attr-defined]
+    log.info("this SuperLink serves only uid(s) %s", ", ".join(str(u) for u in uids))
+    sys.argv = ["flower-superlink", *rest, "--isolation", "process", "--superexec-auth-secret-file", str(secret)]
+    try:
+        flower.flower_superlink()
+    finally:
+        for proc in started:
+            proc.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
