@@ -484,7 +484,9 @@ class RunConfig:
         "(num-server-rounds may grow). Empty = a new run.",
     )
     cache_dir: str = opt(
-        "", "Cache for pretrained embedded models and image features; empty = $FEDVLM_CACHE or ~/.cache/fedvlm."
+        "",
+        "Cache for pretrained embedded models and image features of the ServerApp and simulated nodes; empty = "
+        "$FEDVLM_CACHE or ~/.cache/fedvlm. A deployed node caches where its node config says.",
     )
     device: str = opt(
         AUTO, "Client compute device ('auto' = cuda where the node has it).", choices=(AUTO, "cpu", "cuda")
@@ -496,7 +498,9 @@ class RunConfig:
         choices=(AUTO, *DATASET_NAMES),  # the catalogue's order: image classification, then the VLM methods'
     )
     data_root: str = opt(
-        "", "Directory holding the dataset files (torchvision layouts or an image folder <root>/<class>/*.jpg)."
+        "",
+        "Directory holding the dataset files (torchvision layouts or an image folder <root>/<class>/*.jpg); "
+        "simulation only: a deployed node reads its node config's data-dir or data-root.",
     )
     download: bool = opt(False, "Let torchvision download a missing dataset into data-root.")
     partitioner: str = opt(
