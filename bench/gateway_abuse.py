@@ -3,7 +3,8 @@
 Runs the gateway as its own process on loopback in front of a stand-in SuperLink (an HTTPS
 server that answers every Fleet call at once, so that what is measured is the gateway), and an
 honest client, as a SuperNode calls (one pooled TLS connection, a small Fleet call every
-``--interval`` seconds, from 127.0.0.2), while an attacker on 127.0.0.3 does one of:
+``--interval`` seconds, from 127.0.0.2; and one that opens a new connection for every call, from
+127.0.0.4, as a node that joins or comes back does), while an attacker on 127.0.0.3 does one of:
 
 - ``slowloris``: ``--connections`` TLS connections that send a request's headers a byte every 5 s;
 - ``slow-tls``: ``--connections`` TCP connections that never start their TLS handshake;
@@ -18,7 +19,10 @@ the files (its listening socket, logs and the connections it holds) the gateway 
 end, and its peak memory. Everything
 stays on loopback and is bounded (``--connections``, ``--seconds``).
 
-    python bench/gateway_abuse.py --seconds 20 --connections 1000 --json docs/results/gateway_abuse.json
+    python bench/gateway_abuse.py --seconds 20 --connections 1500 --json docs/results/gateway_abuse.json
+
+The gateway processes start with a soft limit of ``--nofile`` open files (1024, Linux's usual
+default): the gateway of issue 43 raises its own to the hard limit, the one before did not.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import ssl
 import statistics
@@ -42,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from fedvlm.deploy.credentials import generate  # noqa: E402
 from fedvlm.utils.processes import free_port, kill_tree  # noqa: E402
 
-HONEST, ATTACKER = "127.0.0.2", "127.0.0.3"
+HONEST, HONEST_FRESH, ATTACKER = "127.0.0.2", "127.0.0.4", "127.0.0.3"
 UPSTREAM = """
 import sys, uvicorn
 from starlette.applications import Starlette
@@ -76,7 +81,7 @@ def _rss_mib(pid: int) -> float:
 
 
 class Gateway:
-    def __init__(self, mode: str, creds: Path, upstream: int, log: Path):
+    def __init__(self, mode: str, creds: Path, upstream: int, log: Path, nofile: int):
         self.port = free_port()
         args = [f"127.0.0.1:{upstream}", str(creds / "server.crt"), str(creds / "server.key"), str(creds / "ca.crt")]
         if mode == "fedvlm":
@@ -99,7 +104,15 @@ class Gateway:
             ]
         else:
             command = [sys.executable, "-c", UNGUARDED, str(self.port), *args]
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        soft = nofile
+
+        def limit() -> None:  # as the gateway would start under a usual login
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, hard), hard))
+
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, preexec_fn=limit
+        )
         _wait(self.port)
         self.peak = 0.0
 
@@ -120,20 +133,29 @@ def _wait(port: int, timeout: float = 60) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-def honest(port: int, ca: Path, stop: threading.Event, interval: float, out: list) -> None:
-    """A SuperNode's calls: one pooled connection (httpx, as Flower's Fleet client)."""
+def honest(port: int, ca: Path, stop: threading.Event, interval: float, out: list, fresh: bool) -> None:
+    """A SuperNode's calls: one pooled connection (httpx, as Flower's Fleet client), or a new
+    connection for every call (``fresh``: a node that joins, or comes back after an idle spell)."""
     import httpx
 
-    transport = httpx.HTTPTransport(local_address=HONEST, verify=ssl.create_default_context(cafile=str(ca)))
-    with httpx.Client(base_url=f"https://127.0.0.1:{port}", transport=transport, timeout=10) as client:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                ok = client.post("/v1/fleet/send-node-heartbeat", content=b"\x08\x01").status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            out.append((ok, time.monotonic() - t0))
-            stop.wait(interval)
+    context = ssl.create_default_context(cafile=str(ca))
+    address = HONEST_FRESH if fresh else HONEST
+    client = None
+    while not stop.is_set():
+        if client is None or fresh:
+            transport = httpx.HTTPTransport(local_address=address, verify=context)
+            client = httpx.Client(base_url=f"https://127.0.0.1:{port}", transport=transport, timeout=10)
+        t0 = time.monotonic()
+        try:
+            ok = client.post("/v1/fleet/send-node-heartbeat", content=b"\x08\x01").status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        out.append((ok, time.monotonic() - t0))
+        if fresh:
+            client.close()
+        stop.wait(interval)
+    if client is not None:
+        client.close()
 
 
 def _tcp(port: int) -> socket.socket:
@@ -203,10 +225,13 @@ def attack(kind: str, port: int, ca: Path, stop: threading.Event, args, held: li
 
 
 def case(mode: str, kind: str, creds: Path, upstream: int, work: Path, args) -> dict:
-    gateway = Gateway(mode, creds, upstream, work / f"{mode}-{kind}.log")
-    stop, calls = threading.Event(), []
+    gateway = Gateway(mode, creds, upstream, work / f"{mode}-{kind}.log", args.nofile)
+    stop, calls, fresh = threading.Event(), [], []
     held: list = []
-    threads = [threading.Thread(target=honest, args=(gateway.port, creds / "ca.crt", stop, args.interval, calls))]
+    threads = [
+        threading.Thread(target=honest, args=(gateway.port, creds / "ca.crt", stop, args.interval, out, new))
+        for out, new in ((calls, False), (fresh, True))
+    ]
     if kind != "none":
         threads.append(threading.Thread(target=attack, args=(kind, gateway.port, creds / "ca.crt", stop, args, held)))
     for t in threads:
@@ -230,6 +255,8 @@ def case(mode: str, kind: str, creds: Path, upstream: int, work: Path, args) -> 
         "honest_ok": sum(ok for ok, _ in calls),
         "honest_median_ms": round(1000 * statistics.median(times), 1) if times else None,
         "honest_p95_ms": round(1000 * times[int(0.95 * (len(times) - 1))], 1) if times else None,
+        "new_connection_calls": len(fresh),
+        "new_connection_ok": sum(ok for ok, _ in fresh),
         "gateway_open_files_at_end": files,
         "gateway_peak_rss_mib": round(gateway.peak),
     }
@@ -246,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.2, help="seconds between the honest client's calls")
     p.add_argument("--attacks", default="none,slowloris,slow-tls,idle,big-body,big-headers")
     p.add_argument("--modes", default="fedvlm,unguarded")
+    p.add_argument(
+        "--nofile",
+        type=int,
+        default=1024,
+        help="the gateway process's soft limit on open files (Linux's usual default; fedvlm's raises its own)",
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="gateway-abuse-"))
@@ -271,13 +304,15 @@ def main(argv: list[str] | None = None) -> int:
         kill_tree(stub.pid)
     print(f"\n{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; {args.seconds:.0f} s a case")
     print(
-        "| attack | gateway | honest calls ok | median ms | p95 ms | gateway open files at end | gateway peak RSS MiB |"
+        "| attack | gateway | pooled calls ok | median ms | p95 ms | new-connection calls ok "
+        "| gateway open files at end | gateway peak RSS MiB |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['attack']} | {r['gateway']} | {r['honest_ok']}/{r['honest_calls']} | {r['honest_median_ms']} | "
-            f"{r['honest_p95_ms']} | {r['gateway_open_files_at_end']} | {r['gateway_peak_rss_mib']} |"
+            f"{r['honest_p95_ms']} | {r['new_connection_ok']}/{r['new_connection_calls']} | "
+            f"{r['gateway_open_files_at_end']} | {r['gateway_peak_rss_mib']} |"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -24,14 +24,16 @@ What it holds a request to:
   plus 1 MiB for the rest of a request: the largest thing a real SuperNode sends is one chunk of
   one array), refused with 413 from its Content-Length or as soon as it grows past it; headers at
   most ``--max-header`` bytes (default 16 KiB; a SuperNode sends under 1 KiB).
-- **Time.** A TLS handshake must finish within ``--handshake-timeout`` seconds, a request's
+- **Time.** A TLS handshake (started per connection once its address passed the connection
+  limits) must finish within ``--handshake-timeout`` seconds, a request's
   headers within ``--header-timeout`` seconds of the connection (or of the previous response), its
   body within ``--body-timeout`` seconds of its headers; an idle keep-alive connection is closed
   after ``--keep-alive`` seconds. A client that sends a byte a second holds a connection for
   seconds, not forever.
 - **Connections.** At most ``--max-connections`` open at once and ``--max-per-peer`` from one
-  address; past either, a new connection is closed at once (and logged, at most once a minute
-  per address). The process's open-file limit is raised to its hard limit.
+  address, counted from the moment a connection is accepted (before its TLS handshake, which
+  costs the gateway memory); past either, a new connection is closed at once (and logged, at
+  most once a minute per address). The process's open-file limit is raised to its hard limit.
 - **Who called.** Forwarding headers a client sends (``Forwarded``, ``X-Forwarded-*``,
   ``X-Real-IP``) are dropped and ``X-Forwarded-For`` is set to the caller's real address, so the
   SuperLink's log cannot be told another one; every forwarded call is logged with the real peer,
@@ -47,7 +49,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import hashlib
 import logging
 import logging.handlers
@@ -310,8 +311,11 @@ def make_app(
 
 
 # ---- the server: connections and their time ------------------------------------------------------
-def guarded_protocol(limits: Limits):
-    """uvicorn's HTTP/1.1 protocol with the connection and time limits (the module docstring)."""
+def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
+    """uvicorn's HTTP/1.1 protocol with the connection and time limits (the module docstring).
+    The server listens on plain TCP and each connection starts its TLS here (``tls``), after its
+    address passed the connection limits: a client that never finishes its handshake holds one
+    counted connection for ``handshake_timeout`` seconds, no more."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     open_by_peer: Counter[str] = Counter()
@@ -321,6 +325,7 @@ def guarded_protocol(limits: Limits):
         _deadline: asyncio.TimerHandle | None = None
         _peer = ""
         _cycle_seen: object = None
+        _early: list[bytes] = []  # replaced, never appended to in place
 
         def _arm(self, seconds: float, what: str) -> None:
             self._disarm()
@@ -335,30 +340,70 @@ def guarded_protocol(limits: Limits):
             log.warning("closed a connection from %s: %s took longer than allowed", self._peer, what)
             self.transport.abort()
 
+        def _admit(self, peer: str) -> bool:
+            total = sum(open_by_peer.values())
+            if total < limits.max_connections and open_by_peer[peer] < limits.max_per_peer:
+                open_by_peer[peer] += 1
+                self._peer = peer
+                return True
+            now = time.monotonic()
+            if now - warned.get(peer, -1e9) > 60:
+                warned[peer] = now
+                log.warning(
+                    "refused connections from %s: %d open from it, %d in all (limits %d, %d)",
+                    peer,
+                    open_by_peer[peer],
+                    total,
+                    limits.max_per_peer,
+                    limits.max_connections,
+                )
+            return False
+
+        def _release(self) -> None:
+            if self._peer:
+                open_by_peer[self._peer] -= 1
+                if open_by_peer[self._peer] <= 0:
+                    del open_by_peer[self._peer]
+                self._peer = ""
+
         def connection_made(self, transport) -> None:
             peername = transport.get_extra_info("peername")
-            self._peer = str(peername[0]) if peername else "?"
-            total = sum(open_by_peer.values())
-            if total >= limits.max_connections or open_by_peer[self._peer] >= limits.max_per_peer:
-                now = time.monotonic()
-                if now - warned.get(self._peer, -1e9) > 60:
-                    warned[self._peer] = now
-                    log.warning(
-                        "refused connections from %s: %d open from it, %d in all (limits %d, %d)",
-                        self._peer,
-                        open_by_peer[self._peer],
-                        total,
-                        limits.max_per_peer,
-                        limits.max_connections,
-                    )
-                self._peer = ""  # counted nowhere
+            if not self._admit(str(peername[0]) if peername else "?"):
                 transport.abort()
                 return
-            open_by_peer[self._peer] += 1
+            if tls is None:
+                self._serve(transport)
+            else:  # nothing is read until the TLS layer is in place to read it
+                transport.pause_reading()
+                self.loop.create_task(self._start_tls(transport))
+
+        async def _start_tls(self, raw) -> None:
+            assert tls is not None  # connection_made starts TLS only with a context
+            try:
+                secured = await self.loop.start_tls(
+                    raw, self, tls, server_side=True, ssl_handshake_timeout=limits.handshake_timeout
+                )
+            except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
+                raw.abort()
+                self._release()
+                return
+            if secured is None:  # the connection went away during the handshake
+                self._release()
+                return
+            self._serve(secured)
+
+        def _serve(self, transport) -> None:
             super().connection_made(transport)
             self._arm(limits.header_timeout, "the request's headers")
+            early, self._early = self._early, []
+            for data in early:
+                self.data_received(data)
 
         def data_received(self, data: bytes) -> None:
+            if self.transport is None:
+                # the TLS layer may hand over a request's first bytes before start_tls returns
+                self._early = [*self._early, data]
+                return
             super().data_received(data)
             cycle = self.cycle
             if cycle is not None and cycle is not self._cycle_seen:  # a new request's headers are in
@@ -374,12 +419,8 @@ def guarded_protocol(limits: Limits):
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            if self._peer:
-                open_by_peer[self._peer] -= 1
-                if open_by_peer[self._peer] <= 0:
-                    del open_by_peer[self._peer]
-                self._peer = ""
-            if hasattr(self, "transport"):
+            self._release()
+            if self.transport is not None:  # served: uvicorn's own bookkeeping
                 super().connection_lost(exc)
 
     return Guarded
@@ -395,30 +436,19 @@ def raise_open_files() -> int:
 
 
 def serve(app: Starlette, host: str, port: int, limits: Limits, certfile: str | None, keyfile: str | None) -> None:
-    """Serve ``app`` with ``limits`` (TLS with ``certfile``/``keyfile``)."""
+    """Serve ``app`` with ``limits`` (TLS with ``certfile``/``keyfile``, started per connection)."""
     import uvicorn
 
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            # uvicorn does not pass asyncio's TLS handshake timeout (60 s by default) through
-            loop = asyncio.get_running_loop()
-            create = loop.create_server
-            loop.create_server = functools.partial(  # type: ignore[method-assign]
-                create, ssl_handshake_timeout=limits.handshake_timeout
-            )
-            try:
-                await super().startup(sockets)
-            finally:
-                del loop.create_server  # the loop's own method again
-
+    tls = None
+    if certfile:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(certfile, keyfile)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        ssl_certfile=certfile,
-        ssl_keyfile=keyfile,
-        http=guarded_protocol(limits),
-        loop="asyncio",  # startup's timeout patch needs asyncio's loop (uvloop's is not a Python class)
+        http=guarded_protocol(limits, tls),
+        loop="asyncio",  # its start_tls hands a connection over to TLS as documented (uvloop's did not, here)
         h11_max_incomplete_event_size=limits.max_header,
         timeout_keep_alive=limits.keep_alive,
         proxy_headers=False,  # a caller's X-Forwarded-For is never believed
@@ -427,7 +457,7 @@ def serve(app: Starlette, host: str, port: int, limits: Limits, certfile: str | 
         log_level="warning",
         backlog=limits.max_connections,
     )
-    Server(config).run()
+    uvicorn.Server(config).run()
 
 
 def _host_port(text: str) -> tuple[str, int]:
