@@ -167,7 +167,8 @@ def test_deployed_nodes_keep_their_state_in_their_own_state_dir(make_cfg, pretra
     _assert_same_run(whole, resumed)
     assert not (resumed.dir / "nodes").exists()  # nothing of a node's state under the server's folder
     for f in folders:
-        where = tmp_path / "state" / f.name / "interrupted" / f.name
+        # the run's folder in the node's state-dir: one component named from the server's run folder
+        (where,) = [d / f.name for d in (tmp_path / "state" / f.name).glob("interrupted-*")]
         snapshots = sorted(p.name for p in where.iterdir())
         assert snapshots == ["round-0002.pt", "round-0003.pt"]
         assert stat.S_IMODE(where.stat().st_mode) == 0o700

@@ -112,12 +112,15 @@ def test_a_round_trained_again_counts_twice(tmp_path):
     assert len(ledger(node, state).rows()) == 2 and again > first
 
 
-def test_every_private_node_keeps_the_one_ledger_and_a_seeded_rerun_counts_once():
-    """Without a limit or a state-dir too (a reprogramming node's Opacus figures are read from
-    it). A round trained again with seeded noise releases the same tensor: its row gives way to
-    the new one; with OS noise it is a second release and counts twice."""
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_every_private_node_keeps_the_one_ledger_and_a_seeded_rerun_counts_once(on_disk, tmp_path):
+    """Without a limit, with a state-dir (on its disk, across runs) or without (the run's, in its
+    state; a reprogramming node's Opacus figures are read from it). A round trained again with
+    seeded noise (a resumed simulation) releases the same tensor: its row gives way to the new
+    one; with OS noise it is a second release and counts twice."""
     cfg, instruction = _plan(**{"privacy.epsilon": 2.0})
-    seeded, state = _node({}, "seeded"), RecordDict()
+    where = {"state-dir": str(tmp_path / "state")} if on_disk else {}
+    seeded, state = _node(where, "seeded", name="seeded"), RecordDict()
     release = guard(seeded, state, cfg, instruction)
     assert release is not None and not release.limited
     first = record(seeded, state, cfg, release)
@@ -125,13 +128,15 @@ def test_every_private_node_keeps_the_one_ledger_and_a_seeded_rerun_counts_once(
     assert len(ledger(seeded, state).rows()) == 1 and again == pytest.approx(first)
     later = _train(seeded, state, cfg, _at(instruction, 2))
     assert [r["round"] for r in ledger(seeded, state).rows()] == [1, 2] and later > first
-    fresh, os_state = _node({}, "os"), RecordDict()
+    fresh, os_state = _node(where, "os", name="fresh"), RecordDict()
     _train(fresh, os_state, cfg, instruction)
     twice = _train(fresh, os_state, cfg, instruction)
     assert len(ledger(fresh, os_state).rows()) == 2 and twice == pytest.approx(later)
     assert [r["round"] for r in run_history(fresh, os_state, "/runs/a", 2)] == [1, 1]
     off, sent = _plan()  # no privacy: no local noise, nothing the ledger could account
     assert guard(_node({}, "seeded"), RecordDict(), off, sent) is None
+    if on_disk:  # nothing of it in the runs' states: the node's ledgers are files of their own
+        assert not list(state.keys()) and len(list((tmp_path / "state" / "ledgers").glob("*.json"))) == 2
 
 
 def test_a_limit_on_regenerable_noise_is_refused(tmp_path):

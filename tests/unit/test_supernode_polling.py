@@ -53,3 +53,18 @@ def test_a_flower_loop_that_changed_runs_unchanged(monkeypatch, caplog):
 def test_waits_outside_flowers_own_are_refused(idle, reply):
     with pytest.raises(ValueError, match="--idle-poll must be in"):
         polling.PollingClock(idle, reply)
+
+
+def test_a_node_without_a_privacy_limit_says_so_loudly(caplog):
+    with caplog.at_level("WARNING", logger="fedvlm.supernode"):
+        limited = ["--superlink", "x:1", "--node-config", "data-dir='/d' max-epsilon=8 delta=1e-5 state-dir='/s'"]
+        assert polling.warn_without_limit(limited) and not caplog.records
+        assert not polling.warn_without_limit(["--node-config=data-dir='/d' name='org-a'"])
+    (record,) = caplog.records
+    assert "THIS NODE STATES NO PRIVACY LIMIT" in record.getMessage() and "max-epsilon=<limit>" in record.getMessage()
+
+
+def test_the_supernode_takes_no_run_without_a_pin(capsys):
+    with pytest.raises(SystemExit):
+        polling.main(["--", "--superlink", "x:1"])
+    assert "--pin" in capsys.readouterr().err
