@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.privacy_floor import load_ledger
+from fedvlm.client_app.privacy_floor import RunLedger
 from fedvlm.methods.validation import validate
 from fedvlm.models.reprogram import InputProgram, build_model, load_source, trainable_state
 from fedvlm.runconfig import ConfigError
@@ -225,7 +225,7 @@ def test_epsilon_after_k_rounds_is_dp_accountings_and_the_nodes_accountant_persi
             assert mine["prv"] == pytest.approx(direct["pld"], rel=5e-2)
     # every node's one ledger covers all rounds (never restarted)
     for ctx in grid.contexts.values():
-        rows = load_ledger(ctx.state)
+        rows = RunLedger(ctx.state).rows()  # nodes without a state-dir: the run's ledger
         assert [r["round"] for r in rows] == list(range(1, rounds + 1))
         assert sum(r["steps"] for r in rows) == rounds * steps and all(r["noise-multiplier"] == 1.1 for r in rows)
     eps = [r["epsilon"] for r in ledger["rounds"]]
