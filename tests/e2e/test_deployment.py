@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -439,19 +441,26 @@ def test_other_accounts_on_the_superlink_host_reach_nothing(federation, tmp_path
 
     if os.getuid() != 0:
         pytest.skip("switching to another account needs root")
-    home = tmp_path / "nobody"
-    home.mkdir(mode=0o755)
-    (home / "config.toml").write_text((federation.home / "config.toml").read_text())
-    (home / "config.toml").chmod(0o644)
-    (federation.creds / "ca.crt").chmod(0o644)
-    for folder in (federation.dir, federation.creds, federation.home.parent):
-        folder.chmod(folder.stat().st_mode | 0o011)
-    proc = subprocess.run(
-        ["su", "nobody", "-s", "/bin/sh", "-c", f"FLWR_HOME={home} {BIN / 'flwr'} ls loopback"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # the other account's own files: a connection to the SuperLink and the public CA certificate
+    home = Path(tempfile.mkdtemp(prefix="fedvlm-nobody-"))
+    try:
+        home.chmod(0o755)
+        shutil.copy(federation.creds / "ca.crt", home / "ca.crt")
+        (home / "config.toml").write_text(
+            (federation.home / "config.toml")
+            .read_text()
+            .replace(str(federation.creds / "ca.crt"), str(home / "ca.crt"))
+        )
+        for f in home.iterdir():
+            f.chmod(0o644)
+        proc = subprocess.run(
+            ["su", "nobody", "-s", "/bin/sh", "-c", f"FLWR_HOME={home} {BIN / 'flwr'} ls loopback"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(home)
     assert proc.returncode != 0 and "403" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert "the calling socket belongs to uid 65534" in federation.log_text("superlink")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,10 @@ def forged(run_id: int, victim: int):
             "config": ConfigRecord({"server-round": 1, "reply-keys": "ctx", "plan.local-steps": 50}),
         }
     )
-    md = ProtoMetadata(run_id=run_id, src_node_id=1, dst_node_id=victim, group_id="1", created_at=1.0, ttl=600.0)
+    # fresh, or the SuperLink drops it as expired (and still answers the push with success)
+    md = ProtoMetadata(
+        run_id=run_id, src_node_id=1, dst_node_id=victim, group_id="1", created_at=time.time(), ttl=600.0
+    )
     md.message_type = "train"
     msg = message_from_proto(ProtoMessage(metadata=md, content=recorddict_to_proto(content)))
     msg.metadata.__dict__["_message_id"] = msg.object_id
