@@ -557,7 +557,7 @@ def test_one_organisation_cannot_instruct_another_and_a_nodes_limit_spans_its_ru
         _wait_online(federation, 3)
         victim = _node_id(federation, "org-lim")
         out = tmp_path / "runs"
-        common = f"method='promptfl' privacy.epsilon=2.9 min-nodes=3 round-timeout=120 cache-dir='{cache_dir}'"
+        common = f"method='promptfl' privacy.epsilon=2.9 round-timeout=120 cache-dir='{cache_dir}'"
         run = subprocess.Popen(
             [
                 str(BIN / "flwr"),
@@ -566,7 +566,7 @@ def test_one_organisation_cannot_instruct_another_and_a_nodes_limit_spans_its_ru
                 "loopback",
                 "--stream",
                 "--run-config",
-                f"{common} num-server-rounds=3 output-dir='{out}' run-name='first'",
+                f"{common} num-server-rounds=3 min-nodes=3 output-dir='{out}' run-name='first'",
             ],
             env=federation.env,
             cwd=ROOT,
@@ -598,6 +598,7 @@ def test_one_organisation_cannot_instruct_another_and_a_nodes_limit_spans_its_ru
         assert len(rows) == trained == 3  # the forged message spent nothing
 
         second = federation.run_app(f"{common} num-server-rounds=1 min-nodes=2 output-dir='{out}' run-name='second'")
+        assert (out / "second" / "results.json").exists(), second.stdout[-3000:] + second.stderr[-2000:]
         data = json.loads((out / "second" / "results.json").read_text())
         assert data["run"]["status"] == "finished", second.stdout[-3000:]
         why = " ".join(data["run"]["excluded_nodes"].values())
@@ -609,6 +610,7 @@ def test_one_organisation_cannot_instruct_another_and_a_nodes_limit_spans_its_ru
             f"dataset='image-folder' data-root='{own.parent}' min-nodes=1 round-timeout=20 cache-dir='{cache_dir}' "
             f"output-dir='{out}' run-name='paths'"
         )
+        assert (out / "paths" / "results.json").exists(), code.stdout[-3000:] + code.stderr[-2000:]
         data = json.loads((out / "paths" / "results.json").read_text())
         reasons = list(data["run"]["excluded_nodes"].values())
         assert data["run"]["status"] == "failed" and len(reasons) == 3, code.stdout[-3000:]
