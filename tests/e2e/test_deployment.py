@@ -131,6 +131,25 @@ def test_an_unregistered_supernode_is_refused(federation):
     assert len(_nodes(federation)) == 2  # still only the two registered nodes
 
 
+def _run_past_round_one(federation, run_config: str, results: Path, timeout: float = 600) -> subprocess.Popen:
+    """`flwr run` of this checkout, going on in the background once its first round is recorded."""
+    run = subprocess.Popen(
+        [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--stream", "--run-config", run_config],
+        env=federation.env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + timeout
+    while time.time() < deadline and run.poll() is None:
+        if results.exists() and json.loads(results.read_text()).get("rounds"):
+            return run
+        time.sleep(0.5)
+    run.kill()
+    raise AssertionError(f"no round recorded in {results}:\n{run.communicate()[0][-3000:]}")
+
+
 def test_own_data_nodes_join_and_a_killed_node_leaves_the_rounds_to_the_others(federation, tmp_path, cache_dir):
     from fedvlm.data.registry import load_image_folder
     from fedvlm.deploy.export_folder import export_partitions
@@ -144,29 +163,10 @@ def test_own_data_nodes_join_and_a_killed_node_leaves_the_rounds_to_the_others(f
     _wait_online(federation, 4)
 
     out = tmp_path / "runs"
-    run = subprocess.Popen(
-        [
-            str(BIN / "flwr"),
-            "run",
-            str(ROOT),
-            "loopback",
-            "--stream",
-            "--run-config",
-            f"num-server-rounds=3 min-nodes=2 round-timeout=60 cache-dir='{cache_dir}' output-dir='{out}' run-name='k'",
-        ],
-        env=federation.env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     results = out / "k" / "results.json"
+    config = f"num-server-rounds=3 min-nodes=2 round-timeout=60 cache-dir='{cache_dir}' output-dir='{out}' run-name='k'"
+    run = _run_past_round_one(federation, config, results)
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline and run.poll() is None:
-            if results.exists() and len(json.loads(results.read_text()).get("rounds", [])) >= 1:
-                break
-            time.sleep(0.5)
         federation.stop("org-1")  # an organisation's machine goes away during round 2
         log, _ = run.communicate(timeout=900)
     finally:
@@ -558,27 +558,9 @@ def test_one_organisation_cannot_instruct_another_and_a_nodes_limit_spans_its_ru
         victim = _node_id(federation, "org-lim")
         out = tmp_path / "runs"
         common = f"method='promptfl' privacy.epsilon=2.9 round-timeout=120 cache-dir='{cache_dir}'"
-        run = subprocess.Popen(
-            [
-                str(BIN / "flwr"),
-                "run",
-                str(ROOT),
-                "loopback",
-                "--stream",
-                "--run-config",
-                f"{common} num-server-rounds=3 min-nodes=3 output-dir='{out}' run-name='first'",
-            ],
-            env=federation.env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
         results = out / "first" / "results.json"
-        deadline = time.time() + 600
-        while time.time() < deadline and not (results.exists() and json.loads(results.read_text())["rounds"]):
-            assert run.poll() is None, run.stdout.read() if run.stdout else ""
-            time.sleep(0.5)
+        config = f"{common} num-server-rounds=3 min-nodes=3 output-dir='{out}' run-name='first'"
+        run = _run_past_round_one(federation, config, results)
         run_id = int(json.loads(results.read_text())["run"]["run_id"])
         through_gateway = _forge(federation, f"{PUBLIC}:{federation.gateway_port}", "org-0", victim, run_id)
         assert not through_gateway["pushed"] and through_gateway["status"] == 403, through_gateway
