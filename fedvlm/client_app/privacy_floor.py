@@ -238,7 +238,13 @@ def run_history(node: NodeData, state: RecordDict, run: str, server_round: int) 
 
 
 def _releases(rows: list[dict]) -> list[GaussianReleases]:
-    return [GaussianReleases(float(r["noise-multiplier"]), int(r["steps"]), float(r["sampling-rate"])) for r in rows]
+    """The rows as the accountant composes them: releases of one noise multiplier and sampling
+    rate are one group (a ledger grows with every run; its composition need not)."""
+    steps: dict[tuple[float, float], int] = {}
+    for r in rows:
+        key = (float(r["noise-multiplier"]), float(r["sampling-rate"]))
+        steps[key] = steps.get(key, 0) + int(r["steps"])
+    return [GaussianReleases(z, count, rate) for (z, rate), count in sorted(steps.items())]
 
 
 # ---- what a round releases ----------------------------------------------------------------------
@@ -335,6 +341,7 @@ class Release:
 
     row: dict
     limited: bool
+    what: str = ""  # the release in words, for a refusal
 
 
 def _row(run: str, server_round: int, this: GaussianReleases, noise_source: str) -> dict:
@@ -398,7 +405,7 @@ def guard(node: NodeData, state: RecordDict, cfg: RunConfig, instruction: TrainI
     row = _row(instruction.run_dir, instruction.server_round, this, node.noise_source)
     if floor is not None:
         _round_check(floor, cfg, row, what)(prior(ledger(node, state).rows(), row, fresh))
-    return Release(row, limited=floor is not None)
+    return Release(row, limited=floor is not None, what=what)
 
 
 def record(node: NodeData, state: RecordDict, cfg: RunConfig, release: Release) -> float:
@@ -408,7 +415,7 @@ def record(node: NodeData, state: RecordDict, cfg: RunConfig, release: Release) 
     floor = NodeFloor.from_node_config(node.config)
     limit = floor or NodeFloor(math.inf, cfg.privacy.delta)
     row = dict(release.row)
-    check = _round_check(floor, cfg, row, "this round") if floor is not None else (lambda rows: None)
+    check = _round_check(floor, cfg, row, release.what) if floor is not None else (lambda rows: None)
 
     def checked(rows: list[dict]) -> None:
         check(rows)
