@@ -2,13 +2,15 @@
 docker/Dockerfile on a base made from Debian's packages, start docker/compose.yml (a SuperLink
 with TLS and SuperNode authentication on 127.0.0.1, its Fleet gateway, two organisations' SuperNodes
 and pinned SuperExecs; host networking, each service on its own loopback port), register the two
-keys, run two rounds of DP-FPL, check `python -m fedvlm.status` in the SuperLink's container, and
-see an unregistered SuperNode refused. It prints the build time, the image size and the run time
-(the "Docker" figures of docs/results/deployment.md).
+keys, run two rounds of PromptFL under local DP (every node states a privacy limit), check
+`python -m fedvlm.status` in the SuperLink's container, and see an unregistered SuperNode refused.
+It prints the build time, the image size and the run time (the "Docker" figures of
+docs/results/deployment.md).
 
 Skipped, with the reason, where no Docker engine answers, where the base image is missing (the
 mmdebstrap recipe makes it), or where the test cannot hand the key files to the containers' user
-(uid 10001) without root. It takes tens of minutes and several GB: it is not in CI.
+(uid 10000 for the federation's side, 10001 for the organisations') without root. It takes tens of
+minutes and several GB: it is not in CI.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BASE = os.environ.get("FEDVLM_BASE_IMAGE", "fedvlm-base:bookworm")
 IMAGE = "fedvlm:e2e"
-UID = 10001
+UID, FEDERATION_UID = 10001, 10000
 
 
 def _ok(*cmd: str) -> bool:
@@ -48,7 +50,7 @@ pytestmark = [
         not _ok("docker", "compose", "version") and shutil.which("docker-compose") is None,
         reason="neither `docker compose` nor `docker-compose` is installed",
     ),
-    pytest.mark.skipif(os.geteuid() != 0, reason="handing the keys to the containers' uid 10001 needs root"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="handing the keys to the containers' uids needs root"),
 ]
 
 
@@ -68,13 +70,9 @@ def stack(tmp_path_factory):
     secrets.mkdir(mode=0o700)
     for org in ("org-0", "org-1"):
         (secrets / org).write_bytes(os.urandom(32))
-    for path in [
-        creds / "server.key",
-        creds / "supernodes",
-        secrets,
-        *secrets.iterdir(),
-        *(creds / "supernodes").iterdir(),
-    ]:
+    for path in [creds / "server.key", creds / "server-signing.key"]:
+        os.chown(path, FEDERATION_UID, FEDERATION_UID)
+    for path in [secrets, *secrets.iterdir(), *(creds / "supernodes").iterdir()]:
         os.chown(path, UID, UID)
     for path in [creds, data, *data.rglob("*")]:
         path.chmod(path.stat().st_mode | 0o055)  # the containers' user reads the public parts and the images
@@ -88,6 +86,7 @@ def stack(tmp_path_factory):
         "FEDVLM_DATA": str(data),
         "FEDVLM_SECRETS": str(secrets),
         "APP_PIN": build_hash(ROOT)[0],
+        "RESEARCHER_UID": str(os.getuid()),  # the account whose flwr reaches the SuperLink
     }
     # a site whose proxy intercepts TLS (this project's own machines) passes its CA on
     extra_ca = "".join(p.read_text() for p in sorted(Path("/usr/local/share/ca-certificates").glob("*.crt")))
@@ -167,19 +166,28 @@ def test_the_image_builds_and_the_compose_federation_finishes_a_dp_run(stack):
         "docker",
         "--stream",
         "--run-config",
-        "method='dpfpl' privacy.epsilon=1 num-server-rounds=2 min-nodes=2 round-timeout=600 run-name='e2e'",
+        "method='promptfl' privacy.epsilon=1 num-server-rounds=2 min-nodes=2 round-timeout=600 run-name='e2e'",
         timeout=1800,
     )
     ran = time.time() - t0
     status = subprocess.run(
-        [*stack["compose"], "exec", "-T", "superlink", "python", "-m", "fedvlm.status", "/home/app/fedvlm-runs/e2e"],
+        [
+            *stack["compose"],
+            "exec",
+            "-T",
+            "superlink",
+            "python",
+            "-m",
+            "fedvlm.status",
+            "/home/federation/fedvlm-runs/e2e",
+        ],
         env=stack["env"],
         capture_output=True,
         text=True,
     )
     assert status.returncode == 0, status.stdout + status.stderr + run.stdout[-4000:]
     print(
-        f"\nDocker: image built in {stack['built']:.0f} s, {stack['size'] / 2**30:.2f} GiB; a 2-round DP-FPL run on "
+        f"\nDocker: image built in {stack['built']:.0f} s, {stack['size'] / 2**30:.2f} GiB; a 2-round PromptFL run on "
         f"two organisations finished in {ran:.0f} s"
     )
 

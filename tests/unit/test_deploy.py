@@ -94,7 +94,7 @@ def test_no_credential_can_be_committed_or_baked_into_an_image(tmp_path):
 
 # ---- Docker files --------------------------------------------------------------------------
 
-COMPOSE_ENV = {"APP_PIN": "sha256:" + "0" * 64}  # docker/.env holds the real one
+COMPOSE_ENV = {"APP_PIN": "sha256:" + "0" * 64, "RESEARCHER_UID": "1000"}  # docker/.env holds the real ones
 
 
 def _compose_tool() -> list[str] | None:
@@ -116,11 +116,15 @@ def test_compose_files_validate_and_need_the_pin():
     services = yaml.safe_load(proc.stdout)["services"]
     orgs = {f"{role}-{i}" for role in ("supernode", "exec", "worker") for i in (0, 1)}
     assert set(services) == {"superlink", "gateway", *orgs}
-    unpinned = {k: v for k, v in os.environ.items() if k != "APP_PIN"}
-    proc = subprocess.run(
-        [*tool, "-f", str(ROOT / "docker" / "compose.yml"), "config"], capture_output=True, text=True, env=unpinned
-    )
-    assert proc.returncode != 0 and "APP_PIN" in proc.stderr + proc.stdout  # no pin, no federation
+    for needed in COMPOSE_ENV:  # no pin, or no researcher's account named: no federation
+        short = {
+            **{k: v for k, v in os.environ.items() if k != needed},
+            **{k: v for k, v in COMPOSE_ENV.items() if k != needed},
+        }
+        proc = subprocess.run(
+            [*tool, "-f", str(ROOT / "docker" / "compose.yml"), "config"], capture_output=True, text=True, env=short
+        )
+        assert proc.returncode != 0 and needed in proc.stderr + proc.stdout, needed
 
 
 def _flags(text: str) -> set[str]:
