@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from fedvlm.privacy.accounting import BudgetError, check_delta
+from fedvlm.privacy.dpsgd import check_noise
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.mechanisms import NOISE_SOURCES, gaussian_noise, noise_generator
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP, PrivacyPlanner
@@ -204,12 +205,17 @@ class RunBudget:
     ) -> tuple[torch.Tensor, float]:
         """The server's release: ``mean`` (the bounded uploads over ``global_denominator``) plus
         its planned Gaussian noise, drawn from the server's noise source (``key``: the round's
-        seeded stream, used only when that source is 'seeded'); with the noise's std."""
+        seeded stream, used only when that source is 'seeded'); with the noise's std. The added
+        noise passes the same check as a node's private step (``dpsgd.check_noise``), or nothing
+        is released (``MechanismError``: the run fails closed)."""
         plan = self.planner.global_plan
         if plan is None:
             raise BudgetError("this run planned no server-side mechanism: nothing to release")
         noise = gaussian_noise(mean.shape, plan.sigma, noise_generator(self.server_noise_source(sources), key))
-        return mean + noise, plan.sigma
+        released = mean + noise
+        # the server's release is checked as every private step is, before it leaves
+        check_noise({"the global prompt gradient": released - mean}, plan.sigma, "the server's release")
+        return released, plan.sigma
 
     def audit_inputs(self) -> tuple[LocalDP, str | None] | None:
         """What the one-run audit needs of the plan: the local mechanism, and the server's

@@ -93,26 +93,56 @@ def check_clipped(rows: torch.Tensor, clip: float, what: str) -> None:
         )
 
 
-@functools.lru_cache(maxsize=256)
-def _chi2_interval(dof: int) -> tuple[float, float]:
+@functools.lru_cache(maxsize=1024)
+def _chi2_interval(dof: int, tests: int = 1) -> tuple[float, float]:
+    """The two-sided acceptance interval of a chi-square with ``dof`` degrees, at
+    ``NOISE_SIGNIFICANCE`` shared by ``tests`` tests (Bonferroni)."""
     from scipy.stats import chi2  # scipy only where a step is private
 
-    return float(chi2.ppf(NOISE_SIGNIFICANCE / 2, dof)), float(chi2.isf(NOISE_SIGNIFICANCE / 2, dof))
+    alpha = NOISE_SIGNIFICANCE / tests
+    return float(chi2.ppf(alpha / 2, dof)), float(chi2.isf(alpha / 2, dof))
 
 
-def check_noise(added: Sequence[torch.Tensor], sigma: float) -> None:
-    """The noise ``added`` (noised minus clean, every noised tensor of one step) has std ``sigma``:
-    its sum of squares over sigma^2 is chi-square with one degree per coordinate."""
-    dof = sum(a.numel() for a in added)
-    if dof == 0:
-        return
-    squares = float(sum(float((a.double() ** 2).sum()) for a in added))
-    lo, hi = _chi2_interval(dof)
-    if not lo <= squares / sigma**2 <= hi:
-        raise MechanismError(
-            f"the noise added to this step has std {math.sqrt(squares / dof):.4g} over {dof} coordinates, not the "
-            f"planned {sigma:.4g} (chi-square test at {NOISE_SIGNIFICANCE:g}): refusing to release this round"
-        )
+def check_noise(added: Mapping[str, torch.Tensor], sigma: float, what: str = "this step") -> None:
+    """The noise ``added`` to each noised tensor (noised minus clean) has std ``sigma``, tensor by
+    tensor: a tensor's sum of squares over sigma^2 is chi-square with one degree per coordinate,
+    tested two-sided at ``NOISE_SIGNIFICANCE`` over the number of tensors (Bonferroni: an honest
+    release is refused with probability at most ``NOISE_SIGNIFICANCE`` however many tensors it
+    has), and a tensor whose added noise is identically zero is refused outright (a continuous
+    draw is never all zeros). Tested one by one, a tensor released without its noise is not lost
+    among the others' coordinates; what each size catches: ``detectable_scale`` and
+    docs/privacy.md ("What the per-step checks catch")."""
+    tests = sum(1 for a in added.values() if a.numel())
+    for name, a in added.items():
+        dof = a.numel()
+        if dof == 0:
+            continue
+        squares = float((a.double() ** 2).sum())
+        if squares == 0.0:
+            raise MechanismError(
+                f"{what} adds no noise at all to {name} ({dof} coordinates), planned std {sigma:.4g}: refusing to "
+                "release this round"
+            )
+        lo, hi = _chi2_interval(dof, tests)
+        if not lo <= squares / sigma**2 <= hi:
+            raise MechanismError(
+                f"the noise {what} adds to {name} has std {math.sqrt(squares / dof):.4g} over {dof} coordinates, not "
+                f"the planned {sigma:.4g} (chi-square test at {NOISE_SIGNIFICANCE:g} over {tests} tensor(s)): refusing "
+                "to release this round"
+            )
+
+
+def detectable_scale(dof: int, tests: int = 1, power: float = 0.99) -> tuple[float, float]:
+    """(below, above): noise scaled by a factor at most ``below`` (or at least ``above``) on a
+    tensor of ``dof`` coordinates is refused with probability at least ``power`` by
+    ``check_noise`` (one of ``tests`` tensors)."""
+    from scipy.stats import chi2
+
+    lo, hi = _chi2_interval(dof, tests)
+    # scaled noise s*N(0, sigma^2): squares/sigma^2 = s^2 chi2(dof); refused when it leaves [lo, hi]
+    below = math.sqrt(lo / float(chi2.ppf(power, dof)))
+    above = math.sqrt(hi / float(chi2.ppf(1 - power, dof)))
+    return below, above
 
 
 def per_sample_clip(grads: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,12 +200,12 @@ def privatize_batch(
 
 def _add_noise(grads: dict[str, torch.Tensor], step: DPStep, noise) -> dict[str, torch.Tensor]:
     if step.sigma > 0:
-        added = []
+        added = {}
         for k in grads:  # in the groups' order, so a seeded run draws the same noise every time
             if k in step.noised:
                 clean = grads[k]
                 grads[k] = clean + gaussian_noise(clean.shape, step.sigma, noise, clean.device)
-                added.append(grads[k] - clean)
+                added[k] = grads[k] - clean
         check_noise(added, step.sigma)
     return {k: v.detach() for k, v in grads.items()}
 

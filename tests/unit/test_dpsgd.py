@@ -229,3 +229,71 @@ def test_a_step_that_noises_other_than_planned_refuses_to_release(monkeypatch, f
     monkeypatch.setattr(dpsgd, "gaussian_noise", lambda *a, **k: real(*a, **k) * factor)
     with pytest.raises(dpsgd.MechanismError, match="not the planned 0.5"):
         privatize(per_sample, step, generator_for([1]), shapes)
+
+
+def _two_tensors() -> tuple[DPStep, dict, dict]:
+    """A prompt-sized tensor and a 10-coordinate one (Reprogrammable-FL's output bias, a gate's)
+    noised in one step, each its own group."""
+    shapes = {"ctx": torch.Size([16, 512]), "bias": torch.Size([10])}
+    step = DPStep(1.0, 8, 0.5, (("ctx",), ("bias",)), frozenset({"ctx", "bias"}))
+    g = torch.Generator().manual_seed(2)
+    per_sample = {k: torch.randn(8, *shape, generator=g) for k, shape in shapes.items()}
+    return step, per_sample, shapes
+
+
+@pytest.mark.parametrize("target, factor", [("bias", 0.0), ("ctx", 0.0), ("bias", 0.01), ("ctx", 0.9), ("ctx", 1.1)])
+def test_each_noised_tensor_is_checked_on_its_own(monkeypatch, target, factor):
+    """One tensor released with less (or no) noise is not lost among the other's coordinates: the
+    whole step pooled, a 10-coordinate tensor without noise moved the sum of squares by 0.1%."""
+    from fedvlm.privacy import dpsgd
+
+    step, per_sample, shapes = _two_tensors()
+    real = dpsgd.gaussian_noise
+    for seed in range(50):  # the planned noise passes every time
+        privatize(per_sample, step, generator_for([seed]), shapes)
+
+    def scaled(shape, sigma, noise, device=None):
+        drawn = real(shape, sigma, noise, device)
+        return drawn * factor if tuple(shape) == tuple(shapes[target]) else drawn
+
+    monkeypatch.setattr(dpsgd, "gaussian_noise", scaled)
+    why = "adds no noise at all to" if factor == 0 else "not the planned 0.5"
+    with pytest.raises(dpsgd.MechanismError, match=f"{why}.*{target}|{target}.*{why}"):
+        privatize(per_sample, step, generator_for([3]), shapes)
+
+
+def test_what_each_size_catches():
+    """The power docs/privacy.md states: per step, a scale the check refuses with probability
+    0.99 (one of two tensors)."""
+    from fedvlm.privacy.dpsgd import detectable_scale
+
+    small, prompt = detectable_scale(10, 2), detectable_scale(16 * 512, 2)
+    assert 0.02 < small[0] < 0.03 and 5 < small[1] < 6  # a 10-coordinate tensor: gross deviations only
+    assert 0.92 < prompt[0] < 0.935 and 1.07 < prompt[1] < 1.08  # a 16x512 prompt: 8% off
+    assert detectable_scale(10**6)[0] > 0.99
+
+
+def test_the_servers_release_is_checked_before_it_leaves(monkeypatch):
+    from fedvlm.methods.validation import validate
+    from fedvlm.privacy import budget as budget_module
+    from fedvlm.privacy.dpsgd import MechanismError
+    from fedvlm.privacy.ledger import PrivacyLedger
+    from fedvlm.privacy.planner import ClientShape
+
+    cfg = validate({"method": "dpfpl", "privacy.epsilon": 2.0, "num-server-rounds": 2})
+    spec, shapes = cfg.spec, {"a": ClientShape(200, 32, 1), "b": ClientShape(200, 32, 1)}
+    budget = budget_module.RunBudget.planned(
+        cfg.privacy,
+        PrivacyLedger(cfg.privacy, spec.name),
+        cfg.num_server_rounds,
+        spec.local_dp(cfg),
+        spec.global_dp(cfg, 2),
+        shapes,
+        {"a": "seeded", "b": "seeded"},
+    )
+    mean = torch.zeros(16, 64)
+    released, sigma = budget.release_global(mean, [0, 1], {})
+    assert sigma > 0 and float(released.std()) == pytest.approx(sigma, rel=0.1)
+    monkeypatch.setattr(budget_module, "gaussian_noise", lambda shape, sigma, gen: torch.zeros(shape))
+    with pytest.raises(MechanismError, match="the server's release adds no noise at all"):
+        budget.release_global(mean, [0, 1], {})
