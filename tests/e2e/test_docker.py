@@ -222,3 +222,41 @@ def test_an_unregistered_supernode_is_refused(stack):
     )
     assert intruder.returncode != 0
     assert "Failed to activate SuperNode" in intruder.stdout + intruder.stderr, intruder.stderr[-3000:]
+
+
+def test_an_organisations_container_reaches_no_superlink_api(stack):
+    """The organisations' containers share the host's network, and so its loopback: the SuperLink
+    serves only the federation's account and the researcher's (deploy.superlink), so a container
+    of an organisation's uid is refused the Control API and the ServerApp's tasks alike."""
+    creds = Path(stack["env"]["FEDVLM_CREDENTIALS"])
+    port = stack["env"]["SUPERLINK_PORT"]
+    probe = (
+        "import httpx, ssl; ctx = ssl.create_default_context(cafile='/credentials/ca.crt'); "
+        f"print([httpx.post('https://127.0.0.1:{port}' + p, content=b'', verify=ctx).status_code "
+        "for p in ('/v1/control/list-runs', '/v1/runtime/acquire-task')])"
+    )
+    got = subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "host",
+            "--user",
+            str(UID),
+            "-v",
+            f"{creds / 'ca.crt'}:/credentials/ca.crt:ro",
+            IMAGE,
+            "python",
+            "-c",
+            probe,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert got.stdout.strip() == "[403, 403]", got.stdout + got.stderr[-2000:]
+    logs = subprocess.run(
+        [*stack["compose"], "logs", "--no-color", "superlink"], env=stack["env"], capture_output=True, text=True
+    )
+    assert f"the calling socket belongs to uid {UID}" in logs.stdout, logs.stdout[-3000:]
