@@ -230,6 +230,10 @@ def test_an_organisations_container_reaches_no_superlink_api(stack):
     of an organisation's uid is refused the Control API and the ServerApp's tasks alike."""
     creds = Path(stack["env"]["FEDVLM_CREDENTIALS"])
     port = stack["env"]["SUPERLINK_PORT"]
+    deadline = time.time() + 180
+    while _flwr(stack, "ls", "docker").returncode != 0:  # the SuperLink may still be starting: the researcher's view
+        assert time.time() < deadline, "the SuperLink never answered the researcher"
+        time.sleep(3)
     probe = (
         "import httpx, ssl; ctx = ssl.create_default_context(cafile='/credentials/ca.crt'); "
         f"print([httpx.post('https://127.0.0.1:{port}' + p, content=b'', verify=ctx).status_code "
