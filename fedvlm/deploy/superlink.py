@@ -15,11 +15,11 @@ runs Flower's own SuperLink in this process with two changes:
 
 - **Only the allowed accounts** (``--allow-uid``; default: the account running it, which also
   runs the Fleet gateway and whose ``flwr`` the researcher uses on the host or through an SSH
-  tunnel) reach any of its APIs. For every request the kernel's table of this machine's TCP
-  sockets (``/proc/net/tcp``, ``/proc/net/tcp6``) names the account that owns the calling socket
-  while the connection is open; a request from another account, or from a socket not on this
-  machine, is answered 403 and logged. So the SuperLink must listen on a loopback address, and
-  SuperNodes reach it only through the gateway.
+  tunnel) reach any of its APIs. For every connection, when it is made, the kernel's table of
+  this machine's TCP sockets (``/proc/net/tcp``, ``/proc/net/tcp6``) names the account that owns
+  the calling socket; a connection of another account, or from a socket not on this machine, is
+  answered 403 without its request being parsed, closed and logged. So the SuperLink must listen
+  on a loopback address, and SuperNodes reach it only through the gateway.
 - **Its own SuperExec, with a secret.** Flower's SuperLink is run with ``--isolation process``
   and ``--superexec-auth-secret-file``, and this process starts ``flower-superexec`` beside it
   with the same secret (made anew at every start, 0600 in a 0700 folder, unless given):
@@ -92,34 +92,56 @@ def socket_owner(client: tuple[str, int], server: tuple[str, int], tables: Seque
     return None
 
 
-class AccountGuard:
-    """ASGI middleware: a request is served only when the socket it came from belongs to one of
-    ``uids`` (the module docstring)."""
+REFUSED_BODY = (
+    b"this SuperLink serves only the accounts its operator named (fedvlm.deploy.superlink --allow-uid); "
+    b"SuperNodes reach it through the Fleet gateway\n"
+)
+REFUSED = (
+    b"HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+    + f"content-length: {len(REFUSED_BODY)}\r\n\r\n".encode()
+    + REFUSED_BODY
+)
 
-    def __init__(self, app: Any, uids: Collection[int]):
-        self.app, self.uids = app, frozenset(uids)
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        client, server = scope.get("client"), scope.get("server")
-        owner = socket_owner(tuple(client), tuple(server)) if client and server else None
-        if owner in self.uids:
-            return await self.app(scope, receive, send)
-        log.warning(
-            "refused %s %s from %s: the calling socket belongs to %s, not to the accounts this SuperLink serves (%s)",
-            scope.get("method"),
-            scope.get("path", "")[:200],
-            client,
-            f"uid {owner}" if owner is not None else "no account on this machine",
-            ", ".join(str(u) for u in sorted(self.uids)),
-        )
-        body = (
-            b"this SuperLink serves only the accounts its operator named (fedvlm.deploy.superlink --allow-uid); "
-            b"SuperNodes reach it through the Fleet gateway\n"
-        )
-        await send({"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": body})
+def account_protocol(uids: Collection[int]):
+    """uvicorn's HTTP/1.1 protocol, serving a connection only when the socket that opened it belongs
+    to one of ``uids``: the owner is read once per connection, when it is made (the kernel's
+    table costs milliseconds to read, too much for every request of a keep-alive connection);
+    a refused connection's first bytes are answered 403 without being parsed, and it is closed."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    allowed = frozenset(uids)
+
+    class AccountGuarded(H11Protocol):
+        _refused = False
+
+        def connection_made(self, transport) -> None:
+            peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+            owner = socket_owner(tuple(peer[:2]), tuple(local[:2])) if peer and local else None
+            if owner in allowed:
+                super().connection_made(transport)
+                return
+            log.warning(
+                "refused a connection from %s: the calling socket belongs to %s, not to the accounts this SuperLink "
+                "serves (%s)",
+                peer,
+                f"uid {owner}" if owner is not None else "no account on this machine",
+                ", ".join(str(u) for u in sorted(allowed)),
+            )
+            self._refused, self._raw = True, transport
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                self._raw.write(REFUSED)
+                self._raw.close()
+                return
+            super().data_received(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if not self._refused:
+                super().connection_lost(exc)
+
+    return AccountGuarded
 
 
 def check_flower(module: Any) -> str | None:
@@ -136,14 +158,14 @@ def check_flower(module: Any) -> str | None:
 
 class GuardedUvicorn:
     """Stands in for ``uvicorn`` inside Flower's SuperLink command only: ``run`` serves the app
-    behind ``AccountGuard``, believes no forwarding header, and first starts ``before``."""
+    over ``account_protocol``, believes no forwarding header, and first starts ``before``."""
 
     def __init__(self, uvicorn: Any, uids: Collection[int], before: Any):
         self.uvicorn, self.uids, self.before = uvicorn, uids, before
 
     def run(self, app: Any, **kwargs: Any) -> None:
         self.before()
-        self.uvicorn.run(AccountGuard(app, self.uids), **{**kwargs, "proxy_headers": False})
+        self.uvicorn.run(app, **{**kwargs, "proxy_headers": False, "http": account_protocol(self.uids)})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.uvicorn, name)

@@ -298,3 +298,24 @@ def test_resuming_a_run_that_is_still_running_is_refused(make_cfg, pretrained_cl
         live.close()
     resumed = make_cfg(method="promptfl", num_server_rounds=3, resume=run_dir)
     assert execute(resumed, _grid(resumed, _partitions(2)), run_id="third").data["run"]["status"] == "finished"
+
+
+def test_a_nodes_ledger_counts_a_resumed_round_again_with_os_noise(make_cfg, pretrained_clip, tmp_path):
+    """A node with its own limit (OS noise, its ledger in its state-dir) trains round 2, the server
+    dies before the round completes, and the resumed run asks for round 2 again: the node's
+    ledger, across both runs' processes, holds round 2 twice (two independent releases)."""
+    state = tmp_path / "node-0"
+    limited = {"partition-id": 0, "num-partitions": 3, "max-epsilon": 10.0, "delta": 1e-5, "state-dir": str(state)}
+    nodes = [limited, *({"partition-id": i, "num-partitions": 3} for i in (1, 2))]
+    same = {"method": "promptfl", "num_server_rounds": 3, "max_per_class": 6, "privacy__epsilon": 2.0}
+    cfg = make_cfg(run_name="limited", **same)
+    with pytest.raises(Killed):  # the first train reply of round 2 is node 0's: it has trained and counted it
+        execute(cfg, _grid(cfg, nodes, _kill_in_round(2)), run_id="first")
+    later = make_cfg(resume=str(Path(cfg.output_dir) / "limited"), **same)
+    resumed = execute(later, _grid(later, nodes), run_id="second")
+    assert resumed.data["run"]["status"] == "finished"
+    (ledger,) = (state / "ledgers").glob("*.json")
+    rows = json.loads(ledger.read_text())["rows"]
+    assert [r["round"] for r in rows] == [1, 2, 2, 3] and {r["noise-source"] for r in rows} == {"os"}
+    assert len({r["run"] for r in rows}) == 1  # one run, resumed: its folder names it
+    assert [r["epsilon"] for r in rows] == sorted(r["epsilon"] for r in rows)
