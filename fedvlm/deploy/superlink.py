@@ -41,6 +41,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -253,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for proc in started:
             proc.terminate()
+        if args.superexec_secret is None:  # ours, made for this start only: no secret outlives its SuperLink
+            shutil.rmtree(secret.parent, ignore_errors=True)
     return 0
 
 
