@@ -128,14 +128,14 @@ class RoundStats:
         return self.correct / self.seen if self.seen else float("nan")
 
     def metrics(self, num_examples: int) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            NUM_EXAMPLES: num_examples,
-            "train-loss": self.loss,
-            "steps": self.steps,
-            "train-loss-first": self.losses[0] if self.losses else float("nan"),
-            "train-loss-last": self.losses[-1] if self.losses else float("nan"),
-        }
-        if self.classified:
+        """The round's figures. A round whose batches were all empty (Poisson sampling at a small
+        B) trained on no record: it reports no loss or accuracy rather than a NaN, and its noised
+        update goes out as every other round's does (the server keeps a reply whatever its
+        figures, ``strategies.validation``)."""
+        out: dict[str, Any] = {NUM_EXAMPLES: num_examples, "steps": self.steps}
+        if self.losses:
+            out |= {"train-loss": self.loss, "train-loss-first": self.losses[0], "train-loss-last": self.losses[-1]}
+        if self.classified and self.seen:
             out["train-acc"] = self.accuracy
         if self.clipped:
             out["dp-clipped-fraction"] = float(np.mean(self.clipped))

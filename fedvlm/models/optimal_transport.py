@@ -21,6 +21,8 @@ def unbalanced_sinkhorn(
 ) -> torch.Tensor:
     """Transport plans [..., P, N] for costs [..., P, N] between uniform marginals; stops
     early once the scalings change by less than ``tol`` (checked every 10 iterations)."""
+    if cost.numel() == 0:  # no image (an empty Poisson batch): nothing to transport, and no error
+        return torch.zeros_like(cost)
     *batch, p, n = cost.shape
     a = torch.full((*batch, p), 1.0 / p, dtype=cost.dtype, device=cost.device)
     b = torch.full((*batch, n), 1.0 / n, dtype=cost.dtype, device=cost.device)

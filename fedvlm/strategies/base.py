@@ -70,6 +70,7 @@ from fedvlm.strategies.validation import (
     check_train_reply,
     record_nbytes,
     reply_bounds,
+    short_reason,
 )
 from fedvlm.utils.rng import ServerStream
 
@@ -476,7 +477,7 @@ class FederatedStrategy(Strategy):
                 out = kept.outgoing.get(nid)
                 answered = sent.get(msg.metadata.reply_to_message_id)
                 carried = answered is not None and answered.metadata.message_type == MessageType.TRAIN
-                reply = (
+                reply, refused = (
                     check_train_reply(msg, out.payload.expected if out else {}, node.num_train)
                     if kept.phase == "train"
                     else check_evaluate_reply(msg, carried)
@@ -484,6 +485,8 @@ class FederatedStrategy(Strategy):
             except ReplyRejected as why:
                 _drop(kept, name, str(why))
                 continue
+            if refused:
+                _refuse_metrics(kept, name, refused)
             self.ledger.note_released(kept.phase, reply.metrics)
             kept.add_up(name, record_nbytes(reply.arrays))
             good.append(ClientUpdate(node, reply))
@@ -557,6 +560,30 @@ def _same_arrays(a: ArrayRecord, b: ArrayRecord) -> bool:
 def _drop(kept: PhasePlan, name: str, reason: str) -> None:
     log.warning("round %s: dropped the %s reply of %s: %s", kept.round, kept.phase, name, reason)
     kept.dropped.append({"client": name, "phase": kept.phase, "reason": reason})
+
+
+REFUSED_NAMES_KEPT = 8  # a reply may carry any number of made-up names: results.json keeps a few
+
+
+def _refuse_metrics(kept: PhasePlan, name: str, refused: dict[str, str]) -> None:
+    first = next(iter(refused))
+    log.warning(
+        "round %s: left out %d metric(s) of the %s reply of %s: %s",
+        kept.round,
+        len(refused),
+        kept.phase,
+        name,
+        short_reason(refused[first]),
+    )
+    kept.refused_metrics.append(
+        {
+            "client": name,
+            "phase": kept.phase,
+            "count": len(refused),
+            "metrics": [k[:64] for k in list(refused)[:REFUSED_NAMES_KEPT]],
+            "reason": short_reason(refused[first]),
+        }
+    )
 
 
 def _weighted_metrics(

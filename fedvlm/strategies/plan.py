@@ -48,6 +48,7 @@ class PhasePlan:
     messages: list[Message] = field(default_factory=list)  # as sent; copies asked again appended
     clients: dict[str, dict] = field(default_factory=dict)  # per-client figures, by name
     dropped: list[dict] = field(default_factory=list)  # rejected replies and why
+    refused_metrics: list[dict] = field(default_factory=list)  # metrics left out of kept replies, and why
     bounded: list[dict] = field(default_factory=list)  # updates past their norm bound
     asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.exchange)
     missing: list[dict] = field(default_factory=list)  # nodes whose reply never came

@@ -34,6 +34,7 @@ class RoundRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     clients: dict[str, dict] = field(default_factory=dict)  # per-client figures, by name
     dropped: list[dict] = field(default_factory=list)  # rejected replies and why
+    refused_metrics: list[dict] = field(default_factory=list)  # metrics left out of kept replies, and why
     bounded: list[dict] = field(default_factory=list)  # updates past the norm bound: norm, bound, action
     asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.exchange)
     missing: list[dict] = field(default_factory=list)  # sampled clients whose reply never came
@@ -48,6 +49,7 @@ class RoundRecord:
             for name, row in phase.clients.items():
                 record.clients.setdefault(name, {}).update(row)
             record.dropped += phase.dropped
+            record.refused_metrics += phase.refused_metrics
             record.bounded += phase.bounded
             record.asked_again += phase.asked_again
             record.missing += phase.missing
@@ -71,6 +73,7 @@ class RoundRecord:
             "bytes": self.bytes,
             "clients": self.clients,
             "dropped": self.dropped,
+            "refused_metrics": self.refused_metrics,
             "bounded": self.bounded,
             "asked_again": self.asked_again,
             "missing": self.missing,
@@ -91,8 +94,8 @@ def with_evaluation(record: dict, evaluation: RoundRecord, seconds: float | None
     out["clients"] = {name: dict(row) for name, row in record["clients"].items()}
     for name, row in evaluation.clients.items():
         out["clients"].setdefault(name, {}).update(row)
-    for key in ("dropped", "bounded", "asked_again", "missing"):
-        out[key] = record[key] + done[key]
+    for key in ("dropped", "refused_metrics", "bounded", "asked_again", "missing"):
+        out[key] = record.get(key, []) + done[key]
     out["bytes"] = {**record["bytes"], **evaluation.bytes}
     out["bytes_up"] = sum(v for k, v in out["bytes"].items() if k.endswith("_up"))
     out["bytes_down"] = sum(v for k, v in out["bytes"].items() if k.endswith("_down"))

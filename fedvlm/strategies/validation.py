@@ -157,30 +157,44 @@ def _count(metrics: Mapping, least: int) -> None:
         raise ReplyRejected(f"metric {NUM_EXAMPLES!r} must be a {kind} integer, got {n!r}")
 
 
-def _figures(metrics: Mapping) -> None:
+def _figures(metrics: Mapping) -> tuple[dict, dict[str, str]]:
+    """(the metrics the server accepts, {refused metric: why}). A metric the server cannot accept
+    costs that metric, never the reply: whether a figure is acceptable can depend on the private
+    data (a round whose Poisson batches were all empty once reported a NaN loss), and a reply
+    kept or dropped by the data would move the aggregate by a node's whole upload instead of one
+    record's bounded share, which the accounting does not cover."""
+    kept, refused = {}, {}
     for k, v in metrics.items():
-        if k != NUM_EXAMPLES:
-            check_metric(k, v)
+        try:
+            if k != NUM_EXAMPLES:
+                check_metric(k, v)
+            kept[k] = v
+        except ReplyRejected as why:
+            refused[k] = str(why)
+    return kept, refused
 
 
-def check_train_reply(msg: Message, expected: Mapping[str, tuple[int, ...]], max_examples: int = 0) -> TrainReply:
-    """A train reply as a ``TrainReply`` (its tensors decoded), or ``ReplyRejected``: it must hold
-    exactly the ``expected`` tensors and a positive integer ``num-examples``, at most
-    ``max_examples`` (> 0: the training records the node reported)."""
+def check_train_reply(
+    msg: Message, expected: Mapping[str, tuple[int, ...]], max_examples: int = 0
+) -> tuple[TrainReply, dict[str, str]]:
+    """(the train reply as a ``TrainReply``, its tensors decoded and its unacceptable metrics left
+    out; {refused metric: why}), or ``ReplyRejected``: it must hold exactly the ``expected``
+    tensors and a positive integer ``num-examples`` (the node's training records, the same every
+    round: not the round's batches), at most ``max_examples`` (> 0: the records it reported)."""
     arrays, metrics = _records(msg, expected)
     _count(metrics, 1)
     n = metrics[NUM_EXAMPLES]
     if max_examples and n > max_examples:
         raise ReplyRejected(f"it claims num-examples = {n}, more than the {max_examples} training records it reported")
-    _figures(metrics)
-    return TrainReply.from_records(arrays, metrics)
+    kept, refused = _figures(metrics)
+    return TrainReply.from_records(arrays, kept), refused
 
 
-def check_evaluate_reply(msg: Message, carried: bool = False) -> EvaluateReply:
-    """An evaluate reply as an ``EvaluateReply``, or ``ReplyRejected``: metrics only, a
-    ``num-examples`` (where given) a non-negative integer. ``carried``: the evaluation came in a
-    train message, whose reply holds its metrics in the ``evaluation`` record
-    (``protocol.EVALUATION``)."""
+def check_evaluate_reply(msg: Message, carried: bool = False) -> tuple[EvaluateReply, dict[str, str]]:
+    """(the evaluate reply as an ``EvaluateReply``, its unacceptable metrics left out; {refused
+    metric: why}), or ``ReplyRejected``: metrics only, a ``num-examples`` (where given) a
+    non-negative integer. ``carried``: the evaluation came in a train message, whose reply holds
+    its metrics in the ``evaluation`` record (``protocol.EVALUATION``)."""
     if carried:
         _failed(msg, "evaluation")
         if EVALUATION not in msg.content:
@@ -190,8 +204,8 @@ def check_evaluate_reply(msg: Message, carried: bool = False) -> EvaluateReply:
         _, metrics = _records(msg, {})
     if NUM_EXAMPLES in metrics:
         _count(metrics, 0)
-    _figures(metrics)
-    return EvaluateReply.from_records(metrics)
+    kept, refused = _figures(metrics)
+    return EvaluateReply.from_records(kept), refused
 
 
 NAME = re.compile(r"^[\w.@+-]{1,64}$")
