@@ -42,6 +42,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -238,7 +239,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"Flower's SuperLink command is not the one fedvlm.deploy.superlink knows ({problem}): refusing to start a "
             "SuperLink every local account could use; install the Flower version in constraints.txt"
         )
+    from flwr.supercore.exit import add_exit_handler
+
     secret = _secret(args.superexec_secret)
+
+    def forget_secret() -> None:
+        if args.superexec_secret is None:  # ours, made for this start only: no secret outlives its SuperLink
+            shutil.rmtree(secret.parent, ignore_errors=True)
+
+    # Stopped by a signal, uvicorn shuts the server down, restores the handler it found and raises
+    # the signal again: with Python's default handler the process would die there, skipping
+    # `finally`, and leave the secret behind. This handler turns that into an exit that unwinds;
+    # where Flower exits through its own handlers instead, the secret goes before its force-exit timer.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+    add_exit_handler(forget_secret, run_before_force_exit=True)
     uids = args.allow_uid or [os.getuid()]
     started: list[subprocess.Popen] = []
 
@@ -254,8 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for proc in started:
             proc.terminate()
-        if args.superexec_secret is None:  # ours, made for this start only: no secret outlives its SuperLink
-            shutil.rmtree(secret.parent, ignore_errors=True)
+        forget_secret()
     return 0
 
 

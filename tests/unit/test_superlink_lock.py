@@ -5,13 +5,17 @@ accounts its operator names; and the SuperExec it starts carries the secret."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from fedvlm.deploy.superlink import OWNED_BY_US, check_flower, main, socket_owner, superexec_command
+from fedvlm.utils.processes import free_port, kill_tree
 
 
 def _connect_as(uid: int | None, port: int) -> tuple[int, int, int]:
@@ -84,3 +88,40 @@ def test_the_installed_flower_is_the_one_the_lock_wraps():
     import importlib
 
     assert check_flower(importlib.import_module("flwr.superlink.cli.flower_superlink")) is None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_superlink_leaves_no_secret_behind(sig, tmp_path):
+    """uvicorn raises the stopping signal again once the server is down: the process must still
+    unwind and remove the SuperExec secret it made for this start (26 were left in /tmp before)."""
+    port = free_port()
+    log = tmp_path / "superlink.log"
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedvlm.deploy.superlink",
+                "--",
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TMPDIR": str(temp)},
+        )
+    try:
+        deadline = time.time() + 60
+        while "Uvicorn running" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert [p.name for p in temp.iterdir()][0].startswith("fedvlm-superexec-"), log.read_text()[-2000:]
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 128 + sig
+        assert list(temp.iterdir()) == [], "the SuperExec secret outlived its SuperLink"
+    finally:
+        kill_tree(proc.pid)
