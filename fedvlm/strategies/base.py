@@ -480,7 +480,7 @@ class FederatedStrategy(Strategy):
                 reply, refused = (
                     check_train_reply(msg, out.payload.expected if out else {}, node.num_train)
                     if kept.phase == "train"
-                    else check_evaluate_reply(msg, carried)
+                    else check_evaluate_reply(msg, carried, node.evaluation_counts())
                 )
             except ReplyRejected as why:
                 _drop(kept, name, str(why))

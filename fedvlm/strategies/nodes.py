@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedvlm.privacy.ledger import PrivacyLedger
-from fedvlm.protocol import SERVER_ROUND
+from fedvlm.protocol import NUM_EXAMPLES, SERVER_ROUND
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.validation import ReplyRejected, check_hello
 from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
@@ -51,6 +51,10 @@ class NodeInfo:
     num_classes: int
     info: dict = field(default_factory=dict)
     num_partitions: int = 0  # a partition node's num-partitions; 0 for a node with its own data
+
+    def evaluation_counts(self) -> dict[str, int]:
+        """The most each record count of this node's evaluation may say (its handshake's sizes)."""
+        return {NUM_EXAMPLES: self.num_test, "local-n": self.num_test, "neighbor-n": self.num_neighbor}
 
 
 class NodeRegistry:

@@ -157,7 +157,7 @@ def _count(metrics: Mapping, least: int) -> None:
         raise ReplyRejected(f"metric {NUM_EXAMPLES!r} must be a {kind} integer, got {n!r}")
 
 
-def _figures(metrics: Mapping) -> tuple[dict, dict[str, str]]:
+def _figures(metrics: Mapping, most: Mapping[str, int] | None = None) -> tuple[dict, dict[str, str]]:
     """(the metrics the server accepts, {refused metric: why}). A metric the server cannot accept
     costs that metric, never the reply: whether a figure is acceptable can depend on the private
     data (a round whose Poisson batches were all empty once reported a NaN loss), and a reply
@@ -168,6 +168,8 @@ def _figures(metrics: Mapping) -> tuple[dict, dict[str, str]]:
         try:
             if k != NUM_EXAMPLES:
                 check_metric(k, v)
+            if most is not None and k in most and v > most[k]:
+                raise ReplyRejected(f"metric {k!r} is {v!r}, more than the {most[k]} records its handshake reported")
             kept[k] = v
         except ReplyRejected as why:
             refused[k] = str(why)
@@ -190,11 +192,17 @@ def check_train_reply(
     return TrainReply.from_records(arrays, kept), refused
 
 
-def check_evaluate_reply(msg: Message, carried: bool = False) -> tuple[EvaluateReply, dict[str, str]]:
+def check_evaluate_reply(
+    msg: Message, carried: bool = False, most: Mapping[str, int] | None = None
+) -> tuple[EvaluateReply, dict[str, str]]:
     """(the evaluate reply as an ``EvaluateReply``, its unacceptable metrics left out; {refused
     metric: why}), or ``ReplyRejected``: metrics only, a ``num-examples`` (where given) a
     non-negative integer. ``carried``: the evaluation came in a train message, whose reply holds
-    its metrics in the ``evaluation`` record (``protocol.EVALUATION``)."""
+    its metrics in the ``evaluation`` record (``protocol.EVALUATION``). ``most``: the largest
+    value of each record count (``num-examples``, ``local-n``, ...) the node's handshake allows: a
+    count past it would weight the federation's accuracy by a lie (one node claiming 10^15 test
+    records set the weighted accuracy to its own); a ``num-examples`` past it rejects the reply,
+    another count is left out."""
     if carried:
         _failed(msg, "evaluation")
         if EVALUATION not in msg.content:
@@ -204,7 +212,12 @@ def check_evaluate_reply(msg: Message, carried: bool = False) -> tuple[EvaluateR
         _, metrics = _records(msg, {})
     if NUM_EXAMPLES in metrics:
         _count(metrics, 0)
-    kept, refused = _figures(metrics)
+        if most is not None and NUM_EXAMPLES in most and metrics[NUM_EXAMPLES] > most[NUM_EXAMPLES]:
+            raise ReplyRejected(
+                f"it claims num-examples = {metrics[NUM_EXAMPLES]}, more than the {most[NUM_EXAMPLES]} test records it "
+                "reported"
+            )
+    kept, refused = _figures(metrics, most)
     return EvaluateReply.from_records(kept), refused
 
 

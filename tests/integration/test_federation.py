@@ -454,3 +454,42 @@ def test_own_data_nodes_draw_secret_noise_and_the_ledger_says_so(make_cfg, pretr
     assert any("seeded noise" in n for n in runs[0].data["privacy"]["notes"])
     untimed = [{k: v for k, v in r.data["rounds"][0]["metrics"].items() if "seconds" not in k} for r in runs]
     assert untimed[0] == untimed[1]  # seeded: the same run twice gives the same numbers
+
+
+@pytest.mark.parametrize("count", ["local-n", "num-examples"])
+def test_an_evaluation_cannot_claim_more_records_than_the_nodes_handshake(count, make_cfg, pretrained_clip):
+    """One node claiming 10^15 test records once set the federation's weighted accuracy to its own:
+    a weight past the handshake's count is left out (num-examples: the reply is rejected)."""
+    from flwr.app import MetricRecord
+
+    from fedvlm.protocol import EVALUATION
+
+    def inflate(req, reply):
+        if reply.has_error() or req.metadata.dst_node_id != liar[0]:
+            return reply
+        key = EVALUATION if EVALUATION in reply.content else "metrics"
+        if req.metadata.message_type == "evaluate" or key == EVALUATION:
+            reply.content[key] = MetricRecord({**dict(reply.content[key]), count: 10**15})
+        return reply
+
+    liar: list[int] = []
+    cfg = make_cfg(method="promptfl", num_server_rounds=2)
+    grid = InProcessGrid(
+        client_app, [{"partition-id": i, "num-partitions": 4} for i in range(4)], cfg.as_dict(), intercept=inflate
+    )
+    liar.append(min(grid.contexts))
+    rounds = execute(cfg, grid, run_id="test").data["rounds"]
+    evaluated = [r for r in rounds if "local-acc" in r["metrics"]]
+    assert evaluated
+    for r in evaluated:
+        if count == "num-examples":
+            assert [d["phase"] for d in r["dropped"]] == ["evaluate"]
+            assert "more than the" in r["dropped"][0]["reason"]
+        else:
+            (refused,) = r["refused_metrics"]
+            assert refused["metrics"] == ["local-n"] and "handshake" in refused["reason"]
+        # the weighted accuracy is the honest nodes' alone (the liar's weight left out with its claim)
+        rows = [row for row in r["clients"].values() if row.get("eval/local-n", 10**15) < 10**15]
+        total = sum(row["eval/local-n"] for row in rows)
+        want = sum(row["eval/local-acc"] * row["eval/local-n"] for row in rows) / total
+        assert len(rows) == 3 and r["metrics"]["local-acc-weighted"] == pytest.approx(want)

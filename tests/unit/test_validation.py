@@ -160,3 +160,13 @@ def test_a_failed_part_of_a_train_message_fails_that_part_only():
     reply.content[FAILED] = ConfigRecord({"evaluation": "RuntimeError: out of memory"})
     with pytest.raises(ReplyRejected, match="out of memory"):
         check_evaluate_reply(reply, carried=True)
+
+
+def test_evaluation_counts_are_bounded_by_the_handshake():
+    most = {"num-examples": 5, "local-n": 5, "neighbor-n": 2}
+    reply, refused = check_evaluate_reply(
+        _reply(metrics={"num-examples": 5, "local-n": 5, "neighbor-n": 3, "local-acc": 0.5}), most=most
+    )
+    assert reply.metrics == {"num-examples": 5, "local-n": 5, "local-acc": 0.5} and list(refused) == ["neighbor-n"]
+    with pytest.raises(ReplyRejected, match="num-examples = 6, more than the 5 test records"):
+        check_evaluate_reply(_reply(metrics={"num-examples": 6}), most=most)
