@@ -63,14 +63,16 @@ from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.strategies.validation import (
+    NAMES_SHOWN,
+    REASON_CHARS,
     ReplyBound,
     ReplyRejected,
     bound_round,
+    bounded,
     check_evaluate_reply,
     check_train_reply,
     record_nbytes,
     reply_bounds,
-    short_reason,
 )
 from fedvlm.utils.rng import ServerStream
 
@@ -558,30 +560,21 @@ def _same_arrays(a: ArrayRecord, b: ArrayRecord) -> bool:
 
 
 def _drop(kept: PhasePlan, name: str, reason: str) -> None:
+    reason = bounded(reason, REASON_CHARS + 200)  # the server's words around what the node sent, itself bounded
     log.warning("round %s: dropped the %s reply of %s: %s", kept.round, kept.phase, name, reason)
     kept.dropped.append({"client": name, "phase": kept.phase, "reason": reason})
 
 
-REFUSED_NAMES_KEPT = 8  # a reply may carry any number of made-up names: results.json keeps a few
-
-
 def _refuse_metrics(kept: PhasePlan, name: str, refused: dict[str, str]) -> None:
-    first = next(iter(refused))
-    log.warning(
-        "round %s: left out %d metric(s) of the %s reply of %s: %s",
-        kept.round,
-        len(refused),
-        kept.phase,
-        name,
-        short_reason(refused[first]),
-    )
+    why = bounded(next(iter(refused.values())))
+    log.warning("round %s: left out %d metric(s) of %s's %s reply: %s", kept.round, len(refused), name, kept.phase, why)
     kept.refused_metrics.append(
         {
             "client": name,
             "phase": kept.phase,
             "count": len(refused),
-            "metrics": [k[:64] for k in list(refused)[:REFUSED_NAMES_KEPT]],
-            "reason": short_reason(refused[first]),
+            "metrics": [bounded(k, 64) for k in list(refused)[:NAMES_SHOWN]],
+            "reason": why,
         }
     )
 

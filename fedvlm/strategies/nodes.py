@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.protocol import NUM_EXAMPLES, SERVER_ROUND
 from fedvlm.runconfig import RunConfig
-from fedvlm.strategies.validation import ReplyRejected, check_hello
+from fedvlm.strategies.validation import ReplyRejected, bounded, check_hello
 from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
 from fedvlm.utils.runtime import simulated_grid
 
@@ -69,6 +69,7 @@ class NodeRegistry:
 
     def exclude(self, node_id: int, reason: str) -> None:
         node = self.nodes.pop(node_id, None)
+        reason = bounded(reason)  # it may quote what the node sent
         self.failed[node_id] = reason
         log.error("node %s excluded: %s", node.name if node else node_id, reason)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,9 +132,9 @@ def _records(msg: Message, expected: Mapping[str, tuple[int, ...]]) -> tuple[dic
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"missing {', '.join(sorted(missing))}")
+            parts.append(f"missing {some_names(missing)}")
         if extra:
-            parts.append(f"unexpected {', '.join(sorted(extra))}")
+            parts.append(f"unexpected {some_names(extra)}")
         raise ReplyRejected("wrong tensors: " + "; ".join(parts))
     arrays = {name: decode_tensor(name, tensors[name], shape) for name, shape in expected.items()}
     return arrays, _metrics(content, "metrics")
@@ -222,6 +222,9 @@ def check_evaluate_reply(
 
 
 NAME = re.compile(r"^[\w.@+-]{1,64}$")
+# a node's description (its sizes, backbone, dataset, class ids, ...) is kept in results.json: an
+# honest one holds about a dozen entries and, with 10,000 class ids, under 60,000 characters
+HELLO_ENTRIES, HELLO_CHARS = 64, 131_072
 
 
 def check_hello(msg: Message) -> HelloReport:
@@ -252,6 +255,12 @@ def check_hello(msg: Message) -> HelloReport:
     name = str(info["name"])
     if not NAME.match(name):
         raise ReplyRejected(f"its name {name[:80]!r} is not 1-64 letters, digits or ._@+-")
+    size = sum(len(str(k)) + len(str(v)) for record in (info, metrics) for k, v in record.items())
+    if len(info) + len(metrics) > HELLO_ENTRIES or size > HELLO_CHARS:
+        raise ReplyRejected(
+            f"its handshake carries {len(info) + len(metrics)} entries of {size:,} characters, more than the "
+            f"{HELLO_ENTRIES} entries and {HELLO_CHARS:,} characters a node's description takes"
+        )
     return HelloReport.from_records(dict(info), dict(metrics))
 
 
@@ -379,14 +388,31 @@ def bound_round(
 
 
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.+)$")
+# What a node says is kept at most this long wherever the server records or logs it: a 5 MB
+# error reason, or 2,000 made-up tensor names, once grew results.json and the log to 28 MB in 3
+# rounds. The bound is on what a node controls; the server's own words around it are short.
+REASON_CHARS = 500
+NAMES_SHOWN = 8
+
+
+def bounded(text: str, limit: int = REASON_CHARS) -> str:
+    """``text``, cut to ``limit`` characters with its full length said."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def some_names(names: Collection[str]) -> str:
+    """Up to ``NAMES_SHOWN`` of ``names`` (each cut to 64 characters), sorted, and how many there were."""
+    shown = ", ".join(bounded(n, 64) for n in sorted(names)[:NAMES_SHOWN])
+    return shown if len(names) <= NAMES_SHOWN else f"{shown} and {len(names) - NAMES_SHOWN:,} more"
 
 
 def short_reason(reason: str | None) -> str:
-    """The useful line of a client's error. Flower passes whole tracebacks (wrapped by Ray
-    in simulation); keep the last ``SomeError: message`` line of the original exception."""
+    """The useful line of a client's error, at most ``REASON_CHARS`` long. Flower passes whole
+    tracebacks (wrapped by Ray in simulation); keep the last ``SomeError: message`` line of the
+    original exception."""
     lines = [ln.strip() for ln in (reason or "").strip().splitlines() if ln.strip()]
     for ln in reversed(lines):
         m = _EXC_LINE.match(ln)
         if m and not m.group(1).endswith("ClientAppException"):
-            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}".rstrip("'>")
-    return lines[-1][-500:] if lines else "unknown error"
+            return bounded(f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}".rstrip("'>"))
+    return bounded(lines[-1]) if lines else "unknown error"

@@ -170,3 +170,24 @@ def test_evaluation_counts_are_bounded_by_the_handshake():
     assert reply.metrics == {"num-examples": 5, "local-n": 5, "local-acc": 0.5} and list(refused) == ["neighbor-n"]
     with pytest.raises(ReplyRejected, match="num-examples = 6, more than the 5 test records"):
         check_evaluate_reply(_reply(metrics={"num-examples": 6}), most=most)
+
+
+def test_what_a_node_says_is_recorded_in_a_few_hundred_characters():
+    """A 5 MB error reason or 2,000 made-up tensor names once grew results.json to 28 MB in 3 rounds."""
+    from fedvlm.protocol import HelloReport
+    from fedvlm.strategies.validation import check_hello
+
+    err = Message(Error(code=0, reason="Traceback ...\nRuntimeError: " + "x" * 5_000_000), reply_to=_request())
+    with pytest.raises(ReplyRejected) as caught:
+        check_train_reply(err, EXPECTED)
+    assert len(str(caught.value)) < 600 and str(caught.value).endswith("(5,000,014 characters)")
+    made_up = {f"t{i:04d}" + "y" * 300: np.zeros(1, np.float32) for i in range(2000)}
+    made_up["ctx"] = np.zeros((4, 8), np.float32)
+    with pytest.raises(ReplyRejected, match=r"unexpected t0000y+\.\.\. \(305 characters\), .* 1,992 more$") as caught:
+        check_train_reply(_reply(made_up), EXPECTED)
+    assert len(str(caught.value)) < 1000
+    hello = HelloReport("org-0", -1, 10, 2, 0, 3, "clip", {f"k{i}": "v" for i in range(100)})
+    info, metrics = hello.to_records()
+    msg = Message(RecordDict({"info": ConfigRecord(info), "metrics": MetricRecord(metrics)}), reply_to=_request())
+    with pytest.raises(ReplyRejected, match="more than the 64 entries"):
+        check_hello(msg)

@@ -3,8 +3,9 @@ organisation controls its own node, so it can change what its ClientApp sends (t
 pinned protects the organisation from the server, not the server from the organisation).
 
 ``FEDVLM_HOSTILE=hello``: the handshake reports no training records. ``FEDVLM_HOSTILE=replies``:
-each train and evaluate reply is corrupted, one way per round (``CORRUPT``), and so is each
-evaluation that travels with a train message. Python imports
+each train and evaluate reply is corrupted, one way per round (``CORRUPT``; in round 4 the
+train reply is an error with a 5 MB reason, ``FAIL``), and so is each evaluation that travels
+with a train message. Python imports
 ``sitecustomize`` at start-up from the path, so every Flower process of that node loads it; only
 ClientApp calls change.
 """
@@ -42,16 +43,26 @@ def _set_metric(name: str, value: float):
     return corrupt
 
 
+def _made_up_tensors(content) -> None:
+    """2,000 tensors the server never asked for, each under a long made-up name."""
+    from flwr.app import Array
+
+    for i in range(2000):
+        content["arrays"][f"made-up-{i:04d}-" + "x" * 200] = Array(np.zeros(1, np.float32))
+
+
 # (message type, server round) -> what is done to the honest reply's content (an evaluation's:
 # to its metrics, also where it rode in a train message, whose reply holds them in "evaluation")
 CORRUPT = {
     ("train", 1): lambda c: _header_kept(c, b"\x93JUNK" * 64),
     ("evaluate", 1): _set_metric("local-acc", 1e6),
-    ("train", 2): _set_metric("train-loss", 1e308),
+    ("train", 2): _made_up_tensors,
     ("evaluate", 2): _set_metric("smuggled-bits", 3.0),
     ("train", 3): lambda c: _header_kept(c, _npy(np.ones(11))),
     ("evaluate", 3): _set_metric("local-acc", -0.5),
 }
+# (message type, server round) -> the error reply sent instead of the honest one
+FAIL = {("train", 4): "RuntimeError: " + "a 5 MB reason " * 380_000}
 
 
 def _install(mode: str) -> None:
@@ -65,6 +76,12 @@ def _install(mode: str) -> None:
         if reply.has_error():
             return reply
         kind = message.metadata.message_type
+        if mode == "replies" and kind in ("train", "evaluate"):
+            reason = FAIL.get((kind, int(message.content["config"]["server-round"])))
+            if reason is not None:
+                from flwr.app import Error
+
+                return Message(Error(code=0, reason=reason), reply_to=message)
         if mode == "hello" and kind == "query":
             reply.content["metrics"]["num-train"] = 0
         elif mode == "replies" and kind in ("train", "evaluate"):
