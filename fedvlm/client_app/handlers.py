@@ -29,6 +29,7 @@ from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 
 from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
+from fedvlm.client_app.node_config import check_node_config
 from fedvlm.client_app.node_policy import for_node
 from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.send_guard import failed_reply, guarded_reply, hello_reply
@@ -55,6 +56,7 @@ def _setup(
 ):
     """The run config, the method, this message's client and arrays, its config, and where the
     node keeps its state; ``config_key``/``arrays_key``: the records a bundled evaluation reads."""
+    check_node_config(context.node_config)  # the node's own settings, before anything of the run
     # a real node decides for itself what it loads and where it writes (client_app.node_policy)
     cfg = for_node(validate(context.run_config), dict(context.node_config))
     spec = cfg.spec

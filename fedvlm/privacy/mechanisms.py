@@ -27,6 +27,7 @@ def clip_tensor(g: torch.Tensor, clip: float) -> tuple[torch.Tensor, bool]:
 # - "os": fresh entropy from the operating system, unknown to everyone else: what a real
 #   organisation's data needs.
 NOISE_SOURCES = ("seeded", "os")
+NOISE_SOURCE = "noise-source"  # the node config key
 
 
 def node_noise_source(
@@ -46,7 +47,7 @@ def node_noise_source(
     never weaken what a node chose or defaults to. A node that states a limit and asks for seeded
     noise is refused by its own floor (``client_app.privacy_floor``). A run without privacy
     (``private`` false) draws no noise, and its batches need no secret: seeded, as in simulation."""
-    chosen = str(node_config.get("noise-source", "") or "")
+    chosen = str(node_config.get(NOISE_SOURCE, "") or "")
     if chosen and chosen not in NOISE_SOURCES:
         raise ValueError(f"node config noise-source={chosen!r} is not one of {', '.join(NOISE_SOURCES)}")
     if run_choice == "os" or (states_limit and not chosen):

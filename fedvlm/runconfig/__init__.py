@@ -150,7 +150,9 @@ def check_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
     for key in KEYS:
         problem = _check_value(key, values[key.name])
         if problem:
-            errors.append(f"run config {key.name!r} = {values[key.name]!r}: {problem}")
+            shown = repr(values[key.name])
+            shown = shown if len(shown) <= 120 else f"{shown[:100]}... ({len(shown):,} characters)"
+            errors.append(f"run config {key.name!r} = {shown}: {problem}")
     if errors:
         raise ConfigError("; ".join(errors))
     return values

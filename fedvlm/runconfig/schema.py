@@ -18,6 +18,8 @@ decides": ``validate`` replaces it before a ``RunConfig`` exists, except where t
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,9 +73,20 @@ def _ratios(value: str) -> str | None:
         nums = [float(p) for p in parts]
     except ValueError:
         return "must be numbers separated by ':' such as '45:9:1'"
-    if len(nums) < 2 or any(n <= 0 for n in nums):
-        return "needs at least two positive numbers such as '45:9:1'"
+    if len(nums) < 2 or not all(0 < n < math.inf for n in nums):  # also refuses nan
+        return "needs at least two positive finite numbers such as '45:9:1'"
     return None
+
+
+RUN_NAME = re.compile(r"^(?!\.{1,2}$)[\w.@+-]{1,100}$")
+
+
+def _run_name(value: str) -> str | None:
+    """A run's folder is one name inside output-dir: '../x' or '/abs' once wrote outside it, and a
+    5,000-character name left no folder at all (the file system's limit is 255 bytes)."""
+    if value == "" or RUN_NAME.match(value):
+        return None
+    return "must be one folder name of 1-100 letters, digits or ._@+- (not '.' or '..'), such as 'promptfl-seed0'"
 
 
 def _template(value: str) -> str | None:
@@ -477,7 +490,7 @@ class RunConfig:
     )
     # --- where things go --------------------------------------------------------------------
     output_dir: str = opt("", "Absolute directory for run folders; empty = ~/fedvlm-runs.")
-    run_name: str = opt("", "Name of this run's folder; empty = <method>-<dataset>-<time>.")
+    run_name: str = opt("", "Name of this run's folder; empty = <method>-<dataset>-<time>.", check=_run_name)
     resume: str = opt(
         "",
         "Run folder of an interrupted run: continue it from its last completed round, with the same config "

@@ -493,3 +493,13 @@ def test_an_evaluation_cannot_claim_more_records_than_the_nodes_handshake(count,
         total = sum(row["eval/local-n"] for row in rows)
         want = sum(row["eval/local-acc"] * row["eval/local-n"] for row in rows) / total
         assert len(rows) == 3 and r["metrics"]["local-acc-weighted"] == pytest.approx(want)
+
+
+def test_a_node_config_typo_excludes_the_node_with_its_fix(make_cfg, pretrained_clip, tmp_path):
+    """'stat-dir' once kept a deployed node's private state in memory only, without a word."""
+    configs = [{"partition-id": i, "num-partitions": 3} for i in range(3)]
+    configs[2]["stat-dir"] = str(tmp_path / "state")
+    rec, _ = _run(make_cfg, node_configs=configs, method="promptfl", num_server_rounds=1, min_nodes=2)
+    (why,) = rec.data["run"]["excluded_nodes"].values()
+    assert "'stat-dir' is not a key this node knows: did you mean 'state-dir'" in why
+    assert rec.data["run"]["status"] == "finished" and len(rec.data["run"]["nodes"]) == 2

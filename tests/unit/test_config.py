@@ -57,6 +57,11 @@ def test_defaults_are_valid_and_resolve_auto():
         ({"clip.pretrained": "weights/vit.bin"}, ["'clip.pretrained'", "relative path"]),
         ({"clip.pretrained": "vit.safetensors"}, ["'clip.pretrained'", "relative path"]),
         ({"method": "fedrand", "vlm.model": "./my-llava"}, ["'vlm.model'", "relative path"]),
+        # a run folder is one name inside output-dir (issue 45: these wrote outside it, or nowhere)
+        ({"run-name": "../x"}, ["'run-name'", "one folder name"]),
+        ({"run-name": "/tmp/x"}, ["'run-name'", "one folder name"]),
+        ({"run-name": "x" * 5000}, ["'run-name'", "(5,002 characters)", "one folder name"]),
+        ({"quantity-ratios": "1:nan"}, ["'quantity-ratios'", "positive finite numbers"]),
     ],
 )
 def test_errors_name_key_value_and_fix(raw, fragments):
