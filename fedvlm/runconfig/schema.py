@@ -114,7 +114,13 @@ class ClipConfig:
 class PromptConfig:
     """Prompt learning (CoOp's learnable context), shared by every prompt method."""
 
-    n_ctx: int = opt(16, "Number of learnable context tokens M.", min=1)
+    n_ctx: int = opt(
+        16,
+        "Number of learnable context tokens M; at most 72, so that with the start, end and full-stop tokens and a "
+        "two-token class name the prompt fits CLIP's 77-token text context.",
+        min=1,
+        max=72,
+    )
     ctx_init: str = opt(
         "", "Initialise the context from this phrase (e.g. 'a photo of a'); its token count then sets M."
     )
@@ -335,14 +341,18 @@ class PrivacyConfig:
     """Differential privacy; every method that supports DP reads these."""
 
     epsilon: float = opt(
-        0.0, "Target epsilon per record, every mechanism its record feeds composed; 0 = no noise, no clipping.", min=0.0
+        0.0,
+        "Target epsilon per record, every mechanism its record feeds composed; 0 = no noise, no clipping. At most "
+        "100: past it an (epsilon, delta) bound says nothing about a record.",
+        min=0.0,
+        max=100.0,
     )
     delta: float = opt(
         1e-5,
         "Target delta; once the nodes are known it must be at most 0.1 / (the federation's training records).",
         min=0.0,
         min_exclusive=True,
-        check=lambda d: None if d < 1 else "must be below 1 (and well below 1/records)",
+        check=lambda d: None if d <= 0.1 else "must be at most 0.1 (and, once the nodes are known, 0.1/records)",
     )
     clip: float = opt(
         AUTO,
@@ -390,8 +400,10 @@ class PrivacyConfig:
         0,
         "One-run privacy audit: m canary records inserted into the audited node's training data, each "
         "present with probability 1/2 (OS entropy); results.json's 'audit' section then holds the epsilon "
-        "lower bound they give beside the accounted epsilon. 0 = no audit (no canaries anywhere).",
+        "lower bound they give beside the accounted epsilon. 0 = no audit (no canaries anywhere). At most "
+        "100,000 (the audit is within 5% of the truth there; each canary holds a gradient-sized record).",
         min=0,
+        max=100_000,
     )
     audit_node: int = opt(0, "Partition id of the node that carries the audit's canaries.", min=0)
 
@@ -466,7 +478,7 @@ class RunConfig:
     # --- what to run ------------------------------------------------------------------------
     # Accepted methods come from the registry in ``methods``, checked by ``validate``.
     method: str = opt("promptfl", "Federated method (see the README's method table).")
-    num_server_rounds: int = opt(20, "Federated rounds (zeroshot evaluates once).", min=1)
+    num_server_rounds: int = opt(20, "Federated rounds (zeroshot evaluates once).", min=1, max=100_000)
     seed: int = opt(0, "Seed of every random draw: partition, sampling, initialisation, noise.", min=0)
     fraction_train: float = opt(
         AUTO,

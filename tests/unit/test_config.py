@@ -51,7 +51,13 @@ def test_defaults_are_valid_and_resolve_auto():
         ({"privacy.epsilon": float("inf")}, ["'privacy.epsilon'", "inf", "finite"]),
         ({"privacy.noise-multiplier": float("nan")}, ["'privacy.noise-multiplier'", "finite"]),
         ({"privacy.clip": float("inf")}, ["'privacy.clip'", "finite"]),
-        ({"privacy.delta": 1.0}, ["'privacy.delta'", "must be below 1"]),
+        ({"privacy.delta": 1.0}, ["'privacy.delta'", "must be at most 0.1"]),
+        ({"privacy.delta": 0.5}, ["'privacy.delta'", "must be at most 0.1"]),
+        # values that would exhaust the machine before any error (issue 45)
+        ({"privacy.audit-canaries": 10**9}, ["'privacy.audit-canaries'", "<= 100000"]),
+        ({"prompt.n-ctx": 10**6}, ["'prompt.n-ctx'", "<= 72"]),
+        ({"num-server-rounds": 10**20}, ["'num-server-rounds'", "<= 100000"]),
+        ({"privacy.epsilon": 1e300}, ["'privacy.epsilon'", "<= 100"]),
         ({"privacy.delta": float("nan")}, ["'privacy.delta'", "finite"]),
         # Flower runs the apps wherever its processes started: a relative path would resolve there
         ({"clip.pretrained": "weights/vit.bin"}, ["'clip.pretrained'", "relative path"]),
