@@ -432,6 +432,28 @@ class FederatedStrategy(Strategy):
                     return sent.metadata.dst_node_id
         return nid
 
+    def _superseded_left_out(self, replies: list[Message], kept: PhasePlan) -> list[Message]:
+        """``replies`` without the errors the SuperLink wrote itself for a copy of a message whose
+        node answered another copy (a SuperNode killed mid-round and restarted: the SuperLink
+        answers the lost copy 'Node Unavailable', the restarted node the copy asked again). Both
+        used to be counted in the node's name and both dropped as two replies, losing the
+        round's work. The SuperLink's error carries nothing of the node, so leaving it out cannot
+        count the node twice."""
+        answered = {self._sender(m, kept) for m in replies if not m.has_error()}
+        kept_replies = []
+        for m in replies:
+            nid = self._sender(m, kept)
+            if m.has_error() and m.metadata.src_node_id not in self.nodes and nid in answered:
+                log.info(
+                    "round %s: node %s answered another copy; the SuperLink's %r for this one is left out",
+                    kept.round,
+                    nid,
+                    bounded(m.error.reason or "", 80),
+                )
+                continue
+            kept_replies.append(m)
+        return kept_replies
+
     @staticmethod
     def _origin_problem(reply: Message, nid: int, senders: list[int], kept: PhasePlan) -> str:
         """Why a reply cannot be taken as ``nid``'s answer to this phase ("" if it can). A
@@ -466,6 +488,7 @@ class FederatedStrategy(Strategy):
             for m in replies
             if m.metadata.reply_to_message_id in sent or judges_strays and m.metadata.reply_to_message_id not in known
         ]
+        replies = self._superseded_left_out(replies, kept)
         senders = [self._sender(m, kept) for m in replies]
         for msg, nid in zip(replies, senders, strict=True):
             node = self.nodes.get(nid)

@@ -171,3 +171,40 @@ def test_a_node_gone_silent_costs_two_grace_periods_not_round_timeout():
     threading.Thread(target=run, daemon=True).start()
     assert done.wait(timeout=30), "the exchange waited for the silent node"
     assert len(out) == 1 and [m.metadata.dst_node_id for m in grid.pushed] == [1, 2, 1, 2, 2]  # asked again once
+
+
+@pytest.mark.parametrize("second_real", [True, False])
+def test_a_restarted_nodes_answer_outweighs_the_superlinks_error_for_its_lost_copy(second_real, make_cfg):
+    """A SuperNode killed mid-round and restarted: the SuperLink answers the copy the dead process
+    held with 'Node Unavailable', the restarted node answers the copy asked again. Both came in
+    the node's name and both were dropped as two replies (issue 45); the real answer counts now.
+    Two real answers in one name still count neither."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, MessageType, MetricRecord
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    from fedvlm.strategies.nodes import NodeInfo
+    from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan
+
+    cfg = make_cfg(method="promptfl")
+    strategy = cfg.spec.strategy(cfg, cfg.spec)
+    strategy.registry.nodes = {7: NodeInfo(7, "org-7", -1, 64, 24, 0, "x", 40)}
+    ctx = np.zeros((4, 8), np.float32)
+    copies = []
+    for _ in range(2):  # the message, and the copy asked again
+        config = RecordDict({"config": ConfigRecord({SERVER_ROUND: 1})})
+        m = Message(config, dst_node_id=7, message_type=MessageType.TRAIN)
+        m.metadata.__dict__["_message_id"] = m.object_id + str(len(copies))
+        copies.append(m)
+    kept = PhasePlan("train", 1, {7: Outgoing(strategy.nodes[7], Payload({}, {"ctx": ctx.shape}))}, list(copies))
+
+    def real(copy):
+        metrics = MetricRecord({"num-examples": 64})
+        return Message(RecordDict({"arrays": ArrayRecord({"ctx": Array(ctx)}), "metrics": metrics}), reply_to=copy)
+
+    lost = create_message_error_unavailable_res_message(copies[0].metadata, "node_unavail")
+    good = strategy._validated([lost if second_real else real(copies[0]), real(copies[1])], kept)
+    if second_real:
+        assert len(good) == 1 and kept.dropped == []
+    else:
+        assert good == [] and all("2 replies came in this node's name" in d["reason"] for d in kept.dropped)
