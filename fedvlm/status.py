@@ -8,7 +8,8 @@
 happened (``server_app.results``). Exit status:
 
 - 0: finished every round, and the last round heard back from enough of the clients it sampled;
-- 1: failed (the ServerApp raised; its error is printed);
+- 1: failed (the ServerApp raised; its error is printed), or a resume of this run was refused
+  after the folder was last written (``resume-refused.json``; the run itself is described too);
 - 2: no run folder or no readable ``results.json``;
 - 3: stopped early on the privacy budget (``privacy.max-epsilon``);
 - 4: finished, but lost too many nodes: in the last training round more than ``--max-lost``
@@ -95,7 +96,18 @@ def check(run_dir: Path, max_lost: float = 0.5) -> Verdict:
         ended = {}
     if data.get("run", {}).get("status") == "running" and ended.get("status") not in (None, "running"):
         data["run"] = {**data["run"], "status": ended["status"], "note": ended.get("note", "")}
-    return verdict(data, max_lost, time.time() - path.stat().st_mtime)
+    found = verdict(data, max_lost, time.time() - path.stat().st_mtime)
+    # a resume refused after the folder was last written is the newest thing that happened to it
+    # (server_app.resume.REFUSED: the refusal leaves results.json as it was)
+    try:
+        refused = json.loads((Path(run_dir) / "resume-refused.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        refused = None
+    if refused and float(refused.get("at", 0)) >= path.stat().st_mtime:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(refused["at"])))
+        why = refused.get("reason", "?")
+        return Verdict(FAILED, f"a resume was refused at {when}: {why} (the run itself: {found.reason})")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
-from fedvlm.server_app.resume import hold_run_dir, resume_point
+from fedvlm.server_app.resume import clear_refused, hold_run_dir, note_refused, resume_point
 from fedvlm.strategies.base import ResumeError
 from fedvlm.utils.runtime import simulated_grid
 
@@ -39,10 +39,15 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     """Run a validated config on a grid (Flower's, or an in-process one) and write the run
     folder; returns the recorder holding everything that was written."""
     spec = cfg.spec
-    point = resume_point(cfg)
+    try:
+        point = resume_point(cfg)
+        held = hold_run_dir(point.run_dir) if point is not None else None
+    except ResumeError as err:
+        note_refused(cfg, err)
+        raise
     strategy = spec.strategy(cfg, spec)
     if point is not None:
-        held = hold_run_dir(point.run_dir)
+        assert held is not None  # held above, with the resume point
         log.info("resuming %s after its round %d", point.run_dir, point.round)
         recorder = RunRecorder.reopen(point.run_dir, point.results, point.round, cfg.as_dict(), str(run_id))
     else:
@@ -72,6 +77,7 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
         run_rounds(strategy, grid, recorder, point)
     except ResumeError as err:  # refused before anything was recorded: the folder is as it was
         log.error("cannot resume: %s", err)
+        note_refused(cfg, err)
         raise
     except (KeyboardInterrupt, SystemExit) as err:  # stopped from outside (Ctrl-C, the SuperLink going down)
         recorder.finish("interrupted", f"{type(err).__name__}; continue it with resume='{recorder.dir}'")
@@ -81,6 +87,8 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
         recorder.finish("failed", f"{type(err).__name__}: {err}")
         log.error("run failed: %s (results so far: %s)", err, recorder.path)
         raise
+    else:
+        clear_refused(recorder.dir)
     finally:
         held.close()  # the folder is free (a crash frees it too: the lock dies with the process)
     print(summary_table(recorder.data), flush=True)

@@ -36,6 +36,7 @@ abandoned round is charged to its trainees' budgets as well (``run.resumed`` say
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,10 @@ from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_saved,
 CHECKPOINT = "checkpoint.pt"
 INFLIGHT = "inflight.json"
 LOCK = "run.lock"
+# a refused resume, kept beside the run it would have continued: the folder itself is left as it
+# was (its results.json still says 'finished'), so without this `flwr run ... resume=... &&
+# python -m fedvlm.status` reported success when the resume was refused (fedvlm.status reads it)
+REFUSED = "resume-refused.json"
 # keys that may differ: how long the run goes on, and keys that never change what it computes
 # (where a new run's folder would go, how long to wait for replies)
 FREE_KEYS = frozenset({"num-server-rounds", "resume", "output-dir", "run-name", "round-timeout"})
@@ -146,3 +151,15 @@ def charge_abandoned(strategy: FederatedStrategy, point: ResumePoint) -> dict:
         if fresh
         else "seeded noise: the rerun round releases the same tensors again",
     }
+
+
+def note_refused(cfg: RunConfig, why: ResumeError) -> None:
+    """Keep why resuming ``cfg.resume`` was refused in that run folder (where there is one)."""
+    run_dir = Path(cfg.resume).expanduser()
+    if cfg.resume and run_dir.is_dir():
+        atomic_write_json({"at": time.time(), "reason": str(why)[:2000]}, run_dir / REFUSED)
+
+
+def clear_refused(run_dir: Path) -> None:
+    """A resume that went ahead: an earlier refusal no longer describes the folder."""
+    (Path(run_dir) / REFUSED).unlink(missing_ok=True)

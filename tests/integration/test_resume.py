@@ -238,6 +238,13 @@ def test_resuming_refuses_what_it_cannot_continue_exactly(make_cfg, pretrained_c
         execute(longer, _grid(longer, nodes), run_id="b")
     after = json.loads((done / "results.json").read_text())  # every refusal left the run as it was
     assert after["run"]["status"] == "finished" and len(after["rounds"]) == 1 and "resumed" not in after["run"]
+    # ... and says so beside it: `flwr run ... resume=... && python -m fedvlm.status` fails (it said
+    # "finished 1 of 1 rounds" and exited 0 when the resume was refused)
+    from fedvlm.status import FAILED, check
+
+    refused = check(done)
+    assert refused.code == FAILED and "a resume was refused" in refused.reason and "noise-multiplier" in refused.reason
+    assert "(the run itself: finished 1 of 1 rounds" in refused.reason
     # a damaged checkpoint is named, with what to do, instead of torch's unpickling error
     checkpoint = done / "checkpoint.pt"
     checkpoint.write_bytes(checkpoint.read_bytes()[:200])
