@@ -17,7 +17,6 @@ Class names always come with the data: they are what the prompts say.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from fedvlm.data.sources import (
     stratified_split,
 )
 from fedvlm.runconfig import datasets as catalogue
+from fedvlm.utils.files import load_json
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 EMBEDDED_TRAIN_PER_CLASS = 64
@@ -125,7 +125,7 @@ def _find_coop_split(name: str, root: Path) -> tuple[Path, Path] | None:
 
 
 def _load_coop_split(name: str, split_path: Path, image_dir: Path) -> DatasetSplits:
-    spec = json.loads(split_path.read_text())
+    spec = load_json(split_path, "download the split file again (CoOp's split_zhou_*.json)")
     names: dict[int, str] = {}
     out = {}
     for split in ("train", "test"):

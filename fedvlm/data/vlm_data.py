@@ -39,6 +39,7 @@ import numpy as np
 
 from fedvlm.data import scenes
 from fedvlm.data.sources import ArraySource, FileSource, ImageSource, SubsetSource, stratified_split
+from fedvlm.utils.files import load_json
 
 EMBEDDED_SIZES = {"train": 1200, "test": 240, "ood": 240}
 
@@ -112,7 +113,7 @@ def load_embedded(name: str, shadow: bool = False) -> VLMDataset:
 
 # --- COCO-style captions ---------------------------------------------------------------------
 def _largest_category(instances: Path) -> tuple[dict[int, int], list[str]]:
-    blob = json.loads(instances.read_text())
+    blob = load_json(instances, "download the COCO-style annotation file again")
     names = {c["id"]: c["name"] for c in blob["categories"]}
     order = sorted(names)
     best: dict[int, tuple[float, int]] = {}
@@ -137,7 +138,7 @@ def load_coco_style(
         )
     if not image_dir.is_dir():
         raise VLMDataError(f"image folder {image_dir} for {captions_json.name} does not exist")
-    blob = json.loads(captions_json.read_text())
+    blob = load_json(captions_json, "download the COCO-style caption file again")
     caps: dict[int, list[str]] = {}
     for a in blob["annotations"]:
         caps.setdefault(a["image_id"], []).append(a["caption"].strip())

@@ -44,7 +44,7 @@ import torch
 
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.base import FederatedStrategy, ResumeError
-from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_saved, try_hold
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_json, load_saved, try_hold
 
 CHECKPOINT = "checkpoint.pt"
 INFLIGHT = "inflight.json"
@@ -107,7 +107,7 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
         raise ResumeError(
             f"run config 'resume' = {cfg.resume!r}: {results} does not exist; name the run folder that holds it"
         )
-    data = json.loads(results.read_text())
+    data = load_json(results, f"restore it from a backup, or start the run afresh ({run_dir.name} cannot be resumed)")
     differ = _differences(data["config"], cfg.as_dict())
     if differ:
         raise ResumeError(
@@ -130,7 +130,9 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
             f"{run_dir.name} has completed {done} round(s), num-server-rounds is {cfg.num_server_rounds}: nothing to "
             f"resume; raise num-server-rounds to run it further"
         )
-    inflight = json.loads((run_dir / INFLIGHT).read_text()) if (run_dir / INFLIGHT).is_file() else None
+    # without it, a round cut off after its messages went out could not be charged to its trainees
+    why_inflight = f"restore it from a backup, or start afresh ({run_dir.name} cannot be resumed without it)"
+    inflight = load_json(run_dir / INFLIGHT, why_inflight) if (run_dir / INFLIGHT).is_file() else None
     abandoned = inflight if inflight is not None and inflight["round"] > done else None
     return ResumePoint(run_dir, data, done, saved["state"], abandoned, owed)
 

@@ -98,6 +98,16 @@ def load_saved(path: Path, fix: str) -> Any:
         raise UnreadableFile(f"{path} cannot be read ({type(err).__name__}: {first}): {fix}") from err
 
 
+def load_json(path: Path, fix: str) -> Any:
+    """``json.loads`` of a file; one that is not valid JSON (or not UTF-8) raises
+    ``UnreadableFile`` naming it, where it breaks and ``fix`` (a bare JSONDecodeError names neither
+    the file nor what to do)."""
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UnreadableFile(f"{path} is not valid UTF-8 JSON ({str(err)[:200]}): {fix}") from err
+
+
 def strict_json(obj: Any) -> Any:
     """``obj`` with every NaN or infinite float as null: JSON has no such numbers, and strict
     parsers reject the ``NaN``/``Infinity`` Python would write."""

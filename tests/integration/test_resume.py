@@ -250,6 +250,10 @@ def test_resuming_refuses_what_it_cannot_continue_exactly(make_cfg, pretrained_c
     checkpoint.write_bytes(checkpoint.read_bytes()[:200])
     with pytest.raises(UnreadableFile, match=r"checkpoint\.pt cannot be read.*restore it from a backup"):
         execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")
+    # so is a damaged results.json (a bare JSONDecodeError named neither)
+    (done / "results.json").write_bytes(b'{"run": \xff')
+    with pytest.raises(UnreadableFile, match=r"results\.json is not valid UTF-8 JSON.*cannot be resumed"):
+        execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")
 
 
 def test_an_extended_run_keeps_spending_the_same_budget(make_cfg, pretrained_clip):
