@@ -209,19 +209,25 @@ class NodeRegistry:
                 no_more = settled and connected == sorted(grid.get_node_ids())
             else:
                 no_more = time.time() - t0 >= self.cfg.round_timeout
-            if (self.failed and everyone_failed) or (no_more and (self.failed or sim)):
-                raise FederationError(self._too_few(len(healthy), len(connected)))
+            if (self.failed and everyone_failed) or no_more:  # a deployment short of nodes too: it waited forever
+                raise FederationError(self._too_few(len(healthy), len(connected), sim))
             if len(connected) != last:
                 log.info("waiting for nodes: %d connected, %d healthy, %d needed", len(connected), len(healthy), need)
                 last = len(connected)
             time.sleep(1.0)
 
-    def _too_few(self, healthy: int, connected: int) -> str:
+    def _too_few(self, healthy: int, connected: int, sim: bool = True) -> str:
         need = self.cfg.min_nodes
-        if not self.failed:
+        if not self.failed and sim:
             return (
                 f"the simulation has {connected} node(s), {need} needed (min-nodes): lower min-nodes "
                 "or raise the federation's num-supernodes"
+            )
+        if not self.failed:
+            return (
+                f"{connected} SuperNode(s) connected within round-timeout ({self.cfg.round_timeout:g} s), {need} "
+                "needed (min-nodes): start the missing SuperNodes before the run, raise round-timeout to wait "
+                "longer for them, or lower min-nodes"
             )
         reasons: dict[str, list[str]] = {}
         for n, r in self.failed.items():

@@ -503,3 +503,9 @@ def test_a_node_config_typo_excludes_the_node_with_its_fix(make_cfg, pretrained_
     (why,) = rec.data["run"]["excluded_nodes"].values()
     assert "'stat-dir' is not a key this node knows: did you mean 'state-dir'" in why
     assert rec.data["run"]["status"] == "finished" and len(rec.data["run"]["nodes"]) == 2
+
+
+def test_a_deployment_short_of_nodes_stops_after_round_timeout_with_the_reason(make_cfg, pretrained_clip):
+    """min-nodes above the federation's size waited forever in deployment, whatever round-timeout said."""
+    with pytest.raises(FederationError, match=r"1 SuperNode\(s\) connected within round-timeout \(2 s\), 2 needed"):
+        _run(make_cfg, n=1, method="promptfl", num_server_rounds=1, min_nodes=2, round_timeout=2.0)
