@@ -34,7 +34,7 @@ from fedvlm.data.sources import (
     stratified_split,
 )
 from fedvlm.runconfig import datasets as catalogue
-from fedvlm.utils.files import load_json
+from fedvlm.utils.files import load_json, read_utf8
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 EMBEDDED_TRAIN_PER_CLASS = 64
@@ -257,6 +257,14 @@ def _scan_class_dirs(root: Path) -> dict[str, list[Path]]:
     classes = {}
     for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         files = sorted(f for f in d.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS)
+        for f in (d, *files):
+            try:
+                str(f).encode("utf-8")
+            except UnicodeEncodeError as err:  # a name in another encoding: it cannot be keyed, cached or reported
+                raise DatasetError(
+                    f"image folder {str(root)!r}: the name {bytes(f)!r} is not UTF-8: rename it (e.g. convmv -f latin1 "
+                    "-t utf8)"
+                ) from err
         classes[d.name] = files
     return classes
 
@@ -269,7 +277,8 @@ def _federation_classes(root: Path, found: list[str]) -> list[str]:
     listing = root / "classes.txt"
     if not listing.is_file():
         return found
-    names = [line.strip() for line in listing.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    text = read_utf8(listing, "save it as UTF-8 (the same file on every node)")
+    names = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if not names or dupes:
         raise DatasetError(

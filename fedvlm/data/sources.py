@@ -93,7 +93,9 @@ class FileSource(ImageSource):
         try:
             with Image.open(self.paths[i]) as img:
                 return img.convert("RGB")
-        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, unknown format, bad header
+        # PIL: truncated, unknown format, bad header; a decompression bomb (more pixels than PIL's
+        # limit allows) is its own exception class, which escaped without the file's name
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
             raise DatasetError(
                 f"image {self.paths[i]} of {self.identity} cannot be read ({type(err).__name__}: {err}): replace or "
                 "remove it"

@@ -39,7 +39,7 @@ import numpy as np
 
 from fedvlm.data import scenes
 from fedvlm.data.sources import ArraySource, FileSource, ImageSource, SubsetSource, stratified_split
-from fedvlm.utils.files import load_json
+from fedvlm.utils.files import load_json, read_utf8
 
 EMBEDDED_SIZES = {"train": 1200, "test": 240, "ood": 240}
 
@@ -267,7 +267,7 @@ def load_vlm_folder(root: Path, dataset: str, test_fraction: float, seed: int) -
         )
     task, caption_prompt, vqa_prompt = FOLDER_PROMPTS[dataset.removesuffix("-shadow")]
     rows = []
-    for n, line in enumerate(records_path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_utf8(records_path, f"save {FOLDER_FILE} as UTF-8").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{records_path} line {n}"
@@ -302,7 +302,7 @@ def load_vlm_folder(root: Path, dataset: str, test_fraction: float, seed: int) -
         raise VLMDataError(f"{records_path} holds no records")
     names_file = root / FOLDER_LABELS
     names = (
-        [x.strip() for x in names_file.read_text().splitlines() if x.strip()]
+        [x.strip() for x in read_utf8(names_file, "save it as UTF-8").splitlines() if x.strip()]
         if names_file.is_file()
         else sorted({r[4] for r in rows})
     )

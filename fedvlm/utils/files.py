@@ -108,6 +108,17 @@ def load_json(path: Path, fix: str) -> Any:
         raise UnreadableFile(f"{path} is not valid UTF-8 JSON ({str(err)[:200]}): {fix}") from err
 
 
+def read_utf8(path: Path, fix: str) -> str:
+    """A text file's contents; one that is not UTF-8 raises ``UnreadableFile`` naming it, the
+    byte where it breaks and ``fix`` (Python's own error names neither file nor fix)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        bad = data[err.start : err.start + 4]
+        raise UnreadableFile(f"{path} is not UTF-8 text (byte {err.start}: {bad!r}): {fix}") from err
+
+
 def strict_json(obj: Any) -> Any:
     """``obj`` with every NaN or infinite float as null: JSON has no such numbers, and strict
     parsers reject the ``NaN``/``Infinity`` Python would write."""

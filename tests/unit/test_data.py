@@ -219,3 +219,27 @@ def test_the_catalogue_is_what_the_config_accepts_and_the_loaders_dispatch(tmp_p
         assert len(load_vlm_dataset(name).train) > 0, name
     with pytest.raises(VLMDataError, match="not a VLM dataset"):
         load_vlm_dataset("caltech101")
+
+
+def test_files_an_operator_can_get_wrong_are_named_with_the_fix(tmp_path, monkeypatch):
+    """Issue 45: a non-UTF-8 classes.txt or file name, or a decompression bomb, failed without the
+    file's name (a bomb's own exception class escaped the loader's)."""
+    import os
+
+    from fedvlm.utils.files import UnreadableFile
+
+    _write_folder(tmp_path / "site", ["cat", "ant"], n=3)
+    (tmp_path / "site" / "classes.txt").write_bytes("cat\nant\nb\xe9e\n".encode("latin-1"))
+    with pytest.raises(UnreadableFile, match=r"classes.txt is not UTF-8 text \(byte 9: .*\): save it as UTF-8"):
+        load_dataset("image-folder", data_root=str(tmp_path / "site"))
+    (tmp_path / "site" / "classes.txt").unlink()
+    Image.new("RGB", (20, 20)).save(os.path.join(os.fsencode(tmp_path / "site" / "cat"), b"caf\xe9.png"))
+    with pytest.raises(DatasetError, match=r"the name b'.*caf\\xe9.png' is not UTF-8: rename it"):
+        load_dataset("image-folder", data_root=str(tmp_path / "site"))
+
+    _write_folder(tmp_path / "bomb" / "train", ["a", "b"], n=3)
+    _write_folder(tmp_path / "bomb" / "test", ["a", "b"], n=1)
+    d = load_dataset("image-folder", data_root=str(tmp_path / "bomb"))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # a 20 x 20 image is then past twice the limit
+    with pytest.raises(DatasetError, match=rf"image {d.train.paths[0]} .*DecompressionBombError.*replace or remove it"):
+        d.train.image(0)
