@@ -50,6 +50,7 @@ BATCH_SIZE = "plan.batch-size"
 NUM_TRAIN = "plan.num-train"
 FINAL_ROUND = "final-round"
 PUBLISH_DIR = "publish-dir"  # a node config key (client_app.publishing)
+NODE_WORKER = "node-worker"  # a node config key: the warm worker's socket path (client_app.worker)
 RUN_DIR = "run-dir"
 # the how-many-th time the server sends this message (server_app.exchange asks a late one again
 # once): Flower names a message by its content, so a copy must differ; the node ignores it

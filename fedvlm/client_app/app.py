@@ -11,7 +11,8 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedvlm.client_app.worker import NODE_WORKER, forward
+from fedvlm.client_app.worker import forward
+from fedvlm.protocol import NODE_WORKER
 
 app = ClientApp()
 

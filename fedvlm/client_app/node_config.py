@@ -22,9 +22,8 @@ from pathlib import Path
 from fedvlm.client_app.node_policy import CACHE_DIR, DATA_ROOT, MODELS, TRUST_REMOTE_CODE
 from fedvlm.client_app.privacy_floor import DELTA, MAX_EPSILON
 from fedvlm.client_app.state import STATE_DIR
-from fedvlm.client_app.worker import NODE_WORKER
 from fedvlm.privacy.mechanisms import NOISE_SOURCE
-from fedvlm.protocol import PUBLISH_DIR
+from fedvlm.protocol import NODE_WORKER, PUBLISH_DIR
 from fedvlm.runconfig import ConfigError
 
 PARTITION_ID, NUM_PARTITIONS, NAME, DATA_DIR = "partition-id", "num-partitions", "name", "data-dir"

@@ -53,7 +53,6 @@ from flwr.proto.message_pb2 import Message as ProtoMessage
 
 log = logging.getLogger(__name__)
 
-NODE_WORKER = "node-worker"  # the node config key: the worker's socket path
 MAGIC = b"FVW1"
 CONNECT_TIMEOUT = 5.0  # seconds to reach a listening worker
 

@@ -16,8 +16,9 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.client_app.worker import NODE_WORKER, WorkerError, _receive, _send, forward, listen
+from fedvlm.client_app.worker import WorkerError, _receive, _send, forward, listen
 from fedvlm.deploy.node_worker import spawn
+from fedvlm.protocol import NODE_WORKER
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid
 from fedvlm.utils.processes import kill_tree
