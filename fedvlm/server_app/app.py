@@ -35,29 +35,6 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
-# The runs this process is executing. Stopped by a signal, Flower exits through its own handlers
-# (flwr_exit); in simulation the ServerApp runs in a thread the signal never reaches, so its
-# `except KeyboardInterrupt` never ran and `python -m fedvlm.stop` left the folder saying
-# 'running'. One exit handler, registered once, records every active run as interrupted.
-_ACTIVE: set[RunRecorder] = set()
-_WATCHING: list[bool] = []
-
-
-def _record_interrupted() -> None:
-    for recorder in list(_ACTIVE):
-        if recorder.data["run"]["status"] == "running":
-            recorder.finish("interrupted", f"stopped from outside; continue it with resume='{recorder.dir}'")
-
-
-def _watch(recorder: RunRecorder) -> None:
-    if not _WATCHING:
-        from flwr.supercore.exit import add_exit_handler
-
-        add_exit_handler(_record_interrupted, run_before_force_exit=True)
-        _WATCHING.append(True)
-    _ACTIVE.add(recorder)
-
-
 def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     """Run a validated config on a grid (Flower's, or an in-process one) and write the run
     folder; returns the recorder holding everything that was written."""
@@ -96,7 +73,6 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
                 else None,
             },
         )
-    _watch(recorder)
     try:
         run_rounds(strategy, grid, recorder, point)
     except ResumeError as err:  # refused before anything was recorded: the folder is as it was
@@ -114,7 +90,6 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     else:
         clear_refused(recorder.dir)
     finally:
-        _ACTIVE.discard(recorder)
         held.close()  # the folder is free (a crash frees it too: the lock dies with the process)
     print(summary_table(recorder.data), flush=True)
     log.info("results: %s", recorder.path)
