@@ -204,11 +204,13 @@ class NodeRegistry:
             if len(healthy) >= need:
                 return
             everyone_failed = bool(connected) and not healthy
+            # every connected node has answered its handshake or been excluded (an unanswered one is
+            # asked again, then excluded: that wait is bounded by the handshake's own tries)
+            settled = all(n in self.nodes or n in self.failed for n in connected)
             if sim:
-                settled = all(n in self.nodes or n in self.failed for n in connected)
                 no_more = settled and connected == sorted(grid.get_node_ids())
             else:
-                no_more = time.time() - t0 >= self.cfg.round_timeout
+                no_more = settled and time.time() - t0 >= self.cfg.round_timeout
             if (self.failed and everyone_failed) or no_more:  # a deployment short of nodes too: it waited forever
                 raise FederationError(self._too_few(len(healthy), len(connected), sim))
             if len(connected) != last:

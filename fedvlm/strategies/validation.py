@@ -401,8 +401,9 @@ def bounded(text: str, limit: int = REASON_CHARS) -> str:
 
 
 def some_names(names: Collection[str]) -> str:
-    """Up to ``NAMES_SHOWN`` of ``names`` (each cut to 64 characters), sorted, and how many there were."""
-    shown = ", ".join(bounded(n, 64) for n in sorted(names)[:NAMES_SHOWN])
+    """Up to ``NAMES_SHOWN`` of ``names`` (each cut to 32 characters, so that the count of the
+    rest survives a dropped reply's bounded reason), sorted, and how many there were."""
+    shown = ", ".join(bounded(n, 32) for n in sorted(names)[:NAMES_SHOWN])
     return shown if len(names) <= NAMES_SHOWN else f"{shown} and {len(names) - NAMES_SHOWN:,} more"
 
 

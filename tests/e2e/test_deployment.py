@@ -507,8 +507,12 @@ def test_fedrand_organisations_train_on_their_own_folders(federation, tmp_path, 
         federation.stop(f"vlm-{i}")
 
 
-def _node_id(federation, name: str) -> int:
-    found = re.findall(r"SuperNode ID: (\d+)", federation.log_text(name))
+def _node_id(federation, name: str, wait: float = 120.0) -> int:
+    """The node id ``name``'s SuperNode logged (waiting for it: another test's stopped SuperNodes
+    may still count as online at the SuperLink while this one connects)."""
+    deadline = time.time() + wait
+    while not (found := re.findall(r"SuperNode ID: (\d+)", federation.log_text(name))) and time.time() < deadline:
+        time.sleep(1)
     assert found, federation.log_text(name)[-2000:]
     return int(found[-1])
 
