@@ -226,8 +226,8 @@ def test_hostile_organisations_through_a_real_superlink_are_dropped_and_the_run_
         (1, "train"): "its bytes are not a NumPy array",
         (2, "train"): r"wrong tensors: unexpected made-up-0000-x+\.\.\. \(213 characters\), .* and 1,992 more",
         (3, "train"): "not the float32 .* its header says",
-        (4, "train"): r"the client failed: RuntimeError: a 5 MB reason .*\.\.\. \(5,320,013 characters\)",
     }
+    dropped_for[(4, "evaluate")] = r"the client failed: RuntimeError: a 5 MB reason .*\.\.\. \(5,320,013 characters\)"
     refused_for = {
         (1, "evaluate"): r"'local-acc' is 1000000.0, expected in \[0, 1\]",
         (2, "evaluate"): "'smuggled-bits' is not one this project's clients report",

@@ -4,7 +4,7 @@ pinned protects the organisation from the server, not the server from the organi
 
 ``FEDVLM_HOSTILE=hello``: the handshake reports no training records. ``FEDVLM_HOSTILE=replies``:
 each train and evaluate reply is corrupted, one way per round (``CORRUPT``; in round 4 the
-train reply is an error with a 5 MB reason, ``FAIL``), and so is each evaluation that travels
+final evaluation's reply is an error with a 5 MB reason, ``FAIL``), and so is each evaluation that travels
 with a train message. Python imports
 ``sitecustomize`` at start-up from the path, so every Flower process of that node loads it; only
 ClientApp calls change.
@@ -62,7 +62,9 @@ CORRUPT = {
     ("evaluate", 3): _set_metric("local-acc", -0.5),
 }
 # (message type, server round) -> the error reply sent instead of the honest one
-FAIL = {("train", 4): "RuntimeError: " + "a 5 MB reason " * 380_000}
+# (the final round's evaluation: a separate message; an earlier round's rides with the next train
+# message, whose error reply would fail both)
+FAIL = {("evaluate", 4): "RuntimeError: " + "a 5 MB reason " * 380_000}
 
 
 def _install(mode: str) -> None:
