@@ -21,7 +21,10 @@ happened (``server_app.results``). Exit status:
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +32,26 @@ from pathlib import Path
 
 OK, FAILED, UNREADABLE, STOPPED, LOST_NODES, UNFINISHED = 0, 1, 2, 3, 4, 5
 DEFAULT_RUNS = Path.home() / "fedvlm-runs"
+# the lock a ServerApp holds on its run folder while it runs (server_app.resume.hold_run_dir); the
+# kernel drops it when the process ends, however it ends
+RUN_LOCK = "run.lock"
+
+
+def held(run_dir: Path) -> bool | None:
+    """Whether a live process holds ``run_dir``'s lock (its ServerApp is running); None where
+    the folder has no lock file (written before locks were kept) or it cannot be read. The probe
+    takes a shared lock for an instant and writes nothing."""
+    try:
+        fd = os.open(Path(run_dir) / RUN_LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        return True if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+    finally:
+        os.close(fd)  # closing the only descriptor releases a lock taken through it
+    return False
 
 
 @dataclass(frozen=True)
@@ -55,7 +78,8 @@ def lost_in_last_round(rounds: list[dict]) -> tuple[int, int]:
     return 0, 0
 
 
-def verdict(data: dict, max_lost: float, written_ago: float) -> Verdict:
+def verdict(data: dict, max_lost: float, written_ago: float, alive: bool | None = None) -> Verdict:
+    """``alive``: whether the run's ServerApp still holds its folder (``held``)."""
     run, rounds = data.get("run", {}), data.get("rounds", [])
     total = data.get("config", {}).get("num-server-rounds")
     done = f"{len(rounds)} of {total} rounds" if total else f"{len(rounds)} rounds"
@@ -66,6 +90,12 @@ def verdict(data: dict, max_lost: float, written_ago: float) -> Verdict:
         return Verdict(STOPPED, f"stopped after {done}: {note}")
     if status == "interrupted":
         return Verdict(UNFINISHED, f"interrupted after {done}: {note}")
+    if status == "running" and alive is False:
+        return Verdict(
+            UNFINISHED,
+            f"interrupted after {done}: its ServerApp ended without finishing the run (stopped or killed; "
+            f"results.json last written {written_ago:.0f} s ago); continue it with resume='<this run folder>'",
+        )
     if status != "finished":
         return Verdict(
             UNFINISHED,
@@ -85,18 +115,20 @@ def verdict(data: dict, max_lost: float, written_ago: float) -> Verdict:
 
 def check(run_dir: Path, max_lost: float = 0.5) -> Verdict:
     path = Path(run_dir) / "results.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        return Verdict(UNREADABLE, f"cannot read {path}: {err}")
     # the status file is written in place at the end even when results.json could not be (a full disk)
     try:
         ended = json.loads((Path(run_dir) / "status.json").read_text())
     except (OSError, json.JSONDecodeError):
         ended = {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        if ended.get("status") == "failed":  # the run folder could not be written from the start
+            return Verdict(FAILED, f"failed: {ended.get('note', '')}")
+        return Verdict(UNREADABLE, f"cannot read {path}: {err}")
     if data.get("run", {}).get("status") == "running" and ended.get("status") not in (None, "running"):
         data["run"] = {**data["run"], "status": ended["status"], "note": ended.get("note", "")}
-    found = verdict(data, max_lost, time.time() - path.stat().st_mtime)
+    found = verdict(data, max_lost, time.time() - path.stat().st_mtime, held(run_dir))
     # a resume refused after the folder was last written is the newest thing that happened to it
     # (server_app.resume.REFUSED: the refusal leaves results.json as it was)
     try:

@@ -11,8 +11,10 @@ and autoscaler monitors, and one worker per simulated ClientApp). Killing the Su
 
 This finds that SuperLink by its own log path, gathers every process it started (its process tree,
 and every process of the Ray session the tree belongs to, which may have been reparented), sends
-them all SIGTERM (the ServerApp then records its run as interrupted; ``python -m fedvlm.status``
-reports it), SIGKILL after a grace period, and checks that none is left. Exit code 0 when
+them all SIGTERM, SIGKILL after a grace period, and checks that none is left. The run folders those
+processes held (their ServerApps' ``run.lock``) and left saying "running" are then recorded as
+interrupted, with the ``resume`` that continues them: a simulation's ServerApp runs in a thread of
+``flwr-simulation``, which a signal never reaches, so it cannot record that itself. Exit code 0 when
 everything stopped, 1 when something survived (listed), 0 with a note when nothing was running.
 """
 
@@ -27,6 +29,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from fedvlm.status import RUN_LOCK, held
 from fedvlm.utils.processes import cmdline, descendants, pids_matching
 
 _RAY_SESSION = re.compile(r"/tmp/ray/session_[\w.-]+|(?<=--session_dir=)\S+|(?<=--session-dir=)\S+")
@@ -66,6 +69,47 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def run_dirs_held_by(pids: Iterable[int]) -> set[Path]:
+    """The run folders whose lock (``RUN_LOCK``) one of ``pids`` has open: their ServerApps."""
+    found = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                target = Path(os.readlink(fd))
+            except OSError:
+                continue
+            if target.name == RUN_LOCK:
+                found.add(target.parent)
+    return found
+
+
+def record_interrupted(run_dirs: Iterable[Path]) -> list[str]:
+    """Record each run folder left "running" by a ServerApp that is gone as interrupted; a line
+    per folder saying what was done."""
+    from fedvlm.server_app.results import RunRecorder
+
+    lines = []
+    for run_dir in sorted(run_dirs):
+        if held(run_dir):
+            lines.append(f"{run_dir}: still held by a running ServerApp, left as it is")
+            continue
+        try:
+            recorder = RunRecorder.left_running(run_dir)
+            if recorder.data.get("run", {}).get("status") != "running":
+                continue
+            done = len(recorder.data.get("rounds", []))
+            recorder.finish("interrupted", f"stopped by python -m fedvlm.stop; continue it with resume='{run_dir}'")
+        except Exception as err:  # one unreadable folder must not hide the others
+            lines.append(f"{run_dir}: could not record the interruption: {err}")
+            continue
+        lines.append(f"{run_dir}: interrupted after round {done}; continue it with resume='{run_dir}'")
+    return lines
+
+
 def stop(roots: Iterable[int], grace: float = 15.0) -> list[int]:
     """SIGTERM everything ``roots`` started, SIGKILL what is left after ``grace`` seconds; the
     processes still alive after that (none, normally)."""
@@ -95,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no local SuperLink of {home} is running: nothing to stop")
         return 0
     victims = everything_started_by(roots)
+    run_dirs = run_dirs_held_by(victims)
     print(f"stopping the local SuperLink of {home} and the {len(victims) - len(roots)} processes it started")
     left = stop(roots, args.grace)
+    for line in record_interrupted(run_dirs):
+        print(line)
     if left:
         print("still running: " + "; ".join(f"{pid} {cmdline(pid)[:100]}" for pid in left), file=sys.stderr)
         return 1

@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedvlm.utils.files import atomic_torch_save, load_saved
+from fedvlm.utils.files import UnreadableFile, atomic_torch_save, load_saved
 from fedvlm.utils.runtime import simulated
 
 PRIVATE = "private"
@@ -151,6 +151,14 @@ def restore(state: RecordDict, where: Path | None, server_round: int, training: 
     if held is not None and held <= newest:
         return None
     snapshots = _snapshots(where)
+    if not snapshots and where.is_dir() and not any(where.glob(".round-*")):
+        # persist made the folder with this run's first snapshot and always keeps KEEP of them (a
+        # temporary file left over is a first snapshot that was never written, and its reply never
+        # left): an empty folder lost its snapshots, and starting afresh would be silent
+        raise UnreadableFile(
+            f"{where} held this node's private state for this run, but its snapshots (round-NNNN.pt) are gone: "
+            f"restore them from a backup, or remove the folder {where} to start this node afresh in this run"
+        )
     usable = {r: p for r, p in snapshots.items() if r <= newest}
     ledger = state.get(LEDGER)
     if snapshots and ledger is None:
@@ -197,7 +205,8 @@ def persist(state: RecordDict, where: Path | None, server_round: int) -> Path | 
     where.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(where, 0o700)  # mkdir's mode is masked by the umask; the state is the node's alone
     path = where / f"round-{server_round:04d}.pt"
-    atomic_torch_save({"round": server_round, "records": records}, path)  # written 0600 (mkstemp)
+    # written 0600 (mkstemp), with a digest: a damaged snapshot is refused, not restored as other numbers
+    atomic_torch_save({"round": server_round, "records": records}, path, digest=True)
     state[HELD] = ConfigRecord({"round": server_round, "changed": False})
     for _, old in sorted(_snapshots(where).items())[:-KEEP]:
         old.unlink(missing_ok=True)

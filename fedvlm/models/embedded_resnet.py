@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedvlm.data import embedded, motifs
+from fedvlm.models.prepare import check_may_pretrain
 from fedvlm.utils.files import atomic_torch_save, file_lock, load_saved
 from fedvlm.utils.paths import default_cache_dir
 
@@ -106,6 +108,7 @@ SOURCES: dict[str, ResNetRecipe] = {
     ),
     "embedded-tiny-resnet": ResNetRecipe("shapes", (16, 32, 64), images_per_class=150, steps=400),
 }
+ABLATION_ONLY = ("embedded-motif-resnet-ls",)
 
 
 class BasicBlock(nn.Module):
@@ -214,6 +217,7 @@ def load_pretrained(name: str, cache_dir: Path) -> tuple[EmbeddedResNet, str, di
     if not path.exists():
         with file_lock(path):
             if not path.exists():
+                check_may_pretrain("reprogram", name)
                 log.info("pretraining %s once (cached at %s)", name, path)
                 model, report = pretrain(recipe)
                 atomic_torch_save({"recipe": asdict(recipe), "report": report, "state_dict": model.state_dict()}, path)
@@ -222,6 +226,12 @@ def load_pretrained(name: str, cache_dir: Path) -> tuple[EmbeddedResNet, str, di
     model.load_state_dict(saved["state_dict"])
     # caches written before reports were kept hold none: the weights are the same
     return model.eval(), f"{name}-{recipe.key()}", saved.get("report", {})
+
+
+def embedded_models(everything: bool = False) -> dict[str, Callable[[Path], object]]:
+    """Reprogrammable-FL's embedded sources, for ``models.prepare`` (the ablation-only ones with
+    ``everything``)."""
+    return {name: partial(load_pretrained, name) for name in SOURCES if everything or name not in ABLATION_ONLY}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,55 +1,89 @@
-"""Pretrain every embedded model into a cache, once: what a Docker image bakes in at build time so
-that no container pretrains at run time (a first ``flwr run`` would otherwise wait minutes on
-every node, past the server's handshake timeout).
+"""Pretrain the embedded models of some method families into a cache, once: what a Docker image
+bakes in at build time so that no container pretrains at run time (a first ``flwr run`` would
+otherwise wait minutes on every node, past the server's handshake timeout).
 
-    python -m fedvlm.models.prepare --cache-dir /opt/fedvlm-cache
+    python -m fedvlm.models.prepare --cache-dir /opt/fedvlm-cache --family prompt
 
-The embedded tiny CLIP (prompt methods), the tiny VLM (LoRA methods) and the reprogramming sources
-(``embedded_resnet.SOURCES``; the label-smoothed ablation source only with ``--all``). Every
-recipe is seeded and the cache is keyed by it, so the weights are the ones any machine would
-pretrain. This module imports only what pretraining needs (``docker/Dockerfile``'s weights stage
-copies exactly those files; ``tests/unit/test_deploy.py`` keeps the two in step).
+The prompt family loads the embedded tiny CLIP, the VLM family the tiny VLM, and Reprogrammable-FL
+the reprogramming sources (``embedded_resnet.SOURCES``; the label-smoothed ablation source only
+with ``--all``). Every recipe is seeded and the cache is keyed by it, so the weights are the ones
+any machine would pretrain. Each family's models are imported only when that family is prepared:
+``docker/Dockerfile`` pretrains each family in its own build stage, which copies exactly the
+modules that family's pretraining imports (``tests/unit/test_deploy.py`` keeps the two in step),
+so an edit to one family's model re-pretrains only that family.
+
+An image sets ``FEDVLM_PRETRAINING=refuse``: there a missing embedded model is an error that
+names the build argument that bakes it in, not a pretraining that outlasts every timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fedvlm.models import embedded_resnet, tiny_clip, tiny_vlm
+# family -> the module whose ``embedded_models(cache_dir, everything)`` names and makes its models
+# (tests/unit/test_deploy.py checks the keys against the method registry's families)
+FAMILY_MODELS = {
+    "prompt": "fedvlm.models.tiny_clip",
+    "vlm": "fedvlm.models.tiny_vlm",
+    "reprogram": "fedvlm.models.embedded_resnet",
+}
+# the build argument of docker/Dockerfile that bakes each family's models into the image
+BUILD_ARGS = {family: f"EMBEDDED_{family.upper()}" for family in FAMILY_MODELS}
+REFUSE = "refuse"  # FEDVLM_PRETRAINING's value in an image
 
-ABLATION_ONLY = ("embedded-motif-resnet-ls",)
+
+class NotInImage(RuntimeError):
+    """An embedded model the image was built without."""
 
 
-def prepare(cache_dir: Path, everything: bool = False) -> dict[str, float]:
-    """Pretrain (or find) each embedded model in ``cache_dir``; seconds each took."""
+def check_may_pretrain(family: str, model: str) -> None:
+    """Called by each embedded model's loader before it pretrains: in an image that baked its
+    models in (``FEDVLM_PRETRAINING=refuse``), a missing one is an error with the fix."""
+    if os.environ.get("FEDVLM_PRETRAINING") == REFUSE:
+        raise NotInImage(
+            f"the embedded model {model!r} (method family {family!r}) is not in this image, and pretraining it "
+            f"here would take minutes on every node: rebuild the image with --build-arg {BUILD_ARGS[family]}=1 "
+            "(docs/deployment.md, 'Docker'), or run a method of a family the image was built for"
+        )
+
+
+def models_of(family: str, everything: bool = False) -> dict[str, Callable[[Path], object]]:
+    """The family's embedded models: name -> a function that pretrains (or finds) it in a cache."""
+    return importlib.import_module(FAMILY_MODELS[family]).embedded_models(everything)
+
+
+def prepare(cache_dir: Path, families: Sequence[str], everything: bool = False) -> dict[str, float]:
+    """Pretrain (or find) the families' embedded models in ``cache_dir``; seconds each took."""
     took = {}
-
-    def timed(name: str, make) -> None:
-        t0 = time.time()
-        make()
-        took[name] = round(time.time() - t0, 1)
-        logging.info("%s ready in %.0f s", name, took[name])
-
-    timed("embedded-tiny", lambda: tiny_clip.load_embedded_clip(cache_dir))
-    timed("embedded-tiny-vlm", lambda: tiny_vlm.ensure_pretrained(cache_dir))
-    for name in embedded_resnet.SOURCES:
-        if everything or name not in ABLATION_ONLY:
-            timed(name, lambda name=name: embedded_resnet.load_pretrained(name, cache_dir))
+    for family in families:
+        for name, make in models_of(family, everything).items():
+            t0 = time.time()
+            make(cache_dir)
+            took[name] = round(time.time() - t0, 1)
+            logging.info("%s ready in %.0f s", name, took[name])
     return took
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.models.prepare", description=__doc__.split("\n\n")[0])
     p.add_argument("--cache-dir", type=Path, required=True)
+    p.add_argument(
+        "--family",
+        action="append",
+        choices=list(FAMILY_MODELS),
+        help="a method family whose embedded models to prepare (repeat it); default: every family",
+    )
     p.add_argument("--all", action="store_true", help="also the ablation-only sources")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    took = prepare(args.cache_dir, args.all)
+    took = prepare(args.cache_dir, args.family or list(FAMILY_MODELS), args.all)
     print(f"embedded models in {args.cache_dir}: " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()))
     return 0
 

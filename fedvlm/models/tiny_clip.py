@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from fedvlm.data import embedded
+from fedvlm.models.prepare import check_may_pretrain
 from fedvlm.models.prompt_learner import TextTower
 from fedvlm.utils.files import atomic_torch_save, file_lock, load_saved
 
@@ -180,6 +182,7 @@ def load_embedded_clip(cache_dir: Path, recipe: PretrainRecipe = PretrainRecipe(
     if not path.exists():
         with file_lock(path):
             if not path.exists():
+                check_may_pretrain("prompt", EMBEDDED_MODEL_NAME)
                 log.info("pretraining the embedded tiny CLIP once (cached at %s)", path)
                 model = pretrain(recipe)
                 atomic_torch_save({"recipe": asdict(recipe), "state_dict": model.state_dict()}, path)
@@ -188,3 +191,8 @@ def load_embedded_clip(cache_dir: Path, recipe: PretrainRecipe = PretrainRecipe(
     model.load_state_dict(blob["state_dict"])
     model.eval().requires_grad_(False)
     return model, str(path)
+
+
+def embedded_models(everything: bool = False) -> dict[str, Callable[[Path], object]]:
+    """The prompt family's embedded models, for ``models.prepare``."""
+    return {EMBEDDED_MODEL_NAME: load_embedded_clip}

@@ -19,6 +19,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,10 +29,12 @@ from PIL import Image
 
 from fedvlm.data import scenes
 from fedvlm.data.embedded import IMAGE_SIZE, domain_version
+from fedvlm.models.prepare import check_may_pretrain
 from fedvlm.utils.files import file_lock
 
 log = logging.getLogger(__name__)
 
+EMBEDDED_VLM_NAME = "embedded-tiny-vlm"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
 MEAN = (0.5, 0.5, 0.5)
 STD = (0.25, 0.25, 0.25)
@@ -185,10 +188,11 @@ def pretrain(recipe: VLMRecipe, out_dir: Path) -> None:
 
 def ensure_pretrained(cache_dir: Path, recipe: VLMRecipe = VLMRecipe()) -> Path:
     """The directory of the pretrained embedded VLM, pretraining it on first use."""
-    path = Path(cache_dir) / "models" / f"embedded-tiny-vlm-{recipe.key()}"
+    path = Path(cache_dir) / "models" / f"{EMBEDDED_VLM_NAME}-{recipe.key()}"
     if not (path / "recipe.json").exists():
         with file_lock(path):
             if not (path / "recipe.json").exists():
+                check_may_pretrain("vlm", EMBEDDED_VLM_NAME)
                 log.info("pretraining the embedded tiny VLM once (cached at %s)", path)
                 tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
                 try:
@@ -199,3 +203,8 @@ def ensure_pretrained(cache_dir: Path, recipe: VLMRecipe = VLMRecipe()) -> Path:
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def embedded_models(everything: bool = False) -> dict[str, Callable[[Path], object]]:
+    """The VLM family's embedded models, for ``models.prepare``."""
+    return {EMBEDDED_VLM_NAME: ensure_pretrained}

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
+from fedvlm.models import tiny_vlm
+from fedvlm.models.tiny_vlm import EMBEDDED_VLM_NAME
 from fedvlm.models.vlm_batching import VLM
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_VLM_NAME = "embedded-tiny-vlm"
 # Where the language model's decoder layers sit in the module tree of common VLM families
 # (LLaVA: model.language_model.layers.N, Idefics3/SmolVLM: model.text_model.layers.N,
 # TinyLLaVA: language_model.model.layers.N or llm...).
@@ -54,8 +55,6 @@ class _nullcontext:
 def resolve_model_path(name: str, cache_dir: Path) -> str:
     """The embedded model's directory (pretrained on first use), or ``name`` unchanged."""
     if name == EMBEDDED_VLM_NAME:
-        from fedvlm.models import tiny_vlm
-
         return str(tiny_vlm.ensure_pretrained(cache_dir))
     return name
 

@@ -18,6 +18,7 @@ A run config the ServerApp refuses leaves a run folder too, failed with the reas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import platform
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedvlm.utils.files import atomic_torch_save, atomic_write_json, overwrite_in_place
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_json, overwrite_in_place
 from fedvlm.utils.paths import default_output_dir
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,18 @@ class RunRecorder:
             "final": {},
         }
         self.t0 = time.time()
-        self.write()
-        self.write_status()
+        # the fixed-size status file first: once it exists it records how the run ends, even
+        # when the disk fills up and results.json can no longer be written
+        try:
+            self.write_status()
+            self.write()
+        except OSError as err:
+            self.data["run"].update(status="failed", note=f"the run folder could not be written: {err}")
+            with contextlib.suppress(OSError):
+                self.write_status()
+            raise OSError(
+                err.errno, f"cannot write the run folder {self.dir} ({err}): free space on its disk, or set output-dir"
+            ) from err
 
     @classmethod
     def refused(cls, raw: dict, run_id: int | str, reason: str) -> RunRecorder:
@@ -115,6 +126,18 @@ class RunRecorder:
         resumed = {"from_round": upto, "run_id": run_id, "at": datetime.now(timezone.utc).isoformat()}
         data["run"] = {**run, "status": "running", "resumed": [*run.get("resumed", []), resumed]}
         recorder.data = data
+        return recorder
+
+    @classmethod
+    def left_running(cls, run_dir: Path) -> RunRecorder:
+        """The folder of a run whose ServerApp ended without finishing it (``fedvlm.stop`` ended
+        it), to record how it ended as that ServerApp would have: ``finish`` writes the status,
+        the summary (its seconds counted from the run's start) and the plots."""
+        recorder = cls.__new__(cls)
+        recorder.dir = Path(run_dir)
+        recorder.data = load_json(recorder.path, "the run folder cannot record how it ended")
+        started = recorder.data.get("run", {}).get("started")
+        recorder.t0 = datetime.fromisoformat(started).timestamp() if started else time.time()
         return recorder
 
     @property
@@ -163,23 +186,32 @@ class RunRecorder:
         return final
 
     def finish(self, status: str = "finished", note: str = "") -> dict:
+        """Record how the run ended: the summary, the plots, results.json and the status file. A
+        run whose results.json cannot be written (a full disk) ends as failed, with the error, in
+        the status file made when it began: its outputs are incomplete, whatever its rounds did."""
         self.data["final"] = self.final_summary()
         self.data["run"]["status"] = status
         if note:
             self.data["run"]["note"] = note
         self.data["run"]["ended"] = datetime.now(timezone.utc).isoformat()
         try:
-            self.write()
-        except OSError as err:  # a full disk: the status file, made when the run began, still takes it
-            self.data["run"]["note"] = f"{note}; results.json could not be written: {err}".lstrip("; ")
-            log.error("could not write %s: %s", self.path, err)
-        self.write_status()
-        try:
             from fedvlm.server_app.plots import plot_run
 
             plot_run(self.data, self.dir)
-        except Exception as err:  # a plot must never lose the results
+        except Exception as err:  # a plot must never lose the results; results.json says why it is missing
             log.warning("could not draw plots: %s", err)
+            self.data["run"]["plots"] = f"not drawn: {type(err).__name__}: {str(err)[:300]}"
+        try:
+            self.write()
+        except OSError as err:
+            done = "every round finished, but " if status == "finished" else ""
+            self.data["run"]["status"] = "failed"
+            self.data["run"]["note"] = (
+                f"{note}; {done}results.json could not be written ({err}): it holds only what was written "
+                "before, without the summary; free space on its disk"
+            ).lstrip("; ")
+            log.error("could not write %s: %s", self.path, err)
+        self.write_status()
         return self.data["final"]
 
 

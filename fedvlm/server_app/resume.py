@@ -43,12 +43,12 @@ from pathlib import Path
 import torch
 
 from fedvlm.runconfig import RunConfig
+from fedvlm.status import RUN_LOCK
 from fedvlm.strategies.base import FederatedStrategy, ResumeError
 from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_json, load_saved, try_hold
 
 CHECKPOINT = "checkpoint.pt"
 INFLIGHT = "inflight.json"
-LOCK = "run.lock"
 # a refused resume, kept beside the run it would have continued: the folder itself is left as it
 # was (its results.json still says 'finished'), so without this `flwr run ... resume=... &&
 # python -m fedvlm.status` reported success when the resume was refused (fedvlm.status reads it)
@@ -71,11 +71,11 @@ class ResumePoint:
 def hold_run_dir(run_dir: Path):
     """This ServerApp's lock on its run folder (module docstring); ``ResumeError`` if another
     process holds it."""
-    held = try_hold(Path(run_dir) / LOCK)
+    held = try_hold(Path(run_dir) / RUN_LOCK)
     if held is None:
-        pid = (Path(run_dir) / LOCK).read_text().strip() or "?"
+        pid = (Path(run_dir) / RUN_LOCK).read_text().strip() or "?"
         raise ResumeError(
-            f"{Path(run_dir).name} is still running (its ServerApp, process {pid}, holds {LOCK}): wait for it, or "
+            f"{Path(run_dir).name} is still running (its ServerApp, process {pid}, holds {RUN_LOCK}): wait for it, or "
             "stop it (python -m fedvlm.stop) before resuming"
         )
     return held
@@ -88,7 +88,8 @@ def save_inflight(run_dir: Path, server_round: int, trainees: list[str]) -> None
 
 def save_checkpoint(run_dir: Path, strategy: FederatedStrategy, server_round: int) -> None:
     arrays = {k: torch.from_numpy(v.copy()) for k, v in strategy.global_arrays.items()}
-    atomic_torch_save({"round": server_round, "arrays": arrays, "state": strategy.state_dict()}, run_dir / CHECKPOINT)
+    state = {"round": server_round, "arrays": arrays, "state": strategy.state_dict()}
+    atomic_torch_save(state, run_dir / CHECKPOINT, digest=True)  # damage is refused at resume, not resumed from
 
 
 def _differences(saved: dict, now: dict) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -77,7 +78,42 @@ def _atomic_write(path: Path, write, durable: bool = False) -> None:
             os.close(folder)
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
+DIGEST = "sha256"  # the key of a saved dict's own digest (``atomic_torch_save(..., digest=True)``)
+
+
+def content_digest(obj: Any) -> str:
+    """A SHA-256 of nested dicts, lists, tensors and scalars: their structure, dtypes, shapes and
+    bytes (a torch file's zip entries carry no check a loader applies: flipped bytes in a tensor's
+    data load as other numbers)."""
+    h = hashlib.sha256()
+
+    def feed(x: Any) -> None:
+        if isinstance(x, dict):
+            h.update(b"d%d" % len(x))
+            for k in sorted(x, key=repr):
+                feed(k)
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(b"l%d" % len(x))
+            for v in x:
+                feed(v)
+        elif torch.is_tensor(x):
+            t = x.detach().cpu().contiguous()
+            h.update(f"t{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(f"{type(x).__name__}:{x!r}".encode())
+
+    feed(obj)
+    return h.hexdigest()
+
+
+def atomic_torch_save(obj: Any, path: Path, digest: bool = False) -> None:
+    """``torch.save`` through a temporary file; ``digest``: ``obj`` (a dict) also carries its
+    ``content_digest``, which ``load_saved`` checks, for state whose silent damage would mislead
+    (a node's private state and privacy ledger, the server's checkpoint)."""
+    if digest:
+        obj = {**obj, DIGEST: content_digest(obj)}
     _atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
@@ -90,12 +126,17 @@ def load_saved(path: Path, fix: str) -> Any:
     raises ``UnreadableFile`` naming it, what is wrong and ``fix`` (torch's own errors name
     neither the file nor what to do)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as err:  # noqa: BLE001 - a damaged file raises zip, pickle, EOF or runtime errors
         first = (str(err).strip().splitlines() or [""])[0][:200]
         raise UnreadableFile(f"{path} cannot be read ({type(err).__name__}: {first}): {fix}") from err
+    if isinstance(saved, dict) and DIGEST in saved:
+        recorded = saved.pop(DIGEST)
+        if content_digest(saved) != recorded:
+            raise UnreadableFile(f"{path} is damaged (its contents do not match the digest saved with them): {fix}")
+    return saved
 
 
 def load_json(path: Path, fix: str) -> Any:

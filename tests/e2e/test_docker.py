@@ -40,6 +40,40 @@ def _ok(*cmd: str) -> bool:
     return shutil.which(cmd[0]) is not None and subprocess.run(cmd, capture_output=True).returncode == 0
 
 
+def _buildkit_docker() -> tuple[str, dict]:
+    """A docker CLI that builds with BuildKit (the documented DOCKER_BUILDKIT=1: built into
+    Debian's 20.10, a newer CLI needs buildx), and its environment; else the classic builder."""
+    for cli in dict.fromkeys(c for c in (shutil.which("docker"), "/usr/bin/docker") if c and Path(c).exists()):
+        if _ok(cli, "buildx", "version"):
+            return cli, {"DOCKER_BUILDKIT": "1"}
+        version = subprocess.run([cli, "version", "--format", "{{.Client.Version}}"], capture_output=True, text=True)
+        if version.stdout[:2].isdigit() and int(version.stdout[:2]) < 23:
+            return cli, {"DOCKER_BUILDKIT": "1"}
+    return "docker", {"DOCKER_BUILDKIT": "0"}
+
+
+def _tools(uid: int, gid: int) -> list[str]:
+    """docs/deployment.md's `fedvlm` helper: the image's tools, as the operator, on the checkout."""
+    return [
+        "docker",
+        "run",
+        "--rm",
+        "--network",
+        "host",
+        "-u",
+        f"{uid}:{gid}",
+        "-e",
+        "HOME=/tmp",
+        "-e",
+        "FEDVLM_CACHE=/tmp/cache",
+        "-v",
+        f"{ROOT}:/src",
+        "-w",
+        "/src/docker",
+        IMAGE,
+    ]
+
+
 def _compose() -> list[str]:
     return ["docker", "compose"] if _ok("docker", "compose", "version") else ["docker-compose"]
 
@@ -65,17 +99,23 @@ def stack(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("docker")
     creds, data, secrets = work / "credentials", work / "data", work / "secrets"
-    generate(creds, [], [], ["org-0", "org-1", "intruder"])
-    export_partitions(data, 2)
-    secrets.mkdir(mode=0o700)
-    for org in ("org-0", "org-1"):
-        (secrets / org).write_bytes(os.urandom(32))
+    old_umask = os.umask(0o077)  # the operator's files are owner-only, as the image's tools make them
+    try:
+        generate(creds, [], [], ["org-0", "org-1", "intruder"])
+        export_partitions(data, 2)
+        secrets.mkdir()
+        for org in ("org-0", "org-1"):
+            (secrets / org).write_bytes(os.urandom(32))
+    finally:
+        os.umask(old_umask)
+    # docs/deployment.md, "Docker", step 3: the keys to the containers' accounts, the data to their group
     for path in [creds / "server.key", creds / "server-signing.key"]:
-        os.chown(path, FEDERATION_UID, FEDERATION_UID)
-    for path in [secrets, *secrets.iterdir(), *(creds / "supernodes").iterdir()]:
-        os.chown(path, UID, UID)
-    for path in [creds, data, *data.rglob("*")]:
-        path.chmod(path.stat().st_mode | 0o055)  # the containers' user reads the public parts and the images
+        os.chown(path, FEDERATION_UID, -1)
+    for path in [*secrets.iterdir(), creds / "supernodes" / "org-0", creds / "supernodes" / "org-1"]:
+        os.chown(path, UID, -1)
+    for path in [data, *data.rglob("*")]:
+        os.chown(path, -1, UID)
+        path.chmod(path.stat().st_mode | (0o050 if path.is_dir() else 0o040))
     ports = {k: str(free_port()) for k in ("SUPERLINK_PORT", "GATEWAY_PORT", "NODE0_PORT", "NODE1_PORT")}
     env = {
         **os.environ,
@@ -85,15 +125,17 @@ def stack(tmp_path_factory):
         "FEDVLM_CREDENTIALS": str(creds),
         "FEDVLM_DATA": str(data),
         "FEDVLM_SECRETS": str(secrets),
-        "APP_PIN": build_hash(ROOT)[0],
         "RESEARCHER_UID": str(os.getuid()),  # the account whose flwr reaches the SuperLink
     }
-    # a site whose proxy intercepts TLS (this project's own machines) passes its CA on
+    # the build of step 1, its arguments as the documented command passes them: a site whose proxy
+    # intercepts TLS (this project's own machines) passes its CA as `$(cat ...)` does (trailing
+    # newlines cut), so that the operator's layer cache is this test's
     extra_ca = "".join(p.read_text() for p in sorted(Path("/usr/local/share/ca-certificates").glob("*.crt")))
+    docker, build_env = _buildkit_docker()
     t0 = time.time()
     build = subprocess.run(
         [
-            "docker",
+            docker,
             "build",
             "--network",
             "host",
@@ -104,10 +146,17 @@ def stack(tmp_path_factory):
             "--build-arg",
             f"BASE_IMAGE={BASE}",
             "--build-arg",
-            f"EXTRA_CA_CERTS={extra_ca}",
+            f"EXTRA_CA_CERTS={extra_ca.rstrip(chr(10))}",
+            "--build-arg",
+            "EMBEDDED_PROMPT=1",
+            "--build-arg",
+            "EMBEDDED_VLM=0",
+            "--build-arg",
+            "EMBEDDED_REPROGRAM=0",
             ".",
         ],
         cwd=ROOT,
+        env={**os.environ, **build_env},
         capture_output=True,
         text=True,
     )
@@ -116,6 +165,15 @@ def stack(tmp_path_factory):
     size = int(
         subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE], capture_output=True, text=True).stdout
     )
+    # step 2's pin, computed by the image's own tools on the checkout, is the host's
+    pin = subprocess.run(
+        [*_tools(os.getuid(), os.getgid()), "python", "-m", "fedvlm.deploy.pinned_app", "hash", "/src"],
+        capture_output=True,
+        text=True,
+    )
+    assert pin.returncode == 0, pin.stderr
+    assert pin.stdout.split()[0] == build_hash(ROOT)[0], pin.stdout
+    env["APP_PIN"] = pin.stdout.split()[0]
     compose = [*_compose(), "-p", "fedvlm-e2e", "-f", str(ROOT / "docker" / "compose.yml")]
     up = subprocess.run([*compose, "up", "-d"], env=env, capture_output=True, text=True)
     try:
@@ -190,6 +248,50 @@ def test_the_image_builds_and_the_compose_federation_finishes_a_dp_run(stack):
         f"\nDocker: image built in {stack['built']:.0f} s, {stack['size'] / 2**30:.2f} GiB; a 2-round PromptFL run on "
         f"two organisations finished in {ran:.0f} s"
     )
+    # every container: an init as PID 1 that reaped the finished ServerApp and ClientApps, and a
+    # read-only root (not even its own home is writable); no warning about a cache it cannot write
+    probe = (
+        "import pathlib; p = pathlib.Path('/proc'); "
+        "print(p.joinpath('1', 'cmdline').read_bytes().split(b'\\0')[0].decode()); "
+        "print(sum(') Z ' in q.joinpath('stat').read_text() for q in p.iterdir() if q.name.isdigit())); "
+        "import os; print(os.access(os.path.expanduser('~'), os.W_OK), os.access('/tmp', os.W_OK))"
+    )
+    for service in ("superlink", "exec-0", "worker-1"):
+        got = subprocess.run(
+            [*stack["compose"], "exec", "-T", service, "python", "-c", probe],
+            env=stack["env"],
+            capture_output=True,
+            text=True,
+        )
+        init, zombies, home, tmp = got.stdout.split()
+        assert "init" in init and zombies == "0" and (home, tmp) == ("False", "True"), (service, got.stdout, got.stderr)
+    logs = subprocess.run([*stack["compose"], "logs", "--no-color"], env=stack["env"], capture_output=True, text=True)
+    assert "Matplotlib created a temporary" not in logs.stdout and "is not a writable directory" not in logs.stdout
+
+
+def test_a_family_the_image_was_built_without_is_refused_with_the_build_argument(stack):
+    """The image bakes only the prompt family's model (compose.yml's default): the tiny VLM is not
+    pretrained for minutes on a node, it is refused with the build argument that adds it."""
+    got = subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "host",
+            IMAGE,
+            "python",
+            "-c",
+            "from pathlib import Path; from fedvlm.models import tiny_clip, tiny_vlm; "
+            "tiny_clip.load_embedded_clip(Path('/home/app/.cache/fedvlm')); print('clip baked', flush=True); "
+            "tiny_vlm.ensure_pretrained(Path('/home/app/.cache/fedvlm'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert got.returncode != 0 and got.stdout.strip() == "clip baked", got.stdout + got.stderr[-2000:]
+    assert "NotInImage" in got.stderr and "--build-arg EMBEDDED_VLM=1" in got.stderr, got.stderr[-2000:]
 
 
 def test_an_unregistered_supernode_is_refused(stack):

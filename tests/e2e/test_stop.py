@@ -60,8 +60,11 @@ def test_stop_ends_the_run_and_everything_it_started(tmp_path, cache_dir, pretra
             kill_tree(root)
         if cli.poll() is None:
             cli.kill()
+    assert f"{out / 'long'}: interrupted after round" in stop.stdout, stop.stdout
+    data = json.loads(results.read_text())
+    assert data["run"]["status"] == "interrupted" and f"resume='{out / 'long'}'" in data["run"]["note"], data["run"]
     status = subprocess.run([sys.executable, "-m", "fedvlm.status", str(out / "long")], capture_output=True, text=True)
-    assert status.returncode == 5, status.stdout  # interrupted: it never finished
+    assert status.returncode == 5 and "interrupted after" in status.stdout, status.stdout  # it never finished
     again = subprocess.run(
         [sys.executable, "-m", "fedvlm.stop", "--flwr-home", str(home)], capture_output=True, text=True, timeout=60
     )

@@ -17,6 +17,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
 from fedvlm.deploy.credentials import CredentialsError, generate
+from fedvlm.methods.registry import FAMILIES
+from fedvlm.models import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -157,6 +159,11 @@ def test_compose_runs_least_privilege_with_real_flags():
     }
     for name, svc in compose["services"].items():
         assert not {"ports", "networks"} & set(svc), name  # host networking only
+        # reaped children, no capabilities or privilege gain, and writes only to volumes and /tmp
+        assert svc["init"] is True and svc["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in svc["security_opt"] and svc["read_only"] is True, name
+        assert [t.split(":")[0] for t in svc["tmpfs"]] == ["/tmp"], name
+        assert svc["environment"]["FLWR_HOME"].startswith("/tmp/"), name  # Flower's app store
         cmd = svc["command"]
         program = next(p for p in helps if p in cmd)
         used = {c.split("=", 1)[0] for c in cmd if c.startswith("--") and c != "--"}
@@ -225,9 +232,31 @@ def test_the_image_copies_real_files_and_bakes_exactly_what_pretraining_imports(
         for src in sources:
             if not src.startswith("--"):
                 assert (ROOT / src).exists(), f"COPY {src} does not exist"
-    weights = dockerfile.split("AS weights", 1)[1].split("\nFROM ", 1)[0]
-    baked = {src for line in weights.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]}
-    assert baked == _imported_files("fedvlm.models.prepare")
-    # the source is copied after the dependencies and the weights: a code edit reuses both
+    # one stage per method family, copying exactly what that family's pretraining imports, run
+    # only when its build argument says so; the final image takes every stage's models
+    assert set(prepare.FAMILY_MODELS) == set(FAMILIES)
     final = dockerfile.rsplit("\nFROM ", 1)[1]
+    for family, module in prepare.FAMILY_MODELS.items():
+        stage = dockerfile.split(f"AS {family}-models\n", 1)[1].split("\nFROM ", 1)[0]
+        baked = {src for line in stage.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]}
+        assert baked == _imported_files("fedvlm.models.prepare") | _imported_files(module), family
+        assert f"ARG {prepare.BUILD_ARGS[family]}=1" in stage
+        assert f"fedvlm.models.prepare --family {family} " in stage
+        assert f"COPY --from={family}-models --chown=app:app " in final
+    # the source is copied after the dependencies and the weights: a code edit reuses both
     assert "COPY fedvlm ./fedvlm" in final and "pip install -c constraints.txt" not in final
+
+
+def test_an_image_refuses_a_family_it_was_built_without(tmp_path, monkeypatch):
+    """In an image (FEDVLM_PRETRAINING=refuse) a missing embedded model is an error naming the
+    build argument, not minutes of pretraining on every node; a model that is there loads."""
+    from fedvlm.models import tiny_clip
+
+    monkeypatch.setenv("FEDVLM_PRETRAINING", prepare.REFUSE)
+    with pytest.raises(prepare.NotInImage, match="--build-arg EMBEDDED_PROMPT=1"):
+        tiny_clip.load_embedded_clip(tmp_path)
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").glob("*.pt"))
+    for family in prepare.FAMILY_MODELS:
+        with pytest.raises(prepare.NotInImage, match=prepare.BUILD_ARGS[family]):
+            for make in prepare.models_of(family).values():
+                make(tmp_path)

@@ -137,3 +137,46 @@ def test_a_damaged_snapshot_is_refused_naming_the_file_not_replaced_by_an_older_
     newest.write_bytes(newest.read_bytes()[:64])
     with pytest.raises(UnreadableFile, match=r"round-0002\.pt cannot be read.*cannot be restored"):
         restore(RecordDict(), where, 3, training=True)
+
+
+def test_flipped_bytes_in_a_snapshot_are_refused_not_restored_as_other_numbers(tmp_path):
+    """A torch file's zip does not check its tensors' bytes on load: the digest saved with each
+    snapshot does, so damage inside a tensor is refused, naming the file."""
+    import pytest
+
+    from fedvlm.utils.files import UnreadableFile
+
+    where = tmp_path / "node"
+    state = RecordDict()
+    for r in (1, 2):
+        _train_round(state, where, r)
+    newest = where / "round-0002.pt"
+    data = bytearray(newest.read_bytes())
+    at = data.index(torch.full((2, 3), 2.0).numpy().tobytes())  # the private tensor's own bytes
+    data[at : at + 4] = torch.tensor([7.0]).numpy().tobytes()
+    newest.write_bytes(bytes(data))
+    with pytest.raises(UnreadableFile, match=r"round-0002\.pt is damaged .*cannot be restored"):
+        restore(RecordDict(), where, 3, training=True)
+
+
+def test_deleted_snapshots_are_refused_not_a_silent_fresh_start(tmp_path):
+    """A node's folder for the run exists only once it wrote a snapshot: with its snapshots
+    deleted, a restarted node says so (and how to start afresh) instead of training from scratch;
+    a first snapshot whose write never finished (its temporary file left over) is a fresh start."""
+    import pytest
+
+    from fedvlm.utils.files import UnreadableFile
+
+    where = tmp_path / "node"
+    state = RecordDict()
+    for r in (1, 2):
+        _train_round(state, where, r)
+    for snapshot in where.glob("round-*.pt"):
+        snapshot.unlink()
+    with pytest.raises(UnreadableFile, match=r"snapshots \(round-NNNN\.pt\) are gone.*remove the folder"):
+        restore(RecordDict(), where, 3, training=True)
+    (where / ".round-0001.pt.abc.tmp").write_bytes(b"")  # a crash in the node's first persist
+    assert restore(RecordDict(), where, 3, training=True) is None
+    where.joinpath(".round-0001.pt.abc.tmp").unlink()
+    where.rmdir()  # the documented way to start this node afresh
+    assert restore(RecordDict(), where, 3, training=True) is None

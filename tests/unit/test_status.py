@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 from flwr.app import Error, Message
@@ -43,6 +44,46 @@ def test_each_outcome_has_its_exit_status_and_reason(tmp_path, capsys, run, roun
     assert words in capsys.readouterr().out
 
 
+def test_a_running_folder_whose_serverapp_is_gone_reads_interrupted_and_stop_records_it(tmp_path, capsys):
+    """A folder saying "running" is running only while a process holds its lock (the ServerApp's
+    hold_run_dir); once that process is gone (stopped, killed), status says interrupted, and
+    fedvlm.stop's record_interrupted writes that into the folder, with the resume that continues it."""
+    import subprocess
+    import sys
+
+    from fedvlm.stop import record_interrupted, run_dirs_held_by
+
+    recorded = {**_round(4, 4), "bytes_up": 10, "bytes_down": 20}  # as RunRecorder.add_round keeps it
+    folder = _write(tmp_path / "r", {"status": "running", "started": "2026-11-27T10:00:00+00:00"}, [recorded])
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from fedvlm.utils.files import try_hold; "
+            f"h = try_hold({str(folder / status.RUN_LOCK)!r}); print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert status.held(folder) is True and run_dirs_held_by([holder.pid]) == {folder}
+        assert status.main([str(folder)]) == status.UNFINISHED
+        assert "still running, or killed" in capsys.readouterr().out
+        assert record_interrupted([folder]) == [f"{folder}: still held by a running ServerApp, left as it is"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert status.held(folder) is False and status.held(tmp_path) is None  # no lock file: unknown
+    assert status.main([str(folder)]) == status.UNFINISHED
+    assert "ended without finishing" in capsys.readouterr().out
+    assert record_interrupted([folder]) == [f"{folder}: interrupted after round 1; continue it with resume='{folder}'"]
+    data = json.loads((folder / "results.json").read_text())
+    assert data["run"]["status"] == "interrupted" and f"resume='{folder}'" in data["run"]["note"]
+    assert data["final"]["rounds"] == 1 and json.loads((folder / "status.json").read_text())["status"] == "interrupted"
+    assert record_interrupted([folder]) == []  # already recorded: nothing to do
+
+
 def test_a_run_that_is_not_there_or_unreadable_is_exit_2(tmp_path, capsys):
     assert status.main([str(tmp_path / "missing")]) == status.UNREADABLE
     assert status.main(["--runs", str(tmp_path)]) == status.UNREADABLE
@@ -78,3 +119,46 @@ def test_a_real_run_that_loses_its_clients_exits_non_zero(make_cfg, pretrained_c
     result = status.check(rec.dir)
     assert result.code == status.LOST_NODES and "lost 2 of 3" in result.reason
     assert status.check(rec.dir, max_lost=0.7).code == status.OK
+
+
+def test_a_full_disk_at_the_start_or_the_end_fails_the_run_with_the_reason(make_cfg, pretrained_clip, monkeypatch):
+    """No space for results.json: at the start the ServerApp stops with an error naming the folder
+    and the fix, and the status file made first keeps the reason (status 1, not 'running'); at the
+    end (the summary and the plots cannot be written) the run is failed with the reason, not
+    'finished' without its outputs."""
+    import errno
+
+    from fedvlm.server_app import plots, results
+
+    real = results.atomic_write_json
+
+    def full_disk(when):
+        def write(data, path):
+            if when(data):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            real(data, path)
+
+        return write
+
+    cfg = make_cfg(method="promptfl", num_server_rounds=2, max_per_class=1, run_name="full-at-start")
+    nodes = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
+    monkeypatch.setattr(results, "atomic_write_json", full_disk(lambda data: True))
+    with pytest.raises(OSError, match="cannot write the run folder .*full-at-start.*free space on its disk"):
+        execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id="t")
+    folder = Path(cfg.output_dir) / "full-at-start"
+    assert not (folder / "results.json").exists()
+    verdict = status.check(folder)
+    assert verdict.code == status.FAILED and "No space left on device" in verdict.reason, verdict
+
+    cfg = make_cfg(method="promptfl", num_server_rounds=2, max_per_class=1, run_name="full-at-end")
+    monkeypatch.setattr(results, "atomic_write_json", full_disk(lambda data: "ended" in data["run"]))
+
+    def no_room(data, out_dir):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plots, "plot_run", no_room)
+    rec = execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id="t")
+    assert len(json.loads(rec.path.read_text())["rounds"]) == 2  # every round was written before the end
+    verdict = status.check(rec.dir)
+    assert verdict.code == status.FAILED, verdict
+    assert "every round finished, but results.json could not be written" in verdict.reason, verdict
