@@ -56,7 +56,8 @@ class UnsignedInstruction(PermissionError):
 
 
 def generate(private_path: Path, public_path: Path) -> None:
-    """A new key pair: the private key 0600 (PEM, PKCS#8), the public one beside it."""
+    """A new key pair: the private key 0600 (PEM, PKCS#8), the public one beside it, 0644 whatever
+    the umask (every organisation's container, another account, reads it)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -67,6 +68,7 @@ def generate(private_path: Path, public_path: Path) -> None:
         fh.write(pem)
     public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     Path(public_path).write_bytes(public)
+    Path(public_path).chmod(0o644)
 
 
 def load_private(path: Path) -> Ed25519PrivateKey:

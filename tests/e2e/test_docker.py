@@ -172,7 +172,7 @@ def stack(tmp_path_factory):
         text=True,
     )
     assert pin.returncode == 0, pin.stderr
-    assert pin.stdout.split()[0] == build_hash(ROOT)[0], pin.stdout
+    assert pin.stdout.split()[0].removeprefix("sha256:") == build_hash(ROOT)[0], pin.stdout
     env["APP_PIN"] = pin.stdout.split()[0]
     compose = [*_compose(), "-p", "fedvlm-e2e", "-f", str(ROOT / "docker" / "compose.yml")]
     up = subprocess.run([*compose, "up", "-d"], env=env, capture_output=True, text=True)

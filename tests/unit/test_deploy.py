@@ -29,11 +29,18 @@ BIN = Path(sys.executable).parent
 
 def test_credentials_make_a_ca_a_server_certificate_and_supernode_keys(tmp_path):
     out = tmp_path / "creds"
-    done = generate(out, ["superlink.example.org"], ["10.0.0.5"], ["org-a", "org-b"])
+    umask = os.umask(0o077)  # docs/deployment.md's operator (and the image's tools) write owner-only
+    try:
+        done = generate(out, ["superlink.example.org"], ["10.0.0.5"], ["org-a", "org-b"])
+    finally:
+        os.umask(umask)
     assert done["created"] == ["ca.crt", "server.crt", "server-signing.key", "supernodes/org-a", "supernodes/org-b"]
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     for secret in ("ca.key", "server.key", "server-signing.key", "supernodes/org-a", "supernodes/org-b"):
         assert mode(out / secret) == 0o600, secret
+    # what other accounts (the containers', the researcher's) read, whatever the umask
+    for public in ("ca.crt", "server.crt", "server-signing.pub", "supernodes/org-a.pub", "supernodes/org-b.pub"):
+        assert mode(out / public) == 0o644, public
     assert mode(out) == 0o700
 
     ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
