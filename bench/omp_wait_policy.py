@@ -36,7 +36,7 @@ def timed(policy: str, together: int, steps: int) -> float:
         for _ in range(together)
     ]
     for p in procs:
-        out, _ = p.communicate()
+        p.communicate()
         if p.returncode:
             raise SystemExit(f"a pretraining failed ({policy}, {together} at once)")
     return time.time() - t0
@@ -54,7 +54,8 @@ def main() -> int:
         for together in (1, 2):
             for policy in ("ACTIVE", "PASSIVE"):
                 seconds = timed(policy, together, args.steps)
-                rows.append({"repeat": repeat, "policy": policy, "side_by_side": together, "seconds": round(seconds, 1)})
+                row = {"repeat": repeat, "policy": policy, "side_by_side": together, "seconds": round(seconds, 1)}
+                rows.append(row)
                 print(f"repeat {repeat}: {together} at once, OMP_WAIT_POLICY={policy}: {seconds:.1f} s", flush=True)
     mean = {
         (pol, n): sum(r["seconds"] for r in rows if (r["policy"], r["side_by_side"]) == (pol, n)) / args.repeats
