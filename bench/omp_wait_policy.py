@@ -1,9 +1,10 @@
 """What torch's OpenMP threads cost when processes share the cores: the embedded motif ResNet's
 pretraining (the longest of the image's build stages; a short run of its recipe), alone and two
-side by side, with the threads spinning while they wait (``OMP_WAIT_POLICY=ACTIVE``, libgomp's
-behaviour for a while after each parallel region) or sleeping (``PASSIVE``, which
-``fedvlm/__init__.py`` and the Docker image set). Each run is a fresh process, since OpenMP reads
-the policy once, when torch loads it; the modes alternate, and each is repeated.
+side by side, with libgomp's default (threads spin for a while after each parallel region, then
+sleep; ``OMP_WAIT_POLICY`` unset), with threads that only spin (``ACTIVE``) and with threads that
+sleep at once (``PASSIVE``, which the Docker image's pretraining stages set). Each run is a fresh
+process, since OpenMP reads the policy once, when torch loads it; the modes alternate, and each is
+repeated.
 
     python bench/omp_wait_policy.py --steps 60 --repeats 2 --json docs/results/omp_wait_policy.json \
         --csv docs/results/omp_wait_policy.csv
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+POLICIES = ("default", "ACTIVE", "PASSIVE")
 RUN = (
     "import dataclasses, time; from fedvlm.models import embedded_resnet as er; "
     "r = dataclasses.replace(er.SOURCES['embedded-motif-resnet'], steps={steps}); "
@@ -29,7 +31,9 @@ RUN = (
 
 def timed(policy: str, together: int, steps: int) -> float:
     """Wall seconds until ``together`` pretrainings started at once have all finished."""
-    env = {**os.environ, "OMP_WAIT_POLICY": policy}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy != "default":
+        env["OMP_WAIT_POLICY"] = policy
     t0 = time.time()
     procs = [
         subprocess.Popen([sys.executable, "-c", RUN.format(steps=steps)], env=env, stdout=subprocess.PIPE, text=True)
@@ -52,22 +56,26 @@ def main() -> int:
     rows = []
     for repeat in range(args.repeats):
         for together in (1, 2):
-            for policy in ("ACTIVE", "PASSIVE"):
+            for policy in POLICIES:
                 seconds = timed(policy, together, args.steps)
                 row = {"repeat": repeat, "policy": policy, "side_by_side": together, "seconds": round(seconds, 1)}
                 rows.append(row)
                 print(f"repeat {repeat}: {together} at once, OMP_WAIT_POLICY={policy}: {seconds:.1f} s", flush=True)
     mean = {
         (pol, n): sum(r["seconds"] for r in rows if (r["policy"], r["side_by_side"]) == (pol, n)) / args.repeats
-        for pol in ("ACTIVE", "PASSIVE")
+        for pol in POLICIES
         for n in (1, 2)
     }
     summary = {
         "cores": os.cpu_count(),
         "steps": args.steps,
         "mean_seconds": {f"{pol.lower()}-{n}": round(v, 1) for (pol, n), v in mean.items()},
-        "two_side_by_side_active_over_passive": round(mean[("ACTIVE", 2)] / mean[("PASSIVE", 2)], 2),
-        "alone_active_over_passive": round(mean[("ACTIVE", 1)] / mean[("PASSIVE", 1)], 2),
+        **{
+            f"{pol.lower()}_over_passive_{n}": round(mean[(pol, n)] / mean[("PASSIVE", n)], 2)
+            for pol in POLICIES
+            for n in (1, 2)
+            if pol != "PASSIVE"
+        },
     }
     print(json.dumps(summary, indent=2))
     if args.json:

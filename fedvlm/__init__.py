@@ -5,12 +5,3 @@ top-level module: ``server_app`` (the ServerApp and its round loop), ``client_ap
 ClientApp and each family's client), ``strategies`` (aggregation, server-side noise, FedRand's
 draws), ``models``, ``data``, ``privacy``, ``methods`` (the registry), ``runconfig``.
 """
-
-import os
-
-# Torch's OpenMP threads sleep rather than spin while they wait, unless the user chose otherwise.
-# Simulated clients, a pretraining server and organisations' nodes share the cores: spinning
-# threads then slow each other (1.5x for two pretrainings side by side, far more on a loaded
-# machine; docs/results/deployment.md). Set here, before anything imports torch, because OpenMP
-# reads it once, when torch loads it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
