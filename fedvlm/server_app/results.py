@@ -87,6 +87,7 @@ class RunRecorder:
         # the fixed-size status file first: once it exists it records how the run ends, even
         # when the disk fills up and results.json can no longer be written
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)
             self.write_status()
             self.write()
         except OSError as err:
