@@ -9,7 +9,7 @@ MaxRényi-K% is the mean of the K% largest per-token entropies (K = 0: the large
 model is more certain on what it was trained on, so a lower score means "member"; AUROC and
 TPR at 5% FPR are computed with -score as the member score.
 
-Threats (METHODS.md), both from what the server of a run holds:
+Threats (docs/methods.md, "FedRand"), both from what the server of a run holds:
 - ``server``: the final shared adapter (``final_shared.pt``), the client-only parts at their
   seeded initial values;
 - ``client``: each client's model as the server can rebuild it from the client's last

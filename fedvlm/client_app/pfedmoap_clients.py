@@ -1,4 +1,4 @@
-"""pFedMoAP's client (METHODS.md, "pFedMoAP"): a prompt trained from the aggregate every round,
+"""pFedMoAP's client (docs/methods.md, "pFedMoAP"): a prompt trained from the aggregate every round,
 mixed with the expert prompts of other nodes by a private attention gate.
 
 A round with experts:

@@ -50,7 +50,7 @@ PRESETS: dict[str, dict] = {
     },
 }
 
-# pFedMoAP's setups (its Table 1 and appendix; METHODS.md "pFedMoAP"): RN50, 16 shots, 10 clients
+# pFedMoAP's setups (its Table 1 and appendix; docs/methods.md "pFedMoAP"): RN50, 16 shots, 10 clients
 # with disjoint classes, every client every round, 10 rounds of 5 local epochs, CoOp's SGD. The
 # slides do not give CIFAR's round count; 50 is this project's choice (10% sampling: each client
 # trains about 5 times).

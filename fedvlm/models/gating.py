@@ -1,4 +1,4 @@
-"""pFedMoAP's private attention gate and its mixture-of-prompt-experts logits (METHODS.md,
+"""pFedMoAP's private attention gate and its mixture-of-prompt-experts logits (docs/methods.md,
 "pFedMoAP").
 
 For every image and every class the gate attends from the image to that class's text features

@@ -1,5 +1,5 @@
 """Reprogrammable-FL's models: a frozen source classifier, the input program and output map of
-model reprogramming, and the three fine-tuning baselines (METHODS.md "Reprogrammable-FL").
+model reprogramming, and the three fine-tuning baselines (docs/methods.md "Reprogrammable-FL").
 
 Model reprogramming (``reprogram``): a target image, resized to ``s`` (``reprogram.image-size``),
 is zero-padded to the source model's input size S and perturbed by a trainable program,

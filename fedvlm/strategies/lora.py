@@ -4,7 +4,7 @@ The server loads the frozen VLM once on the CPU (for the adapter's seeded initia
 the fingerprint every client must match) and holds the shared adapter tensors. Every method
 averages what it receives weighted by the clients' data sizes; FedRand does so per half.
 
-FedRand (METHODS.md): each round the server draws a_k ~ Bernoulli(rho) for every sampled
+FedRand (docs/methods.md, "FedRand"): each round the server draws a_k ~ Bernoulli(rho) for every sampled
 client (seeded by run seed and round), sends only the drawn half (all A if a_k = 1, all B
 otherwise; both on a client's first participation) and asks for that half back. Then
 

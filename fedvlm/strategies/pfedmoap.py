@@ -1,4 +1,4 @@
-"""pFedMoAP's server (METHODS.md, "pFedMoAP"): a pool of every node's latest prompt, and per-node
+"""pFedMoAP's server (docs/methods.md, "pFedMoAP"): a pool of every node's latest prompt, and per-node
 messages that carry the node's expert prompts.
 
 Round t:

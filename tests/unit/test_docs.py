@@ -57,3 +57,18 @@ def test_configuration_doc_is_generated_from_the_schema():
     text = (ROOT / "docs" / "configuration.md").read_text()
     fix = "python -m fedvlm.runconfig keys --write docs/configuration.md"
     assert with_keys_table(text) == text, f"docs/configuration.md's key table is out of date: {fix}"
+
+
+def test_every_section_of_the_method_spec_the_code_cites_exists():
+    """The code cites docs/methods.md by section (`docs/methods.md, "pFedMoAP"`): each cited
+    section is a heading there, and nothing cites a spec outside the repository."""
+    headings = [line[3:] for line in (ROOT / "docs" / "methods.md").read_text().splitlines() if line.startswith("## ")]
+    cited = {}
+    for path in [*(ROOT / "fedvlm").rglob("*.py"), *(ROOT / "docs").rglob("*.md")]:
+        text = path.read_text()
+        assert "METHODS.md" not in text, f"{path} cites METHODS.md, which is not in the repository"
+        for name in re.findall(r"methods\.md\)?,? \"([^\"]+)\"", text):
+            cited.setdefault(name, []).append(path.name)
+    assert {"pFedMoAP", "FedRand", "Reprogrammable-FL"} <= set(cited), cited
+    for name, where in cited.items():
+        assert any(h == name or h.startswith(f"{name} (") for h in headings), (name, where, headings)
