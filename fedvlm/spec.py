@@ -9,7 +9,6 @@ code, so both sides can type against it without an import cycle.
 
 from __future__ import annotations
 
-import importlib
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any, Protocol
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP
 from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig.schema import RunConfig
+from fedvlm.utils.imports import load
 
 # (run config, names of the tensors the client's model has) -> names that may leave a client.
 # The server, the client and the send guard all evaluate this one rule.
@@ -36,12 +36,6 @@ def shares_only(*fixed: str) -> SharedRule:
     """A fixed set of tensor names, whatever the model holds (e.g. a prompt method's
     ``global_grad``, a gradient that is not itself a model tensor)."""
     return lambda cfg, names: frozenset(fixed)
-
-
-def load(path: str) -> Any:
-    """The object a table entry names by path, ``'package.module:name'``."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 class NodeClient(Protocol):

@@ -46,6 +46,7 @@ from fedvlm.client_app.node import node_data
 from fedvlm.data.membership import reference_inclusion
 from fedvlm.methods.registry import get_method
 from fedvlm.methods.validation import validate
+from fedvlm.runconfig import datasets
 from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.utils.files import atomic_write_json
 
@@ -56,8 +57,8 @@ def shadow_config(target_cfg: dict, shadow_index: int, out_dir: Path, shadow_dat
     cfg = dict(target_cfg)
     if shadow_data_root:
         cfg.update({"dataset": "image-folder", "data-root": str(Path(shadow_data_root).resolve())})
-    elif cfg["dataset"] == "embedded":
-        cfg.update({"dataset": "embedded-shadow"})
+    elif datasets.BY_NAME[cfg["dataset"]].shadow:
+        cfg.update({"dataset": datasets.BY_NAME[cfg["dataset"]].shadow})
     else:
         raise ValueError(
             f"shadow models need data disjoint from the target's; dataset {cfg['dataset']!r} has no built-in "

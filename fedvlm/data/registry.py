@@ -35,6 +35,7 @@ from fedvlm.data.sources import (
 )
 from fedvlm.runconfig import datasets as catalogue
 from fedvlm.utils.files import load_json, read_utf8
+from fedvlm.utils.imports import load
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 EMBEDDED_TRAIN_PER_CLASS = 64
@@ -47,9 +48,10 @@ def _clean(name: str) -> str:
     return name.replace("_", " ").strip()
 
 
-def load_embedded(shadow: bool = False, **_) -> DatasetSplits:
-    """The embedded task. ``shadow``: an independent draw of the same task (other seeds), the
-    disjoint data a membership-inference attacker trains shadow models on."""
+def load_embedded(request: catalogue.Request) -> DatasetSplits:
+    """The embedded task; ``embedded-shadow``: an independent draw of the same task (other seeds),
+    the disjoint data a membership-inference attacker trains shadow models on."""
+    shadow = request.name == "embedded-shadow"
     seeds = (3, 4) if shadow else (1, 2)
     tr_x, tr_y = embedded.generate(EMBEDDED_TRAIN_PER_CLASS, seed=seeds[0], style="task")[:2]
     te_x, te_y = embedded.generate(EMBEDDED_TEST_PER_CLASS, seed=seeds[1], style="task")[:2]
@@ -62,7 +64,7 @@ def load_embedded(shadow: bool = False, **_) -> DatasetSplits:
     )
 
 
-def load_motifs(**_) -> DatasetSplits:
+def load_motifs(request: catalogue.Request) -> DatasetSplits:
     tr_x, tr_y = motifs.generate(MOTIFS_TRAIN_PER_CLASS, seed=11, split="target")
     te_x, te_y = motifs.generate(MOTIFS_TEST_PER_CLASS, seed=12, split="target")
     tag = f"motifs-{motifs.domain_version()}"
@@ -77,9 +79,10 @@ def load_motifs(**_) -> DatasetSplits:
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
-def load_digits(test_fraction: float = 0.3, **_) -> DatasetSplits:
+def load_digits(request: catalogue.Request) -> DatasetSplits:
     from sklearn.datasets import load_digits as sk_digits
 
+    test_fraction = request.test_fraction
     d = sk_digits()
     images = np.clip(d.images * 16, 0, 255).astype(np.uint8)  # values 0..16 -> 0..255
     labels = d.target.astype(np.int64)
@@ -169,10 +172,10 @@ CALTECH_IGNORED = {"BACKGROUND_Google", "Faces_easy"}
 CALTECH_RENAMED = {"airplanes": "airplane", "Faces": "face", "Leopards": "leopard", "Motorbikes": "motorbike"}
 
 
-def load_torchvision(name: str, root: Path, download: bool, test_fraction: float) -> DatasetSplits:
+def load_torchvision(request: catalogue.Request) -> DatasetSplits:
     import torchvision.datasets as tvd
 
-    root = Path(root)
+    name, root, download, test_fraction = request.name, Path(request.data_root), request.download, request.test_fraction
     if not download and not root.is_dir():
         raise DatasetError(
             f"data-root {str(root)!r} does not exist; create it with the {name} files or set download=true"
@@ -295,7 +298,11 @@ def _federation_classes(root: Path, found: list[str]) -> list[str]:
     return names
 
 
-def load_image_folder(root: Path, test_fraction: float, **_) -> DatasetSplits:
+def load_image_folder_request(request: catalogue.Request) -> DatasetSplits:
+    return load_image_folder(Path(request.data_root), request.test_fraction)
+
+
+def load_image_folder(root: Path, test_fraction: float) -> DatasetSplits:
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(
@@ -347,11 +354,11 @@ BLOODMNIST_CLASSES = [
 ]
 
 
-def load_bloodmnist(root: Path, test_fraction: float = 0.3, **_) -> DatasetSplits:
+def load_bloodmnist(request: catalogue.Request) -> DatasetSplits:
     """BloodMNIST (Reprogrammable-FL's medical task): MedMNIST's ``bloodmnist.npz`` (or any of its
     ``bloodmnist_<size>.npz`` variants) under data-root, with its official train/test split; or
     the same images as an image folder (<root>/<class>/*.png, optionally train/ and test/)."""
-    root = Path(root)
+    root, test_fraction = Path(request.data_root), request.test_fraction
     files = sorted(root.glob("bloodmnist*.npz")) if root.is_dir() else []
     if not files:
         if root.is_dir() and any(p.is_dir() for p in root.iterdir()):
@@ -382,7 +389,6 @@ def load_bloodmnist(root: Path, test_fraction: float = 0.3, **_) -> DatasetSplit
 
 
 TORCHVISION_SETS = catalogue.TORCHVISION
-DATASETS = tuple(name for name in catalogue.NAMES if name not in catalogue.IMAGE_TEXT)  # what load_dataset loads
 
 
 def load_dataset(
@@ -393,20 +399,11 @@ def load_dataset(
     max_per_class: int = 0,
     seed: int = 0,
 ) -> DatasetSplits:
-    """Load a registered dataset by name (see the module docstring)."""
-    if name in ("embedded", "embedded-shadow"):
-        splits = load_embedded(shadow=name == "embedded-shadow")
-    elif name == "digits":
-        splits = load_digits(test_fraction=test_fraction)
-    elif name == "motifs":
-        splits = load_motifs()
-    elif name in TORCHVISION_SETS:
-        splits = load_torchvision(name, Path(data_root), download, test_fraction)
-    elif name == "image-folder":
-        splits = load_image_folder(Path(data_root), test_fraction)
-    elif name == "bloodmnist":
-        splits = load_bloodmnist(Path(data_root), test_fraction)
-    else:
-        raise DatasetError(f"unknown dataset {name!r}; accepted: {', '.join(DATASETS)}")
+    """Load a catalogued image-classification dataset by name (see the module docstring)."""
+    try:
+        entry = catalogue.get_dataset(name, image_text=False)
+    except ValueError as err:
+        raise DatasetError(str(err)) from None
+    splits = load(entry.loader)(catalogue.Request(name, data_root, download, test_fraction))
     splits.train = limit_per_class(splits.train, max_per_class, seed, lambda i: f"{i}/max{max_per_class}-s{seed}")
     return splits

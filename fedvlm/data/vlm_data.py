@@ -39,7 +39,9 @@ import numpy as np
 
 from fedvlm.data import scenes
 from fedvlm.data.sources import ArraySource, FileSource, ImageSource, SubsetSource, stratified_split
+from fedvlm.runconfig.datasets import Request, get_dataset
 from fedvlm.utils.files import load_json, read_utf8
+from fedvlm.utils.imports import load
 
 EMBEDDED_SIZES = {"train": 1200, "test": 240, "ood": 240}
 
@@ -95,12 +97,12 @@ def _from_corpus(corpus: scenes.SceneCorpus, identity: str) -> VLMSplit:
 EMBEDDED_TASKS = {"embedded-captions": "caption", "embedded-captions-varied": "caption-varied", "embedded-vqa": "vqa"}
 
 
-def load_embedded(name: str, shadow: bool = False) -> VLMDataset:
-    """The scenes domain (``EMBEDDED_TASKS``); ``shadow``: an independent draw (data a membership
-    attacker owns)."""
+def load_embedded(request: Request) -> VLMDataset:
+    """The scenes domain's task ``request.name`` names (``EMBEDDED_TASKS``)."""
+    name = request.name
     task = EMBEDDED_TASKS[name]
-    base = 50_000 if shadow else 40_000
-    tag = f"scenes-{task}{'-shadow' if shadow else ''}"
+    base = 40_000
+    tag = f"scenes-{task}"
     train = _from_corpus(scenes.generate(task, EMBEDDED_SIZES["train"], base + 1), f"{tag}/train")
     test = _from_corpus(scenes.generate(task, EMBEDDED_SIZES["test"], base + 2), f"{tag}/test")
     ood = None
@@ -160,7 +162,13 @@ def load_coco_style(
     return split, label_names
 
 
-def load_coco(root: Path, ood_captions: str = "", max_train: int = 0, max_test: int = 0) -> VLMDataset:
+def load_coco(request: Request) -> VLMDataset:
+    root, ood_captions, max_train, max_test = (
+        Path(request.data_root),
+        request.ood_captions,
+        request.max_train,
+        request.max_test,
+    )
     ann = root / "annotations"
     train, names = load_coco_style(ann / "captions_train2017.json", root / "train2017", "coco/train", max_train)
     test, _ = load_coco_style(ann / "captions_val2017.json", root / "val2017", "coco/val", max_test)
@@ -192,9 +200,11 @@ class _HFImages(ImageSource):
         h.update(self.rows._fingerprint.encode())  # the datasets library's hash of the rows' content
 
 
-def load_scienceqa(source: str, max_train: int = 0, max_test: int = 0) -> VLMDataset:
+def load_scienceqa(request: Request) -> VLMDataset:
+    """ScienceQA from a folder ``datasets`` saved (data-root), or from its hub (hf-dataset)."""
     import datasets
 
+    source, max_train, max_test = request.data_root or request.hf_dataset, request.max_train, request.max_test
     try:
         if Path(source).expanduser().is_dir():
             ds = datasets.load_from_disk(str(Path(source).expanduser()))
@@ -265,7 +275,7 @@ def load_vlm_folder(root: Path, dataset: str, test_fraction: float, seed: int) -
             '{"image": ..., "caption": ...} (or "question"/"choices"/"answer") record per line; '
             "python -m fedvlm.deploy.export_folder --set method=fedrand writes examples"
         )
-    task, caption_prompt, vqa_prompt = FOLDER_PROMPTS[dataset.removesuffix("-shadow")]
+    task, caption_prompt, vqa_prompt = FOLDER_PROMPTS[dataset]
     rows = []
     for n, line in enumerate(read_utf8(records_path, f"save {FOLDER_FILE} as UTF-8").splitlines(), 1):
         if not line.strip():
@@ -329,14 +339,15 @@ def load_vlm_folder(root: Path, dataset: str, test_fraction: float, seed: int) -
 def load_vlm_dataset(
     name: str, data_root: str = "", ood_captions: str = "", max_train: int = 0, max_test: int = 0, hf_dataset: str = ""
 ) -> VLMDataset:
-    if name.removesuffix("-shadow") in EMBEDDED_TASKS:
-        ds = load_embedded(name.removesuffix("-shadow"), shadow=name.endswith("-shadow"))
-    elif name == "coco-captions":
-        ds = load_coco(Path(data_root), ood_captions, max_train, max_test)
-    elif name == "scienceqa":
-        ds = load_scienceqa(data_root or hf_dataset, max_train, max_test)
-    else:
-        raise VLMDataError(f"{name!r} is not a VLM dataset")
+    """Load a catalogued image-text dataset by name."""
+    try:
+        entry = get_dataset(name, image_text=True)
+    except ValueError as err:
+        raise VLMDataError(str(err)) from None
+    request = Request(
+        name, data_root, max_train=max_train, max_test=max_test, ood_captions=ood_captions, hf_dataset=hf_dataset
+    )
+    ds = load(entry.loader)(request)
     if max_train and len(ds.train) > max_train:
         ds.train = ds.train.subset(np.arange(max_train), f"first{max_train}")
     return ds

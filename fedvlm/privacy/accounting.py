@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import dp_accounting
 from absl import logging as absl_logging
-from dp_accounting import pld, rdp
+
+from fedvlm.privacy.accountants import REFERENCE, get_accountant
 
 # dp-accounting logs a warning for every RDP order it drops at small noise; the result is
 # still a valid bound, so keep the console for what users need.
 absl_logging.set_verbosity(absl_logging.ERROR)
 
-ACCOUNTANTS = ("rdp", "pld")
 MEANINGLESS_EPSILON = 100.0  # an epsilon beyond this bounds nothing; tight accountants are skipped
 
 
@@ -78,14 +78,6 @@ class GaussianReleases:
         return dp_accounting.SelfComposedDpEvent(one, self.count)
 
 
-def _accountant(name: str) -> dp_accounting.PrivacyAccountant:
-    if name == "rdp":
-        return rdp.RdpAccountant()
-    if name == "pld":
-        return pld.PLDAccountant(value_discretization_interval=1e-3)
-    raise ValueError(f"unknown accountant {name!r}; accepted: {', '.join(ACCOUNTANTS)}")
-
-
 def joint_noise_multiplier(*multipliers: float) -> float:
     """The noise multiplier of one Gaussian release made of several parts computed from the same
     records (e.g. a local and a global gradient of one batch), each part with its own z: the
@@ -96,7 +88,7 @@ def joint_noise_multiplier(*multipliers: float) -> float:
 
 
 def epsilon_spent(
-    releases: GaussianReleases | Sequence[GaussianReleases], delta: float, accountant: str = "rdp"
+    releases: GaussianReleases | Sequence[GaussianReleases], delta: float, accountant: str = REFERENCE
 ) -> float:
     """ε after ``releases`` (one group, or several groups composed) at ``delta``; 0 with no
     release, infinite if any release has z = 0."""
@@ -113,14 +105,13 @@ def epsilon_spent(
 def _epsilon(parts: tuple[GaussianReleases, ...], delta: float, accountant: str) -> float:
     # Cached: every round asks again for the same few (z, q, count) combinations, and a PLD
     # evaluation costs a large fraction of a second.
-    if accountant == "pld":
-        # PLD discretises the privacy-loss distribution on a grid that grows with epsilon: at
-        # vanishing noise it exhausts memory for a figure that only says "no privacy". Past
-        # MEANINGLESS_EPSILON the RDP bound (valid, looser) is returned instead.
-        bound = _epsilon(parts, delta, "rdp")
+    chosen = get_accountant(accountant)
+    if chosen.grows_with_epsilon:
+        # past MEANINGLESS_EPSILON the reference bound (valid, looser) is returned instead
+        bound = _epsilon(parts, delta, REFERENCE)
         if bound > MEANINGLESS_EPSILON:
             return bound
-    acc = _accountant(accountant)
+    acc = chosen.make()
     acc.compose(dp_accounting.ComposedDpEvent([p.event() for p in parts]) if len(parts) > 1 else parts[0].event())
     return float(acc.get_epsilon(delta))
 
@@ -143,7 +134,7 @@ def smallest_scale(epsilon_at: Callable[[float], float], target: float, tol: flo
 
 
 def calibrate_noise_multiplier(
-    target_epsilon: float, delta: float, count: int, sampling_rate: float = 1.0, accountant: str = "rdp"
+    target_epsilon: float, delta: float, count: int, sampling_rate: float = 1.0, accountant: str = REFERENCE
 ) -> float:
     """The smallest z whose ``count`` releases (subsampled at q) spend at most ``target_epsilon``."""
     if target_epsilon <= 0:
@@ -155,21 +146,16 @@ def calibrate_noise_multiplier(
         return GaussianReleases(z, count, sampling_rate).event()
 
     try:
-        # RDP first: cheap at any z. PLD is tighter (needs less noise), but very small z makes
-        # its distributions huge, so it only searches below the RDP answer.
+        # The reference (RDP) first: cheap at any z. Another accountant then searches near its
+        # answer: PLD is tighter (needs less noise), and very small z makes its distributions
+        # huge, so it must not search from scratch.
+        reference = get_accountant(REFERENCE).make
         bracket = dp_accounting.LowerEndpointAndGuess(0.05, 1.0)
         z = dp_accounting.calibrate_dp_mechanism(
-            lambda: _accountant("rdp"), make_event, target_epsilon, delta, bracket_interval=bracket, tol=1e-4
+            reference, make_event, target_epsilon, delta, bracket_interval=bracket, tol=1e-4
         )
-        if accountant == "pld":
-            z = dp_accounting.calibrate_dp_mechanism(
-                lambda: _accountant("pld"),
-                make_event,
-                target_epsilon,
-                delta,
-                bracket_interval=dp_accounting.ExplicitBracketInterval(0.5 * z, 1.02 * z),
-                tol=1e-4,
-            )
+        if accountant != REFERENCE:
+            z = _near(get_accountant(accountant).make, make_event, target_epsilon, delta, z)
     except dp_accounting.mechanism_calibration.NoBracketIntervalFoundError as err:
         raise BudgetError(
             f"no noise level reaches epsilon={target_epsilon} at delta={delta} over {count} releases: "
@@ -180,3 +166,24 @@ def calibrate_noise_multiplier(
     while epsilon_spent(GaussianReleases(z, count, sampling_rate), delta, accountant) > target_epsilon * (1 + 1e-9):
         z *= 1.0001
     return float(z)
+
+
+def _near(
+    make: Callable[[], dp_accounting.PrivacyAccountant],
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    target_epsilon: float,
+    delta: float,
+    reference_z: float,
+) -> float:
+    """The smallest z an accountant accepts, searched from the reference's answer ``reference_z``:
+    below it for a tighter accountant (PLD), above it for a looser one."""
+    try:
+        bracket = dp_accounting.ExplicitBracketInterval(0.5 * reference_z, 1.02 * reference_z)
+        return dp_accounting.calibrate_dp_mechanism(
+            make, make_event, target_epsilon, delta, bracket_interval=bracket, tol=1e-4
+        )
+    except ValueError:  # brentq's: the interval holds no answer, the accountant is looser
+        bracket = dp_accounting.LowerEndpointAndGuess(reference_z, 2.0 * reference_z)
+        return dp_accounting.calibrate_dp_mechanism(
+            make, make_event, target_epsilon, delta, bracket_interval=bracket, tol=1e-4
+        )

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from fedvlm.privacy.accountants import ACCOUNTANTS
 from fedvlm.privacy.accounting import BudgetError, check_delta
 from fedvlm.privacy.dpsgd import check_noise
 from fedvlm.privacy.ledger import PrivacyLedger
@@ -225,13 +226,13 @@ class RunBudget:
         return self.planner.local, self.planner.global_dp.name if self.planner.global_dp is not None else None
 
     def by_accountant(self, extra: Mapping[str, int] | None = None) -> dict[str, dict[str, float]]:
-        """Every planned node's epsilon so far by each of dp-accounting's accountants (``extra``:
-        rounds not yet counted), for methods that report both next to the nodes' own figures."""
+        """Every planned node's epsilon so far by each registered accountant (``extra``: rounds not
+        yet counted), for methods that report them next to the nodes' own figures."""
         out = {}
         for client in self.planner.clients:
             account = self.planner.account(client)
             rounds = self.rounds_trained.get(client, 0) + (extra or {}).get(client, 0)
-            out[client] = {acc: account.epsilon(rounds, self.settings.delta, acc) for acc in ("rdp", "pld")}
+            out[client] = {acc: account.epsilon(rounds, self.settings.delta, acc) for acc in ACCOUNTANTS}
         return out
 
     # ---- state across rounds (strategies.base.FederatedStrategy.state_dict) -------------------

@@ -83,7 +83,7 @@ def _check_value(key: Key, value: Any) -> str | None:
     return None
 
 
-EMBEDDED_CLASSIFICATION = frozenset({"embedded", "embedded-shadow", "digits", "motifs"})
+EMBEDDED_CLASSIFICATION = datasets.EMBEDDED_CLASSIFICATION
 # Reprogrammable-FL's embedded sources (``models.embedded_resnet.SOURCES``; named here so that
 # checking a run config needs no torch) and the one each embedded dataset reprograms by default:
 # the motifs task its own source domain's, the others the small shapes source.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from flwr.common.config import parse_config_args
@@ -36,9 +37,15 @@ def keys_markdown() -> str:
             if isinstance(k.default, bool)
             else k.default
         )
-        extra = f" One of: {', '.join(f'`{c}`' for c in k.choices)}." if k.choices else ""
+        extra = f" One of: {', '.join(_choice(k.choices, c) for c in k.choices)}." if k.choices else ""
         rows.append(f"| `{k.name}` | `{default}` | {k.help}{extra} |")
     return "\n".join(rows)
+
+
+def _choice(choices: Collection, name: object) -> str:
+    """A choice as the table shows it: with its summary where the choices are a registry's entries."""
+    summary = getattr(choices[name], "summary", "") if isinstance(choices, Mapping) else ""
+    return f"`{name}` ({summary})" if summary else f"`{name}`"
 
 
 def with_keys_table(text: str) -> str:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedvlm.privacy.accountants import ACCOUNTANTS, REFERENCE
 from fedvlm.runconfig.datasets import NAMES as DATASET_NAMES
 
 AUTO = "auto"
@@ -38,7 +39,8 @@ class Key:
     kind: type  # bool, int, float or str
     default: Any
     help: str
-    choices: tuple[Any, ...] | None = None
+    # accepted values; a registry's live dict (its keys), so a later registration is accepted
+    choices: Collection[Any] | None = None
     min: float | None = None
     max: float | None = None
     min_exclusive: bool = False
@@ -54,7 +56,7 @@ def opt(
     default: Any,
     help: str,
     *,
-    choices: tuple[Any, ...] | None = None,
+    choices: Collection[Any] | None = None,
     min: float | None = None,
     max: float | None = None,
     min_exclusive: bool = False,
@@ -374,7 +376,9 @@ class PrivacyConfig:
         "gradient (per-batch, the public code; the stated epsilon does not hold).",
         choices=("per-sample", "per-batch"),
     )
-    accountant: str = opt("rdp", "Accountant for calibration and reporting.", choices=("rdp", "pld"))
+    accountant: str = opt(
+        REFERENCE, "Accountant for calibration and reporting (privacy.accountants' registry).", choices=ACCOUNTANTS
+    )
     noise_multiplier: float = opt(
         AUTO,
         "Use this noise multiplier z = sigma/sensitivity for every mechanism instead "

@@ -135,7 +135,7 @@ def test_scienceqa_loader_reads_a_saved_hf_dataset(tmp_path):
     import datasets
     from PIL import Image
 
-    from fedvlm.data.vlm_data import load_scienceqa
+    from fedvlm.data.vlm_data import load_vlm_dataset
 
     def rows(n, offset):
         return {
@@ -164,7 +164,7 @@ def test_scienceqa_loader_reads_a_saved_hf_dataset(tmp_path):
         }
     )
     dd.save_to_disk(str(tmp_path / "sqa"))
-    ds = load_scienceqa(str(tmp_path / "sqa"))
+    ds = load_vlm_dataset("scienceqa", str(tmp_path / "sqa"))
     assert ds.task == "vqa" and ds.label_names == ["biology", "physics"]
     assert len(ds.train) == 6 and len(ds.test) == 4  # questions without an image are dropped
     assert ds.train.targets[0] in "ABC" and "A. yes" in ds.train.prompts[0]

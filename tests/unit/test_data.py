@@ -204,21 +204,27 @@ def test_a_real_format_tree_loads_every_label_and_split_right(tmp_path, monkeypa
 def test_the_catalogue_is_what_the_config_accepts_and_the_loaders_dispatch(tmp_path):
     """One list of datasets (runconfig.datasets): the schema's choices, the loaders' dispatch and
     the data-root rule read it; a file-backed set with an empty root fails for its files, never
-    as an unknown name."""
-    from fedvlm.data.registry import DATASETS
+    as an unknown name; every entry's loader exists and takes its request."""
+    import inspect
+
     from fedvlm.data.vlm_data import VLMDataError, load_vlm_dataset
     from fedvlm.runconfig import KEY_BY_NAME, datasets
+    from fedvlm.utils.imports import load
 
     assert KEY_BY_NAME["dataset"].choices == ("auto", *datasets.NAMES)
-    assert set(DATASETS) | datasets.IMAGE_TEXT == set(datasets.NAMES) and not set(DATASETS) & datasets.IMAGE_TEXT
+    for entry in datasets.CATALOGUE:
+        assert list(inspect.signature(load(entry.loader)).parameters) == ["request"], entry.name
+        assert not entry.shadow or datasets.BY_NAME[entry.shadow].loader == entry.loader, entry.name
     for name in datasets.NEEDING_ROOT - datasets.IMAGE_TEXT:
         with pytest.raises(DatasetError) as err:
             load_dataset(name, data_root=str(tmp_path))
         assert "unknown dataset" not in str(err.value), name
     for name in datasets.IMAGE_TEXT - datasets.NEEDING_ROOT - datasets.OPTIONAL_ROOT:
         assert len(load_vlm_dataset(name).train) > 0, name
-    with pytest.raises(VLMDataError, match="not a VLM dataset"):
+    with pytest.raises(VLMDataError, match="unknown dataset 'caltech101' for this family; accepted: embedded-captions"):
         load_vlm_dataset("caltech101")
+    with pytest.raises(DatasetError, match="unknown dataset 'coco-captions' for this family; accepted: embedded,"):
+        load_dataset("coco-captions")
 
 
 def test_files_an_operator_can_get_wrong_are_named_with_the_fix(tmp_path, monkeypatch):
