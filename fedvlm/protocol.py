@@ -24,7 +24,7 @@ node and round: on a real deployment each exchange costs a round trip through th
 Replies are typed too: a client returns a ``TrainReply`` or an ``EvaluateReply``, the send guard
 turns it into records (``to_records``), and the server's checks turn a reply message back into
 one (``strategies.validation``, which reads every tensor's header before decoding it). The
-tensors' names are in ``fedvlm.tensor_names``.
+tensors' names are in ``fedvlm.tensor_names``, the metrics' in ``fedvlm.metrics``.
 
 Both name the run folder (``run-dir``): a simulated node keeps its private state and publishes
 under it; a deployed node keys its own state directory by the folder's name
@@ -38,9 +38,13 @@ missing key reads as the field's default, so a client refuses what it needs and 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from fedvlm.metrics import COMPUTE_SECONDS, NUM_EXAMPLES
+
+# A message's records: the tensors, the instruction, the figures, a handshake's words.
+ARRAYS_RECORD, CONFIG_RECORD, METRICS_RECORD, INFO_RECORD = "arrays", "config", "metrics", "info"
 # The config-record keys: the one place they are spelled.
 SERVER_ROUND = "server-round"
 REPLY_KEYS = "reply-keys"
@@ -62,14 +66,6 @@ EVALUATION = "evaluation"  # in the reply: the evaluation's metrics
 # in the reply: the part of a train message that carried an evaluation which failed ("train" or
 # "evaluation" -> the error), so that one part's failure does not take the other's reply with it
 FAILED = "failed"
-
-# The reply metrics that both sides read (every other reported figure is checked by its rule on
-# the server, ``strategies.validation.METRIC_RULES``, and recorded as it is).
-NUM_EXAMPLES = "num-examples"  # a train reply's weight in the aggregate; an evaluation's test records
-COMPUTE_SECONDS = "compute-seconds"  # the node's time on the message, setup included
-NODE_EPSILON = "node-epsilon"  # a node's own account of what its reply releases (client_app.privacy_floor)
-# a reprogramming node's own account of its records' epsilon, by Opacus' RDP and PRV accountants
-NODE_EPSILON_RDP, NODE_EPSILON_PRV = "epsilon-rdp", "epsilon-prv"
 
 
 def _names(text) -> tuple[str, ...]:
@@ -127,47 +123,59 @@ class EvaluateInstruction:
         return cls(int(config.get(SERVER_ROUND, 0)), bool(config.get(FINAL_ROUND, False)), str(config.get(RUN_DIR, "")))
 
 
+# The handshake's fields: its words travel in the reply's info record, its numbers in its metrics
+# record. Number fields -> (key, the least value a node may report).
+HELLO_NUMBERS = {
+    "partition_id": ("partition-id", -1),  # -1: a node with its own data folder
+    "num_train": ("num-train", 1),
+    "num_test": ("num-test", 0),
+    "num_neighbor": ("num-neighbor", 0),
+    "num_classes": ("num-classes", 1),
+    "num_partitions": ("num-partitions", 0),
+}
+# word fields -> key; the first two every node must state
+HELLO_WORDS = {
+    "name": "name",
+    "backbone": "backbone",
+    "noise_source": "noise-source",
+    "dataset": "dataset",
+    "classes": "classes",
+    "device": "device",
+    "class_list": "class-list",
+    "source_weights": "source-weights",
+}
+
+
 @dataclass(frozen=True)
 class HelloReport:
-    """A node's answer to the handshake: numbers travel as metrics, words as info."""
+    """A node's answer to the handshake (``HELLO_NUMBERS``, ``HELLO_WORDS``)."""
 
     name: str
-    partition_id: int  # -1 for a node with its own data folder
+    partition_id: int
     num_train: int
     num_test: int
     num_neighbor: int
     num_classes: int
     backbone: str  # fingerprint of the loaded weights; every node must match the server's
-    details: dict = field(default_factory=dict)  # family-specific words (device, dataset, noise source, ...)
+    noise_source: str  # where the node's DP noise comes from (privacy.mechanisms.NOISE_SOURCES)
+    dataset: str = ""  # the identity of its training data
+    classes: str = ""  # the class ids its training data holds, comma-separated
+    device: str = ""  # where it computes
+    class_list: str = ""  # digest of its class names in order: label i must mean one class on every node
+    source_weights: str = ""  # reprogramming: the source model's weights
     num_partitions: int = 0  # a partition node's num-partitions (0: its own data): all must agree
 
     def to_records(self) -> tuple[dict, dict]:
-        """(info, metrics): the two records of the reply."""
-        info = {**self.details, "name": self.name, "backbone": self.backbone}
-        metrics = {
-            "partition-id": self.partition_id,
-            "num-train": self.num_train,
-            "num-test": self.num_test,
-            "num-neighbor": self.num_neighbor,
-            "num-classes": self.num_classes,
-            "num-partitions": self.num_partitions,
-        }
+        """(info, metrics): the two records of the reply; an empty word is left out."""
+        info = {key: getattr(self, f) for f, key in HELLO_WORDS.items() if getattr(self, f) != ""}
+        metrics = {key: getattr(self, f) for f, (key, _) in HELLO_NUMBERS.items()}
         return info, metrics
 
     @classmethod
     def from_records(cls, info: Mapping, metrics: Mapping) -> HelloReport:
-        details = {k: v for k, v in info.items() if k not in ("name", "backbone")}
-        return cls(
-            str(info["name"]),
-            int(metrics["partition-id"]),
-            int(metrics["num-train"]),
-            int(metrics["num-test"]),
-            int(metrics["num-neighbor"]),
-            int(metrics["num-classes"]),
-            str(info["backbone"]),
-            details,
-            int(metrics.get("num-partitions", 0)),
-        )
+        fields: dict[str, Any] = {f: str(info.get(key, "")) for f, key in HELLO_WORDS.items()}
+        fields.update({f: int(metrics[key]) for f, (key, _) in HELLO_NUMBERS.items()})
+        return cls(**fields)
 
 
 Figures = Mapping[str, float | int]

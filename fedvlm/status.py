@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedvlm.metrics import TRAIN_CLIENTS
+
 OK, FAILED, UNREADABLE, STOPPED, LOST_NODES, UNFINISHED = 0, 1, 2, 3, 4, 5
 DEFAULT_RUNS = Path.home() / "fedvlm-runs"
 # the lock a ServerApp holds on its run folder while it runs (server_app.resume.hold_run_dir); the
@@ -74,7 +76,7 @@ def lost_in_last_round(rounds: list[dict]) -> tuple[int, int]:
     for record in reversed(rounds):
         sampled = int(record.get("sampled", 0))
         if sampled:
-            return sampled, sampled - int(record.get("metrics", {}).get("train-clients", 0))
+            return sampled, sampled - int(record.get("metrics", {}).get(TRAIN_CLIENTS, 0))
     return 0, 0
 
 

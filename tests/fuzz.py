@@ -158,6 +158,10 @@ def _hello(change: Callable[[dict, dict], tuple[dict, dict] | RecordDict]) -> Ca
 # handshakes: (the node's honest handshake -> what it sends instead, the reason it is excluded for)
 HELLO: dict[str, tuple[Callable[[Message], RecordDict], str]] = {
     "hello-without-info": (_hello(lambda i, m: RecordDict({"metrics": MetricRecord(m)})), "lacks the 'info'"),
+    "hello-no-noise-source": (
+        _hello(lambda i, m: ({k: v for k, v in i.items() if k != "noise-source"}, m)),
+        "noise-source = None;",
+    ),
     "hello-zero-records": (_hello(lambda i, m: (i, {**m, "num-train": 0})), "num-train = 0"),
     "hello-negative-records": (_hello(lambda i, m: (i, {**m, "num-test": -4})), "num-test = -4"),
     "hello-other-split": (

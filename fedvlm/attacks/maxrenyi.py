@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedvlm.attacks.likelihood import bootstrap, rmia
+from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.utils.files import atomic_write_json, load_saved
 
@@ -189,7 +190,7 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
     shared = dict(load_saved(run_dir / "final_shared.pt", "run the attack on a finished run")["arrays"])
     nodes = [n for n in data["run"]["nodes"] if n["partition_id"] >= 0]
     num = len(nodes)
-    parts = {n["name"]: vlm_node_data(cfg, {"partition-id": n["partition_id"], "num-partitions": num}) for n in nodes}
+    parts = {n["name"]: vlm_node_data(cfg, {PARTITION_ID: n["partition_id"], NUM_PARTITIONS: num}) for n in nodes}
     report: dict = {
         "run": str(run_dir),
         "method": spec.name,

@@ -38,6 +38,7 @@ from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedvlm.attacks.likelihood import bootstrap, lira_offline, lira_online, logit_confidence, rmia
 from fedvlm.client_app.node import node_data
+from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.client_app.prompt_clients import PromptClient
 from fedvlm.data.membership import membership_candidates
 from fedvlm.methods.registry import get_method
@@ -71,7 +72,7 @@ def client_records(
 ) -> Records:
     """The balanced member/non-member records of one published client prompt, scored under
     that prompt or, with ``under``, under another published prompt (a reference model's)."""
-    node = node_data(cfg, {"partition-id": published["partition_id"], "num-partitions": num_partitions})
+    node = node_data(cfg, {PARTITION_ID: published["partition_id"], NUM_PARTITIONS: num_partitions})
     bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
     if bundle.fingerprint != published["backbone"]:
         raise ValueError(

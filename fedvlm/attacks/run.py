@@ -43,6 +43,7 @@ from fedvlm.attacks.membership import (
 from fedvlm.attacks.server import ATTACKS as SERVER_ATTACKS
 from fedvlm.attacks.server import ServerAttack, server_scores
 from fedvlm.client_app.node import node_data
+from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.data.membership import reference_inclusion
 from fedvlm.methods.registry import get_method
 from fedvlm.methods.validation import validate
@@ -101,7 +102,7 @@ def _train(raw: dict, n: int, run_id: str) -> tuple[dict[int, dict], Path]:
     from fedvlm.utils.inprocess import InProcessGrid
 
     cfg = validate(raw)
-    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict())
+    grid = InProcessGrid(client_app, [{PARTITION_ID: i, NUM_PARTITIONS: n} for i in range(n)], cfg.as_dict())
     with contextlib.redirect_stdout(io.StringIO()):
         rec = execute(cfg, grid, run_id=run_id)
     return {p["partition_id"]: p for p in load_published(rec.dir / "published").values()}, rec.dir
@@ -182,7 +183,7 @@ def run_attacks(
             for pub in sim.values():
                 pid = pub["partition_id"]
                 if pid in ref_pubs:
-                    part = node_data(cfg, {"partition-id": pid, "num-partitions": n}).part
+                    part = node_data(cfg, {PARTITION_ID: pid, NUM_PARTITIONS: n}).part
                     references[pub["node"]].online.append(client_records(cfg, pub, n, seed, under=ref_pubs[pid]))
                     references[pub["node"]].inside.append(reference_inclusion(part, seed, pid, j))
                     seen.inside.setdefault(pid, []).append(references[pub["node"]].inside[-1])

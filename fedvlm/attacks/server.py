@@ -46,6 +46,7 @@ from scipy.optimize import nnls
 
 from fedvlm.attacks.likelihood import lira_offline, lira_online
 from fedvlm.client_app.node import node_data
+from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.client_app.scoring import PromptScorer
 from fedvlm.client_app.server_view import UploadView
 from fedvlm.data.membership import membership_candidates
@@ -96,7 +97,7 @@ class PromptModel:
 
     def candidates(self, pid: int) -> Candidates:
         if pid not in self._candidates:
-            node = node_data(self.cfg, {"partition-id": pid, "num-partitions": self.n})
+            node = node_data(self.cfg, {PARTITION_ID: pid, NUM_PARTITIONS: self.n})
             if self.scorer is None:
                 self.scorer = self.cfg.spec.client.scorer_class(self.bundle, node.splits.classnames, self.cfg)
             members, non_members = membership_candidates(node.part, self.seed, pid)
@@ -145,7 +146,7 @@ class AdapterModel:
     def records(self, pid: int) -> list[tuple]:
         """(split, index) of each candidate, members first."""
         if pid not in self._records:
-            node = self.node_data(self.cfg, {"partition-id": pid, "num-partitions": self.n})
+            node = self.node_data(self.cfg, {PARTITION_ID: pid, NUM_PARTITIONS: self.n})
             rng = np.random.default_rng([self.seed, pid + 1])
             k = min(len(node.train), len(node.test), self.samples)
             members = np.sort(rng.choice(len(node.train), k, replace=False))

@@ -13,11 +13,11 @@ from __future__ import annotations
 from flwr.app import RecordDict
 
 from fedvlm.client_app.state import AUDIT, load_private, save_private
+from fedvlm.metrics import AUDIT_FIGURES, AUDIT_METRICS
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.runconfig import RunConfig
 
 # the metric keys of an audited node's train reply, read back by privacy.audit.audit_section
-METRICS = ("canaries", "guesses", "correct", "guessed-in", "epsilon-lower", "steps")
 
 
 def node_canaries(cfg: RunConfig, partition_id: int, state: RecordDict) -> Canaries | None:
@@ -34,4 +34,4 @@ def finish_round(cfg: RunConfig, canaries: Canaries, state: RecordDict) -> dict[
     save_private(state, canaries.state_dict(), AUDIT)
     result = canaries.audit(cfg.privacy.delta)
     values = (result.canaries, result.guesses, result.correct, result.guessed_in, result.epsilon_lower, canaries.steps)
-    return {f"audit-{k}": v for k, v in zip(METRICS, values, strict=True)}
+    return {AUDIT_METRICS[k]: v for k, v in zip(AUDIT_FIGURES, values, strict=True)}

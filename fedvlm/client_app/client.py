@@ -27,6 +27,7 @@ import torch
 
 from fedvlm.client_app.state import load_meta, load_private, save_meta, save_private
 from fedvlm.client_app.trainer import Learner, RoundStats, local_round
+from fedvlm.metrics import ROUNDS_TRAINED  # also the node's meta key: how many rounds it has trained
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.mechanisms import OsNoise, noise_generator, sampling_rng
 from fedvlm.privacy.planner import ClientShape, client_plan
@@ -35,8 +36,6 @@ from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.spec import NodeClient
 from fedvlm.utils.rng import NodeStream, node_key
-
-ROUNDS_TRAINED = "rounds-trained"  # in the node's meta: how many rounds it has trained
 
 
 class Client(NodeClient):

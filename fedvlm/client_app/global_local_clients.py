@@ -32,7 +32,7 @@ from fedvlm.models.lowrank import factorize, rebuild_gradient
 from fedvlm.models.prompt_learner import clip_logits
 from fedvlm.privacy.mechanisms import clip_tensor
 from fedvlm.protocol import TrainReply
-from fedvlm.tensor_names import GLOBAL_CTX, GLOBAL_GRAD
+from fedvlm.tensor_names import CTX, GLOBAL_CTX, GLOBAL_GRAD
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 
 
@@ -73,7 +73,7 @@ class GlobalLocalClient(PromptClient):
     def server_prompts(p_global: torch.Tensor) -> tuple[dict[str, torch.Tensor], str]:
         """(prompts, the global prompt's key): the model the server can score with, the private
         local part at its mean initial value, zero."""
-        return {"ctx": p_global}, "ctx"
+        return {CTX: p_global}, CTX
 
     @classmethod
     def server_view(cls, sent, uploaded, known):
@@ -118,7 +118,7 @@ class GlobalLocalClient(PromptClient):
         return self.published_prompts(p_global, local)
 
     def published_prompts(self, p_global: torch.Tensor, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"ctx": self.personal_prompt(p_global, local)}
+        return {CTX: self.personal_prompt(p_global, local)}
 
 
 class GlobalLocalRound(Learner):

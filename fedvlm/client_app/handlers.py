@@ -29,17 +29,18 @@ from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 
 from fedvlm.client_app import privacy_floor
 from fedvlm.client_app.audit_node import finish_round, node_canaries
-from fedvlm.client_app.node_config import check_node_config
+from fedvlm.client_app.node_config import NUM_PARTITIONS, check_node_config
 from fedvlm.client_app.node_policy import for_node
 from fedvlm.client_app.publishing import publish
 from fedvlm.client_app.send_guard import failed_reply, guarded_reply, hello_reply
 from fedvlm.client_app.state import persist, restore, state_dir
 from fedvlm.methods.validation import validate
+from fedvlm.metrics import COMPUTE_SECONDS, NODE_EPSILON
 from fedvlm.protocol import (
-    COMPUTE_SECONDS,
+    ARRAYS_RECORD,
+    CONFIG_RECORD,
     EVALUATE_ARRAYS,
     EVALUATE_CONFIG,
-    NODE_EPSILON,
     RUN_DIR,
     SERVER_ROUND,
     EvaluateInstruction,
@@ -52,7 +53,11 @@ if TYPE_CHECKING:
 
 
 def _setup(
-    context: Context, content: RecordDict, training: bool, config_key: str = "config", arrays_key: str = "arrays"
+    context: Context,
+    content: RecordDict,
+    training: bool,
+    config_key: str = CONFIG_RECORD,
+    arrays_key: str = ARRAYS_RECORD,
 ):
     """The run config, the method, this message's client and arrays, its config, and where the
     node keeps its state; ``config_key``/``arrays_key``: the records a bundled evaluation reads."""
@@ -79,7 +84,7 @@ def hello(msg: Message, context: Context) -> Message:
     report = client.hello()
     # a run the node's own limit cannot take is refused before it starts, not at its first round
     privacy_floor.hello_check(client.node, context.state, cfg, client.records(report.num_train))
-    partitions = int(client.node.config.get("num-partitions", 0) or 0) if report.partition_id >= 0 else 0
+    partitions = int(client.node.config.get(NUM_PARTITIONS, 0) or 0) if report.partition_id >= 0 else 0
     return hello_reply(msg, replace(report, num_train=client.records(report.num_train), num_partitions=partitions))
 
 
@@ -103,7 +108,7 @@ def train(msg: Message, context: Context) -> Message:
     # The previous round's evaluation came with this message: it runs first, on the state the
     # node ends that round with, as in an evaluate message of its own. Each part's failure is
     # reported in the reply (``protocol.FAILED``) without taking the other part down with it.
-    arrays_key = EVALUATE_ARRAYS if EVALUATE_ARRAYS in msg.content else "arrays"
+    arrays_key = EVALUATE_ARRAYS if EVALUATE_ARRAYS in msg.content else ARRAYS_RECORD
     evaluation: EvaluateReply | Exception
     try:
         evaluation = _evaluation(context, msg.content, EVALUATE_CONFIG, arrays_key)
@@ -145,7 +150,7 @@ def _train(msg: Message, context: Context, evaluation: EvaluateReply | Exception
 
 
 def evaluate(msg: Message, context: Context) -> Message:
-    return guarded_reply(msg, _evaluation(context, msg.content, "config", "arrays"), allowed=frozenset())
+    return guarded_reply(msg, _evaluation(context, msg.content, CONFIG_RECORD, ARRAYS_RECORD), allowed=frozenset())
 
 
 HANDLERS = {MessageType.QUERY: hello, MessageType.TRAIN: train, MessageType.EVALUATE: evaluate}

@@ -28,13 +28,15 @@ import numpy as np
 import torch
 
 from fedvlm.client_app.client import Client
+from fedvlm.client_app.node_config import NUM_PARTITIONS
 from fedvlm.client_app.server_view import UploadView
 from fedvlm.client_app.trainer import Learner, StepOutput
 from fedvlm.client_app.vlm_node import VLMNodeData
+from fedvlm.metrics import CLIENT_MODEL, NUM_EXAMPLES, OOD, OOD_EXAMPLES, SERVER_MODEL, TRAIN_SECONDS, vlm_score
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
 from fedvlm.privacy.canaries import Canaries
-from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
+from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 from fedvlm.utils.vlm_metrics import score_split
@@ -86,14 +88,18 @@ class LoRAClient(Client):
     # --- handshake -----------------------------------------------------------------------------
     def hello(self) -> HelloReport:
         n = self.node
-        details = {
-            "dataset": n.train.images.identity,
-            "device": str(self.vlm.device),
-            "noise-source": n.noise_source,
-            "classes": ",".join(str(c) for c in sorted(set(n.train.labels.tolist()))),
-        }
         return HelloReport(
-            n.name, n.partition_id, len(n.train), len(n.test), 0, n.dataset.n_labels, self.backbone, details
+            n.name,
+            n.partition_id,
+            len(n.train),
+            len(n.test),
+            0,
+            n.dataset.n_labels,
+            self.backbone,
+            n.noise_source,
+            dataset=n.train.images.identity,
+            classes=",".join(str(c) for c in sorted(set(n.train.labels.tolist()))),
+            device=str(self.vlm.device),
         )
 
     # --- adapter assembly ------------------------------------------------------------------------
@@ -143,7 +149,7 @@ class LoRAClient(Client):
         self.meta["sent"] = ",".join(requested)
         return TrainReply(
             {k: trained[k] for k in requested},
-            {**stats.metrics(len(self.node.train)), "train-seconds": time.time() - session.started},
+            {**stats.metrics(len(self.node.train)), TRAIN_SECONDS: time.time() - session.started},
         )
 
     def check_request(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> None:
@@ -173,26 +179,26 @@ class LoRAClient(Client):
         if c.vlm.eval_samples and len(split) > c.vlm.eval_samples:
             split = split.subset(np.arange(c.vlm.eval_samples), f"first{c.vlm.eval_samples}")
         metrics: dict = {NUM_EXAMPLES: len(split)}
-        models = {"client": self.personal_adapter(arrays), "server": self.server_adapter(arrays)}
+        models = {CLIENT_MODEL: self.personal_adapter(arrays), SERVER_MODEL: self.server_adapter(arrays)}
         for tag, adapter in models.items():
             if adapter is None:
                 continue
             load_adapter_state(self.vlm.model, adapter)
             scores = score_split(self.vlm, split, self.node.dataset.task, c.vlm.max_new_tokens, c.vlm.eval_batch_size)
-            metrics.update({f"{tag}-{k}": v for k, v in scores.items()})
-        ood = self.ood_shard()
-        if ood is not None and models["server"] is not None:
+            metrics.update({vlm_score(tag, k): v for k, v in scores.items()})
+        ood, server = self.ood_shard(), models[SERVER_MODEL]
+        if ood is not None and server is not None:
             # out-of-domain (NoCaps-style) scores of the server's model; every client scores one
             # shard, so the test-size-weighted mean covers the whole OOD set
-            load_adapter_state(self.vlm.model, models["server"])
+            load_adapter_state(self.vlm.model, server)
             scores = score_split(self.vlm, ood, self.node.dataset.task, c.vlm.max_new_tokens, c.vlm.eval_batch_size)
-            metrics.update({f"server-ood-{k}": v for k, v in scores.items()})
-            metrics["ood-examples"] = len(ood)
+            metrics.update({vlm_score(OOD, k): v for k, v in scores.items()})
+            metrics[OOD_EXAMPLES] = len(ood)
         return EvaluateReply(metrics)
 
     def ood_shard(self):
         ood = self.node.dataset.ood
-        n = int(self.node.config.get("num-partitions", 1) or 1)
+        n = int(self.node.config.get(NUM_PARTITIONS, 1) or 1)
         if ood is None or self.node.partition_id < 0:
             return None
         idx = np.arange(self.node.partition_id, len(ood), n)

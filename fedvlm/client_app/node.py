@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.client_app.privacy_floor import MAX_EPSILON
 from fedvlm.data.membership import reference_node_data
 from fedvlm.data.partitioners import Partition, make_partitions
@@ -87,13 +88,13 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
         name = str(node_config.get("name") or data_dir.name)
         return NodeData(name, -1, splits, part, dict(node_config), noise_source(cfg, node_config, own_data=True))
 
-    if "partition-id" not in node_config or "num-partitions" not in node_config:
+    if PARTITION_ID not in node_config or NUM_PARTITIONS not in node_config:
         raise ConfigError(
             "this SuperNode has neither 'data-dir' nor 'partition-id'/'num-partitions' in its node "
             "config: start it with --node-config \"data-dir='/path/to/images'\" (its own image folder) "
             'or "partition-id=0 num-partitions=N" (a partition of the run\'s dataset)'
         )
-    pid, n = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    pid, n = int(node_config[PARTITION_ID]), int(node_config[NUM_PARTITIONS])
     if not 0 <= pid < n:
         raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
     splits = _dataset(cfg)

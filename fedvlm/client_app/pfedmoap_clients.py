@@ -61,7 +61,7 @@ class MoAPScorer(PromptScorer):
         return self.encoder(experts[0]).encode_many(experts)
 
     def logits(self, prompts, feats):
-        local = self.text(prompts["ctx"])  # [C, D]
+        local = self.text(prompts[CTX])  # [C, D]
         experts, gate = prompts.get(EXPERTS), self.gate(prompts)
         if experts is None or len(experts) == 0 or gate is None:
             return clip_logits(feats, local, self.scale)
@@ -123,7 +123,7 @@ class PFedMoAPClient(PromptClient):
     # ---- evaluation ---------------------------------------------------------------------------
     def personal_prompts(self, arrays):
         """What this node evaluates with and publishes: its pool prompt, its experts, its gate."""
-        prompts = {"ctx": arrays[CTX]}
+        prompts = {CTX: arrays[CTX]}
         if EXPERTS in arrays:
             prompts[EXPERTS] = arrays[EXPERTS]
         prompts.update({k: v for k, v in self.own.items() if k.startswith(GATE)})
@@ -145,7 +145,7 @@ class MoAPRound(PromptRound):
         self.gate_names = [GATE + k for k, _ in gate.named_parameters()]
 
     def begin_step(self) -> dict[str, torch.Tensor]:
-        return {"ctx": self.ctx, **{GATE + k: p for k, p in self.gate.named_parameters()}}
+        return {CTX: self.ctx, **{GATE + k: p for k, p in self.gate.named_parameters()}}
 
     def forward(self, batch: np.ndarray) -> StepOutput:
         client = self.client
@@ -162,7 +162,7 @@ class MoAPRound(PromptRound):
 
     def clip_groups(self, names):
         """The prompt and the gate are clipped to C separately (a two-tensor mechanism)."""
-        return (("ctx",), tuple(k for k in names if k.startswith(GATE)))
+        return ((CTX,), tuple(k for k in names if k.startswith(GATE)))
 
     def apply(self, grads: dict[str, torch.Tensor]) -> None:
         super().apply(grads)

@@ -67,6 +67,7 @@ from flwr.app import RecordDict
 from fedvlm.client_app.state import LEDGER, STATE_DIR, load_meta, save_meta
 from fedvlm.privacy.accounting import BudgetError, GaussianReleases, check_delta, epsilon_spent
 from fedvlm.privacy.ledger import valid_sensitivity
+from fedvlm.privacy.mechanisms import NOISE_SOURCE
 from fedvlm.privacy.planner import ClientShape, NoiseRefused, local_plan
 from fedvlm.protocol import TrainInstruction
 from fedvlm.runconfig import ConfigError, RunConfig
@@ -83,7 +84,7 @@ class NodeData(Protocol):
 
 
 MAX_EPSILON, DELTA = "max-epsilon", "delta"  # the node config keys
-COLUMNS = ("run", "round", "noise-multiplier", "steps", "sampling-rate", "noise-source", "epsilon")
+COLUMNS = ("run", "round", "noise-multiplier", "steps", "sampling-rate", NOISE_SOURCE, "epsilon")
 LEDGERS = "ledgers"  # the node's ledger files, under its state-dir
 FORMAT = 1  # of a ledger file
 
@@ -129,7 +130,7 @@ class Ledger(Protocol):
 
 def _row_of(values: dict) -> dict:
     """A row as stored, with the columns a row written before they existed lacks."""
-    return {"run": "", "noise-source": "os", **values}
+    return {"run": "", NOISE_SOURCE: "os", **values}
 
 
 class RunLedger:
@@ -223,7 +224,7 @@ def prior(rows: list[dict], row: dict, fresh: bool) -> list[dict]:
     return [
         r
         for r in rows
-        if not (r["run"] == row["run"] and int(r["round"]) == int(row["round"]) and r["noise-source"] != "os")
+        if not (r["run"] == row["run"] and int(r["round"]) == int(row["round"]) and r[NOISE_SOURCE] != "os")
     ]
 
 
@@ -351,7 +352,7 @@ def _row(run: str, server_round: int, this: GaussianReleases, noise_source: str)
         "noise-multiplier": this.noise_multiplier,
         "steps": this.count,
         "sampling-rate": this.sampling_rate,
-        "noise-source": noise_source,
+        NOISE_SOURCE: noise_source,
         "epsilon": math.nan,  # the node's epsilon after this release, filled in by ``record``
     }
 

@@ -19,18 +19,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.client import ROUNDS_TRAINED, Client
+from fedvlm.client_app.client import Client
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.scoring import PromptScorer, TemplateScorer
 from fedvlm.client_app.server_view import UploadView
 from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
 from fedvlm.client_app.trainer import Learner, RoundStats, StepOutput
+from fedvlm.metrics import ACC, NUM_EXAMPLES, ROUNDS_TRAINED, TEST_LOSS, TEST_N, TEST_SETS
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.feature_cache import encode_images
 from fedvlm.models.prompt_learner import PromptEncoder, clip_logits
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import DPStep, privatize_batch
-from fedvlm.protocol import NUM_EXAMPLES, EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
+from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.tensor_names import CTX
@@ -64,7 +65,7 @@ class PromptClient(Client):
         """How the server reads this round's upload (attacks.server), given what it sent and what
         the client uploaded before (``known``). The methods that upload their trained prompt
         (PromptFL, pFedMoAP): its change from the prompt sent is the round's descent."""
-        return UploadView({"ctx": sent["ctx"]}, {"ctx": uploaded["ctx"] - sent["ctx"]})
+        return UploadView({CTX: sent[CTX]}, {CTX: uploaded[CTX] - sent[CTX]})
 
     # --- handshake ---------------------------------------------------------------------------
     def hello(self) -> HelloReport:
@@ -76,14 +77,6 @@ class PromptClient(Client):
         n_neighbor = len(node.part.neighbor) if node.part.neighbor is not None else 0
         if n_neighbor:
             self.features("neighbor")
-        details = {
-            "dataset": node.splits.train.identity,
-            "classes": ",".join(str(c) for c in node.part.classes),
-            # label i must mean the same class on every node: the server compares this digest
-            "class-list": hashlib.sha256("\n".join(self.classnames).encode()).hexdigest()[:16],
-            "device": str(self.bundle.device),
-            "noise-source": node.noise_source,
-        }
         return HelloReport(
             node.name,
             node.partition_id,
@@ -92,7 +85,12 @@ class PromptClient(Client):
             n_neighbor,
             node.splits.n_classes,
             self.bundle.fingerprint,
-            details,
+            node.noise_source,
+            dataset=node.splits.train.identity,
+            classes=",".join(str(c) for c in node.part.classes),
+            device=str(self.bundle.device),
+            # label i must mean the same class on every node: the server compares this digest
+            class_list=hashlib.sha256("\n".join(self.classnames).encode()).hexdigest()[:16],
         )
 
     # --- data ------------------------------------------------------------------------------
@@ -186,9 +184,9 @@ class PromptClient(Client):
         with ``sigma`` the std the node's own plan needs for one release a round (``client_plan``)."""
         if not self.noised_once():
             return trained
-        step = DPStep(self.privacy.clip, 1, sigma, (("ctx",),), frozenset({"ctx"}))
-        noised, _ = privatize_batch({"ctx": trained - sent}, step, self.noise())
-        return sent + noised["ctx"]
+        step = DPStep(self.privacy.clip, 1, sigma, ((CTX,),), frozenset({CTX}))
+        noised, _ = privatize_batch({CTX: trained - sent}, step, self.noise())
+        return sent + noised[CTX]
 
     def batch_features(self, batch: np.ndarray, feats: torch.Tensor) -> torch.Tensor:
         """A batch's image features: freshly augmented and encoded, or the cached ``feats`` rows."""
@@ -204,22 +202,23 @@ class PromptClient(Client):
     @torch.no_grad()
     def evaluate_prompts(self, prompts: dict[str, torch.Tensor]) -> dict[str, float]:
         sets = {}
-        for which, tag in (("test", "local"), ("neighbor", "neighbor")):
+        for which, tag in zip(("test", "neighbor"), TEST_SETS, strict=True):
             if which == "neighbor" and (self.node.part.neighbor is None or len(self.node.part.neighbor) == 0):
                 continue
             feats, labels = self.features(which)
             if len(labels):
                 sets[tag] = (feats, labels)
-        out: dict[str, float] = {NUM_EXAMPLES: len(sets["local"][1]) if "local" in sets else 0}
+        local = TEST_SETS[0]
+        out: dict[str, float] = {NUM_EXAMPLES: len(sets[local][1]) if local in sets else 0}
         if not sets:
             return out
         # One scoring pass over both sets: the prompts' text features are encoded once.
         logits = self.scorer.logits(prompts, torch.cat([f for f, _ in sets.values()]))
         chunks = logits.split([len(y) for _, y in sets.values()])
         for (tag, (_, labels)), chunk in zip(sets.items(), chunks, strict=True):
-            out[f"{tag}-acc"] = float((chunk.argmax(1) == labels).float().mean())
-            out[f"{tag}-loss"] = float(F.cross_entropy(chunk, labels))
-            out[f"{tag}-n"] = int(len(labels))
+            out[ACC[tag]] = float((chunk.argmax(1) == labels).float().mean())
+            out[TEST_LOSS[tag]] = float(F.cross_entropy(chunk, labels))
+            out[TEST_N[tag]] = int(len(labels))
         return out
 
     def evaluate(self, arrays: dict[str, torch.Tensor], instruction: EvaluateInstruction) -> EvaluateReply:
@@ -268,7 +267,7 @@ class PromptRound(Learner):
         self.anchor, self.mu = anchor, mu  # FedProx's anchor (the prompt received) and weight
 
     def begin_step(self) -> dict[str, torch.Tensor]:
-        return {"ctx": self.ctx}
+        return {CTX: self.ctx}
 
     def forward(self, batch: np.ndarray) -> StepOutput:
         text = self.encoder(self.ctx)  # [C, D]
@@ -280,12 +279,12 @@ class PromptRound(Learner):
 
     def extra_gradients(self) -> dict[str, torch.Tensor]:
         if self.mu > 0 and self.anchor is not None:  # FedProx's proximal term
-            return {"ctx": self.mu * (self.ctx.detach() - self.anchor.to(self.ctx.device))}
+            return {CTX: self.mu * (self.ctx.detach() - self.anchor.to(self.ctx.device))}
         return {}
 
     def apply(self, grads: dict[str, torch.Tensor]) -> None:
         self.opt.zero_grad(set_to_none=True)
-        self.ctx.grad = grads["ctx"]
+        self.ctx.grad = grads[CTX]
         self.opt.step()
 
 
@@ -298,7 +297,7 @@ class PromptFLClient(PromptClient):
         return session
 
     def personal_prompts(self, arrays):
-        return {"ctx": arrays[CTX]}
+        return {CTX: arrays[CTX]}
 
 
 class CoOpClient(PromptClient):
@@ -308,21 +307,21 @@ class CoOpClient(PromptClient):
     time the node is reached, so that every method starts from the same point."""
 
     def _own_ctx(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "ctx" not in self.own:
+        if CTX not in self.own:
             if CTX not in arrays:
                 raise RuntimeError("first contact with this node but the server sent no initial prompt")
-            self.own["ctx"] = arrays[CTX].clone()
-        return self.own["ctx"]
+            self.own[CTX] = arrays[CTX].clone()
+        return self.own[CTX]
 
     def start_context(self, arrays):
         return self._own_ctx(arrays)
 
     def finish_round(self, session, stats, shape, sigma, instruction):
-        self.own["ctx"] = self.trained_context(session)
+        self.own[CTX] = self.trained_context(session)
         return TrainReply({}, self.train_metrics(stats, session))
 
     def personal_prompts(self, arrays):
-        return {"ctx": self._own_ctx(arrays)}
+        return {CTX: self._own_ctx(arrays)}
 
 
 class ZeroShotClient(PromptClient):

@@ -29,20 +29,21 @@ from fedvlm.client_app.client import Client
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.privacy_floor import run_history
 from fedvlm.client_app.trainer import Learner, StepOutput
+from fedvlm.metrics import (
+    ACC,
+    NODE_EPSILON_PRV,
+    NODE_EPSILON_RDP,
+    NUM_EXAMPLES,
+    TEST_LOSS,
+    TEST_N,
+    TEST_SETS,
+    TRAIN_SECONDS,
+)
 from fedvlm.models.clip_loader import resolve_device
 from fedvlm.models.reprogram import initial_model, input_size, source_model, trainable_state
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import NodeAccountant
-from fedvlm.protocol import (
-    NODE_EPSILON_PRV,
-    NODE_EPSILON_RDP,
-    NUM_EXAMPLES,
-    EvaluateInstruction,
-    EvaluateReply,
-    HelloReport,
-    TrainInstruction,
-    TrainReply,
-)
+from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 
 _IMAGES: dict[tuple, torch.Tensor] = {}
@@ -77,13 +78,6 @@ class ReprogramClient(Client):
     # --- handshake -----------------------------------------------------------------------------
     def hello(self) -> HelloReport:
         n = self.node
-        details = {
-            "source-weights": self.source.weights,
-            "dataset": n.splits.train.identity,
-            "device": str(self.device),
-            "noise-source": n.noise_source,
-            "classes": ",".join(str(c) for c in n.part.classes),
-        }
         return HelloReport(
             n.name,
             n.partition_id,
@@ -92,7 +86,11 @@ class ReprogramClient(Client):
             0,
             n.splits.n_classes,
             self.source.fingerprint,
-            details,
+            n.noise_source,
+            dataset=n.splits.train.identity,
+            classes=",".join(str(c) for c in n.part.classes),
+            device=str(self.device),
+            source_weights=self.source.weights,
         )
 
     # --- data ----------------------------------------------------------------------------------
@@ -139,7 +137,7 @@ class ReprogramClient(Client):
 
     def finish_round(self, session, stats, shape, sigma, instruction):
         c, n = self.cfg, len(self.node.part.train)
-        metrics = {**stats.metrics(n), "local-steps": shape.steps, "train-seconds": time.time() - session.started}
+        metrics = {**stats.metrics(n), TRAIN_SECONDS: time.time() - session.started}
         if self.settings.enabled:
             # the node's own account, by Opacus' accountants, of its ledger's releases before this
             # round (client_app.privacy_floor, the node's one ledger) and of this one: z = sigma / (C / B)
@@ -169,8 +167,9 @@ class ReprogramClient(Client):
             logits = self.model(x)
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
-        figures = {"local-acc": correct / n, "local-loss": loss / n} if n else {}  # no test records: no figures
-        return EvaluateReply({**figures, "local-n": n, NUM_EXAMPLES: n})
+        local = TEST_SETS[0]  # a reprogramming node has no neighbour classes
+        figures = {ACC[local]: correct / n, TEST_LOSS[local]: loss / n} if n else {}  # no test records: no figures
+        return EvaluateReply({**figures, TEST_N[local]: n, NUM_EXAMPLES: n})
 
 
 class ReprogramRound(Learner):

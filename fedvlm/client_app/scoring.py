@@ -16,6 +16,7 @@ from fedvlm.models.clip_loader import ClipBundle
 from fedvlm.models.feature_cache import image_features
 from fedvlm.models.optimal_transport import unbalanced_sinkhorn
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits
+from fedvlm.tensor_names import CTX
 
 _ENCODERS: dict[tuple, PromptEncoder] = {}
 
@@ -49,7 +50,7 @@ class PromptScorer:
         return image_features(self.bundle, split, indices, cache_dir, self.cfg.clip.image_batch_size)
 
     def logits(self, prompts: dict[str, torch.Tensor], feats: torch.Tensor) -> torch.Tensor:
-        return clip_logits(feats, self.text(prompts["ctx"]), self.scale)
+        return clip_logits(feats, self.text(prompts[CTX]), self.scale)
 
 
 class TemplateScorer(PromptScorer):

@@ -16,7 +16,16 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedvlm.protocol import EVALUATION, FAILED, EvaluateReply, HelloReport, TrainReply
+from fedvlm.protocol import (
+    ARRAYS_RECORD,
+    EVALUATION,
+    FAILED,
+    INFO_RECORD,
+    METRICS_RECORD,
+    EvaluateReply,
+    HelloReport,
+    TrainReply,
+)
 
 
 class PrivacyGuardError(RuntimeError):
@@ -68,8 +77,8 @@ def guarded_reply(
     arrays, metrics = reply.to_records()
     check_outgoing(arrays, allowed, private, requested)
     content = RecordDict()
-    content["arrays"] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
-    content["metrics"] = _metric_record(metrics)
+    content[ARRAYS_RECORD] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
+    content[METRICS_RECORD] = _metric_record(metrics)
     _add_evaluation(content, evaluation, {})
     return Message(content, reply_to=msg)
 
@@ -78,8 +87,8 @@ def failed_reply(msg: Message, error: Exception, evaluation: EvaluateReply | Exc
     """The reply to a train message whose training failed (``error``; no tensor leaves) and that
     carried an evaluation, which goes back as it ended (``protocol.FAILED``)."""
     content = RecordDict()
-    content["arrays"] = ArrayRecord()
-    content["metrics"] = MetricRecord()
+    content[ARRAYS_RECORD] = ArrayRecord()
+    content[METRICS_RECORD] = MetricRecord()
     _add_evaluation(content, evaluation, {"train": _reason(error)})
     return Message(content, reply_to=msg)
 
@@ -104,9 +113,9 @@ def hello_reply(msg: Message, report: HelloReport) -> Message:
     record, so that every reply has the same two records, and the handshake a third)."""
     info, metrics = report.to_records()
     content = RecordDict()
-    content["arrays"] = ArrayRecord()
-    content["info"] = ConfigRecord(info)
-    content["metrics"] = _metric_record(metrics)
+    content[ARRAYS_RECORD] = ArrayRecord()
+    content[INFO_RECORD] = ConfigRecord(info)
+    content[METRICS_RECORD] = _metric_record(metrics)
     return Message(content, reply_to=msg)
 
 

@@ -32,11 +32,19 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedvlm.metrics import (
+    CLIPPED_FRACTION,
+    NUM_EXAMPLES,
+    STEPS,
+    TRAIN_ACC,
+    TRAIN_LOSS,
+    TRAIN_LOSS_FIRST,
+    TRAIN_LOSS_LAST,
+)
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import DPStep, ModuleGradients, functional_per_sample, privatize, privatize_batch
 from fedvlm.privacy.mechanisms import OsNoise
 from fedvlm.privacy.planner import ClientShape
-from fedvlm.protocol import NUM_EXAMPLES
 from fedvlm.runconfig.schema import PrivacyConfig
 
 
@@ -132,13 +140,13 @@ class RoundStats:
         B) trained on no record: it reports no loss or accuracy rather than a NaN, and its noised
         update goes out as every other round's does (the server keeps a reply whatever its
         figures, ``strategies.validation``)."""
-        out: dict[str, Any] = {NUM_EXAMPLES: num_examples, "steps": self.steps}
+        out: dict[str, Any] = {NUM_EXAMPLES: num_examples, STEPS: self.steps}
         if self.losses:
-            out |= {"train-loss": self.loss, "train-loss-first": self.losses[0], "train-loss-last": self.losses[-1]}
+            out |= {TRAIN_LOSS: self.loss, TRAIN_LOSS_FIRST: self.losses[0], TRAIN_LOSS_LAST: self.losses[-1]}
         if self.classified and self.seen:
-            out["train-acc"] = self.accuracy
+            out[TRAIN_ACC] = self.accuracy
         if self.clipped:
-            out["dp-clipped-fraction"] = float(np.mean(self.clipped))
+            out[CLIPPED_FRACTION] = float(np.mean(self.clipped))
         return out
 
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from fedvlm.client_app.node import node_data
+from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.client_app.vlm_node import vlm_node_data
 from fedvlm.data.vlm_data import FOLDER_FILE, FOLDER_LABELS
 from fedvlm.methods.validation import validate
@@ -33,7 +34,7 @@ def export_vlm_partitions(cfg, out: Path, num_partitions: int) -> list[Path]:
     """The run's captioning partitions as own-data VLM folders (the module docstring)."""
     written = []
     for pid in range(num_partitions):
-        node = vlm_node_data(cfg, {"partition-id": pid, "num-partitions": num_partitions})
+        node = vlm_node_data(cfg, {PARTITION_ID: pid, NUM_PARTITIONS: num_partitions})
         if node.dataset.task != "caption":
             raise ConfigError(
                 f"deploy.export_folder writes captioning folders; {cfg.dataset} is a {node.dataset.task} task: write "
@@ -62,7 +63,7 @@ def export_partitions(out: Path, num_partitions: int, overrides: dict | None = N
         return export_vlm_partitions(cfg, out, num_partitions)
     written = []
     for pid in range(num_partitions):
-        node = node_data(cfg, {"partition-id": pid, "num-partitions": num_partitions})
+        node = node_data(cfg, {PARTITION_ID: pid, NUM_PARTITIONS: num_partitions})
         folder = Path(out).expanduser() / f"client-{pid}"
         names = node.splits.classnames
         for split_name, source, idx in (

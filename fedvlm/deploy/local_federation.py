@@ -39,6 +39,7 @@ from pathlib import Path
 
 from fedvlm.deploy.credentials import generate
 from fedvlm.deploy.pinned_app import build_hash
+from fedvlm.metrics import EVAL_CLIENTS, TRAIN_CLIENTS
 from fedvlm.utils.processes import TreeMemory, free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -416,8 +417,8 @@ def _rounds(stdout: str) -> tuple[str, list[dict]]:
         {
             "round": r["round"],
             "seconds": r.get("seconds"),
-            "train-clients": r["metrics"].get("train-clients"),
-            "evaluate-clients": r["metrics"].get("eval-clients"),
+            TRAIN_CLIENTS: r["metrics"].get(TRAIN_CLIENTS),
+            "evaluate-clients": r["metrics"].get(EVAL_CLIENTS),
             "asked-again": len(r.get("asked_again", [])),
             "missing": len(r.get("missing", [])),
         }
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({mem.peak_rss_mib / 1024:.1f} GiB RSS); "
             + ", ".join(
                 (
-                    f"round {r['round']} {r['seconds']:.0f} s ({r['train-clients']} trained, "
+                    f"round {r['round']} {r['seconds']:.0f} s ({r[TRAIN_CLIENTS]} trained, "
                     f"{r['asked-again']} asked again, {r['missing']} missing)"
                 )
                 for r in rounds

@@ -33,6 +33,7 @@ from fedvlm.attacks.maxrenyi import HEADLINE
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.sweep import run_one
 from fedvlm.methods.registry import VLM, methods_of
+from fedvlm.metrics import CLIENT_MODEL, OOD, SERVER_MODEL, TASK_LOSS, VLM_MODELS, VQA_SCORES, vlm_score
 from fedvlm.runconfig import parse_value
 
 METHODS = tuple(m.name for m in methods_of(VLM))
@@ -51,19 +52,18 @@ def _best(threat: dict | None) -> tuple[float, str] | None:
 def summarise(method: str, data: dict, mia: dict | None) -> dict:
     last = data["rounds"][-1]["metrics"]
     comm = data.get("communication", {})
-    task = "vqa" if "server-vqa-acc" in last or "client-vqa-acc" in last else "captions"
+    vqa = any(vlm_score(who, score) in last for who in VLM_MODELS for score in VQA_SCORES)
     row = {
         "method": method,
         "rounds": len(data["rounds"]),
-        "task": task,
-        "client-loss": last.get("client-loss"),
-        "server-loss": last.get("server-loss"),
+        "task": "vqa" if vqa else "captions",
+        **{vlm_score(who, TASK_LOSS): last.get(vlm_score(who, TASK_LOSS)) for who in (CLIENT_MODEL, SERVER_MODEL)},
     }
-    keys = ("vqa-acc",) if task == "vqa" else ("cider", "bleu-4", "rouge-l")
-    for who in ("server", "client", "server-ood"):
-        for k in keys:
-            if f"{who}-{k}" in last:
-                row[f"{who}-{k}"] = last[f"{who}-{k}"]
+    scores = VQA_SCORES if vqa else ("cider", "bleu-4", "rouge-l")
+    for who in (*VLM_MODELS, OOD):
+        for score in scores:
+            if vlm_score(who, score) in last:
+                row[vlm_score(who, score)] = last[vlm_score(who, score)]
     row["up-vs-full-lora"] = comm.get("up_vs_full_lora")
     row["down-vs-full-lora"] = comm.get("down_vs_full_lora")
     row["seconds"] = round(sum(r["seconds"] for r in data["rounds"]), 1)
@@ -121,7 +121,12 @@ def plot(runs: dict[str, dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, data in runs.items():
         last = data["rounds"][-1]["metrics"]
-        key = next((k for k in ("server-cider", "server-vqa-acc", "client-loss") if k in last), None)
+        shown = (
+            vlm_score(SERVER_MODEL, "cider"),
+            vlm_score(SERVER_MODEL, "accuracy"),
+            vlm_score(CLIENT_MODEL, TASK_LOSS),
+        )
+        key = next((k for k in shown if k in last), None)
         if key is None:
             continue
         ax.plot([r["round"] for r in data["rounds"]], [r["metrics"].get(key) for r in data["rounds"]], label=label)

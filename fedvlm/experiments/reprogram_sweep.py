@@ -29,6 +29,7 @@ import numpy as np
 
 from fedvlm.experiments.sweep import run_one
 from fedvlm.methods.registry import REPROGRAM, methods_of
+from fedvlm.metrics import ACC, ACC_WEIGHTED
 from fedvlm.runconfig import parse_value
 
 METHODS = tuple(m.name for m in methods_of(REPROGRAM))
@@ -40,7 +41,7 @@ def curve(data: dict) -> list[dict]:
     out = []
     for r in data["rounds"]:
         m = r["metrics"]
-        acc = m.get("local-acc-weighted", m.get("local-acc"))
+        acc = m.get(ACC_WEIGHTED["local"], m.get(ACC["local"]))
         out.append({"round": r["round"], "epsilon": eps.get(r["round"], 0.0), "accuracy": acc})
     return out
 

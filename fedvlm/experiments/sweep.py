@@ -40,11 +40,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
 from fedvlm.experiments.sweep_report import audit_row, plot, plot_audit, write_audit, write_failures, write_tables
 from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
+from fedvlm.metrics import ACC
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 
 log = logging.getLogger("sweep")
@@ -62,7 +64,7 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
         from fedvlm.utils.inprocess import InProcessGrid
 
         grid = InProcessGrid(
-            client_app, [{"partition-id": i, "num-partitions": clients} for i in range(clients)], cfg.as_dict()
+            client_app, [{PARTITION_ID: i, NUM_PARTITIONS: clients} for i in range(clients)], cfg.as_dict()
         )
         with contextlib.redirect_stdout(io.StringIO()):
             return execute(cfg, grid, run_id=raw["run-name"]).data
@@ -248,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             "seed": seed,
             "local-acc-last10": data["final"].get("local-acc-last10-mean"),
             "neighbor-acc-last10": data["final"].get("neighbor-acc-last10-mean"),
-            "local-acc": data["final"].get("local-acc"),
-            "neighbor-acc": data["final"].get("neighbor-acc"),
+            ACC["local"]: data["final"].get(ACC["local"]),
+            ACC["neighbor"]: data["final"].get(ACC["neighbor"]),
             "status": data["run"]["status"],
         }
         if row["status"] == "failed":  # the ServerApp stopped with an error and said why

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedvlm.metrics import ACC, AUDIT_METRICS
+
 
 def _fmt(values: list[float | None]) -> str:
     vals = [v for v in values if v is not None and np.isfinite(v)]
@@ -41,7 +43,7 @@ def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: di
     """One table per metric, variants x epsilon; ``reference`` ((variant, epsilon) -> the paper's
     accuracy in %) adds a paper column beside each of ours in the final-accuracy table."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    metrics = [("local", "local-acc-last10"), ("neighbor", "neighbor-acc-last10"), ("final", "local-acc")]
+    metrics = [("local", "local-acc-last10"), ("neighbor", "neighbor-acc-last10"), ("final", ACC["local"])]
     if any(r.get("mia-shokri-acc") is not None for r in rows):
         metrics += [
             ("mia", "mia-shokri-acc"),
@@ -80,7 +82,7 @@ def _bars(plt, rows: list[dict], path: Path) -> None:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(variants)), 4))
     x = np.arange(len(variants))
-    for i, (key, label) in enumerate((("local-acc", "local classes"), ("neighbor-acc", "neighbor classes"))):
+    for i, (key, label) in enumerate(((ACC["local"], "local classes"), (ACC["neighbor"], "neighbor classes"))):
         means = [
             100 * np.mean([r[key] for r in rows if r["variant"] == v and r.get(key) is not None] or [np.nan])
             for v in variants
@@ -104,10 +106,10 @@ def audit_row(data: dict) -> dict:
     name, node = next(iter(sorted(nodes.items())))
     return {
         "audit-node": name,
-        "audit-canaries": node["canaries"],
-        "audit-guesses": node["guesses"],
-        "audit-correct": node["correct"],
-        "audit-epsilon-lower": node["epsilon_lower"],
+        AUDIT_METRICS["canaries"]: node["canaries"],
+        AUDIT_METRICS["guesses"]: node["guesses"],
+        AUDIT_METRICS["correct"]: node["correct"],
+        AUDIT_METRICS["epsilon-lower"]: node["epsilon_lower"],
         "audit-accounted-mechanism": node["accounted_epsilon_audited_mechanism"],
         "audit-accounted": node["accounted_epsilon"],
         "audit-status": node["status"].split(":")[0],
@@ -116,7 +118,7 @@ def audit_row(data: dict) -> dict:
 
 def write_audit(rows: list[dict], out: Path) -> None:
     """table_audit.md/.csv: per audited run, the accounted epsilon beside the audit's lower bound."""
-    audited = [r for r in rows if "audit-epsilon-lower" in r]
+    audited = [r for r in rows if AUDIT_METRICS["epsilon-lower"] in r]
     if not audited:
         return
     table = [["method", "target eps", "seed", "accounted eps (composed)", "accounted eps (audited mechanism)"]]
@@ -129,9 +131,9 @@ def write_audit(rows: list[dict], out: Path) -> None:
                 str(r["seed"]),
                 f"{r['audit-accounted']:.3f}" if r["audit-accounted"] is not None else "-",
                 f"{r['audit-accounted-mechanism']:.3f}" if r["audit-accounted-mechanism"] is not None else "-",
-                f"{r['audit-epsilon-lower']:.3f}",
-                str(r["audit-guesses"]),
-                str(r["audit-correct"]),
+                f"{r[AUDIT_METRICS['epsilon-lower']]:.3f}",
+                str(r[AUDIT_METRICS["guesses"]]),
+                str(r[AUDIT_METRICS["correct"]]),
                 r["audit-status"],
             ]
         )
@@ -156,9 +158,11 @@ def plot_audit(rows: list[dict], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 4.5))
     for v in dict.fromkeys(r["variant"] for r in audited):
-        pts = [(r["audit-accounted-mechanism"], r["audit-epsilon-lower"]) for r in audited if r["variant"] == v]
+        pts = [
+            (r["audit-accounted-mechanism"], r[AUDIT_METRICS["epsilon-lower"]]) for r in audited if r["variant"] == v
+        ]
         ax.scatter(*zip(*pts, strict=True), label=v)
-    top = max(max(r["audit-accounted-mechanism"], r["audit-epsilon-lower"]) for r in audited) * 1.1
+    top = max(max(r["audit-accounted-mechanism"], r[AUDIT_METRICS["epsilon-lower"]]) for r in audited) * 1.1
     ax.plot([0, top], [0, top], color="gray", ls="--", lw=1, label="lower bound = accounted")
     ax.set_xlabel("accounted epsilon (audited mechanism)")
     ax.set_ylabel("audited lower bound (95%)")

@@ -22,6 +22,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
+from fedvlm.metrics import EPSILON_SPENT, undeclared
 from fedvlm.privacy.audit import audit_section
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR
 from fedvlm.server_app.exchange import Exchanger
@@ -51,7 +52,7 @@ def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: Ru
     budget.record_noise_sources(strategy.registry.noise_sources())  # nodes may have joined since the last round
     strategy.ledger.record_round(server_round, entry)
     recorder.add_section("privacy", strategy.ledger.as_dict())
-    return {"epsilon/per-record-max": entry["epsilon"]}
+    return {EPSILON_SPENT: entry["epsilon"]}
 
 
 def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
@@ -72,8 +73,16 @@ def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
 
 
 def _figures(record: MetricRecord | None) -> dict[str, float]:
-    """A hook's returned metrics, for the round's record."""
-    return {k: v for k, v in (record or {}).items() if isinstance(v, (int, float))}
+    """A hook's returned metrics, for the round's record: each must be declared (``fedvlm.metrics``),
+    since results.json's summary, the plots and rounds.csv read the declaration."""
+    figures = {k: v for k, v in (record or {}).items() if isinstance(v, (int, float))}
+    missing = undeclared(figures)
+    if missing:
+        raise ValueError(
+            f"the strategy returned round figures no metric declares: {', '.join(missing)}; declare "
+            "each with fedvlm.metrics.register_metric"
+        )
+    return figures
 
 
 def _phase_config(recorder: RunRecorder, final: bool | None = None) -> ConfigRecord:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message
 
+from fedvlm.protocol import ARRAYS_RECORD
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.utils.files import atomic_torch_save
 
@@ -35,7 +36,7 @@ class RoundUploads:
 
 
 def _arrays(msg: Message) -> dict[str, torch.Tensor]:
-    record = msg.content["arrays"] if "arrays" in msg.content else None
+    record = msg.content[ARRAYS_RECORD] if ARRAYS_RECORD in msg.content else None
     if not isinstance(record, ArrayRecord):
         return {}
     return {k: torch.from_numpy(np.array(v.numpy())) for k, v in record.items()}

@@ -1,11 +1,35 @@
-"""PNG plots of a run: accuracy and loss over rounds."""
+"""PNG plots of a run: every declared round figure that has a ``plot`` (``fedvlm.metrics``), one
+PNG per plot, over rounds. The privacy plot names the accountant and delta its epsilon is for."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from fedvlm.metrics import EPSILON, METRICS, Metric
 
-def plot_run(data: dict, out_dir: Path) -> list[Path]:
+STYLES = ("-", "--", ":", "-.")  # so that equal curves (a global model's local = neighbor) all show
+
+
+def plot_groups(rounds: list[dict]) -> dict[str, list[Metric]]:
+    """The plots a run's ``rounds`` fill: file name -> the declared metrics drawn in it that some
+    round has, in catalogue order."""
+    present = {k for r in rounds for k in r["metrics"]}
+    groups: dict[str, list[Metric]] = {}
+    for metric in METRICS.values():
+        if metric.plot and metric.name in present:
+            groups.setdefault(metric.plot, []).append(metric)
+    return groups
+
+
+def _subtitle(data: dict, metrics: list[Metric]) -> str:
+    settings = (data.get("privacy") or {}).get("settings") or {}
+    if any(m.kind is EPSILON for m in metrics) and settings:
+        return f" (accountant {settings.get('accountant')}, delta {settings.get('delta'):g})"
+    return ""
+
+
+def plot_run(data: dict, out_dir: Path) -> dict[str, list[str]]:
+    """Draw the run's plots into ``out_dir``; what each file shows (file name -> metric names)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -13,32 +37,28 @@ def plot_run(data: dict, out_dir: Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     rounds = data["rounds"]
-    if not rounds:
-        return []
     title = f"{data['config']['method']} on {data['config']['dataset']}"
     xs = [r["round"] for r in rounds]
-    paths = []
-    for fname, keys, ylabel, scale in (
-        ("accuracy.png", ("local-acc", "neighbor-acc", "train-acc"), "accuracy (%)", 100.0),
-        ("loss.png", ("train-loss", "local-loss", "neighbor-loss"), "cross-entropy", 1.0),
-    ):
+    drawn = {}
+    for fname, metrics in plot_groups(rounds).items():
         fig, ax = plt.subplots(figsize=(6, 4))
-        drawn = False
-        for key, style in zip(keys, ("-", "--", ":"), strict=False):
-            pts = [(x, r["metrics"][key] * scale) for x, r in zip(xs, rounds, strict=True) if key in r["metrics"]]
-            if pts:  # dashed/dotted so that equal curves (a global model's local = neighbor) both show
-                ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=key)
-                drawn = True
-        if drawn:
-            ax.set_xlabel("round")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel(ylabel)
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            ax.legend()
-            fig.tight_layout()
-            path = Path(out_dir) / fname
-            fig.savefig(path, dpi=110)
-            paths.append(path)
+        for i, metric in enumerate(metrics):
+            scale = metric.kind.scale
+            pts = [
+                (x, r["metrics"][metric.name] * scale)
+                for x, r in zip(xs, rounds, strict=True)
+                if metric.name in r["metrics"]
+            ]
+            ax.plot(*zip(*pts, strict=True), STYLES[i % len(STYLES)], marker="o", ms=3, label=metric.name)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(metrics[0].kind.axis)
+        ax.set_title(title + _subtitle(data, metrics))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = Path(out_dir) / fname
+        fig.savefig(path, dpi=110)
+        drawn[fname] = [m.name for m in metrics]
         plt.close(fig)
-    return paths
+    return drawn

@@ -19,6 +19,8 @@ A run config the ServerApp refuses leaves a run folder too, failed with the reas
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import json
 import logging
 import platform
@@ -30,31 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_json, overwrite_in_place
+from fedvlm.metrics import METRICS
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json, atomic_write_text, load_json, overwrite_in_place
 from fedvlm.utils.paths import default_output_dir
 
 log = logging.getLogger(__name__)
 
-SUMMARY_METRICS = (
-    "local-acc",
-    "neighbor-acc",
-    "train-loss",
-    "local-loss",
-    # the VLM methods: the server's model and the clients' own, averaged
-    "server-cider",
-    "client-cider",
-    "server-bleu-4",
-    "client-bleu-4",
-    "server-rouge-l",
-    "client-rouge-l",
-    "server-accuracy",
-    "client-accuracy",
-    "server-loss",
-    "client-loss",
-    "server-ood-cider",
-    "server-ood-bleu-4",
-)
-VLM_PROGRESS = ("server-cider", "client-cider", "server-accuracy", "client-accuracy")
+ROUNDS_CSV = "rounds.csv"
+# a round's own columns before its metrics
+ROUND_COLUMNS = ("round", "evaluated", "seconds", "sampled", "bytes_up", "bytes_down")
 STATUS_FILE, STATUS_BYTES = "status.json", 8192
 
 
@@ -146,7 +132,9 @@ class RunRecorder:
         return self.dir / "results.json"
 
     def write(self) -> None:
+        """results.json, and the rounds as a table beside it (``ROUNDS_CSV``)."""
         atomic_write_json(self.data, self.path)
+        atomic_write_text(rounds_csv(self.data["rounds"]), self.dir / ROUNDS_CSV)
 
     def write_status(self) -> None:
         run = self.data["run"]
@@ -179,7 +167,7 @@ class RunRecorder:
             "bytes_up": int(sum(r["bytes_up"] for r in rounds)),
             "bytes_down": int(sum(r["bytes_down"] for r in rounds)),
         }
-        for key in SUMMARY_METRICS:
+        for key in (m.name for m in METRICS.values() if m.headline):
             series = [r["metrics"][key] for r in rounds if key in r["metrics"]]
             if series:
                 final[f"{key}"] = series[-1]
@@ -198,7 +186,7 @@ class RunRecorder:
         try:
             from fedvlm.server_app.plots import plot_run
 
-            plot_run(self.data, self.dir)
+            self.data["run"]["plots"] = plot_run(self.data, self.dir)
         except Exception as err:  # a plot must never lose the results; results.json says why it is missing
             log.warning("could not draw plots: %s", err)
             self.data["run"]["plots"] = f"not drawn: {type(err).__name__}: {str(err)[:300]}"
@@ -216,21 +204,24 @@ class RunRecorder:
         return self.data["final"]
 
 
+def rounds_csv(rounds: list[dict]) -> str:
+    """One row per round: its own columns, then every round figure any round has, in the metric
+    catalogue's order (``fedvlm.metrics``; the loop records no other); a figure a round lacks is
+    an empty cell."""
+    present = {k for r in rounds for k in r["metrics"]}
+    columns = [m for m in METRICS if m in present]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([*ROUND_COLUMNS, *columns])
+    for r in rounds:
+        writer.writerow([*(r.get(c, "") for c in ROUND_COLUMNS), *(r["metrics"].get(c, "") for c in columns)])
+    return out.getvalue()
+
+
 def progress_line(record: dict, num_rounds: int) -> str:
     m = record["metrics"]
     parts = [f"[round {record['round']}/{num_rounds}]"]
-    if "train-loss" in m:
-        parts.append(f"train loss {m['train-loss']:.3f}")
-    if "local-acc" in m:
-        parts.append(f"local {100 * m['local-acc']:.1f}%")
-    if "neighbor-acc" in m:
-        parts.append(f"neighbor {100 * m['neighbor-acc']:.1f}%")
-    for key in VLM_PROGRESS:
-        if key in m:
-            parts.append(f"{key} {m[key]:.1f}")
-    eps = [v for k, v in m.items() if k.startswith("epsilon/")]
-    if eps:
-        parts.append(f"epsilon {max(eps):.3g}")
+    parts += [f"{x.label} {x.kind.show(m[x.name])}" for x in METRICS.values() if x.label and x.name in m]
     parts.append(f"{record['seconds']:.1f}s")
     parts.append(f"up {record['bytes_up'] / 1024:.1f} KiB down {record['bytes_down'] / 1024:.1f} KiB")
     if record.get("dropped"):
@@ -245,13 +236,10 @@ def summary_table(data: dict) -> str:
         ("dataset", data["config"]["dataset"]),
         ("rounds", str(final.get("rounds"))),
     ]
-    for key in SUMMARY_METRICS:
-        if key in final:
-            fmt = (lambda v: f"{100 * v:.2f}%") if key.endswith("acc") else (lambda v: f"{v:.4f}")
-            if key.startswith(("server-", "client-")) and not key.endswith("loss"):
-                fmt = lambda v: f"{v:.2f}"  # noqa: E731 (already x100)
-            rows.append((f"{key} (last round)", fmt(final[key])))
-            rows.append((f"{key} (mean of last 10)", fmt(final[f"{key}-last10-mean"])))
+    for metric in METRICS.values():
+        if metric.headline and metric.name in final:
+            rows.append((f"{metric.name} (last round)", metric.kind.show(final[metric.name])))
+            rows.append((f"{metric.name} (mean of last 10)", metric.kind.show(final[f"{metric.name}-last10-mean"])))
     rows.append(("bytes up / down", f"{final['bytes_up']:,} / {final['bytes_down']:,}"))
     comm = data.get("communication") or {}
     if comm.get("up_vs_full_lora") is not None and comm.get("down_vs_full_lora") is not None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -41,16 +41,26 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedvlm.metrics import (
+    EVAL_CLIENTS,
+    EVAL_COMPUTE_SECONDS,
+    EVALUATE,
+    TRAIN,
+    TRAIN_CLIENTS,
+    TRAIN_COMPUTE_SECONDS,
+    round_figures,
+)
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape
 from fedvlm.protocol import (
+    ARRAYS_RECORD,
     ATTEMPT,
+    CONFIG_RECORD,
     EVALUATE_ARRAYS,
     EVALUATE_CONFIG,
     FINAL_ROUND,
-    NUM_EXAMPLES,
     RUN_DIR,
     SERVER_ROUND,
     EvaluateInstruction,
@@ -139,25 +149,6 @@ class FederatedStrategy(Strategy):
         """Fold the validated updates into ``self.global_arrays``; the round's figures the method
         adds to its record."""
         return {}
-
-    def evaluation_metrics(self, updates: list[ClientUpdate]) -> dict[str, float]:
-        """The federation's figures from the validated evaluation replies: the mean (as the
-        papers report it), spread and example-weighted accuracy of each kind."""
-        metrics: dict[str, float] = {}
-        for tag in ("local", "neighbor"):
-            accs = [u.reply.metrics[f"{tag}-acc"] for u in updates if f"{tag}-acc" in u.reply.metrics]
-            if accs:
-                metrics[f"{tag}-acc"] = float(np.mean(accs))
-                metrics[f"{tag}-acc-std"] = float(np.std(accs))
-                metrics.update(
-                    _weighted_metrics(
-                        [u.reply.metrics for u in updates],
-                        (f"{tag}-acc", f"{tag}-loss"),
-                        weight_key=f"{tag}-n",
-                        suffix="-weighted",
-                    )
-                )
-        return metrics
 
     def outputs(self, rounds: list[dict]) -> RunOutputs:
         """What the method adds to the run folder after the last round (``rounds``: every
@@ -307,8 +298,8 @@ class FederatedStrategy(Strategy):
             kept.client(node.name).update({**payload.rows, f"{phase}/bytes_down": nbytes})
             content = RecordDict(
                 {
-                    "arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.arrays.items()}),
-                    "config": ConfigRecord(instruction),
+                    ARRAYS_RECORD: ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in payload.arrays.items()}),
+                    CONFIG_RECORD: ConfigRecord(instruction),
                 }
             )
             kept.messages.append(Message(content, dst_node_id=node.node_id, message_type=kind))
@@ -348,11 +339,11 @@ class FederatedStrategy(Strategy):
             if host is None:
                 alone.append(msg)
                 continue
-            config = msg.content["config"]
+            config = msg.content[CONFIG_RECORD]
             assert isinstance(config, ConfigRecord)  # _phase sends one
             kept = self.plans[int(config[SERVER_ROUND])].phase("evaluate")  # type: ignore[arg-type]  # written by _phase
             host.content[EVALUATE_CONFIG] = config
-            arrays, shared = msg.content["arrays"], host.content["arrays"]
+            arrays, shared = msg.content[ARRAYS_RECORD], host.content[ARRAYS_RECORD]
             assert isinstance(arrays, ArrayRecord) and isinstance(shared, ArrayRecord)  # _phase sends them
             if _same_arrays(arrays, shared):  # nothing more to send: the node evaluates the train message's
                 nbytes = record_nbytes({k: v.numpy() for k, v in arrays.items()})
@@ -383,7 +374,7 @@ class FederatedStrategy(Strategy):
             node = self.nodes.get(msg.metadata.dst_node_id)
             if node is None:
                 continue
-            config = msg.content["config"]
+            config = msg.content[CONFIG_RECORD]
             assert isinstance(config, ConfigRecord)  # _phase sends one
             server_round = int(config[SERVER_ROUND])  # type: ignore[arg-type]  # written by _phase
             phase = "train" if msg.metadata.message_type == MessageType.TRAIN else "evaluate"
@@ -408,7 +399,7 @@ class FederatedStrategy(Strategy):
                     self.budget.spend([node.name])
                     charged = True
             content = RecordDict(dict(msg.content.items()))  # a bundled evaluation too
-            content["config"] = ConfigRecord({**config, ATTEMPT: 2})
+            content[CONFIG_RECORD] = ConfigRecord({**config, ATTEMPT: 2})
             copy = Message(content, dst_node_id=node.node_id, message_type=msg.metadata.message_type)
             copies.append(copy)
             asked = {"client": node.name, "phase": phase, "asked": True, "charged": charged}
@@ -559,9 +550,9 @@ class FederatedStrategy(Strategy):
         for u in updates:
             kept.client(u.node.name).update({f"train/{k}": v for k, v in u.reply.metrics.items()})
         metrics = self.aggregate(server_round, updates) if updates else {}
-        metrics.update(_weighted_metrics([u.reply.metrics for u in updates], ("train-loss", "train-acc")))
-        metrics["train-compute-seconds"] = float(sum(u.reply.compute_seconds for u in updates))
-        metrics["train-clients"] = len(updates)
+        metrics.update(round_figures([u.reply.metrics for u in updates], TRAIN))
+        metrics[TRAIN_COMPUTE_SECONDS] = float(sum(u.reply.compute_seconds for u in updates))
+        metrics[TRAIN_CLIENTS] = len(updates)
         arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in self.global_arrays.items()})
         return arrays, MetricRecord(dict(metrics))
 
@@ -570,9 +561,9 @@ class FederatedStrategy(Strategy):
         updates = self._validated(replies, kept)
         for u in updates:
             kept.client(u.node.name).update({f"eval/{k}": v for k, v in u.reply.metrics.items()})
-        metrics = self.evaluation_metrics(updates)
-        metrics["eval-clients"] = len(updates)
-        metrics["eval-compute-seconds"] = float(sum(u.reply.compute_seconds for u in updates))
+        metrics = round_figures([u.reply.metrics for u in updates], EVALUATE)
+        metrics[EVAL_CLIENTS] = len(updates)
+        metrics[EVAL_COMPUTE_SECONDS] = float(sum(u.reply.compute_seconds for u in updates))
         return MetricRecord(dict(metrics))
 
 
@@ -600,15 +591,3 @@ def _refuse_metrics(kept: PhasePlan, name: str, refused: dict[str, str]) -> None
             "reason": why,
         }
     )
-
-
-def _weighted_metrics(
-    metrics: Sequence[Mapping], keys: Iterable[str], weight_key: str = NUM_EXAMPLES, suffix: str = ""
-) -> dict:
-    out = {}
-    for key in keys:
-        pairs = [(m[key], m.get(weight_key, 0)) for m in metrics if key in m]
-        total = sum(w for _, w in pairs)
-        if pairs and total > 0:
-            out[key + suffix] = float(sum(v * w for v, w in pairs) / total)
-    return out

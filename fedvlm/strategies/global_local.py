@@ -19,6 +19,7 @@ import logging
 import numpy as np
 import torch
 
+from fedvlm.metrics import GDP_DENOMINATOR, GDP_SIGMA
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptStrategy
 from fedvlm.strategies.records import ClientUpdate
@@ -60,7 +61,7 @@ class GlobalGradientStrategy(PromptStrategy):
         if self.budget is not None:
             key = server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
             grad, sigma = self.budget.release_global(grad, key, self.registry.noise_sources())
-            metrics = {"gdp-sigma": sigma, "gdp-denominator": self.denominator(server_round, updates)}
+            metrics = {GDP_SIGMA: sigma, GDP_DENOMINATOR: self.denominator(server_round, updates)}
         self._server_step(grad)
         return metrics
 

@@ -21,9 +21,9 @@ import logging
 
 import numpy as np
 
+from fedvlm.metrics import FEDRAND_CLIENTS, TRAIN_CLIENTS
 from fedvlm.models import adapter_parts
 from fedvlm.models.vlm import AdapterSpec, load_vlm
-from fedvlm.protocol import NUM_EXAMPLES
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
 from fedvlm.strategies.base import FederatedStrategy, to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
@@ -32,8 +32,6 @@ from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
 
 log = logging.getLogger(__name__)
-
-CLIENT_METRICS_PREFIX = ("client-", "server-")
 
 
 class LoRAStrategy(FederatedStrategy):
@@ -82,26 +80,13 @@ class LoRAStrategy(FederatedStrategy):
         self.global_arrays.update(avg)
         return {}
 
-    def evaluation_metrics(self, updates: list[ClientUpdate]) -> dict[str, float]:
-        """Adds each task metric weighted by test size: the federation's figure for the union of
-        the clients' test sets."""
-        metrics = super().evaluation_metrics(updates)
-        rows = [u.reply.metrics for u in updates if NUM_EXAMPLES in u.reply.metrics]
-        keys = sorted({k for r in rows for k in r if k.startswith(CLIENT_METRICS_PREFIX)})
-        for k in keys:
-            have = [r for r in rows if k in r]
-            weight = "ood-examples" if k.startswith("server-ood-") else NUM_EXAMPLES
-            w = np.array([r[weight] for r in have], dtype=float)
-            metrics[k] = float(np.average([r[k] for r in have], weights=w))
-        return metrics
-
     def outputs(self, rounds: list[dict]) -> RunOutputs:
         """What the server could reconstruct of each client's model (its last uploads), and what
         the run's communication cost against sending the whole adapter."""
         full = self.adapter_bytes()
         up = sum(r.get("bytes", {}).get("train_up", 0) for r in rounds)
         down = sum(r.get("bytes", {}).get("train_down", 0) for r in rounds)
-        trained = sum(r["metrics"].get("train-clients", 0) for r in rounds)
+        trained = sum(r["metrics"].get(TRAIN_CLIENTS, 0) for r in rounds)
         sent = sum(r["sampled"] for r in rounds)  # train messages sent: a round is recorded once it was sent
         communication = {
             "adapter_bytes": full,
@@ -177,6 +162,6 @@ class FedRandStrategy(LoRAStrategy):
             chosen,
         )
         return {
-            "fedrand/clients-A": sum(self.draws[server_round][u.node.name] == "A" for u in updates),
-            "fedrand/clients-B": sum(self.draws[server_round][u.node.name] == "B" for u in updates),
+            FEDRAND_CLIENTS[half]: sum(self.draws[server_round][u.node.name] == half for u in updates)
+            for half in FEDRAND_CLIENTS
         }

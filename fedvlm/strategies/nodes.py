@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedvlm.metrics import LOCAL_N, NEIGHBOR_N, NUM_EXAMPLES
 from fedvlm.privacy.ledger import PrivacyLedger
-from fedvlm.protocol import NUM_EXAMPLES, SERVER_ROUND
+from fedvlm.protocol import CONFIG_RECORD, SERVER_ROUND
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.validation import ReplyRejected, bounded, check_hello
 from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
@@ -49,12 +50,14 @@ class NodeInfo:
     num_neighbor: int
     backbone: str
     num_classes: int
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # its handshake's words as it stated them (for the record)
     num_partitions: int = 0  # a partition node's num-partitions; 0 for a node with its own data
+    noise_source: str = "seeded"  # where its DP noise comes from, as its handshake said
+    class_list: str = ""  # the digest of its class names in order (the prompt family)
 
     def evaluation_counts(self) -> dict[str, int]:
         """The most each record count of this node's evaluation may say (its handshake's sizes)."""
-        return {NUM_EXAMPLES: self.num_test, "local-n": self.num_test, "neighbor-n": self.num_neighbor}
+        return {NUM_EXAMPLES: self.num_test, LOCAL_N: self.num_test, NEIGHBOR_N: self.num_neighbor}
 
 
 class NodeRegistry:
@@ -82,7 +85,9 @@ class NodeRegistry:
             return
         msgs = [
             Message(
-                RecordDict({"config": ConfigRecord({SERVER_ROUND: 0})}), dst_node_id=n, message_type=MessageType.QUERY
+                RecordDict({CONFIG_RECORD: ConfigRecord({SERVER_ROUND: 0})}),
+                dst_node_id=n,
+                message_type=MessageType.QUERY,
             )
             for n in node_ids
         ]
@@ -101,8 +106,8 @@ class NodeRegistry:
                 except ReplyRejected as bad:
                     self.exclude(n, str(bad))
                     continue
-                info = {**hello.details, "name": hello.name, "backbone": hello.backbone}
-                self.ledger.note_released("handshake", [*hello.to_records()[1], *info])
+                info, numbers = hello.to_records()
+                self.ledger.note_released("handshake", [*numbers, *info])
                 node = NodeInfo(
                     n,
                     hello.name,
@@ -114,6 +119,8 @@ class NodeRegistry:
                     hello.num_classes,
                     info,
                     hello.num_partitions,
+                    hello.noise_source,
+                    hello.class_list,
                 )
                 why = self._forget_restarted(node, connected) or self._mismatch(node)
                 if why:
@@ -182,7 +189,7 @@ class NodeRegistry:
                 f"it has {node.num_classes} classes but {known.name} has {known.num_classes}: every node must "
                 "use the same class list"
             )
-        if known.info.get("class-list") != node.info.get("class-list"):
+        if known.class_list != node.class_list:
             return (
                 f"its class list differs from {known.name}'s (same number, other names or order): give every "
                 "node the same classes.txt"
@@ -282,7 +289,7 @@ class NodeRegistry:
 
     def noise_sources(self) -> dict[str, str]:
         """Where each known node draws its noise ('os' or 'seeded'), as its handshake said."""
-        return {n.name: str(n.info.get("noise-source", "seeded")) for n in self.nodes.values()}
+        return {n.name: n.noise_source for n in self.nodes.values()}
 
     def table(self) -> tuple[list[dict], dict[str, str]]:
         """(nodes, excluded) as results.json records them."""

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedvlm.metrics import NODE_EPSILON_PRV, NODE_EPSILON_RDP
 from fedvlm.models.reprogram import initial_model, source_model, trainable_state
-from fedvlm.protocol import NODE_EPSILON_PRV, NODE_EPSILON_RDP
 from fedvlm.strategies.aggregation import weighted_average
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.nodes import NodeInfo

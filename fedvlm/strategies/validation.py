@@ -4,8 +4,8 @@ A reply is used only if it carries exactly the tensors the server expects from t
 this round, each checked from its header before a byte of it is decoded (serialised as a NumPy
 array, float32, the expected shape, no more bytes than that takes), then decoded and checked
 again (the header inside the bytes agrees, finite values); metrics in a MetricRecord, each a
-metric this project's clients report (``METRIC_RULES``), a finite number in that metric's range
-(an accuracy in [0, 1], a count a non-negative integer, ...); and, for training, an integer
+metric declared for that reply (``fedvlm.metrics``), a finite number in its kind's range (an
+accuracy in [0, 1], a count a non-negative integer, ...); and, for training, an integer
 ``num-examples`` between 1 and the training records the node reported in its handshake (a
 client cannot claim more weight than its data). Anything else raises ``ReplyRejected`` with
 the reason; the strategy drops that reply, logs and records the reason, and the round goes on.
@@ -36,7 +36,20 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from fedvlm.protocol import EVALUATION, FAILED, NUM_EXAMPLES, EvaluateReply, HelloReport, TrainReply
+from fedvlm.metrics import EVALUATE, NUM_EXAMPLES, TRAIN, reply_metric
+from fedvlm.privacy.mechanisms import NOISE_SOURCES
+from fedvlm.protocol import (
+    ARRAYS_RECORD,
+    EVALUATION,
+    FAILED,
+    HELLO_NUMBERS,
+    HELLO_WORDS,
+    INFO_RECORD,
+    METRICS_RECORD,
+    EvaluateReply,
+    HelloReport,
+    TrainReply,
+)
 from fedvlm.runconfig.schema import RepliesConfig
 
 
@@ -50,34 +63,15 @@ def record_nbytes(arrays: Mapping[str, np.ndarray]) -> int:
 
 
 NPY_HEADER_MAX = 4096  # a .npy header is a few hundred bytes; a float32 payload's size is known
-COUNT, PROPORTION = (0.0, math.inf, True), (0.0, 1.0, False)  # (lowest, highest, an integer?)
-# every metric a client of this project reports, and what it may be (first match wins)
-METRIC_RULES: tuple[tuple[re.Pattern, tuple[float, float, bool]], ...] = tuple(
-    (re.compile(pattern), rule)
-    for pattern, rule in (
-        (r"^(local|neighbor)-n$|^(ood-examples|steps|local-steps|rounds-trained)$", COUNT),
-        (r"^audit-(canaries|guesses|correct|guessed-in|steps)$", COUNT),
-        (r"^(local|neighbor|train)-acc$|^dp-clipped-fraction$", PROPORTION),
-        (r"^(local|neighbor|train)-loss(-first|-last)?$|^(server|client)(-ood)?-loss$", (0.0, 1e4, False)),
-        (r"^(server|client)(-ood)?-(bleu-[1-4]|rouge-l|accuracy)$", (0.0, 100.0, False)),
-        (r"^(server|client)(-ood)?-cider$", (0.0, 1000.0, False)),
-        (r"^(compute|train)-seconds$", (0.0, 1e7, False)),
-        (r"^(node-epsilon|audit-epsilon-lower|epsilon-rdp|epsilon-prv)$", (0.0, 1e9, False)),
-    )
-)
 
 
-def check_metric(name: str, value) -> None:
-    """``ReplyRejected`` unless ``value`` is what metric ``name`` may be (``METRIC_RULES``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ReplyRejected(f"metric {name!r} is {value!r}, expected a finite number")
-    rule = next((r for pattern, r in METRIC_RULES if pattern.match(name)), None)
-    if rule is None:
-        raise ReplyRejected(f"metric {name!r} is not one this project's clients report")
-    lo, hi, integer = rule
-    if not (lo <= value <= hi and (isinstance(value, int) or not integer)):
-        expected = "a non-negative integer" if integer else f"in [{lo:g}, {hi:g}]"
-        raise ReplyRejected(f"metric {name!r} is {value!r}, expected {expected}")
+def check_metric(name: str, value, message: str) -> None:
+    """``ReplyRejected`` unless ``value`` is what metric ``name`` may be in a ``message`` reply
+    (``fedvlm.metrics``: declared for that reply, a finite number in its kind's range)."""
+    metric = reply_metric(name, message)
+    why = metric if isinstance(metric, str) else metric.check(value)
+    if why is not None:
+        raise ReplyRejected(why)
 
 
 def decode_tensor(name: str, array: Array, shape: tuple[int, ...]) -> np.ndarray:
@@ -122,10 +116,11 @@ def _records(msg: Message, expected: Mapping[str, tuple[int, ...]]) -> tuple[dic
     _failed(msg, "train")
     content = msg.content
     tensors = ArrayRecord()
-    if "arrays" in content:
-        if not isinstance(content["arrays"], ArrayRecord):
-            raise ReplyRejected(f"'arrays' is a {type(content['arrays']).__name__}, expected an ArrayRecord")
-        tensors = content["arrays"]
+    if ARRAYS_RECORD in content:
+        record = content[ARRAYS_RECORD]
+        if not isinstance(record, ArrayRecord):
+            raise ReplyRejected(f"{ARRAYS_RECORD!r} is a {type(record).__name__}, expected an ArrayRecord")
+        tensors = record
     names = set(tensors.keys())
     missing = set(expected) - names
     extra = names - set(expected)
@@ -137,7 +132,7 @@ def _records(msg: Message, expected: Mapping[str, tuple[int, ...]]) -> tuple[dic
             parts.append(f"unexpected {some_names(extra)}")
         raise ReplyRejected("wrong tensors: " + "; ".join(parts))
     arrays = {name: decode_tensor(name, tensors[name], shape) for name, shape in expected.items()}
-    return arrays, _metrics(content, "metrics")
+    return arrays, _metrics(content, METRICS_RECORD)
 
 
 def _metrics(content, key: str) -> dict:
@@ -157,8 +152,8 @@ def _count(metrics: Mapping, least: int) -> None:
         raise ReplyRejected(f"metric {NUM_EXAMPLES!r} must be a {kind} integer, got {n!r}")
 
 
-def _figures(metrics: Mapping, most: Mapping[str, int] | None = None) -> tuple[dict, dict[str, str]]:
-    """(the metrics the server accepts, {refused metric: why}). A metric the server cannot accept
+def _figures(metrics: Mapping, message: str, most: Mapping[str, int] | None = None) -> tuple[dict, dict[str, str]]:
+    """(the metrics of a ``message`` reply the server accepts, {refused metric: why}). A metric the server cannot accept
     costs that metric, never the reply: whether a figure is acceptable can depend on the private
     data (a round whose Poisson batches were all empty once reported a NaN loss), and a reply
     kept or dropped by the data would move the aggregate by a node's whole upload instead of one
@@ -167,7 +162,7 @@ def _figures(metrics: Mapping, most: Mapping[str, int] | None = None) -> tuple[d
     for k, v in metrics.items():
         try:
             if k != NUM_EXAMPLES:
-                check_metric(k, v)
+                check_metric(k, v, message)
             if most is not None and k in most and v > most[k]:
                 raise ReplyRejected(f"metric {k!r} is {v!r}, more than the {most[k]} records its handshake reported")
             kept[k] = v
@@ -188,7 +183,7 @@ def check_train_reply(
     n = metrics[NUM_EXAMPLES]
     if max_examples and n > max_examples:
         raise ReplyRejected(f"it claims num-examples = {n}, more than the {max_examples} training records it reported")
-    kept, refused = _figures(metrics)
+    kept, refused = _figures(metrics, TRAIN)
     return TrainReply.from_records(arrays, kept), refused
 
 
@@ -217,14 +212,14 @@ def check_evaluate_reply(
                 f"it claims num-examples = {metrics[NUM_EXAMPLES]}, more than the {most[NUM_EXAMPLES]} test records it "
                 "reported"
             )
-    kept, refused = _figures(metrics, most)
+    kept, refused = _figures(metrics, EVALUATE, most)
     return EvaluateReply.from_records(kept), refused
 
 
 NAME = re.compile(r"^[\w.@+-]{1,64}$")
 # a node's description (its sizes, backbone, dataset, class ids, ...) is kept in results.json: an
-# honest one holds about a dozen entries and, with 10,000 class ids, under 60,000 characters
-HELLO_ENTRIES, HELLO_CHARS = 64, 131_072
+# honest one, with 10,000 class ids, holds under 60,000 characters (its fields are protocol's)
+HELLO_CHARS = 131_072
 
 
 def check_hello(msg: Message) -> HelloReport:
@@ -234,32 +229,36 @@ def check_hello(msg: Message) -> HelloReport:
     if msg.has_error():
         raise ReplyRejected(short_reason(msg.error.reason))
     content = msg.content
-    info, metrics = content.get("info"), content.get("metrics")
+    info, metrics = content.get(INFO_RECORD), content.get(METRICS_RECORD)
     if not isinstance(info, ConfigRecord) or not isinstance(metrics, MetricRecord):
-        raise ReplyRejected("its handshake lacks the 'info' ConfigRecord or the 'metrics' MetricRecord it must carry")
-    counts = {
-        "partition-id": -1,
-        "num-train": 1,
-        "num-test": 0,
-        "num-neighbor": 0,
-        "num-classes": 1,
-        "num-partitions": 0,
-    }
-    for key, least in counts.items():
+        raise ReplyRejected(
+            f"its handshake lacks the {INFO_RECORD!r} ConfigRecord or the {METRICS_RECORD!r} MetricRecord it must carry"
+        )
+    unknown = sorted({*info} - set(HELLO_WORDS.values()) | {*metrics} - {k for k, _ in HELLO_NUMBERS.values()})
+    if unknown:
+        raise ReplyRejected(f"its handshake carries fields no node of this project reports: {', '.join(unknown)[:200]}")
+    for key, least in HELLO_NUMBERS.values():
         value = metrics.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ReplyRejected(f"its handshake reports {key} = {value!r}; expected an integer of at least {least}")
-    for key in ("name", "backbone"):
-        if not isinstance(info.get(key), str) or not info[key]:
+    if not all(isinstance(v, str) for v in info.values()):
+        raise ReplyRejected("its handshake's words are not all text")
+    for key in (HELLO_WORDS["name"], HELLO_WORDS["backbone"]):
+        if not info.get(key):
             raise ReplyRejected(f"its handshake has no {key!r}")
-    name = str(info["name"])
+    source = info.get(HELLO_WORDS["noise_source"])
+    if source not in NOISE_SOURCES:
+        raise ReplyRejected(
+            f"its handshake reports noise-source = {source if source is None else str(source)[:40]!r}; expected one "
+            f"of {', '.join(NOISE_SOURCES)}"
+        )
+    name = str(info[HELLO_WORDS["name"]])
     if not NAME.match(name):
         raise ReplyRejected(f"its name {name[:80]!r} is not 1-64 letters, digits or ._@+-")
     size = sum(len(str(k)) + len(str(v)) for record in (info, metrics) for k, v in record.items())
-    if len(info) + len(metrics) > HELLO_ENTRIES or size > HELLO_CHARS:
+    if size > HELLO_CHARS:
         raise ReplyRejected(
-            f"its handshake carries {len(info) + len(metrics)} entries of {size:,} characters, more than the "
-            f"{HELLO_ENTRIES} entries and {HELLO_CHARS:,} characters a node's description takes"
+            f"its handshake carries {size:,} characters, more than the {HELLO_CHARS:,} a node's description takes"
         )
     return HelloReport.from_records(dict(info), dict(metrics))
 

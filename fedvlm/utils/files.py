@@ -173,7 +173,10 @@ def strict_json(obj: Any) -> Any:
 
 
 def atomic_write_json(obj: Any, path: Path, durable: bool = False) -> None:
-    text = json.dumps(strict_json(obj), indent=2, sort_keys=False, allow_nan=False)
+    atomic_write_text(json.dumps(strict_json(obj), indent=2, sort_keys=False, allow_nan=False), path, durable)
+
+
+def atomic_write_text(text: str, path: Path, durable: bool = False) -> None:
     _atomic_write(path, lambda fh: fh.write(text.encode()), durable)
 
 

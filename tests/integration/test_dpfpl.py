@@ -51,7 +51,8 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     cfg = make_cfg(method="dpfpl", privacy__epsilon=0.05, dpfpl__server_lr=1.0)
     spec = cfg.spec
     strategy = spec.strategy(cfg, spec)
-    from fedvlm.protocol import NUM_EXAMPLES, TrainReply
+    from fedvlm.metrics import NUM_EXAMPLES
+    from fedvlm.protocol import TrainReply
     from fedvlm.strategies.nodes import NodeInfo
     from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
     from fedvlm.strategies.records import ClientUpdate

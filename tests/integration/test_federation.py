@@ -10,7 +10,8 @@ import pytest
 from flwr.app import Array, ArrayRecord
 
 from fedvlm.client_app.app import app as client_app
-from fedvlm.protocol import NUM_EXAMPLES, SERVER_ROUND, TrainReply
+from fedvlm.metrics import NUM_EXAMPLES
+from fedvlm.protocol import SERVER_ROUND, TrainReply
 from fedvlm.server_app.app import execute
 from fedvlm.strategies.nodes import FederationError
 from fedvlm.utils.inprocess import InProcessGrid

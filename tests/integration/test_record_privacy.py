@@ -164,8 +164,9 @@ def test_a_lost_node_does_not_shrink_the_global_denominator(make_cfg, pretrained
 def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip, monkeypatch):
     import numpy as np
 
+    from fedvlm.metrics import NUM_EXAMPLES
     from fedvlm.privacy import budget
-    from fedvlm.protocol import NUM_EXAMPLES, TrainReply
+    from fedvlm.protocol import TrainReply
     from fedvlm.strategies.nodes import NodeInfo
     from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
     from fedvlm.strategies.records import ClientUpdate
@@ -324,7 +325,7 @@ def test_clients_take_the_steps_the_plan_sends(make_cfg, pretrained_clip, monkey
     monkeypatch.setattr(TrainInstruction, "to_config", _altered_plan(local_steps=lambda i: 3))
     rec, grid = _run(make_cfg, 2, method="promptfl", num_server_rounds=1, prompt__local_steps=1)
     train = [m for m in grid.replies if m.metadata.message_type == "train"]
-    assert len(train) == 2 and all(m.content["metrics"]["steps"] == 3 for m in train)
+    assert len(train) == 2 and all(m.content["metrics"]["local-steps"] == 3 for m in train)
 
 
 def test_lora_clients_refuse_less_noise_than_their_own_plan(vlm_cache, tmp_path, monkeypatch):

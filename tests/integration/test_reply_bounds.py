@@ -14,7 +14,8 @@ import itertools
 import numpy as np
 import pytest
 
-from fedvlm.protocol import NUM_EXAMPLES, TrainReply
+from fedvlm.metrics import NUM_EXAMPLES
+from fedvlm.protocol import TrainReply
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate

@@ -7,7 +7,8 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedvlm.client_app.send_guard import PrivacyGuardError, check_outgoing, guarded_reply
-from fedvlm.protocol import EVALUATION, NUM_EXAMPLES, EvaluateReply, TrainReply
+from fedvlm.metrics import NUM_EXAMPLES
+from fedvlm.protocol import EVALUATION, EvaluateReply, TrainReply
 
 
 def test_allowed_tensor_passes_and_is_sent():

@@ -77,15 +77,16 @@ def test_bad_replies_are_rejected_with_reason(arrays, metrics, match):
         ({"train-loss": [1.0, 2.0]}, "finite number"),
         ({"train-acc": 1.5}, "expected in [0, 1]"),
         ({"made-up": 1.0}, "not one this project's clients report"),
+        ({"local-acc": 0.5}, "not one a train reply carries"),  # an evaluation's figure
     ],
 )
 def test_a_metric_the_server_cannot_accept_costs_that_metric_not_the_reply(bad, why):
     """Whether a figure is acceptable can depend on the private data (an all-empty Poisson round
     once reported a NaN loss): the reply, and so the aggregate, must not."""
     reply, refused = check_train_reply(
-        _reply({"ctx": np.ones((4, 8), np.float32)}, {"num-examples": 3, "steps": 2, **bad}), EXPECTED
+        _reply({"ctx": np.ones((4, 8), np.float32)}, {"num-examples": 3, "local-steps": 2, **bad}), EXPECTED
     )
-    assert reply.metrics == {"num-examples": 3, "steps": 2} and reply.arrays["ctx"].sum() == 32
+    assert reply.metrics == {"num-examples": 3, "local-steps": 2} and reply.arrays["ctx"].sum() == 32
     assert set(refused) == set(bad) and why in next(iter(refused.values()))
 
 
@@ -186,8 +187,37 @@ def test_what_a_node_says_is_recorded_in_a_few_hundred_characters():
     with pytest.raises(ReplyRejected, match=r"unexpected t0000y+\.\.\. \(305 characters\), .* 1,992 more$") as caught:
         check_train_reply(_reply(made_up), EXPECTED)
     assert len(str(caught.value)) < 1000
-    hello = HelloReport("org-0", -1, 10, 2, 0, 3, "clip", {f"k{i}": "v" for i in range(100)})
+    hello = HelloReport("org-0", -1, 10, 2, 0, 3, "clip", "os", dataset="d" * 200_000)
     info, metrics = hello.to_records()
     msg = Message(RecordDict({"info": ConfigRecord(info), "metrics": MetricRecord(metrics)}), reply_to=_request())
-    with pytest.raises(ReplyRejected, match="more than the 64 entries"):
+    with pytest.raises(ReplyRejected, match="more than the 131,072 a node's description takes"):
         check_hello(msg)
+    made_up = {**info, **{f"k{i:03d}" + "z" * 100: "v" for i in range(100)}}
+    msg = Message(RecordDict({"info": ConfigRecord(made_up), "metrics": MetricRecord(metrics)}), reply_to=_request())
+    with pytest.raises(ReplyRejected, match="fields no node of this project reports: k000z+") as caught:
+        check_hello(msg)
+    assert len(str(caught.value)) < 300
+
+
+def test_a_handshake_is_typed_both_ways_and_states_its_noise_source():
+    """Issue 46: the handshake's words were a free dict and a missing noise-source read as
+    'seeded'; now every field is typed, spelled once (protocol.HELLO_WORDS, HELLO_NUMBERS), and a
+    node that does not say where its noise comes from is not admitted."""
+    from fedvlm.protocol import HELLO_WORDS, HelloReport
+    from fedvlm.strategies.validation import check_hello
+
+    hello = HelloReport("org-0", -1, 10, 2, 0, 3, "clip", "os", dataset="own", class_list="ab12", num_partitions=0)
+    info, metrics = hello.to_records()
+    assert (
+        check_hello(
+            Message(RecordDict({"info": ConfigRecord(info), "metrics": MetricRecord(metrics)}), reply_to=_request())
+        )
+        == hello
+    )
+    for source in (None, "dice"):
+        words = {k: v for k, v in info.items() if k != HELLO_WORDS["noise_source"]}
+        if source:
+            words[HELLO_WORDS["noise_source"]] = source
+        msg = Message(RecordDict({"info": ConfigRecord(words), "metrics": MetricRecord(metrics)}), reply_to=_request())
+        with pytest.raises(ReplyRejected, match=f"noise-source = {source!r}; expected one of seeded, os"):
+            check_hello(msg)
