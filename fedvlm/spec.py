@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from fedvlm.metrics import Metric
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP
 from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig.schema import RunConfig
@@ -107,6 +108,10 @@ class Family:
     noise_multiplier: float = 0.0  # what privacy.noise-multiplier = 'auto' means (0: calibrate to epsilon)
     # the combinations the family cannot run (raises ConfigError), on the resolved flat values
     check: Callable[[dict], None] | None = None
+    # the figures its clients or strategy report beyond the catalogue's (``fedvlm.metrics``):
+    # registered with the method (``methods.registry.register_method``), so that the server's
+    # checks accept them and the results, plots and rounds.csv show them
+    metrics: tuple[Metric, ...] = ()
 
     @property
     def node_data(self) -> Callable[[Any, dict], Any]:
@@ -140,6 +145,10 @@ class MethodSpec:
     rank_key: str = ""  # low-rank prompt methods: the config key of the rank k (checked: k <= M)
     # the method's own config checks on the resolved flat values (raises ConfigError)
     check: Callable[[dict], None] | None = None
+    # the figures its clients or strategy report beyond the catalogue's (``fedvlm.metrics``):
+    # registered with the method (``methods.registry.register_method``), so that the server's
+    # checks accept them and the results, plots and rounds.csv show them
+    metrics: tuple[Metric, ...] = ()
 
     @property
     def strategy(self) -> type:

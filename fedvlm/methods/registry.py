@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from fedvlm.metrics import register_metric
 from fedvlm.models import adapter_parts
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP
 from fedvlm.runconfig import (
@@ -218,164 +219,176 @@ def _reprogram(name: str, kind: str, summary: str) -> MethodSpec:
     )
 
 
-METHODS: dict[str, MethodSpec] = {
-    m.name: m
-    for m in (
-        MethodSpec(
-            "promptfl",
-            PROMPT,
-            "PromptFL: one shared prompt, FedAvg weighted by client data size (optional FedProx).",
-            "fedvlm.strategies.prompt:PromptFLStrategy",
-            "fedvlm.client_app.prompt_clients:PromptFLClient",
-            shares=shares_only(CTX),
-            dp_defaults=_ONE_STEP,  # DP-FPL's baselines under DP: one local step per round (Algorithm 1)
-            local_dp=_dp(
-                "ldp-prompt",
-                "client: gradient of the prompt at every local step (the shared prompt is post-processing)",
-            ),
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add a method: its entry, and the figures it reports beyond the catalogue's (``MethodSpec.metrics``).
+    A name registered twice is refused."""
+    if spec.name in METHODS:
+        raise ValueError(f"a method named {spec.name!r} is already registered")
+    for metric in spec.metrics:
+        register_metric(metric)
+    METHODS[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    MethodSpec(
+        "promptfl",
+        PROMPT,
+        "PromptFL: one shared prompt, FedAvg weighted by client data size (optional FedProx).",
+        "fedvlm.strategies.prompt:PromptFLStrategy",
+        "fedvlm.client_app.prompt_clients:PromptFLClient",
+        shares=shares_only(CTX),
+        dp_defaults=_ONE_STEP,  # DP-FPL's baselines under DP: one local step per round (Algorithm 1)
+        local_dp=_dp(
+            "ldp-prompt",
+            "client: gradient of the prompt at every local step (the shared prompt is post-processing)",
         ),
-        MethodSpec(
-            "coop",
-            PROMPT,
-            "CoOp trained locally: every client learns its own prompt; nothing is aggregated.",
-            "fedvlm.strategies.prompt:LocalOnlyStrategy",
-            "fedvlm.client_app.prompt_clients:CoOpClient",
+    ),
+    MethodSpec(
+        "coop",
+        PROMPT,
+        "CoOp trained locally: every client learns its own prompt; nothing is aggregated.",
+        "fedvlm.strategies.prompt:LocalOnlyStrategy",
+        "fedvlm.client_app.prompt_clients:CoOpClient",
+    ),
+    MethodSpec(
+        "zeroshot",
+        PROMPT,
+        "Zero-shot CLIP with a hand-written template; evaluation only.",
+        "fedvlm.strategies.prompt:EvaluateOnlyStrategy",
+        "fedvlm.client_app.prompt_clients:ZeroShotClient",
+        trains=False,
+    ),
+    MethodSpec(
+        "dpfpl",
+        PROMPT,
+        "DP-FPL: global prompt (server, global DP) + private local prompt factorised every step "
+        "into u v + residual (local DP on the gradients of u and v).",
+        "fedvlm.strategies.global_local:GlobalGradientStrategy",
+        "fedvlm.client_app.global_local_clients:DPFPLClient",
+        shares=_GLOBAL_GRAD,
+        defaults=_ONE_STEP,
+        local_dp=_dpfpl_local,
+        global_dp=_global_gradient_dp,
+        rank_key="dpfpl.rank",
+        check=_shared_context_check,
+    ),
+    MethodSpec(
+        "fedotp",
+        PROMPT,
+        "FedOTP: global + local prompt per class, matched to image patches by unbalanced optimal "
+        "transport; global DP on the global prompt, local DP on the local prompt.",
+        "fedvlm.strategies.global_local:GlobalGradientStrategy",
+        "fedvlm.client_app.global_local_clients:FedOTPClient",
+        shares=_GLOBAL_GRAD,
+        defaults=_ONE_STEP,
+        local_dp=_dp(
+            "ldp-local", "client: gradient of the full-rank local prompt at every local step", noises_upload=False
         ),
-        MethodSpec(
-            "zeroshot",
-            PROMPT,
-            "Zero-shot CLIP with a hand-written template; evaluation only.",
-            "fedvlm.strategies.prompt:EvaluateOnlyStrategy",
-            "fedvlm.client_app.prompt_clients:ZeroShotClient",
-            trains=False,
+        global_dp=_global_gradient_dp,
+        check=_otp_check,
+    ),
+    MethodSpec(
+        "fedpgp",
+        PROMPT,
+        "FedPGP: global prompt + low-rank personal u v (factorised once) with a prompt-wise "
+        "contrastive term; global DP on the global prompt, local DP on u and v.",
+        "fedvlm.strategies.global_local:GlobalGradientStrategy",
+        "fedvlm.client_app.global_local_clients:FedPGPClient",
+        shares=_GLOBAL_GRAD,
+        defaults=_ONE_STEP,
+        local_dp=_dp(
+            "ldp-lowrank",
+            "client: gradients of the low-rank personal factors u and v at every local step",
+            2,
+            noises_upload=False,
         ),
-        MethodSpec(
-            "dpfpl",
-            PROMPT,
-            "DP-FPL: global prompt (server, global DP) + private local prompt factorised every step "
-            "into u v + residual (local DP on the gradients of u and v).",
-            "fedvlm.strategies.global_local:GlobalGradientStrategy",
-            "fedvlm.client_app.global_local_clients:DPFPLClient",
-            shares=_GLOBAL_GRAD,
-            defaults=_ONE_STEP,
-            local_dp=_dpfpl_local,
-            global_dp=_global_gradient_dp,
-            rank_key="dpfpl.rank",
-            check=_shared_context_check,
-        ),
-        MethodSpec(
-            "fedotp",
-            PROMPT,
-            "FedOTP: global + local prompt per class, matched to image patches by unbalanced optimal "
-            "transport; global DP on the global prompt, local DP on the local prompt.",
-            "fedvlm.strategies.global_local:GlobalGradientStrategy",
-            "fedvlm.client_app.global_local_clients:FedOTPClient",
-            shares=_GLOBAL_GRAD,
-            defaults=_ONE_STEP,
-            local_dp=_dp(
-                "ldp-local", "client: gradient of the full-rank local prompt at every local step", noises_upload=False
-            ),
-            global_dp=_global_gradient_dp,
-            check=_otp_check,
-        ),
-        MethodSpec(
-            "fedpgp",
-            PROMPT,
-            "FedPGP: global prompt + low-rank personal u v (factorised once) with a prompt-wise "
-            "contrastive term; global DP on the global prompt, local DP on u and v.",
-            "fedvlm.strategies.global_local:GlobalGradientStrategy",
-            "fedvlm.client_app.global_local_clients:FedPGPClient",
-            shares=_GLOBAL_GRAD,
-            defaults=_ONE_STEP,
-            local_dp=_dp(
-                "ldp-lowrank",
-                "client: gradients of the low-rank personal factors u and v at every local step",
-                2,
-                noises_upload=False,
-            ),
-            global_dp=_global_gradient_dp,
-            rank_key="fedpgp.rank",
-            check=_shared_context_check,
-        ),
-        MethodSpec(
-            "pfedmoap",
-            PROMPT,
-            "pFedMoAP: each node mixes its prompt with its K nearest other nodes' prompts (experts, from the "
-            "server's pool) through a private attention gate; FedAvg of the prompts.",
-            "fedvlm.strategies.pfedmoap:PFedMoAPStrategy",
-            "fedvlm.client_app.pfedmoap_clients:PFedMoAPClient",
-            shares=shares_only(CTX),
-            dp_defaults=_ONE_STEP,  # under DP, one local step per round like the other prompt baselines
-            local_dp=_pfedmoap_local,
-            check=_pfedmoap_check,
-        ),
-        MethodSpec(
-            "fedrand",
-            VLM,
-            "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
-            "one randomly drawn half (all A or all B), the other half stays private; per-half averaging.",
-            "fedvlm.strategies.lora:FedRandStrategy",
-            "fedvlm.client_app.lora_clients:FedRandClient",
-            shares=shares_all,
-            local_dp=_LORA_DP,
-            adapter="lora",
-        ),
-        MethodSpec(
-            "fedavg-lora",
-            VLM,
-            "FedAvg on the full LoRA adapter (both halves both ways): FedRand's oracle baseline.",
-            "fedvlm.strategies.lora:LoRAStrategy",
-            "fedvlm.client_app.lora_clients:LoRAClient",
-            shares=shares_all,
-            local_dp=_LORA_DP,
-            adapter="lora",
-        ),
-        MethodSpec(
-            "fedper-lora",
-            VLM,
-            "FedPer: the top layers' LoRA is shared (fedper.shared-layers), the rest stays on the client.",
-            "fedvlm.strategies.lora:LoRAStrategy",
-            "fedvlm.client_app.lora_clients:LoRAClient",
-            shares=_fedper_top,
-            local_dp=_LORA_DP,
-            adapter="lora",
-        ),
-        MethodSpec(
-            "fedpara-lora",
-            VLM,
-            "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) (peft LoHa).",
-            "fedvlm.strategies.lora:LoRAStrategy",
-            "fedvlm.client_app.lora_clients:FedParaClient",
-            shares=_fedpara_global,
-            local_dp=_LORA_DP,
-            adapter="loha",
-        ),
-        _reprogram(
-            "reprogram",
-            "mr",
-            "Reprogrammable-FL: a frozen source classifier; only the input program "
-            "tanh(M*Theta) around the zero-padded image and the linear output map train, with DP-SGD (Opacus) "
-            "and FedAvg.",
-        ),
-        _reprogram(
-            "bl-ff",
-            "ff",
-            "Reprogrammable-FL's full fine-tune baseline: every weight of the source network "
-            "(GroupNorm for BatchNorm) and a new head, same DP-SGD and FedAvg.",
-        ),
-        _reprogram(
-            "bl-pf",
-            "pf",
-            "Reprogrammable-FL's partial fine-tune baseline: only a new head on the frozen source features.",
-        ),
-        _reprogram(
-            "bl-ts",
-            "ts",
-            "Reprogrammable-FL's from-scratch baseline: the source architecture from random "
-            "weights (GroupNorm), every weight trains.",
-        ),
-    )
-}
+        global_dp=_global_gradient_dp,
+        rank_key="fedpgp.rank",
+        check=_shared_context_check,
+    ),
+    MethodSpec(
+        "pfedmoap",
+        PROMPT,
+        "pFedMoAP: each node mixes its prompt with its K nearest other nodes' prompts (experts, from the "
+        "server's pool) through a private attention gate; FedAvg of the prompts.",
+        "fedvlm.strategies.pfedmoap:PFedMoAPStrategy",
+        "fedvlm.client_app.pfedmoap_clients:PFedMoAPClient",
+        shares=shares_only(CTX),
+        dp_defaults=_ONE_STEP,  # under DP, one local step per round like the other prompt baselines
+        local_dp=_pfedmoap_local,
+        check=_pfedmoap_check,
+    ),
+    MethodSpec(
+        "fedrand",
+        VLM,
+        "FedRand: LoRA on the VLM's language model; each round the server sends every sampled client "
+        "one randomly drawn half (all A or all B), the other half stays private; per-half averaging.",
+        "fedvlm.strategies.lora:FedRandStrategy",
+        "fedvlm.client_app.lora_clients:FedRandClient",
+        shares=shares_all,
+        local_dp=_LORA_DP,
+        adapter="lora",
+    ),
+    MethodSpec(
+        "fedavg-lora",
+        VLM,
+        "FedAvg on the full LoRA adapter (both halves both ways): FedRand's oracle baseline.",
+        "fedvlm.strategies.lora:LoRAStrategy",
+        "fedvlm.client_app.lora_clients:LoRAClient",
+        shares=shares_all,
+        local_dp=_LORA_DP,
+        adapter="lora",
+    ),
+    MethodSpec(
+        "fedper-lora",
+        VLM,
+        "FedPer: the top layers' LoRA is shared (fedper.shared-layers), the rest stays on the client.",
+        "fedvlm.strategies.lora:LoRAStrategy",
+        "fedvlm.client_app.lora_clients:LoRAClient",
+        shares=_fedper_top,
+        local_dp=_LORA_DP,
+        adapter="lora",
+    ),
+    MethodSpec(
+        "fedpara-lora",
+        VLM,
+        "FedPara: a shared and a private LoRA pair per layer, dW = (B_g A_g) * (B_p A_p) (peft LoHa).",
+        "fedvlm.strategies.lora:LoRAStrategy",
+        "fedvlm.client_app.lora_clients:FedParaClient",
+        shares=_fedpara_global,
+        local_dp=_LORA_DP,
+        adapter="loha",
+    ),
+    _reprogram(
+        "reprogram",
+        "mr",
+        "Reprogrammable-FL: a frozen source classifier; only the input program "
+        "tanh(M*Theta) around the zero-padded image and the linear output map train, with DP-SGD (Opacus) "
+        "and FedAvg.",
+    ),
+    _reprogram(
+        "bl-ff",
+        "ff",
+        "Reprogrammable-FL's full fine-tune baseline: every weight of the source network "
+        "(GroupNorm for BatchNorm) and a new head, same DP-SGD and FedAvg.",
+    ),
+    _reprogram(
+        "bl-pf",
+        "pf",
+        "Reprogrammable-FL's partial fine-tune baseline: only a new head on the frozen source features.",
+    ),
+    _reprogram(
+        "bl-ts",
+        "ts",
+        "Reprogrammable-FL's from-scratch baseline: the source architecture from random "
+        "weights (GroupNorm), every weight trains.",
+    ),
+):
+    register_method(_spec)
 
 
 class UnknownMethod(ValueError):
