@@ -243,6 +243,7 @@ def vlm_score(model: str, score: str) -> str:
 
 # the summary's VLM figures (as the papers report them) and the progress line's
 _OWN = {"cider", "bleu-4", "rouge-l", "accuracy", TASK_LOSS}
+_PLOTTED = {"bleu-4", "rouge-l", "accuracy"}
 _HEADLINE = {SERVER_MODEL: _OWN, CLIENT_MODEL: _OWN, OOD: {"cider", "bleu-4"}}
 for _model in (*VLM_MODELS, OOD):
     _weight = OOD_EXAMPLES if _model == OOD else NUM_EXAMPLES
@@ -256,7 +257,8 @@ for _model in (*VLM_MODELS, OOD):
             f"{_score} of {_whose}; the round's figure is weighted by the nodes' records",
             EVALUATE,
             combine=Combine("weighted", _name, _weight),
-            plot={CIDER: "captions.png", LOSS: "loss.png"}.get(_kind, "scores.png"),
+            # BLEU-1..3 stay in results.json and rounds.csv: fifteen curves would hide the scores read
+            plot={CIDER: "captions.png", LOSS: "loss.png"}.get(_kind, "scores.png" if _score in _PLOTTED else ""),
             headline=_score in _HEADLINE[_model],
             label=_name if _model != OOD and _score in ("cider", "accuracy") else "",
         )
