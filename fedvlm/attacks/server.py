@@ -47,8 +47,9 @@ from scipy.optimize import nnls
 from fedvlm.attacks.likelihood import lira_offline, lira_online
 from fedvlm.client_app.node import node_data
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
+from fedvlm.client_app.prompt_clients import PromptClient
 from fedvlm.client_app.scoring import PromptScorer
-from fedvlm.client_app.server_view import UploadView
+from fedvlm.client_app.server_view import Observed, UploadView
 from fedvlm.data.membership import membership_candidates
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.runconfig import RunConfig
@@ -99,7 +100,9 @@ class PromptModel:
         if pid not in self._candidates:
             node = node_data(self.cfg, {PARTITION_ID: pid, NUM_PARTITIONS: self.n})
             if self.scorer is None:
-                self.scorer = self.cfg.spec.client.scorer_class(self.bundle, node.splits.classnames, self.cfg)
+                client = self.cfg.spec.client
+                assert issubclass(client, PromptClient)  # a prompt method's run (ServerAttack picks this model)
+                self.scorer = client.scorer_class(self.bundle, node.splits.classnames, self.cfg)
             members, non_members = membership_candidates(node.part, self.seed, pid)
             feats, labels = [], []
             for split, idx in ((node.splits.train, members), (node.splits.test, non_members)):
@@ -186,7 +189,12 @@ class ServerAttack:
 
     def __init__(self, cfg: RunConfig, num_partitions: int, seed: int, samples: int = 100):
         self.cfg = cfg
-        self.client = cfg.spec.client
+        client = cfg.spec.client
+        if not isinstance(client, Observed):
+            raise ValueError(
+                f"the server's attack reads prompt and LoRA uploads; {cfg.spec.name}'s client says no view of them"
+            )
+        self.client: Observed = client
         self.model: PromptModel | AdapterModel = (
             AdapterModel(cfg, num_partitions, seed, samples)
             if cfg.spec.adapter

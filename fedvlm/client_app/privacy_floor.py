@@ -68,7 +68,7 @@ from fedvlm.client_app.state import LEDGER, STATE_DIR, load_meta, save_meta
 from fedvlm.privacy.accounting import BudgetError, GaussianReleases, check_delta, epsilon_spent
 from fedvlm.privacy.ledger import valid_sensitivity
 from fedvlm.privacy.mechanisms import NOISE_SOURCE
-from fedvlm.privacy.planner import ClientShape, NoiseRefused, local_plan
+from fedvlm.privacy.planner import ClientShape, LocalDP, NoiseRefused, local_plan
 from fedvlm.protocol import TrainInstruction
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.utils.files import atomic_write_json, file_lock
@@ -263,8 +263,9 @@ def check_source(floor: NodeFloor | None, noise_source: str) -> None:
         )
 
 
-def _covered(floor: NodeFloor, cfg: RunConfig) -> None:
-    """Refuse a run whose local noise bounds nothing the server sees (the module docstring)."""
+def _covered(floor: NodeFloor, cfg: RunConfig) -> LocalDP:
+    """The run's local mechanism; refused where its noise bounds nothing the server sees (the
+    module docstring)."""
     settings, spec = cfg.privacy, cfg.spec
     if not settings.enabled or spec.local_dp is None:
         raise NoiseRefused(f"this run trains without privacy (no local noise), which {_limit(floor)} does not allow")
@@ -275,6 +276,7 @@ def _covered(floor: NodeFloor, cfg: RunConfig) -> None:
             f"trusted with un-noised updates), so nothing bounds what the server learns: {_limit(floor)} does not "
             "allow it"
         )
+    return local
 
 
 def _release(cfg: RunConfig, shape: ClientShape, sigma: float | None) -> tuple[GaussianReleases, str] | None:
@@ -311,9 +313,8 @@ def hello_check(node: NodeData, state: RecordDict, cfg: RunConfig, num_train: in
     if floor is None:
         return
     check_source(floor, node.noise_source)
-    _covered(floor, cfg)
+    local = _covered(floor, cfg)
     shape = cfg.spec.family.local_shape(cfg, num_train)
-    local = cfg.spec.local_dp(cfg)
     try:
         check_delta(floor.delta, num_train, "this node's", f"lower its node config {DELTA}")
         sigma = local_plan(cfg.privacy, local, shape, cfg.num_server_rounds).sigma

@@ -4,6 +4,7 @@ its upload: ``server_view(sent, uploaded, known)`` returns an ``UploadView``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -17,3 +18,13 @@ class UploadView:
 
     model: dict[str, torch.Tensor]
     descent: dict[str, torch.Tensor]
+
+
+@runtime_checkable
+class Observed(Protocol):
+    """A client class whose uploads the server's attack reads (prompt and LoRA methods)."""
+
+    @staticmethod
+    def server_view(
+        sent: dict[str, torch.Tensor], uploaded: dict[str, torch.Tensor], known: dict[str, torch.Tensor]
+    ) -> UploadView: ...

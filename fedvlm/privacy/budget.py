@@ -1,7 +1,9 @@
 """A run's privacy on the server: the plan of every mechanism, what each client's records have
 spent so far, the budget stop, and where the noise comes from, all written to the ledger.
 
-The strategy owns one ``RunBudget`` when privacy is on; the planner (``privacy.planner``) does
+The strategy owns one ``RunBudget`` when privacy is on, and a ``NoBudget`` when it is off (the
+same questions, answered for a run without noise: nothing planned, spent or recorded), so that no
+caller asks which one it holds. The planner (``privacy.planner``) does
 the calibration and the per-record composition, this module keeps the run's state around it:
 which nodes are planned, how many rounds each has been sent, and the ledger entries.
 """
@@ -131,10 +133,32 @@ class RunBudget:
     def is_planned(self, name: str) -> bool:
         return name in self.planner.clients
 
-    # ---- spending ---------------------------------------------------------------------------
-    def spend(self, names: Iterable[str]) -> None:
-        """One round for each of ``names``: spent when sent, since a lost reply may still have
-        been computed."""
+    # ---- spending: every charge is one of the three below ------------------------------------
+    def charge_round(self, names: Iterable[str]) -> float | None:
+        """A round's train messages to ``names``, about to be sent: one round spent for each
+        (when sent, since a lost reply may still have been computed), unless that would take a
+        record past privacy.max-epsilon: then nothing is spent, and that epsilon is returned
+        (the run stops before the round)."""
+        names = list(names)
+        over = self.would_exceed(names)
+        if over is None:
+            self._spend(names)
+        return over
+
+    def charge_replay(self, name: str, server_round: int, sources: Mapping[str, str]) -> tuple[bool, float | None]:
+        """Node ``name`` asked again for round ``server_round``'s training: (whether its round was
+        spent again, the epsilon that forbids asking). Spent where the copy is a second,
+        independent release (``replay_is_fresh``), and refused where that, with every round still
+        to come, would take its records past what the run promised (``beyond_promise``)."""
+        if not self.replay_is_fresh([name], sources):
+            return False, None
+        over = self.beyond_promise([name], 1 + self.rounds - server_round)
+        if over is not None:
+            return False, over
+        self._spend([name])
+        return True, None
+
+    def _spend(self, names: Iterable[str]) -> None:
         for name in names:
             self.rounds_trained[name] = self.rounds_trained.get(name, 0) + 1
 
@@ -300,3 +324,89 @@ class RunBudget:
             and SEEDED_NOTE not in self.ledger.notes
         ):
             self.ledger.notes.append(SEEDED_NOTE)
+
+    def charge_abandoned(self, server_round: int, trainees: Iterable[str], sources: Mapping[str, str]) -> dict:
+        """A resumed run's abandoned round ``server_round``, sent to ``trainees``: spent again where
+        rerunning it is a second, independent release (``replay_is_fresh``); what was decided."""
+        planned = [t for t in trainees if self.is_planned(t)]
+        fresh = self.replay_is_fresh(planned, sources)
+        if fresh:
+            self._spend(planned)
+        return {
+            "abandoned_round": server_round,
+            "charged": fresh,
+            "why": "OS noise: the rerun round is a second, independent release"
+            if fresh
+            else "seeded noise: the rerun round releases the same tensors again",
+        }
+
+    # ---- what the run folder records -------------------------------------------------------
+    def ledger_section(self) -> dict:
+        """results.json's ``privacy`` section: the ledger as it stands."""
+        return self.ledger.as_dict()
+
+    def record_round(self, server_round: int, sources: Mapping[str, str]) -> float:
+        """Write round ``server_round``'s entry into the ledger (``sources``: the nodes' noise
+        sources, some may have joined since); the largest epsilon a record has spent."""
+        entry = self.entry()
+        self.record_noise_sources(sources)
+        self.ledger.record_round(server_round, entry)
+        return float(entry["epsilon"])
+
+    def check_resumable(self, state: dict | None) -> None:
+        """``BudgetError`` unless a checkpoint's budget (None: privacy was off) can continue here."""
+        if state is None:
+            raise BudgetError("the checkpoint was made with privacy off, this run has it on")
+        self.load_state_dict(state)
+
+
+class NoBudget:
+    """The budget of a run with privacy off: no mechanism, nothing spent, nothing to stop at or to
+    record, every node admitted. Answers every question ``RunBudget`` does, so that the strategy
+    and the loop never branch on privacy being on."""
+
+    def is_planned(self, name: str) -> bool:
+        return True  # nothing to plan: every node is admitted as it connects
+
+    def admit(self, name: str, shape: ClientShape, source: str) -> None:
+        """Nothing to plan (``is_planned`` says every node is)."""
+
+    def charge_round(self, names: Iterable[str]) -> float | None:
+        return None  # nothing is spent without a mechanism, and nothing stops the run
+
+    def charge_replay(self, name: str, server_round: int, sources: Mapping[str, str]) -> tuple[bool, float | None]:
+        return False, None  # a message asked again costs no privacy
+
+    def local_sigma(self, name: str) -> float | None:
+        return None
+
+    def noised_tensors(self) -> tuple[str, ...]:
+        return ()
+
+    def global_denominator(self) -> int | None:
+        return None
+
+    def audit_inputs(self) -> tuple[LocalDP, str | None] | None:
+        return None
+
+    def release_global(self, mean: torch.Tensor, key: list[int], sources: Mapping[str, str]) -> None:
+        return None  # no server mechanism: the server uses the mean as it is
+
+    def note_node_account(self, name: str, figures: Mapping[str, float]) -> None:
+        """A node's own account is a privacy figure: none is kept without privacy."""
+
+    def charge_abandoned(self, server_round: int, trainees: Iterable[str], sources: Mapping[str, str]) -> dict:
+        return {}  # nothing was spent, so nothing is charged again
+
+    def ledger_section(self) -> None:
+        return None  # no ledger in results.json
+
+    def record_round(self, server_round: int, sources: Mapping[str, str]) -> None:
+        return None
+
+    def state_dict(self) -> None:
+        return None
+
+    def check_resumable(self, state: dict | None) -> None:
+        if state is not None:
+            raise BudgetError("the checkpoint spent privacy, this run has privacy off: resume with its config")

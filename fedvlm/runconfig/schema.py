@@ -23,10 +23,13 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedvlm.privacy.accountants import ACCOUNTANTS, REFERENCE
 from fedvlm.runconfig.datasets import NAMES as DATASET_NAMES
+
+if TYPE_CHECKING:
+    from fedvlm.spec import MethodSpec
 
 AUTO = "auto"
 
@@ -569,12 +572,11 @@ class RunConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     replies: RepliesConfig = field(default_factory=RepliesConfig)
-    # the method's registry entry, a spec.MethodSpec (typed Any: that module types
-    # against this one, and the import graph stays acyclic)
-    spec: Any = field(kw_only=True, compare=False, repr=False)
+    # the method's registry entry (imported for the type only: spec.py types against this module)
+    spec: MethodSpec = field(kw_only=True, compare=False, repr=False)
 
     @classmethod
-    def from_flat(cls, values: dict[str, Any], spec: Any) -> RunConfig:
+    def from_flat(cls, values: dict[str, Any], spec: MethodSpec) -> RunConfig:
         """The typed config of resolved flat values; a numeric key still 'auto' is a registry bug."""
         unresolved = [k.name for k in KEYS if k.auto and values[k.name] == AUTO]
         if unresolved:

@@ -45,19 +45,21 @@ def _record_nodes(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
 
 def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: RunRecorder) -> dict[str, float]:
     """The round's ledger entry, written; the round's privacy figure for its record."""
-    budget = strategy.budget
-    if budget is None:
-        return {}
-    entry = budget.entry()
-    budget.record_noise_sources(strategy.registry.noise_sources())  # nodes may have joined since the last round
-    strategy.ledger.record_round(server_round, entry)
-    recorder.add_section("privacy", strategy.ledger.as_dict())
-    return {EPSILON_SPENT: entry["epsilon"]}
+    spent = strategy.budget.record_round(server_round, strategy.registry.noise_sources())
+    _record_ledger(strategy, recorder)
+    return {} if spent is None else {EPSILON_SPENT: spent}
+
+
+def _record_ledger(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
+    """results.json's privacy section as the ledger stands (none without privacy)."""
+    section = strategy.budget.ledger_section()
+    if section is not None:
+        recorder.add_section("privacy", section)
 
 
 def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
     """The one-run audit's section, beside the ledger, once the audited node reported one."""
-    inputs = strategy.budget.audit_inputs() if strategy.budget is not None else None
+    inputs = strategy.budget.audit_inputs()
     if inputs is None or not strategy.privacy.audit_canaries:
         return
     local, global_name = inputs
@@ -101,6 +103,21 @@ def _evaluation(
     return list(strategy.configure_evaluate(server_round, arrays, _phase_config(recorder, final=final), grid))
 
 
+def _evaluate_alone(
+    strategy: FederatedStrategy,
+    server_round: int,
+    arrays: ArrayRecord,
+    recorder: RunRecorder,
+    grid: Grid,
+    exchange: Exchanger,
+    final: bool,
+) -> list[Message]:
+    """Round ``server_round``'s evaluation sent in an exchange of its own (no train messages to
+    travel with), to the nodes connected now; its replies."""
+    strategy.admit(grid)
+    return exchange.run(_evaluation(strategy, server_round, arrays, recorder, grid, final=final), strategy.ask_again)
+
+
 def _settle(
     strategy: FederatedStrategy,
     recorder: RunRecorder,
@@ -116,8 +133,7 @@ def _settle(
     rounds = recorder.data["rounds"]
     at = next(i for i, r in enumerate(rounds) if r["round"] == server_round)
     rounds[at] = with_evaluation(rounds[at], evaluation, seconds)
-    if strategy.budget is not None:  # what the evaluation released beside the noised tensors
-        recorder.add_section("privacy", strategy.ledger.as_dict())
+    _record_ledger(strategy, recorder)  # what the evaluation released beside the noised tensors
     _record_audit(strategy, recorder)
     _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
     recorder.write()
@@ -140,8 +156,7 @@ def run_rounds(
         strategy.load_state_dict(resume.state)
         recorder.data["run"]["resumed"][-1].update(charge_abandoned(strategy, resume))
     _record_nodes(strategy, recorder)
-    if strategy.budget is not None:
-        recorder.add_section("privacy", strategy.ledger.as_dict())
+    _record_ledger(strategy, recorder)
     exchange = Exchanger(grid, strategy.cfg.round_timeout, strategy.cfg.reply_grace)
     total = strategy.num_rounds()
     arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in strategy.global_arrays.items()})
@@ -155,7 +170,7 @@ def run_rounds(
         if strategy.spec.trains:
             train = list(strategy.configure_train(rnd, arrays, _phase_config(recorder), grid))
             trainees = [strategy.nodes[m.metadata.dst_node_id].name for m in train]
-            over = strategy.budget.would_exceed(trainees) if strategy.budget is not None else None
+            over = strategy.budget.charge_round(trainees)
             if over is not None:
                 strategy.plans.pop(rnd)  # never sent: it leaves no trace
                 status = "stopped"
@@ -166,8 +181,6 @@ def run_rounds(
                 log.warning(note)
                 rnd -= 1
                 break
-            if strategy.budget is not None:
-                strategy.budget.spend(trainees)
             save_inflight(recorder.dir, rnd, trainees)
         evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
         replies = exchange.run(strategy.one_exchange(train, evaluation), strategy.ask_again)
@@ -189,16 +202,14 @@ def run_rounds(
         save_checkpoint(recorder.dir, strategy, rnd)
         owed = rnd
         if not train or rnd == total:  # nothing to travel with: evaluated on its own
-            strategy.admit(grid)
-            alone = _evaluation(strategy, rnd, arrays, recorder, grid, final=rnd == total)
-            _settle(strategy, recorder, rnd, exchange.run(alone, strategy.ask_again), time.time() - t0, total)
+            replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, exchange, final=rnd == total)
+            _settle(strategy, recorder, rnd, replies, time.time() - t0, total)
             owed = None
     if status == "stopped" or owed is not None:
         # the run's last evaluation, of the state reached, so that the nodes publish it (after
         # the budget's stop, or in a resumed run that was cut off in it); it completes that
         # round's record where it was still owed
-        strategy.admit(grid)
-        replies = exchange.run(_evaluation(strategy, rnd, arrays, recorder, grid, final=True), strategy.ask_again)
+        replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, exchange, final=True)
         if owed == rnd:
             _settle(strategy, recorder, rnd, replies, time.time() - started[rnd] if rnd in started else None, total)
         else:

@@ -141,19 +141,11 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
 def charge_abandoned(strategy: FederatedStrategy, point: ResumePoint) -> dict:
     """Spend the abandoned round on its trainees' budgets where a replay is not the same release
     (module docstring); what was decided, for ``run.resumed``."""
-    if point.abandoned is None or strategy.budget is None:
+    if point.abandoned is None:
         return {}
-    trainees = [t for t in point.abandoned["trainees"] if strategy.budget.is_planned(t)]
-    fresh = strategy.budget.replay_is_fresh(trainees, strategy.registry.noise_sources())
-    if fresh:
-        strategy.budget.spend(trainees)
-    return {
-        "abandoned_round": point.abandoned["round"],
-        "charged": fresh,
-        "why": "OS noise: the rerun round is a second, independent release"
-        if fresh
-        else "seeded noise: the rerun round releases the same tensors again",
-    }
+    return strategy.budget.charge_abandoned(
+        point.abandoned["round"], point.abandoned["trainees"], strategy.registry.noise_sources()
+    )
 
 
 def note_refused(cfg: RunConfig, why: ResumeError) -> None:

@@ -51,7 +51,7 @@ from fedvlm.metrics import (
     round_figures,
 )
 from fedvlm.privacy.accounting import BudgetError
-from fedvlm.privacy.budget import RunBudget
+from fedvlm.privacy.budget import NoBudget, RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape
 from fedvlm.protocol import (
@@ -111,7 +111,8 @@ class FederatedStrategy(Strategy):
         self.ledger = PrivacyLedger(self.privacy, spec.name)
         self.registry = NodeRegistry(cfg, self.ledger)
         self.global_arrays: dict[str, np.ndarray] = {}  # set after the handshake (initial_arrays)
-        self.budget: RunBudget | None = None  # with privacy on, once the nodes are known (prepare)
+        # with privacy on, a RunBudget once the nodes are known (prepare)
+        self.budget: RunBudget | NoBudget = NoBudget()
         # how each part of an update is bounded (strategies.validation.reply_bounds): what the
         # server noises at the fixed clip, once its mechanism is planned; the rest by replies.*
         self.bounds: list[ReplyBound] = reply_bounds((), self.privacy.clip)
@@ -173,7 +174,7 @@ class FederatedStrategy(Strategy):
         return {
             "global_arrays": to_tensors(self.global_arrays),
             "nodes": {n.name: n.num_train for n in self.nodes.values()},
-            "budget": self.budget.state_dict() if self.budget is not None else None,
+            "budget": self.budget.state_dict(),
             "ledger": self.ledger.state_dict(),
         }
 
@@ -191,13 +192,10 @@ class FederatedStrategy(Strategy):
                 "privacy already spent was accounted for the old sizes: restart the nodes on the data they had"
             )
         self.global_arrays = to_arrays(state["global_arrays"])
-        if (self.budget is None) != (state["budget"] is None):
-            raise ResumeError("the checkpoint and the config disagree on whether privacy is on")
-        if self.budget is not None:
-            try:
-                self.budget.load_state_dict(state["budget"])
-            except BudgetError as why:
-                raise ResumeError(str(why)) from why
+        try:
+            self.budget.check_resumable(state["budget"])
+        except BudgetError as why:
+            raise ResumeError(str(why)) from why
         self.ledger.load_state_dict(state["ledger"])
 
     # ---- the run's setup (called by server_app.loop) ---------------------------------------
@@ -251,8 +249,6 @@ class FederatedStrategy(Strategy):
         that connected since the last phase; with privacy on, plan the ones that joined late, or
         exclude one the plan cannot cover."""
         self.registry.refresh(grid)
-        if self.budget is None:
-            return
         for nid, node in list(self.nodes.items()):
             if self.budget.is_planned(node.name):
                 continue
@@ -285,7 +281,7 @@ class FederatedStrategy(Strategy):
                     shape.steps,
                     shape.batch_size,
                     node.num_train,
-                    self.budget.local_sigma(node.name) if self.budget is not None else None,
+                    self.budget.local_sigma(node.name),
                     run_dir,
                 ).to_config()
             else:  # on the last evaluation clients publish their personalised prompts (client_app.publishing)
@@ -359,17 +355,17 @@ class FederatedStrategy(Strategy):
         more; a message left out is not asked again, and why is recorded in the round.
 
         Why the accounting still holds: the budget spends a round for each trainee when its
-        train message is sent (``RunBudget.spend``), because a lost reply may still have been
+        train message is sent (``RunBudget.charge_round``), because a lost reply may still have been
         computed and seen. A copy of a train message makes the node compute again. With the
         node's and the server's noise seeded, the node restores its state of the round before
         and releases the same tensors again: nothing is charged, as for a resumed round. With
         OS noise anywhere it is a second, independent release: the node's round is spent again,
         and the copy is not sent if that would take its records past the epsilon the run
-        promised, counting the rounds still to come (``RunBudget.beyond_promise``). Only one
+        promised, counting the rounds still to come (``RunBudget.charge_replay``). Only one
         reply per node enters the aggregate (the exchange pulls the first to come), so the
         server's noise is added once."""
         copies = []
-        sources = self.registry.noise_sources()
+        sources = self.registry.noise_sources()  # nodes may have joined since the round was sent
         for msg in late:
             node = self.nodes.get(msg.metadata.dst_node_id)
             if node is None:
@@ -379,25 +375,13 @@ class FederatedStrategy(Strategy):
             server_round = int(config[SERVER_ROUND])  # type: ignore[arg-type]  # written by _phase
             phase = "train" if msg.metadata.message_type == MessageType.TRAIN else "evaluate"
             kept = self.plans[server_round].phase(phase)
-            charged = False
-            if phase == "train" and self.budget is not None:
-                fresh = self.budget.replay_is_fresh([node.name], sources)
-                # the copy, and every round still to come in which the node may train again
-                more = 1 + self.num_rounds() - server_round
-                over = self.budget.beyond_promise([node.name], more) if fresh else None
-                if over is not None:
-                    kept.asked_again.append(
-                        {
-                            "client": node.name,
-                            "phase": phase,
-                            "asked": False,
-                            "why": f"asking again would bring epsilon to {over:.4g}, past what the run promised",
-                        }
-                    )
-                    continue
-                if fresh:
-                    self.budget.spend([node.name])
-                    charged = True
+            charged, over = (
+                self.budget.charge_replay(node.name, server_round, sources) if phase == "train" else (False, None)
+            )
+            if over is not None:
+                why = f"asking again would bring epsilon to {over:.4g}, past what the run promised"
+                kept.asked_again.append({"client": node.name, "phase": phase, "asked": False, "why": why})
+                continue
             content = RecordDict(dict(msg.content.items()))  # a bundled evaluation too
             content[CONFIG_RECORD] = ConfigRecord({**config, ATTEMPT: 2})
             copy = Message(content, dst_node_id=node.node_id, message_type=msg.metadata.message_type)

@@ -48,8 +48,7 @@ class GlobalGradientStrategy(PromptStrategy):
         """What the round's sum is divided by: this round's sample, and never fewer than the
         clients the noise was planned for."""
         n = max(self.plans[server_round].sampled, len(updates))
-        planned = self.budget.global_denominator() if self.budget is not None else None
-        return max(n, planned or 0)
+        return max(n, self.budget.global_denominator() or 0)
 
     def pre_noise_mean(self, server_round: int, updates: list[ClientUpdate]) -> np.ndarray:
         """The average the server noises: the bounded uploads (``reply_bounds``) over the denominator."""
@@ -58,9 +57,10 @@ class GlobalGradientStrategy(PromptStrategy):
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         grad = torch.from_numpy(self.pre_noise_mean(server_round, updates).astype(np.float32))
         metrics: dict[str, float] = {}
-        if self.budget is not None:
-            key = server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
-            grad, sigma = self.budget.release_global(grad, key, self.registry.noise_sources())
+        key = server_key(self.cfg.seed, server_round, ServerStream.GLOBAL_NOISE)
+        released = self.budget.release_global(grad, key, self.registry.noise_sources())
+        if released is not None:  # the server's mechanism, with privacy on
+            grad, sigma = released
             metrics = {GDP_SIGMA: sigma, GDP_DENOMINATOR: self.denominator(server_round, updates)}
         self._server_step(grad)
         return metrics

@@ -42,7 +42,7 @@ class ReprogramStrategy(FederatedStrategy):
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:
-            if self.budget is not None and NODE_EPSILON_RDP in u.reply.metrics:
+            if NODE_EPSILON_RDP in u.reply.metrics:
                 self.budget.note_node_account(
                     u.node.name, {"rdp": u.reply.metrics[NODE_EPSILON_RDP], "prv": u.reply.metrics[NODE_EPSILON_PRV]}
                 )

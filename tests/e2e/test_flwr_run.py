@@ -12,6 +12,7 @@ import json
 import pytest
 
 from fedvlm import status
+from fedvlm.metrics import STEPS
 from fedvlm.utils.processes import flwr_run as _flwr_run
 
 
@@ -137,5 +138,5 @@ def test_flwr_run_pfedmoap_with_100_clients_at_10_percent(flwr_env, tmp_path, ca
     assert len(data["run"]["nodes"]) == 100
     rounds = data["rounds"]
     assert [r["metrics"]["train-clients"] for r in rounds] == [10, 10, 10] and not any(r["dropped"] for r in rounds)
-    trained = [{c for c, m in r["clients"].items() if "train/steps" in m} for r in rounds]
+    trained = [{c for c, m in r["clients"].items() if f"train/{STEPS}" in m} for r in rounds]
     assert len(set().union(*trained)) > 20  # different clients each round, not the same ten

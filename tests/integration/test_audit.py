@@ -14,6 +14,7 @@ import fedvlm.privacy.dpsgd as dpsgd
 from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.state import AUDIT
 from fedvlm.methods.validation import validate
+from fedvlm.metrics import STEPS
 from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid
@@ -108,7 +109,7 @@ def _check_audited(data: dict, cfg) -> None:
     section = data["audit"]
     assert section["mechanism"] == cfg.spec.local_dp(cfg).name
     node = section["nodes"]["client-0"]
-    steps = [r["clients"].get("client-0", {}).get("train/steps") for r in data["rounds"]]
+    steps = [r["clients"].get("client-0", {}).get(f"train/{STEPS}") for r in data["rounds"]]
     assert any(steps) and node["private_steps"] == sum(s for s in steps if s)  # every private step scored
     assert node["canaries"] == 20 and 0 <= node["correct"] <= node["guesses"] <= 20
     assert node["status"].startswith("consistent")

@@ -263,3 +263,39 @@ def test_nothing_sets_a_clients_canaries_from_outside():
 def test_the_outside_setter_rule_sees_one(tmp_path):
     (tmp_path / "s.py").write_text("client.canaries = node_canaries(cfg)\n")
     assert _set_from_outside("canaries", tmp_path) == {"s.py"}
+
+
+def _budget_questions(root: Path) -> tuple[set[str], set[str]]:
+    """(files comparing a ``.budget`` with None, the methods called on a ``.budget``) under ``root``."""
+    compared, called = set(), set()
+    for path in root.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(n, ast.Compare)
+                and isinstance(n.left, ast.Attribute)
+                and n.left.attr == "budget"
+                and any(isinstance(c, ast.Constant) and c.value is None for c in n.comparators)
+            ):
+                compared.add(str(path.relative_to(root)))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                owner = n.func.value
+                if isinstance(owner, ast.Attribute) and owner.attr == "budget":
+                    called.add(n.func.attr)
+    return compared, called
+
+
+def test_no_caller_asks_whether_privacy_is_on():
+    """Issue 46: 16 branches asked whether the strategy had a budget. A run without privacy holds
+    a ``NoBudget`` that answers every question ``RunBudget`` does; spending happens only inside
+    the budget (``charge_round``, ``charge_replay``, ``charge_abandoned``)."""
+    from fedvlm.privacy.budget import NoBudget, RunBudget
+
+    compared, called = _budget_questions(PACKAGE)
+    assert compared == set()
+    assert called and all(hasattr(NoBudget, m) and hasattr(RunBudget, m) for m in called), called
+    assert not {"_spend", "would_exceed", "beyond_promise", "replay_is_fresh"} & called
+
+
+def test_the_budget_rule_sees_a_branch(tmp_path):
+    (tmp_path / "s.py").write_text("if self.budget is not None:\n    self.budget.spend(names)\n")
+    assert _budget_questions(tmp_path) == ({"s.py"}, {"spend"})
