@@ -2,9 +2,10 @@
 
 Flower's SuperExec starts a new ClientApp process for every message a node receives
 (``SubprocessExecutor``: ``subprocess.Popen([command, args...])``). With a warm node worker
-holding the model and data, that process only forwards the message, yet it first spends 1.2 to
-1.5 s of CPU importing Flower (gRPC, protobuf, cryptography): most of a warm message's cost,
-twice per node per round (bench/deployment_speed.py).
+holding the model and data, that process only forwards the message, yet it first spends more than
+a second of CPU importing Flower (gRPC, protobuf, cryptography): most of a warm message's cost,
+twice per node per round (docs/results/deployment.md, 'Deployment speed: a warm node worker';
+this patch's row in ``deploy.flower_patches``).
 
 ``pinned_app exec`` therefore starts, before Flower's SuperExec opens any connection, one fork
 server: a process that imports what a ClientApp process imports (Flower's ClientApp runtime and
@@ -45,6 +46,8 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
+
+from fedvlm.deploy import flower_patches
 
 log = logging.getLogger("fedvlm.exec")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -181,6 +184,7 @@ def install(command: str, target: str) -> subprocess.Popen | None:
             problem,
         )
         return None
+    flower_patches.note_version("clientapp-forks")
     server = subprocess.Popen(
         [sys.executable, "-m", "fedvlm.deploy.clientapp_forks", target], stdin=subprocess.PIPE, text=True
     )

@@ -10,11 +10,9 @@ is "unavailable", and Flower asks for it again after 1 s, then 2, 4 and 8 s, the
 On a deployment that is the rule, not the exception. Flower 1.42's SuperNode stores a message
 (without its content) and creates its task before it pulls the message's objects from the
 SuperLink, and puts them in its store only once it has them all; the SuperExec starts the
-ClientApp meanwhile, and the ClientApp asks for the objects while they are still on their way.
-Measured on the embedded default (4 SuperNodes with warm workers on loopback, 2 cores, the
-SQLite state; docs/results/deployment.md): nearly every ClientApp asked for its message's first
-two objects at once, heard "not yet", and asked again 1 s later, a third of a 3.3 s round whose
-training took 0.65 s.
+ClientApp meanwhile, and the ClientApp asks for the objects while they are still on their way:
+nearly every ClientApp heard "not yet" and waited Flower's first second (docs/results/deployment.md,
+'A message's parts, asked for again sooner'; this patch's row in ``deploy.flower_patches``).
 
 ``install`` makes the first wait in this process ``FIRST_RETRY_S`` (0.05 s); it then doubles as
 Flower's does, up to a cap, and a pull gives up after as long as Flower's would (the number of
@@ -24,15 +22,15 @@ tries grows as the waits shrink). Each process of ours that pulls installs it:
   own SuperNode: asked for on loopback, at most every 0.25 s (``CLIENTAPP_CAP_S``);
 - the SuperNode (``deploy.supernode_polling``), whose message's objects may still be on their
   way from the server (it sees a message as soon as the server has pushed its first part), and
-  the ServerApp (``server_app.app``), whose replies' objects may still be on their way from a
-  SuperNode: asked for over the network, at most once a second (``SUPERLINK_CAP_S``). The
+  a deployed ServerApp (``server_app.app``; a simulation pulls nothing), whose replies' objects
+  may still be on their way from a SuperNode: asked for over the network, at most once a second
+  (``SUPERLINK_CAP_S``). The
   SuperLink, one process serving every node, hears a few more asks per message than Flower's
   1, 3, 7 s would make (five in the first 1.55 s against one), never a steady stream.
 
-Every extra ask costs some CPU while a pull waits, a lookup that answers "not yet". On one 2-core
-machine running twenty organisations, ClientApps asking every 0.1 s made rounds about twice as
-long in one run (docs/results/deployment.md); every 0.25 s did not. On its own machine, each
-organisation pays its own asks only.
+Every extra ask costs some CPU while a pull waits, a lookup that answers "not yet": on one machine
+running twenty organisations, ClientApps asking every 0.1 s made rounds longer, every 0.25 s did
+not (the same section). On its own machine, each organisation pays its own asks only.
 
 Nothing else changes: what is pulled, the check on it (an object's id is the hash of its
 content, checked when it is inflated), the limit on time. Nothing here touches data or privacy:
@@ -50,6 +48,8 @@ import logging
 import math
 import sys
 from collections.abc import Callable
+
+from fedvlm.deploy import flower_patches
 
 log = logging.getLogger("fedvlm.deploy")
 
@@ -103,6 +103,7 @@ def install(cap: float, first: float = FIRST_RETRY_S) -> bool:
     if why is not None:
         log.warning("Flower's object pulls are not the ones fedvlm knows (%s): leaving them as they are", why)
         return False
+    flower_patches.note_version("object-pulls")
     for fn in _pulls():
         flower = fn.__dict__.setdefault("flower_defaults", dict(fn.__kwdefaults__ or {}))  # before any install here
         cap_ = min(cap, flower["backoff_cap"])

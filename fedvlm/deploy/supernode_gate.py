@@ -35,6 +35,7 @@ from collections.abc import Callable, Collection
 from types import ModuleType
 from typing import Any
 
+from fedvlm.deploy import flower_patches
 from fedvlm.deploy.pinned_app import AppNotPinned, check_fab
 
 log = logging.getLogger("fedvlm.supernode")
@@ -130,5 +131,6 @@ def install(pins: Collection[str]) -> None:
             f"Flower {flwr.__version__}'s SuperNode is not the one fedvlm's gate knows ({problem}): refusing to start "
             "a SuperNode that would run any app it is sent; install the Flower version in constraints.txt"
         )
+    flower_patches.note_version("supernode-gate")
     loop._pull_and_store_message = gate(loop._pull_and_store_message, frozenset(pins), loop._insert_message)
     log.info("this SuperNode runs only the ClientApps of the pinned app(s) %s", ", ".join(sorted(pins)))

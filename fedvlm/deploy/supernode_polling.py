@@ -11,7 +11,8 @@ message from the SuperLink; when there is none, sleep 3 s; when there is one, wa
 ClientApp's reply, looking every 0.5 s, then push it. Neither wait can be configured. A message
 that reaches the SuperLink just after a pull waits up to 3 s before the node sees it, and a reply
 waits up to 0.5 s before it leaves: with two messages per node per round, that is up to 7 s of
-every deployed round spent asleep, when the round's training takes a second (bench/deployment_speed.py).
+every deployed round spent asleep (docs/results/deployment.md, 'Deployment speed: a warm node
+worker'; this patch's row in ``deploy.flower_patches``).
 
 This runs Flower's own SuperNode command in this process with one change: inside that one module,
 ``time`` is a stand-in whose ``sleep(3)`` sleeps ``--idle-poll`` seconds and whose ``sleep(0.5)``
@@ -35,7 +36,7 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-from fedvlm.deploy import log_beside_flower, object_pulls, supernode_gate
+from fedvlm.deploy import flower_patches, log_beside_flower, object_pulls, supernode_gate
 from fedvlm.deploy.pinned_app import parse_pin
 
 log = logging.getLogger("fedvlm.supernode")
@@ -92,6 +93,7 @@ def install(idle: float, reply: float) -> bool:
             problem,
         )
         return False
+    flower_patches.note_version("supernode-waits")
     loop.time = PollingClock(idle, reply)  # type: ignore[assignment]  # a stand-in for the module
     return True
 

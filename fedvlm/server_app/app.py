@@ -126,6 +126,7 @@ def sign_instructions(grid) -> None:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     _setup_logging()
-    object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # replies pulled sooner (a simulation pulls none)
+    if not simulated_grid(grid):  # a deployed ServerApp pulls its replies' objects; a simulation none
+        object_pulls.install(object_pulls.SUPERLINK_CAP_S)
     sign_instructions(grid)
     run(dict(context.run_config), grid, context.run_id)

@@ -1,0 +1,122 @@
+"""Every change this project makes to Flower at run time, in one table.
+
+Flower 1.42 hard-codes a few things a deployment of this project needs otherwise: how long a
+SuperNode sleeps between looks for work, how soon an object is asked for again, a new Python
+process for every ClientApp, and a SuperNode that runs whatever app it is sent. Each ``Patch``
+below says which Flower module it changes and how, which of our processes install it (only those:
+``tests/unit/test_flower_patches.py`` finds every install call and compares), what happens when
+the installed Flower no longer reads as the patch expects, the upstream change it stands in for,
+and where the measurements that justify it are.
+
+The guard. Each patch checks the Flower module it changes, as it is installed, before changing
+it (its ``check_flower``): the shape it relies on must still be there (the module-level ``time``
+with its two waits, the pulls' keyword defaults, the executor's one ``Popen``, the SuperNode's
+pull-and-store function). That is a stronger guard than a version number, which would refuse a
+patch release that changed nothing and pass one that moved a wait. ``TESTED_WITH`` is the Flower
+these were written and measured against (constraints.txt pins it; a test checks both agree); a
+speed patch on another Flower whose guard still passes applies and says so in the log, one whose
+guard fails leaves Flower as it is, with a warning. The gate fails closed: a SuperNode whose
+Flower it cannot gate does not start.
+
+Upstream. None of these has an upstream issue or pull request yet (flwrlabs/flower's issues and
+pull requests searched on 2026-11-27 for configurable SuperNode waits, pull backoff, a warm
+ClientApp start and app pinning found none). ``upstream`` holds the change each stands in for,
+as it would be proposed; when Flower ships one, the patch goes and its row with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("fedvlm.deploy")
+
+TESTED_WITH = "1.42"  # the Flower minor release every patch below was written and measured against
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    module: str  # the project module that holds it
+    flower: str  # the Flower module it changes
+    changes: str
+    installed_by: tuple[str, ...]  # the project modules whose processes install it
+    on_mismatch: str  # what a Flower its guard does not recognise gets
+    upstream: str  # the Flower change it stands in for
+    measured: str  # where its figures are
+
+    def guard(self) -> str | None:
+        """Why the installed Flower is not the one this patch changes (None: it is)."""
+        check: Callable[..., str | None] = importlib.import_module(self.module).check_flower
+        if check.__code__.co_argcount == 0:
+            return check()
+        return check(importlib.import_module(self.flower))
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "supernode-waits",
+        "fedvlm.deploy.supernode_polling",
+        "flwr.supernode.start_client_internal",
+        "the SuperNode loop's `time` becomes a stand-in whose sleep(3) (no message) and sleep(0.5) (a reply not "
+        "ready) sleep --idle-poll and --reply-poll seconds",
+        ("fedvlm/deploy/supernode_polling.py",),
+        "runs unchanged, with a warning",
+        "flower-supernode options for its two waits (today 3 s and 0.5 s, hard-coded)",
+        "docs/results/deployment.md, 'Deployment speed: a warm node worker'",
+    ),
+    Patch(
+        "object-pulls",
+        "fedvlm.deploy.object_pulls",
+        "flwr.supercore.inflatable.inflatable_utils",
+        "pull_objects and pull_and_inflate_object_from_tree ask again for an object not stored yet after 0.05 s, "
+        "doubling up to a cap, giving up when Flower's defaults would",
+        (
+            "fedvlm/deploy/pinned_app.py",
+            "fedvlm/deploy/supernode_polling.py",
+            "fedvlm/server_app/app.py",
+        ),
+        "runs unchanged, with a warning",
+        "a configurable first wait for pulls, or a SuperNode that stores a message's objects before it creates "
+        "the ClientApp's task (the 1 s first retry is what nearly every message paid)",
+        "docs/results/deployment.md, 'A message's parts, asked for again sooner'",
+    ),
+    Patch(
+        "clientapp-forks",
+        "fedvlm.deploy.clientapp_forks",
+        "flwr.supercore.superexec.executor.subprocess_executor",
+        "the SuperExec's `subprocess` becomes a stand-in whose Popen of the ClientApp command forks a warm fork "
+        "server instead of starting Python and importing Flower again",
+        ("fedvlm/deploy/pinned_app.py",),
+        "runs unchanged, with a warning (every ClientApp a new process)",
+        "a SuperExec executor that starts ClientApps from a warm process (fork server or long-running ClientApp)",
+        "docs/results/deployment.md, 'Deployment speed: a warm node worker'",
+    ),
+    Patch(
+        "supernode-gate",
+        "fedvlm.deploy.supernode_gate",
+        "flwr.supernode.start_client_internal",
+        "the SuperNode's _pull_and_store_message refuses a message of an app whose FAB is not pinned, or of "
+        "another task type than a ClientApp, before anything of it is stored",
+        ("fedvlm/deploy/supernode_polling.py",),
+        "refuses to start the SuperNode (GateUnavailable): a node must never run an app it did not pin",
+        "app pinning in the SuperNode: a node option listing the FAB hashes it runs",
+        "docs/deployment.md, '4. Start a SuperNode'",
+    ),
+)
+BY_NAME = {p.name: p for p in PATCHES}
+
+
+def note_version(patch: str) -> None:
+    """Log that ``patch`` applies to a Flower other than the one it was tested with (its guard passed)."""
+    import flwr
+
+    if not flwr.__version__.startswith(TESTED_WITH + "."):
+        log.warning(
+            "fedvlm's %s patch was written for Flower %s; the installed %s still reads as it expects, so it applies",
+            patch,
+            TESTED_WITH,
+            flwr.__version__,
+        )
