@@ -106,8 +106,8 @@ class Family:
     local_shape: Callable[[RunConfig, int], ClientShape]
     privacy_clip: float = 10.0  # what privacy.clip = 'auto' means
     noise_multiplier: float = 0.0  # what privacy.noise-multiplier = 'auto' means (0: calibrate to epsilon)
-    # the combinations the family cannot run (raises ConfigError), on the resolved flat values
-    check: Callable[[dict], None] | None = None
+    # the combinations the family cannot run (raises ConfigError), on the resolved typed config
+    check: Callable[[RunConfig], None] | None = None
     # the figures its clients or strategy report beyond the catalogue's (``fedvlm.metrics``):
     # registered with the method (``methods.registry.register_method``), so that the server's
     # checks accept them and the results, plots and rounds.csv show them
@@ -143,8 +143,8 @@ class MethodSpec:
     model_kind: str = ""  # reprogramming: what trains ('mr', 'ff', 'pf', 'ts'; models.reprogram)
     adapter: str = ""  # VLM methods: the peft adapter ('lora', 'loha')
     rank_key: str = ""  # low-rank prompt methods: the config key of the rank k (checked: k <= M)
-    # the method's own config checks on the resolved flat values (raises ConfigError)
-    check: Callable[[dict], None] | None = None
+    # the method's own config checks on the resolved typed config (raises ConfigError)
+    check: Callable[[RunConfig], None] | None = None
     # the figures its clients or strategy report beyond the catalogue's (``fedvlm.metrics``):
     # registered with the method (``methods.registry.register_method``), so that the server's
     # checks accept them and the results, plots and rounds.csv show them

@@ -82,24 +82,24 @@ def _global_gradient_dp(cfg: RunConfig, per_round: int) -> GlobalDP:
     )
 
 
-def _shared_context_check(values: dict) -> None:
+def _shared_context_check(cfg: RunConfig) -> None:
     """The global/local methods average one shared context's gradient (``strategies.global_local``)."""
-    if values["prompt.class-specific"]:
+    if cfg.prompt.class_specific:
         raise ConfigError(
-            f"run config 'method' = {values['method']!r} needs a shared context: set prompt.class-specific=false"
+            f"run config 'method' = {cfg.method!r} needs a shared context: set prompt.class-specific=false"
         )
 
 
-def _otp_check(values: dict) -> None:
-    _shared_context_check(values)
-    _patch_tokens_check(values)
+def _otp_check(cfg: RunConfig) -> None:
+    _shared_context_check(cfg)
+    _patch_tokens_check(cfg)
 
 
-def _patch_tokens_check(values: dict) -> None:
+def _patch_tokens_check(cfg: RunConfig) -> None:
     """FedOTP matches every image's patch embeddings to the prompts: open_clip's own ViT and
     ResNet image towers and the embedded tiny CLIP's give them (``models.patch_tokens``); a timm
     tower does not."""
-    name = values["clip.model"]
+    name = cfg.clip.model
     if name == "embedded-tiny":
         return
     import open_clip
@@ -107,21 +107,20 @@ def _patch_tokens_check(values: dict) -> None:
     timm = (open_clip.get_model_config(name) or {}).get("vision_cfg", {}).get("timm_model_name")
     if timm:
         raise ConfigError(
-            f"run config 'method' = {values['method']!r} matches image patches to prompts, but clip.model = "
+            f"run config 'method' = {cfg.method!r} matches image patches to prompts, but clip.model = "
             f"{name!r} has a timm image tower ({timm}) whose patch embeddings this project does not take: use a "
             "ViT or ResNet CLIP (e.g. ViT-B-16, RN50) or embedded-tiny"
         )
 
 
-def _pfedmoap_check(values: dict) -> None:
-    dim, heads = values["pfedmoap.gating-dim"], values["pfedmoap.gating-heads"]
+def _pfedmoap_check(cfg: RunConfig) -> None:
+    dim, heads = cfg.pfedmoap.gating_dim, cfg.pfedmoap.gating_heads
     if dim % heads:
         raise ConfigError(
             f"run config 'pfedmoap.gating-dim' = {dim} is not divisible by 'pfedmoap.gating-heads' = {heads}; "
             "pick a number of heads that divides it"
         )
-    private = values["privacy.epsilon"] > 0 or values["privacy.noise-multiplier"] > 0
-    if private and values["pfedmoap.dp-placement"] == "upload" and values["privacy.calibration"] == "paper":
+    if cfg.privacy.enabled and cfg.pfedmoap.dp_placement == "upload" and cfg.privacy.calibration == "paper":
         raise ConfigError(
             "run config 'pfedmoap.dp-placement' = 'upload' noises each round's update once; DP-FPL's closed-form "
             "calibration ('privacy.calibration' = 'paper') is for per-step noise: set privacy.calibration='accountant'"

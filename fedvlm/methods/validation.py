@@ -57,8 +57,6 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
             "set one of them, the other to 0"
         )
     resolve_derived(values)
-    if family.check:
-        family.check(values)
     if (values["dataset"] in VLM_DATASETS) != family.image_text:
         fitting = (
             sorted(VLM_DATASETS)
@@ -80,19 +78,19 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
             f"run config 'privacy.epsilon' = {values['privacy.epsilon']} but method {method.name!r} "
             f"has no DP mechanism; set privacy.epsilon=0 or use one of: {dp_methods}"
         )
-    if method.rank_key:
-        _check_rank(values, method.rank_key)
-    if method.check:
-        method.check(values)
     cfg = RunConfig.from_flat(finish(values), method)
-    if cfg.privacy.audit_canaries:
-        _check_audit(cfg)
+    # what the family and the method cannot run, on the typed config
+    for check in (family.check, method.check, _check_rank if method.rank_key else None, _check_audit):
+        if check is not None:
+            check(cfg)
     return cfg
 
 
 def _check_audit(cfg: RunConfig) -> None:
     """The one-run audit scores canaries in a per-record DP-SGD mechanism (``privacy.canaries``)."""
     m = cfg.privacy.audit_canaries
+    if not m:
+        return
     if not cfg.privacy.enabled:
         raise ConfigError(
             f"run config 'privacy.audit-canaries' = {m} audits a DP mechanism but privacy is off; set "
@@ -108,11 +106,14 @@ def _check_audit(cfg: RunConfig) -> None:
         )
 
 
-def _check_rank(values: dict, key: str) -> None:
-    """A low-rank prompt's rank is at most its M context tokens (with a ``prompt.ctx-init``
-    phrase M is its token count, known once tokenised: ``models.lowrank.factorize`` checks)."""
-    if not values["prompt.ctx-init"] and values[key] > values["prompt.n-ctx"]:
+def _check_rank(cfg: RunConfig) -> None:
+    """A low-rank prompt's rank (the method's ``rank_key``) is at most its M context tokens (with a
+    ``prompt.ctx-init`` phrase M is its token count, known once tokenised:
+    ``models.lowrank.factorize`` checks)."""
+    key = cfg.spec.rank_key
+    rank = cfg.as_dict()[key]
+    if not cfg.prompt.ctx_init and rank > cfg.prompt.n_ctx:
         raise ConfigError(
-            f"run config {key!r} = {values[key]} exceeds the {values['prompt.n-ctx']} context tokens "
-            f"(prompt.n-ctx); use a rank of at most {values['prompt.n-ctx']}"
+            f"run config {key!r} = {rank} exceeds the {cfg.prompt.n_ctx} context tokens "
+            f"(prompt.n-ctx); use a rank of at most {cfg.prompt.n_ctx}"
         )

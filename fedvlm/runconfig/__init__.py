@@ -112,21 +112,21 @@ def resolve_derived(values: dict) -> None:
         values["reprogram.image-size"] = 24 if embedded_source else 200
 
 
-def check_reprogram(values: dict) -> None:
+def check_reprogram(cfg: RunConfig) -> None:
     """The combinations Reprogrammable-FL cannot run."""
-    embedded_source = values["reprogram.source-model"] in EMBEDDED_SOURCES
+    embedded_source = cfg.reprogram.source_model in EMBEDDED_SOURCES
     source_size = EMBEDDED_SOURCE_INPUT if embedded_source else TORCHVISION_SOURCE_INPUT
-    if values["reprogram.image-size"] > source_size:
+    if cfg.reprogram.image_size > source_size:
         raise ConfigError(
-            f"run config 'reprogram.image-size' = {values['reprogram.image-size']} exceeds the source "
+            f"run config 'reprogram.image-size' = {cfg.reprogram.image_size} exceeds the source "
             f"model's input size {source_size}: the image is zero-padded up to it"
         )
-    if values["privacy.calibration"] == "paper":
+    if cfg.privacy.calibration == "paper":
         raise ConfigError(
             "run config 'privacy.calibration' = 'paper' is DP-FPL's closed form; Reprogrammable-FL "
             "runs DP-SGD with an accountant: set privacy.calibration='accountant'"
         )
-    if values["privacy.clipping"] == "per-batch":
+    if cfg.privacy.clipping == "per-batch":
         raise ConfigError(
             "run config 'privacy.clipping' = 'per-batch' does not apply to Reprogrammable-FL: its "
             "DP-SGD (Opacus) always clips per sample; set privacy.clipping='per-sample'"

@@ -72,3 +72,79 @@ def test_every_section_of_the_method_spec_the_code_cites_exists():
     assert {"pFedMoAP", "FedRand", "Reprogrammable-FL"} <= set(cited), cited
     for name, where in cited.items():
         assert any(h == name or h.startswith(f"{name} (") for h in headings), (name, where, headings)
+
+
+CODE = re.compile(r"`([^`\n]+)`")
+FILE = re.compile(r"^([\w.-]+/[\w./-]+\.(?:py|md|toml|yml|txt|json|csv|sh))(?::\w+)?$")
+MEMBER = re.compile(r"^([A-Z][A-Za-z0-9]+)\.([a-z_][a-z0-9_]*)(?:\(.*\))?$")
+
+
+def _package_names() -> tuple[set[str], set[str], dict[str, set[str]]]:
+    """(modules, top-level names, class -> its attributes) of the package, read from its source."""
+    import ast
+
+    modules, names, classes = set(), set(), {}
+    for path in (ROOT / "fedvlm").rglob("*.py"):
+        modules.add(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            names.update(x.id for t in targets for x in ast.walk(t) if isinstance(x, ast.Name))
+            if isinstance(node, ast.ClassDef):
+                attrs = classes.setdefault(node.name, set())
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.FunctionDef):
+                        attrs.add(inner.name)
+                    elif isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name):
+                        attrs.add(inner.target.id)
+                    elif isinstance(inner, ast.Attribute) and isinstance(inner.ctx, ast.Store):
+                        attrs.add(inner.attr)
+                    elif isinstance(inner, ast.Assign):
+                        attrs.update(t.id for t in inner.targets if isinstance(t, ast.Name))
+    return modules, names, classes
+
+
+def _stale_names(pages: list[Path]) -> list[str]:
+    """Code the docs quote that is not in the repository: a file path, a ``fedvlm.module[:name]``,
+    a ``Class.member`` of one of the package's classes."""
+    modules, names, classes = _package_names()
+    stale = []
+    for page in pages:
+        for quoted in CODE.findall(page.read_text()):
+            quoted = quoted.strip()
+            where = f"{page.name}: `{quoted}`"
+            if m := FILE.match(quoted):
+                homes = (ROOT, ROOT / "fedvlm", ROOT / "docs", ROOT / "docker", page.parent)
+                if not any((home / m[1]).exists() for home in homes):
+                    stale.append(where)
+            elif m := MEMBER.match(quoted):
+                if m[1] in classes and m[2] not in classes[m[1]]:
+                    stale.append(where)
+            elif re.match(r"^fedvlm\.[\w.]+(:\w+)?$", quoted):
+                module, _, name = quoted.partition(":")
+                parts = module.split(".")
+                known = next((i for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules), 0)
+                rest = [*parts[known:], *([name] if name else [])]
+                if not known or not all(p in names for p in rest):
+                    stale.append(where)
+    return stale
+
+
+def test_every_name_the_docs_quote_exists():
+    """Issue 46: docs showed a class where the field is a path string and named members that had
+    moved; a file, module or member quoted in the README or docs/ must be in the repository
+    (docs/results/ records what was measured then, and is left as it was)."""
+    assert _stale_names([p for p in PAGES if "results" not in p.relative_to(ROOT).parts]) == []
+
+
+def test_the_stale_name_rule_sees_one(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("`fedvlm/nope.py`, `fedvlm.privacy.nope`, `RunBudget.nope`, `RunBudget.charge_round`\n")
+    assert len(_stale_names([page])) == 3
