@@ -19,6 +19,7 @@ from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 from fedvlm.server_app.resume import clear_refused, hold_run_dir, note_refused, resume_point
 from fedvlm.strategies.base import ResumeError
+from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.runtime import simulated_grid
 
 log = logging.getLogger("fedvlm")
@@ -45,7 +46,8 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     except ResumeError as err:
         note_refused(cfg, err)
         raise
-    strategy = spec.strategy(cfg, spec)
+    parts = RunParts.of(cfg)  # the run's parts: the loop owns them, the strategy's hooks use them
+    strategy = spec.strategy(parts)
     if point is not None:
         assert held is not None  # held above, with the resume point
         log.info("resuming %s after its round %d", point.run_dir, point.round)
@@ -74,7 +76,7 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
             },
         )
     try:
-        run_rounds(strategy, grid, recorder, point)
+        run_rounds(strategy, parts, grid, recorder, point)
     except ResumeError as err:  # refused before anything was recorded: the folder is as it was
         log.error("cannot resume: %s", err)
         note_refused(cfg, err)

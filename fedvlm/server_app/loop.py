@@ -30,41 +30,60 @@ from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
 from fedvlm.strategies.base import FederatedStrategy
-from fedvlm.strategies.plan import RoundPlan
+from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.records import RoundRecord, with_evaluation
 
 log = logging.getLogger(__name__)
 
+# Everything this loop calls on the strategy: Flower's four round hooks, the run's start and the
+# handshake of nodes that join (``begin``, ``admit``), the exchange (``one_exchange`` bundles a
+# round's train and evaluate messages, ``ask_again`` copies late ones), the checkpoint's state,
+# the number of rounds and the run's outputs. Everything else is the run's parts (``RunParts``).
+HOOKS = (
+    "begin",
+    "admit",
+    "configure_train",
+    "configure_evaluate",
+    "one_exchange",
+    "ask_again",
+    "aggregate_train",
+    "aggregate_evaluate",
+    "state_dict",
+    "load_state_dict",
+    "num_rounds",
+    "outputs",
+)
 
-def _record_nodes(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
-    nodes, excluded = strategy.registry.table()
+
+def _record_nodes(parts: RunParts, recorder: RunRecorder) -> None:
+    nodes, excluded = parts.registry.table()
     run = recorder.data["run"]
     if run.get("nodes") != nodes or run.get("excluded_nodes") != excluded:
         recorder.set_run_info(nodes=nodes, excluded_nodes=excluded)
 
 
-def _record_privacy(strategy: FederatedStrategy, server_round: int, recorder: RunRecorder) -> dict[str, float]:
+def _record_privacy(parts: RunParts, server_round: int, recorder: RunRecorder) -> dict[str, float]:
     """The round's ledger entry, written; the round's privacy figure for its record."""
-    spent = strategy.budget.record_round(server_round, strategy.registry.noise_sources())
-    _record_ledger(strategy, recorder)
+    spent = parts.budget.record_round(server_round, parts.registry.noise_sources())
+    _record_ledger(parts, recorder)
     return {} if spent is None else {EPSILON_SPENT: spent}
 
 
-def _record_ledger(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
+def _record_ledger(parts: RunParts, recorder: RunRecorder) -> None:
     """results.json's privacy section as the ledger stands (none without privacy)."""
-    section = strategy.budget.ledger_section()
+    section = parts.budget.ledger_section()
     if section is not None:
         recorder.add_section("privacy", section)
 
 
-def _record_audit(strategy: FederatedStrategy, recorder: RunRecorder) -> None:
+def _record_audit(parts: RunParts, recorder: RunRecorder) -> None:
     """The one-run audit's section, beside the ledger, once the audited node reported one."""
-    inputs = strategy.budget.audit_inputs()
-    if inputs is None or not strategy.privacy.audit_canaries:
+    inputs = parts.budget.audit_inputs()
+    if inputs is None or not parts.cfg.privacy.audit_canaries:
         return
     local, global_name = inputs
     section = audit_section(
-        recorder.data["rounds"], strategy.ledger.rounds[-1] if strategy.ledger.rounds else {}, local, global_name
+        recorder.data["rounds"], parts.ledger.rounds[-1] if parts.ledger.rounds else {}, local, global_name
     )
     if section is None:
         return
@@ -120,6 +139,7 @@ def _evaluate_alone(
 
 def _settle(
     strategy: FederatedStrategy,
+    parts: RunParts,
     recorder: RunRecorder,
     server_round: int,
     replies: list[Message],
@@ -129,37 +149,43 @@ def _settle(
     """Round ``server_round``'s evaluation is back (in ``replies``, among an exchange's others):
     its figures complete the round's record, which the run folder then holds."""
     figures = _figures(strategy.aggregate_evaluate(server_round, replies))
-    evaluation = RoundRecord.of(strategy.plans.pop(server_round), figures)
+    evaluation = RoundRecord.of(parts.take_plan(server_round), figures)
     rounds = recorder.data["rounds"]
     at = next(i for i, r in enumerate(rounds) if r["round"] == server_round)
     rounds[at] = with_evaluation(rounds[at], evaluation, seconds)
-    _record_ledger(strategy, recorder)  # what the evaluation released beside the noised tensors
-    _record_audit(strategy, recorder)
-    _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
+    _record_ledger(parts, recorder)  # what the evaluation released beside the noised tensors
+    _record_audit(parts, recorder)
+    _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
     recorder.write()
     log.info(progress_line(rounds[at], total))
 
 
 def run_rounds(
-    strategy: FederatedStrategy, grid: Grid, recorder: RunRecorder, resume: ResumePoint | None = None
+    strategy: FederatedStrategy,
+    parts: RunParts,
+    grid: Grid,
+    recorder: RunRecorder,
+    resume: ResumePoint | None = None,
 ) -> dict:
-    """Run every round of ``strategy`` on ``grid`` (after ``resume``'s round, if given);
-    returns the finished results.
+    """Run every round of ``strategy`` (built on ``parts``, the run's parts, which this loop
+    reads and records from) on ``grid`` (after ``resume``'s round, if given); returns the
+    finished results. The strategy is called only through its hooks (``HOOKS``).
 
     A round's evaluation travels with the next round's train messages (``strategy.one_exchange``):
     one exchange per round instead of two, each a round trip through the SuperLink on a real
     deployment. Its record is written when the round's training is done (``evaluated``: false)
     and completed when the evaluation comes back; the last round's evaluation, and any round's
     of a method that does not train, go out on their own."""
-    strategy.start(grid, resume.state if resume is not None else None)
+    cfg = parts.cfg
+    strategy.begin(grid, resume.state if resume is not None else None)
     if resume is not None:
         strategy.load_state_dict(resume.state)
-        recorder.data["run"]["resumed"][-1].update(charge_abandoned(strategy, resume))
-    _record_nodes(strategy, recorder)
-    _record_ledger(strategy, recorder)
-    exchange = Exchanger(grid, strategy.cfg.round_timeout, strategy.cfg.reply_grace)
+        recorder.data["run"]["resumed"][-1].update(charge_abandoned(parts, resume))
+    _record_nodes(parts, recorder)
+    _record_ledger(parts, recorder)
+    exchange = Exchanger(grid, cfg.round_timeout, cfg.reply_grace)
     total = strategy.num_rounds()
-    arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in strategy.global_arrays.items()})
+    arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in parts.arrays.items()})
     owed = resume.round if resume is not None and resume.evaluation_owed else None  # the round whose evaluation is due
     started: dict[int, float] = {}  # round -> when it began (its record's seconds run to the next's start)
     status, note, rnd = "finished", "", resume.round if resume is not None else 0
@@ -167,16 +193,16 @@ def run_rounds(
         started[rnd] = t0 = time.time()
         strategy.admit(grid)
         train: list[Message] = []
-        if strategy.spec.trains:
+        if cfg.spec.trains:
             train = list(strategy.configure_train(rnd, arrays, _phase_config(recorder), grid))
-            trainees = [strategy.nodes[m.metadata.dst_node_id].name for m in train]
-            over = strategy.budget.charge_round(trainees)
+            trainees = [parts.registry.nodes[m.metadata.dst_node_id].name for m in train]
+            over = parts.budget.charge_round(trainees)
             if over is not None:
-                strategy.plans.pop(rnd)  # never sent: it leaves no trace
+                parts.take_plan(rnd)  # never sent: it leaves no trace
                 status = "stopped"
                 note = (
                     f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
-                    f"privacy.max-epsilon = {strategy.privacy.max_epsilon}; stopped after round {rnd - 1}"
+                    f"privacy.max-epsilon = {cfg.privacy.max_epsilon}; stopped after round {rnd - 1}"
                 )
                 log.warning(note)
                 rnd -= 1
@@ -186,24 +212,24 @@ def run_rounds(
         replies = exchange.run(strategy.one_exchange(train, evaluation), strategy.ask_again)
         metrics: dict[str, float] = {}
         if train:  # while both phases' plans are held, so that each knows the other's replies
-            if strategy.cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
-                record_round(recorder.dir, rnd, train, replies, strategy.nodes)
+            if cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
+                record_round(recorder.dir, rnd, train, replies, parts.registry.nodes)
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
             arrays = new_arrays if new_arrays is not None else arrays
             metrics.update(_figures(train_metrics))
         if owed is not None:
-            _settle(strategy, recorder, owed, replies, t0 - started[owed] if owed in started else None, total)
+            _settle(strategy, parts, recorder, owed, replies, t0 - started[owed] if owed in started else None, total)
             owed = None
-        metrics.update(_record_privacy(strategy, rnd, recorder))
-        plan = strategy.plans.pop(rnd, RoundPlan(rnd))  # none for a method that does not train
+        metrics.update(_record_privacy(parts, rnd, recorder))
+        plan = parts.take_plan(rnd)  # none for a method that does not train
         recorder.add_round(RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False))
-        _record_audit(strategy, recorder)
-        _record_nodes(strategy, recorder)  # nodes may have joined or been excluded since
-        save_checkpoint(recorder.dir, strategy, rnd)
+        _record_audit(parts, recorder)
+        _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
+        save_checkpoint(recorder.dir, strategy.state_dict(), parts.arrays, rnd)
         owed = rnd
         if not train or rnd == total:  # nothing to travel with: evaluated on its own
             replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, exchange, final=rnd == total)
-            _settle(strategy, recorder, rnd, replies, time.time() - t0, total)
+            _settle(strategy, parts, recorder, rnd, replies, time.time() - t0, total)
             owed = None
     if status == "stopped" or owed is not None:
         # the run's last evaluation, of the state reached, so that the nodes publish it (after
@@ -211,11 +237,13 @@ def run_rounds(
         # round's record where it was still owed
         replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, exchange, final=True)
         if owed == rnd:
-            _settle(strategy, recorder, rnd, replies, time.time() - started[rnd] if rnd in started else None, total)
+            _settle(
+                strategy, parts, recorder, rnd, replies, time.time() - started[rnd] if rnd in started else None, total
+            )
         else:
-            strategy.plans.pop(rnd)
-    if strategy.global_arrays:
-        recorder.save_arrays("final_shared.pt", strategy.global_arrays, rnd)
+            parts.take_plan(rnd)
+    if parts.arrays:
+        recorder.save_arrays("final_shared.pt", parts.arrays, rnd)
     outputs = strategy.outputs(recorder.data["rounds"])
     for name, saved in outputs.arrays.items():
         recorder.save_arrays(name, saved, rnd)

@@ -40,11 +40,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fedvlm.runconfig import RunConfig
 from fedvlm.status import RUN_LOCK
-from fedvlm.strategies.base import FederatedStrategy, ResumeError
+from fedvlm.strategies.base import ResumeError
+from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_json, load_saved, try_hold
 
 CHECKPOINT = "checkpoint.pt"
@@ -86,9 +88,11 @@ def save_inflight(run_dir: Path, server_round: int, trainees: list[str]) -> None
     atomic_write_json({"round": server_round, "trainees": trainees}, run_dir / INFLIGHT)
 
 
-def save_checkpoint(run_dir: Path, strategy: FederatedStrategy, server_round: int) -> None:
-    arrays = {k: torch.from_numpy(v.copy()) for k, v in strategy.global_arrays.items()}
-    state = {"round": server_round, "arrays": arrays, "state": strategy.state_dict()}
+def save_checkpoint(run_dir: Path, state: dict, arrays: dict[str, np.ndarray], server_round: int) -> None:
+    """The shared ``arrays`` after round ``server_round`` and the strategy's ``state``: what a
+    resumed run continues from."""
+    tensors = {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}
+    state = {"round": server_round, "arrays": tensors, "state": state}
     atomic_torch_save(state, run_dir / CHECKPOINT, digest=True)  # damage is refused at resume, not resumed from
 
 
@@ -138,13 +142,13 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
     return ResumePoint(run_dir, data, done, saved["state"], abandoned, owed)
 
 
-def charge_abandoned(strategy: FederatedStrategy, point: ResumePoint) -> dict:
+def charge_abandoned(parts: RunParts, point: ResumePoint) -> dict:
     """Spend the abandoned round on its trainees' budgets where a replay is not the same release
     (module docstring); what was decided, for ``run.resumed``."""
     if point.abandoned is None:
         return {}
-    return strategy.budget.charge_abandoned(
-        point.abandoned["round"], point.abandoned["trainees"], strategy.registry.noise_sources()
+    return parts.budget.charge_abandoned(
+        point.abandoned["round"], point.abandoned["trainees"], parts.registry.noise_sources()
     )
 
 

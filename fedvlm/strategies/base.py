@@ -67,9 +67,9 @@ from fedvlm.protocol import (
     TrainInstruction,
     TrainReply,
 )
-from fedvlm.runconfig import ConfigError, RunConfig
-from fedvlm.spec import MethodSpec
+from fedvlm.runconfig import ConfigError
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
+from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.strategies.validation import (
@@ -104,21 +104,39 @@ def to_arrays(named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 class FederatedStrategy(Strategy):
-    def __init__(self, cfg: RunConfig, spec: MethodSpec):
-        self.cfg = cfg
-        self.spec = spec
-        self.privacy = cfg.privacy
-        self.ledger = PrivacyLedger(self.privacy, spec.name)
-        self.registry = NodeRegistry(cfg, self.ledger)
-        self.global_arrays: dict[str, np.ndarray] = {}  # set after the handshake (initial_arrays)
-        # with privacy on, a RunBudget once the nodes are known (prepare)
-        self.budget: RunBudget | NoBudget = NoBudget()
+    def __init__(self, parts: RunParts):
+        self.parts = parts  # the run's parts, which the loop owns (strategies.parts)
+        self.cfg = parts.cfg
+        self.spec = parts.cfg.spec
+        self.privacy = parts.cfg.privacy
         # how each part of an update is bounded (strategies.validation.reply_bounds): what the
         # server noises at the fixed clip, once its mechanism is planned; the rest by replies.*
         self.bounds: list[ReplyBound] = reply_bounds((), self.privacy.clip)
-        # the rounds being run, by round: what was sent and what validation found (the loop
-        # builds each round's record from its plan, then drops it)
-        self.plans: dict[int, RoundPlan] = {}
+
+    # the run's parts, as the hooks read them
+    @property
+    def ledger(self) -> PrivacyLedger:
+        return self.parts.ledger
+
+    @property
+    def registry(self) -> NodeRegistry:
+        return self.parts.registry
+
+    @property
+    def budget(self) -> RunBudget | NoBudget:
+        return self.parts.budget
+
+    @property
+    def plans(self) -> dict[int, RoundPlan]:
+        return self.parts.plans
+
+    @property
+    def global_arrays(self) -> dict[str, np.ndarray]:
+        return self.parts.arrays
+
+    @global_arrays.setter
+    def global_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.parts.arrays = arrays
 
     @property
     def nodes(self) -> dict[int, NodeInfo]:
@@ -210,7 +228,7 @@ class FederatedStrategy(Strategy):
             self.cfg.seed,
         )
 
-    def start(self, grid: Grid, resumed: dict | None = None) -> None:  # type: ignore[override]  # the loop runs rounds
+    def begin(self, grid: Grid, resumed: dict | None = None) -> None:
         """Before round 1: wait for the nodes, then ``prepare`` (``resumed``: the interrupted
         run's saved state)."""
         self.summary()
@@ -231,7 +249,7 @@ class FederatedStrategy(Strategy):
                 f"{', '.join(str(n.partition_id) for n in self.nodes.values())}); pick one of them"
             )
         spec = self.spec
-        self.budget = RunBudget.planned(
+        self.parts.budget = RunBudget.planned(
             self.privacy,
             self.ledger,
             self.num_rounds(),

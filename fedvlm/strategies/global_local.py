@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from fedvlm.metrics import GDP_DENOMINATOR, GDP_SIGMA
+from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptStrategy
 from fedvlm.strategies.records import ClientUpdate
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class GlobalGradientStrategy(PromptStrategy):
-    def __init__(self, cfg, spec):
-        super().__init__(cfg, spec)
+    def __init__(self, parts: RunParts):
+        super().__init__(parts)
         self._server_opt: torch.optim.Optimizer | None = None  # built at the first step, on the global prompt
 
     def initial_arrays(self):

@@ -27,6 +27,7 @@ from fedvlm.models.vlm import AdapterSpec, load_vlm
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
 from fedvlm.strategies.base import FederatedStrategy, to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
@@ -38,8 +39,9 @@ class LoRAStrategy(FederatedStrategy):
     """FedAvg-LoRA, FedPer-LoRA and FedPara-LoRA: the method's sharing rule picks the adapter
     tensors that travel (``MethodSpec.shares``); each is averaged weighted by data size."""
 
-    def __init__(self, cfg, spec):
-        super().__init__(cfg, spec)
+    def __init__(self, parts: RunParts):
+        super().__init__(parts)
+        cfg = parts.cfg
         _, initial, fp = load_vlm(
             cfg.vlm.model,
             cfg.cache_path,
@@ -51,7 +53,7 @@ class LoRAStrategy(FederatedStrategy):
         )
         self.registry.server_fingerprint = fp
         self.adapter_initial = {k: v.numpy() for k, v in initial.items()}
-        self.shared_names = sorted(spec.shares(cfg, initial))
+        self.shared_names = sorted(self.spec.shares(cfg, initial))
         self.last_upload: dict[str, dict[str, np.ndarray]] = {}  # client -> its latest uploaded tensors
 
     def state_dict(self) -> dict:
@@ -104,8 +106,8 @@ class LoRAStrategy(FederatedStrategy):
 
 
 class FedRandStrategy(LoRAStrategy):
-    def __init__(self, cfg, spec):
-        super().__init__(cfg, spec)
+    def __init__(self, parts: RunParts):
+        super().__init__(parts)
         self.halves = {h: adapter_parts.lora_half(self.shared_names, h) for h in adapter_parts.HALVES}
         # nodes sent a train message (the whole adapter, the first time): a lost reply counts, the
         # node may have trained and keeps what it was sent

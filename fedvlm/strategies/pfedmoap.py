@@ -26,6 +26,7 @@ import numpy as np
 from fedvlm.runconfig import ConfigError
 from fedvlm.strategies.base import to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptFLStrategy
 from fedvlm.strategies.records import ClientUpdate
@@ -41,8 +42,9 @@ def nearest(own: np.ndarray, others: dict[str, np.ndarray], k: int) -> list[str]
 
 
 class PFedMoAPStrategy(PromptFLStrategy):
-    def __init__(self, cfg, spec):
-        super().__init__(cfg, spec)
+    def __init__(self, parts: RunParts):
+        super().__init__(parts)
+        cfg = parts.cfg
         embed, dim = self.bundle.embed_dim, cfg.pfedmoap.gating_dim
         if dim > embed or embed % dim:
             raise ConfigError(

@@ -13,6 +13,7 @@ from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.prompt_learner import TextTower, init_context
 from fedvlm.strategies.aggregation import weighted_average
 from fedvlm.strategies.base import FederatedStrategy
+from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.records import ClientUpdate
 from fedvlm.tensor_names import CTX
@@ -22,9 +23,10 @@ class PromptStrategy(FederatedStrategy):
     """Loads the backbone on the server (CPU) once, for the initial context and the
     fingerprint every client must match."""
 
-    def __init__(self, cfg, spec):
+    def __init__(self, parts: RunParts):
+        cfg = parts.cfg
         self.bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, "cpu")
-        super().__init__(cfg, spec)
+        super().__init__(parts)
         self.registry.server_fingerprint = self.bundle.fingerprint
 
     def initial_context(self) -> np.ndarray:
@@ -65,8 +67,8 @@ class LocalOnlyStrategy(PromptStrategy):
     prompt until the node has answered once (so a node whose first reply failed still gets
     it); replies carry metrics only."""
 
-    def __init__(self, cfg, spec):
-        super().__init__(cfg, spec)
+    def __init__(self, parts: RunParts):
+        super().__init__(parts)
         self.initialised: set[str] = set()
 
     def on_reply_accepted(self, node, phase):

@@ -20,13 +20,15 @@ from fedvlm.models.reprogram import initial_model, source_model, trainable_state
 from fedvlm.strategies.aggregation import weighted_average
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.nodes import NodeInfo
+from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.records import ClientUpdate
 
 
 class ReprogramStrategy(FederatedStrategy):
-    def __init__(self, cfg, spec):
-        super().__init__(cfg, spec)
+    def __init__(self, parts: RunParts):
+        super().__init__(parts)
+        cfg = parts.cfg
         self.source = source_model(cfg)
         self.registry.server_fingerprint = self.source.fingerprint
         self._initial: dict[str, np.ndarray] | None = None

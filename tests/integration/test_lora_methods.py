@@ -13,6 +13,7 @@ from fedvlm.client_app.state import PRIVATE
 from fedvlm.models.adapter_parts import lora_half
 from fedvlm.protocol import LOCAL_SIGMA, REPLY_KEYS, SERVER_ROUND, TrainInstruction
 from fedvlm.server_app.app import execute
+from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.inprocess import InProcessGrid
 
 N_CLIENTS = 4
@@ -155,7 +156,7 @@ def test_fedrand_draws_are_seeded(vlm_cache, tmp_path):
 
     def draws(seed):
         cfg = validate({"method": "fedrand", "seed": seed, "cache-dir": str(vlm_cache)})
-        s = get_method("fedrand").strategy(cfg, get_method("fedrand"))
+        s = get_method("fedrand").strategy(RunParts.of(cfg))
         return [s.draw(n, r) for r in range(1, 6) for n in nodes]
 
     a, b, c = draws(0), draws(0), draws(1)

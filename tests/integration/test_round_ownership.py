@@ -12,6 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from fedvlm.client_app.app import app as client_app
 from fedvlm.methods.validation import validate
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR
+from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.inprocess import InProcessGrid
 
 N = 4
@@ -57,8 +58,8 @@ def test_configure_builds_messages_from_its_inputs_and_changes_nothing(method, v
         raw["dataset"] = "digits"
     cfg = validate(raw)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N} for i in range(N)], raw)
-    strategy = cfg.spec.strategy(cfg, cfg.spec)
-    strategy.start(grid)
+    strategy = cfg.spec.strategy(RunParts.of(cfg))
+    strategy.begin(grid)
     if method == "pfedmoap":  # every node in the pool: its messages carry experts
         strategy.pool = {
             n.name: np.full_like(strategy.global_arrays["ctx"], i) for i, n in enumerate(strategy.nodes.values())

@@ -47,7 +47,7 @@ def _functions_loading(name: str, folder: Path, root: Path = PACKAGE) -> set[tup
 def test_only_the_setup_the_admission_and_the_registry_talk_to_the_grid():
     users = _functions_loading("grid", PACKAGE / "strategies")
     assert users == {
-        ("strategies/base.py", "start"),
+        ("strategies/base.py", "begin"),
         ("strategies/base.py", "admit"),
         ("strategies/nodes.py", "handshake"),
         ("strategies/nodes.py", "wait"),
@@ -299,3 +299,33 @@ def test_no_caller_asks_whether_privacy_is_on():
 def test_the_budget_rule_sees_a_branch(tmp_path):
     (tmp_path / "s.py").write_text("if self.budget is not None:\n    self.budget.spend(names)\n")
     assert _budget_questions(tmp_path) == ({"s.py"}, {"spend"})
+
+
+def _strategy_members(path: Path) -> set[str]:
+    """The attributes read on a name ``strategy`` in the file at ``path``."""
+    return {
+        n.attr
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "strategy"
+    }
+
+
+def test_the_loop_calls_the_strategy_only_through_its_hooks():
+    """Issue 46: the loop touched about 20 strategy members, nine of them parts (budget, ledger,
+    registry, plans, nodes, global arrays, privacy, cfg, spec). The run's parts are now its own
+    (``strategies.parts.RunParts``); the strategy is only called, through ``HOOKS``: Flower's four
+    round hooks, the run's start and late nodes, the exchange's two, the checkpoint's state, the
+    number of rounds and the outputs."""
+    from fedvlm.server_app.loop import HOOKS
+    from fedvlm.strategies.base import FederatedStrategy
+
+    assert _strategy_members(PACKAGE / "server_app" / "loop.py") == set(HOOKS)
+    assert _strategy_members(PACKAGE / "server_app" / "resume.py") == set()
+    assert all(callable(getattr(FederatedStrategy, hook)) for hook in HOOKS)
+    flower = {"configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate"}
+    assert flower <= set(HOOKS) and len(HOOKS) <= len(flower) + 8
+
+
+def test_the_hook_rule_sees_a_part(tmp_path):
+    (tmp_path / "loop.py").write_text("strategy.configure_train(1)\nstrategy.budget.spend(x)\n")
+    assert _strategy_members(tmp_path / "loop.py") == {"configure_train", "budget"}

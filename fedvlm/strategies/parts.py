@@ -1,0 +1,43 @@
+"""What a run is made of besides its method's hooks: one object the round loop owns.
+
+``RunParts`` holds the run's config, its privacy ledger and budget, the node registry, the
+shared arrays and the plans of the rounds in flight. The ServerApp makes it (``of``) and builds the
+method's strategy on it; the loop (``server_app.loop``) reads and records from it and calls the
+strategy only through its hooks, and the hooks read and update it. There is one copy of each:
+the arrays the loop sends are the ones the strategy aggregates into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedvlm.privacy.budget import NoBudget, RunBudget
+from fedvlm.privacy.ledger import PrivacyLedger
+from fedvlm.runconfig import RunConfig
+from fedvlm.strategies.nodes import NodeRegistry
+from fedvlm.strategies.plan import RoundPlan
+
+
+@dataclass
+class RunParts:
+    cfg: RunConfig
+    ledger: PrivacyLedger
+    registry: NodeRegistry
+    # with privacy on, a RunBudget once the nodes are known (FederatedStrategy.prepare)
+    budget: RunBudget | NoBudget = field(default_factory=NoBudget)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)  # the shared arrays, set after the handshake
+    # the rounds being run, by round: what was sent and what validation found (the loop builds
+    # each round's record from its plan, then takes it: ``take_plan``)
+    plans: dict[int, RoundPlan] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> RunParts:
+        ledger = PrivacyLedger(cfg.privacy, cfg.spec.name)
+        return cls(cfg, ledger, NodeRegistry(cfg, ledger))
+
+    def take_plan(self, server_round: int) -> RoundPlan:
+        """Round ``server_round``'s plan, forgotten here (an empty one for a round nothing was
+        planned for: a method that does not train)."""
+        return self.plans.pop(server_round, RoundPlan(server_round))
