@@ -12,7 +12,9 @@ Keys are flat strings in Flower's run config (``prompt.lr = 0.01`` in TOML,
 ``--run-config "prompt.lr=0.01"`` on the command line); code reads them typed
 (``cfg.prompt.lr``). One sentinel, ``AUTO`` (``'auto'``), means "the method or its family
 decides": ``validate`` replaces it before a ``RunConfig`` exists, except where the node decides
-(``device``, ``privacy.noise-source``, ``vlm.dtype``, ``reprogram.source-weights``).
+(``device``, ``privacy.noise-source``, ``vlm.dtype``, ``reprogram.source-weights``). A number the
+method decides is a ``decided`` field: 'auto' is its flat default only, and the typed field
+(``int`` or ``float``, as annotated) has no default, since it always holds a resolved number.
 """
 
 from __future__ import annotations
@@ -69,6 +71,25 @@ def opt(
     return field(
         default=default,
         metadata={"key": dict(help=help, choices=choices, min=min, max=max, min_exclusive=min_exclusive, check=check)},
+    )
+
+
+def decided(
+    help: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    min_exclusive: bool = False,
+) -> Any:
+    """A number the method or its family decides unless the run config sets it: its flat default
+    is ``AUTO``, and the typed config has no default for it (``validate`` always resolves it
+    before a ``RunConfig`` exists, so the field's type is the number it then holds)."""
+    return field(
+        kw_only=True,
+        metadata={
+            "key": dict(help=help, choices=None, min=min, max=max, min_exclusive=min_exclusive, check=None),
+            "decided": True,
+        },
     )
 
 
@@ -139,8 +160,7 @@ class PromptConfig:
     weight_decay: float = opt(0.0005, "Weight decay.", min=0.0)
     batch_size: int = opt(32, "Local batch size B.", min=1)
     local_epochs: int = opt(1, "Local epochs per round (used when local-steps is 0).", min=1)
-    local_steps: int = opt(
-        AUTO,
+    local_steps: int = decided(
         "Local steps per round; 0 = local-epochs full passes; 'auto' = the method's (1 for "
         "dpfpl/fedotp/fedpgp, DP-FPL's Algorithm 1, and for promptfl with privacy on, as DP-FPL's "
         "baselines; 0 otherwise).",
@@ -273,8 +293,7 @@ class LoRAConfig:
         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         "Comma-separated linear layer names of the language model that get LoRA.",
     )
-    lr: float = opt(
-        AUTO,
+    lr: float = decided(
         "AdamW learning rate; 'auto' = 3e-4 (FedRand's value) for hub models, 3e-3 for the embedded tiny VLM.",
         min=0.0,
         min_exclusive=True,
@@ -324,15 +343,13 @@ class ReprogramConfig:
         "pretrained here for the embedded model), 'imagenet', 'random' (labelled NOT "
         "pretrained; tests only) or a local state-dict file.",
     )
-    image_size: int = opt(
-        AUTO,
+    image_size: int = decided(
         "Side the target image is resized to before zero-padding to the source input size "
         "(the paper: 200 of 224); 'auto' = 200 for torchvision models, 24 of 32 for the embedded "
         "ones. The baselines resize to the full source size.",
         min=1,
     )
-    batch_size: int = opt(
-        AUTO,
+    batch_size: int = decided(
         "Expected Poisson batch size of every DP-SGD step; 'auto' = 256 (the paper's) on "
         "real data, 32 on the small embedded data (a client holds ~670 motifs or ~400 digits).",
         min=1,
@@ -359,8 +376,7 @@ class PrivacyConfig:
         min_exclusive=True,
         check=lambda d: None if d <= 0.1 else "must be at most 0.1 (and, once the nodes are known, 0.1/records)",
     )
-    clip: float = opt(
-        AUTO,
+    clip: float = decided(
         "Clip norm C of every clipped gradient; 'auto' = the family's paper value (10, "
         "DP-FPL's, for prompt learning and LoRA; 1.0 for Reprogrammable-FL).",
         min=0.0,
@@ -382,8 +398,7 @@ class PrivacyConfig:
     accountant: str = opt(
         REFERENCE, "Accountant for calibration and reporting (privacy.accountants' registry).", choices=ACCOUNTANTS
     )
-    noise_multiplier: float = opt(
-        AUTO,
+    noise_multiplier: float = decided(
         "Use this noise multiplier z = sigma/sensitivity for every mechanism instead "
         "of calibrating to privacy.epsilon (0 = calibrate); epsilon is then only reported, "
         "and privacy.max-epsilon stops the run when reached. 'auto' = calibrate when "
@@ -487,8 +502,7 @@ class RunConfig:
     method: str = opt("promptfl", "Federated method (see the README's method table).")
     num_server_rounds: int = opt(20, "Federated rounds (zeroshot evaluates once).", min=1, max=100_000)
     seed: int = opt(0, "Seed of every random draw: partition, sampling, initialisation, noise.", min=0)
-    fraction_train: float = opt(
-        AUTO,
+    fraction_train: float = decided(
         "Fraction of connected clients sampled for training each round; 'auto' = the "
         "family's papers' value (1.0 prompt methods, 0.3 VLM methods).",
         min=0.0,
@@ -540,8 +554,7 @@ class RunConfig:
         "How data is split over clients; 'auto' = family default.",
         choices=(AUTO, "pathological", "dirichlet", "iid", "quantity-skew"),
     )
-    dirichlet_alpha: float = opt(
-        AUTO,
+    dirichlet_alpha: float = decided(
         "Concentration of the Dirichlet label split; 'auto' = the family's papers' "
         "value (0.3 prompt methods, 0.5 VLM methods).",
         min=0.0,
@@ -557,21 +570,21 @@ class RunConfig:
         0, "Keep at most this many training images per class (few-shot, CoOp style); 0 = all.", min=0
     )
     # --- sections ------------------------------------------------------------------------------
-    clip: ClipConfig = field(default_factory=ClipConfig)
-    prompt: PromptConfig = field(default_factory=PromptConfig)
-    zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
-    dpfpl: DPFPLConfig = field(default_factory=DPFPLConfig)
-    fedotp: FedOTPConfig = field(default_factory=FedOTPConfig)
-    fedpgp: FedPGPConfig = field(default_factory=FedPGPConfig)
-    pfedmoap: PFedMoAPConfig = field(default_factory=PFedMoAPConfig)
-    vlm: VLMConfig = field(default_factory=VLMConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    fedrand: FedRandConfig = field(default_factory=FedRandConfig)
-    fedper: FedPerConfig = field(default_factory=FedPerConfig)
-    reprogram: ReprogramConfig = field(default_factory=ReprogramConfig)
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    attack: AttackConfig = field(default_factory=AttackConfig)
-    replies: RepliesConfig = field(default_factory=RepliesConfig)
+    clip: ClipConfig = field(kw_only=True)
+    prompt: PromptConfig = field(kw_only=True)
+    zeroshot: ZeroShotConfig = field(kw_only=True)
+    dpfpl: DPFPLConfig = field(kw_only=True)
+    fedotp: FedOTPConfig = field(kw_only=True)
+    fedpgp: FedPGPConfig = field(kw_only=True)
+    pfedmoap: PFedMoAPConfig = field(kw_only=True)
+    vlm: VLMConfig = field(kw_only=True)
+    lora: LoRAConfig = field(kw_only=True)
+    fedrand: FedRandConfig = field(kw_only=True)
+    fedper: FedPerConfig = field(kw_only=True)
+    reprogram: ReprogramConfig = field(kw_only=True)
+    privacy: PrivacyConfig = field(kw_only=True)
+    attack: AttackConfig = field(kw_only=True)
+    replies: RepliesConfig = field(kw_only=True)
     # the method's registry entry (imported for the type only: spec.py types against this module)
     spec: MethodSpec = field(kw_only=True, compare=False, repr=False)
 
@@ -614,7 +627,7 @@ def _keys() -> tuple[tuple[Key, ...], dict[str, type]]:
                         section,
                         f.name,
                         _KINDS[str(f.type)],
-                        f.default,
+                        AUTO if f.metadata.get("decided") else f.default,
                         **f.metadata["key"],
                     )
                 )
