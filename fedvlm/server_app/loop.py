@@ -5,7 +5,7 @@ A round, as Flower's ``Strategy.start`` runs one, using only what the hooks retu
 nodes that joined (``admit``); build the train messages from the global arrays
 (``configure_train``); stop here if they would take a record past ``privacy.max-epsilon``; build
 the previous round's evaluate messages (``configure_evaluate``) and send both in one exchange
-(``one_exchange``); complete the previous round's record with its evaluation
+(``server_app.messages.bundle``); complete the previous round's record with its evaluation
 (``aggregate_evaluate``); aggregate the training (``aggregate_train`` returns the new global
 arrays and the round's training figures); then the round's record, built here from the round's
 plan (``strategies.plan``) and those figures, the ledger, and the checkpoint a resumed run
@@ -26,6 +26,7 @@ from fedvlm.metrics import EPSILON_SPENT, undeclared
 from fedvlm.privacy.audit import audit_section
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR
 from fedvlm.server_app.exchange import Exchanger
+from fedvlm.server_app.messages import ask_again, bundle
 from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
@@ -36,16 +37,14 @@ from fedvlm.strategies.records import RoundRecord, with_evaluation
 log = logging.getLogger(__name__)
 
 # Everything this loop calls on the strategy: Flower's four round hooks, the run's start and the
-# handshake of nodes that join (``begin``, ``admit``), the exchange (``one_exchange`` bundles a
-# round's train and evaluate messages, ``ask_again`` copies late ones), the checkpoint's state,
-# the number of rounds and the run's outputs. Everything else is the run's parts (``RunParts``).
+# handshake of nodes that join (``begin``, ``admit``), the checkpoint's state, the number of
+# rounds and the run's outputs. Everything else is the run's parts (``RunParts``); the messages
+# between the hooks and the grid are ``server_app.messages``'.
 HOOKS = (
     "begin",
     "admit",
     "configure_train",
     "configure_evaluate",
-    "one_exchange",
-    "ask_again",
     "aggregate_train",
     "aggregate_evaluate",
     "state_dict",
@@ -124,6 +123,7 @@ def _evaluation(
 
 def _evaluate_alone(
     strategy: FederatedStrategy,
+    parts: RunParts,
     server_round: int,
     arrays: ArrayRecord,
     recorder: RunRecorder,
@@ -134,7 +134,8 @@ def _evaluate_alone(
     """Round ``server_round``'s evaluation sent in an exchange of its own (no train messages to
     travel with), to the nodes connected now; its replies."""
     strategy.admit(grid)
-    return exchange.run(_evaluation(strategy, server_round, arrays, recorder, grid, final=final), strategy.ask_again)
+    messages = _evaluation(strategy, server_round, arrays, recorder, grid, final=final)
+    return exchange.run(messages, lambda late: ask_again(parts, late))
 
 
 def _settle(
@@ -171,7 +172,7 @@ def run_rounds(
     reads and records from) on ``grid`` (after ``resume``'s round, if given); returns the
     finished results. The strategy is called only through its hooks (``HOOKS``).
 
-    A round's evaluation travels with the next round's train messages (``strategy.one_exchange``):
+    A round's evaluation travels with the next round's train messages (``server_app.messages.bundle``):
     one exchange per round instead of two, each a round trip through the SuperLink on a real
     deployment. Its record is written when the round's training is done (``evaluated``: false)
     and completed when the evaluation comes back; the last round's evaluation, and any round's
@@ -209,7 +210,7 @@ def run_rounds(
                 break
             save_inflight(recorder.dir, rnd, trainees)
         evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
-        replies = exchange.run(strategy.one_exchange(train, evaluation), strategy.ask_again)
+        replies = exchange.run(bundle(parts, train, evaluation), lambda late: ask_again(parts, late))
         metrics: dict[str, float] = {}
         if train:  # while both phases' plans are held, so that each knows the other's replies
             if cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
@@ -228,14 +229,14 @@ def run_rounds(
         save_checkpoint(recorder.dir, strategy.state_dict(), parts.arrays, rnd)
         owed = rnd
         if not train or rnd == total:  # nothing to travel with: evaluated on its own
-            replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, exchange, final=rnd == total)
+            replies = _evaluate_alone(strategy, parts, rnd, arrays, recorder, grid, exchange, final=rnd == total)
             _settle(strategy, parts, recorder, rnd, replies, time.time() - t0, total)
             owed = None
     if status == "stopped" or owed is not None:
         # the run's last evaluation, of the state reached, so that the nodes publish it (after
         # the budget's stop, or in a resumed run that was cut off in it); it completes that
         # round's record where it was still owed
-        replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, exchange, final=True)
+        replies = _evaluate_alone(strategy, parts, rnd, arrays, recorder, grid, exchange, final=True)
         if owed == rnd:
             _settle(
                 strategy, parts, recorder, rnd, replies, time.time() - started[rnd] if rnd in started else None, total

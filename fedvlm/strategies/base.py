@@ -56,13 +56,9 @@ from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape
 from fedvlm.protocol import (
     ARRAYS_RECORD,
-    ATTEMPT,
     CONFIG_RECORD,
-    EVALUATE_ARRAYS,
-    EVALUATE_CONFIG,
     FINAL_ROUND,
     RUN_DIR,
-    SERVER_ROUND,
     EvaluateInstruction,
     TrainInstruction,
     TrainReply,
@@ -332,87 +328,6 @@ class FederatedStrategy(Strategy):
         """The round's evaluate messages (``config``: the run folder, whether it is the last)."""
         return self._phase("evaluate", server_round, arrays, config, self.cfg.fraction_evaluate)
 
-    def one_exchange(self, train: list[Message], evaluation: list[Message]) -> list[Message]:
-        """One exchange's messages, one per node: this round's ``train`` messages and the
-        previous round's ``evaluation`` messages (both as ``configure_*`` returned them). A node
-        in both gets its evaluation inside its train message (``protocol.EVALUATE_CONFIG``; the
-        arrays too, as ``EVALUATE_ARRAYS``, only where they differ from the training's), and the
-        evaluation's plan keeps that message as the one it sent the node.
-
-        Why nothing changes for the node: it runs the evaluation first, with the state it would
-        have had for an evaluate message of its own (nothing happens to its state between the two
-        messages), and on the arrays that message would have carried. Why nothing changes for the
-        server: the evaluation's figures come back in their own record and are validated and
-        aggregated by ``aggregate_evaluate`` of their round; a reply that fails fails both."""
-        if not train or not evaluation:
-            return train + evaluation
-        hosts = {m.metadata.dst_node_id: m for m in train}
-        alone = []
-        for msg in evaluation:
-            host = hosts.get(msg.metadata.dst_node_id)
-            if host is None:
-                alone.append(msg)
-                continue
-            config = msg.content[CONFIG_RECORD]
-            assert isinstance(config, ConfigRecord)  # _phase sends one
-            kept = self.plans[int(config[SERVER_ROUND])].phase("evaluate")  # type: ignore[arg-type]  # written by _phase
-            host.content[EVALUATE_CONFIG] = config
-            arrays, shared = msg.content[ARRAYS_RECORD], host.content[ARRAYS_RECORD]
-            assert isinstance(arrays, ArrayRecord) and isinstance(shared, ArrayRecord)  # _phase sends them
-            if _same_arrays(arrays, shared):  # nothing more to send: the node evaluates the train message's
-                nbytes = record_nbytes({k: v.numpy() for k, v in arrays.items()})
-                kept.bytes_down -= nbytes
-                kept.client(self.nodes[host.metadata.dst_node_id].name)["evaluate/bytes_down"] = 0
-            else:
-                host.content[EVALUATE_ARRAYS] = arrays
-            kept.messages = [host if m is msg else m for m in kept.messages]
-        return train + alone
-
-    def ask_again(self, late: list[Message]) -> list[Message]:
-        """Copies of the messages whose replies are late (``server_app.exchange``), to send once
-        more; a message left out is not asked again, and why is recorded in the round.
-
-        Why the accounting still holds: the budget spends a round for each trainee when its
-        train message is sent (``RunBudget.charge_round``), because a lost reply may still have been
-        computed and seen. A copy of a train message makes the node compute again. With the
-        node's and the server's noise seeded, the node restores its state of the round before
-        and releases the same tensors again: nothing is charged, as for a resumed round. With
-        OS noise anywhere it is a second, independent release: the node's round is spent again,
-        and the copy is not sent if that would take its records past the epsilon the run
-        promised, counting the rounds still to come (``RunBudget.charge_replay``). Only one
-        reply per node enters the aggregate (the exchange pulls the first to come), so the
-        server's noise is added once."""
-        copies = []
-        sources = self.registry.noise_sources()  # nodes may have joined since the round was sent
-        for msg in late:
-            node = self.nodes.get(msg.metadata.dst_node_id)
-            if node is None:
-                continue
-            config = msg.content[CONFIG_RECORD]
-            assert isinstance(config, ConfigRecord)  # _phase sends one
-            server_round = int(config[SERVER_ROUND])  # type: ignore[arg-type]  # written by _phase
-            phase = "train" if msg.metadata.message_type == MessageType.TRAIN else "evaluate"
-            kept = self.plans[server_round].phase(phase)
-            charged, over = (
-                self.budget.charge_replay(node.name, server_round, sources) if phase == "train" else (False, None)
-            )
-            if over is not None:
-                why = f"asking again would bring epsilon to {over:.4g}, past what the run promised"
-                kept.asked_again.append({"client": node.name, "phase": phase, "asked": False, "why": why})
-                continue
-            content = RecordDict(dict(msg.content.items()))  # a bundled evaluation too
-            content[CONFIG_RECORD] = ConfigRecord({**config, ATTEMPT: 2})
-            copy = Message(content, dst_node_id=node.node_id, message_type=msg.metadata.message_type)
-            copies.append(copy)
-            asked = {"client": node.name, "phase": phase, "asked": True, "charged": charged}
-            kept.messages.append(copy)
-            kept.asked_again.append(asked)
-            if EVALUATE_CONFIG in content:  # the evaluation it carries is asked again with it
-                evaluated = self.plans[int(content[EVALUATE_CONFIG][SERVER_ROUND])].phase("evaluate")  # type: ignore[arg-type]
-                evaluated.messages.append(copy)
-                evaluated.asked_again.append({**asked, "phase": "evaluate", "charged": False})
-        return copies
-
     # ---- replies -------------------------------------------------------------------------------
     def _sender(self, reply: Message, kept: PhasePlan) -> int:
         """The node a reply concerns. An error the SuperLink writes itself (e.g. 'Node Unavailable'
@@ -466,7 +381,7 @@ class FederatedStrategy(Strategy):
         return ""
 
     def _validated(self, replies: Iterable[Message], kept: PhasePlan) -> list[ClientUpdate]:
-        """The replies that concern ``kept`` (an exchange may carry two phases, ``one_exchange``),
+        """The replies that concern ``kept`` (an exchange may carry two phases, ``server_app.messages.bundle``),
         checked; what was dropped, and who did not answer, recorded in ``kept``. A reply concerns
         the phase whose message it answers; one that answers no message of a phase in progress
         (forged, or mangled on the way) is judged, and recorded, by the training's phase where
@@ -567,12 +482,6 @@ class FederatedStrategy(Strategy):
         metrics[EVAL_CLIENTS] = len(updates)
         metrics[EVAL_COMPUTE_SECONDS] = float(sum(u.reply.compute_seconds for u in updates))
         return MetricRecord(dict(metrics))
-
-
-def _same_arrays(a: ArrayRecord, b: ArrayRecord) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].data == b[k].data for k in a
-    )
 
 
 def _drop(kept: PhasePlan, name: str, reason: str) -> None:
