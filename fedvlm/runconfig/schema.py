@@ -25,13 +25,10 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedvlm.privacy.accountants import ACCOUNTANTS, REFERENCE
 from fedvlm.runconfig.datasets import NAMES as DATASET_NAMES
-
-if TYPE_CHECKING:
-    from fedvlm.spec import MethodSpec
 
 AUTO = "auto"
 
@@ -585,11 +582,13 @@ class RunConfig:
     privacy: PrivacyConfig = field(kw_only=True)
     attack: AttackConfig = field(kw_only=True)
     replies: RepliesConfig = field(kw_only=True)
-    # the method's registry entry (imported for the type only: spec.py types against this module)
-    spec: MethodSpec = field(kw_only=True, compare=False, repr=False)
+    # the method's registry entry, a spec.MethodSpec. Typed Any: spec.py types against this
+    # module, and even a type-only import back would make the one import cycle the layering
+    # test forbids (tests/unit/test_imports.py); callers that need its fields import MethodSpec
+    spec: Any = field(kw_only=True, compare=False, repr=False)
 
     @classmethod
-    def from_flat(cls, values: dict[str, Any], spec: MethodSpec) -> RunConfig:
+    def from_flat(cls, values: dict[str, Any], spec: Any) -> RunConfig:
         """The typed config of resolved flat values; a numeric key still 'auto' is a registry bug."""
         unresolved = [k.name for k in KEYS if k.auto and values[k.name] == AUTO]
         if unresolved:
