@@ -11,7 +11,8 @@ Two calibrations, both recorded in every run's ledger:
   and reports the ε actually spent after every round.
 
 Events: a release is a Gaussian mechanism with noise multiplier z, optionally Poisson
-subsampled with rate q (DP-SGD style record sampling), repeated ``count`` times.
+subsampled with rate q (DP-SGD style record sampling), repeated ``count`` times; or a mechanism
+known only by its zCDP bound (``ZCDpReleases``: the distributed discrete Gaussian).
 Neighbouring datasets differ by adding or removing one record (dp-accounting's default).
 """
 
@@ -71,11 +72,36 @@ class GaussianReleases:
     count: int
     sampling_rate: float = 1.0
 
+    @property
+    def infinite(self) -> bool:
+        return self.noise_multiplier <= 0
+
     def event(self) -> dp_accounting.DpEvent:
         one: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if self.sampling_rate < 1.0:
             one = dp_accounting.PoissonSampledDpEvent(self.sampling_rate, one)
         return dp_accounting.SelfComposedDpEvent(one, self.count)
+
+
+@dataclass(frozen=True)
+class ZCDpReleases:
+    """``count`` releases, each (xi, rho)-zCDP: (alpha, xi + rho * alpha)-RDP at every order
+    (the distributed discrete Gaussian's bound, ``privacy.distributed``). No subsampling
+    amplification is claimed for them. Only accountants that compose Renyi bounds take them."""
+
+    rho: float
+    xi: float
+    count: int
+
+    @property
+    def infinite(self) -> bool:
+        return math.isinf(self.rho) or math.isinf(self.xi)
+
+    def event(self) -> dp_accounting.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.ZCDpEvent(self.rho, self.xi), self.count)
+
+
+Releases = GaussianReleases | ZCDpReleases
 
 
 def joint_noise_multiplier(*multipliers: float) -> float:
@@ -87,22 +113,20 @@ def joint_noise_multiplier(*multipliers: float) -> float:
     return float(sum(z**-2 for z in multipliers) ** -0.5)
 
 
-def epsilon_spent(
-    releases: GaussianReleases | Sequence[GaussianReleases], delta: float, accountant: str = REFERENCE
-) -> float:
+def epsilon_spent(releases: Releases | Sequence[Releases], delta: float, accountant: str = REFERENCE) -> float:
     """ε after ``releases`` (one group, or several groups composed) at ``delta``; 0 with no
     release, infinite if any release has z = 0."""
-    parts = [releases] if isinstance(releases, GaussianReleases) else list(releases)
+    parts = [releases] if isinstance(releases, (GaussianReleases, ZCDpReleases)) else list(releases)
     parts = [p for p in parts if p.count > 0]
     if not parts:
         return 0.0
-    if any(p.noise_multiplier <= 0 for p in parts):
+    if any(p.infinite for p in parts):
         return math.inf
     return _epsilon(tuple(parts), float(delta), accountant)
 
 
 @functools.lru_cache(maxsize=4096)
-def _epsilon(parts: tuple[GaussianReleases, ...], delta: float, accountant: str) -> float:
+def _epsilon(parts: tuple[Releases, ...], delta: float, accountant: str) -> float:
     # Cached: every round asks again for the same few (z, q, count) combinations, and a PLD
     # evaluation costs a large fraction of a second.
     chosen = get_accountant(accountant)
@@ -112,7 +136,13 @@ def _epsilon(parts: tuple[GaussianReleases, ...], delta: float, accountant: str)
         if bound > MEANINGLESS_EPSILON:
             return bound
     acc = chosen.make()
-    acc.compose(dp_accounting.ComposedDpEvent([p.event() for p in parts]) if len(parts) > 1 else parts[0].event())
+    event = dp_accounting.ComposedDpEvent([p.event() for p in parts]) if len(parts) > 1 else parts[0].event()
+    if not acc.supports(event):
+        raise BudgetError(
+            f"privacy.accountant = {accountant!r} cannot compose these releases (a zCDP bound, such as the "
+            f"distributed discrete Gaussian's, needs a Renyi accountant): set privacy.accountant = {REFERENCE!r}"
+        )
+    acc.compose(event)
     return float(acc.get_epsilon(delta))
 
 
