@@ -67,6 +67,33 @@ EVALUATION = "evaluation"  # in the reply: the evaluation's metrics
 # "evaluation" -> the error), so that one part's failure does not take the other's reply with it
 FAILED = "failed"
 
+# Secure aggregation (``fedvlm.secagg``, ``secagg.stages``): the record every stage's message and
+# reply carries, and its keys. Node ids travel as text (Flower's are unsigned 64-bit).
+SECURE_SUM = "secure-sum"
+SECAGG_STAGE = "secagg.stage"
+SECAGG_THRESHOLD = "secagg.threshold"
+SECAGG_NEIGHBOURS = "secagg.neighbours"
+SECAGG_BITS = "secagg.bits"
+SECAGG_NAMES = "secagg.names"  # the summed tensors, in the vector's order
+SECAGG_SIZES = "secagg.sizes"  # their sizes
+SECAGG_WEIGHTED = "secagg.weighted"  # each update weighted by the node's examples (else by one)
+SECAGG_GAMMA = "secagg.gamma"  # the quantisation step
+SECAGG_NORM_BOUND = "secagg.norm-bound"  # the bound the node clips (or, with noise, checks) its update to
+SECAGG_CLIENT_SIGMA = "secagg.client-sigma"  # each node's discrete Gaussian, in steps (0: none)
+SECAGG_N_MIN = "secagg.n-min"  # the fewest survivors the noise is planned for
+SECAGG_NODES = "secagg.nodes"  # the nodes the lists below are about, in their order
+SECAGG_ENCRYPTION_KEYS = "secagg.encryption-keys"
+SECAGG_MASK_KEYS = "secagg.mask-keys"
+SECAGG_COMMITMENT = "secagg.commitment"
+SECAGG_CIPHERTEXTS = "secagg.ciphertexts"
+SECAGG_COMPLAINTS = "secagg.complaints"
+SECAGG_SURVIVORS = "secagg.survivors"
+SECAGG_DROPPED = "secagg.dropped"
+SECAGG_SEED_SHARES = "secagg.seed-shares"
+SECAGG_KEY_SHARES = "secagg.key-shares"
+SECAGG_KEY_OWNERS = "secagg.key-owners"  # the dropped nodes the key shares are of
+SECAGG_MASKED = "secagg.masked"  # the masked vector, in the reply's arrays record
+
 
 def _names(text) -> tuple[str, ...]:
     return tuple(k for k in str(text or "").split(",") if k)

@@ -9,6 +9,8 @@ Three message types:
   missing data, unknown weights) surfaces here as a failed reply, so the server excludes the
   node before the first round with the node's own error message. The audited node
   (``privacy.audit-node``) counts its canary slots among its records (``client_app.audit_node``).
+- a train message of a secure round (``protocol.SECURE_SUM``): its first stage trains as above and
+  answers through ``client_app.secure_sum``; its later stages run there alone.
 - ``train`` / ``evaluate``: the node's part of the round (``client_app.node_round``: the
   method's client on the arrays the server sent, the node's privacy floor, its state restored
   before and persisted after); the reply goes through the send guard. A train message may carry
@@ -22,16 +24,22 @@ from __future__ import annotations
 
 from flwr.app import Context, Message, MessageType
 
+from fedvlm.client_app import secure_sum
 from fedvlm.client_app.node_round import NodeMessage, message_parts
 from fedvlm.client_app.send_guard import failed_reply, guarded_reply, hello_reply
-from fedvlm.protocol import ARRAYS_RECORD, CONFIG_RECORD, EVALUATE_ARRAYS, EVALUATE_CONFIG, EvaluateReply
+from fedvlm.protocol import ARRAYS_RECORD, CONFIG_RECORD, EVALUATE_ARRAYS, EVALUATE_CONFIG, SECURE_SUM, EvaluateReply
+from fedvlm.secagg.stages import KEYS, stage_of
 
 
 def hello(msg: Message, context: Context) -> Message:
-    return hello_reply(msg, NodeMessage.open(context).hello())
+    node = NodeMessage.open(context)
+    secure_sum.hello_check(context.node_config, node.cfg.secure_aggregation.enabled)
+    return hello_reply(msg, node.hello())
 
 
 def train(msg: Message, context: Context) -> Message:
+    if SECURE_SUM in msg.content and stage_of(msg.content[SECURE_SUM]) != KEYS:
+        return secure_sum.next_stage(msg, context)  # a later stage of a secure round: no training
     node = NodeMessage.open(context)
     evaluation: EvaluateReply | Exception | None = None
     if EVALUATE_CONFIG in msg.content:
@@ -53,6 +61,13 @@ def train(msg: Message, context: Context) -> Message:
         # changes when a round is committed, which is then on disk too, and the node's ledger
         # may count a release that never left: conservative.
         return failed_reply(msg, err, evaluation)
+    if SECURE_SUM in msg.content:  # a secure round: the update leaves only inside the masked sum
+        try:
+            return secure_sum.first_stage(msg, node, part, evaluation)
+        except Exception as err:
+            if evaluation is None:
+                raise
+            return failed_reply(msg, err, evaluation)  # as a failed training: the evaluation still goes back
     # the guard holds the reply to what the server named this round (none named = nothing may
     # leave) as well as to the method's shared set
     return guarded_reply(

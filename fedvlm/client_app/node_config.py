@@ -21,15 +21,18 @@ from pathlib import Path
 
 from fedvlm.client_app.node_policy import CACHE_DIR, DATA_ROOT, MODELS, TRUST_REMOTE_CODE
 from fedvlm.client_app.privacy_floor import DELTA, MAX_EPSILON
+from fedvlm.client_app.secure_sum import MIN_CLIENTS, REQUIRE, TRUE_WORDS
 from fedvlm.client_app.state import STATE_DIR
 from fedvlm.privacy.mechanisms import NOISE_SOURCE
 from fedvlm.protocol import NODE_WORKER, PUBLISH_DIR
 from fedvlm.runconfig import ConfigError
 
 PARTITION_ID, NUM_PARTITIONS, NAME, DATA_DIR = "partition-id", "num-partitions", "name", "data-dir"
+FALSE_WORDS = ("false", "0", "no")
 
-# key -> what its value must be: "int" (a whole number), "number" (finite), "path" (an absolute
-# path), "folder" (an absolute path that is a folder where it exists), "text"
+# key -> what its value must be: "int" (a whole number), "number" (finite), "bool" (true or
+# false), "path" (an absolute path), "folder" (an absolute path that is a folder where it
+# exists), "text"
 KEYS: dict[str, str] = {
     PARTITION_ID: "int",
     NUM_PARTITIONS: "int",
@@ -45,6 +48,8 @@ KEYS: dict[str, str] = {
     NOISE_SOURCE: "text",
     MODELS: "text",
     TRUST_REMOTE_CODE: "text",
+    REQUIRE: "bool",
+    MIN_CLIENTS: "int",
 }
 
 
@@ -63,6 +68,8 @@ def check_node_config(node_config: Mapping) -> None:
             continue
         if kind == "int" and (isinstance(value, bool) or not _reads_as(int, value)):
             raise ConfigError(f"node config {key} = {value!r} is not a whole number: write e.g. {key}=0")
+        if kind == "bool" and str(value).strip().lower() not in (*TRUE_WORDS, *FALSE_WORDS):
+            raise ConfigError(f"node config {key} = {value!r} is not true or false: write e.g. {key}=true")
         if kind == "number" and not (_reads_as(float, value) and math.isfinite(float(value))):
             raise ConfigError(f"node config {key} = {value!r} is not a finite number")
         if kind in ("path", "folder"):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedvlm.protocol import (
     ARRAYS_RECORD,
@@ -22,6 +22,8 @@ from fedvlm.protocol import (
     FAILED,
     INFO_RECORD,
     METRICS_RECORD,
+    SECAGG_MASKED,
+    SECURE_SUM,
     EvaluateReply,
     HelloReport,
     TrainReply,
@@ -79,6 +81,30 @@ def guarded_reply(
     content = RecordDict()
     content[ARRAYS_RECORD] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
     content[METRICS_RECORD] = _metric_record(metrics)
+    _add_evaluation(content, evaluation, {})
+    return Message(content, reply_to=msg)
+
+
+def secure_reply(
+    msg: Message,
+    metrics: Mapping[str, float | int],
+    record: Mapping,
+    masked: np.ndarray | None = None,
+    evaluation: EvaluateReply | Exception | None = None,
+) -> Message:
+    """A stage of a secure round (``client_app.secure_sum``): the stage's ``record``
+    (``protocol.SECURE_SUM``: public keys, encrypted shares, the shares the server asked for),
+    and no tensor but ``masked``, the node's vector under its masks (``SECAGG_MASKED``). The
+    tensors that vector encodes passed ``check_outgoing`` before they were encoded."""
+    content = RecordDict()
+    arrays = ArrayRecord()
+    if masked is not None:
+        if masked.dtype != np.uint64 or masked.ndim != 1:
+            raise PrivacyGuardError("a secure round sends one flat vector of residues (uint64), nothing else")
+        arrays[SECAGG_MASKED] = Array(np.ascontiguousarray(masked))
+    content[ARRAYS_RECORD] = arrays
+    content[METRICS_RECORD] = _metric_record(metrics)
+    content[SECURE_SUM] = ConfigRecord(dict(record))
     _add_evaluation(content, evaluation, {})
     return Message(content, reply_to=msg)
 

@@ -42,6 +42,9 @@ META = "meta"
 AUDIT = "audit"  # the audited node's canaries (privacy.canaries): secret, never in a reply
 LEDGER = "node-ledger"  # what the node released (client_app.privacy_floor): never rolled back
 HELD = "held"  # which round the state in memory is from, and whether it changed since written
+# a secure round's secrets (client_app.secure_sum): in memory only, never in a snapshot, so that a
+# node's disk never holds a key that unmasks it; a node that restarts mid-round drops out of it
+SECURE_ROUND = "secure-round"
 STATE_DIR = "state-dir"  # the node config key
 KEEP = 2  # snapshots kept: the newest, and the one before it (see the module docstring)
 
@@ -67,6 +70,21 @@ def save_private(state: RecordDict, tensors: dict[str, torch.Tensor], key: str =
         return  # unchanged (nothing kept reads back as nothing): nothing new to write to disk either
     state[key] = ArrayRecord(tensors)
     _mark_changed(state)
+
+
+def load_secure(state: RecordDict, part: str = "") -> dict:
+    """A part of the node's secure round in progress (``client_app.secure_sum``), or nothing."""
+    record = state.get(SECURE_ROUND + part)
+    return dict(record) if isinstance(record, ConfigRecord) else {}
+
+
+def save_secure(state: RecordDict, values: dict, part: str = "") -> None:
+    state[SECURE_ROUND + part] = ConfigRecord(dict(values))
+
+
+def clear_secure(state: RecordDict) -> None:
+    for key in [k for k in state.keys() if k.startswith(SECURE_ROUND)]:
+        del state[key]
 
 
 def load_meta(state: RecordDict, key: str = META) -> dict:
@@ -196,7 +214,7 @@ def persist(state: RecordDict, where: Path | None, server_round: int) -> Path | 
         return None
     records: dict[str, tuple[str, dict]] = {}
     for key, record in state.items():
-        if key == HELD:
+        if key == HELD or key.startswith(SECURE_ROUND):
             continue
         if isinstance(record, ArrayRecord):
             records[key] = ("arrays", record.to_torch_state_dict())

@@ -17,6 +17,7 @@ import torch
 
 from fedvlm.privacy.accountants import ACCOUNTANTS
 from fedvlm.privacy.accounting import BudgetError, check_delta
+from fedvlm.privacy.distributed import DistributedGaussian
 from fedvlm.privacy.dpsgd import check_noise
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.mechanisms import NOISE_SOURCES, gaussian_noise, noise_generator
@@ -242,6 +243,11 @@ class RunBudget:
         check_noise({"the global prompt gradient": released - mean}, plan.sigma, "the server's release")
         return released, plan.sigma
 
+    def distributed_noise(self) -> DistributedGaussian | None:
+        """The global mechanism's noise as the clients add it under secure aggregation (None: the
+        run has no global mechanism, or the server adds its noise itself)."""
+        return self.planner.distributed
+
     def audit_inputs(self) -> tuple[LocalDP, str | None] | None:
         """What the one-run audit needs of the plan: the local mechanism, and the server's
         mechanism's name if there is one (None: no local mechanism to audit)."""
@@ -391,6 +397,9 @@ class NoBudget:
 
     def release_global(self, mean: torch.Tensor, key: list[int], sources: Mapping[str, str]) -> None:
         return None  # no server mechanism: the server uses the mean as it is
+
+    def distributed_noise(self) -> None:
+        return None  # no mechanism: a secure sum carries no noise
 
     def note_node_account(self, name: str, figures: Mapping[str, float]) -> None:
         """A node's own account is a privacy figure: none is kept without privacy."""

@@ -39,6 +39,7 @@ from fedvlm.privacy.accounting import (
     joint_noise_multiplier,
     smallest_scale,
 )
+from fedvlm.privacy.distributed import DistributedGaussian
 from fedvlm.privacy.ledger import MechanismPlan, PrivacyLedger, plan_gaussian, valid_sensitivity
 from fedvlm.protocol import LOCAL_SIGMA, LOCAL_STEPS, NUM_TRAIN, TrainInstruction
 from fedvlm.runconfig.schema import PrivacyConfig
@@ -229,6 +230,8 @@ class PrivacyPlanner:
         self.local_plans: dict[str, MechanismPlan] = {}
         self.global_plan: MechanismPlan | None = None
         self.scale = 1.0  # the joint calibration's common factor c on every noise level
+        # the global mechanism as the clients draw it under secure aggregation (None: the server does)
+        self.distributed: DistributedGaussian | None = None
 
     # ---- planning --------------------------------------------------------------------------
     def plan(self, clients: dict[str, ClientShape]) -> None:

@@ -464,6 +464,43 @@ class RepliesConfig:
 
 
 @dataclass(frozen=True)
+class SecureAggregationConfig:
+    """Secure aggregation (``fedvlm.secagg``: SecAgg+, Bell et al. 2020): the server learns only the
+    sum of each round's surviving clients' updates; a method with server-side noise has every
+    client add its share of it instead (the distributed discrete Gaussian, ``privacy.distributed``).
+    docs/privacy.md says what it protects against and what it costs."""
+
+    enabled: bool = opt(False, "Aggregate every round securely: the server never sees one client's update.")
+    bits: int = opt(
+        48,
+        "The sum is computed modulo 2^bits; the server refuses a plan whose sum could wrap around with "
+        "probability above 1e-9.",
+        min=16,
+        max=62,
+    )
+    neighbours: int = opt(
+        0,
+        "How many others each client shares its secrets with: 0 = every other client of the round (SecAgg); "
+        "an even k >= 2 = SecAgg+'s random graph of degree k (cost grows with k, not with the round's size).",
+        min=0,
+    )
+    threshold: int = opt(
+        0,
+        "How many of a client's share holders rebuild its secrets (the most clients that may collude with the "
+        "server is one less): 0 = the smallest strict majority; never less than that.",
+        min=0,
+    )
+    rounding_overhead: float = opt(
+        0.05,
+        "With distributed noise: how much rounding to integers may add to a record's sensitivity (a fraction); "
+        "smaller costs more bits, larger more noise.",
+        min=0.0,
+        max=1.0,
+        min_exclusive=True,
+    )
+
+
+@dataclass(frozen=True)
 class AttackConfig:
     """Membership-attack experiments: online LiRA's reference federations (``python -m fedvlm.attacks
     --online R`` sets these, an ordinary run leaves them alone) and the server's record of uploads."""
@@ -582,6 +619,7 @@ class RunConfig:
     privacy: PrivacyConfig = field(kw_only=True)
     attack: AttackConfig = field(kw_only=True)
     replies: RepliesConfig = field(kw_only=True)
+    secure_aggregation: SecureAggregationConfig = field(kw_only=True)
     # the method's registry entry, a spec.MethodSpec. Typed Any: spec.py types against this
     # module, and even a type-only import back would make the one import cycle the layering
     # test forbids (tests/unit/test_imports.py); callers that need its fields import MethodSpec
@@ -620,9 +658,10 @@ def _keys() -> tuple[tuple[Key, ...], dict[str, type]]:
         for f in dataclasses.fields(cls):
             if "key" in f.metadata:
                 name = f.name.rstrip("_").replace("_", "-")  # 'lambda_' (a Python keyword) is 'lambda'
+                prefix = section.replace("_", "-")  # secure_aggregation's keys are secure-aggregation.*
                 keys.append(
                     Key(
-                        f"{section}.{name}" if section else name,
+                        f"{prefix}.{name}" if section else name,
                         section,
                         f.name,
                         _KINDS[str(f.type)],

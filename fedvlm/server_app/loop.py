@@ -5,12 +5,14 @@ A round, as Flower's ``Strategy.start`` runs one, using only what the hooks retu
 nodes that joined (``admit``); build the train messages from the global arrays
 (``configure_train``); stop here if they would take a record past ``privacy.max-epsilon``; build
 the previous round's evaluate messages (``configure_evaluate``) and send both in one exchange
-(``server_app.messages.bundle``); complete the previous round's record with its evaluation
-(``aggregate_evaluate``); aggregate the training (``aggregate_train`` returns the new global
-arrays and the round's training figures); then the round's record, built here from the round's
-plan (``strategies.plan``) and those figures, the ledger, and the checkpoint a resumed run
-continues from (``server_app.resume``); with ``attack.observe-uploads``, also every train
-message and reply as the server saw them (``server_app.observer``).
+(``server_app.messages.bundle``); send the training's further stages while the strategy has
+any (``next_stage``: secure aggregation's shares, masked sum and unmasking); complete the
+previous round's record with its evaluation (``aggregate_evaluate``); aggregate the training
+(``aggregate_train`` returns the new global arrays and the round's training figures); then the
+round's record, built here from the round's plan (``strategies.plan``) and those figures, the
+ledger, and the checkpoint a resumed run continues from (``server_app.resume``); with
+``attack.observe-uploads``, also every train message and reply as the server saw them
+(``server_app.observer``).
 """
 
 from __future__ import annotations
@@ -36,14 +38,16 @@ from fedvlm.strategies.records import RoundRecord, with_evaluation
 
 log = logging.getLogger(__name__)
 
-# Everything this loop calls on the strategy: Flower's four round hooks, the run's start and the
-# handshake of nodes that join (``begin``, ``admit``), the checkpoint's state, the number of
-# rounds and the run's outputs. Everything else is the run's parts (``RunParts``); the messages
+# Everything this loop calls on the strategy: Flower's four round hooks, the round's further
+# stages of training (``next_stage``: secure aggregation's), the run's start and the handshake
+# of nodes that join (``begin``, ``admit``), the checkpoint's state, the number of rounds and the
+# run's outputs. Everything else is the run's parts (``RunParts``); the messages
 # between the hooks and the grid are ``server_app.messages``'.
 HOOKS = (
     "begin",
     "admit",
     "configure_train",
+    "next_stage",
     "configure_evaluate",
     "aggregate_train",
     "aggregate_evaluate",
@@ -211,6 +215,10 @@ def run_rounds(
             save_inflight(recorder.dir, rnd, trainees)
         evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
         replies = exchange.run(bundle(parts, train, evaluation), lambda late: ask_again(parts, late))
+        stage = replies
+        while train and (more := list(strategy.next_stage(rnd, stage))):  # a secure round's later stages
+            stage = exchange.run(more, lambda late: ask_again(parts, late))
+            replies = replies + stage
         metrics: dict[str, float] = {}
         if train:  # while both phases' plans are held, so that each knows the other's replies
             if cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw

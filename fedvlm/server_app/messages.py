@@ -20,8 +20,10 @@ from fedvlm.protocol import (
     CONFIG_RECORD,
     EVALUATE_ARRAYS,
     EVALUATE_CONFIG,
+    SECURE_SUM,
     SERVER_ROUND,
 )
+from fedvlm.secagg.stages import KEYS, stage_of
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.validation import record_nbytes
 
@@ -88,9 +90,9 @@ def ask_again(parts: RunParts, late: list[Message]) -> list[Message]:
         server_round = int(config[SERVER_ROUND])  # type: ignore[arg-type]  # written by _phase
         phase = "train" if msg.metadata.message_type == MessageType.TRAIN else "evaluate"
         kept = parts.plans[server_round].phase(phase)
-        charged, over = (
-            parts.budget.charge_replay(node.name, server_round, sources) if phase == "train" else (False, None)
-        )
+        later = SECURE_SUM in msg.content and stage_of(msg.content[SECURE_SUM]) != KEYS  # a secure round's
+        trains = phase == "train" and not later  # later stages run on what the node kept: no training
+        charged, over = parts.budget.charge_replay(node.name, server_round, sources) if trains else (False, None)
         if over is not None:
             why = f"asking again would bring epsilon to {over:.4g}, past what the run promised"
             kept.asked_again.append({"client": node.name, "phase": phase, "asked": False, "why": why})
@@ -100,7 +102,7 @@ def ask_again(parts: RunParts, late: list[Message]) -> list[Message]:
         copy = Message(content, dst_node_id=node.node_id, message_type=msg.metadata.message_type)
         copies.append(copy)
         asked = {"client": node.name, "phase": phase, "asked": True, "charged": charged}
-        kept.messages.append(copy)
+        (kept.stage_messages if later else kept.messages).append(copy)
         kept.asked_again.append(asked)
         if EVALUATE_CONFIG in content:  # the evaluation it carries is asked again with it
             evaluated = parts.plans[int(content[EVALUATE_CONFIG][SERVER_ROUND])].phase("evaluate")  # type: ignore[arg-type]

@@ -68,6 +68,7 @@ from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
+from fedvlm.strategies.secure_sum import SecureSum
 from fedvlm.strategies.validation import (
     NAMES_SHOWN,
     REASON_CHARS,
@@ -100,6 +101,10 @@ def to_arrays(named: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 class FederatedStrategy(Strategy):
+    # how the method's aggregate reads as a sum (secure aggregation, ``aggregate_sums``): each
+    # update weighted by its node's examples (a weighted average), or by one (a plain sum)
+    sum_weighted = True
+
     def __init__(self, parts: RunParts):
         self.parts = parts  # the run's parts, which the loop owns (strategies.parts)
         self.cfg = parts.cfg
@@ -108,6 +113,9 @@ class FederatedStrategy(Strategy):
         # how each part of an update is bounded (strategies.validation.reply_bounds): what the
         # server noises at the fixed clip, once its mechanism is planned; the rest by replies.*
         self.bounds: list[ReplyBound] = reply_bounds((), self.privacy.clip)
+        # secure aggregation (strategies.secure_sum): the server sees only each round's sum
+        settings = parts.cfg.secure_aggregation
+        self.secure = SecureSum(settings, parts.cfg.seed, self.sum_weighted) if settings.enabled else None
 
     # the run's parts, as the hooks read them
     @property
@@ -163,6 +171,22 @@ class FederatedStrategy(Strategy):
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         """Fold the validated updates into ``self.global_arrays``; the round's figures the method
         adds to its record."""
+        return {}
+
+    def aggregate_sums(
+        self, server_round: int, sums: dict[str, np.ndarray], weights: dict[str, float], survivors: list[int]
+    ) -> dict[str, float]:
+        """``aggregate`` under secure aggregation, from what the server learns: the sum over the
+        round's ``survivors`` of each tensor's weighted update (returned minus sent) and of its
+        weights. A per-tensor weighted average of the returned tensors, as ``aggregate`` computes
+        for every summing method: each tensor moves by its average update; a tensor no survivor
+        returned stays as it is."""
+        for name, total in sums.items():
+            if weights[name] > 0 and name in self.global_arrays:
+                current = self.global_arrays[name]
+                self.global_arrays[name] = (current + total.reshape(current.shape) / weights[name]).astype(
+                    current.dtype
+                )
         return {}
 
     def outputs(self, rounds: list[dict]) -> RunOutputs:
@@ -313,6 +337,10 @@ class FederatedStrategy(Strategy):
                 }
             )
             kept.messages.append(Message(content, dst_node_id=node.node_id, message_type=kind))
+        if phase == "train" and self.secure is not None and kept.messages:
+            noise = self.budget.distributed_noise()
+            bound = self.privacy.clip if noise is not None else self.cfg.replies.max_norm
+            self.secure.begin(server_round, kept, noise, bound)
         return kept.messages
 
     def configure_train(
@@ -327,6 +355,14 @@ class FederatedStrategy(Strategy):
     ) -> Iterable[Message]:
         """The round's evaluate messages (``config``: the run folder, whether it is the last)."""
         return self._phase("evaluate", server_round, arrays, config, self.cfg.fraction_evaluate)
+
+    def next_stage(self, server_round: int, replies: Iterable[Message]) -> Iterable[Message]:
+        """The messages of the round's next stage of training, given the last stage's ``replies``
+        (none: the training's replies are all in). One stage without secure aggregation; four
+        with it (``strategies.secure_sum``)."""
+        if self.secure is None:
+            return []
+        return self.secure.advance(server_round, list(replies), self.plans[server_round].phase("train"))
 
     # ---- replies -------------------------------------------------------------------------------
     def _sender(self, reply: Message, kept: PhasePlan) -> int:
@@ -389,7 +425,7 @@ class FederatedStrategy(Strategy):
         good = []
         sent = {m.metadata.message_id: m for m in kept.messages}
         live = [p for plan in self.plans.values() for p in (plan.train, plan.evaluate) if p is not None]
-        known = {m.metadata.message_id for p in live for m in p.messages}
+        known = {m.metadata.message_id for p in live for m in (*p.messages, *p.stage_messages)}
         judges_strays = kept.phase == "train" or not any(p.phase == "train" for p in live)
         replies = [
             m
@@ -410,8 +446,9 @@ class FederatedStrategy(Strategy):
                 out = kept.outgoing.get(nid)
                 answered = sent.get(msg.metadata.reply_to_message_id)
                 carried = answered is not None and answered.metadata.message_type == MessageType.TRAIN
+                expected = out.payload.expected if out and self.secure is None else {}  # secure: no tensor in clear
                 reply, refused = (
-                    check_train_reply(msg, out.payload.expected if out else {}, node.num_train)
+                    check_train_reply(msg, expected, node.num_train)
                     if kept.phase == "train"
                     else check_evaluate_reply(msg, carried, node.evaluation_counts())
                 )
@@ -463,10 +500,17 @@ class FederatedStrategy(Strategy):
         """The new global arrays and the round's training figures, from the validated, bounded
         replies to this round's train messages."""
         kept = self.plans[server_round].phase("train")
-        updates = self._bound_norms(self._validated(replies, kept), kept)
+        updates = self._validated(replies, kept)
+        if self.secure is None:
+            updates = self._bound_norms(updates, kept)
         for u in updates:
             kept.client(u.node.name).update({f"train/{k}": v for k, v in u.reply.metrics.items()})
-        metrics = self.aggregate(server_round, updates) if updates else {}
+        if self.secure is not None:  # what the server learns is the survivors' sum, not the updates
+            total = self.secure.total(server_round)
+            metrics = self.aggregate_sums(server_round, *total) if total is not None else {}
+            self.secure.finish(server_round)
+        else:
+            metrics = self.aggregate(server_round, updates) if updates else {}
         metrics.update(round_figures([u.reply.metrics for u in updates], TRAIN))
         metrics[TRAIN_COMPUTE_SECONDS] = float(sum(u.reply.compute_seconds for u in updates))
         metrics[TRAIN_CLIENTS] = len(updates)

@@ -52,6 +52,10 @@ class PhasePlan:
     bounded: list[dict] = field(default_factory=list)  # updates past their norm bound
     asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.exchange)
     missing: list[dict] = field(default_factory=list)  # nodes whose reply never came
+    # a secure round's later stages (strategies.secure_sum): their messages, copies included, and
+    # the protocol's account of the round
+    stage_messages: list[Message] = field(default_factory=list)
+    secure: dict | None = None
     bytes_down: int = 0
     bytes_up: int | None = None  # None until a reply is accepted
 

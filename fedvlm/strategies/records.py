@@ -39,6 +39,7 @@ class RoundRecord:
     asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.exchange)
     missing: list[dict] = field(default_factory=list)  # sampled clients whose reply never came
     bytes: dict[str, int] = field(default_factory=dict)  # train_down, train_up, evaluate_down, evaluate_up
+    secure_aggregation: dict | None = None  # the protocol's account of a secure round (strategies.secure_sum)
 
     @classmethod
     def of(cls, plan: RoundPlan, metrics: dict[str, float]) -> RoundRecord:
@@ -56,6 +57,10 @@ class RoundRecord:
             record.bytes[f"{phase.phase}_down"] = phase.bytes_down
             if phase.bytes_up is not None:
                 record.bytes[f"{phase.phase}_up"] = phase.bytes_up
+            if phase.secure is not None:
+                record.secure_aggregation = phase.secure
+                record.bytes["secure_down"] = phase.secure["bytes_down"]
+                record.bytes["secure_up"] = phase.secure["bytes_up"]
         return record
 
     def as_dict(self, seconds: float, evaluated: bool = True) -> dict:
@@ -77,6 +82,7 @@ class RoundRecord:
             "bounded": self.bounded,
             "asked_again": self.asked_again,
             "missing": self.missing,
+            **({"secure_aggregation": self.secure_aggregation} if self.secure_aggregation is not None else {}),
         }
 
 

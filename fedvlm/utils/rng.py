@@ -30,6 +30,7 @@ class ServerStream(IntEnum):
     FEDRAND_HALF = 11  # FedRand's A-or-B draw; extra = the node's name key
     PFEDMOAP_EXPERTS = 12  # pFedMoAP's random expert selection; extra = the node's key
     GLOBAL_NOISE = 21  # the server's global-DP noise
+    SECAGG_GRAPH = 31  # secure aggregation's graph of who shares secrets with whom
 
 
 @unique
@@ -41,6 +42,7 @@ class NodeStream(IntEnum):
     ABLATION_FACTOR = 3  # DP-FPL's no-residual ablation: the factorisation it evaluates
     LORA_DROPOUT = 4  # LoRA dropout masks
     BATCHES = 5  # which records form each local batch (Poisson or shuffled)
+    SECURE_SUM = 6  # the rounding and noise share of the node's secure-aggregation vector
     LOCAL_INIT = 11  # once per node: the private local prompt
     PGP_FACTOR_INIT = 12  # once per node: FedPGP's factorisation of that prompt
     GATE_INIT = 13  # once per node: pFedMoAP's attention gate, at its first round with experts

@@ -1,0 +1,141 @@
+"""A node's side of a secure round (``fedvlm.secagg``): its update leaves only inside a masked sum.
+
+Stage ``keys`` is the train message: the node trains as in any round (``client_app.node_round``),
+the send guard checks the tensors it would have sent (``send_guard.check_outgoing``), and the
+node encodes them into its vector (``secagg.summand``: its own clip, its noise share) and keeps
+it, with its round's secrets, in memory (``client_app.state.SECURE_ROUND``). Its reply carries
+the training's figures and two public keys. Stages ``shares``, ``masked`` and ``unmask`` then run
+on what it kept (``secagg.node.NodeRound``, which makes the protocol's checks); the masked vector
+is the one tensor that leaves (``send_guard.secure_reply``).
+
+What the node decides for itself (node config):
+- ``require-secure-aggregation = true``: a run without it is refused at the handshake;
+- ``secure-aggregation-min-clients = N``: the node helps unmask only a sum of at least N
+  survivors, and refuses a round whose plan would accept fewer (its noise share is planned for
+  ``n-min`` survivors, which must not exceed the protocol's threshold).
+
+A message asked again (``server_app.messages.ask_again``) gets the answer the node gave the first
+copy, if it asks the same; an unmasking request that asks something else is judged by
+``NodeRound.reveal``, which refuses one that contradicts what the node already revealed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message
+
+from fedvlm.client_app.send_guard import check_outgoing, secure_reply
+from fedvlm.client_app.state import clear_secure, load_secure, save_secure
+from fedvlm.privacy.distributed import Uniforms
+from fedvlm.privacy.mechanisms import sampling_rng
+from fedvlm.protocol import ARRAYS_RECORD, CONFIG_RECORD, SECURE_SUM, SERVER_ROUND, EvaluateReply
+from fedvlm.runconfig import ConfigError
+from fedvlm.secagg import stages
+from fedvlm.secagg.node import NodeRound, SecAggRefused
+from fedvlm.secagg.summand import Summand
+from fedvlm.utils.rng import NodeStream, node_key
+
+if TYPE_CHECKING:  # the node's round imports this module's keys through the node config
+    from fedvlm.client_app.node_round import Guarded, NodeMessage
+
+REQUIRE = "require-secure-aggregation"  # node config keys
+MIN_CLIENTS = "secure-aggregation-min-clients"
+TRUE_WORDS = ("true", "1", "yes")
+# what the node keeps of its secure round: its secrets, its encoded vector, the masked vector it
+# sent, and (per stage) a digest of the request it answered
+ROUND, VECTOR, MASKED, ASKED = "round", "vector", "masked", "asked"
+
+
+def required(node_config: Mapping) -> bool:
+    return str(node_config.get(REQUIRE, "")).strip().lower() in TRUE_WORDS
+
+
+def min_clients(node_config: Mapping) -> int:
+    return int(node_config.get(MIN_CLIENTS, 0) or 0)
+
+
+def hello_check(node_config: Mapping, enabled: bool) -> None:
+    """At the handshake: a node that requires secure aggregation refuses a run without it."""
+    if required(node_config) and not enabled:
+        raise ConfigError(
+            f"this node requires secure aggregation ({REQUIRE} = true in its node config) and the run does not "
+            "use it: set secure-aggregation.enabled = true in the run config"
+        )
+
+
+def first_stage(
+    msg: Message, node: NodeMessage, part: Guarded, evaluation: EvaluateReply | Exception | None
+) -> Message:
+    """Stage ``keys``: the trained reply ``part`` encoded, kept, and answered with public keys."""
+    plan = stages.SumPlan.from_config(msg.content[SECURE_SUM])
+    context = node.context
+    floor = min_clients(context.node_config)
+    if plan.n_min > plan.threshold or plan.n_min < floor:
+        raise SecAggRefused(
+            f"the round's noise is planned for {plan.n_min} survivors, with a threshold of {plan.threshold}: it must "
+            f"not exceed the threshold, nor be below this node's {MIN_CLIENTS} = {floor}"
+        )
+    reply = part.reply
+    check_outgoing(reply.arrays, part.allowed, part.private, part.requested)  # what the vector encodes may leave
+    record = msg.content[ARRAYS_RECORD]
+    assert isinstance(record, ArrayRecord)  # the server sends its tensors as one
+    sent = {k: v.numpy() for k, v in record.items()}
+    update = {k: v.detach().cpu().double().numpy() - sent.get(k, 0.0) for k, v in reply.arrays.items()}
+    weight = reply.num_examples if plan.weighted else 1
+    server_round = int(msg.content[CONFIG_RECORD][SERVER_ROUND])  # type: ignore[arg-type]  # written by the server
+    vector = Summand(plan).encode(update, weight, _uniforms(node, server_round))
+    secure, advert = NodeRound.start(context.node_id, server_round, plan.threshold, list(plan.neighbours), plan.bits)
+    clear_secure(context.state)  # a round left unfinished is over: its secrets go
+    save_secure(context.state, {ROUND: secure.to_bytes(), VECTOR: vector.tobytes()})
+    return secure_reply(msg, reply.metrics, stages.keys_reply(*advert), evaluation=evaluation)
+
+
+def next_stage(msg: Message, context: Context) -> Message:
+    """Stages ``shares``, ``masked`` and ``unmask``, on what the node kept from its first stage."""
+    config = dict(msg.content[SECURE_SUM])
+    stage = stages.stage_of(config)
+    held = load_secure(context.state)
+    if ROUND not in held:
+        raise SecAggRefused("this node holds no secure round in progress (it restarted, or never trained in it)")
+    asked = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()
+    before = load_secure(context.state, f"/{stage}")
+    if before.get(ASKED) == asked:  # a copy of a message already answered: the same answer
+        return _reply(msg, stage, before, held)
+    secure = NodeRound.from_bytes(held[ROUND])
+    answer: dict
+    if stage == stages.SHARES:
+        answer = stages.shares_reply(*secure.share(stages.read_peer_keys(config)))
+    elif stage == stages.MASKED:
+        secure.receive(stages.read_dealt(config))
+        held[MASKED] = secure.mask(np.frombuffer(held[VECTOR], dtype=np.uint64)).tobytes()
+        answer = stages.masked_reply(secure.complaints)
+    elif stage == stages.UNMASK:
+        survivors, dropped = stages.read_unmask(config)
+        floor = min_clients(context.node_config)
+        if len(survivors) < floor:
+            raise SecAggRefused(f"only {len(survivors)} survivors: this node's {MIN_CLIENTS} is {floor}")
+        answer = stages.shares_back(*secure.reveal(survivors, dropped))
+    else:
+        raise SecAggRefused(f"stage {stage!r} comes with the train message, not on its own")
+    held[ROUND] = secure.to_bytes()
+    save_secure(context.state, held)
+    save_secure(context.state, {**answer, ASKED: asked}, f"/{stage}")
+    return _reply(msg, stage, answer, held)
+
+
+def _reply(msg: Message, stage: str, answer: dict, held: dict) -> Message:
+    masked = np.frombuffer(held[MASKED], dtype=np.uint64) if stage == stages.MASKED else None
+    return secure_reply(msg, {}, {k: v for k, v in answer.items() if k != ASKED}, masked=masked)
+
+
+def _uniforms(node: NodeMessage, server_round: int) -> Uniforms:
+    """The randomness of the node's rounding and noise share: its noise source's."""
+    data = node.node
+    if data.noise_source == "os":
+        return Uniforms(None)
+    key = node_key(node.cfg.seed, data.seed, NodeStream.SECURE_SUM, server_round)
+    return Uniforms(sampling_rng(data.noise_source, key))
