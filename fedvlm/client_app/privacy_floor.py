@@ -279,7 +279,7 @@ def _covered(floor: NodeFloor, cfg: RunConfig) -> LocalDP:
     return local
 
 
-def _release(cfg: RunConfig, shape: ClientShape, sigma: float | None) -> tuple[GaussianReleases, str] | None:
+def local_release(cfg: RunConfig, shape: ClientShape, sigma: float | None) -> tuple[GaussianReleases, str] | None:
     """What a round at ``sigma`` releases under the node's local noise, as the accountant reads it,
     and in words; None where that noise covers nothing that leaves the node (no privacy, no local
     mechanism, an upload the local noise does not cover, no noise level)."""
@@ -320,7 +320,7 @@ def hello_check(node: NodeData, state: RecordDict, cfg: RunConfig, num_train: in
         sigma = local_plan(cfg.privacy, local, shape, cfg.num_server_rounds).sigma
     except BudgetError as why:
         raise NoiseRefused(str(why)) from why
-    released = _release(cfg, shape, sigma)
+    released = local_release(cfg, shape, sigma)
     assert released is not None  # covered, and a plan's sigma is positive
     this, what = released
     rows = ledger(node, state).rows()
@@ -396,7 +396,7 @@ def guard(node: NodeData, state: RecordDict, cfg: RunConfig, instruction: TrainI
         except BudgetError as why:
             raise NoiseRefused(str(why)) from why
     shape = ClientShape(instruction.num_train, instruction.batch_size, instruction.local_steps)
-    released = _release(cfg, shape, instruction.local_sigma)
+    released = local_release(cfg, shape, instruction.local_sigma)
     if released is None:
         if floor is not None:
             raise NoiseRefused(

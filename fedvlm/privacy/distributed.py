@@ -115,6 +115,14 @@ class DistributedGaussian:
         if self.n_min < 1 or self.dim < 1 or self.gamma <= 0:
             raise ValueError("a distributed Gaussian needs n_min >= 1, dim >= 1 and gamma > 0")
 
+    @classmethod
+    def for_mean(
+        cls, sigma_mean: float, gamma: float, denominator: int, n_min: int, dim: int, norm_bound: float, bits: int
+    ) -> DistributedGaussian:
+        """The clients' shares of a release planned as N(0, ``sigma_mean``^2) on a sum divided by
+        ``denominator``: ``n_min`` shares carry sigma_mean * denominator between them."""
+        return cls(gamma, sigma_mean * denominator / (gamma * math.sqrt(n_min)), n_min, dim, norm_bound, bits)
+
     @property
     def total_sigma(self) -> float:
         """The noise of a sum of ``n_min`` clients, in the input's units."""

@@ -18,7 +18,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from fedvlm.privacy.accounting import GaussianReleases, calibrate_noise_multiplier, epsilon_spent, paper_sigma
+from fedvlm.privacy.accounting import (
+    GaussianReleases,
+    Releases,
+    ZCDpReleases,
+    calibrate_noise_multiplier,
+    epsilon_spent,
+    paper_sigma,
+)
+from fedvlm.privacy.distributed import DistributedGaussian
 from fedvlm.runconfig.schema import PrivacyConfig
 
 
@@ -42,8 +50,24 @@ class MechanismPlan:
     planned_epsilon: float  # accountant's ε after all releases, for this σ
     true_sensitivity: float  # what one record can really change (privacy.ledger.valid_sensitivity)
     notes: list[str] = field(default_factory=list)
+    # drawn by the clients under secure aggregation (privacy.distributed): the quantisation step
+    # gamma of the sum, the denominator, n_min, dim, norm_bound and bits; None: one Gaussian draw
+    distributed: dict | None = None
 
-    def releases_obj(self, count: int) -> GaussianReleases:
+    def noise(self) -> DistributedGaussian | None:
+        """The clients' discrete Gaussian shares of this mechanism (None: not distributed)."""
+        d = self.distributed
+        if d is None:
+            return None
+        return DistributedGaussian.for_mean(
+            self.sigma, d["gamma"], d["denominator"], d["n_min"], d["dim"], d["norm_bound"], d["bits"]
+        )
+
+    def releases_obj(self, count: int) -> Releases:
+        noise = self.noise()
+        if noise is not None:  # the distributed discrete Gaussian's bound, at the true sensitivity
+            assert self.distributed is not None  # noise() returned one
+            return ZCDpReleases(*noise.zcdp(self.true_sensitivity * self.distributed["denominator"]), count)
         return GaussianReleases(self.sigma / self.true_sensitivity, count, self.sampling_rate)
 
     def epsilon_after(self, count: int) -> float:
@@ -68,6 +92,9 @@ class MechanismPlan:
         for k, v in d.items():
             if isinstance(v, float) and math.isinf(v):
                 d[k] = "inf"
+        noise = self.noise()
+        if noise is not None:
+            d["distributed"] = {**d["distributed"], "client_sigma": noise.client_sigma}
         return d
 
 

@@ -35,14 +35,18 @@ from dataclasses import dataclass
 from fedvlm.privacy.accounting import (
     BudgetError,
     GaussianReleases,
+    Releases,
+    ZCDpReleases,
     epsilon_spent,
     joint_noise_multiplier,
     smallest_scale,
 )
-from fedvlm.privacy.distributed import DistributedGaussian
+from fedvlm.privacy.distributed import DistributedGaussian, granularity
 from fedvlm.privacy.ledger import MechanismPlan, PrivacyLedger, plan_gaussian, valid_sensitivity
 from fedvlm.protocol import LOCAL_SIGMA, LOCAL_STEPS, NUM_TRAIN, TrainInstruction
 from fedvlm.runconfig.schema import PrivacyConfig
+
+WRAP_PROBABILITY = 1e-9  # the most a round's distributed-noise sum may wrap around modulo 2^bits
 
 
 class NoiseRefused(RuntimeError):
@@ -160,23 +164,26 @@ class RecordAccount:
     sampling_rate: float
     steps: int
     z_local: float | None  # None: no local mechanism
-    z_global: float | None  # None: no global mechanism
+    z_global: float | None  # None: no global mechanism, or the clients draw it (zcdp)
+    zcdp: tuple[float, float] | None = None  # the distributed global release's (rho, xi) per round
 
     @property
     def shared_batch(self) -> bool:
         """One local step per round: the local and global gradients come from one batch."""
         return self.z_local is not None and self.z_global is not None and self.steps == 1
 
-    def releases(self, rounds: int) -> list[GaussianReleases]:
+    def releases(self, rounds: int) -> list[Releases]:
         if self.shared_batch:
             assert self.z_local is not None and self.z_global is not None  # shared_batch: both set
             return [GaussianReleases(joint_noise_multiplier(self.z_local, self.z_global), rounds, self.sampling_rate)]
-        out = []
+        out: list[Releases] = []
         if self.z_local is not None:
             out.append(GaussianReleases(self.z_local, rounds * self.steps, self.sampling_rate))
         if self.z_global is not None:
             # several local steps: the record may sit in any of them, so no amplification
             out.append(GaussianReleases(self.z_global, rounds, 1.0 if self.z_local is not None else self.sampling_rate))
+        if self.zcdp is not None:  # the clients' distributed release: no amplification claimed
+            out.append(ZCDpReleases(*self.zcdp, rounds))
         return out
 
     def epsilon(self, rounds: int, delta: float, accountant: str) -> float:
@@ -190,6 +197,8 @@ class RecordAccount:
             "z_global": self.z_global,
             "shared_batch": self.shared_batch,
         }
+        if self.zcdp is not None:
+            d["zcdp_rho"], d["zcdp_xi"] = self.zcdp
         if self.shared_batch:
             assert self.z_local is not None and self.z_global is not None  # shared_batch: both set
             d["z_joint"] = joint_noise_multiplier(self.z_local, self.z_global)
@@ -207,6 +216,19 @@ class GlobalDP:
     denominator: int
     tensors: tuple[str, ...] = ()
     note: str = ""  # what the ledger must say about who sees what (e.g. a trusted server)
+    distributed: Distributed | None = None  # under secure aggregation: the clients draw it
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """The global mechanism drawn by the clients under secure aggregation (``privacy.distributed``):
+    over ``dim`` coordinates, its noise planned for ``n_min`` survivors, rounding allowed to add
+    ``rounding_overhead`` to the smallest per-record sensitivity, the sum modulo 2^``bits``."""
+
+    dim: int
+    n_min: int
+    rounding_overhead: float
+    bits: int
 
 
 class PrivacyPlanner:
@@ -232,6 +254,7 @@ class PrivacyPlanner:
         self.scale = 1.0  # the joint calibration's common factor c on every noise level
         # the global mechanism as the clients draw it under secure aggregation (None: the server does)
         self.distributed: DistributedGaussian | None = None
+        self.gamma = 0.0  # its quantisation step, fixed at planning
 
     # ---- planning --------------------------------------------------------------------------
     def plan(self, clients: dict[str, ClientShape]) -> None:
@@ -245,20 +268,22 @@ class PrivacyPlanner:
         )
         if self.global_dp is not None:
             self.global_plan = self._plan_global()
+        distributed = self.global_dp is not None and self.global_dp.distributed is not None
         if (
             self.global_dp is not None
-            and self.local is not None
+            and (self.local is not None or distributed)
             and s.calibration == "accountant"
             and not s.fixed_noise
         ):
-            # Every mechanism alone meets the target; together they would not. Scale all noise by one
-            # factor until the worst client's composed epsilon does.
+            # Every mechanism alone meets the target; together they would not (nor does the clients'
+            # distributed share, calibrated as a Gaussian, with its rounding and no amplification).
+            # Scale all noise by one factor until the worst client's composed epsilon does.
             global_plan = self.global_plan
             assert global_plan is not None  # planned just above: global_dp is set
 
             def worst(c: float) -> float:
                 return max(
-                    self._account(shape, base[name].sigma * c, global_plan.sigma * c).epsilon(
+                    self._account(shape, base[name].sigma * c if name in base else None, global_plan.sigma * c).epsilon(
                         self.rounds, s.delta, s.accountant
                     )
                     for name, shape in clients.items()
@@ -275,6 +300,7 @@ class PrivacyPlanner:
             self._set_local(name, plan.scaled(self.scale))
         if self.global_plan is not None:
             self.ledger.add_plan(self.global_plan)
+            self.distributed = self._shares(self.global_plan)
         for name in clients:
             self._record(name)
 
@@ -331,23 +357,71 @@ class PrivacyPlanner:
         b = min(shape.expected_batch for shape in self.clients.values())
         one_step = all(shape.steps == 1 for shape in self.clients.values())
         q = max(shape.sampling_rate(s) for shape in self.clients.values())
+        d = g.distributed
         plan = plan_gaussian(
             s,
             g.name,
-            g.where,
-            "server",
+            g.where if d is None else f"{g.where}, drawn by the clients in shares under secure aggregation",
+            "server" if d is None else "clients",
             sensitivity=s.clip / (g.denominator * b),
             releases=self.rounds,
-            sampling_rate=q if one_step else 1.0,
+            sampling_rate=q if one_step and d is None else 1.0,
             per_batch_sensitivity=2 * s.clip / g.denominator,
         )
-        if not one_step:
+        if d is not None:
+            self._distribute(plan, d, g.denominator)
+        elif not one_step:
             plan.notes.append("several local steps per round: no subsampling amplification is claimed")
         plan.notes.append(
             f"the average is always divided by at least {g.denominator} (the clients sampled at "
             "planning), also in rounds where fewer are sampled, so the sensitivity stays as planned"
         )
         return plan
+
+    def _distribute(self, plan: MechanismPlan, d: Distributed, denominator: int) -> None:
+        """Make ``plan`` the clients' distributed discrete Gaussian (``privacy.distributed``): the
+        quantisation step gamma puts the rounding's sqrt(dim) at ``rounding_overhead`` of the
+        smallest per-record sensitivity of a client's upload."""
+        s = self.settings
+        smallest = min(
+            valid_sensitivity(s, s.clip / shape.expected_batch, 2 * s.clip) for shape in self.clients.values()
+        )
+        self.gamma = granularity(smallest, d.dim, d.rounding_overhead)
+        plan.distributed = {
+            "gamma": self.gamma,
+            "denominator": denominator,
+            "n_min": d.n_min,
+            "dim": d.dim,
+            "norm_bound": s.clip,
+            "bits": d.bits,
+        }
+        plan.notes += [
+            "distributed discrete Gaussian (Kairouz, Liu and Steinke 2021): each client adds its share in the "
+            f"integers after rounding its upload at step gamma = {self.gamma:.4g}; a sum of at least n_min = "
+            f"{d.n_min} shares (the secure aggregation's threshold) carries sigma; accounted as (xi, rho)-zCDP at "
+            "the rounded sensitivity s/gamma + sqrt(dim), with no subsampling amplification",
+        ]
+        self._shares(plan)  # refused here if the shares cannot be drawn or the sum could wrap
+        plan.planned_epsilon = plan.epsilon_after(plan.releases)
+
+    def _shares(self, plan: MechanismPlan) -> DistributedGaussian | None:
+        """The clients' shares of ``plan`` (None: the server draws it), checked: each share at
+        least one quantisation step, and a sum of the denominator's clients that wraps around
+        modulo 2^bits with probability at most ``WRAP_PROBABILITY``."""
+        try:
+            noise = plan.noise()
+        except ValueError as why:
+            raise BudgetError(f"{why}: lower secure-aggregation.rounding-overhead") from None
+        if noise is None or plan.distributed is None:
+            return None
+        clients = plan.distributed["denominator"]
+        p = noise.wrap_probability(clients)
+        if p > WRAP_PROBABILITY:
+            raise BudgetError(
+                f"a sum of {clients} noisy uploads could wrap around modulo 2^{noise.bits} with probability up to "
+                f"{p:.2g} (at most {WRAP_PROBABILITY:g} allowed): raise secure-aggregation.bits"
+            )
+        return noise
 
     def _set_local(self, name: str, plan: MechanismPlan) -> None:
         self.local_plans[name] = plan
@@ -369,11 +443,16 @@ class PrivacyPlanner:
             assert self.local is not None  # a local sigma exists only with a local mechanism
             z_local = sigma_local / valid_sensitivity(s, *self.local.sensitivity(s, shape))
             rate, steps = self.local.account_shape(s, shape)
+        zcdp = None
         if sigma_global is not None:
             assert self.global_dp is not None  # a global sigma exists only with a global mechanism
-            n = self.global_dp.denominator
-            z_global = sigma_global / valid_sensitivity(s, s.clip / (n * shape.expected_batch), 2 * s.clip / n)
-        return RecordAccount(rate, steps, z_local, z_global)
+            n, d = self.global_dp.denominator, self.global_dp.distributed
+            if d is None:
+                z_global = sigma_global / valid_sensitivity(s, s.clip / (n * shape.expected_batch), 2 * s.clip / n)
+            else:  # the clients' shares: the record's upload moves by its sensitivity, rounded
+                shares = DistributedGaussian.for_mean(sigma_global, self.gamma, n, d.n_min, d.dim, s.clip, d.bits)
+                zcdp = shares.zcdp(valid_sensitivity(s, s.clip / shape.expected_batch, 2 * s.clip))
+        return RecordAccount(rate, steps, z_local, z_global, zcdp)
 
     def account(self, name: str) -> RecordAccount:
         plan = self.local_plans.get(name)

@@ -31,6 +31,7 @@ needs saving: the loop checkpoints this after every round and a resumed run cont
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable
@@ -53,7 +54,7 @@ from fedvlm.metrics import (
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import NoBudget, RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
-from fedvlm.privacy.planner import ClientShape
+from fedvlm.privacy.planner import ClientShape, Distributed, GlobalDP
 from fedvlm.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
@@ -68,7 +69,7 @@ from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
-from fedvlm.strategies.secure_sum import SecureSum
+from fedvlm.strategies.secure_sum import SecureSum, threshold
 from fedvlm.strategies.validation import (
     NAMES_SHOWN,
     REASON_CHARS,
@@ -274,13 +275,30 @@ class FederatedStrategy(Strategy):
             self.ledger,
             self.num_rounds(),
             spec.local_dp(self.cfg) if spec.local_dp else None,
-            spec.global_dp(self.cfg, self.nodes_per_round()) if spec.global_dp else None,
+            self._global_dp(),
             {n.name: self.client_shape(n) for n in self.nodes.values()},
             self.registry.noise_sources(),
             ((resumed or {}).get("budget") or {}).get("plan"),
         )
         self.bounds = reply_bounds(self.budget.noised_tensors(), self.privacy.clip)
         self.ledger.reply_bounds = [b.as_dict(self.cfg.replies) for b in self.bounds]
+
+    def _global_dp(self) -> GlobalDP | None:
+        """The method's server-side mechanism, drawn by the clients in shares under secure
+        aggregation: over the coordinates of the tensors it noises, for as many survivors as the
+        protocol's threshold guarantees."""
+        if not self.spec.global_dp:
+            return None
+        n = self.nodes_per_round()
+        mechanism = self.spec.global_dp(self.cfg, n)
+        if self.secure is None:
+            return mechanism
+        node = next(iter(self.nodes.values()))
+        expected = self.train_payload(node, 1, self.global_arrays).expected
+        dim = sum(int(np.prod(expected[t], dtype=np.int64)) for t in mechanism.tensors)
+        settings = self.cfg.secure_aggregation
+        shares = Distributed(dim, threshold(settings, n), settings.rounding_overhead, settings.bits)
+        return dataclasses.replace(mechanism, distributed=shares)
 
     def admit(self, grid: Grid) -> None:
         """Before each phase (called by the loop, never by ``configure_*``): handshake the nodes

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class GlobalGradientStrategy(PromptStrategy):
+    sum_weighted = False  # the gradients' plain sum, over the denominator (secure aggregation)
+
     def __init__(self, parts: RunParts):
         super().__init__(parts)
         self._server_opt: torch.optim.Optimizer | None = None  # built at the first step, on the global prompt
@@ -63,6 +65,23 @@ class GlobalGradientStrategy(PromptStrategy):
         if released is not None:  # the server's mechanism, with privacy on
             grad, sigma = released
             metrics = {GDP_SIGMA: sigma, GDP_DENOMINATOR: self.denominator(server_round, updates)}
+        self._server_step(grad)
+        return metrics
+
+    def aggregate_sums(
+        self, server_round: int, sums: dict[str, np.ndarray], weights: dict[str, float], survivors: list[int]
+    ) -> dict[str, float]:
+        """``aggregate`` under secure aggregation: the survivors' summed gradients, which already
+        carry the global noise where privacy is on (each client added its share, ``privacy.distributed``),
+        over the same denominator."""
+        n = max(self.plans[server_round].sampled, len(survivors), self.budget.global_denominator() or 0)
+        grad = torch.from_numpy(
+            (sums[GLOBAL_GRAD] / n).reshape(self.global_arrays[GLOBAL_CTX].shape).astype(np.float32)
+        )
+        metrics: dict[str, float] = {}
+        noise = self.budget.distributed_noise()
+        if noise is not None:  # what the survivors' shares add up to, on the mean
+            metrics = {GDP_SIGMA: noise.gamma * noise.client_sigma * len(survivors) ** 0.5 / n, GDP_DENOMINATOR: n}
         self._server_step(grad)
         return metrics
 

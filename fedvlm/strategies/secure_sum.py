@@ -18,7 +18,6 @@ least the planned noise.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,8 +36,6 @@ from fedvlm.strategies.plan import PhasePlan
 from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
 
 log = logging.getLogger(__name__)
-
-WRAP_PROBABILITY = 1e-9  # the most a round's sum may wrap around (secure-aggregation.bits)
 
 
 def degree(settings: SecureAggregationConfig, nodes: int) -> int:
@@ -233,16 +230,3 @@ def _nbytes(record: Mapping) -> int:
         for x in v if isinstance(v, list) else [v]:
             total += len(x) if isinstance(x, (bytes, str)) else 8
     return total
-
-
-def wrap_checked(noise: DistributedGaussian, clients: int) -> DistributedGaussian:
-    """``noise`` if a sum of ``clients`` vectors wraps around with probability at most
-    ``WRAP_PROBABILITY``, else the error that names the fix."""
-    p = noise.wrap_probability(clients)
-    if p > WRAP_PROBABILITY:
-        need = noise.bits + max(1, math.ceil(math.log2(max(p / WRAP_PROBABILITY, 2.0)) / 2))
-        raise SecAggError(
-            f"a sum of {clients} noisy vectors could wrap around modulo 2^{noise.bits} with probability up to {p:.2g}: "
-            f"raise secure-aggregation.bits (to about {min(62, need)})"
-        )
-    return noise

@@ -17,8 +17,8 @@ from fedvlm.utils.inprocess import InProcessGrid
 N = 4
 
 
-def _run(make_cfg, run_id, **overrides):
-    cfg = make_cfg(method="promptfl", num_server_rounds=2, max_per_class=6, replies__max_norm=100.0, **overrides)
+def _run(make_cfg, run_id, method_override="promptfl", **overrides):
+    cfg = make_cfg(method=method_override, num_server_rounds=2, max_per_class=6, replies__max_norm=100.0, **overrides)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N} for i in range(N)], cfg.as_dict())
     rec = execute(cfg, grid, run_id=run_id)
     return rec, json.loads(rec.path.read_text())
@@ -37,3 +37,14 @@ def test_promptfl_under_secure_aggregation_aggregates_what_the_clear_run_does(ma
     b = torch.load(secure.dir / "final_shared.pt", weights_only=True)["arrays"][CTX].numpy()
     np.testing.assert_allclose(b, a, atol=1e-6)
     assert abs(data["rounds"][-1]["metrics"]["local-acc"] - clear_data["rounds"][-1]["metrics"]["local-acc"]) < 1e-3
+
+
+def test_dpfpl_under_secure_aggregation_has_its_clients_draw_the_global_noise(make_cfg, pretrained_clip):
+    rec, data = _run(make_cfg, "dpfpl", method_override="dpfpl", privacy__epsilon=4.0, secure_aggregation__enabled=True)
+    assert data["run"]["status"] == "finished"
+    ledger = data["privacy"]
+    (plan,) = ledger["mechanisms"].values()
+    print(json.dumps(plan, indent=1)[:3000])
+    print(json.dumps(ledger["records"], indent=1)[:1500])
+    print(json.dumps(data["rounds"][-1]["secure_aggregation"], indent=1))
+    assert plan["party"] == "clients"
