@@ -149,6 +149,9 @@ class MethodSpec:
     # registered with the method (``methods.registry.register_method``), so that the server's
     # checks accept them and the results, plots and rounds.csv show them
     metrics: tuple[Metric, ...] = ()
+    # why its server needs each client's upload itself rather than their sum ("": the sum
+    # suffices, so secure aggregation applies, ``strategies.secure_sum``)
+    individual_uploads: str = ""
 
     @property
     def strategy(self) -> type:

@@ -52,6 +52,7 @@ from fedvlm.client_app.scoring import PromptScorer
 from fedvlm.client_app.server_view import Observed, UploadView
 from fedvlm.data.membership import membership_candidates
 from fedvlm.models.clip_loader import load_clip
+from fedvlm.protocol import SECAGG_MASKED
 from fedvlm.runconfig import RunConfig
 from fedvlm.server_app.observer import load_rounds
 
@@ -210,8 +211,12 @@ class ServerAttack:
         total: dict[int, dict[str, np.ndarray]] = {}
         rounds: dict[int, int] = {}
         known: dict[str, dict[str, torch.Tensor]] = {}  # each client's last upload of every tensor
+        masked = False
         for rnd in load_rounds(run_dir):
             for name, uploaded in rnd.uploaded.items():
+                if SECAGG_MASKED in uploaded:  # secure aggregation: a masked vector, nothing to read
+                    masked = True
+                    continue
                 pid = rnd.partition.get(name, -1)
                 before = known.setdefault(name, {})
                 view = self.client.server_view(rnd.sent[name], uploaded, dict(before)) if uploaded else None
@@ -229,6 +234,12 @@ class ServerAttack:
                 for k, v in round_scores.items():
                     acc[k] += v
                 rounds[pid] = rounds.get(pid, 0) + 1
+        if not total and masked:
+            raise ValueError(
+                f"{run_dir} ran with secure aggregation: the server saw each client's update only under its masks "
+                f"({SECAGG_MASKED}), uniform to it, and learns nothing of one client but what the round's sum says; "
+                "there is no per-client upload to attack"
+            )
         if not total:
             raise ValueError(
                 f"no client of {run_dir} uploaded a tensor the server could read: method {self.cfg.method!r} "

@@ -320,6 +320,7 @@ for _spec in (
         dp_defaults=_ONE_STEP,  # under DP, one local step per round like the other prompt baselines
         local_dp=_pfedmoap_local,
         check=_pfedmoap_check,
+        individual_uploads="its server hands each client other clients' prompts as experts (the pool of uploads)",
     ),
     MethodSpec(
         "fedrand",

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedvlm.methods.registry import METHODS, UnknownMethod, get_method
+from fedvlm.privacy.accountants import REFERENCE
 from fedvlm.runconfig import (
     AUTO,
     KEY_BY_NAME,
@@ -23,6 +24,7 @@ from fedvlm.runconfig import (
     finish,
     resolve_derived,
 )
+from fedvlm.spec import shares_nothing
 
 # what 'auto' means for a key no method decided: full local epochs (PromptFL's and CoOp's setting)
 _UNDECIDED = {"prompt.local-steps": 0}
@@ -80,7 +82,7 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
         )
     cfg = RunConfig.from_flat(finish(values), method)
     # what the family and the method cannot run, on the typed config
-    for check in (family.check, method.check, _check_rank if method.rank_key else None, _check_audit):
+    for check in (family.check, method.check, _check_rank if method.rank_key else None, _check_audit, _check_secure):
         if check is not None:
             check(cfg)
     return cfg
@@ -103,6 +105,45 @@ def _check_audit(cfg: RunConfig) -> None:
             f"run config 'privacy.audit-canaries' = {m}: the {local.name} mechanism noises each round's whole "
             "update once, with no per-record step for a canary to enter; audit a per-step placement instead "
             "(e.g. pfedmoap.dp-placement='step')"
+        )
+
+
+def _check_secure(cfg: RunConfig) -> None:
+    """Secure aggregation needs a method whose server aggregates sums of uploads, a bound each node
+    clips its own update to where no DP clip bounds it, and, with distributed noise, an accountant
+    that composes its zCDP bound (``privacy.distributed``)."""
+    settings, spec = cfg.secure_aggregation, cfg.spec
+    if not settings.enabled:
+        return
+    why = spec.individual_uploads or (
+        "it does not train"
+        if not spec.trains
+        else "its clients send nothing to aggregate"
+        if spec.shares is shares_nothing
+        else ""
+    )
+    if why:
+        raise ConfigError(
+            f"run config 'secure-aggregation.enabled' = true, but method {spec.name!r} cannot use it: {why}; "
+            "set secure-aggregation.enabled=false"
+        )
+    noised = cfg.privacy.enabled and spec.global_dp is not None
+    if not noised and cfg.replies.max_norm <= 0:
+        raise ConfigError(
+            "run config 'secure-aggregation.enabled' = true needs an absolute bound on a client's update, which "
+            "every node then clips its own update to (the server can no longer see, and bound, one update): set "
+            "replies.max-norm > 0 (e.g. replies.max-norm=10)"
+        )
+    if settings.neighbours % 2:
+        raise ConfigError(
+            f"run config 'secure-aggregation.neighbours' = {settings.neighbours}: SecAgg+'s graph needs an even "
+            "degree (0 = every other client)"
+        )
+    if noised and cfg.privacy.accountant != REFERENCE:
+        raise ConfigError(
+            f"run config 'privacy.accountant' = {cfg.privacy.accountant!r}: under secure aggregation the global "
+            "noise is the clients' distributed discrete Gaussian, whose guarantee is a zCDP bound only a Renyi "
+            f"accountant composes; set privacy.accountant={REFERENCE!r}"
         )
 
 

@@ -2,7 +2,9 @@
 server sent each sampled client for training and what that client sent back, exactly as they
 crossed the wire, written to ``<run dir>/uploads/round-NNNN.pt``.
 
-The server sees these tensors in every run; it normally keeps only their aggregate. A run that
+The server sees these tensors in every run; it normally keeps only their aggregate. Under secure
+aggregation what it sees of a client is its masked vector (``protocol.SECAGG_MASKED``), uniform
+modulo 2^bits to whoever lacks the masks, and that is what is kept. A run that
 keeps them lets ``python -m fedvlm.attacks`` play the server's membership attack
 (``attacks.server``) on every upload of every round. Nothing here reaches a client, and a run
 without the key writes nothing (``uploads/`` does not exist).
@@ -56,7 +58,8 @@ def record_round(
     for reply in replies:
         node = nodes.get(reply.metadata.src_node_id)
         if node is not None and not reply.has_error() and node.name in out.sent:
-            out.uploaded[node.name] = _arrays(reply)
+            # every reply of the round (a secure round's four: only its masked vector is a tensor)
+            out.uploaded.setdefault(node.name, {}).update(_arrays(reply))
     atomic_torch_save(out.__dict__, Path(run_dir) / FOLDER / f"round-{server_round:04d}.pt")
 
 

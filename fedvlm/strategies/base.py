@@ -175,13 +175,18 @@ class FederatedStrategy(Strategy):
         return {}
 
     def aggregate_sums(
-        self, server_round: int, sums: dict[str, np.ndarray], weights: dict[str, float], survivors: list[int]
+        self,
+        server_round: int,
+        sums: dict[str, np.ndarray],
+        weights: dict[str, float],
+        survivors: list[int],
+        updates: list[ClientUpdate],
     ) -> dict[str, float]:
         """``aggregate`` under secure aggregation, from what the server learns: the sum over the
-        round's ``survivors`` of each tensor's weighted update (returned minus sent) and of its
-        weights. A per-tensor weighted average of the returned tensors, as ``aggregate`` computes
-        for every summing method: each tensor moves by its average update; a tensor no survivor
-        returned stays as it is."""
+        round's ``survivors`` (node ids) of each tensor's weighted update (returned minus sent) and
+        of its weights; ``updates``: the validated replies, metrics only. A per-tensor weighted
+        average of the returned tensors, as ``aggregate`` computes for every summing method: each
+        tensor moves by its average update; a tensor no survivor returned stays as it is."""
         for name, total in sums.items():
             if weights[name] > 0 and name in self.global_arrays:
                 current = self.global_arrays[name]
@@ -525,7 +530,7 @@ class FederatedStrategy(Strategy):
             kept.client(u.node.name).update({f"train/{k}": v for k, v in u.reply.metrics.items()})
         if self.secure is not None:  # what the server learns is the survivors' sum, not the updates
             total = self.secure.total(server_round)
-            metrics = self.aggregate_sums(server_round, *total) if total is not None else {}
+            metrics = self.aggregate_sums(server_round, *total, updates) if total is not None else {}
             self.secure.finish(server_round)
         else:
             metrics = self.aggregate(server_round, updates) if updates else {}

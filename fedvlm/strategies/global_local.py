@@ -68,9 +68,7 @@ class GlobalGradientStrategy(PromptStrategy):
         self._server_step(grad)
         return metrics
 
-    def aggregate_sums(
-        self, server_round: int, sums: dict[str, np.ndarray], weights: dict[str, float], survivors: list[int]
-    ) -> dict[str, float]:
+    def aggregate_sums(self, server_round, sums, weights, survivors, updates):
         """``aggregate`` under secure aggregation: the survivors' summed gradients, which already
         carry the global noise where privacy is on (each client added its share, ``privacy.distributed``),
         over the same denominator."""

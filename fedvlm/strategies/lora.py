@@ -167,3 +167,10 @@ class FedRandStrategy(LoRAStrategy):
             FEDRAND_CLIENTS[half]: sum(self.draws[server_round][u.node.name] == half for u in updates)
             for half in FEDRAND_CLIENTS
         }
+
+    def aggregate_sums(self, server_round, sums, weights, survivors, updates):
+        """The per-tensor weighted average is the per-half one (paper eqs. 8-10); the survivors'
+        halves, which the server drew, give the round's counts."""
+        super().aggregate_sums(server_round, sums, weights, survivors, updates)
+        chosen = [self.draws[server_round][self.nodes[n].name] for n in survivors if n in self.nodes]
+        return {FEDRAND_CLIENTS[half]: chosen.count(half) for half in FEDRAND_CLIENTS}

@@ -42,13 +42,20 @@ class ReprogramStrategy(FederatedStrategy):
     def train_payload(self, node: NodeInfo, server_round: int, arrays: dict[str, np.ndarray]) -> Payload:
         return Payload(dict(arrays), {k: v.shape for k, v in arrays.items()})
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
+    def _note_accounts(self, updates: list[ClientUpdate]) -> None:
         for u in updates:
             if NODE_EPSILON_RDP in u.reply.metrics:
                 self.budget.note_node_account(
                     u.node.name, {"rdp": u.reply.metrics[NODE_EPSILON_RDP], "prv": u.reply.metrics[NODE_EPSILON_PRV]}
                 )
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
+        self._note_accounts(updates)
         self.global_arrays.update(
             weighted_average([u.reply.arrays for u in updates], [u.reply.num_examples for u in updates])
         )
         return {}
+
+    def aggregate_sums(self, server_round, sums, weights, survivors, updates):
+        self._note_accounts(updates)  # the nodes' own accounts travel as figures, beside the masked sum
+        return super().aggregate_sums(server_round, sums, weights, survivors, updates)

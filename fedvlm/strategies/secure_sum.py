@@ -143,6 +143,9 @@ class SecureSum:
             secure.failed = str(why)
             log.error("round %d: secure aggregation failed, the round's updates are discarded: %s", server_round, why)
             out = {}
+        if not out and secure.total is None and not secure.failed:
+            secure.failed = f"no node is left in round {server_round}'s secure sum after its {secure.stage} stage"
+            log.error("round %d: %s; the round's updates are discarded", server_round, secure.failed)
         kept.secure = self.report(server_round)
         if not out:
             return []

@@ -5,12 +5,28 @@ and the result is the aggregate it would have computed from the clear updates.""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
+import pytest
 import torch
+from flwr.app import Array, ArrayRecord, Error, Message
 
+from fedvlm.attacks.server import ServerAttack
+from fedvlm.client_app import secure_sum
 from fedvlm.client_app.app import app as client_app
+from fedvlm.protocol import (
+    ARRAYS_RECORD,
+    SECAGG_CLIENT_SIGMA,
+    SECAGG_MASKED,
+    SECAGG_NODES,
+    SECAGG_SEED_SHARES,
+    SECAGG_STAGE,
+    SECURE_SUM,
+)
+from fedvlm.secagg import stages
 from fedvlm.server_app.app import execute
+from fedvlm.server_app.observer import load_rounds
 from fedvlm.tensor_names import CTX
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -48,3 +64,146 @@ def test_dpfpl_under_secure_aggregation_has_its_clients_draw_the_global_noise(ma
     print(json.dumps(ledger["records"], indent=1)[:1500])
     print(json.dumps(data["rounds"][-1]["secure_aggregation"], indent=1))
     assert plan["party"] == "clients"
+
+
+def _stage(request: Message) -> str:
+    return str(request.content[SECURE_SUM][SECAGG_STAGE]) if SECURE_SUM in request.content else ""
+
+
+def _secure_run(make_cfg, run_id, intercept=None, n=5, method="promptfl", **overrides):
+    cfg = make_cfg(
+        method=method,
+        num_server_rounds=1,
+        max_per_class=6,
+        replies__max_norm=100.0,
+        secure_aggregation__enabled=True,
+        reply_grace=0.2,
+        **overrides,
+    )
+    grid = InProcessGrid(
+        client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], cfg.as_dict(), intercept=intercept
+    )
+    rec = execute(cfg, grid, run_id=run_id)
+    return rec, json.loads(rec.path.read_text()), grid
+
+
+def _capture_updates(monkeypatch) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
+    """node id -> (the prompt it was sent, its update, its weight), as each node encodes them."""
+    seen = {}
+    first_stage = secure_sum.first_stage
+
+    def spy(msg, node, part, evaluation):
+        sent = msg.content[ARRAYS_RECORD][CTX].numpy()
+        reply = part.reply
+        seen[node.context.node_id] = (sent, reply.arrays[CTX].numpy() - sent, reply.num_examples)
+        return first_stage(msg, node, part, evaluation)
+
+    monkeypatch.setattr(secure_sum, "first_stage", spy)
+    return seen
+
+
+@pytest.mark.parametrize("stage", ["keys", "shares", "masked", "unmask"])
+def test_a_node_dropping_out_at_any_stage_leaves_the_survivors_exact_sum(make_cfg, pretrained_clip, monkeypatch, stage):
+    dropped = 1001  # partition 1's node
+
+    def drop(request, reply):
+        if request.metadata.dst_node_id == dropped and _stage(request) == stage:
+            return Message(Error(code=0, reason="gone"), reply_to=request)
+        return reply
+
+    seen = _capture_updates(monkeypatch)
+    rec, data, grid = _secure_run(make_cfg, f"drop-{stage}", drop)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert data["run"]["status"] == "finished" and "failed" not in protocol
+    in_sum = set(seen) - ({dropped} if stage != "unmask" else set())  # lost after its vector: still summed
+    assert protocol["masked"] == len(in_sum) and len(seen) == 5
+    # the aggregate is the weighted average of the clear updates the survivors encoded
+    sent = next(iter(seen.values()))[0]
+    weights = sum(seen[n][2] for n in in_sum)
+    expected = sent + sum(seen[n][2] * seen[n][1] for n in in_sum) / weights
+    final = torch.load(rec.dir / "final_shared.pt", weights_only=True)["arrays"][CTX].numpy()
+    np.testing.assert_allclose(final, expected, atol=1e-5)
+
+
+def _final(rec) -> np.ndarray:
+    return torch.load(rec.dir / "final_shared.pt", weights_only=True)["arrays"][CTX].numpy()
+
+
+def test_forged_shares_are_left_out_or_discard_the_round_never_a_wrong_sum(make_cfg, pretrained_clip, monkeypatch):
+    seen = _capture_updates(monkeypatch)
+
+    def forge_one(request, reply):  # node 1004 returns random shares of everyone's seed
+        if request.metadata.dst_node_id == 1004 and _stage(request) == "unmask":
+            record = reply.content[SECURE_SUM]
+            record[SECAGG_SEED_SHARES] = [s[:4] + os.urandom(len(s) - 4) for s in record[SECAGG_SEED_SHARES]]
+        return reply
+
+    rec, data, _ = _secure_run(make_cfg, "forged-one", forge_one)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert "failed" not in protocol and "1004" in protocol["forged_shares"]
+    weights = sum(w for _, _, w in seen.values())
+    sent = next(iter(seen.values()))[0]
+    np.testing.assert_allclose(_final(rec), sent + sum(w * u for _, u, w in seen.values()) / weights, atol=1e-5)
+
+    def forge_all(request, reply):  # every holder but one forges node 1000's seed share
+        if request.metadata.dst_node_id != 1001 and _stage(request) == "unmask":
+            record = reply.content[SECURE_SUM]
+            owners = [int(n) for n in record[SECAGG_NODES]]
+            shares = zip(owners, record[SECAGG_SEED_SHARES], strict=True)
+            record[SECAGG_SEED_SHARES] = [s[:4] + os.urandom(len(s) - 4) if o == 1000 else s for o, s in shares]
+        return reply
+
+    seen.clear()
+    rec, data, _ = _secure_run(make_cfg, "forged-all", forge_all)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert "cannot be rebuilt" in protocol["failed"] and "node 1000's seed" in protocol["failed"]
+    np.testing.assert_array_equal(_final(rec), next(iter(seen.values()))[0])  # the round changed nothing
+
+
+def test_a_malformed_vector_excludes_its_sender_and_the_rest_sum_exactly(make_cfg, pretrained_clip, monkeypatch):
+    seen = _capture_updates(monkeypatch)
+
+    def shorten(request, reply):
+        if request.metadata.dst_node_id == 1002 and _stage(request) == "masked":
+            vector = reply.content[ARRAYS_RECORD][SECAGG_MASKED].numpy()
+            reply.content[ARRAYS_RECORD] = ArrayRecord({SECAGG_MASKED: Array(vector[:-1].copy())})
+        return reply
+
+    rec, data, _ = _secure_run(make_cfg, "malformed", shorten)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert "uint64" in protocol["excluded"]["1002"] and protocol["masked"] == 4
+    rest = {n: v for n, v in seen.items() if n != 1002}
+    weights = sum(w for _, _, w in rest.values())
+    sent = next(iter(rest.values()))[0]
+    np.testing.assert_allclose(_final(rec), sent + sum(w * u for _, u, w in rest.values()) / weights, atol=1e-5)
+
+
+def test_the_servers_view_is_masked_vectors_and_its_attack_has_nothing_per_client(make_cfg, pretrained_clip):
+    rec, data, _ = _secure_run(make_cfg, "observed", attack__observe_uploads=True)
+    (round_one,) = load_rounds(rec.dir)
+    for uploaded in round_one.uploaded.values():
+        assert set(uploaded) == {SECAGG_MASKED}  # no prompt, no gradient: the vector under its masks
+        vector = uploaded[SECAGG_MASKED].numpy().astype(np.float64) / 2.0**48
+        assert abs(vector.mean() - 0.5) < 0.05 and abs(vector.var() - 1 / 12) < 0.01  # uniform on [0, 1)
+    cfg = make_cfg(method="promptfl", max_per_class=6)
+    with pytest.raises(ValueError, match="secure aggregation.*no per-client upload to attack"):
+        ServerAttack(cfg, 5, seed=0).scores(rec.dir)
+
+
+def test_nodes_hold_the_server_to_their_own_terms(make_cfg, pretrained_clip, monkeypatch):
+    # a node that requires secure aggregation refuses a run without it, at the handshake
+    cfg = make_cfg(method="promptfl", num_server_rounds=1, max_per_class=6)
+    nodes = [{"partition-id": i, "num-partitions": 3} for i in range(3)]
+    nodes[0]["require-secure-aggregation"] = "true"
+    rec = execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id="required")
+    data = json.loads(rec.path.read_text())
+    assert "requires secure aggregation" in str(data["run"]["excluded_nodes"])
+    # a server that asks for a weaker noise share than the run promises is refused by every node
+    to_config = stages.SumPlan.to_config
+    monkeypatch.setattr(
+        stages.SumPlan, "to_config", lambda plan: {**to_config(plan), SECAGG_CLIENT_SIGMA: plan.client_sigma / 3}
+    )
+    rec, data, _ = _secure_run(make_cfg, "weak-noise", method="dpfpl", privacy__epsilon=4.0, n=4)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert protocol["advertised"] == 0 and "no node is left" in protocol["failed"]
+    assert all("noise share" in d["reason"] for d in data["rounds"][0]["dropped"])
