@@ -27,7 +27,15 @@ from flwr.app import Context, Message, MessageType
 from fedvlm.client_app import secure_sum
 from fedvlm.client_app.node_round import NodeMessage, message_parts
 from fedvlm.client_app.send_guard import failed_reply, guarded_reply, hello_reply
-from fedvlm.protocol import ARRAYS_RECORD, CONFIG_RECORD, EVALUATE_ARRAYS, EVALUATE_CONFIG, SECURE_SUM, EvaluateReply
+from fedvlm.protocol import (
+    ARRAYS_RECORD,
+    CONFIG_RECORD,
+    EVALUATE_ARRAYS,
+    EVALUATE_CONFIG,
+    SECURE_SUM,
+    SERVER_ROUND,
+    EvaluateReply,
+)
 from fedvlm.secagg.stages import KEYS, stage_of
 
 
@@ -63,7 +71,9 @@ def train(msg: Message, context: Context) -> Message:
         return failed_reply(msg, err, evaluation)
     if SECURE_SUM in msg.content:  # a secure round: the update leaves only inside the masked sum
         try:
-            return secure_sum.first_stage(msg, node, part, evaluation)
+            server_round = int(msg.content[CONFIG_RECORD][SERVER_ROUND])  # type: ignore[arg-type]  # the server's
+            randomness = secure_sum.share_randomness(node.cfg, node.node.noise_source, node.node.seed, server_round)
+            return secure_sum.first_stage(msg, context, node.cfg, randomness, part, evaluation)
         except Exception as err:
             if evaluation is None:
                 raise

@@ -34,6 +34,7 @@ from fedvlm.client_app.audit_node import finish_round, node_canaries
 from fedvlm.client_app.node_config import NUM_PARTITIONS, check_node_config
 from fedvlm.client_app.node_policy import for_node
 from fedvlm.client_app.publishing import publish
+from fedvlm.client_app.send_guard import Guarded
 from fedvlm.client_app.state import persist, restore, state_dir
 from fedvlm.methods.validation import validate
 from fedvlm.metrics import COMPUTE_SECONDS, NODE_EPSILON
@@ -44,23 +45,12 @@ from fedvlm.protocol import (
     EvaluateReply,
     HelloReport,
     TrainInstruction,
-    TrainReply,
 )
 from fedvlm.runconfig import RunConfig
 from fedvlm.spec import MethodSpec, NodeClient
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True)
-class Guarded:
-    """A train reply and what the send guard holds it to."""
-
-    reply: TrainReply
-    allowed: frozenset[str]  # the method's sharing rule over the node's model
-    private: Mapping[str, Any]  # tensors that must never leave
-    requested: tuple[str, ...]  # what the server named for this round
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 
 from fedvlm.client_app.privacy_floor import local_release
-from fedvlm.client_app.send_guard import check_outgoing, secure_reply
+from fedvlm.client_app.send_guard import Guarded, check_outgoing, secure_reply
 from fedvlm.client_app.state import clear_secure, load_secure, save_secure
 from fedvlm.privacy.accounting import GaussianReleases, Releases, ZCDpReleases, epsilon_spent
 from fedvlm.privacy.distributed import Uniforms
@@ -42,9 +41,6 @@ from fedvlm.secagg import stages
 from fedvlm.secagg.node import NodeRound, SecAggRefused
 from fedvlm.secagg.summand import Summand
 from fedvlm.utils.rng import NodeStream, node_key
-
-if TYPE_CHECKING:  # the node's round imports this module's keys through the node config
-    from fedvlm.client_app.node_round import Guarded, NodeMessage
 
 REQUIRE = "require-secure-aggregation"  # node config keys
 MIN_CLIENTS = "secure-aggregation-min-clients"
@@ -72,11 +68,16 @@ def hello_check(node_config: Mapping, enabled: bool) -> None:
 
 
 def first_stage(
-    msg: Message, node: NodeMessage, part: Guarded, evaluation: EvaluateReply | Exception | None
+    msg: Message,
+    context: Context,
+    cfg: RunConfig,
+    randomness: Uniforms,
+    part: Guarded,
+    evaluation: EvaluateReply | Exception | None,
 ) -> Message:
-    """Stage ``keys``: the trained reply ``part`` encoded, kept, and answered with public keys."""
+    """Stage ``keys``: the trained reply ``part`` encoded (with ``randomness``, the node's noise
+    source's: ``share_randomness``), kept, and answered with public keys."""
     plan = stages.SumPlan.from_config(msg.content[SECURE_SUM])
-    context = node.context
     floor = min_clients(context.node_config)
     if plan.n_min > plan.threshold or plan.n_min < floor:
         raise SecAggRefused(
@@ -86,7 +87,7 @@ def first_stage(
     config = msg.content[CONFIG_RECORD]
     assert isinstance(config, ConfigRecord)  # the server sends one
     instruction = TrainInstruction.from_config(config)
-    check_share(node.cfg, instruction, plan)
+    check_share(cfg, instruction, plan)
     reply = part.reply
     check_outgoing(reply.arrays, part.allowed, part.private, part.requested)  # what the vector encodes may leave
     record = msg.content[ARRAYS_RECORD]
@@ -94,9 +95,10 @@ def first_stage(
     sent = {k: v.numpy() for k, v in record.items()}
     update = {k: v.detach().cpu().double().numpy() - sent.get(k, 0.0) for k, v in reply.arrays.items()}
     weight = reply.num_examples if plan.weighted else 1
-    server_round = instruction.server_round
-    vector = Summand(plan).encode(update, weight, _uniforms(node, server_round))
-    secure, advert = NodeRound.start(context.node_id, server_round, plan.threshold, list(plan.neighbours), plan.bits)
+    vector = Summand(plan).encode(update, weight, randomness)
+    secure, advert = NodeRound.start(
+        context.node_id, instruction.server_round, plan.threshold, list(plan.neighbours), plan.bits
+    )
     clear_secure(context.state)  # a round left unfinished is over: its secrets go
     save_secure(context.state, {ROUND: secure.to_bytes(), VECTOR: vector.tobytes()})
     return secure_reply(msg, reply.metrics, stages.keys_reply(*advert), evaluation=evaluation)
@@ -171,10 +173,8 @@ def _reply(msg: Message, stage: str, answer: dict, held: dict) -> Message:
     return secure_reply(msg, {}, {k: v for k, v in answer.items() if k != ASKED}, masked=masked)
 
 
-def _uniforms(node: NodeMessage, server_round: int) -> Uniforms:
+def share_randomness(cfg: RunConfig, noise_source: str, node_seed: int, server_round: int) -> Uniforms:
     """The randomness of the node's rounding and noise share: its noise source's."""
-    data = node.node
-    if data.noise_source == "os":
+    if noise_source == "os":
         return Uniforms(None)
-    key = node_key(node.cfg.seed, data.seed, NodeStream.SECURE_SUM, server_round)
-    return Uniforms(sampling_rng(data.noise_source, key))
+    return Uniforms(sampling_rng(noise_source, node_key(cfg.seed, node_seed, NodeStream.SECURE_SUM, server_round)))

@@ -11,6 +11,8 @@ sent, the server sees a failed client, and the error names the offending tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +34,16 @@ from fedvlm.protocol import (
 
 class PrivacyGuardError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Guarded:
+    """A train reply and what the send guard holds it to."""
+
+    reply: TrainReply
+    allowed: frozenset[str]  # the method's sharing rule over the node's model
+    private: Mapping[str, Any]  # tensors that must never leave
+    requested: tuple[str, ...]  # what the server named for this round
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -92,11 +92,11 @@ def _capture_updates(monkeypatch) -> dict[int, tuple[np.ndarray, np.ndarray, int
     seen = {}
     first_stage = secure_sum.first_stage
 
-    def spy(msg, node, part, evaluation):
+    def spy(msg, context, cfg, randomness, part, evaluation):
         sent = msg.content[ARRAYS_RECORD][CTX].numpy()
         reply = part.reply
-        seen[node.context.node_id] = (sent, reply.arrays[CTX].numpy() - sent, reply.num_examples)
-        return first_stage(msg, node, part, evaluation)
+        seen[context.node_id] = (sent, reply.arrays[CTX].numpy() - sent, reply.num_examples)
+        return first_stage(msg, context, cfg, randomness, part, evaluation)
 
     monkeypatch.setattr(secure_sum, "first_stage", spy)
     return seen
