@@ -79,10 +79,15 @@ def first_stage(
     source's: ``share_randomness``), kept, and answered with public keys."""
     plan = stages.SumPlan.from_config(msg.content[SECURE_SUM])
     floor = min_clients(context.node_config)
-    if plan.n_min > plan.threshold or plan.n_min < floor:
+    if plan.threshold < floor:
         raise SecAggRefused(
-            f"the round's noise is planned for {plan.n_min} survivors, with a threshold of {plan.threshold}: it must "
-            f"not exceed the threshold, nor be below this node's {MIN_CLIENTS} = {floor}"
+            f"the round's threshold {plan.threshold} lets the server unmask a sum of {plan.threshold} survivors; this "
+            f"node's {MIN_CLIENTS} is {floor}"
+        )
+    if plan.client_sigma > 0 and plan.n_min > plan.threshold:
+        raise SecAggRefused(
+            f"the round's noise is planned for {plan.n_min} survivors, more than the threshold {plan.threshold} the "
+            "protocol guarantees: a sum of fewer would carry less noise than planned"
         )
     config = msg.content[CONFIG_RECORD]
     assert isinstance(config, ConfigRecord)  # the server sends one

@@ -2,7 +2,9 @@
 organisation controls its own node, so it can change what its ClientApp sends (the app the node
 pinned protects the organisation from the server, not the server from the organisation).
 
-``FEDVLM_HOSTILE=hello``: the handshake reports no training records. ``FEDVLM_HOSTILE=replies``:
+``FEDVLM_HOSTILE=hello``: the handshake reports no training records.
+``FEDVLM_HOSTILE=secure-dropout``: under secure aggregation the node drops out of round r at its
+r-th stage (``SECURE_DROPS``: keys, shares, masked, unmask), answering that stage with an error. ``FEDVLM_HOSTILE=replies``:
 each train and evaluate reply is corrupted, one way per round (``CORRUPT``; in round 4 the
 final evaluation's reply is an error with a 5 MB reason, ``FAIL``), and so is each evaluation that travels
 with a train message. Python imports
@@ -67,6 +69,10 @@ CORRUPT = {
 FAIL = {("evaluate", 4): "RuntimeError: " + "a 5 MB reason " * 380_000}
 
 
+# server round -> the secure-aggregation stage the node drops out at
+SECURE_DROPS = {1: "keys", 2: "shares", 3: "masked", 4: "unmask"}
+
+
 def _install(mode: str) -> None:
     from flwr.app import Message
     from flwr.clientapp import ClientApp
@@ -78,6 +84,12 @@ def _install(mode: str) -> None:
         if reply.has_error():
             return reply
         kind = message.metadata.message_type
+        if mode == "secure-dropout" and "secure-sum" in message.content:
+            stage = message.content["secure-sum"]["secagg.stage"]
+            if SECURE_DROPS.get(int(message.content["config"]["server-round"])) == stage:
+                from flwr.app import Error
+
+                return Message(Error(code=0, reason=f"dropped out at the {stage} stage"), reply_to=message)
         if mode == "replies" and kind in ("train", "evaluate"):
             reason = FAIL.get((kind, int(message.content["config"]["server-round"])))
             if reason is not None:
