@@ -4,8 +4,8 @@ pinned protects the organisation from the server, not the server from the organi
 
 ``FEDVLM_HOSTILE=hello``: the handshake reports no training records.
 ``FEDVLM_HOSTILE=secure-dropout``: under secure aggregation the node drops out of round r at its
-r-th stage (``SECURE_DROPS``: keys, shares, masked, unmask), answering that stage with an error. ``FEDVLM_HOSTILE=replies``:
-each train and evaluate reply is corrupted, one way per round (``CORRUPT``; in round 4 the
+r-th stage (``SECURE_DROPS``: keys, shares, masked, unmask), answering that stage with an error.
+``FEDVLM_HOSTILE=replies``: each train and evaluate reply is corrupted, one way per round (``CORRUPT``; in round 4 the
 final evaluation's reply is an error with a 5 MB reason, ``FAIL``), and so is each evaluation that travels
 with a train message. Python imports
 ``sitecustomize`` at start-up from the path, so every Flower process of that node loads it; only
