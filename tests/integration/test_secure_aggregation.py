@@ -5,6 +5,7 @@ and the result is the aggregate it would have computed from the clear updates.""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -15,6 +16,7 @@ from flwr.app import Array, ArrayRecord, Error, Message
 from fedvlm.attacks.server import ServerAttack
 from fedvlm.client_app import secure_sum
 from fedvlm.client_app.app import app as client_app
+from fedvlm.metrics import EPSILON_SPENT
 from fedvlm.protocol import (
     ARRAYS_RECORD,
     SECAGG_CLIENT_SIGMA,
@@ -60,10 +62,34 @@ def test_dpfpl_under_secure_aggregation_has_its_clients_draw_the_global_noise(ma
     assert data["run"]["status"] == "finished"
     ledger = data["privacy"]
     (plan,) = ledger["mechanisms"].values()
-    print(json.dumps(plan, indent=1)[:3000])
-    print(json.dumps(ledger["records"], indent=1)[:1500])
-    print(json.dumps(data["rounds"][-1]["secure_aggregation"], indent=1))
-    assert plan["party"] == "clients"
+    shares = plan["distributed"]
+    assert plan["party"] == "clients" and plan["sampling_rate"] == 1.0  # no amplification claimed
+    # every round's sum carried the shares of n_min or more survivors, as planned
+    for r in data["rounds"]:
+        noise = r["secure_aggregation"]["noise"]
+        assert noise["client_sigma"] == pytest.approx(shares["client_sigma"]) and noise["n_min"] == shares["n_min"]
+        assert r["secure_aggregation"]["masked"] >= shares["n_min"] and noise["wrap_probability"] < 1e-9
+    # the ledger's per-record epsilon, recomputed here from its own parameters with the analysis
+    # written out (Kairouz et al.'s bound, Mironov's subsampled Gaussian from dp-accounting's
+    # RDP orders, Canonne et al.'s conversion)
+    from dp_accounting.rdp import RdpAccountant
+    from dp_accounting.rdp.rdp_privacy_accountant import _compute_rdp_poisson_subsampled_gaussian
+
+    orders = np.asarray(RdpAccountant()._orders, dtype=float)
+    rounds = data["config"]["num-server-rounds"]
+    for name, account in ledger["records"].items():
+        gamma, d, n_min, sigma_c = shares["gamma"], shares["dim"], shares["n_min"], shares["client_sigma"]
+        s = plan["true_sensitivity"] * shares["denominator"]  # a record's move of its client's upload
+        rho = (s / gamma + math.sqrt(d)) ** 2 / (2 * n_min * sigma_c**2)
+        xi = 10 * sum(math.exp(-2 * math.pi**2 * sigma_c**2 * k / (k + 1)) for k in range(1, n_min)) * d
+        assert account["zcdp_rho"] == pytest.approx(rho, rel=1e-9) and account["zcdp_xi"] == pytest.approx(xi)
+        local = _compute_rdp_poisson_subsampled_gaussian(account["sampling_rate"], account["z_local"], orders)
+        rdp = rounds * account["steps_per_round"] * np.asarray(local) + rounds * (xi + rho * orders)
+        ok = orders > 1.01
+        eps = rdp[ok] + np.log1p(-1 / orders[ok]) - np.log(plan["delta"] * orders[ok]) / (orders[ok] - 1)
+        assert account["planned_epsilon"] == pytest.approx(float(eps.min()), rel=1e-6), name
+        assert account["planned_epsilon"] <= 4.0 * (1 + 1e-9)
+    assert data["rounds"][-1]["metrics"][EPSILON_SPENT] == pytest.approx(ledger["rounds"][-1]["epsilon"])
 
 
 def _stage(request: Message) -> str:
