@@ -23,6 +23,10 @@ def _run(msg: Message, context: Context) -> Message:
         reply = forward(msg, context, str(path))
         if reply is not None:
             return reply
+    from fedvlm.client_app import secure_stages  # no torch: a secure round's later stages start fast
+
+    if secure_stages.is_later_stage(msg):
+        return secure_stages.next_stage(msg, context)
     from fedvlm.client_app.handlers import handle  # torch and the models: only where the message runs
 
     return handle(msg, context)

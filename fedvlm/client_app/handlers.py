@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from flwr.app import Context, Message, MessageType
 
-from fedvlm.client_app import secure_sum
+from fedvlm.client_app import secure_stages, secure_sum
 from fedvlm.client_app.node_round import NodeMessage, message_parts
 from fedvlm.client_app.send_guard import failed_reply, guarded_reply, hello_reply
 from fedvlm.protocol import (
@@ -36,18 +36,17 @@ from fedvlm.protocol import (
     SERVER_ROUND,
     EvaluateReply,
 )
-from fedvlm.secagg.stages import KEYS, stage_of
 
 
 def hello(msg: Message, context: Context) -> Message:
     node = NodeMessage.open(context)
-    secure_sum.hello_check(context.node_config, node.cfg.secure_aggregation.enabled)
+    secure_stages.hello_check(context.node_config, node.cfg.secure_aggregation.enabled)
     return hello_reply(msg, node.hello())
 
 
 def train(msg: Message, context: Context) -> Message:
-    if SECURE_SUM in msg.content and stage_of(msg.content[SECURE_SUM]) != KEYS:
-        return secure_sum.next_stage(msg, context)  # a later stage of a secure round: no training
+    if secure_stages.is_later_stage(msg):
+        return secure_stages.next_stage(msg, context)  # a later stage of a secure round: no training
     node = NodeMessage.open(context)
     evaluation: EvaluateReply | Exception | None = None
     if EVALUATE_CONFIG in msg.content:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fedvlm.client_app.node_policy import CACHE_DIR, DATA_ROOT, MODELS, TRUST_REMOTE_CODE
 from fedvlm.client_app.privacy_floor import DELTA, MAX_EPSILON
-from fedvlm.client_app.secure_sum import MIN_CLIENTS, REQUIRE, TRUE_WORDS
+from fedvlm.client_app.secure_stages import MIN_CLIENTS, REQUIRE, TRUE_WORDS
 from fedvlm.client_app.state import STATE_DIR
 from fedvlm.privacy.mechanisms import NOISE_SOURCE
 from fedvlm.protocol import NODE_WORKER, PUBLISH_DIR

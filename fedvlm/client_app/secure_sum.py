@@ -1,4 +1,5 @@
-"""A node's side of a secure round (``fedvlm.secagg``): its update leaves only inside a masked sum.
+"""A node's first stage of a secure round (``fedvlm.secagg``): its update leaves only inside a
+masked sum. The later stages, and what the node decides for itself, are ``client_app.secure_stages``.
 
 Stage ``keys`` is the train message: the node trains as in any round (``client_app.node_round``),
 the send guard checks the tensors it would have sent (``send_guard.check_outgoing``), and the
@@ -7,64 +8,27 @@ it, with its round's secrets, in memory (``client_app.state.SECURE_ROUND``). Its
 the training's figures and two public keys. Stages ``shares``, ``masked`` and ``unmask`` then run
 on what it kept (``secagg.node.NodeRound``, which makes the protocol's checks); the masked vector
 is the one tensor that leaves (``send_guard.secure_reply``).
-
-What the node decides for itself (node config):
-- ``require-secure-aggregation = true``: a run without it is refused at the handshake;
-- ``secure-aggregation-min-clients = N``: the node helps unmask only a sum of at least N
-  survivors, and refuses a round whose plan would accept fewer (its noise share is planned for
-  ``n-min`` survivors, which must not exceed the protocol's threshold).
-
-A message asked again (``server_app.messages.ask_again``) gets the answer the node gave the first
-copy, if it asks the same; an unmasking request that asks something else is judged by
-``NodeRound.reveal``, which refuses one that contradicts what the node already revealed.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Mapping
-
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 
 from fedvlm.client_app.privacy_floor import local_release
+from fedvlm.client_app.secure_stages import MIN_CLIENTS, ROUND, VECTOR, min_clients
 from fedvlm.client_app.send_guard import Guarded, check_outgoing, secure_reply
-from fedvlm.client_app.state import clear_secure, load_secure, save_secure
+from fedvlm.client_app.state import clear_secure, save_secure
 from fedvlm.privacy.accounting import GaussianReleases, Releases, ZCDpReleases, epsilon_spent
 from fedvlm.privacy.distributed import Uniforms
 from fedvlm.privacy.ledger import valid_sensitivity
 from fedvlm.privacy.mechanisms import sampling_rng
 from fedvlm.privacy.planner import ClientShape, NoiseRefused
 from fedvlm.protocol import ARRAYS_RECORD, CONFIG_RECORD, SECURE_SUM, EvaluateReply, TrainInstruction
-from fedvlm.runconfig import ConfigError, RunConfig
+from fedvlm.runconfig import RunConfig
 from fedvlm.secagg import stages
 from fedvlm.secagg.node import NodeRound, SecAggRefused
 from fedvlm.secagg.summand import Summand
 from fedvlm.utils.rng import NodeStream, node_key
-
-REQUIRE = "require-secure-aggregation"  # node config keys
-MIN_CLIENTS = "secure-aggregation-min-clients"
-TRUE_WORDS = ("true", "1", "yes")
-# what the node keeps of its secure round: its secrets, its encoded vector, the masked vector it
-# sent, and (per stage) a digest of the request it answered
-ROUND, VECTOR, MASKED, ASKED = "round", "vector", "masked", "asked"
-
-
-def required(node_config: Mapping) -> bool:
-    return str(node_config.get(REQUIRE, "")).strip().lower() in TRUE_WORDS
-
-
-def min_clients(node_config: Mapping) -> int:
-    return int(node_config.get(MIN_CLIENTS, 0) or 0)
-
-
-def hello_check(node_config: Mapping, enabled: bool) -> None:
-    """At the handshake: a node that requires secure aggregation refuses a run without it."""
-    if required(node_config) and not enabled:
-        raise ConfigError(
-            f"this node requires secure aggregation ({REQUIRE} = true in its node config) and the run does not "
-            "use it: set secure-aggregation.enabled = true in the run config"
-        )
 
 
 def first_stage(
@@ -138,44 +102,6 @@ def check_share(cfg: RunConfig, instruction: TrainInstruction, plan: stages.SumP
             f"survivors) would let this node's records spend epsilon = {spent:.4g} over the run, more than "
             f"the {promise:g} it promises: refusing to train"
         )
-
-
-def next_stage(msg: Message, context: Context) -> Message:
-    """Stages ``shares``, ``masked`` and ``unmask``, on what the node kept from its first stage."""
-    config = dict(msg.content[SECURE_SUM])
-    stage = stages.stage_of(config)
-    held = load_secure(context.state)
-    if ROUND not in held:
-        raise SecAggRefused("this node holds no secure round in progress (it restarted, or never trained in it)")
-    asked = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()
-    before = load_secure(context.state, f"/{stage}")
-    if before.get(ASKED) == asked:  # a copy of a message already answered: the same answer
-        return _reply(msg, stage, before, held)
-    secure = NodeRound.from_bytes(held[ROUND])
-    answer: dict
-    if stage == stages.SHARES:
-        answer = stages.shares_reply(*secure.share(stages.read_peer_keys(config)))
-    elif stage == stages.MASKED:
-        secure.receive(stages.read_dealt(config))
-        held[MASKED] = secure.mask(np.frombuffer(held[VECTOR], dtype=np.uint64)).tobytes()
-        answer = stages.masked_reply(secure.complaints)
-    elif stage == stages.UNMASK:
-        survivors, dropped = stages.read_unmask(config)
-        floor = min_clients(context.node_config)
-        if len(survivors) < floor:
-            raise SecAggRefused(f"only {len(survivors)} survivors: this node's {MIN_CLIENTS} is {floor}")
-        answer = stages.shares_back(*secure.reveal(survivors, dropped))
-    else:
-        raise SecAggRefused(f"stage {stage!r} comes with the train message, not on its own")
-    held[ROUND] = secure.to_bytes()
-    save_secure(context.state, held)
-    save_secure(context.state, {**answer, ASKED: asked}, f"/{stage}")
-    return _reply(msg, stage, answer, held)
-
-
-def _reply(msg: Message, stage: str, answer: dict, held: dict) -> Message:
-    masked = np.frombuffer(held[MASKED], dtype=np.uint64) if stage == stages.MASKED else None
-    return secure_reply(msg, {}, {k: v for k, v in answer.items() if k != ASKED}, masked=masked)
 
 
 def share_randomness(cfg: RunConfig, noise_source: str, node_seed: int, server_round: int) -> Uniforms:

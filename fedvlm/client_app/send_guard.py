@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedvlm.protocol import (
@@ -30,6 +29,9 @@ from fedvlm.protocol import (
     HelloReport,
     TrainReply,
 )
+
+if TYPE_CHECKING:  # torch is imported where a tensor is handled, so that a message without one starts fast
+    import torch
 
 
 class PrivacyGuardError(RuntimeError):
@@ -47,6 +49,8 @@ class Guarded:
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    import torch
+
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 

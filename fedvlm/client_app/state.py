@@ -30,12 +30,15 @@ import hashlib
 import os
 import re
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedvlm.utils.files import UnreadableFile, atomic_torch_save, load_saved
 from fedvlm.utils.runtime import simulated
+
+if TYPE_CHECKING:  # torch is imported where a tensor is handled, so that a message without one starts fast
+    import torch
 
 PRIVATE = "private"
 META = "meta"
@@ -58,6 +61,8 @@ def load_private(state: RecordDict, key: str = PRIVATE) -> dict[str, torch.Tenso
 
 
 def _same(record, tensors: dict[str, torch.Tensor]) -> bool:
+    import torch
+
     old = record.to_torch_state_dict()
     return old.keys() == tensors.keys() and all(
         old[k].dtype == v.dtype and old[k].shape == v.shape and torch.equal(old[k], v) for k, v in tensors.items()
@@ -100,6 +105,8 @@ def save_meta(state: RecordDict, meta: dict, key: str = META) -> None:
 
 def optimizer_tensors(opt: torch.optim.Optimizer, prefix: str = "opt.") -> dict[str, torch.Tensor]:
     """The per-parameter optimiser state (momentum, Adam moments) as named tensors."""
+    import torch
+
     out = {}
     for pid, pstate in opt.state_dict()["state"].items():
         for k, v in pstate.items():

@@ -19,8 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 @contextlib.contextmanager
 def file_lock(target: Path) -> Iterator[None]:
@@ -85,6 +83,8 @@ def content_digest(obj: Any) -> str:
     """A SHA-256 of nested dicts, lists, tensors and scalars: their structure, dtypes, shapes and
     bytes (a torch file's zip entries carry no check a loader applies: flipped bytes in a tensor's
     data load as other numbers)."""
+    import torch  # here, not at import: a module that only locks or writes files starts without torch
+
     h = hashlib.sha256()
 
     def feed(x: Any) -> None:
@@ -112,6 +112,8 @@ def atomic_torch_save(obj: Any, path: Path, digest: bool = False) -> None:
     """``torch.save`` through a temporary file; ``digest``: ``obj`` (a dict) also carries its
     ``content_digest``, which ``load_saved`` checks, for state whose silent damage would mislead
     (a node's private state and privacy ledger, the server's checkpoint)."""
+    import torch
+
     if digest:
         obj = {**obj, DIGEST: content_digest(obj)}
     _atomic_write(path, lambda fh: torch.save(obj, fh))
@@ -125,6 +127,8 @@ def load_saved(path: Path, fix: str) -> Any:
     """``torch.load`` of tensors only (``weights_only``) onto the CPU; a file that cannot be read
     raises ``UnreadableFile`` naming it, what is wrong and ``fix`` (torch's own errors name
     neither the file nor what to do)."""
+    import torch
+
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:

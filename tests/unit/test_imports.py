@@ -116,3 +116,16 @@ def test_the_config_layer_imports_no_method_table_but_its_command_line():
     fedvlm.runconfig check``, an entry point, at the top like every ``__main__``) validates with it."""
     edges = _imports_between(_graph(), "fedvlm.runconfig", "fedvlm.methods")
     assert edges == ["fedvlm.runconfig.__main__ -> fedvlm.methods.validation"], edges
+
+
+def test_a_secure_rounds_later_stages_start_without_torch():
+    """A deployed node starts a ClientApp process per message: a secure round's shares, masked and
+    unmask stages run on what the node kept and load neither torch nor a model (importing torch
+    costs about 2 s on two cores, three times a round on every node)."""
+    code = (
+        "import sys\n"
+        "import fedvlm.client_app.app, fedvlm.client_app.secure_stages\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out
