@@ -51,8 +51,10 @@ def train(msg: Message, context: Context) -> Message:
     evaluation: EvaluateReply | Exception | None = None
     if EVALUATE_CONFIG in msg.content:
         # The previous round's evaluation came with this message: it runs first, on the state
-        # the node ends that round with, as in an evaluate message of its own. Each part's
-        # failure is reported in the reply (``protocol.FAILED``) without taking the other down.
+        # the node ends that round with, as in an evaluate message of its own, with a client of
+        # its own round (one costs well under a millisecond to build: docs/results/speed.md).
+        # Each part's failure is reported in the reply (``protocol.FAILED``) without taking the
+        # other down.
         arrays_key = EVALUATE_ARRAYS if EVALUATE_ARRAYS in msg.content else ARRAYS_RECORD
         try:
             evaluation = node.evaluate(*message_parts(msg.content, EVALUATE_CONFIG, arrays_key))
