@@ -77,6 +77,29 @@ def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_di
     assert len(list((out / "r" / "published").glob("*.pt"))) == 3
 
 
+@pytest.mark.ci
+def test_flwr_run_dpfpl_under_secure_aggregation(flwr_env, tmp_path, cache_dir):
+    """Secure aggregation's four stages through Flower's simulation engine (Ray, one Context per
+    node across the stages): the server aggregates the clients' noised shares, the ledger
+    accounts the distributed noise, the run learns."""
+    out = tmp_path / "runs"
+    proc = _flwr_run(
+        flwr_env,
+        f"method='dpfpl' privacy.epsilon=8.0 num-server-rounds=3 secure-aggregation.enabled=true "
+        f"output-dir='{out}' cache-dir='{cache_dir}' run-name='r'",
+        supernodes=3,
+    )
+    path = out / "r" / "results.json"
+    data = json.loads(path.read_text()) if path.exists() else None
+    assert data is not None and data["run"]["status"] == "finished", (proc.stdout + proc.stderr)[-3000:]
+    for r in data["rounds"]:
+        protocol = r["secure_aggregation"]
+        assert protocol["masked"] == 3 and "failed" not in protocol and r["bytes"]["train_up"] == 0
+    (plan,) = data["privacy"]["mechanisms"].values()
+    assert plan["party"] == "clients" and plan["planned_epsilon"] <= 8.0 * (1 + 1e-9)
+    assert 0 < data["privacy"]["rounds"][-1]["epsilon"] <= 8.0 * (1 + 1e-6)
+
+
 @pytest.mark.parametrize("method", ["fedrand", "fedpara-lora"])  # LoRA and LoHa adapters
 def test_flwr_run_lora_methods(flwr_env, tmp_path, vlm_cache, method):
     out = tmp_path / "runs"
