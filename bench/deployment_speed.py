@@ -27,6 +27,7 @@ program; writes all of it as JSON.
 
     python bench/deployment_speed.py --supernodes 4 --rounds 4
     python bench/deployment_speed.py --supernodes 20 --rounds 3 --modes warm
+    python bench/deployment_speed.py --modes warm --run-config "secure-aggregation.enabled=true replies.max-norm=100.0"
 """
 
 from __future__ import annotations
@@ -125,11 +126,17 @@ def main() -> None:
     p.add_argument("--cache-dir", default=os.environ.get("FEDVLM_CACHE", str(Path.home() / ".cache" / "fedvlm")))
     p.add_argument("--round-timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench_deployment_speed.json")
+    p.add_argument(
+        "--run-config",
+        dest="extra",
+        default="",
+        help="more run-config keys, e.g. \"secure-aggregation.enabled=true replies.max-norm=100.0\"",
+    )
     args = p.parse_args()
     args.run_config = (
         f"method='{args.method}' num-server-rounds={args.rounds} cache-dir='{args.cache_dir}' "
-        f"round-timeout={args.round_timeout}"
-    )
+        f"round-timeout={args.round_timeout} {args.extra}"
+    ).strip()
     modes = {
         "simulation": lambda w: simulation(args, w),
         "cold": lambda w: deployed(args, w, warm=False),
