@@ -27,6 +27,7 @@ from fedvlm.client_app.state import load_secure, save_secure
 from fedvlm.protocol import SECURE_SUM
 from fedvlm.runconfig import ConfigError
 from fedvlm.secagg import stages
+from fedvlm.secagg.masks import wire_dtype
 from fedvlm.secagg.node import NodeRound, SecAggRefused
 
 REQUIRE = "require-secure-aggregation"  # node config keys
@@ -76,7 +77,8 @@ def next_stage(msg: Message, context: Context) -> Message:
         answer = stages.shares_reply(*secure.share(stages.read_peer_keys(config)))
     elif stage == stages.MASKED:
         secure.receive(stages.read_dealt(config))
-        held[MASKED] = secure.mask(np.frombuffer(held[VECTOR], dtype=np.uint64)).tobytes()
+        masked = secure.mask(np.frombuffer(held[VECTOR], dtype=np.uint64))
+        held[MASKED] = masked.astype(wire_dtype(secure.bits)).tobytes()
         answer = stages.masked_reply(secure.complaints)
     elif stage == stages.UNMASK:
         survivors, dropped = stages.read_unmask(config)
@@ -93,5 +95,6 @@ def next_stage(msg: Message, context: Context) -> Message:
 
 
 def _reply(msg: Message, stage: str, answer: dict, held: dict) -> Message:
-    masked = np.frombuffer(held[MASKED], dtype=np.uint64) if stage == stages.MASKED else None
+    bits = NodeRound.from_bytes(held[ROUND]).bits
+    masked = np.frombuffer(held[MASKED], dtype=wire_dtype(bits)) if stage == stages.MASKED else None
     return secure_reply(msg, {}, {k: v for k, v in answer.items() if k != ASKED}, masked=masked)

@@ -115,8 +115,8 @@ def secure_reply(
     content = RecordDict()
     arrays = ArrayRecord()
     if masked is not None:
-        if masked.dtype != np.uint64 or masked.ndim != 1:
-            raise PrivacyGuardError("a secure round sends one flat vector of residues (uint64), nothing else")
+        if masked.dtype not in (np.uint32, np.uint64) or masked.ndim != 1:
+            raise PrivacyGuardError("a secure round sends one flat vector of residues (uint32/64), nothing else")
         arrays[SECAGG_MASKED] = Array(np.ascontiguousarray(masked))
     content[ARRAYS_RECORD] = arrays
     content[METRICS_RECORD] = _metric_record(metrics)

@@ -472,9 +472,9 @@ class SecureAggregationConfig:
 
     enabled: bool = opt(False, "Aggregate every round securely: the server never sees one client's update.")
     bits: int = opt(
-        48,
-        "The sum is computed modulo 2^bits; the server refuses a plan whose sum could wrap around with "
-        "probability above 1e-9.",
+        32,
+        "The sum is computed modulo 2^bits (each coordinate travels in 4 bytes up to 32 bits, else 8); with "
+        "distributed noise the server refuses a plan whose sum could wrap around with probability above 1e-9.",
         min=16,
         max=62,
     )

@@ -32,6 +32,11 @@ def modulus(bits: int) -> int:
     return 1 << bits
 
 
+def wire_dtype(bits: int) -> type[np.unsignedinteger]:
+    """How residues modulo 2^bits travel: in 4 bytes where they fit, else 8."""
+    return np.uint32 if bits <= 32 else np.uint64
+
+
 def expand(seed: bytes, size: int, bits: int) -> np.ndarray:
     """``size`` uniform integers modulo 2^``bits`` (uint64) from ``seed``."""
     if len(seed) < SEED_BYTES:

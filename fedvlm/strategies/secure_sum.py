@@ -221,9 +221,9 @@ def _masked_vector(reply: Message) -> np.ndarray:
     if not isinstance(record, ArrayRecord) or list(record.keys()) != [SECAGG_MASKED]:
         raise stages.MalformedStage(f"a masked reply carries one tensor, {SECAGG_MASKED}")
     array = record[SECAGG_MASKED]
-    if array.dtype != "uint64" or len(array.shape) != 1:
-        raise stages.MalformedStage(f"the masked vector is {array.dtype} {array.shape}, not a flat uint64 vector")
-    return array.numpy()
+    if array.dtype not in ("uint32", "uint64") or len(array.shape) != 1:
+        raise stages.MalformedStage(f"the masked vector is {array.dtype} {array.shape}, not a flat uint32/64 vector")
+    return array.numpy().astype(np.uint64)
 
 
 def _nbytes(record: Mapping) -> int:

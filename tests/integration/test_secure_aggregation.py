@@ -209,7 +209,7 @@ def test_the_servers_view_is_masked_vectors_and_its_attack_has_nothing_per_clien
     (round_one,) = load_rounds(rec.dir)
     for uploaded in round_one.uploaded.values():
         assert set(uploaded) == {SECAGG_MASKED}  # no prompt, no gradient: the vector under its masks
-        vector = uploaded[SECAGG_MASKED].numpy().astype(np.float64) / 2.0**48
+        vector = uploaded[SECAGG_MASKED].numpy().astype(np.float64) / 2.0**32  # the default bits
         assert abs(vector.mean() - 0.5) < 0.05 and abs(vector.var() - 1 / 12) < 0.01  # uniform on [0, 1)
     cfg = make_cfg(method="promptfl", max_per_class=6)
     with pytest.raises(ValueError, match="secure aggregation.*no per-client upload to attack"):
