@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from cryptography.fernet import InvalidToken
-from flwr.common.secure_aggregation.crypto.shamir import create_shares
+from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_utils import (
     share_keys_plaintext_concat,
@@ -49,6 +49,9 @@ from flwr.supercore.primitives.asymmetric import (
 )
 
 from fedvlm.secagg.masks import SEED_BYTES, expand, reduce
+from fedvlm.secagg.shamir import create_shares
+
+SCALAR_BYTES = 48  # a P-384 private scalar
 
 
 class SecAggRefused(RuntimeError):
@@ -59,6 +62,18 @@ def seed_commitment(seed: bytes) -> bytes:
     """What a node publishes of its self-mask seed, so that the server can tell a seed rebuilt
     from forged shares from the real one (SHA-256 of a uniform 256-bit secret hides it)."""
     return hashlib.sha256(b"fedvlm secure aggregation seed" + seed).digest()
+
+
+def key_scalar(private_pem: bytes) -> bytes:
+    """A P-384 private key as its 48-byte scalar: what a node shares of its mask key (the PEM
+    form is six times longer, and Shamir sharing costs per 16 bytes)."""
+    key = bytes_to_private_key(private_pem)
+    return key.private_numbers().private_value.to_bytes(SCALAR_BYTES, "big")
+
+
+def key_from_scalar(scalar: bytes) -> bytes:
+    """The private key (PEM) a 48-byte scalar stands for (``ValueError`` if it is none)."""
+    return private_key_to_bytes(ec.derive_private_key(int.from_bytes(scalar, "big"), ec.SECP384R1()))
 
 
 def pair_seed(own_mask_key: bytes, peer_mask_public: bytes) -> bytes:
@@ -158,7 +173,7 @@ class NodeRound:
         self.seed = os.urandom(SEED_BYTES)
         holders = sorted([self.node_id, *peers])
         seed_shares = create_shares(self.seed, self.threshold, len(holders))
-        key_shares = create_shares(self.mask_key, self.threshold, len(holders))
+        key_shares = create_shares(key_scalar(self.mask_key), self.threshold, len(holders))
         out = {}
         for holder, s_share, k_share in zip(holders, seed_shares, key_shares, strict=True):
             if holder == self.node_id:

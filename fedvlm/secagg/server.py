@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ec
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key, public_key_to_bytes
 
 from fedvlm.secagg.masks import expand, modulus, reduce
-from fedvlm.secagg.node import check_threshold, pair_seed, pair_sign, seed_commitment
+from fedvlm.secagg.node import check_threshold, key_from_scalar, pair_seed, pair_sign, seed_commitment
+from fedvlm.secagg.shamir import combine_shares
 
 MAX_KEY_BYTES = 1024  # a PEM public key on P-384 is about 215 bytes
 MAX_CIPHERTEXT_BYTES = 8192  # two shares of a few hundred bytes, encrypted
@@ -163,7 +163,7 @@ class ServerRound:
         for v in self.dealt:
             if v in self.masked:
                 continue
-            mask_key = self._recover(v, keys.get(v, {}), MASK_KEY)
+            mask_key = key_from_scalar(self._recover(v, keys.get(v, {}), MASK_KEY))
             for u in self.graph[v]:
                 if u in self.masked:  # u added sign(u, v) * PRG(s_uv): take it out
                     m = expand(pair_seed(mask_key, self.adverts[u][1]), self.size, self.bits)
@@ -210,10 +210,24 @@ class ServerRound:
             return seed_commitment(secret) == self.commitments[owner]
         return _public(secret) == self.adverts[owner][1]
 
+    def _subsets(self, holders: list[int]):
+        """Threshold-many holders to rebuild a secret from: the first ones, then leaving out one
+        holder at a time, then two: one or two forgers among many holders are found in as many
+        tries as there are holders (or pairs), not among all the combinations."""
+        seen = set()
+        for left_out in itertools.chain([()], itertools.combinations(holders, 1), itertools.combinations(holders, 2)):
+            rest = [h for h in holders if h not in left_out]
+            subset = tuple(rest[: self.threshold])
+            if len(subset) == self.threshold and subset not in seen:
+                seen.add(subset)
+                yield subset
+
     def _recover(self, owner: int, shares: dict[int, bytes], what: str) -> bytes:
         """``owner``'s secret ``what`` from the ``shares`` returned (holder -> share), checked
-        against what it published; shares that make it fail are left out (and the holders
-        recorded) while at least threshold remain."""
+        against what it published. Threshold-many shares rebuild it (the first such set that
+        fits; each try costs a Lagrange interpolation in GF(2^128)); once one set failed, the
+        holders whose shares do not fit the secret a later set rebuilt are recorded as forgers.
+        A forged share outside the first set is never used, so it is left out unnamed."""
         if len(shares) < self.threshold:
             blamed = self.complaints.get(owner)
             raise SecAggError(
@@ -222,13 +236,11 @@ class ServerRound:
                 + (f"; nodes {sorted(blamed)} could not decrypt the shares it dealt them" if blamed else "")
             )
         holders = sorted(shares)
-        tried = itertools.islice(
-            itertools.chain([holders], itertools.combinations(holders, self.threshold)), SUBSETS_TRIED + 1
-        )
-        for subset in tried:
+        tried = itertools.islice(self._subsets(holders), SUBSETS_TRIED)
+        for attempt, subset in enumerate(tried):
             secret = _combine([shares[h] for h in subset])
             if secret is not None and self._fits(owner, what, secret):
-                for h in sorted(set(holders) - set(subset)):
+                for h in sorted(set(holders) - set(subset)) if attempt else ():
                     if _combine([shares[x] for x in (*subset[: self.threshold - 1], h)]) != secret:
                         self.forged[h] = f"its share of node {owner}'s {what} does not fit the others"
                 return secret
@@ -266,8 +278,9 @@ def _combine(shares: list[bytes]) -> bytes | None:
         return None
 
 
-def _public(private_pem: bytes) -> bytes | None:
+def _public(scalar: bytes) -> bytes | None:
+    """The public key of the private key ``scalar`` stands for (None: it stands for none)."""
     try:
-        return public_key_to_bytes(bytes_to_private_key(private_pem).public_key())
+        return public_key_to_bytes(bytes_to_private_key(key_from_scalar(scalar)).public_key())
     except (ValueError, TypeError):
         return None

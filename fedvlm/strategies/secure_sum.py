@@ -169,9 +169,22 @@ class SecureSum:
         return sums, weights, sorted(secure.server.masked)
 
     def report(self, server_round: int) -> dict:
+        """What results.json records of the round's protocol (``rounds[].secure_aggregation``): its
+        parameters (threshold, neighbours, modulus, the nodes' clip bound and quantisation step,
+        the vector's length), who took part at each stage and who was left out and why, what it
+        cost in bytes, the noise shares, and why the round failed, if it did."""
         secure = self.rounds[server_round]
-        out = {**secure.server.report(), "stage": secure.stage, "bytes_up": secure.bytes_up}
-        out["bytes_down"] = secure.bytes_down
+        plan = secure.summand.plan
+        out = {
+            **secure.server.report(),
+            "norm_bound": plan.norm_bound,
+            "gamma": plan.gamma,
+            "weighted": plan.weighted,
+            "coordinates": secure.summand.length,
+            "stage": secure.stage,
+            "bytes_up": secure.bytes_up,
+            "bytes_down": secure.bytes_down,
+        }
         noise = secure.summand.noise
         if noise is not None:
             out["noise"] = {**noise.as_dict(), "wrap_probability": noise.wrap_probability(len(secure.server.graph))}

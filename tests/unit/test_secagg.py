@@ -193,3 +193,15 @@ def test_masks_are_reproducible_from_the_seed_and_differ_between_seeds():
 def test_signed_values_round_trip_through_the_modulus():
     v = np.array([-(2**31), -1, 0, 1, 2**31 - 1])
     np.testing.assert_array_equal(decode(encode(v, 32), 32), v)
+
+
+def test_a_forger_among_many_holders_is_found_whichever_it_is():
+    for forger in (101, 101 + 7 * 19):  # the first holder, whose share every first try uses, and the last
+        def forge(stage, u, reply, forger=forger):
+            if stage == "unmask" and u == forger:
+                seeds, keys = reply
+                return {d: _forged(s) for d, s in seeds.items()}, keys
+            return reply
+
+        got, expected, server, _ = _run(20, tamper=forge)
+        np.testing.assert_array_equal(got, expected)
