@@ -83,8 +83,13 @@ def deployed(
         wall = time.time() - t0
         lost = fed.lost_replies()
     results = work / "runs" / "dep" / "results.json"
-    if proc.returncode or not results.exists():  # flwr run exits 0 when the ServerApp fails
-        raise SystemExit(f"the deployed run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    # flwr run exits 0 when the ServerApp fails
+    if proc.returncode or not results.exists() or not _rounds(results):
+        run = json.loads(results.read_text())["run"] if results.exists() else {}
+        raise SystemExit(
+            f"the deployed run failed ({run.get('status')}: {run.get('note')}; excluded: {run.get('excluded_nodes')}):\n"
+            f"{(proc.stdout + proc.stderr)[-3000:]}"
+        )
     return {"rounds": _rounds(results), "wall_s": wall, "lost": lost, "memory": mem}
 
 
@@ -130,7 +135,7 @@ def main() -> None:
         "--run-config",
         dest="extra",
         default="",
-        help="more run-config keys, e.g. \"secure-aggregation.enabled=true replies.max-norm=100.0\"",
+        help='more run-config keys, e.g. "secure-aggregation.enabled=true replies.max-norm=100.0"',
     )
     args = p.parse_args()
     args.run_config = (

@@ -2,16 +2,22 @@
 
 ``cost``: seconds and bytes per round of the embedded default (PromptFL; DP-FPL with privacy,
 whose noise the clients then draw in shares), with and without ``secure-aggregation.enabled``,
-at 4, 10 and 20 nodes, side by side in one process through the in-process grid (the ClientApp's
-handlers on Flower messages, no Ray and no SuperLink: compute plus message passing). Round 1 is
-left out (warm-up). Bytes are what the run's records count: tensors down and up, and the secure
-stages' keys, shares and masked vectors.
+at 4, 10 and 20 nodes (and SecAgg+ with ``--neighbours`` k where k < n - 1), side by side in one
+process through the in-process grid (the ClientApp's handlers on Flower messages, no Ray and no
+SuperLink: compute plus message passing; every node's and the server's work on one machine).
+Round 1 is left out (warm-up). Bytes are what the run's records count: tensors down and up, and
+the secure stages' keys, shares and masked vectors.
+
+``protocol``: one round of the protocol alone (no training), every party in this process: seconds
+for ``--nodes`` nodes with every other as a neighbour, with this project's Shamir sharing and with
+Flower's (``flwr.common.secure_aggregation.crypto.shamir``, a thread pool per call), alternated.
 
 ``accuracy``: DP-FPL at one privacy.epsilon on the embedded default, the server's Gaussian
 (central) against the clients' distributed discrete Gaussian (secure aggregation), for several
 seeds: the final round's local and neighbour accuracy, and the sigma each drew on the mean.
 
-    python bench/secure_aggregation.py cost --nodes 4,10,20 --rounds 3
+    python bench/secure_aggregation.py cost --nodes 4,10,20 --rounds 3 --neighbours 6
+    python bench/secure_aggregation.py protocol --nodes 20 --repeats 3
     python bench/secure_aggregation.py accuracy --seeds 0,1,2 --rounds 20 --epsilon 8
 
 Prints one JSON line per measurement and a table; ``--out FILE`` writes the JSON list.
@@ -66,10 +72,16 @@ def cost(args, work: Path) -> list[dict]:
     }
     for n in [int(x) for x in args.nodes.split(",")]:
         for name, overrides in methods.items():
-            for secure in (False, True):
+            for secure, k in (
+                (False, 0),
+                (True, 0),
+                *(((True, args.neighbours),) if 0 < args.neighbours < n - 1 else ()),
+            ):
                 o = {**overrides, "num-server-rounds": args.rounds, "secure-aggregation.enabled": secure}
-                data, wall = run(o, n, work, f"{name}-{n}-{int(secure)}")
-                row = {"nodes": n, "method": name, "secure": secure, **per_round(data), "wall_s": round(wall, 1)}
+                o["secure-aggregation.neighbours"] = k
+                data, wall = run(o, n, work, f"{name}-{n}-{int(secure)}-{k}")
+                row = {"nodes": n, "method": name, "secure": secure, "neighbours": k if secure else None}
+                row.update({**per_round(data), "wall_s": round(wall, 1)})
                 print(json.dumps(row), flush=True)
                 out.append(row)
     return out
@@ -103,22 +115,71 @@ def accuracy(args, work: Path) -> list[dict]:
     return out
 
 
+def protocol(args, work: Path) -> list[dict]:
+    import numpy as np
+    from flwr.common.secure_aggregation.crypto import shamir as flower_shamir
+
+    from fedvlm.secagg import node as node_module
+    from fedvlm.secagg import server as server_module
+    from fedvlm.secagg import shamir
+    from fedvlm.secagg.graph import neighbours
+    from fedvlm.secagg.masks import encode
+    from fedvlm.secagg.node import NodeRound, majority_threshold
+    from fedvlm.secagg.server import ServerRound
+
+    n, size, bits = args.nodes, args.size, 32
+    ids = list(range(100, 100 + n))
+    graph = neighbours(ids, n - 1, np.random.default_rng(0))
+    t = majority_threshold(n)
+
+    def one_round() -> float:
+        t0 = time.perf_counter()
+        server = ServerRound(1, t, bits, size, graph)
+        nodes, adverts = {}, {}
+        for u in ids:
+            nodes[u], adverts[u] = NodeRound.start(u, 1, t, list(graph[u]), bits)
+        routed = server.take_shares({u: nodes[u].share(v) for u, v in server.take_adverts(adverts).items()})
+        masked = {}
+        for u, ciphertexts in routed.items():
+            nodes[u].receive(ciphertexts)
+            masked[u] = nodes[u].mask(encode(np.zeros(size, dtype=np.int64), bits))
+        requests = server.take_masked(masked)
+        server.unmask({u: nodes[u].reveal(*r) for u, r in requests.items()})
+        return time.perf_counter() - t0
+
+    implementations = {"fedvlm": shamir, "flower": flower_shamir}
+    out = []
+    for _ in range(args.repeats):
+        for name, module in implementations.items():
+            node_module.create_shares, server_module.combine_shares = module.create_shares, module.combine_shares
+            row = {"nodes": n, "coordinates": size, "shamir": name, "seconds": round(one_round(), 3)}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    node_module.create_shares, server_module.combine_shares = shamir.create_shares, shamir.combine_shares
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     c = sub.add_parser("cost")
     c.add_argument("--nodes", default="4,10,20")
     c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--neighbours", type=int, default=6, help="also SecAgg+ with this degree where it is below n - 1")
     a = sub.add_parser("accuracy")
     a.add_argument("--seeds", default="0,1,2")
     a.add_argument("--rounds", type=int, default=20)
     a.add_argument("--epsilon", type=float, default=8.0)
     a.add_argument("--clients", type=int, default=10)
-    for p in (c, a):
+    r = sub.add_parser("protocol")
+    r.add_argument("--nodes", type=int, default=20)
+    r.add_argument("--size", type=int, default=1553, help="coordinates of a vector (the default: DP-FPL's)")
+    r.add_argument("--repeats", type=int, default=3)
+    for p in (c, a, r):
         p.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = cost(args, Path(tmp)) if args.what == "cost" else accuracy(args, Path(tmp))
+        rows = {"cost": cost, "accuracy": accuracy, "protocol": protocol}[args.what](args, Path(tmp))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 
