@@ -87,8 +87,8 @@ def deployed(
     if proc.returncode or not results.exists() or not _rounds(results):
         run = json.loads(results.read_text())["run"] if results.exists() else {}
         raise SystemExit(
-            f"the deployed run failed ({run.get('status')}: {run.get('note')}; excluded: {run.get('excluded_nodes')}):\n"
-            f"{(proc.stdout + proc.stderr)[-3000:]}"
+            f"the deployed run failed ({run.get('status')}: {run.get('note')}; "
+            f"excluded: {run.get('excluded_nodes')}):\n{(proc.stdout + proc.stderr)[-3000:]}"
         )
     return {"rounds": _rounds(results), "wall_s": wall, "lost": lost, "memory": mem}
 
