@@ -10,6 +10,7 @@ from flwr.app import RecordDict
 
 from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.state import PRIVATE
+from fedvlm.metrics import FEDRAND_CLIENTS
 from fedvlm.models.adapter_parts import lora_half
 from fedvlm.protocol import LOCAL_SIGMA, REPLY_KEYS, SERVER_ROUND, TrainInstruction
 from fedvlm.server_app.app import execute
@@ -379,3 +380,21 @@ def test_a_run_stopped_by_its_budget_counts_only_the_train_messages_it_sent(vlm_
     comm = data["communication"]
     assert comm["full_lora_bytes_down"] == comm["adapter_bytes"] * sent
     assert comm["down_vs_full_lora"] == pytest.approx(comm["train_bytes_down"] / (comm["adapter_bytes"] * sent))
+
+
+def test_fedrand_under_secure_aggregation_averages_each_half_as_the_clear_run(vlm_cache, tmp_path):
+    """FedRand's per-half average from the survivors' masked sum alone: the same adapter as the
+    clear run of the same seed (every client's half weighted by its examples), the same per-half
+    counts, and nothing of a client's adapter in clear on the way up."""
+    extra = {"num-server-rounds": 1, "fraction-train": 1.0, "replies.max-norm": 100.0}
+    _, clear = _run(_raw(vlm_cache, tmp_path / "clear", "fedrand", **extra))
+    _, secure = _run(_raw(vlm_cache, tmp_path / "secure", "fedrand", **extra, **{"secure-aggregation.enabled": True}))
+    (a,), (b,) = clear.data["rounds"], secure.data["rounds"]
+    assert b["secure_aggregation"]["masked"] == N_CLIENTS and b["bytes"]["train_up"] == 0
+    counts = list(FEDRAND_CLIENTS.values())
+    assert [b["metrics"][c] for c in counts] == [a["metrics"][c] for c in counts]
+    before = torch.load(clear.dir / "final_shared.pt", weights_only=True)["arrays"]
+    after = torch.load(secure.dir / "final_shared.pt", weights_only=True)["arrays"]
+    assert before.keys() == after.keys()
+    for name in before:
+        np.testing.assert_allclose(after[name].numpy(), before[name].numpy(), atol=1e-5)

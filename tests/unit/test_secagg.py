@@ -197,6 +197,7 @@ def test_signed_values_round_trip_through_the_modulus():
 
 def test_a_forger_among_many_holders_is_found_whichever_it_is():
     for forger in (101, 101 + 7 * 19):  # the first holder, whose share every first try uses, and the last
+
         def forge(stage, u, reply, forger=forger):
             if stage == "unmask" and u == forger:
                 seeds, keys = reply
