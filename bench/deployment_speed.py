@@ -84,7 +84,7 @@ def deployed(
         lost = fed.lost_replies()
     results = work / "runs" / "dep" / "results.json"
     # flwr run exits 0 when the ServerApp fails
-    if proc.returncode or not results.exists() or not _rounds(results):
+    if proc.returncode or not results.exists() or len(_rounds(results)) < args.rounds:
         run = json.loads(results.read_text())["run"] if results.exists() else {}
         raise SystemExit(
             f"the deployed run failed ({run.get('status')}: {run.get('note')}; "

@@ -9,8 +9,7 @@ Round 1 is left out (warm-up). Bytes are what the run's records count: tensors d
 the secure stages' keys, shares and masked vectors.
 
 ``protocol``: one round of the protocol alone (no training), every party in this process: seconds
-for ``--nodes`` nodes with every other as a neighbour, with this project's Shamir sharing and with
-Flower's (``flwr.common.secure_aggregation.crypto.shamir``, a thread pool per call), alternated.
+for ``--nodes`` nodes with every other as a neighbour, ``--repeats`` times.
 
 ``accuracy``: DP-FPL at one privacy.epsilon on the embedded default, the server's Gaussian
 (central) against the clients' distributed discrete Gaussian (secure aggregation), for several
@@ -117,11 +116,7 @@ def accuracy(args, work: Path) -> list[dict]:
 
 def protocol(args, work: Path) -> list[dict]:
     import numpy as np
-    from flwr.common.secure_aggregation.crypto import shamir as flower_shamir
 
-    from fedvlm.secagg import node as node_module
-    from fedvlm.secagg import server as server_module
-    from fedvlm.secagg import shamir
     from fedvlm.secagg.graph import neighbours
     from fedvlm.secagg.masks import encode
     from fedvlm.secagg.node import NodeRound, majority_threshold
@@ -147,15 +142,11 @@ def protocol(args, work: Path) -> list[dict]:
         server.unmask({u: nodes[u].reveal(*r) for u, r in requests.items()})
         return time.perf_counter() - t0
 
-    implementations = {"fedvlm": shamir, "flower": flower_shamir}
     out = []
     for _ in range(args.repeats):
-        for name, module in implementations.items():
-            node_module.create_shares, server_module.combine_shares = module.create_shares, module.combine_shares
-            row = {"nodes": n, "coordinates": size, "shamir": name, "seconds": round(one_round(), 3)}
-            print(json.dumps(row), flush=True)
-            out.append(row)
-    node_module.create_shares, server_module.combine_shares = shamir.create_shares, shamir.combine_shares
+        row = {"nodes": n, "coordinates": size, "seconds": round(one_round(), 3)}
+        print(json.dumps(row), flush=True)
+        out.append(row)
     return out
 
 

@@ -3,15 +3,13 @@
 vectors and nothing else about any one of them.
 
 - ``masks``: the pseudorandom masks and the arithmetic modulo 2^bits;
-- ``shamir``: sharing a secret's bytes;
 - ``graph``: who shares secrets with whom (a complete graph, or SecAgg+'s random Harary graph);
 - ``node``: one node's secrets and checks for one round;
 - ``server``: the server's side, from the keys to the unmasked sum.
 
 The cryptographic primitives are maintained libraries': elliptic-curve Diffie-Hellman and
 authenticated encryption (``cryptography``, through ``flwr.common.secure_aggregation``), Shamir
-sharing over GF(2^128) (PyCryptodome, in Flower's share format: ``shamir``), ChaCha20 for the
-masks. What
+sharing over GF(2^128) (PyCryptodome, through the same module), ChaCha20 for the masks. What
 this package adds is the protocol's bookkeeping and the checks a node makes before it helps
 the server remove a mask (docs/privacy.md, "Secure aggregation", states what they prove).
 """

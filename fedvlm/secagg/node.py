@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from cryptography.fernet import InvalidToken
 from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.common.secure_aggregation.crypto.shamir import create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_utils import (
     share_keys_plaintext_concat,
@@ -49,7 +50,6 @@ from flwr.supercore.primitives.asymmetric import (
 )
 
 from fedvlm.secagg.masks import SEED_BYTES, expand, reduce
-from fedvlm.secagg.shamir import create_shares
 
 SCALAR_BYTES = 48  # a P-384 private scalar
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key, public_key_to_bytes
 
 from fedvlm.secagg.masks import expand, modulus, reduce
 from fedvlm.secagg.node import check_threshold, key_from_scalar, pair_seed, pair_sign, seed_commitment
-from fedvlm.secagg.shamir import combine_shares
 
 MAX_KEY_BYTES = 1024  # a PEM public key on P-384 is about 215 bytes
 MAX_CIPHERTEXT_BYTES = 8192  # two shares of a few hundred bytes, encrypted

@@ -204,11 +204,11 @@ class SecureSum:
             node = asked.get(reply.metadata.reply_to_message_id)
             if node is None:
                 continue
+            if reply.has_error():
+                continue  # the node dropped out of this stage (its error, or the SuperLink's, in the logs)
             if reply.metadata.src_node_id != node:
                 secure.server.excluded.setdefault(node, "a reply in its name came from another node")
                 continue
-            if reply.has_error():
-                continue  # the node dropped out of this stage (its error is in the SuperNode's log)
             out.setdefault(node, reply)
             secure.bytes_up += sum(_nbytes(dict(r)) for r in reply.content.config_records.values())
             secure.bytes_up += sum(a.numpy().nbytes for r in reply.content.array_records.values() for a in r.values())
