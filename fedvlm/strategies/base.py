@@ -65,6 +65,7 @@ from fedvlm.protocol import (
     TrainReply,
 )
 from fedvlm.runconfig import ConfigError
+from fedvlm.secagg.server import SecAggError
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
@@ -363,7 +364,11 @@ class FederatedStrategy(Strategy):
         if phase == "train" and self.secure is not None and kept.messages:
             noise = self.budget.distributed_noise()
             bound = self.privacy.clip if noise is not None else self.cfg.replies.max_norm
-            self.secure.begin(server_round, kept, noise, bound)
+            try:
+                self.secure.begin(server_round, kept, noise, bound)
+            except SecAggError as why:  # a round that cannot be summed securely trains no one
+                log.error("round %d is skipped: %s", server_round, why)
+                kept.secure, kept.messages, kept.outgoing = {"failed": str(why)}, [], {}
         return kept.messages
 
     def configure_train(

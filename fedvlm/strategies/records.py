@@ -59,8 +59,8 @@ class RoundRecord:
                 record.bytes[f"{phase.phase}_up"] = phase.bytes_up
             if phase.secure is not None:
                 record.secure_aggregation = phase.secure
-                record.bytes["secure_down"] = phase.secure["bytes_down"]
-                record.bytes["secure_up"] = phase.secure["bytes_up"]
+                record.bytes["secure_down"] = phase.secure.get("bytes_down", 0)
+                record.bytes["secure_up"] = phase.secure.get("bytes_up", 0)
         return record
 
     def as_dict(self, seconds: float, evaluated: bool = True) -> dict:

@@ -233,3 +233,14 @@ def test_nodes_hold_the_server_to_their_own_terms(make_cfg, pretrained_clip, mon
     protocol = data["rounds"][0]["secure_aggregation"]
     assert protocol["advertised"] == 0 and "no node is left" in protocol["failed"]
     assert all("noise share" in d["reason"] for d in data["rounds"][0]["dropped"])
+
+
+def test_a_round_too_small_to_sum_securely_trains_no_one(make_cfg, pretrained_clip):
+    """Three nodes and a configured threshold of five: no round can be unmasked, so none is sent
+    for training (a train message without its secure plan would have its update sent in clear);
+    each round says why, and the run ends with its evaluations."""
+    rec, data, grid = _secure_run(make_cfg, "too-small", n=3, secure_aggregation__threshold=5)
+    assert data["run"]["status"] == "finished"
+    for r in data["rounds"]:
+        assert r["sampled"] == 0 and "too few for a threshold of 5" in r["secure_aggregation"]["failed"]
+    assert not any(m.metadata.message_type == "train" for m in grid.sent)
