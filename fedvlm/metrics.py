@@ -292,8 +292,13 @@ EPSILON_SPENT = _metric(
     EPSILON,
     "the largest epsilon a record of any node has spent so far, by the run's accountant (the ledger)",
     SERVER,
-    plot="privacy.png",
     label="epsilon",
+)
+EPSILON_MEAN = _metric(
+    "epsilon/per-record-mean",
+    EPSILON,
+    "the epsilon a record has spent so far, averaged over the planned nodes (the ledger)",
+    SERVER,
 )
 GDP_SIGMA = _metric("gdp-sigma", SIGMA, "std of the server's noise on the global-prompt gradient", SERVER)
 GDP_DENOMINATOR = _metric(

@@ -22,7 +22,7 @@ from fedvlm.client_app.privacy_floor import MAX_EPSILON
 from fedvlm.data.membership import reference_node_data
 from fedvlm.data.partitioners import Partition, make_partitions
 from fedvlm.data.registry import DatasetSplits, load_dataset, load_image_folder
-from fedvlm.data.sources import limit_per_class
+from fedvlm.data.sources import LabelCounts, limit_per_class
 from fedvlm.privacy.mechanisms import node_noise_source
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.utils.rng import node_seed
@@ -42,6 +42,11 @@ class NodeData:
     def seed(self) -> int:
         """The integer that stands for this node in its random draws' keys (``utils.rng``)."""
         return node_seed(self.partition_id, self.name)
+
+    def label_counts(self) -> LabelCounts:
+        """Its records per class (the partition plot's; own test records only)."""
+        labels = self.splits.train.labels
+        return LabelCounts.of(self.splits.classnames, labels[self.part.train], self.splits.test.labels[self.part.test])
 
 
 _SPLITS: dict[tuple, DatasetSplits] = {}

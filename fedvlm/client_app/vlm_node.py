@@ -15,6 +15,7 @@ from pathlib import Path
 from fedvlm.client_app.node import noise_source
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.data.partitioners import make_partitions
+from fedvlm.data.sources import LabelCounts
 from fedvlm.data.vlm_data import VLMDataError, VLMDataset, VLMSplit, load_vlm_dataset, load_vlm_folder
 from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.utils.rng import node_seed
@@ -34,6 +35,10 @@ class VLMNodeData:
     def seed(self) -> int:
         """The integer that stands for this node in its random draws' keys (``utils.rng``)."""
         return node_seed(self.partition_id, self.name)
+
+    def label_counts(self) -> LabelCounts:
+        """Its records per split label (object class, topic): the partition plot's."""
+        return LabelCounts.of(self.dataset.label_names, self.train.labels, self.test.labels)
 
 
 _DATASETS: dict[tuple, VLMDataset] = {}  # by what loaded it: the run's dataset, or a node's own folder

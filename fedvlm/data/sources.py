@@ -200,3 +200,22 @@ def limit_per_class(
         chosen.extend(rng.choice(idx, size=min(max_per_class, len(idx)), replace=False))
     keep = np.sort(np.array(chosen, dtype=np.int64))
     return SubsetSource(source, keep, source.labels[keep], make_identity(source.identity))
+
+
+@dataclass(frozen=True)
+class LabelCounts:
+    """How many of a node's training and test records carry each label (a class, or a VLM
+    dataset's split label): what the partition plot draws (``fedvlm.plots.partition``)."""
+
+    names: list[str]
+    train: np.ndarray  # records per label, in ``names``' order
+    test: np.ndarray
+
+    @classmethod
+    def of(cls, names: list[str], train_labels: np.ndarray, test_labels: np.ndarray) -> LabelCounts:
+        n = len(names)
+        return cls(
+            list(names),
+            np.bincount(np.asarray(train_labels, dtype=np.int64), minlength=n),
+            np.bincount(np.asarray(test_labels, dtype=np.int64), minlength=n),
+        )

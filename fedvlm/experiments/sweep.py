@@ -48,6 +48,7 @@ from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
 from fedvlm.metrics import ACC
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
+from fedvlm.utils.progress import each, time_left
 
 log = logging.getLogger("sweep")
 
@@ -111,6 +112,18 @@ def _labelled(items: list[list[str]]) -> list[tuple[str, str, dict]]:
             overrides[key] = parse_value(value)
         out.append((label, method, overrides))
     return out
+
+
+def cost_row(data: dict) -> dict:
+    """What a run cost: tensor megabytes each node sent and received (the run's totals over the
+    nodes that joined) and the mean seconds per round, on the machine it ran on."""
+    nodes = max(1, len((data.get("run") or {}).get("nodes") or []))
+    final, rounds = data["final"], data["rounds"]
+    return {
+        "mb-up-per-client": final.get("bytes_up", 0) / nodes / 1e6,
+        "mb-down-per-client": final.get("bytes_down", 0) / nodes / 1e6,
+        "seconds-per-round": sum(r["seconds"] for r in rounds) / len(rounds) if rounds else None,
+    }
 
 
 def failed_row(variant: str, method: str, eps: str, seed: int, err: BaseException) -> dict:
@@ -225,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict] = []
     t_all = time.time()
-    for i, (variant, method, extra, eps, seed) in enumerate(plan, 1):
+    for i, (variant, method, extra, eps, seed) in enumerate(each(plan, "sweep", "run"), 1):
         raw = raw_of(variant, method, extra, eps, seed)
         name = raw["run-name"]
         if name in refused:
@@ -258,13 +271,18 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = str(data["run"].get("note") or "the run failed").splitlines()[0][:300]
         spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
         row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
+        row.update(cost_row(data))
         row.update(audit_row(data))
-        if args.mia:
-            mia_path = out / "runs" / name / "mia.json"
-            if not mia_path.exists():
-                from fedvlm.attacks.run import run_attacks
+        mia_path = out / "runs" / name / "mia.json"
+        if args.mia and not mia_path.exists():
+            from fedvlm.attacks.run import run_attacks
 
+            try:
                 run_attacks(out / "runs" / name, shadows=args.shadows, online=args.online)
+            except Exception as err:  # noqa: BLE001 - a run the attacks cannot take is a row without them
+                row["mia-error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                log.error("%s: the membership attacks could not run: %s", name, row["mia-error"])
+        if args.mia and mia_path.exists():
             mia = json.loads(mia_path.read_text())["summary"]
             row.update(
                 {
@@ -277,14 +295,15 @@ def main(argv: list[str] | None = None) -> int:
             row.update(attack_row({k: v["pooled"] for k, v in mia.items() if "pooled" in v}))
         rows.append(row)
         log.info(
-            "[%d/%d] %s: local %.1f%% neighbor %s%s (%.0fs)",
+            "[%d/%d] %s: local %.1f%% neighbor %s%s (%.0fs; %s)",
             i,
             len(plan),
             name,
             100 * (row["local-acc-last10"] or 0),
             f"{100 * row['neighbor-acc-last10']:.1f}%" if row["neighbor-acc-last10"] is not None else "-",
-            f" MIA {100 * row['mia-shokri-acc']:.1f}%" if args.mia else "",
+            f" MIA {100 * row['mia-shokri-acc']:.1f}%" if "mia-shokri-acc" in row else "",
             time.time() - t0,
+            time_left(i, len(plan), time.time() - t_all) or "done",
         )
         report(rows)
     done = [r for r in rows if r["status"] != "failed"]

@@ -35,6 +35,7 @@ from fedvlm.data import embedded, motifs
 from fedvlm.models.prepare import check_may_pretrain
 from fedvlm.utils.files import atomic_torch_save, file_lock, load_saved
 from fedvlm.utils.paths import default_cache_dir
+from fedvlm.utils.progress import each
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def pretrain(recipe: ResNetRecipe) -> tuple[EmbeddedResNet, dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps, pct_start=0.1)
     model.train()
-    for step in range(recipe.steps):
+    for step in each(range(recipe.steps), f"pretraining {recipe.domain}"):
         idx = torch.from_numpy(rng.choice(len(x), size=recipe.batch_size, replace=False))
         loss = F.cross_entropy(model(x[idx]), y[idx], label_smoothing=recipe.label_smoothing)
         opt.zero_grad(set_to_none=True)

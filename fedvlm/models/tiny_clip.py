@@ -29,6 +29,7 @@ from fedvlm.data import embedded
 from fedvlm.models.prepare import check_may_pretrain
 from fedvlm.models.prompt_learner import TextTower
 from fedvlm.utils.files import atomic_torch_save, file_lock, load_saved
+from fedvlm.utils.progress import each
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def pretrain(recipe: PretrainRecipe = PretrainRecipe(), progress: bool = True) -
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps, pct_start=0.1)
     tower = TextTower.from_open_clip(model)
     model.train()
-    for step in range(recipe.steps):
+    for step in each(range(recipe.steps), "pretraining the tiny CLIP"):
         idx = rng.choice(len(images), size=recipe.batch_size, replace=False)
         texts = tok([embedded.caption(attrs[i], rng) for i in idx])
         img_f = F.normalize(model.encode_image(pixels[idx]), dim=-1)

@@ -31,6 +31,7 @@ from fedvlm.data import scenes
 from fedvlm.data.embedded import IMAGE_SIZE, domain_version
 from fedvlm.models.prepare import check_may_pretrain
 from fedvlm.utils.files import file_lock
+from fedvlm.utils.progress import each
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def pretrain(recipe: VLMRecipe, out_dir: Path) -> None:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps, pct_start=0.1)
     rng = np.random.default_rng(recipe.seed)
     model.train()
-    for step in range(recipe.steps):
+    for step in each(range(recipe.steps), "pretraining the tiny VLM"):
         idx = rng.choice(len(images), size=recipe.batch_size, replace=False)
         batch = vlm.training_batch(
             [images[i] for i in idx], [corpus.prompts[i] for i in idx], [corpus.targets[i] for i in idx]

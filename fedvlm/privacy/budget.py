@@ -351,13 +351,13 @@ class RunBudget:
         """results.json's ``privacy`` section: the ledger as it stands."""
         return self.ledger.as_dict()
 
-    def record_round(self, server_round: int, sources: Mapping[str, str]) -> float:
+    def record_round(self, server_round: int, sources: Mapping[str, str]) -> dict[str, float]:
         """Write round ``server_round``'s entry into the ledger (``sources``: the nodes' noise
-        sources, some may have joined since); the largest epsilon a record has spent."""
+        sources, some may have joined since); what a record of each planned node has spent."""
         entry = self.entry()
         self.record_noise_sources(sources)
         self.ledger.record_round(server_round, entry)
-        return float(entry["epsilon"])
+        return {name: float(eps) for name, eps in entry["per_client"].items()}
 
     def check_resumable(self, state: dict | None) -> None:
         """``BudgetError`` unless a checkpoint's budget (None: privacy was off) can continue here."""

@@ -501,6 +501,32 @@ class SecureAggregationConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    """Experiment trackers (``server_app.tracking``): each round's figures, the ledger's epsilon,
+    bytes and seconds, the validated config, and at the end the run folder's files. Off by
+    default; they need ``pip install 'fedvlm[tracking]'``; a tracker that fails costs a warning
+    (recorded in results.json's ``run.tracking``), never the run. They change nothing computed,
+    so a resumed run may change them."""
+
+    tensorboard: bool = opt(
+        False,
+        "Write each round's figures, epsilon, bytes and seconds as TensorBoard event files in the run "
+        "folder's tensorboard/.",
+    )
+    mlflow: bool = opt(
+        False,
+        "Log the run to MLflow: the config as parameters, each round's figures as metrics, results.json, rounds.csv, "
+        "the plots and the ledger as artifacts at the end.",
+    )
+    mlflow_uri: str = opt(
+        "",
+        "MLflow tracking URI (such as http://127.0.0.1:5000); empty = $MLFLOW_TRACKING_URI, else a SQLite store "
+        "in output-dir (mlflow.db, artifacts in mlartifacts/).",
+    )
+    experiment: str = opt("fedvlm", "MLflow experiment the run is logged in (made if missing).")
+
+
+@dataclass(frozen=True)
 class AttackConfig:
     """Membership-attack experiments: online LiRA's reference federations (``python -m fedvlm.attacks
     --online R`` sets these, an ordinary run leaves them alone) and the server's record of uploads."""
@@ -620,6 +646,7 @@ class RunConfig:
     attack: AttackConfig = field(kw_only=True)
     replies: RepliesConfig = field(kw_only=True)
     secure_aggregation: SecureAggregationConfig = field(kw_only=True)
+    tracking: TrackingConfig = field(kw_only=True)
     # the method's registry entry, a spec.MethodSpec. Typed Any: spec.py types against this
     # module, and even a type-only import back would make the one import cycle the layering
     # test forbids (tests/unit/test_imports.py); callers that need its fields import MethodSpec

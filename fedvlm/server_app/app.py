@@ -18,6 +18,7 @@ from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.server_app.loop import run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 from fedvlm.server_app.resume import clear_refused, hold_run_dir, note_refused, resume_point
+from fedvlm.server_app.tracking import Trackers
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.runtime import simulated_grid
@@ -75,6 +76,9 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
                 else None,
             },
         )
+    trackers = Trackers.of(cfg, recorder.dir)
+    if trackers.make:
+        recorder.track(trackers, resumed=point is not None)
     try:
         run_rounds(strategy, parts, grid, recorder, point)
     except ResumeError as err:  # refused before anything was recorded: the folder is as it was

@@ -24,7 +24,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
-from fedvlm.metrics import EPSILON_SPENT, undeclared
+from fedvlm.metrics import EPSILON_MEAN, EPSILON_SPENT, undeclared
 from fedvlm.privacy.audit import audit_section
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR
 from fedvlm.server_app.exchange import Exchanger
@@ -66,10 +66,13 @@ def _record_nodes(parts: RunParts, recorder: RunRecorder) -> None:
 
 
 def _record_privacy(parts: RunParts, server_round: int, recorder: RunRecorder) -> dict[str, float]:
-    """The round's ledger entry, written; the round's privacy figure for its record."""
+    """The round's ledger entry, written; the round's privacy figures for its record."""
     spent = parts.budget.record_round(server_round, parts.registry.noise_sources())
     _record_ledger(parts, recorder)
-    return {} if spent is None else {EPSILON_SPENT: spent}
+    if spent is None:
+        return {}
+    values = list(spent.values())
+    return {EPSILON_SPENT: max(values, default=0.0), EPSILON_MEAN: float(np.mean(values)) if values else 0.0}
 
 
 def _record_ledger(parts: RunParts, recorder: RunRecorder) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fedvlm.metrics import METRICS
+from fedvlm.server_app.tracking import Trackers
 from fedvlm.utils.files import atomic_torch_save, atomic_write_json, atomic_write_text, load_json, overwrite_in_place
 from fedvlm.utils.paths import default_output_dir
 
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 ROUNDS_CSV = "rounds.csv"
 # a round's own columns before its metrics
 ROUND_COLUMNS = ("round", "evaluated", "seconds", "sampled", "bytes_up", "bytes_down")
+CLIENT_COLUMN = "client"  # the node a row is about; empty in a round's own row
+NODE_EPSILON_COLUMN = "epsilon"  # a node's row: what a record of it has spent after the round (the ledger)
 STATUS_FILE, STATUS_BYTES = "status.json", 8192
 
 
@@ -70,6 +73,7 @@ class RunRecorder:
             "final": {},
         }
         self.t0 = time.time()
+        self.trackers: Trackers | None = None
         # the fixed-size status file first: once it exists it records how the run ends, even
         # when the disk fills up and results.json can no longer be written
         try:
@@ -104,7 +108,7 @@ class RunRecorder:
         written until the run records something, so a resume refused on the way leaves the
         folder as it was."""
         recorder = cls.__new__(cls)
-        recorder.dir, recorder.t0 = Path(run_dir), time.time()
+        recorder.dir, recorder.t0, recorder.trackers = Path(run_dir), time.time(), None
         data = dict(results)
         data["config"] = config
         data["rounds"] = [r for r in data["rounds"] if r["round"] <= upto]
@@ -121,7 +125,7 @@ class RunRecorder:
         it), to record how it ended as that ServerApp would have: ``finish`` writes the status,
         the summary (its seconds counted from the run's start) and the plots."""
         recorder = cls.__new__(cls)
-        recorder.dir = Path(run_dir)
+        recorder.dir, recorder.trackers = Path(run_dir), None
         recorder.data = load_json(recorder.path, "the run folder cannot record how it ended")
         started = recorder.data.get("run", {}).get("started")
         recorder.t0 = datetime.fromisoformat(started).timestamp() if started else time.time()
@@ -131,10 +135,21 @@ class RunRecorder:
     def path(self) -> Path:
         return self.dir / "results.json"
 
+    def track(self, trackers: Trackers, resumed: bool) -> None:
+        """Send the run to ``trackers`` from now on (``server_app.tracking``); what they are is
+        recorded in results.json's ``run.tracking``."""
+        self.trackers = trackers
+        info = trackers.start(self.data, resumed)
+        if info:
+            self.set_run_info(tracking=info)
+
     def write(self) -> None:
-        """results.json, and the rounds as a table beside it (``ROUNDS_CSV``)."""
+        """results.json, the rounds as a table beside it (``ROUNDS_CSV``), and to the trackers
+        what is new."""
         atomic_write_json(self.data, self.path)
-        atomic_write_text(rounds_csv(self.data["rounds"]), self.dir / ROUNDS_CSV)
+        atomic_write_text(rounds_csv(self.data), self.dir / ROUNDS_CSV)
+        if self.trackers is not None:
+            self.trackers.update(self.data)
 
     def write_status(self) -> None:
         run = self.data["run"]
@@ -184,14 +199,19 @@ class RunRecorder:
             self.data["run"]["note"] = note
         self.data["run"]["ended"] = datetime.now(timezone.utc).isoformat()
         try:
-            from fedvlm.server_app.plots import plot_run
+            from fedvlm.plots import draw_run
 
-            self.data["run"]["plots"] = plot_run(self.data, self.dir)
+            self.data["run"]["plots"] = draw_run(self.data, self.dir)
         except Exception as err:  # a plot must never lose the results; results.json says why it is missing
             log.warning("could not draw plots: %s", err)
             self.data["run"]["plots"] = f"not drawn: {type(err).__name__}: {str(err)[:300]}"
         try:
             self.write()
+            if self.trackers is not None:  # after the last write: the trackers get the folder as it ends
+                tracked = self.trackers.finish(self.data, self.dir)
+                if tracked != self.data["run"].get("tracking"):
+                    self.data["run"]["tracking"] = tracked
+                    self.write()
         except OSError as err:
             done = "every round finished, but " if status == "finished" else ""
             self.data["run"]["status"] = "failed"
@@ -204,17 +224,31 @@ class RunRecorder:
         return self.data["final"]
 
 
-def rounds_csv(rounds: list[dict]) -> str:
-    """One row per round: its own columns, then every round figure any round has, in the metric
-    catalogue's order (``fedvlm.metrics``; the loop records no other); a figure a round lacks is
-    an empty cell."""
+def rounds_csv(data: dict) -> str:
+    """One row per round, then one per node the round heard from (``client`` names it; empty in
+    the round's row). A round's row: its own columns, then every round figure any round has, in
+    the metric catalogue's order (``fedvlm.metrics``; the loop records no other). A node's row:
+    its replies' figures as results.json's ``clients`` names them (``train/...``, ``eval/...``,
+    bytes per message), and the epsilon a record of it has spent after the round (the ledger).
+    A cell a row lacks is empty."""
+    rounds = data["rounds"]
+    spent = {e["round"]: e.get("per_client") or {} for e in (data.get("privacy") or {}).get("rounds") or []}
     present = {k for r in rounds for k in r["metrics"]}
     columns = [m for m in METRICS if m in present]
+    node_columns = list(dict.fromkeys(k for r in rounds for c in (r.get("clients") or {}).values() for k in c))
+    if spent:
+        node_columns.append(NODE_EPSILON_COLUMN)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([*ROUND_COLUMNS, *columns])
+    writer.writerow([ROUND_COLUMNS[0], CLIENT_COLUMN, *ROUND_COLUMNS[1:], *columns, *node_columns])
+    blank_round, blank_node = [""] * (len(ROUND_COLUMNS) - 1 + len(columns)), [""] * len(node_columns)
     for r in rounds:
-        writer.writerow([*(r.get(c, "") for c in ROUND_COLUMNS), *(r["metrics"].get(c, "") for c in columns)])
+        row = [*(r.get(c, "") for c in ROUND_COLUMNS[1:]), *(r["metrics"].get(c, "") for c in columns)]
+        writer.writerow([r["round"], "", *row, *blank_node])
+        epsilons = spent.get(r["round"], {})
+        for name, figures in sorted((r.get("clients") or {}).items()):
+            values = {**figures, NODE_EPSILON_COLUMN: epsilons.get(name, "")}
+            writer.writerow([r["round"], name, *blank_round, *(values.get(c, "") for c in node_columns)])
     return out.getvalue()
 
 

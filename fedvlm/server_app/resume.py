@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedvlm.runconfig import RunConfig
+from fedvlm.runconfig import KEYS, RunConfig
 from fedvlm.status import RUN_LOCK
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.parts import RunParts
@@ -57,7 +57,16 @@ INFLIGHT = "inflight.json"
 REFUSED = "resume-refused.json"
 # keys that may differ: how long the run goes on, and keys that never change what it computes
 # (where a new run's folder would go, how long to wait for replies)
-FREE_KEYS = frozenset({"num-server-rounds", "resume", "output-dir", "run-name", "round-timeout"})
+FREE_KEYS = frozenset(
+    {
+        "num-server-rounds",
+        "resume",
+        "output-dir",
+        "run-name",
+        "round-timeout",
+        *(k.name for k in KEYS if k.section == "tracking"),
+    }
+)
 
 
 @dataclass

@@ -128,7 +128,8 @@ def test_a_full_disk_at_the_start_or_the_end_fails_the_run_with_the_reason(make_
     'finished' without its outputs."""
     import errno
 
-    from fedvlm.server_app import plots, results
+    import fedvlm.plots as plots
+    from fedvlm.server_app import results
 
     real = results.atomic_write_json
 
@@ -156,7 +157,7 @@ def test_a_full_disk_at_the_start_or_the_end_fails_the_run_with_the_reason(make_
     def no_room(data, out_dir):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(plots, "plot_run", no_room)
+    monkeypatch.setattr(plots, "draw_run", no_room)
     rec = execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id="t")
     assert len(json.loads(rec.path.read_text())["rounds"]) == 2  # every round was written before the end
     verdict = status.check(rec.dir)

@@ -1,11 +1,11 @@
-"""PNG plots of a run: every declared round figure that has a ``plot`` (``fedvlm.metrics``), one
-PNG per plot, over rounds. The privacy plot names the accountant and delta its epsilon is for."""
+"""A run's curves: every declared round figure that has a ``plot`` (``fedvlm.metrics``), one PNG
+per plot, over rounds."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fedvlm.metrics import EPSILON, METRICS, Metric
+from fedvlm.metrics import METRICS, Metric
 
 STYLES = ("-", "--", ":", "-.")  # so that equal curves (a global model's local = neighbor) all show
 
@@ -21,23 +21,16 @@ def plot_groups(rounds: list[dict]) -> dict[str, list[Metric]]:
     return groups
 
 
-def _subtitle(data: dict, metrics: list[Metric]) -> str:
-    settings = (data.get("privacy") or {}).get("settings") or {}
-    if any(m.kind is EPSILON for m in metrics) and settings:
-        return f" (accountant {settings.get('accountant')}, delta {settings.get('delta'):g})"
-    return ""
+def title(data: dict) -> str:
+    return f"{data['config']['method']} on {data['config']['dataset']}"
 
 
-def plot_run(data: dict, out_dir: Path) -> dict[str, list[str]]:
-    """Draw the run's plots into ``out_dir``; what each file shows (file name -> metric names)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def draw_curves(data: dict, out_dir: Path) -> dict[str, list[str]]:
+    """Draw the run's curves into ``out_dir``; what each file shows (file name -> metric names)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     rounds = data["rounds"]
-    title = f"{data['config']['method']} on {data['config']['dataset']}"
     xs = [r["round"] for r in rounds]
     drawn = {}
     for fname, metrics in plot_groups(rounds).items():
@@ -53,7 +46,7 @@ def plot_run(data: dict, out_dir: Path) -> dict[str, list[str]]:
         ax.set_xlabel("round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(metrics[0].kind.axis)
-        ax.set_title(title + _subtitle(data, metrics))
+        ax.set_title(title(data))
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

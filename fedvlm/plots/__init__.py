@@ -1,0 +1,33 @@
+"""The pictures of a run, drawn when it ends and redrawn from its folder alone
+(``python -m fedvlm.plots RUN_DIR``): the curves of its declared round figures (``curves``), its
+privacy ledger against the target, the budget, the audit and the attacks (``privacy``), and a
+simulation's split of the records over its nodes (``partition``). A sweep's folder gets its
+accuracy-, attack- and audit-against-epsilon plots (``experiments.sweep_report``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def draw_run(data: dict, out_dir: Path) -> dict[str, list[str]]:
+    """Every picture of a run (results.json's content ``data``) into ``out_dir``: file name ->
+    what it shows. One picture that cannot be drawn (a dataset the plotting machine lacks for the
+    partition) is logged and left out; the others are still drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fedvlm.plots.curves import draw_curves
+    from fedvlm.plots.partition import draw_partition
+    from fedvlm.plots.privacy import draw_privacy
+
+    drawn: dict[str, list[str]] = {}
+    for draw in (draw_curves, draw_privacy, draw_partition):
+        try:
+            drawn.update(draw(data, out_dir))
+        except Exception as err:  # noqa: BLE001 - one picture must not cost the others or the results
+            log.warning("could not draw %s: %s: %s", draw.__name__.removeprefix("draw_"), type(err).__name__, err)
+            drawn[f"{draw.__name__.removeprefix('draw_')}: not drawn"] = [f"{type(err).__name__}: {str(err)[:300]}"]
+    return drawn

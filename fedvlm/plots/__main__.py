@@ -1,0 +1,75 @@
+"""Redraw the pictures of run or sweep folders from what they hold.
+
+    python -m fedvlm.plots ~/fedvlm-runs/<run folder>          # curves, privacy.png, partition.png
+    python -m fedvlm.plots ~/fedvlm-sweeps/embedded            # a sweep's plots against epsilon
+
+A run folder is one with results.json (its ``run.plots`` is updated to what was drawn); a sweep
+folder one with summary.csv (``python -m fedvlm.experiments.sweep --out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+
+from fedvlm.plots import draw_run
+from fedvlm.utils.files import atomic_write_json
+
+
+def _number(text: str):
+    """A summary.csv cell as the sweep wrote it: a number, text, or None for an empty cell."""
+    if text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def redraw_sweep(folder: Path) -> list[str]:
+    """A sweep's plots from its summary.csv (the rows it wrote after every run)."""
+    from fedvlm.experiments.attack_report import plot_attacks
+    from fedvlm.experiments.sweep_report import plot, plot_audit
+
+    with open(folder / "summary.csv", newline="") as fh:
+        text = ("variant", "method", "epsilon", "status")
+        rows = [{k: v if k in text else _number(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    done = [r for r in rows if r["status"] != "failed"]
+    before = {p.name: p.stat().st_mtime for p in folder.glob("*.png")}
+    plot(done, folder, list(dict.fromkeys(r["epsilon"] for r in rows)))
+    plot_audit(done, folder)
+    plot_attacks(done, folder)
+    return sorted(p.name for p in folder.glob("*.png") if before.get(p.name) != p.stat().st_mtime)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.plots", description=__doc__.split("\n\n")[0])
+    p.add_argument("folders", nargs="+", type=Path, metavar="FOLDER", help="a run folder or a sweep folder")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    status = 0
+    for folder in args.folders:
+        folder = folder.expanduser().resolve()
+        if (folder / "results.json").exists():
+            data = json.loads((folder / "results.json").read_text())
+            drawn = draw_run(data, folder)
+            if data["run"].get("status") != "running":  # a running run rewrites results.json itself
+                data["run"]["plots"] = drawn
+                atomic_write_json(data, folder / "results.json")
+            for name, shows in drawn.items():
+                print(f"{folder / name}: {', '.join(shows)}")
+        elif (folder / "summary.csv").exists():
+            for name in redraw_sweep(folder):
+                print(folder / name)
+        else:
+            print(f"{folder}: neither a run folder (results.json) nor a sweep folder (summary.csv)", file=sys.stderr)
+            status = 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

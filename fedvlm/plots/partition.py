@@ -1,0 +1,112 @@
+"""``partition.png`` and ``partition.json``: how a simulation's records are split over its nodes.
+
+Counted by the family's own node loader (``Family.node_data``, the function every simulated node
+runs on its partition id), so the picture is the split the nodes trained on, not a second
+computation of it. Only a simulation has a split the server can know: a deployed node with its
+own ``data-dir`` reports no label counts (they would tell the server its label mix), and the run
+draws no partition plot. ``partition.json`` keeps the counts, so the plot is redrawn from the run
+folder alone (``python -m fedvlm.plots``); the bars are drawn by flwr-datasets' own
+``plot_label_distributions``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fedvlm.plots.curves import title
+
+FILE, COUNTS = "partition.png", "partition.json"
+LEGEND_UP_TO = 20  # labels: a legend up to this many, beyond it the colours alone
+
+
+def simulated_partitions(data: dict) -> tuple[int, list[tuple[str, int]]] | None:
+    """(num-partitions, [(node name, partition id)]) of a run whose nodes all took a simulated
+    partition (None: some node trained on its own data, or none joined)."""
+    nodes = (data.get("run") or {}).get("nodes") or []
+    if not nodes or any(n.get("partition_id", -1) < 0 or not n.get("num_partitions") for n in nodes):
+        return None
+    counts = {int(n["num_partitions"]) for n in nodes}
+    if len(counts) != 1:
+        return None
+    return counts.pop(), sorted(((n["name"], int(n["partition_id"])) for n in nodes), key=lambda x: x[1])
+
+
+def count_labels(data: dict) -> dict | None:
+    """The run's label counts per node, from its config (None: not a simulated split)."""
+    found = simulated_partitions(data)
+    if found is None:
+        return None
+    from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
+    from fedvlm.methods.validation import validate
+
+    cfg = validate(data["config"])
+    n, nodes = found
+    out: dict = {"names": [], "nodes": {}}
+    for name, pid in nodes:
+        counts = cfg.spec.family.node_data(cfg, {PARTITION_ID: pid, NUM_PARTITIONS: n}).label_counts()
+        out["names"] = counts.names
+        out["nodes"][name] = {"partition_id": pid, "train": counts.train.tolist(), "test": counts.test.tolist()}
+    return out
+
+
+def _partitioner(names: list[str], train: dict[str, list[int]]):
+    """A flwr-datasets partitioner holding exactly these counts (node i's records are a block of
+    labels), for its label-distribution plot."""
+    from datasets import ClassLabel, Dataset, Features
+    from flwr_datasets.partitioner import Partitioner
+
+    labels = np.concatenate([np.repeat(np.arange(len(names)), counts) for counts in train.values()])
+    bounds = np.cumsum([0, *(sum(c) for c in train.values())])
+
+    class Counted(Partitioner):
+        def load_partition(self, partition_id: int) -> Dataset:
+            return self.dataset.select(range(bounds[partition_id], bounds[partition_id + 1]))
+
+        @property
+        def num_partitions(self) -> int:
+            return len(train)
+
+    part = Counted()
+    part.dataset = Dataset.from_dict(
+        {"label": labels.astype(np.int64)}, features=Features({"label": ClassLabel(names=names)})
+    )
+    return part
+
+
+def draw_partition(data: dict, out_dir: Path) -> dict[str, list[str]]:
+    """Count (once: ``partition.json``) and draw a simulated run's split; what it shows."""
+    path = Path(out_dir) / COUNTS
+    if path.exists():
+        counts = json.loads(path.read_text())
+    else:
+        counts = count_labels(data)
+        if counts is None:
+            return {}
+        path.write_text(json.dumps(counts))
+    import matplotlib.pyplot as plt
+    from flwr_datasets.visualization import plot_label_distributions
+
+    names, nodes = counts["names"], counts["nodes"]
+    train = {name: node["train"] for name, node in nodes.items()}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(nodes) + 3), 4.2))
+    plot_label_distributions(
+        _partitioner(names, train),
+        "label",
+        plot_type="bar",
+        size_unit="absolute",
+        axis=ax,
+        title=f"{title(data)}: training records per label ({data['config'].get('partitioner')} split)",
+        legend=len(names) <= LEGEND_UP_TO,
+        legend_title="label",
+        verbose_labels=True,
+    )
+    ax.set_xticks(range(len(nodes)), list(nodes), rotation=90, fontsize=7)
+    ax.set_xlabel("node")
+    ax.set_ylabel("training records" + ("" if len(names) <= LEGEND_UP_TO else f" (colour: one of {len(names)} labels)"))
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / FILE, dpi=110)
+    plt.close(fig)
+    return {FILE: ["training records per label and node"]}

@@ -1,0 +1,124 @@
+"""``privacy.png``: what the run's privacy ledger says each round, and what was measured against it.
+
+Left: the epsilon a record has spent after each round (results.json ``privacy.rounds``): the
+largest over the nodes (what ``privacy.max-epsilon`` stops on), their mean, and the band from the
+least to the most spent node; the target ``privacy.epsilon`` and the budget ``privacy.max-epsilon``
+as lines; the one-run audit's lower bound (``audit``) at the round it was computed, beside the
+accounted epsilon of the mechanism it audits. Right: each node's epsilon after the last round (a
+histogram past ``BARS`` nodes), with the best membership attack's TPR at 0.1% FPR and AUC in the
+corner when the folder holds ``mia.json`` (``python -m fedvlm.attacks``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fedvlm.plots.curves import title
+
+FILE = "privacy.png"
+BARS = 40  # above this many nodes, the right panel is a histogram
+MIA = "mia.json"
+
+
+def best_attack(mia: dict) -> tuple[str, float, float] | None:
+    """The pooled attack with the highest TPR at 0.1% FPR in a run's mia.json: (name, TPR, AUC)."""
+    best = None
+    for name, result in (mia.get("summary") or {}).items():
+        pooled = result.get("pooled") if isinstance(result, dict) else None
+        if not isinstance(pooled, dict) or not isinstance(pooled.get("tpr@0.1%fpr"), dict):
+            continue
+        tpr, auc = pooled["tpr@0.1%fpr"]["value"], pooled["auc"]["value"]
+        if best is None or tpr > best[1]:
+            best = (name, float(tpr), float(auc))
+    return best
+
+
+def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
+    """Draw ``privacy.png`` when the run kept a ledger with at least one round; what it shows."""
+    ledger = data.get("privacy") or {}
+    rounds = ledger.get("rounds") or []
+    if not rounds:
+        return {}
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    settings = ledger.get("settings") or {}
+    xs = [r["round"] for r in rounds]
+    per = [list((r.get("per_client") or {"-": r["epsilon"]}).values()) for r in rounds]
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 5.2), gridspec_kw={"width_ratios": [3, 2]})
+    shown = ["epsilon per record: max over nodes"]
+    ax.fill_between(xs, [min(p) for p in per], [max(p) for p in per], alpha=0.2, label="band: least to most spent node")
+    ax.plot(xs, [max(p) for p in per], "-", marker="o", ms=3, label="max over nodes")
+    ax.plot(xs, [float(np.mean(p)) for p in per], "--", label="mean over nodes")
+    if settings.get("epsilon"):
+        ax.axhline(settings["epsilon"], color="gray", ls=":", label=f"target privacy.epsilon = {settings['epsilon']:g}")
+        shown.append("target")
+    if settings.get("max_epsilon"):
+        ax.axhline(
+            settings["max_epsilon"],
+            color="red",
+            ls="-.",
+            label=f"budget privacy.max-epsilon = {settings['max_epsilon']:g}",
+        )
+        shown.append("budget")
+    for name, node in sorted(((data.get("audit") or {}).get("nodes") or {}).items()):
+        ax.plot(
+            [node["round"]],
+            [node["epsilon_lower"]],
+            "v",
+            color="black",
+            ms=8,
+            label=f"audit lower bound, {name} ({node['canaries']} canaries)",
+        )
+        ax.plot(
+            [node["round"]],
+            [node["accounted_epsilon_audited_mechanism"]],
+            "^",
+            color="black",
+            mfc="none",
+            ms=8,
+            label="accounted epsilon of the audited mechanism",
+        )
+        shown.append("audit")
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(f"epsilon spent per record (delta {settings.get('delta', 0):g})")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{title(data)}: accountant {settings.get('accountant', '?')}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: never over a curve
+
+    last = rounds[-1].get("per_client") or {}
+    names, values = list(last), list(last.values())
+    if len(values) <= BARS:
+        right.bar(range(len(values)), values, color="tab:blue")
+        right.set_xticks(range(len(values)), names, rotation=90, fontsize=7)
+        right.set_ylabel("epsilon after the last round")
+    else:
+        right.hist(values, bins=30, color="tab:blue")
+        right.set_xlabel("epsilon after the last round")
+        right.set_ylabel("nodes")
+    right.set_title(f"per node, after round {xs[-1]}")
+    right.grid(alpha=0.3, axis="y")
+    mia_path = Path(out_dir) / MIA
+    attack = best_attack(json.loads(mia_path.read_text())) if mia_path.exists() else None
+    if attack is not None:
+        name, tpr, auc = attack
+        right.text(
+            0.98,
+            0.97,
+            f"best membership attack: {name}\nTPR at 0.1% FPR {tpr:.3f}, AUC {auc:.3f}",
+            transform=right.transAxes,
+            ha="right",
+            va="top",
+            fontsize=8,
+            bbox={"facecolor": "white", "alpha": 0.8},
+        )
+        shown.append("membership attack")
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / FILE, dpi=110)
+    plt.close(fig)
+    return {FILE: shown}

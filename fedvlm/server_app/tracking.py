@@ -1,0 +1,211 @@
+"""Experiment trackers: a run's figures in the TensorBoard or MLflow a lab already runs.
+
+``tracking.tensorboard`` writes event files into the run folder's ``tensorboard/`` (through torch's
+``SummaryWriter``, which writes TensorBoard's own format); ``tracking.mlflow`` logs to any MLflow
+tracking URI through MLflow's client. Both get, as a round's figures are complete (its
+evaluation back, or the run over), every round figure the run records (``fedvlm.metrics``: the
+ledger's epsilon max and mean over the nodes among them), the round's bytes, seconds and sampled
+nodes, under the round as step; the validated config at the start (MLflow's parameters,
+TensorBoard's text); and at the end the run folder's results.json, rounds.csv, the plots and
+the ledger (MLflow's artifacts).
+
+A tracker never fails a run: its first error (a server that is down, a disk that is full) is
+logged as a warning and recorded in results.json's ``run.tracking``, and that tracker is dropped
+for the rest of the run. MLflow's client is held to ``HTTP_TIMEOUT_S`` and ``HTTP_RETRIES``
+(unless the environment sets MLflow's own variables), so a dead server costs seconds, not the
+minutes of its default retries. A resumed run goes on with the same MLflow run (its id is in
+``run.tracking``) and logs only the rounds it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TENSORBOARD_DIR = "tensorboard"
+MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlartifacts"
+HTTP_TIMEOUT_S, HTTP_RETRIES = "10", "1"
+# a round's own figures, beside its declared metrics
+ROUND_FIGURES = {"seconds": "round/seconds", "bytes_up": "round/bytes-up", "bytes_down": "round/bytes-down"}
+SAMPLED = "round/sampled"
+FILES = ("results.json", "rounds.csv", "partition.json", "status.json")  # and every *.png
+PARAM_CHUNK = 100  # MLflow takes at most 100 parameters per batch
+INSTALL = "pip install 'fedvlm[tracking]'"
+
+
+def round_values(record: dict) -> dict[str, float]:
+    """What a tracker logs of a round's record: its figures, bytes, seconds and sampled nodes."""
+    values = {k: float(v) for k, v in record["metrics"].items() if isinstance(v, (int, float))}
+    values.update({name: float(record[k]) for k, name in ROUND_FIGURES.items() if k in record})
+    if "sampled" in record:
+        values[SAMPLED] = float(record["sampled"])
+    return values
+
+
+class TensorBoard:
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise RuntimeError(f"tracking.tensorboard needs the tensorboard package: {INSTALL}") from err
+        self.dir = run_dir / TENSORBOARD_DIR
+        self.writer = SummaryWriter(log_dir=str(self.dir))
+
+    def start(self, data: dict, resumed: bool) -> dict:
+        if not resumed:
+            rows = "\n".join(f"| {k} | {v} |" for k, v in data["config"].items())
+            self.writer.add_text("config", "| key | value |\n|---|---|\n" + rows)
+        return {"dir": str(self.dir)}
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def finish(self, data: dict, run_dir: Path) -> None:
+        self.writer.close()
+
+
+class MLflow:
+    name = "mlflow"
+
+    def __init__(self, uri: str, experiment: str, output_dir: str, run_dir: Path):
+        self.run_dir = run_dir
+        for var, value in (
+            ("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S),
+            ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_RETRIES),
+        ):
+            os.environ.setdefault(var, value)
+        try:
+            from mlflow import MlflowClient
+        except ImportError as err:
+            raise RuntimeError(f"tracking.mlflow needs the mlflow package: {INSTALL}") from err
+        local = not (uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        self.uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(output_dir) / MLFLOW_DB}"
+        self.client = MlflowClient(tracking_uri=self.uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is not None:
+            self.experiment_id = found.experiment_id
+        else:  # a local store keeps its artifacts beside it, not in the working directory
+            where = (Path(output_dir) / MLFLOW_ARTIFACTS).as_uri() if local else None
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=where)
+        self.run_id = ""
+
+    def start(self, data: dict, resumed: bool) -> dict:
+        from mlflow.entities import Param, RunTag
+
+        known = ((data["run"].get("tracking") or {}).get(self.name) or {}).get("run_id", "")
+        if resumed and known:
+            self.run_id = known
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            run = data["run"]
+            tags = {
+                "mlflow.runName": self.run_dir.name,
+                "method": str(run.get("method", "")),
+                "family": str(run.get("family", "")),
+                "dataset": str(data["config"].get("dataset", "")),
+                "run_folder": str(self.run_dir),
+            }
+            self.run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
+            params = [Param(k, str(v)[:6000]) for k, v in data["config"].items()]
+            for i in range(0, len(params), PARAM_CHUNK):
+                self.client.log_batch(self.run_id, params=params[i : i + PARAM_CHUNK])
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items() if k != "mlflow.runName"])
+        return {"uri": self.uri, "experiment_id": self.experiment_id, "run_id": self.run_id}
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def finish(self, data: dict, run_dir: Path) -> None:
+        for path in [*(run_dir / f for f in FILES), *sorted(run_dir.glob("*.png"))]:
+            if path.exists():
+                self.client.log_artifact(self.run_id, str(path))
+        status = {"finished": "FINISHED", "interrupted": "KILLED"}.get(data["run"]["status"], "FAILED")
+        self.client.set_terminated(self.run_id, status)
+
+
+class Trackers:
+    """The run's trackers. Every call into one is guarded: its first error drops it (``failed``)."""
+
+    def __init__(self, make: list[tuple[str, Any]]):
+        self.make = make  # (name, a callable building the tracker): built at ``start``
+        self.live: list[Any] = []
+        self.info: dict[str, dict] = {}
+        self.logged: dict[int, set[str]] = {}  # round -> names already logged
+        self.settled = 0  # the rounds before this index are evaluated and logged: never looked at again
+
+    @classmethod
+    def of(cls, cfg: Any, run_dir: Path) -> Trackers:
+        """The trackers a run config asks for (``cfg.tracking``)."""
+        t = cfg.tracking
+        make: list[tuple[str, Any]] = []
+        if t.tensorboard:
+            make.append((TensorBoard.name, lambda: TensorBoard(run_dir)))
+        if t.mlflow:
+            make.append((MLflow.name, lambda: MLflow(t.mlflow_uri, t.experiment, cfg.output_dir, run_dir)))
+        return cls(make)
+
+    def _fail(self, name: str, tracker: Any, what: str, err: BaseException) -> None:
+        log.warning("tracker %s failed (%s): %s: %s; the run goes on without it", name, what, type(err).__name__, err)
+        self.info[name] = {**self.info.get(name, {}), "failed": f"{what}: {type(err).__name__}: {str(err)[:300]}"}
+        if tracker in self.live:
+            self.live.remove(tracker)
+
+    def start(self, data: dict, resumed: bool) -> dict[str, dict]:
+        """Build and start every tracker; what results.json's ``run.tracking`` records."""
+        if resumed:  # the rounds the interrupted run kept were logged by it
+            self.logged = {r["round"]: set(round_values(r)) for r in data["rounds"] if r.get("evaluated")}
+        for name, build in self.make:
+            tracker = None
+            try:
+                tracker = build()
+                self.live.append(tracker)
+                self.info[name] = tracker.start(data, resumed)
+            except Exception as err:  # noqa: BLE001 - a tracker never fails the run
+                self._fail(name, tracker, "start", err)
+        return dict(self.info)
+
+    def update(self, data: dict, final: bool = False) -> None:
+        """Log every figure of a complete round not logged yet (complete: evaluated, or ``final``)."""
+        if not self.live:
+            return
+        rounds = data["rounds"]
+        for record in rounds[self.settled :]:
+            step = record["round"]
+            done = self.logged.setdefault(step, set())
+            if not (record.get("evaluated") or final):
+                continue
+            fresh = {k: v for k, v in round_values(record).items() if k not in done}
+            if not fresh:
+                continue
+            for tracker in list(self.live):
+                try:
+                    tracker.log(step, fresh)
+                except Exception as err:  # noqa: BLE001
+                    self._fail(tracker.name, tracker, f"round {step}", err)
+            done.update(fresh)
+        while self.settled < len(rounds) and rounds[self.settled].get("evaluated"):
+            self.settled += 1
+
+    def finish(self, data: dict, run_dir: Path) -> dict[str, dict]:
+        """The last figures, the run folder's files, and how the run ended."""
+        self.update(data, final=True)
+        for tracker in list(self.live):
+            try:
+                tracker.finish(data, run_dir)
+            except Exception as err:  # noqa: BLE001
+                self._fail(tracker.name, tracker, "finish", err)
+        return dict(self.info)

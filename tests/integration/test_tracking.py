@@ -1,0 +1,245 @@
+"""What a researcher sees of a run: the trackers read back through their own readers
+(TensorBoard's event reader, MLflow's client against its SQLite store and against a real
+``mlflow server``), rounds.csv's node rows against the ledger, and the pictures redrawn from the
+run folder alone (``python -m fedvlm.plots``)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fedvlm.client_app.app import app as client_app
+from fedvlm.server_app.app import execute
+from fedvlm.server_app.tracking import ROUND_FIGURES, SAMPLED, round_values
+from fedvlm.utils.inprocess import InProcessGrid
+from fedvlm.utils.processes import free_port, kill_tree
+
+pytest.importorskip("mlflow")  # the test extra installs both trackers (pyproject: fedvlm[tracking])
+pytest.importorskip("tensorboard")
+
+NODES = 3
+DP = {"method": "dpfpl", "privacy.epsilon": 1.0, "privacy.audit-canaries": 40, "max-per-class": 6}
+
+
+def _run(make_cfg, **overrides):
+    cfg = make_cfg(**overrides)
+    nodes = [{"partition-id": i, "num-partitions": NODES} for i in range(NODES)]
+    return execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id=cfg.run_name).data, cfg
+
+
+def _raw(**kv) -> dict:
+    return {k.replace(".", "__").replace("-", "_"): v for k, v in kv.items()}
+
+
+def _expected(data: dict) -> dict[int, dict[str, float]]:
+    return {r["round"]: round_values(r) for r in data["rounds"]}
+
+
+def _mlflow_history(client, run_id: str, names) -> dict[tuple[int, str], float]:
+    """(round, name) -> the value MLflow holds; each logged once."""
+    got: dict[tuple[int, str], float] = {}
+    for name in names:
+        for point in client.get_metric_history(run_id, name):
+            assert (point.step, name) not in got, f"{name} logged twice at step {point.step}"
+            got[point.step, name] = point.value
+    return got
+
+
+def _flat(expected: dict[int, dict[str, float]], names=None) -> dict[tuple[int, str], float]:
+    return {(s, k): v for s, values in expected.items() for k, v in values.items() if names is None or k in names}
+
+
+def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_folder(make_cfg, pretrained_clip):
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data, cfg = _run(
+        make_cfg,
+        **_raw(
+            **DP,
+            **{"num-server-rounds": 3, "run-name": "tracked", "tracking.tensorboard": True, "tracking.mlflow": True},
+        ),
+    )
+    expected = _expected(data)
+    names = sorted({k for v in expected.values() for k in v})
+    assert {"epsilon/per-record-max", "epsilon/per-record-mean", "local-acc", SAMPLED, *ROUND_FIGURES.values()} <= set(
+        names
+    )
+    ledger = data["privacy"]["rounds"]
+    for r, entry in zip(data["rounds"], ledger, strict=True):  # the mean is the ledger's, over the planned nodes
+        per = list(entry["per_client"].values())
+        assert r["metrics"]["epsilon/per-record-mean"] == pytest.approx(sum(per) / len(per))
+        assert r["metrics"]["epsilon/per-record-max"] == pytest.approx(max(per))
+
+    events = EventAccumulator(data["run"]["tracking"]["tensorboard"]["dir"])
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == names
+    for name in names:
+        points = {e.step: e.value for e in events.Scalars(name)}
+        assert len(points) == len(events.Scalars(name)), f"{name} written twice for one round"
+        assert points == pytest.approx({step: v[name] for step, v in expected.items() if name in v}, rel=1e-6)
+    assert "config/text_summary" in events.Tags()["tensors"]
+
+    info = data["run"]["tracking"]["mlflow"]
+    assert info["uri"] == f"sqlite:///{Path(cfg.output_dir) / 'mlflow.db'}"
+    client = MlflowClient(info["uri"])
+    run = client.get_run(info["run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == "tracked"
+    assert run.data.params == {k: str(v) for k, v in data["config"].items()}
+    assert run.data.tags["method"] == "dpfpl" and run.data.tags["run_folder"] == str(Path(cfg.output_dir) / "tracked")
+    assert _mlflow_history(client, info["run_id"], names) == pytest.approx(_flat(expected))
+    artifacts = {a.path for a in client.list_artifacts(info["run_id"])}
+    assert {"results.json", "rounds.csv", "privacy.png", "accuracy.png", "partition.png", "status.json"} <= artifacts
+    # the local store keeps its artifacts beside it, not in the working directory
+    assert (Path(cfg.output_dir) / "mlartifacts").is_dir()
+
+
+def test_a_resumed_run_goes_on_with_its_mlflow_run_and_logs_each_round_once(make_cfg, pretrained_clip):
+    from mlflow import MlflowClient
+
+    common = {"method": "promptfl", "max-per-class": 6, "run-name": "grows", "tracking.mlflow": True}
+    first, cfg = _run(make_cfg, **_raw(**common, **{"num-server-rounds": 2}))
+    run_dir = Path(cfg.output_dir) / "grows"
+    second, _ = _run(make_cfg, **_raw(**common, **{"num-server-rounds": 3, "resume": str(run_dir)}))
+    run_id = first["run"]["tracking"]["mlflow"]["run_id"]
+    assert second["run"]["tracking"]["mlflow"]["run_id"] == run_id
+    client = MlflowClient(second["run"]["tracking"]["mlflow"]["uri"])
+    expected = _expected(second)
+    names = ["local-acc", "round/bytes-up"]
+    got = _mlflow_history(client, run_id, names)
+    assert sorted({step for step, _ in got}) == [1, 2, 3]
+    assert got == pytest.approx(_flat(expected, names))
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_real_mlflow_server_gets_the_run_and_a_dead_one_costs_a_warning_not_the_run(
+    make_cfg, pretrained_clip, tmp_path
+):
+    """``mlflow server`` with a SQLite backend on loopback, started here and stopped by PID."""
+    from mlflow import MlflowClient
+
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "server-artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                if httpx.get(f"{uri}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
+            time.sleep(0.5)
+        data, _ = _run(
+            make_cfg,
+            **_raw(
+                method="promptfl",
+                **{"max-per-class": 6, "num-server-rounds": 2, "run-name": "served", "tracking.mlflow": True},
+                **{"tracking.mlflow-uri": uri, "tracking.experiment": "lab"},
+            ),
+        )
+        info = data["run"]["tracking"]["mlflow"]
+        assert "failed" not in info and info["uri"] == uri
+        client = MlflowClient(uri)
+        assert client.get_experiment(info["experiment_id"]).name == "lab"
+        got = _mlflow_history(client, info["run_id"], ["local-acc"])
+        assert got == pytest.approx(_flat(_expected(data), ["local-acc"]))
+        assert "results.json" in {a.path for a in client.list_artifacts(info["run_id"])}
+    finally:
+        kill_tree(server.pid)
+
+    # the server is gone: the run finishes, says why it is untracked, and is not held up long
+    t0 = time.time()
+    data, cfg = _run(
+        make_cfg,
+        **_raw(
+            method="promptfl",
+            **{"max-per-class": 6, "num-server-rounds": 2, "run-name": "untracked", "tracking.mlflow": True},
+            **{"tracking.mlflow-uri": uri},
+        ),
+    )
+    assert data["run"]["status"] == "finished" and len(data["rounds"]) == 2
+    assert data["run"]["tracking"]["mlflow"]["failed"].startswith("start: ")
+    assert time.time() - t0 < 120
+    on_disk = json.loads((Path(cfg.output_dir) / "untracked" / "results.json").read_text())
+    assert on_disk["run"]["tracking"] == data["run"]["tracking"]
+
+
+def test_rounds_csv_has_a_row_per_node_with_its_ledger_epsilon_and_the_plots_redraw_from_the_folder(
+    make_cfg, pretrained_clip
+):
+    data, cfg = _run(make_cfg, **_raw(**DP, **{"num-server-rounds": 2, "run-name": "pictures"}))
+    folder = Path(cfg.output_dir) / "pictures"
+    with open(folder / "rounds.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["client"] for r in rows if r["round"] == "1"] == ["", "client-0", "client-1", "client-2"]
+    for r in rows:
+        record = data["rounds"][int(r["round"]) - 1]
+        if r["client"] == "":
+            assert float(r["local-acc"]) == pytest.approx(record["metrics"]["local-acc"]) and r["epsilon"] == ""
+            continue
+        spent = data["privacy"]["rounds"][int(r["round"]) - 1]["per_client"][r["client"]]
+        assert float(r["epsilon"]) == pytest.approx(spent)
+        assert float(r["eval/local-acc"]) == pytest.approx(record["clients"][r["client"]]["eval/local-acc"])
+        assert r["local-acc"] == ""
+
+    # the split the plot counts is the one the nodes trained on (their handshakes' record counts;
+    # the audited node's include its canaries)
+    counts = json.loads((folder / "partition.json").read_text())
+    audited = data["audit"]["nodes"]
+    for node in data["run"]["nodes"]:
+        canaries = audited[node["name"]]["canaries"] if node["name"] in audited else 0
+        assert sum(counts["nodes"][node["name"]]["train"]) + canaries == node["num_train"]
+        assert sum(counts["nodes"][node["name"]]["test"]) == node["num_test"]
+    assert len(counts["names"]) == 40
+    drawn = data["run"]["plots"]
+    assert {"privacy.png", "partition.png", "accuracy.png"} <= set(drawn)
+    assert "audit" in drawn["privacy.png"] and "target" in drawn["privacy.png"]
+
+    for name in drawn:
+        (folder / name).unlink()
+    out = subprocess.run(
+        [sys.executable, "-m", "fedvlm.plots", str(folder)], capture_output=True, text=True, check=True
+    ).stdout
+    for name in drawn:
+        assert (folder / name).stat().st_size > 10_000, name
+        assert f"{folder / name}: " in out
+    assert json.loads((folder / "results.json").read_text())["run"]["plots"] == drawn
+
+
+def test_a_run_whose_nodes_bring_their_own_data_draws_no_partition():
+    """A deployed node's label mix stays its own: the server neither asks for nor draws it."""
+    from fedvlm.plots.partition import draw_partition
+
+    data = {
+        "config": {"method": "promptfl", "dataset": "embedded"},
+        "run": {"nodes": [{"name": "h", "partition_id": -1}]},
+    }
+    assert draw_partition(data, Path("/nonexistent")) == {}

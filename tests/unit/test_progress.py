@@ -1,0 +1,29 @@
+"""Progress bars on a terminal, nothing in a log (CI, ``flwr run --stream``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from fedvlm.utils.progress import time_left
+
+CODE = "from fedvlm.utils.progress import each\nfor _ in each(range(5), 'pretraining x'):\n    pass\n"
+
+
+def _stderr(**env) -> str:
+    full = {k: v for k, v in os.environ.items() if k not in ("FEDVLM_PROGRESS", "CI")} | env
+    return subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=full, check=True).stderr
+
+
+def test_a_log_gets_no_bar_and_a_forced_one_shows_its_count():
+    assert _stderr() == ""  # stderr is a pipe here, as in CI: quiet
+    assert _stderr(FEDVLM_PROGRESS="0") == ""
+    shown = _stderr(FEDVLM_PROGRESS="1")
+    assert "pretraining x" in shown and "/5 [" in shown  # its count of 5 steps
+
+
+def test_time_left_is_the_mean_time_per_unit_times_the_units_left():
+    assert time_left(2, 10, 20.0) == "about 80 s left"
+    assert time_left(1, 10, 60.0) == "about 9 min left"
+    assert time_left(0, 10, 5.0) == "" and time_left(10, 10, 5.0) == ""
