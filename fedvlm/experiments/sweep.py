@@ -53,6 +53,7 @@ from fedvlm.utils.progress import each, time_left
 log = logging.getLogger("sweep")
 
 EPSILONS = ("none", "0.4", "0.2", "0.1", "0.05", "0.01")
+LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
 
 
 def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
@@ -271,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = str(data["run"].get("note") or "the run failed").splitlines()[0][:300]
         spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
         row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
+        row["noise-multiplier"] = data["config"].get("privacy.noise-multiplier")  # a family's fixed noise (z)
         row.update(cost_row(data))
+        row.update({k: v for k, v in data["final"].items() if k.endswith(LAST10)})  # the family's headline figures
         row.update(audit_row(data))
         mia_path = out / "runs" / name / "mia.json"
         if args.mia and not mia_path.exists():
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     print((out / "table_final.md").read_text())
     print((out / "table_local.md").read_text())
     print((out / "table_neighbor.md").read_text())
-    if args.mia:
+    if (out / "table_mia.md").exists():
         print((out / "table_mia.md").read_text())
     if (out / "table_attacks.md").exists():
         print((out / "table_attacks.md").read_text())

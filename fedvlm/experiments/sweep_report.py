@@ -19,6 +19,24 @@ def _fmt(values: list[float | None]) -> str:
     return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}" if len(vals) > 1 else f"{100 * vals[0]:.2f}"
 
 
+TEXT_COLUMNS = ("variant", "method", "epsilon", "status", "error", "mia-error", "audit-node", "audit-status")
+
+
+def read_summary(path: Path) -> list[dict]:
+    """A sweep's summary.csv as the rows it wrote: numbers as floats, an empty cell as None."""
+
+    def cell(key: str, text: str):
+        if text == "" or key in TEXT_COLUMNS:
+            return text if key in TEXT_COLUMNS else None
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+    with open(path, newline="") as fh:
+        return [{k: cell(k, v) for k, v in r.items()} for r in csv.DictReader(fh)]
+
+
 def write_failures(rows: list[dict], out: Path) -> None:
     """table_failures.md: every run that could not run or did not finish, with its reason."""
     failed = [r for r in rows if r["status"] == "failed"]

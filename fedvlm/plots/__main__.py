@@ -10,7 +10,6 @@ folder one with summary.csv (``python -m fedvlm.experiments.sweep --out``).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import sys
@@ -20,24 +19,12 @@ from fedvlm.plots import draw_run
 from fedvlm.utils.files import atomic_write_json
 
 
-def _number(text: str):
-    """A summary.csv cell as the sweep wrote it: a number, text, or None for an empty cell."""
-    if text == "":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def redraw_sweep(folder: Path) -> list[str]:
     """A sweep's plots from its summary.csv (the rows it wrote after every run)."""
     from fedvlm.experiments.attack_report import plot_attacks
-    from fedvlm.experiments.sweep_report import plot, plot_audit
+    from fedvlm.experiments.sweep_report import plot, plot_audit, read_summary
 
-    with open(folder / "summary.csv", newline="") as fh:
-        text = ("variant", "method", "epsilon", "status")
-        rows = [{k: v if k in text else _number(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    rows = read_summary(folder / "summary.csv")
     done = [r for r in rows if r["status"] != "failed"]
     before = {p.name: p.stat().st_mtime for p in folder.glob("*.png")}
     plot(done, folder, list(dict.fromkeys(r["epsilon"] for r in rows)))

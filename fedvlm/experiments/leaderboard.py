@@ -1,0 +1,349 @@
+"""One table of every method's utility, privacy and cost on the embedded default.
+
+    python -m fedvlm.experiments.leaderboard                       # the board (--out ~/fedvlm-leaderboard)
+    python -m fedvlm.experiments.leaderboard --quick               # a CI-sized check of the same pipeline
+    python -m fedvlm.experiments.leaderboard --docs                # also into docs/results/leaderboard.md
+    python -m fedvlm.experiments.leaderboard --families prompt --methods promptfl,dpfpl --seeds 0
+
+Each family's methods run on its embedded default through the sweep (``experiments.sweep``: the
+same runs, one-run audits and membership attacks a sweep makes, in ``--out/<family>/``), at each
+privacy level a method has (a method without a mechanism at 'none' only) and each seed; finished
+runs are reused, so an interrupted board resumes. Then, per method and privacy level (mean ±
+std over seeds for utility, the mean for the rest):
+
+- utility: the family's headline figures, mean of the last 10 rounds (local and neighbour
+  accuracy; the VLM methods' CIDEr);
+- privacy: the target epsilon, the epsilon the ledger accounted (one accountant for every run:
+  ``privacy.accountant``, RDP by default), the one-run audit's lower bound (``privacy.audit-canaries``
+  canaries on one node), and the best membership attack's TPR at 0.1% FPR and AUC (the attack with
+  the highest TPR, named);
+- cost: megabytes each client sent and received, seconds per round, on the machine named in the
+  table's header.
+
+Writes ``leaderboard.md``, ``.csv``, ``.json`` and ``pareto.png`` (utility against accounted
+epsilon and against the best attack's TPR, the non-dominated points joined) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedvlm.experiments import sweep
+from fedvlm.experiments.sweep_report import read_summary
+from fedvlm.methods.registry import FAMILIES, get_method, methods_of
+from fedvlm.metrics import AUDIT_METRICS, CIDER, METRICS, PROPORTION
+from fedvlm.utils.progress import time_left
+
+log = logging.getLogger("leaderboard")
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "results"
+UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
+TPR, AUC = "tpr@0.1%fpr", "auc"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big the board is: what every family's runs get."""
+
+    epsilons: tuple[str, ...]
+    seeds: tuple[int, ...]
+    clients: int
+    audit: int  # canaries of the one-run audit
+    shadows: int  # shadow federations of the membership attacks
+    sets: tuple[str, ...]  # run-config overrides for every run
+
+
+FULL = Scale(("none", "8", "1"), (0, 1, 2), 10, 100, 2, ())
+QUICK = Scale(("none", "1"), (0,), 3, 20, 1, ("num-server-rounds=2", "max-per-class=6", "vlm.eval-samples=3"))
+# the reprogramming family's quick check: the digits task on its 93 k-weight source (the motif
+# source of its embedded default needs minutes of pretraining first)
+QUICK_FAMILY = {"reprogram": ("dataset=digits", "reprogram.local-iterations=2")}
+
+
+def run_family(family: str, methods: list[str], scale: Scale, out: Path, quick: bool) -> list[dict]:
+    """Every run of ``methods`` through the sweep (resumed where it stopped); its summary's rows."""
+    folder = out / family
+    argv = [
+        "--out",
+        str(folder),
+        "--methods",
+        ",".join(methods),
+        "--epsilons",
+        ",".join(scale.epsilons),
+        "--seeds",
+        ",".join(map(str, scale.seeds)),
+        "--clients",
+        str(scale.clients),
+        "--mia",
+        "--shadows",
+        str(scale.shadows),
+        "--audit",
+        str(scale.audit),
+    ]
+    sets = [*scale.sets, *(QUICK_FAMILY.get(family, ()) if quick else ())]
+    if sets:
+        argv += ["--set", *sets]
+    sweep.main(argv)
+    return [{**r, "family": family} for r in read_summary(folder / "summary.csv")]
+
+
+def best_attack(row: dict) -> tuple[str, float, float | None] | None:
+    """The attack with the highest TPR at 0.1% FPR in a sweep row: (name, TPR, AUC)."""
+    found = [
+        (k[len("mia-") : -len(f"-{TPR}")], row[k], row.get(k.replace(TPR, AUC)))
+        for k in row
+        if k.startswith("mia-") and k.endswith(f"-{TPR}") and row[k] is not None
+    ]
+    return max(found, key=lambda f: f[1]) if found else None
+
+
+def utility_columns(rows: list[dict]) -> list[str]:
+    """A family's utility: the headline figures of a utility kind its runs report."""
+    return [
+        m.name
+        for m in METRICS.values()
+        if m.headline and m.kind in UTILITY_KINDS and any(r.get(m.name + sweep.LAST10) is not None for r in rows)
+    ]
+
+
+def _mean(values) -> float | None:
+    vals = [float(v) for v in values if v is not None and np.isfinite(float(v))]
+    return float(np.mean(vals)) if vals else None
+
+
+def board(rows: list[dict]) -> list[dict]:
+    """One entry per family, method and target epsilon: the seeds' runs combined."""
+    out = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family and r["status"] != "failed"]
+        utility = utility_columns(mine)
+        for method, eps in dict.fromkeys((r["method"], r["epsilon"]) for r in mine):
+            runs = [r for r in mine if r["method"] == method and r["epsilon"] == eps]
+            attacks = [a for a in (best_attack(r) for r in runs) if a is not None]
+            z = runs[0].get("noise-multiplier")
+            # 'none' asks for no epsilon target; a family with fixed noise (Reprogrammable-FL's z = 1.1) still adds it
+            target = f"none (z={z:g})" if eps == "none" and z else eps
+            entry: dict = {"family": family, "method": method, "epsilon": eps, "target": target, "seeds": len(runs)}
+            for name in utility:
+                vals = [r[name + sweep.LAST10] for r in runs if r.get(name + sweep.LAST10) is not None]
+                entry[name] = _mean(vals)
+                entry[name + "-std"] = float(np.std(vals)) if len(vals) > 1 else None
+            entry["epsilon-accounted"] = _mean(r.get("epsilon-spent") for r in runs)
+            entry["audit-lower-bound"] = _mean(r.get(AUDIT_METRICS["epsilon-lower"]) for r in runs)
+            if attacks:
+                name, _, _ = max(attacks, key=lambda a: a[1])
+                entry["best-attack"] = name
+                entry["attack-tpr@0.1%fpr"] = _mean(a[1] for a in attacks)
+                entry["attack-auc"] = _mean(a[2] for a in attacks)
+            for key in ("mb-up-per-client", "mb-down-per-client", "seconds-per-round"):
+                entry[key] = _mean(r.get(key) for r in runs)
+            out.append(entry)
+    failed = [r for r in rows if r["status"] == "failed"]
+    for r in failed:
+        out.append(
+            {"family": r["family"], "method": r["method"], "epsilon": r["epsilon"], "failed": r.get("error", "")}
+        )
+    return out
+
+
+def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    return f"{platform.system()} {cpu}, {os.cpu_count()} CPU cores, no GPU (device cpu)"
+
+
+def write_markdown(entries: list[dict], path: Path, command: str, seconds: float) -> None:
+    lines = [
+        "# Leaderboard: utility, privacy and cost of every method on the embedded default",
+        "",
+        f"Measured with `{command}` on {machine()}, in {seconds / 60:.0f} min "
+        "(finished runs are reused, so a resumed board counts only the time it ran).",
+        "",
+        "Utility: mean of the last 10 rounds, ± std over seeds. Privacy: the target epsilon, the epsilon the "
+        "run's ledger accounted per record (every mechanism composed), the one-run audit's lower bound (one node, "
+        "its local mechanism), and the best membership attack's TPR at 0.1% FPR and AUC (chance: 0.001 and 0.5). "
+        "Cost: tensor megabytes per client sent (up) and received (down) over the run, seconds per round. "
+        "`-`: not measured for that row (no mechanism to audit, no attack that applies).",
+    ]
+    for family in dict.fromkeys(e["family"] for e in entries):
+        mine = [e for e in entries if e["family"] == family and "failed" not in e]
+        utility = utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
+        head = [
+            "method",
+            "target eps",
+            *utility,
+            "accounted eps",
+            "audit lower bound",
+            "best attack",
+            "TPR@0.1%FPR",
+            "AUC",
+            "MB up",
+            "MB down",
+            "s/round",
+        ]
+        lines += ["", f"## {family} family ({FAMILIES[family].default_dataset})", ""]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for e in mine:
+            cells = [
+                e["method"],
+                e["target"],
+                *(
+                    _fmt(e.get(u), METRICS[u].kind.scale)
+                    + ("" if e.get(u + "-std") is None else f" ± {_fmt(e[u + '-std'], METRICS[u].kind.scale)}")
+                    for u in utility
+                ),
+                _fmt(e.get("epsilon-accounted"), digits=3),
+                _fmt(e.get("audit-lower-bound"), digits=3),
+                e.get("best-attack", "-"),
+                _fmt(e.get("attack-tpr@0.1%fpr"), digits=4),
+                _fmt(e.get("attack-auc"), digits=3),
+                _fmt(e.get("mb-up-per-client"), digits=3),
+                _fmt(e.get("mb-down-per-client"), digits=3),
+                _fmt(e.get("seconds-per-round"), digits=1),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    failed = [e for e in entries if "failed" in e]
+    if failed:
+        lines += ["", "Runs that failed (the board went on without them):", ""]
+        lines += [f"- {e['family']} / {e['method']} at epsilon {e['epsilon']}: {e['failed']}" for e in failed]
+    lines += ["", "![utility against accounted epsilon and the best attack](leaderboard_pareto.png)", ""]
+    path.write_text("\n".join(lines))
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other beats on both counts (lower x, higher y), by x."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or y > front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def plot_pareto(entries: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = [f for f in dict.fromkeys(e["family"] for e in entries if "failed" not in e)]
+    fig, axes = plt.subplots(len(families), 2, figsize=(12, 4.2 * len(families)), squeeze=False)
+    for (left, right), family in zip(axes, families, strict=True):
+        mine = [e for e in entries if e["family"] == family and "failed" not in e]
+        utility = utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
+        if not utility:
+            continue
+        u = utility[0]
+        scale = METRICS[u].kind.scale
+        colours = {m: f"C{k}" for k, m in enumerate(dict.fromkeys(e["method"] for e in mine))}
+        finite = [e["epsilon-accounted"] for e in mine if e.get("epsilon-accounted")]
+        none_x = 2 * max(finite) if finite else 1.0  # where runs without noise sit: right of every private one
+        for ax, xkey, xlabel in (
+            (left, "epsilon-accounted", f"accounted epsilon (no DP drawn at {none_x:.3g})"),
+            (right, "attack-tpr@0.1%fpr", "best membership attack's TPR at 0.1% FPR"),
+        ):
+            pts = []
+            for e in mine:
+                y, x = e.get(u), e.get(xkey)
+                if x is None and xkey == "epsilon-accounted":
+                    x = none_x
+                if y is None or x is None:
+                    continue
+                pts.append((x, y * scale))
+                ax.plot(x, y * scale, "o", color=colours[e["method"]])
+                ax.annotate(
+                    f"{e['method']} ({e['target']})",
+                    (x, y * scale),
+                    fontsize=7,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
+            if pts:
+                fx, fy = zip(*pareto_front(pts), strict=True)
+                ax.step(fx, fy, where="post", color="gray", ls="--", lw=1, label="non-dominated")
+                ax.legend(fontsize=8, loc="best")
+            if ax is left:
+                ax.set_xscale("log")
+            else:  # a TPR of 0 (no record found at that FPR) must show: a linear axis from 0
+                ax.set_xlim(left=0)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(f"{u} ({METRICS[u].kind.axis})")
+            ax.set_title(f"{family} family: {u} against {'privacy spent' if ax is left else 'privacy measured'}")
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.leaderboard", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path.home() / "fedvlm-leaderboard")
+    p.add_argument(
+        "--quick", action="store_true", help="a CI-sized board: 2 rounds, 3 clients, one seed, eps none and 1"
+    )
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families (default: all)")
+    p.add_argument("--methods", default="", help="comma-separated methods (default: every method of each family)")
+    p.add_argument("--seeds", default="", help="override the scale's seeds, e.g. 0,1")
+    p.add_argument("--docs", action="store_true", help="also write docs/results/leaderboard.md and its plot")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    scale = QUICK if args.quick else FULL
+    if args.seeds:
+        scale = dataclasses.replace(scale, seeds=tuple(int(s) for s in args.seeds.split(",")))
+    chosen = set(args.methods.split(",")) - {""}
+    for name in chosen:
+        get_method(name)  # an unknown method fails now, not hours in
+    out = args.out.expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plan = []
+    for family in args.families.split(","):
+        if family not in FAMILIES:
+            p.error(f"--families: {family!r} is not one of {', '.join(FAMILIES)}")
+        methods = [m.name for m in methods_of(FAMILIES[family]) if not chosen or m.name in chosen]
+        if methods:
+            plan.append((family, methods))
+    t0 = time.time()
+    rows: list[dict] = []
+    for i, (family, methods) in enumerate(plan, 1):
+        log.info("leaderboard: family %s (%d/%d): %s", family, i, len(plan), ", ".join(methods))
+        rows += run_family(family, methods, scale, out, args.quick)
+        log.info(
+            "leaderboard: %d/%d families done, %s", i, len(plan), time_left(i, len(plan), time.time() - t0) or "done"
+        )
+    entries = board(rows)
+    command = "python -m fedvlm.experiments.leaderboard " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "leaderboard.json").write_text(
+        json.dumps({"command": command, "machine": machine(), "entries": entries}, indent=1)
+    )
+    with open(out / "leaderboard.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for e in entries for k in e)))
+        writer.writeheader()
+        writer.writerows(entries)
+    write_markdown(entries, out / "leaderboard.md", command.strip(), time.time() - t0)
+    plot_pareto(entries, out / "leaderboard_pareto.png")
+    if args.docs:
+        shutil.copy(out / "leaderboard.md", DOCS / "leaderboard.md")
+        shutil.copy(out / "leaderboard_pareto.png", DOCS / "leaderboard_pareto.png")
+        shutil.copy(out / "leaderboard.json", DOCS / "leaderboard.json")
+    print((out / "leaderboard.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

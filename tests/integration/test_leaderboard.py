@@ -1,0 +1,59 @@
+"""The leaderboard's quick mode: every cell comes from its runs' own folders (results.json, the
+ledger, mia.json), and a second call reuses every finished run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedvlm.experiments import leaderboard
+from fedvlm.plots.__main__ import main as plots_main
+from fedvlm.plots.privacy import best_attack
+
+
+def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pretrained_clip, monkeypatch):
+    monkeypatch.setenv("FEDVLM_CACHE", str(cache_dir))
+    out = tmp_path / "board"
+    argv = ["--quick", "--out", str(out), "--families", "prompt", "--methods", "dpfpl"]
+    assert leaderboard.main(argv) == 0
+    entries = {e["epsilon"]: e for e in json.loads((out / "leaderboard.json").read_text())["entries"]}
+    assert set(entries) == {"none", "1"}
+    for eps, entry in entries.items():
+        run = out / "prompt" / "runs" / f"dpfpl-r8-eps{eps}-seed0"
+        data = json.loads((run / "results.json").read_text())
+        nodes = len(data["run"]["nodes"])
+        assert nodes == leaderboard.QUICK.clients
+        assert entry["local-acc"] == pytest.approx(data["final"]["local-acc-last10-mean"])
+        assert entry["neighbor-acc"] == pytest.approx(data["final"]["neighbor-acc-last10-mean"])
+        assert entry["mb-up-per-client"] == pytest.approx(data["final"]["bytes_up"] / nodes / 1e6)
+        assert entry["seconds-per-round"] == pytest.approx(sum(r["seconds"] for r in data["rounds"]) / 2)
+        name, tpr, auc = best_attack(json.loads((run / "mia.json").read_text()))
+        assert entry["attack-tpr@0.1%fpr"] == pytest.approx(tpr) and entry["attack-auc"] == pytest.approx(auc)
+        if eps == "1":
+            spent = data["privacy"]["rounds"][-1]["epsilon"]
+            assert entry["epsilon-accounted"] == pytest.approx(spent) and spent <= 1 + 1e-9
+            assert entry["audit-lower-bound"] == pytest.approx(data["audit"]["nodes"]["client-0"]["epsilon_lower"])
+        else:
+            assert entry["epsilon-accounted"] is None and entry["audit-lower-bound"] is None
+    board = (out / "leaderboard.md").read_text()
+    assert "| dpfpl | 1 |" in board and "| dpfpl | none |" in board and leaderboard.machine() in board
+    assert (out / "leaderboard_pareto.png").stat().st_size > 10_000
+
+    # the sweep's pictures redraw from its folder alone
+    drawn = sorted(png.name for png in (out / "prompt").glob("*.png"))
+    assert {"accuracy_vs_epsilon.png", "audit_vs_accounted.png"} <= set(drawn)
+    for png in (out / "prompt").glob("*.png"):
+        png.unlink()
+    assert plots_main([str(out / "prompt")]) == 0
+    assert sorted(png.name for png in (out / "prompt").glob("*.png")) == drawn
+
+    written = {p: p.stat().st_mtime_ns for p in (out / "prompt" / "runs").glob("*/results.json")}
+    assert leaderboard.main(argv) == 0  # resumed: nothing runs again
+    assert {p: p.stat().st_mtime_ns for p in written} == written
+    assert json.loads((out / "leaderboard.json").read_text())["entries"] == list(entries.values())
+
+
+def test_the_pareto_front_keeps_the_points_nothing_beats():
+    points = [(1.0, 20.0), (2.0, 25.0), (2.0, 22.0), (4.0, 24.0), (8.0, 30.0), (0.5, 10.0)]
+    assert leaderboard.pareto_front(points) == [(0.5, 10.0), (1.0, 20.0), (2.0, 25.0), (8.0, 30.0)]

@@ -1,0 +1,49 @@
+"""The privacy picture reads the ledger as results.json holds it: the budget line where the run
+has one, a histogram past 40 nodes, the best attack where the folder holds mia.json."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib
+
+from fedvlm.plots.privacy import BARS, best_attack, draw_privacy
+
+matplotlib.use("Agg")
+
+
+def _data(nodes: int, max_epsilon: float) -> dict:
+    per = [{f"client-{i}": r * (1 + i / nodes) / 10 for i in range(nodes)} for r in (1, 2, 3)]
+    return {
+        "config": {"method": "dpfpl", "dataset": "embedded"},
+        "privacy": {
+            "settings": {"epsilon": 1.0, "max_epsilon": max_epsilon, "delta": 1e-5, "accountant": "rdp"},
+            "rounds": [{"round": r + 1, "epsilon": max(p.values()), "per_client": p} for r, p in enumerate(per)],
+        },
+    }
+
+
+def _mia(tprs: dict[str, float]) -> dict:
+    return {
+        "summary": {
+            "shokri": {"accuracy": 0.5, "auc": 0.5},  # no pooled interval: not a candidate
+            **{
+                n: {"pooled": {"tpr@0.1%fpr": {"value": t, "ci95": [0, 1]}, "auc": {"value": 0.5 + t, "ci95": [0, 1]}}}
+                for n, t in tprs.items()
+            },
+        }
+    }
+
+
+def test_the_privacy_picture_shows_the_budget_the_nodes_and_the_best_attack(tmp_path):
+    assert draw_privacy({"config": {}, "privacy": {}}, tmp_path) == {}  # no ledger, no picture
+    assert draw_privacy(_data(3, 0.0), tmp_path) == {"privacy.png": ["epsilon per record: max over nodes", "target"]}
+    (tmp_path / "mia.json").write_text(json.dumps(_mia({"lira-offline": 0.02, "rmia-offline": 0.05})))
+    shown = draw_privacy(_data(BARS + 10, 2.0), tmp_path)["privacy.png"]
+    assert "budget" in shown and "membership attack" in shown
+    assert (tmp_path / "privacy.png").stat().st_size > 10_000
+
+
+def test_the_best_attack_is_the_highest_tpr_at_the_lowest_fpr():
+    assert best_attack(_mia({"lira-offline": 0.02, "rmia-offline": 0.05})) == ("rmia-offline", 0.05, 0.55)
+    assert best_attack({"summary": {}}) is None
