@@ -112,11 +112,22 @@ class Family:
     # registered with the method (``methods.registry.register_method``), so that the server's
     # checks accept them and the results, plots and rounds.csv show them
     metrics: tuple[Metric, ...] = ()
+    # 'module:function' of (a finished run's folder, shadow federations, online-LiRA reference
+    # federations) -> the membership attacks
+    # that apply to the family's models, pooled over clients by attack name ({metric: {"value",
+    # "ci95"}}, ``experiments.attack_report``); '' where none applies yet (the sweep and the
+    # leaderboard say so)
+    membership_attack: str = ""
 
     @property
     def node_data(self) -> Callable[[Any, dict], Any]:
         """How a node loads its data: (run config, node config) -> the node's data."""
         return load(self.node_loader)
+
+    @property
+    def attack(self) -> Callable[[Any, int, int], dict[str, dict]] | None:
+        """The family's membership attacks (``membership_attack``), or None."""
+        return load(self.membership_attack) if self.membership_attack else None
 
 
 @dataclass(frozen=True)

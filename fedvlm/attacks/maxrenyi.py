@@ -252,6 +252,37 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
     return report
 
 
+SAMPLES = 100  # members and non-members per attacked model where a caller names no other
+
+
+def pooled(report: dict) -> dict[str, dict]:
+    """A MaxRényi report's attacks with bootstrap intervals, by name: MaxRényi-10% (alpha 0.5,
+    fixed in advance) on the server's model and on the rebuilt client models, the base-model
+    calibrated likelihood and RMIA on the client models, and the server's attacks on every upload
+    where the run kept them."""
+    threats = report["threats"]
+    server = threats.get("server", {}).get(HEADLINE, {})
+    clients = threats.get("client", {}).get("pooled", {})
+    uploads = threats.get("uploads", {}).get("summary", {})
+    found = {
+        "server-maxrenyi10": server.get("intervals", {}),
+        "clients-maxrenyi10": clients.get(HEADLINE, {}),
+        "clients-calibrated-base": clients.get("calibrated-base", {}),
+        "clients-rmia-base": clients.get("rmia-base", {}),
+        **{f"uploads-{k.removeprefix('server-')}": v["pooled"] for k, v in uploads.items()},
+    }
+    return {name: v for name, v in found.items() if v}
+
+
+def pooled_attacks(run_dir: Path, shadows: int = 0, online: int = 0) -> dict[str, dict]:
+    """The VLM family's membership attacks on a finished run (``Family.membership_attack``): the
+    pooled ones of its maxrenyi.json, running the attack first where the folder has none. They
+    need no shadow or reference federations (``shadows`` and ``online`` are the prompt family's
+    knobs): the base model calibrates them."""
+    path = Path(run_dir) / "maxrenyi.json"
+    return pooled(json.loads(path.read_text()) if path.exists() else run_maxrenyi(Path(run_dir), SAMPLES))
+
+
 def upload_attacks(cfg, run_dir: Path, nodes: list[dict], samples: int, seed: int) -> dict:
     """The honest-but-curious server's attacks on every LoRA upload it saw (``attacks.server``):
     alignment and decomposition, per client and pooled, with intervals."""

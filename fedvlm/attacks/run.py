@@ -222,6 +222,16 @@ def run_attacks(
     return result
 
 
+def pooled_attacks(run_dir: Path, shadows: int = 2, online: int = 0) -> dict[str, dict]:
+    """The prompt family's membership attacks on a finished run (``Family.membership_attack``):
+    mia.json's attacks that carry pooled intervals (offline LiRA and RMIA, online LiRA with
+    ``online`` reference federations, the server's where the run kept its uploads), running them
+    first where the folder has none."""
+    path = Path(run_dir) / "mia.json"
+    result = json.loads(path.read_text()) if path.exists() else run_attacks(run_dir, shadows=shadows, online=online)
+    return {name: v["pooled"] for name, v in result["summary"].items() if isinstance(v, dict) and "pooled" in v}
+
+
 def _interval(metric: dict, digits: int) -> str:
     low, high = metric["ci95"]
     return f"{metric['value']:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"

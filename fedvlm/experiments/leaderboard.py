@@ -144,6 +144,9 @@ def board(rows: list[dict]) -> list[dict]:
                 entry[name + "-std"] = float(np.std(vals)) if len(vals) > 1 else None
             entry["epsilon-accounted"] = _mean(r.get("epsilon-spent") for r in runs)
             entry["audit-lower-bound"] = _mean(r.get(AUDIT_METRICS["epsilon-lower"]) for r in runs)
+            notes = [r["mia-error"] for r in runs if r.get("mia-error")]
+            if notes:  # why the attack columns are empty (or rest on fewer seeds)
+                entry["attack-note"] = notes[0]
             if attacks:
                 name, _, _ = max(attacks, key=lambda a: a[1])
                 entry["best-attack"] = name
@@ -219,6 +222,9 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
                 _fmt(e.get("seconds-per-round"), digits=1),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+        notes = dict.fromkeys(f"{e['method']} ({e['target']}): {e['attack-note']}" for e in mine if "attack-note" in e)
+        if notes:
+            lines += ["", "Attack columns left empty:", "", *(f"- {n}" for n in notes)]
     failed = [e for e in entries if "failed" in e]
     if failed:
         lines += ["", "Runs that failed (the board went on without them):", ""]

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedvlm.attacks.maxrenyi import HEADLINE
+from fedvlm.attacks.maxrenyi import pooled
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.sweep import run_one
 from fedvlm.methods.registry import VLM, methods_of
@@ -75,20 +75,7 @@ def summarise(method: str, data: dict, mia: dict | None) -> dict:
             row[f"mia-{threat}-auroc"] = best[0] if best else None
             row[f"mia-{threat}-setting"] = best[1] if best else "n/a"
         # the setting fixed in advance, with intervals: the server's model, the clients' pooled
-        server = mia["threats"].get("server", {}).get(HEADLINE, {})
-        clients = mia["threats"].get("client", {}).get("pooled", {})
-        uploads = mia["threats"].get("uploads", {}).get("summary", {})
-        row.update(
-            attack_row(
-                {
-                    "server-maxrenyi10": server.get("intervals", {}),
-                    "clients-maxrenyi10": clients.get(HEADLINE, {}),
-                    "clients-calibrated-base": clients.get("calibrated-base", {}),
-                    "clients-rmia-base": clients.get("rmia-base", {}),
-                    **{f"uploads-{k.removeprefix('server-')}": v["pooled"] for k, v in uploads.items()},
-                }
-            )
-        )
+        row.update(attack_row(pooled(mia)))
     return row
 
 

@@ -127,6 +127,34 @@ def cost_row(data: dict) -> dict:
     }
 
 
+def attack_columns(run_dir: Path, family, shadows: int, online: int) -> dict:
+    """A run's membership-attack columns: the family's attacks, pooled over clients with their
+    intervals (``Family.membership_attack``), and Shokri's and the loss threshold's accuracy and
+    AUC where the prompt family's mia.json has them. An attack that cannot run, or a family none
+    applies to yet, is the row's ``mia-error``, not the sweep's end."""
+    attack = family.attack
+    if attack is None:
+        return {"mia-error": f"no membership attack applies to the {family.name} family yet"}
+    try:
+        row = attack_row(attack(run_dir, shadows, online))
+    except Exception as err:  # noqa: BLE001 - a run the attacks cannot take is a row without them
+        reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        log.error("%s: the membership attacks could not run: %s", run_dir.name, reason)
+        return {"mia-error": reason}
+    mia_path = run_dir / "mia.json"
+    if mia_path.exists():
+        mia = json.loads(mia_path.read_text())["summary"]
+        row.update(
+            {
+                "mia-shokri-acc": mia["shokri"]["accuracy"],
+                "mia-shokri-auc": mia["shokri"]["auc"],
+                "mia-loss-acc": mia["loss-threshold"]["accuracy"],
+                "mia-loss-auc": mia["loss-threshold"]["auc"],
+            }
+        )
+    return row
+
+
 def failed_row(variant: str, method: str, eps: str, seed: int, err: BaseException) -> dict:
     reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     return {"variant": variant, "method": method, "epsilon": eps, "seed": seed, "status": "failed", "error": reason}
@@ -276,26 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         row.update(cost_row(data))
         row.update({k: v for k, v in data["final"].items() if k.endswith(LAST10)})  # the family's headline figures
         row.update(audit_row(data))
-        mia_path = out / "runs" / name / "mia.json"
-        if args.mia and not mia_path.exists():
-            from fedvlm.attacks.run import run_attacks
-
-            try:
-                run_attacks(out / "runs" / name, shadows=args.shadows, online=args.online)
-            except Exception as err:  # noqa: BLE001 - a run the attacks cannot take is a row without them
-                row["mia-error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-                log.error("%s: the membership attacks could not run: %s", name, row["mia-error"])
-        if args.mia and mia_path.exists():
-            mia = json.loads(mia_path.read_text())["summary"]
-            row.update(
-                {
-                    "mia-shokri-acc": mia["shokri"]["accuracy"],
-                    "mia-shokri-auc": mia["shokri"]["auc"],
-                    "mia-loss-acc": mia["loss-threshold"]["accuracy"],
-                    "mia-loss-auc": mia["loss-threshold"]["auc"],
-                }
-            )
-            row.update(attack_row({k: v["pooled"] for k, v in mia.items() if "pooled" in v}))
+        if args.mia:
+            row.update(attack_columns(out / "runs" / name, get_method(method).family, args.shadows, args.online))
         rows.append(row)
         log.info(
             "[%d/%d] %s: local %.1f%% neighbor %s%s (%.0fs; %s)",

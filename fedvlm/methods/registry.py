@@ -162,6 +162,7 @@ PROMPT = Family(
     1.0,
     "fedvlm.client_app.node:node_data",
     _steps_or_epochs(lambda cfg: cfg.prompt),
+    membership_attack="fedvlm.attacks.run:pooled_attacks",
 )
 VLM = Family(
     "vlm",
@@ -172,6 +173,7 @@ VLM = Family(
     0.3,
     "fedvlm.client_app.vlm_node:vlm_node_data",
     _steps_or_epochs(lambda cfg: cfg.lora),
+    membership_attack="fedvlm.attacks.maxrenyi:pooled_attacks",
 )
 # Reprogrammable-FL: 3 clients, IID, all of them every round, DP-SGD with C = 1, z = 1.1
 REPROGRAM = Family(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedvlm.metrics import EPSILON_MEAN, EPSILON_SPENT
 from fedvlm.plots.curves import title
 
 FILE = "privacy.png"
@@ -49,7 +50,7 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
     xs = [r["round"] for r in rounds]
     per = [list((r.get("per_client") or {"-": r["epsilon"]}).values()) for r in rounds]
     fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 5.2), gridspec_kw={"width_ratios": [3, 2]})
-    shown = ["epsilon per record: max over nodes"]
+    shown = [EPSILON_SPENT, EPSILON_MEAN, "per-node band"]  # the ledger's figures, as the round records name them
     ax.fill_between(xs, [min(p) for p in per], [max(p) for p in per], alpha=0.2, label="band: least to most spent node")
     ax.plot(xs, [max(p) for p in per], "-", marker="o", ms=3, label="max over nodes")
     ax.plot(xs, [float(np.mean(p)) for p in per], "--", label="mean over nodes")

@@ -213,7 +213,9 @@ def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     import json
 
     from fedvlm.attacks.maxrenyi import HEADLINE, run_maxrenyi
+    from fedvlm.experiments.attack_report import attack_row
     from fedvlm.experiments.lora_compare import summarise
+    from fedvlm.methods.registry import get_method
 
     _, recorder = fedrand_run
     report = run_maxrenyi(recorder.dir, samples=8, clients=2)
@@ -237,6 +239,15 @@ def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     uploads = report["threats"]["uploads"]
     assert set(uploads["summary"]) == {"server-alignment", "server-decomposition"} and uploads["per_client"]
     assert row["mia-uploads-decomposition-auc"] == uploads["summary"]["server-decomposition"]["pooled"]["auc"]["value"]
+    # the family's attack hook (the sweep's --mia and the leaderboard) reads the same report, without running again
+    spec = get_method("fedrand").family
+    before = (recorder.dir / "maxrenyi.json").stat().st_mtime_ns
+    by_attack = spec.attack(recorder.dir, 2, 0)
+    assert (recorder.dir / "maxrenyi.json").stat().st_mtime_ns == before
+    assert by_attack["clients-maxrenyi10"] == pooled and by_attack["server-maxrenyi10"] == server[HEADLINE]["intervals"]
+    assert attack_row(by_attack) == {
+        k: v for k, v in row.items() if k.startswith("mia-") and "auroc" not in k and "setting" not in k
+    }
 
 
 def test_the_server_rebuilds_a_fedrand_client_from_its_earlier_uploads():

@@ -37,7 +37,8 @@ def _mia(tprs: dict[str, float]) -> dict:
 
 def test_the_privacy_picture_shows_the_budget_the_nodes_and_the_best_attack(tmp_path):
     assert draw_privacy({"config": {}, "privacy": {}}, tmp_path) == {}  # no ledger, no picture
-    assert draw_privacy(_data(3, 0.0), tmp_path) == {"privacy.png": ["epsilon per record: max over nodes", "target"]}
+    expected = ["epsilon/per-record-max", "epsilon/per-record-mean", "per-node band", "target"]
+    assert draw_privacy(_data(3, 0.0), tmp_path) == {"privacy.png": expected}
     (tmp_path / "mia.json").write_text(json.dumps(_mia({"lira-offline": 0.02, "rmia-offline": 0.05})))
     shown = draw_privacy(_data(BARS + 10, 2.0), tmp_path)["privacy.png"]
     assert "budget" in shown and "membership attack" in shown
