@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for name in ("strategies", "server_app", "fedvlm", "models", "data"):
+    for name in ("strategies", "server_app", "fedvlm", "models", "data", "alembic"):  # alembic: Flower's DB setup
         logging.getLogger(name).setLevel(logging.WARNING)
 
     base, clients, reference = setup(args.preset, args.set, args.clients)

@@ -213,22 +213,26 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
     for fname, keys in figs:
         fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4))
         for ax, (key, label) in zip(np.atleast_1d(axes), keys, strict=True):
-            for v in dict.fromkeys(r["variant"] for r in rows):
+            for i, v in enumerate(dict.fromkeys(r["variant"] for r in rows)):
+                colour = f"C{i % 10}"
                 pts = [
                     (float(e), 100 * np.mean([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]))
                     for e in xs
                     if any(r["variant"] == v and r["epsilon"] == e and r.get(key) is not None for r in rows)
                 ]
-                line = ax.plot(*zip(*pts, strict=True), marker="o", label=v)[0] if pts else None
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", color=colour, label=v)
                 clean = [
                     r[key] for r in rows if r["variant"] == v and r["epsilon"] == "none" and r.get(key) is not None
                 ]
-                if clean and line is not None:
-                    ax.axhline(100 * np.mean(clean), color=line.get_color(), ls=":", lw=1)
+                if clean:  # a method without noise (zero-shot, CoOp) is its dotted line alone, labelled
+                    ax.axhline(
+                        100 * np.mean(clean), color=colour, ls=":", lw=1, label=None if pts else f"{v} (no noise)"
+                    )
             if "mia" in key:
                 ax.axhline(50, color="gray", ls="--", lw=1)
             ax.set_xscale("log")
-            ax.set_xlabel("epsilon (dotted: no noise)")
+            ax.set_xlabel("target epsilon (dotted: the same method without noise)")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
