@@ -111,9 +111,11 @@ def run_config_arg(raw: dict) -> str:
 
 
 def flwr_run(
-    env: dict[str, str], run_config: dict | str, supernodes: int = 10, timeout: float = 900
+    env: dict[str, str], run_config: dict | str, supernodes: int = 10, timeout: float = 900, federation: str = ""
 ) -> subprocess.CompletedProcess:
-    """``flwr run`` of this app in simulation with ``supernodes`` virtual nodes; output captured."""
+    """``flwr run`` of this app in simulation with ``supernodes`` virtual nodes (and the further
+    ``--federation-config`` options in ``federation``, e.g. ``client-resources-num-cpus=1``);
+    output captured."""
     return subprocess.run(
         [
             FLWR,
@@ -121,7 +123,7 @@ def flwr_run(
             str(ROOT),
             "--stream",
             "--federation-config",
-            f"num-supernodes={supernodes}",
+            f"num-supernodes={supernodes} {federation}".strip(),
             "--run-config",
             run_config if isinstance(run_config, str) else run_config_arg(run_config),
         ],
