@@ -127,12 +127,15 @@ def cost_row(data: dict) -> dict:
     }
 
 
-def attack_columns(run_dir: Path, family, shadows: int, online: int) -> dict:
+def attack_columns(run_dir: Path, family, shadows: int, online: int, trains: bool = True) -> dict:
     """A run's membership-attack columns: the family's attacks, pooled over clients with their
     intervals (``Family.membership_attack``), and Shokri's and the loss threshold's accuracy and
-    AUC where the prompt family's mia.json has them. An attack that cannot run, or a family none
-    applies to yet, is the row's ``mia-error``, not the sweep's end."""
+    AUC where the prompt family's mia.json has them. An attack that cannot run, a method that
+    trains nothing on the clients' data (``trains``), or a family none applies to yet, is the row's
+    ``mia-error``, not the sweep's end."""
     attack = family.attack
+    if not trains:
+        return {"mia-error": "the method trains nothing on the clients' data: there is no membership to infer"}
     if attack is None:
         return {"mia-error": f"no membership attack applies to the {family.name} family yet"}
     try:
@@ -305,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         row.update({k: v for k, v in data["final"].items() if k.endswith(LAST10)})  # the family's headline figures
         row.update(audit_row(data))
         if args.mia:
-            row.update(attack_columns(out / "runs" / name, get_method(method).family, args.shadows, args.online))
+            spec = get_method(method)
+            row.update(attack_columns(out / "runs" / name, spec.family, args.shadows, args.online, spec.trains))
         rows.append(row)
         log.info(
             "[%d/%d] %s: local %.1f%% neighbor %s%s (%.0fs; %s)",
