@@ -1,12 +1,17 @@
-"""Benchmark: peak memory and wall time of a ``flwr run`` simulation as the number of simulated
-clients grows, with the work per round held fixed (10 clients train per round: fraction-train =
-10 / N). Memory is the summed RSS and PSS of the whole process tree (SuperLink, ServerApp,
-simulation, Ray workers), sampled every 0.5 s; PSS counts each shared page once.
+"""Benchmark: peak memory and time of a ``flwr run`` simulation as the number of simulated
+clients grows, with the clients sampled per round held fixed (``--sampled 10``: fraction-train =
+10 / N) or a fixed share of them (``--sampled 10%``). Memory is the summed RSS and PSS of the whole
+process tree (SuperLink, ServerApp, simulation, Ray workers), sampled every 0.5 s; PSS counts each
+shared page once. Time: the median round after the first (the rounds' own ``seconds``), and what
+the run spends outside its rounds (Ray's start, every node's handshake, the end's plots). Sizes:
+results.json, the checkpoint and the whole run folder at the end.
 
-    python bench/simulation_memory.py                       # pfedmoap, 10 vs 100 clients, 5 rounds
+    python bench/simulation_memory.py                       # pfedmoap, 10 vs 100 clients, 5 rounds, all evaluated
     python bench/simulation_memory.py --clients 10,50,100 --set method=promptfl
+    python bench/simulation_memory.py --clients 100,1000 --sampled 10 --evaluated sampled \
+        --set method=promptfl partitioner=iid embedded-per-class=640     # the scale check of docs/results/speed.md
 
-Writes ``--out`` (JSON) and prints one line per size and the 100-vs-10 ratios.
+Writes ``--out`` (JSON) and prints one line per size and the last-vs-first ratios.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -26,13 +32,27 @@ from fedvlm.runconfig import parse_value  # noqa: E402
 from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
 
 
-def measure(clients: int, rounds: int, extra: dict, cache: str, work: Path) -> dict:
+def sampled_of(spec: str, clients: int) -> int:
+    """``--sampled``: a count ('10') or a share ('10%') of ``clients``."""
+    if spec.endswith("%"):
+        return max(1, round(clients * float(spec[:-1]) / 100))
+    return min(clients, int(spec))
+
+
+def folder_kib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1024
+
+
+def measure(
+    clients: int, rounds: int, extra: dict, cache: str, work: Path, sampled: int, evaluate_sampled: bool
+) -> dict:
     home, out = work / f"home-{clients}", work / "runs"
     raw = {
         "method": "pfedmoap",
         "partitioner": "dirichlet",
         "dirichlet-alpha": 0.5,
-        "fraction-train": min(1.0, 10 / clients),
+        "fraction-train": sampled / clients,
+        **({"fraction-evaluate": sampled / clients} if evaluate_sampled else {}),
         "num-server-rounds": rounds,
         "output-dir": str(out),
         "cache-dir": cache,
@@ -46,18 +66,28 @@ def measure(clients: int, rounds: int, extra: dict, cache: str, work: Path) -> d
     finally:
         for pid in pids_matching(str(home)):
             kill_tree(pid)
-    results = out / f"n{clients}" / "results.json"
+    wall = time.time() - t0
+    run_dir = out / f"n{clients}"
+    results = run_dir / "results.json"
     if not results.exists():
         raise SystemExit(f"flwr run with {clients} clients failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     data = json.loads(results.read_text())
+    seconds = [r["seconds"] for r in data["rounds"]]
+    checkpoint = run_dir / "checkpoint.pt"
     return {
         "clients": clients,
-        "trained_per_round": min(10, clients),
+        "trained_per_round": sampled,
+        "evaluated_per_round": sampled if evaluate_sampled else clients,
         "status": data["run"]["status"],
         "rounds": len(data["rounds"]),
-        "wall_s": round(time.time() - t0, 1),
+        "wall_s": round(wall, 1),
+        "seconds_per_round": round(statistics.median(seconds[1:] or seconds), 2),
+        "outside_rounds_s": round(wall - sum(seconds), 1),
         "peak_rss_mib": round(mem.peak_rss_mib),
         "peak_pss_mib": round(mem.peak_pss_mib),
+        "results_json_kib": round(results.stat().st_size / 1024, 1),
+        "checkpoint_kib": round(checkpoint.stat().st_size / 1024, 1) if checkpoint.exists() else None,
+        "run_folder_kib": round(folder_kib(run_dir), 1),
         "final_local_acc": data["final"].get("local-acc"),
     }
 
@@ -66,6 +96,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", default="10,100")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sampled", default="10", help="clients trained per round: a count, or a share like 10%%")
+    p.add_argument(
+        "--evaluated",
+        choices=("all", "sampled"),
+        default="all",
+        help="evaluate every client each round, or as many as train",
+    )
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path, default=Path("simulation_memory.json"))
     p.add_argument("--cache-dir", default=os.environ.get("FEDVLM_CACHE", str(Path.home() / ".cache" / "fedvlm")))
@@ -74,21 +111,25 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(c) for c in args.clients.split(",")):
-            rows.append(measure(n, args.rounds, extra, args.cache_dir, Path(tmp)))
+            sampled = sampled_of(args.sampled, n)
+            rows.append(measure(n, args.rounds, extra, args.cache_dir, Path(tmp), sampled, args.evaluated == "sampled"))
             r = rows[-1]
             print(
-                f"{n:4d} clients ({r['trained_per_round']} train per round, {r['rounds']} rounds, {r['status']}): "
-                f"peak RSS {r['peak_rss_mib']} MiB, peak PSS {r['peak_pss_mib']} MiB, {r['wall_s']} s, "
-                f"final local acc {100 * (r['final_local_acc'] or 0):.1f}%",
+                f"{n:5d} clients ({r['trained_per_round']} train, {r['evaluated_per_round']} evaluated per round, "
+                f"{r['rounds']} rounds, {r['status']}): {r['seconds_per_round']} s per round, "
+                f"{r['outside_rounds_s']} s outside rounds, peak RSS {r['peak_rss_mib']} MiB, peak PSS "
+                f"{r['peak_pss_mib']} MiB, results.json {r['results_json_kib']} KiB, checkpoint {r['checkpoint_kib']} "
+                f"KiB, run folder {r['run_folder_kib']} KiB, {r['wall_s']} s, final local acc "
+                f"{100 * (r['final_local_acc'] or 0):.1f}%",
                 flush=True,
             )
     first, last = rows[0], rows[-1]
-    ratio = {k: last[k] / first[k] for k in ("peak_pss_mib", "peak_rss_mib", "wall_s")}
-    print(
-        f"{last['clients']} vs {first['clients']} clients: peak PSS x{ratio['peak_pss_mib']:.2f}, "
-        f"peak RSS x{ratio['peak_rss_mib']:.2f}, wall x{ratio['wall_s']:.2f}"
+    keys = ("seconds_per_round", "outside_rounds_s", "peak_pss_mib", "peak_rss_mib", "results_json_kib", "wall_s")
+    ratio = {k: last[k] / first[k] for k in keys if first[k]}
+    print(f"{last['clients']} vs {first['clients']} clients: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratio.items()))
+    args.out.write_text(
+        json.dumps({"argv": sys.argv[1:], "config": extra, "rows": rows, "last_vs_first": ratio}, indent=2)
     )
-    args.out.write_text(json.dumps({"config": extra, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,15 @@ _PARTS: dict[tuple, list[Partition]] = {}
 
 
 def _dataset(cfg: RunConfig) -> DatasetSplits:
-    key = (cfg.dataset, cfg.data_root, cfg.download, cfg.test_fraction, cfg.max_per_class, cfg.seed)
+    key = (
+        cfg.dataset,
+        cfg.data_root,
+        cfg.download,
+        cfg.test_fraction,
+        cfg.max_per_class,
+        cfg.seed,
+        cfg.embedded_per_class,
+    )
     if key not in _SPLITS:
         _SPLITS[key] = load_dataset(
             cfg.dataset,
@@ -63,6 +71,7 @@ def _dataset(cfg: RunConfig) -> DatasetSplits:
             test_fraction=cfg.test_fraction,
             max_per_class=cfg.max_per_class,
             seed=cfg.seed,
+            embedded_per_class=cfg.embedded_per_class,
         )
     return _SPLITS[key]
 
@@ -108,6 +117,7 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
         cfg.data_root,
         cfg.test_fraction,
         cfg.max_per_class,
+        cfg.embedded_per_class,
         cfg.partitioner,
         n,
         cfg.seed,

@@ -100,7 +100,8 @@ def dirichlet(train_labels, test_labels, n_classes, num_partitions, seed, alpha)
     except ValueError as err:
         raise PartitionError(
             f"the Dirichlet split (alpha={alpha}) could not give every one of {num_partitions} "
-            f"clients at least {min_size} training images: {err}. Use fewer clients or a larger alpha"
+            f"clients at least {min_size} training images: {err}. Use fewer clients, a larger alpha, or more data "
+            "(the embedded dataset: raise embedded-per-class)"
         ) from err
     # Test images of each class go to clients in proportion to their share of that class.
     counts = np.stack([np.bincount(train_labels[p], minlength=n_classes) for p in train_parts]).astype(float)
@@ -126,6 +127,13 @@ def dirichlet(train_labels, test_labels, n_classes, num_partitions, seed, alpha)
 
 
 def iid(train_labels, test_labels, num_partitions, seed) -> list[Partition]:
+    short = min(len(train_labels), len(test_labels))
+    if short < num_partitions:
+        raise PartitionError(
+            f"the iid split cannot give each of {num_partitions} clients a training and a test image: the dataset "
+            f"has {len(train_labels)} training and {len(test_labels)} test images. Use fewer clients, or more data "
+            "(the embedded dataset: raise embedded-per-class)"
+        )
     rng = np.random.default_rng(seed)
     train = _equal_shards(len(train_labels), num_partitions, rng)
     test = _equal_shards(len(test_labels), num_partitions, rng)

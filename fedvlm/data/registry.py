@@ -53,9 +53,13 @@ def load_embedded(request: catalogue.Request) -> DatasetSplits:
     the disjoint data a membership-inference attacker trains shadow models on."""
     shadow = request.name == "embedded-shadow"
     seeds = (3, 4) if shadow else (1, 2)
-    tr_x, tr_y = embedded.generate(EMBEDDED_TRAIN_PER_CLASS, seed=seeds[0], style="task")[:2]
-    te_x, te_y = embedded.generate(EMBEDDED_TEST_PER_CLASS, seed=seeds[1], style="task")[:2]
-    tag = f"embedded{'-shadow' if shadow else ''}-{embedded.domain_version()}"
+    per_class = request.embedded_per_class or EMBEDDED_TRAIN_PER_CLASS
+    tr_x, tr_y = embedded.generate(per_class, seed=seeds[0], style="task")[:2]
+    te_x, te_y = embedded.generate(per_class * EMBEDDED_TEST_PER_CLASS // EMBEDDED_TRAIN_PER_CLASS, seeds[1], "task")[
+        :2
+    ]
+    size = "" if per_class == EMBEDDED_TRAIN_PER_CLASS else f"-{per_class}"  # the default keeps its cached features
+    tag = f"embedded{'-shadow' if shadow else ''}{size}-{embedded.domain_version()}"
     return DatasetSplits(
         "embedded-shadow" if shadow else "embedded",
         list(embedded.CLASSNAMES),
@@ -398,12 +402,14 @@ def load_dataset(
     test_fraction: float = 0.3,
     max_per_class: int = 0,
     seed: int = 0,
+    embedded_per_class: int = 0,
 ) -> DatasetSplits:
     """Load a catalogued image-classification dataset by name (see the module docstring)."""
     try:
         entry = catalogue.get_dataset(name, image_text=False)
     except ValueError as err:
         raise DatasetError(str(err)) from None
-    splits = load(entry.loader)(catalogue.Request(name, data_root, download, test_fraction))
+    request = catalogue.Request(name, data_root, download, test_fraction, embedded_per_class=embedded_per_class)
+    splits = load(entry.loader)(request)
     splits.train = limit_per_class(splits.train, max_per_class, seed, lambda i: f"{i}/max{max_per_class}-s{seed}")
     return splits

@@ -20,6 +20,7 @@ from fedvlm.plots.curves import title
 
 FILE, COUNTS = "partition.png", "partition.json"
 LEGEND_UP_TO = 20  # labels: a legend up to this many, beyond it the colours alone
+BARS_UP_TO = 60  # nodes: a stacked bar each up to this many, beyond it a node-by-label matrix
 
 
 def simulated_partitions(data: dict) -> tuple[int, list[tuple[str, int]]] | None:
@@ -76,6 +77,25 @@ def _partitioner(names: list[str], train: dict[str, list[int]]):
     return part
 
 
+def _draw_matrix(data: dict, names: list[str], train: dict[str, list[int]], path: Path) -> None:
+    """Many nodes: one column per node, one row per label, the colour its records, at a size
+    that does not grow with the nodes (a bar per node would need 0.35 inch each)."""
+    import matplotlib.pyplot as plt
+
+    matrix = np.array(list(train.values()), dtype=float).T
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    image = ax.imshow(np.ma.masked_equal(matrix, 0), aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(image, ax=ax, label="training records (blank: none)")
+    ax.set_title(f"{title(data)}: training records per label ({data['config'].get('partitioner')} split)")
+    ax.set_xlabel(f"node (partition id, {len(train)} nodes)")
+    ax.set_ylabel(f"label ({len(names)})")
+    if len(names) <= 2 * LEGEND_UP_TO:
+        ax.set_yticks(range(len(names)), names, fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def draw_partition(data: dict, out_dir: Path) -> dict[str, list[str]]:
     """Count (once: ``partition.json``) and draw a simulated run's split; what it shows."""
     path = Path(out_dir) / COUNTS
@@ -91,6 +111,9 @@ def draw_partition(data: dict, out_dir: Path) -> dict[str, list[str]]:
 
     names, nodes = counts["names"], counts["nodes"]
     train = {name: node["train"] for name, node in nodes.items()}
+    if len(nodes) > BARS_UP_TO:
+        _draw_matrix(data, names, train, Path(out_dir) / FILE)
+        return {FILE: ["training records per label and node (a cell per node and label)"]}
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(nodes) + 3), 4.2))
     plot_label_distributions(
         _partitioner(names, train),

@@ -23,6 +23,7 @@ class Request:
     download: bool = False
     test_fraction: float = 0.3
     max_train: int = 0  # image-text sets: at most this many training records (0: all)
+    embedded_per_class: int = 0  # the embedded image sets: training images per class (0: their default)
     max_test: int = 0
     ood_captions: str = ""  # coco-captions: a second caption file for the out-of-domain split
     hf_dataset: str = ""  # scienceqa: the hub dataset when data-root is empty

@@ -629,6 +629,12 @@ class RunConfig:
     max_per_class: int = opt(
         0, "Keep at most this many training images per class (few-shot, CoOp style); 0 = all.", min=0
     )
+    embedded_per_class: int = opt(
+        64,
+        "Training images per class of the embedded image dataset and its shadow (test: 3/8 as many); raise "
+        "it to give many clients data (640: about 26 each for 1,000 clients).",
+        min=8,
+    )
     # --- sections ------------------------------------------------------------------------------
     clip: ClipConfig = field(kw_only=True)
     prompt: PromptConfig = field(kw_only=True)

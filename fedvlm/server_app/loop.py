@@ -161,10 +161,11 @@ def _settle(
     rounds = recorder.data["rounds"]
     at = next(i for i, r in enumerate(rounds) if r["round"] == server_round)
     rounds[at] = with_evaluation(rounds[at], evaluation, seconds)
-    _record_ledger(parts, recorder)  # what the evaluation released beside the noised tensors
-    _record_audit(parts, recorder)
-    _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
-    recorder.write()
+    with recorder.one_write():
+        _record_ledger(parts, recorder)  # what the evaluation released beside the noised tensors
+        _record_audit(parts, recorder)
+        _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
+        recorder.write()
     log.info(progress_line(rounds[at], total))
 
 
@@ -232,11 +233,12 @@ def run_rounds(
         if owed is not None:
             _settle(strategy, parts, recorder, owed, replies, t0 - started[owed] if owed in started else None, total)
             owed = None
-        metrics.update(_record_privacy(parts, rnd, recorder))
-        plan = parts.take_plan(rnd)  # none for a method that does not train
-        recorder.add_round(RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False))
-        _record_audit(parts, recorder)
-        _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
+        with recorder.one_write():
+            metrics.update(_record_privacy(parts, rnd, recorder))
+            plan = parts.take_plan(rnd)  # none for a method that does not train
+            recorder.add_round(RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False))
+            _record_audit(parts, recorder)
+            _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
         save_checkpoint(recorder.dir, strategy.state_dict(), parts.arrays, rnd)
         owed = rnd
         if not train or rnd == total:  # nothing to travel with: evaluated on its own

@@ -25,6 +25,7 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class RunRecorder:
         }
         self.t0 = time.time()
         self.trackers: Trackers | None = None
+        self._held, self._pending = 0, False  # inside one_write, and a write it owes
         # the fixed-size status file first: once it exists it records how the run ends, even
         # when the disk fills up and results.json can no longer be written
         try:
@@ -143,9 +145,27 @@ class RunRecorder:
         if info:
             self.set_run_info(tracking=info)
 
+    @contextlib.contextmanager
+    def one_write(self) -> Iterator[None]:
+        """The writes asked for inside, made once at its end: each rewrites the whole of
+        results.json and rounds.csv, which grow with the rounds and the nodes, so a round's
+        several updates cost one rewrite (what is on disk when the round's checkpoint is saved is
+        the same)."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+        if not self._held and self._pending:
+            self.write()
+
     def write(self) -> None:
         """results.json, the rounds as a table beside it (``ROUNDS_CSV``), and to the trackers
         what is new."""
+        if self._held:
+            self._pending = True
+            return
+        self._pending = False
         atomic_write_json(self.data, self.path)
         atomic_write_text(rounds_csv(self.data), self.dir / ROUNDS_CSV)
         if self.trackers is not None:

@@ -69,6 +69,27 @@ def test_iid_sizes():
     assert {len(p.test) for p in parts} == {40}
 
 
+def test_iid_with_more_clients_than_images_names_the_fix():
+    with pytest.raises(PartitionError, match="raise embedded-per-class"):
+        make_partitions("iid", TRAIN[:50], TEST[:50], N_CLASSES, 60, seed=0)
+
+
+def test_embedded_per_class_gives_a_thousand_clients_data_and_keeps_the_default_cache_tag():
+    from fedvlm.data.registry import load_dataset
+
+    default, big = load_dataset("embedded"), load_dataset("embedded", embedded_per_class=128)
+    assert len(default.train) == 40 * 64 and len(default.test) == 40 * 24
+    assert len(big.train) == 40 * 128 and len(big.test) == 40 * 48
+    assert np.bincount(big.train.labels).tolist() == [128] * 40
+    # the default's features stay cached under their old identity; a larger draw has its own
+    from fedvlm.data.embedded import domain_version
+
+    assert default.train.identity == f"embedded-{domain_version()}/train"
+    assert big.train.identity == f"embedded-128-{domain_version()}/train"
+    parts = make_partitions("iid", big.train.labels, big.test.labels, 40, 1000, seed=0)
+    assert min(len(p.train) for p in parts) == 5 and min(len(p.test) for p in parts) >= 1
+
+
 def test_quantity_skew_ratios():
     parts = _parts("quantity-skew", n=3, ratios="45:9:1")
     sizes = np.array([len(p.train) for p in parts])

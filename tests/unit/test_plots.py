@@ -48,3 +48,21 @@ def test_the_privacy_picture_shows_the_budget_the_nodes_and_the_best_attack(tmp_
 def test_the_best_attack_is_the_highest_tpr_at_the_lowest_fpr():
     assert best_attack(_mia({"lira-offline": 0.02, "rmia-offline": 0.05})) == ("rmia-offline", 0.05, 0.55)
     assert best_attack({"summary": {}}) is None
+
+
+def test_the_partition_of_a_thousand_nodes_is_one_matrix_of_a_fixed_size(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from fedvlm.plots.partition import COUNTS, FILE, draw_partition
+
+    rng = np.random.default_rng(0)
+    names = [f"label {k}" for k in range(40)]
+    nodes = {
+        f"client-{i}": {"partition_id": i, "train": rng.integers(0, 3, 40).tolist(), "test": [1] * 40}
+        for i in range(1000)
+    }
+    (tmp_path / COUNTS).write_text(json.dumps({"names": names, "nodes": nodes}))
+    shows = draw_partition({"config": {"method": "promptfl", "dataset": "embedded", "partitioner": "iid"}}, tmp_path)
+    assert shows == {FILE: ["training records per label and node (a cell per node and label)"]}
+    assert Image.open(tmp_path / FILE).size == (1210, 528)  # 11 x 4.8 inches at 110 dpi, whatever the nodes
