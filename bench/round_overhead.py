@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedvlm.utils.processes import flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
+from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
 
 
 def split(results: dict) -> dict:
@@ -46,25 +46,47 @@ def split(results: dict) -> dict:
     }
 
 
-def run_flwr(method: str, rounds: int, work: Path, cache: str) -> tuple[dict, float]:
+def run_flwr(
+    method: str,
+    rounds: int,
+    work: Path,
+    cache: str,
+    extra: dict | None = None,
+    clients: int = 10,
+    federation: str = "",
+    memory: dict | None = None,
+) -> tuple[dict, float]:
+    """One ``flwr run`` (``extra``: further run-config keys; ``federation``: further
+    ``--federation-config`` options); its results and wall time. ``memory``, if given, receives
+    the process tree's peaks (``TreeMemory``: RSS, PSS, GPU)."""
     home = work / "flwr-home"
     out = work / "runs"
+    raw = {
+        "method": method,
+        "num-server-rounds": rounds,
+        "output-dir": str(out),
+        "cache-dir": cache,
+        "run-name": "flwr",
+        **(extra or {}),
+    }
     t0 = time.time()
     try:
-        proc = flwr_run(
-            flwr_env(home),
-            f"method='{method}' num-server-rounds={rounds} output-dir='{out}' cache-dir='{cache}' run-name='flwr'",
-            timeout=1800,
-        )
+        with TreeMemory(str(home)) as mem:
+            proc = flwr_run(flwr_env(home), raw, clients, timeout=3600, federation=federation)
     finally:
         for pid in pids_matching(str(home)):
             kill_tree(pid)
-    if proc.returncode:
+    if memory is not None:
+        memory.update(rss_mib=mem.peak_rss_mib, pss_mib=mem.peak_pss_mib, gpu_mib=mem.peak_gpu_mib)
+    results = out / "flwr" / "results.json"
+    if proc.returncode or not results.exists():
         raise SystemExit(f"flwr run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads((out / "flwr" / "results.json").read_text()), time.time() - t0
+    return json.loads(results.read_text()), time.time() - t0
 
 
-def run_inprocess(method: str, rounds: int, work: Path, cache: str) -> tuple[dict, float]:
+def run_inprocess(
+    method: str, rounds: int, work: Path, cache: str, extra: dict | None = None, clients: int = 10
+) -> tuple[dict, float]:
     from fedvlm.client_app.app import app
     from fedvlm.methods.validation import validate
     from fedvlm.server_app.app import execute
@@ -77,9 +99,11 @@ def run_inprocess(method: str, rounds: int, work: Path, cache: str) -> tuple[dic
             "output-dir": str(work / "runs"),
             "cache-dir": cache,
             "run-name": "inprocess",
+            **(extra or {}),
         }
     )
-    grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 10} for i in range(10)], cfg.as_dict())
+    nodes = [{"partition-id": i, "num-partitions": clients} for i in range(clients)]
+    grid = InProcessGrid(app, nodes, cfg.as_dict())
     t0 = time.time()
     data = execute(cfg, grid, "bench").data
     return data, time.time() - t0

@@ -188,6 +188,7 @@ REPROGRAM = Family(
     privacy_clip=1.0,
     noise_multiplier=1.1,
     check=check_reprogram,
+    membership_attack="fedvlm.attacks.global_model:pooled_attacks",
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in (PROMPT, VLM, REPROGRAM)}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -170,12 +171,14 @@ class TreeMemory:
     whose command line contains ``fragment`` and of all their descendants (a ``flwr run``: the
     SuperLink, the ServerApp, the simulation and its Ray workers; a loopback federation: also
     every SuperNode and the ClientApp processes they start); keeps the peaks in MiB and, at the
-    PSS peak, the processes per program (``peak_by_program``: name -> count, RSS, PSS)."""
+    PSS peak, the processes per program (``peak_by_program``: name -> count, RSS, PSS); and, where
+    ``nvidia-smi`` runs, the peak GPU memory those processes hold (``peak_gpu_mib``)."""
 
     def __init__(self, fragment: str, interval: float = 0.5):
         self.fragment, self.interval = fragment, interval
-        self.peak_rss_mib = self.peak_pss_mib = 0.0
+        self.peak_rss_mib = self.peak_pss_mib = self.peak_gpu_mib = 0.0
         self.peak_by_program: dict[str, dict[str, float]] = {}
+        self._smi = shutil.which("nvidia-smi")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -191,10 +194,26 @@ class TreeMemory:
                 row["rss_mib"] += rss / 1024
                 row["pss_mib"] += pss / 1024
             self.peak_rss_mib = max(self.peak_rss_mib, sum(r["rss_mib"] for r in by.values()))
+            if self._smi:
+                self.peak_gpu_mib = max(self.peak_gpu_mib, self._gpu_mib(pids))
             pss_mib = sum(r["pss_mib"] for r in by.values())
             if pss_mib > self.peak_pss_mib:
                 self.peak_pss_mib = pss_mib
                 self.peak_by_program = {k: {n: round(v, 1) for n, v in r.items()} for k, r in sorted(by.items())}
+
+    def _gpu_mib(self, pids: set[int]) -> float:
+        """GPU memory held by ``pids`` (nvidia-smi's per-process figures, MiB)."""
+        try:
+            out = subprocess.run(
+                [str(self._smi), "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return 0.0
+        rows = [line.split(",") for line in out.splitlines() if line.count(",") == 1]
+        return sum(float(mib) for pid, mib in rows if pid.strip().isdigit() and int(pid) in pids)
 
     def __enter__(self) -> TreeMemory:
         self._thread.start()

@@ -270,3 +270,33 @@ def test_the_default_motifs_task_federates_on_the_motif_architecture(make_cfg):
     }
     assert shapes == {"program.theta": (3, 32, 32), "output_map.weight": (10, 240), "output_map.bias": (10,)}
     assert "NOT pretrained" in json.dumps(rec.data["run"])
+
+
+def test_the_global_model_attack_takes_every_trained_record_against_the_test_records(make_cfg):
+    """The family's membership attack (``attacks.global_model``) on what a run publishes: every
+    training record of the nodes that trained is a member, every test record a non-member, and
+    each attack pools them into one ROC with intervals, as the sweep and the leaderboard read it."""
+    from fedvlm.attacks.global_model import REPORT, pooled_attacks
+    from fedvlm.experiments.sweep import attack_columns
+    from fedvlm.methods.registry import get_method
+
+    rec, _ = _federation(
+        make_cfg, method="bl-pf", num_server_rounds=2, reprogram__source_weights="random", privacy__noise_multiplier=0.0
+    )
+    pooled = pooled_attacks(rec.dir)
+    report = json.loads((rec.dir / REPORT).read_text())
+    nodes = rec.data["run"]["nodes"]
+    assert report["members"] == sum(n["num_train"] for n in nodes) and report["nonmembers"] == sum(
+        n["num_test"] for n in nodes
+    )
+    assert set(pooled) == {"global-loss", "global-calibrated"}
+    for attack in pooled.values():
+        low, high = attack["auc"]["ci95"]
+        assert 0 <= low <= attack["auc"]["value"] <= high <= 1 and 0 <= attack["tpr@0.1%fpr"]["value"] <= 1
+    # the report's mean final-model loss on the test records is the model's own test loss
+    assert report["mean_loss"]["out-final"] == pytest.approx(
+        rec.data["rounds"][-1]["metrics"]["local-loss-weighted"], rel=1e-4
+    )
+    # the sweep's columns come from the family's hook, read back from the report just written
+    columns = attack_columns(rec.dir, get_method("bl-pf").family, shadows=0, online=0)
+    assert columns["mia-global-loss-auc"] == pooled["global-loss"]["auc"]["value"] and "mia-error" not in columns
