@@ -35,6 +35,7 @@ from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, Tra
 from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.tensor_names import CTX
+from fedvlm.utils.runtime import simulated
 
 
 class PromptClient(Client):
@@ -69,14 +70,18 @@ class PromptClient(Client):
 
     # --- handshake ---------------------------------------------------------------------------
     def hello(self) -> HelloReport:
-        """Who this node is, for the server's handshake. Touches the features now, so that the
-        first round measures training, not encoding."""
+        """Who this node is, for the server's handshake. A real node encodes its images now, so
+        that an unreadable one fails the handshake and the first round measures training, not
+        encoding. A simulated node leaves it to its first round: the server greets every node of
+        the federation before round 1, and encoding them all, one after another on one machine,
+        would cost in proportion to the nodes that exist (minutes for a thousand), not to the
+        ones a round samples (docs/results/speed.md, 'Scale')."""
         node = self.node
-        n_train = len(self.features("train")[1])
-        n_test = len(self.features("test")[1])
+        n_train, n_test = len(node.part.train), len(node.part.test)
         n_neighbor = len(node.part.neighbor) if node.part.neighbor is not None else 0
-        if n_neighbor:
-            self.features("neighbor")
+        if not simulated():
+            for which in ("train", "test", "neighbor")[: 3 if n_neighbor else 2]:
+                self.features(which)
         return HelloReport(
             node.name,
             node.partition_id,
