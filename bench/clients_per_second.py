@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -96,7 +97,11 @@ def main() -> None:
                         method, args.rounds, Path(tmp), args.cache_dir, extra, args.clients, federation, memory
                     )
                 else:
+                    if args.device == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
                     data, wall = run_inprocess(method, args.rounds, Path(tmp), args.cache_dir, extra, args.clients)
+                    if args.device == "cuda":  # every client in this process: what torch held at most
+                        memory["gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
             row = {
                 "family": name,
                 "method": method,
@@ -114,7 +119,7 @@ def main() -> None:
                 f"({row['clients_per_round']:.0f} per round in {row['round_s']:.2f} s: "
                 f"{row['train_s_per_client']:.3f} s training each, {row['evaluate_s_per_round']:.2f} s evaluating, "
                 f"{row['rest_s_per_round']:.2f} s the rest)"
-                + (f"; peak PSS {row['peak_pss_mib']} MiB, GPU {row['peak_gpu_mib']} MiB" if memory else ""),
+                + "".join(f", peak {k.removeprefix('peak_')} {v}" for k, v in row.items() if k.startswith("peak_")),
                 flush=True,
             )
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
