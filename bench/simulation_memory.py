@@ -8,8 +8,11 @@ results.json, the checkpoint and the whole run folder at the end.
 
     python bench/simulation_memory.py                       # pfedmoap, 10 vs 100 clients, 5 rounds, all evaluated
     python bench/simulation_memory.py --clients 10,50,100 --set method=promptfl
-    python bench/simulation_memory.py --clients 100,1000 --sampled 10 --evaluated sampled \
-        --set method=promptfl partitioner=iid embedded-per-class=640     # the scale check of docs/results/speed.md
+    python bench/simulation_memory.py --clients 100,1000,100,1000 --sampled 10 --evaluated sampled \
+        --images-per-client 26 --set method=promptfl partitioner=iid    # the scale check of docs/results/speed.md
+
+``--images-per-client K`` grows the embedded dataset with the clients (``embedded-per-class`` =
+K x N / 40), so that a client's work is the same at every size and only the federation grows.
 
 Writes ``--out`` (JSON) and prints one line per size and the last-vs-first ratios.
 """
@@ -46,7 +49,8 @@ def folder_kib(path: Path) -> float:
 def measure(
     clients: int, rounds: int, extra: dict, cache: str, work: Path, sampled: int, evaluate_sampled: bool
 ) -> dict:
-    home, out = work / f"home-{clients}", work / "runs"
+    name = f"n{clients}-{len(list(work.glob('home-*')))}"  # each repeat its own run folder and Flower home
+    home, out = work / f"home-{name}", work / "runs"
     raw = {
         "method": "pfedmoap",
         "partitioner": "dirichlet",
@@ -56,7 +60,7 @@ def measure(
         "num-server-rounds": rounds,
         "output-dir": str(out),
         "cache-dir": cache,
-        "run-name": f"n{clients}",
+        "run-name": name,
         **extra,
     }
     t0 = time.time()
@@ -67,7 +71,7 @@ def measure(
         for pid in pids_matching(str(home)):
             kill_tree(pid)
     wall = time.time() - t0
-    run_dir = out / f"n{clients}"
+    run_dir = out / name
     results = run_dir / "results.json"
     if not results.exists():
         raise SystemExit(f"flwr run with {clients} clients failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -103,6 +107,12 @@ def main() -> None:
         default="all",
         help="evaluate every client each round, or as many as train",
     )
+    p.add_argument(
+        "--images-per-client",
+        type=int,
+        default=0,
+        help="grow the embedded dataset to this many training images a client",
+    )
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path, default=Path("simulation_memory.json"))
     p.add_argument("--cache-dir", default=os.environ.get("FEDVLM_CACHE", str(Path.home() / ".cache" / "fedvlm")))
@@ -112,7 +122,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(c) for c in args.clients.split(",")):
             sampled = sampled_of(args.sampled, n)
-            rows.append(measure(n, args.rounds, extra, args.cache_dir, Path(tmp), sampled, args.evaluated == "sampled"))
+            per_class = max(8, round(args.images_per_client * n / 40))
+            size = {"embedded-per-class": per_class} if args.images_per_client else {}
+            rows.append(
+                measure(n, args.rounds, extra | size, args.cache_dir, Path(tmp), sampled, args.evaluated == "sampled")
+            )
             r = rows[-1]
             print(
                 f"{n:5d} clients ({r['trained_per_round']} train, {r['evaluated_per_round']} evaluated per round, "
