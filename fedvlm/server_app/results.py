@@ -59,6 +59,11 @@ def make_run_dir(output_dir: str, run_name: str, method: str, dataset: str, run_
 
 
 class RunRecorder:
+    # inside how many one_write blocks, and whether they owe a write (class defaults: reopen and
+    # left_running make a recorder without __init__)
+    _held: int = 0
+    _pending: bool = False
+
     def __init__(self, run_dir: Path, config: dict, run_info: dict):
         self.dir = Path(run_dir)
         self.data: dict[str, Any] = {
@@ -75,7 +80,6 @@ class RunRecorder:
         }
         self.t0 = time.time()
         self.trackers: Trackers | None = None
-        self._held, self._pending = 0, False  # inside one_write, and a write it owes
         # the fixed-size status file first: once it exists it records how the run ends, even
         # when the disk fills up and results.json can no longer be written
         try:
