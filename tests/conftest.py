@@ -91,3 +91,10 @@ def flwr_env(tmp_path_factory, cache_dir, pretrained_clip):
     for pid in pids_matching(str(home)):  # the detached local SuperLink and its children
         kill_tree(pid)
     assert not pids_matching(str(home)), "a Flower process survived the test"
+
+
+def pytest_report_header(config):
+    """The CPU kernel family in every log, so a regression fixture can be recorded for CI's."""
+    from regression import kernels
+
+    return f"regression kernels: {kernels()}"

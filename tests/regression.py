@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import sys
 import tempfile
 from importlib import metadata
@@ -74,18 +75,51 @@ KERNELS_KEY = "by-kernels"
 
 
 def kernels() -> str:
-    """The CPU kernels torch dispatches to here (AVX512, AVX2, ...). The same packages give other
-    last bits on other kernels, and seeded training amplifies them into other accuracies within a
-    round, so the fixture holds one record per kernel family (measured: AVX512 machines fail
-    every case of a fixture recorded on another family, with identical package versions)."""
-    import torch
+    """The family of CPU kernels these numbers come from: torch's dispatch level (AVX512, AVX2,
+    ...), the CPU's vendor and the digest of a few seeded ops (matmul, conv, GELU, softmax, layer
+    norm, exp, log, a sum). The same packages give other last bits on other kernels, and seeded
+    training amplifies them into other accuracies within a round, so the fixture holds one record
+    per family. The dispatch level alone is too coarse (measured: an AMD EPYC and CI's earlier
+    AVX-512 machines both report AVX512 and differ in all 19 cases); the digest is the same with
+    1 or 2 threads here, so it names the kernels, not the machine's load."""
+    import hashlib
 
-    return torch.backends.cpu.get_cpu_capability()
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 512, generator=g), torch.randn(512, 256, generator=g)
+    x, w = torch.randn(4, 3, 32, 32, generator=g), torch.randn(16, 3, 3, 3, generator=g)
+    digest = hashlib.sha256()
+    for out in (
+        a @ b,
+        F.conv2d(x, w, padding=1),
+        F.gelu(a),
+        a.softmax(-1),
+        F.layer_norm(a, (512,)),
+        a.exp(),
+        a.abs().log1p(),
+        a.sum(0),
+    ):
+        digest.update(out.contiguous().numpy().tobytes())
+    return f"{torch.backends.cpu.get_cpu_capability()}/{_vendor()}/{digest.hexdigest()[:12]}"
+
+
+def _vendor() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() or "unknown"
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("vendor_id")), platform.machine())
 
 
 def recorded(fixture: dict) -> dict[str, list[dict]] | None:
-    """This machine's record in the fixture, or None when none was made on these kernels."""
-    return fixture.get(KERNELS_KEY, {}).get(kernels())
+    """This machine's record in the fixture, or None when none was made on these kernels. A record
+    keyed by the dispatch level alone was made before the key named the vendor and digest: it
+    stands for a machine of that level whose full key has no record of its own."""
+    records = fixture.get(KERNELS_KEY, {})
+    key = kernels()
+    return records.get(key, records.get(key.split("/")[0]))
 
 
 def versions() -> dict[str, str]:
@@ -108,11 +142,16 @@ def explain(diff: list[str], fixture: dict) -> str:
     """What differs, and whether the installed packages do: a fixture mismatch under other
     packages is a reinstall (pip install -c constraints.txt restores them), not a code change."""
     changed = changed_versions(fixture.get(VERSIONS_KEY, {}))
-    why = (
-        f"installed packages differ from the fixture's: {', '.join(changed)} (install with -c constraints.txt)"
-        if changed
-        else "the installed packages are the fixture's: the code changed a number"
-    )
+    if changed:
+        why = f"installed packages differ from the fixture's: {', '.join(changed)} (install with -c constraints.txt)"
+    elif kernels() not in fixture.get(KERNELS_KEY, {}):
+        why = (
+            f"the record compared is keyed by the dispatch level alone, and this machine's kernels "
+            f"({kernels()}) may not be the ones it was made on: the code changed a number, or these kernels "
+            "need their own record (python tests/regression.py --write on a commit that passed elsewhere)"
+        )
+    else:
+        why = "the installed packages and CPU kernels are the fixture's: the code changed a number"
     return "; ".join(diff[:8]) + f". {why}"
 
 

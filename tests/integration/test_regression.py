@@ -44,9 +44,28 @@ def test_a_mismatch_names_the_packages_that_changed(monkeypatch):
     recorded = {**regression.versions(), "torch": "0.0.1"}
     assert regression.changed_versions(recorded) == [f"torch 0.0.1 -> {regression.versions()['torch']}"]
     assert "torch 0.0.1 ->" in explain(["round 1: local-acc = 0.5, fixture 0.4"], {"_versions": recorded})
-    assert "the code changed a number" in explain(["x"], {"_versions": regression.versions()})
+    mine = {"_versions": regression.versions(), KERNELS_KEY: {kernels(): {}}}
+    assert "CPU kernels are the fixture's: the code changed a number" in explain(["x"], mine)
+    legacy = {"_versions": regression.versions(), KERNELS_KEY: {kernels().split("/")[0]: {}}}
+    assert "need their own record" in explain(["x"], legacy)
 
 
 def test_the_fixture_holds_a_record_for_the_ci_machines_kernels():
-    """CI runs on AVX-512 machines: a fixture without their record would skip every case there."""
-    assert "AVX512" in FIXED[KERNELS_KEY]
+    """CI runs on AVX-512 machines of two vendors so far: a fixture without their records would
+    skip every case there."""
+    levels = {key.split("/")[0] for key in FIXED[KERNELS_KEY]}
+    assert levels == {"AVX512"}
+    assert len(FIXED[KERNELS_KEY]) >= 2
+
+
+def test_the_kernel_key_names_level_vendor_and_digest_and_prefers_the_full_key():
+    import regression
+
+    level, vendor, digest = kernels().split("/")
+    assert level and vendor and len(digest) == 12
+    assert kernels() == kernels()
+    full, bare = {"case": [{"x": 1.0}]}, {"case": [{"x": 2.0}]}
+    assert recorded({KERNELS_KEY: {kernels(): full, level: bare}}) is full
+    assert recorded({KERNELS_KEY: {level: bare}}) is bare
+    assert recorded({KERNELS_KEY: {f"{level}/other/000000000000": full}}) is None
+    assert regression.recorded({}) is None
