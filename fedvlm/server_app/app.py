@@ -11,7 +11,7 @@ import flwr
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedvlm.deploy import object_pulls
+from fedvlm.deploy import object_pulls, simulation_polls
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, key_id, sign_pushes, signing_key_from_env
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, RunConfig
@@ -132,7 +132,9 @@ def sign_instructions(grid) -> None:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     _setup_logging()
-    if not simulated_grid(grid):  # a deployed ServerApp pulls its replies' objects; a simulation none
+    if simulated_grid(grid):  # the engine that hands out the messages shares this process
+        simulation_polls.install()
+    else:  # a deployed ServerApp pulls its replies' objects; a simulation none
         object_pulls.install(object_pulls.SUPERLINK_CAP_S)
     sign_instructions(grid)
     run(dict(context.run_config), grid, context.run_id)
