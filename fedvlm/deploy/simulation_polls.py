@@ -9,11 +9,11 @@ before it even compares the destination. That is N x M full checks every 0.1 s f
 flight, under the state's lock and the interpreter's lock, whether or not any node has work: at
 1,000 nodes it is what a round waited on (docs/results/speed.md, 'Scale').
 
-``install`` puts a look in front of that ask: the set of nodes that some stored, undelivered
-message is addressed to, kept on the LinkState and made again only when the stored messages change
-(their ids, compared as a tuple) or an ask has delivered; a node outside it gets ``[]`` at once, a
-node in it gets Flower's own ask, unchanged, which checks, delivers and marks the message as
-before. The set can be kept because, in Flower's in-memory LinkState, a stored message's
+``install`` puts a look in front of that ask: how many stored, undelivered messages are addressed
+to each node, kept on the LinkState, made again only when the stored messages change (their ids,
+compared as a tuple) and counted down as the ask delivers; a node no message waits for gets ``[]``
+at once, a node some message waits for gets Flower's own ask, unchanged, which checks, delivers
+and marks the message as before. The set can be kept because, in Flower's in-memory LinkState, a stored message's
 destination never changes and only that ask marks one delivered (``check_flower`` reads both from
 the module). Nothing a node receives changes, nor when: the messages, their order and their checks
 are Flower's. The one difference is housekeeping: a message is checked for expiry when its own
@@ -37,6 +37,7 @@ import importlib
 import inspect
 import logging
 import re
+from collections import Counter
 from typing import Any
 
 from fedvlm.deploy import flower_patches
@@ -48,21 +49,37 @@ LINKSTATE = "flwr.server.superlink.linkstate.in_memory_linkstate"
 ASK_READS = ("message_ins_store", "_check_stored_messages", "dst_node_id", "delivered_at")
 # where Flower's in-memory LinkState marks a message delivered: an instruction (in the ask) and a reply
 MARKS_DELIVERED = re.compile(r"(\w+)\.metadata\.delivered_at\s*=(?!=)")
-WAITING = "_fedvlm_waiting"  # on the LinkState: (the stored messages' ids, the nodes some of them wait for)
+WAITING = "_fedvlm_waiting"  # on the LinkState: (the stored messages' ids, undelivered messages per node)
 
 
-def _waiting(state: Any) -> set[int]:
-    """The nodes that some stored, undelivered message is addressed to (call under the state's
-    lock). Kept, it can only be too wide, never too narrow: a node joins it only through a new
-    stored message, which changes the ids and remakes it; a delivery (Flower marks it after its
-    lock) can only take one out, and a node kept in by mistake gets Flower's ask, which says
-    "none" as it would have."""
+def _waiting(state: Any) -> tuple[tuple[str, ...], Counter[int]]:
+    """The look (call under the state's lock): the stored messages' ids it was made from, and how
+    many stored, undelivered messages are addressed to each node that has one. It can be too wide,
+    never too narrow: a node joins it only through a new stored message, which changes the ids and
+    makes it again; a delivery takes one out (``_delivered``); a node kept in by mistake gets
+    Flower's ask, which says "none" as it would have."""
     ids = tuple(state.message_ins_store)
     kept = state.__dict__.get(WAITING)
     if kept is None or kept[0] != ids:
-        nodes = {m.metadata.dst_node_id for m in state.message_ins_store.values() if m.metadata.delivered_at == ""}
-        kept = state.__dict__[WAITING] = (ids, nodes)
-    return kept[1]
+        waiting = Counter(
+            m.metadata.dst_node_id for m in state.message_ins_store.values() if m.metadata.delivered_at == ""
+        )
+        kept = state.__dict__[WAITING] = (ids, waiting)
+    return kept
+
+
+def _delivered(state: Any, look: tuple, node_id: int, count: int) -> None:
+    """Flower's ask, made after ``look``, handed ``count`` messages to ``node_id``: that many fewer
+    wait for it. Only the look the ask was made after counted them; if another has replaced it
+    meanwhile (another thread's), the next ask makes one again from the store. (An expired message
+    the ask dropped changed the ids: the next look is made again too.)"""
+    with state.lock:
+        if state.__dict__.get(WAITING) is not look:
+            state.__dict__.pop(WAITING, None)
+        elif count:
+            look[1][node_id] -= count
+            if look[1][node_id] <= 0:
+                del look[1][node_id]
 
 
 def check_flower(module: Any = None) -> str | None:
@@ -107,14 +124,19 @@ def install() -> bool:
     ask = cls.get_message_ins
 
     def get_message_ins(self, node_id: int, limit: int | None, *, run_id: int | None = None) -> list:
-        if limit is None or limit >= 1:  # Flower's own ask refuses a bad limit
-            with self.lock:
-                if node_id not in _waiting(self):
-                    return []
-        try:
+        if limit is not None and limit < 1:  # Flower's own ask refuses it
             return ask(self, node_id, limit, run_id=run_id)
-        finally:
-            self.__dict__.pop(WAITING, None)  # the ask may have delivered, or dropped an expired message
+        with self.lock:
+            look = _waiting(self)
+            if node_id not in look[1]:
+                return []
+        try:
+            handed = ask(self, node_id, limit, run_id=run_id)
+        except BaseException:
+            self.__dict__.pop(WAITING, None)  # what the ask did before it failed is unknown: look again
+            raise
+        _delivered(self, look, node_id, len(handed))
+        return handed
 
     get_message_ins.flower_ask = ask  # type: ignore[attr-defined]
     get_message_ins.__doc__ = ask.__doc__

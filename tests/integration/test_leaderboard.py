@@ -4,6 +4,8 @@ ledger, mia.json), and a second call reuses every finished run."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 
 import pytest
 
@@ -48,9 +50,25 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
     assert plots_main([str(out / "prompt")]) == 0
     assert sorted(png.name for png in (out / "prompt").glob("*.png")) == drawn
 
-    written = {p: p.stat().st_mtime_ns for p in (out / "prompt" / "runs").glob("*/results.json")}
+    written = {p: p.stat().st_mtime_ns for p in (out / "prompt" / "runs").glob("*/*.json")}
     assert leaderboard.main(argv) == 0  # resumed: nothing runs again
     assert {p: p.stat().st_mtime_ns for p in written} == written
+    assert json.loads((out / "leaderboard.json").read_text())["entries"] == list(entries.values())
+
+    # what the published board commits (its .gitignore) is all a resumed board needs
+    shutil.copy(leaderboard.DOCS / "leaderboard-runs" / ".gitignore", out / ".gitignore")
+    git = ["git", "-C", str(out)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    kept = set(subprocess.run([*git, "ls-files"], check=True, capture_output=True, text=True).stdout.split())
+    assert {f"prompt/runs/dpfpl-r8-eps{e}-seed0/{f}" for e in entries for f in ("results.json", "mia.json")} <= kept
+    shutil.rmtree(out / ".git")
+    for f in [f for f in out.rglob("*") if f.is_file() and str(f.relative_to(out)) not in kept]:
+        f.unlink()
+    assert not [f for f in out.rglob("*") if f.is_file() and "published" in f.parts]  # the prompts are gone
+    assert leaderboard.main(argv) == 0  # from the committed files alone: nothing runs or is attacked again
+    still = {p: t for p, t in written.items() if str(p.relative_to(out)) in kept}
+    assert {p: p.stat().st_mtime_ns for p in still} == still
     assert json.loads((out / "leaderboard.json").read_text())["entries"] == list(entries.values())
 
 

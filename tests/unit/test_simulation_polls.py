@@ -119,3 +119,23 @@ def test_a_linkstate_of_another_shape_is_left_alone():
     )
     assert "no longer reads" in simulation_polls.check_flower(other)
     assert simulation_polls.check_flower() is None
+
+
+def test_a_node_with_two_messages_gets_one_a_sweep_and_then_none(patched):
+    state, nodes, grid = engine_state(8)
+    push(grid, [nodes[4]], 1)
+    push(grid, [nodes[4]], 1)
+    look = state.__dict__
+    assert [sweep(state, nodes) for _ in range(3)] == [1, 1, 0]  # limit=1, as the engine asks
+    assert nodes[4] not in look[simulation_polls.WAITING][1]  # counted down: no full check for it any more
+
+
+def test_a_count_down_against_a_look_made_since_makes_the_next_one_afresh(patched):
+    state, nodes, grid = engine_state(4)
+    push(grid, [nodes[1]], 1)
+    with state.lock:
+        old = simulation_polls._waiting(state)
+    state.__dict__[simulation_polls.WAITING] = (old[0], old[1].copy())  # another thread's look
+    simulation_polls._delivered(state, old, nodes[1], 1)
+    assert simulation_polls.WAITING not in state.__dict__
+    assert sweep(state, nodes) == 1
