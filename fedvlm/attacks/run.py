@@ -54,8 +54,17 @@ from fedvlm.utils.files import atomic_write_json
 log = logging.getLogger(__name__)
 
 
+def _publish_only(cfg: dict) -> dict:
+    """What a federation trained for the attack evaluates: its last round only. The attack reads
+    the prompts the last evaluation publishes, never the rounds' figures, and evaluating every
+    round was most of its time (FedOTP's transport-weighted scores: 29 of a shadow federation's
+    40 s in a two-round profile; docs/results/membership-inference.md). Training, and so the
+    published prompts, are the same either way (evaluation only evaluates)."""
+    return {**cfg, "evaluate-every": int(cfg["num-server-rounds"])}
+
+
 def shadow_config(target_cfg: dict, shadow_index: int, out_dir: Path, shadow_data_root: str | None) -> dict:
-    cfg = dict(target_cfg)
+    cfg = _publish_only(target_cfg)
     if shadow_data_root:
         cfg.update({"dataset": "image-folder", "data-root": str(Path(shadow_data_root).resolve())})
     elif datasets.BY_NAME[cfg["dataset"]].shadow:
@@ -80,7 +89,7 @@ def reference_config(target_cfg: dict, reference: int, out_dir: Path, candidate_
     """Online reference federation ``reference``: the target's config and partitions (same seed),
     each node training on a half of its membership candidates; its DP noise and batch sampling
     from OS entropy, so that it shares no randomness with a seeded target."""
-    cfg = dict(target_cfg)
+    cfg = _publish_only(target_cfg)
     cfg.update(
         {
             "attack.reference": reference,

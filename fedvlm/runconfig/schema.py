@@ -572,6 +572,12 @@ class RunConfig:
     fraction_evaluate: float = opt(
         1.0, "Fraction of clients evaluated each round.", min=0.0, max=1.0, min_exclusive=True
     )
+    evaluate_every: int = opt(
+        1,
+        "Evaluate every k-th round and always the last (1 = every round). The rounds between record "
+        "training's figures only, and a headline's 'mean of the last 10' is over the last 10 evaluations.",
+        min=1,
+    )
     min_nodes: int = opt(2, "Clients that must be connected before the first round starts.", min=1)
     round_timeout: float = opt(600.0, "Seconds to wait for client replies in one round.", min=1.0)
     reply_grace: float = opt(

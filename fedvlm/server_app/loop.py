@@ -236,12 +236,14 @@ def run_rounds(
         with recorder.one_write():
             metrics.update(_record_privacy(parts, rnd, recorder))
             plan = parts.take_plan(rnd)  # none for a method that does not train
-            recorder.add_round(RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False))
+            evaluates = rnd == total or rnd % cfg.evaluate_every == 0
+            record = RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False if evaluates else None)
+            recorder.add_round(record)
             _record_audit(parts, recorder)
             _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
         save_checkpoint(recorder.dir, strategy.state_dict(), parts.arrays, rnd)
-        owed = rnd
-        if not train or rnd == total:  # nothing to travel with: evaluated on its own
+        owed = rnd if evaluates else None
+        if evaluates and (not train or rnd == total):  # nothing to travel with: evaluated on its own
             replies = _evaluate_alone(strategy, parts, rnd, arrays, recorder, grid, exchange, final=rnd == total)
             _settle(strategy, parts, recorder, rnd, replies, time.time() - t0, total)
             owed = None

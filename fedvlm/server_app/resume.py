@@ -47,6 +47,7 @@ from fedvlm.runconfig import KEYS, RunConfig
 from fedvlm.status import RUN_LOCK
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.parts import RunParts
+from fedvlm.strategies.records import complete
 from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_json, load_saved, try_hold
 
 CHECKPOINT = "checkpoint.pt"
@@ -138,7 +139,7 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
         raise ResumeError(f"{run_dir / CHECKPOINT} holds no strategy state (written by an older fedvlm): start afresh")
     done = int(saved["round"])
     last = [r for r in data["rounds"] if r["round"] == done]
-    owed = bool(last) and last[0].get("evaluated", True) is False
+    owed = bool(last) and not complete(last[0])
     if done > cfg.num_server_rounds or done == cfg.num_server_rounds and not owed:
         raise ResumeError(
             f"{run_dir.name} has completed {done} round(s), num-server-rounds is {cfg.num_server_rounds}: nothing to "

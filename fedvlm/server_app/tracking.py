@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedvlm.strategies.records import complete
+
 log = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
@@ -167,7 +169,7 @@ class Trackers:
     def start(self, data: dict, resumed: bool) -> dict[str, dict]:
         """Build and start every tracker; what results.json's ``run.tracking`` records."""
         if resumed:  # the rounds the interrupted run kept were logged by it
-            self.logged = {r["round"]: set(round_values(r)) for r in data["rounds"] if r.get("evaluated")}
+            self.logged = {r["round"]: set(round_values(r)) for r in data["rounds"] if complete(r)}
         for name, build in self.make:
             tracker = None
             try:
@@ -186,7 +188,7 @@ class Trackers:
         for record in rounds[self.settled :]:
             step = record["round"]
             done = self.logged.setdefault(step, set())
-            if not (record.get("evaluated") or final):
+            if not (complete(record) or final):
                 continue
             fresh = {k: v for k, v in round_values(record).items() if k not in done}
             if not fresh:
@@ -197,7 +199,7 @@ class Trackers:
                 except Exception as err:  # noqa: BLE001
                     self._fail(tracker.name, tracker, f"round {step}", err)
             done.update(fresh)
-        while self.settled < len(rounds) and rounds[self.settled].get("evaluated"):
+        while self.settled < len(rounds) and complete(rounds[self.settled]):
             self.settled += 1
 
     def finish(self, data: dict, run_dir: Path) -> dict[str, dict]:

@@ -63,10 +63,11 @@ class RoundRecord:
                 record.bytes["secure_up"] = phase.secure.get("bytes_up", 0)
         return record
 
-    def as_dict(self, seconds: float, evaluated: bool = True) -> dict:
+    def as_dict(self, seconds: float, evaluated: bool | None = True) -> dict:
         """The record results.json keeps; ``evaluated`` False: written before the round's
         evaluation came back (it travels with the next round's train messages), completed by
-        ``with_evaluation``."""
+        ``with_evaluation``; None: the round is not evaluated (``evaluate-every``), its record is
+        complete as it is (``complete``)."""
         return {
             "round": self.round,
             "sampled": self.sampled,
@@ -84,6 +85,12 @@ class RoundRecord:
             "missing": self.missing,
             **({"secure_aggregation": self.secure_aggregation} if self.secure_aggregation is not None else {}),
         }
+
+
+def complete(record: dict) -> bool:
+    """Whether a round's record is final: its evaluation came back, or the round is not evaluated
+    (``evaluated`` None, ``evaluate-every``); False while its evaluation is still to come."""
+    return record.get("evaluated") is not False
 
 
 def with_evaluation(record: dict, evaluation: RoundRecord, seconds: float | None = None) -> dict:

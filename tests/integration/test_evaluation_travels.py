@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 from fedvlm.client_app.app import app as client_app
 from fedvlm.protocol import EVALUATE_ARRAYS, EVALUATE_CONFIG, FINAL_ROUND, SERVER_ROUND
 from fedvlm.server_app.app import execute
@@ -60,3 +62,45 @@ def test_each_round_is_one_exchange_carrying_the_previous_evaluation(make_cfg, p
     for r in rounds[:2]:  # a carried evaluation adds no bytes to the message it travels in
         zero = [c for c, row in r["clients"].items() if row.get("evaluate/bytes_down") == 0]
         assert len(zero) == 2 and r["bytes"]["evaluate_down"] * 2 == rounds[2]["bytes"]["evaluate_down"]
+
+
+def test_evaluate_every_skips_the_rounds_between_and_trains_the_same(make_cfg, pretrained_clip):
+    """``evaluate-every``: the rounds between evaluations send train messages only and are
+    recorded complete without evaluation figures; the evaluated rounds' figures, and the prompts
+    the last evaluation publishes, are those of a run evaluated every round (evaluation only
+    evaluates: what the membership attacks' federations rely on, ``attacks.run._publish_only``)."""
+    from fedvlm.attacks.membership import load_published
+
+    def run(every: int, seen: list):
+        def intercept(req, reply):
+            if req.metadata.message_type in ("train", "evaluate"):
+                carried = EVALUATE_CONFIG in req.content
+                seen.append((req.metadata.message_type, int(req.content["config"][SERVER_ROUND]), carried))
+            return reply
+
+        name = f"every-{every}"
+        cfg = make_cfg(method="fedotp", num_server_rounds=3, evaluate_every=every, run_name=name)
+        nodes = [{"partition-id": i, "num-partitions": NODES} for i in range(NODES)]
+        return execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict(), intercept=intercept), run_id=name)
+
+    every_round, sparse, last_only = [], [], []
+    full, two, one = run(1, every_round), run(2, sparse), run(3, last_only)
+    assert [r["evaluated"] for r in two.data["rounds"]] == [None, True, True]
+    assert [r["evaluated"] for r in one.data["rounds"]] == [None, None, True]
+    assert not any(carried for _, _, carried in last_only)  # nothing evaluated travels with rounds 2 and 3
+    assert [s for s in last_only if s[0] == "evaluate"] == [("evaluate", 3, False)] * NODES
+    for record in one.data["rounds"][:2]:
+        assert "local-acc" not in record["metrics"] and record["metrics"]["train-clients"] == NODES
+    for rnd in (2, 3):  # an evaluated round's figures are the every-round run's
+        want = full.data["rounds"][rnd - 1]["metrics"]
+        got = (two if rnd == 2 else one).data["rounds"][rnd - 1]["metrics"]
+        assert {k: got[k] for k in ("local-acc", "neighbor-acc", "train-loss")} == {
+            k: want[k] for k in ("local-acc", "neighbor-acc", "train-loss")
+        }
+    assert one.data["final"]["local-acc-last10-mean"] == full.data["rounds"][2]["metrics"]["local-acc"]
+    published = [load_published(r.dir / "published") for r in (full, one)]
+    assert published[0].keys() == published[1].keys() and len(published[0]) == NODES
+    for node, pub in published[0].items():
+        theirs = published[1][node]["prompts"]
+        assert pub["prompts"].keys() == theirs.keys()
+        assert all(torch.equal(pub["prompts"][k], theirs[k]) for k in pub["prompts"])

@@ -56,7 +56,8 @@ def _flat(expected: dict[int, dict[str, float]], names=None) -> dict[tuple[int, 
     return {(s, k): v for s, values in expected.items() for k, v in values.items() if names is None or k in names}
 
 
-def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_folder(make_cfg, pretrained_clip):
+@pytest.mark.parametrize("every", [1, 2])  # evaluate-every 2: round 1 has training's figures only
+def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_folder(every, make_cfg, pretrained_clip):
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -64,7 +65,13 @@ def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_f
         make_cfg,
         **_raw(
             **DP,
-            **{"num-server-rounds": 3, "run-name": "tracked", "tracking.tensorboard": True, "tracking.mlflow": True},
+            **{
+                "num-server-rounds": 3,
+                "evaluate-every": every,
+                "run-name": f"tracked-{every}",
+                "tracking.tensorboard": True,
+                "tracking.mlflow": True,
+            },
         ),
     )
     expected = _expected(data)
@@ -91,9 +98,13 @@ def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_f
     assert info["uri"] == f"sqlite:///{Path(cfg.output_dir) / 'mlflow.db'}"
     client = MlflowClient(info["uri"])
     run = client.get_run(info["run_id"])
-    assert run.info.status == "FINISHED" and run.info.run_name == "tracked"
+    assert run.info.status == "FINISHED" and run.info.run_name == f"tracked-{every}"
+    assert [r["evaluated"] for r in data["rounds"]] == ([True] * 3 if every == 1 else [None, True, True])
+    assert "local-acc" not in expected[1] if every == 2 else "local-acc" in expected[1]
     assert run.data.params == {k: str(v) for k, v in data["config"].items()}
-    assert run.data.tags["method"] == "dpfpl" and run.data.tags["run_folder"] == str(Path(cfg.output_dir) / "tracked")
+    assert run.data.tags["method"] == "dpfpl" and run.data.tags["run_folder"] == str(
+        Path(cfg.output_dir) / f"tracked-{every}"
+    )
     assert _mlflow_history(client, info["run_id"], names) == pytest.approx(_flat(expected))
     artifacts = {a.path for a in client.list_artifacts(info["run_id"])}
     assert {"results.json", "rounds.csv", "privacy.png", "accuracy.png", "partition.png", "status.json"} <= artifacts
