@@ -184,7 +184,9 @@ def run_rounds(
     one exchange per round instead of two, each a round trip through the SuperLink on a real
     deployment. Its record is written when the round's training is done (``evaluated``: false)
     and completed when the evaluation comes back; the last round's evaluation, and any round's
-    of a method that does not train, go out on their own."""
+    of a method that does not train, go out on their own. With ``evaluate-every`` k, only every
+    k-th round and the last are evaluated; the others' records are complete when written
+    (``evaluated`` None: ``strategies.records.complete``)."""
     cfg = parts.cfg
     strategy.begin(grid, resume.state if resume is not None else None)
     if resume is not None:
