@@ -57,7 +57,11 @@ def _waiting(state: Any) -> tuple[tuple[str, ...], Counter[int]]:
     many stored, undelivered messages are addressed to each node that has one. It can be too wide,
     never too narrow: a node joins it only through a new stored message, which changes the ids and
     makes it again; a delivery takes one out (``_delivered``); a node kept in by mistake gets
-    Flower's ask, which says "none" as it would have."""
+    Flower's ask, which says "none" as it would have. Two things it takes from how the engine
+    uses the LinkState (a review found no other caller in a simulation): an id is never stored
+    again once deleted (the grid names every message with a fresh uuid4), and the one asker, the
+    engine's extractor thread, asks without a ``run_id``, so an ask delivers the oldest message
+    the look counted."""
     ids = tuple(state.message_ins_store)
     kept = state.__dict__.get(WAITING)
     if kept is None or kept[0] != ids:

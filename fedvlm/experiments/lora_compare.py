@@ -116,7 +116,8 @@ def plot(runs: dict[str, dict], out: Path) -> None:
         key = next((k for k in shown if k in last), None)
         if key is None:
             continue
-        ax.plot([r["round"] for r in data["rounds"]], [r["metrics"].get(key) for r in data["rounds"]], label=label)
+        shown_rounds = [r for r in data["rounds"] if key in r["metrics"]]  # the evaluated ones (evaluate-every)
+        ax.plot([r["round"] for r in shown_rounds], [r["metrics"][key] for r in shown_rounds], marker="o", label=label)
         ax.set_ylabel(key)
     ax.set_xlabel("round")
     ax.legend()

@@ -36,13 +36,15 @@ METHODS = tuple(m.name for m in methods_of(REPROGRAM))
 
 
 def curve(data: dict) -> list[dict]:
-    """Per round: epsilon spent (worst client) and the global model's test accuracy."""
+    """Per evaluated round (every round, unless ``evaluate-every`` says otherwise): epsilon spent
+    (worst client) and the global model's test accuracy."""
     eps = {e["round"]: e["epsilon"] for e in data.get("privacy", {}).get("rounds", [])}
     out = []
     for r in data["rounds"]:
         m = r["metrics"]
         acc = m.get(ACC_WEIGHTED["local"], m.get(ACC["local"]))
-        out.append({"round": r["round"], "epsilon": eps.get(r["round"], 0.0), "accuracy": acc})
+        if acc is not None:
+            out.append({"round": r["round"], "epsilon": eps.get(r["round"], 0.0), "accuracy": acc})
     return out
 
 

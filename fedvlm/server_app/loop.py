@@ -241,6 +241,8 @@ def run_rounds(
             evaluates = rnd == total or rnd % cfg.evaluate_every == 0
             record = RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False if evaluates else None)
             recorder.add_round(record)
+            if not evaluates:  # complete as written: no evaluation will add to it
+                log.info(progress_line(record, total))
             _record_audit(parts, recorder)
             _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
         save_checkpoint(recorder.dir, strategy.state_dict(), parts.arrays, rnd)
@@ -254,7 +256,8 @@ def run_rounds(
         # the budget's stop, or in a resumed run that was cut off in it); it completes that
         # round's record where it was still owed
         replies = _evaluate_alone(strategy, parts, rnd, arrays, recorder, grid, exchange, final=True)
-        if owed == rnd:
+        last = next((r for r in recorder.data["rounds"] if r["round"] == rnd), None)
+        if owed == rnd or (last is not None and last["evaluated"] is None):  # the state published: its figures
             _settle(
                 strategy, parts, recorder, rnd, replies, time.time() - started[rnd] if rnd in started else None, total
             )

@@ -10,7 +10,8 @@ A run config the ServerApp refuses leaves a run folder too, failed with the reas
 - ``config``: the validated, resolved run config;
 - ``run``: method, backbone, nodes, versions, start time, status;
 - ``rounds``: one object per round with ``round``, ``sampled`` (train messages sent),
-  ``evaluated`` (false until the round's evaluation is back), ``metrics``, ``seconds``,
+  ``evaluated`` (false until the round's evaluation is back; null for a round not evaluated,
+  ``evaluate-every``), ``metrics``, ``seconds``,
   ``bytes_up``, ``bytes_down``, ``clients`` (per-client metrics), ``dropped`` (rejected replies
   and why);
 - ``final``: the summary (last-round and mean-of-last-10-rounds metrics, totals).

@@ -108,6 +108,9 @@ def save_checkpoint(run_dir: Path, state: dict, arrays: dict[str, np.ndarray], s
 
 def _differences(saved: dict, now: dict) -> list[str]:
     now = json.loads(json.dumps(now))  # as results.json holds it (tuples as lists)
+    # a key added to fedvlm after the run was made: the run ran as its default says (a new key's
+    # default keeps the behaviour from before it), so a run of an older fedvlm still resumes
+    saved = {**{k.name: k.default for k in KEYS if k.name not in saved and not k.auto}, **saved}
     keys = sorted((saved.keys() | now.keys()) - FREE_KEYS)
     return [f"{k} = {saved.get(k)!r} (now {now.get(k)!r})" for k in keys if saved.get(k) != now.get(k)]
 

@@ -104,3 +104,27 @@ def test_evaluate_every_skips_the_rounds_between_and_trains_the_same(make_cfg, p
         theirs = published[1][node]["prompts"]
         assert pub["prompts"].keys() == theirs.keys()
         assert all(torch.equal(pub["prompts"][k], theirs[k]) for k in pub["prompts"])
+
+
+def test_a_budget_stop_after_a_round_not_evaluated_evaluates_it_and_records_its_figures(make_cfg, pretrained_clip):
+    """The budget stops the run after round 3 of 5 (DP-FPL, z = 1, max-epsilon 3.55); with
+    evaluate-every 2 round 3 was not to be evaluated, yet it is the state the nodes publish: its
+    evaluation runs and its record holds the figures, those of the run evaluated every round."""
+    nodes = [{"partition-id": i, "num-partitions": 3} for i in range(3)]
+    runs = {}
+    for every in (1, 2):
+        cfg = make_cfg(
+            method="dpfpl",
+            privacy__noise_multiplier=1.0,
+            privacy__max_epsilon=3.55,
+            num_server_rounds=5,
+            evaluate_every=every,
+            run_name=f"stop-{every}",
+        )
+        runs[every] = execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id=f"stop-{every}")
+    sparse, full = runs[2].data, runs[1].data
+    assert sparse["run"]["status"] == full["run"]["status"] == "stopped"
+    assert [r["evaluated"] for r in sparse["rounds"]] == [None, True, True]
+    assert sparse["rounds"][2]["metrics"]["local-acc"] == full["rounds"][2]["metrics"]["local-acc"]
+    assert sparse["final"]["local-acc"] == full["final"]["local-acc"]
+    assert len(list((runs[2].dir / "published").glob("*.pt"))) == 3

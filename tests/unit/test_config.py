@@ -3,6 +3,7 @@ and the schema and pyproject.toml agree (docs/configuration.md's key table: test
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -120,3 +121,14 @@ def test_a_global_local_method_refuses_a_class_specific_context_at_validation(me
     with pytest.raises(ConfigError, match=r"needs a shared context: set prompt.class-specific=false"):
         validate({"method": method, "prompt.class-specific": True})
     assert validate({"method": method}).prompt.class_specific is False
+
+
+def test_a_run_made_before_a_key_existed_resumes_as_its_default():
+    """results.json of an older fedvlm lacks a key added since: the run ran as the key's default
+    says, so resuming it with the default is no difference, and with another value is one."""
+    from fedvlm.server_app.resume import _differences
+
+    now = validate({"method": "promptfl"}).as_dict()
+    saved = json.loads(json.dumps({k: v for k, v in now.items() if k != "evaluate-every"}))
+    assert _differences(saved, now) == []
+    assert _differences(saved, {**now, "evaluate-every": 2}) == ["evaluate-every = 1 (now 2)"]
