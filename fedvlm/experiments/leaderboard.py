@@ -242,14 +242,26 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return front
 
 
+# Chance for a membership attack: at a false-positive rate of 0.1% a guess that ignores the model
+# finds members at the same rate, so a TPR at or below this line measures nothing.
+CHANCE_TPR = 0.001
+MARKERS = "os^Dv<>PX*"
+
+
 def plot_pareto(entries: list[dict], path: Path) -> None:
+    """Utility against the epsilon accounted (left) and against the best attack's TPR (right).
+
+    A method is a colour and a privacy target a marker, both in legends, so no point carries a
+    label that could cover another's.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     families = [f for f in dict.fromkeys(e["family"] for e in entries if "failed" not in e)]
-    fig, axes = plt.subplots(len(families), 2, figsize=(12, 4.2 * len(families)), squeeze=False)
+    fig, axes = plt.subplots(len(families), 2, figsize=(12, 4.6 * len(families)), squeeze=False)
     for (left, right), family in zip(axes, families, strict=True):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]
         utility = utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
@@ -257,13 +269,12 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
             continue
         u = utility[0]
         scale = METRICS[u].kind.scale
-        colours = {m: f"C{k}" for k, m in enumerate(dict.fromkeys(e["method"] for e in mine))}
-        finite = [e["epsilon-accounted"] for e in mine if e.get("epsilon-accounted")]
-        none_x = 2 * max(finite) if finite else 1.0  # where runs without noise sit: right of every private one
-        for ax, xkey, xlabel in (
-            (left, "epsilon-accounted", f"accounted epsilon (no DP drawn at {none_x:.3g})"),
-            (right, "attack-tpr@0.1%fpr", "best membership attack's TPR at 0.1% FPR"),
-        ):
+        colours = {m: f"C{k % 10}" for k, m in enumerate(dict.fromkeys(e["method"] for e in mine))}
+        markers = {t: MARKERS[k % len(MARKERS)] for k, t in enumerate(dict.fromkeys(e["target"] for e in mine))}
+        finite = sorted({e["epsilon-accounted"] for e in mine if e.get("epsilon-accounted")})
+        none_x = 2 * finite[-1] if finite else 1.0  # where runs without noise sit: right of every private one
+        for ax, xkey in ((left, "epsilon-accounted"), (right, "attack-tpr@0.1%fpr")):
+            xscale = 1.0 if ax is left else 100.0
             pts = []
             for e in mine:
                 y, x = e.get(u), e.get(xkey)
@@ -271,27 +282,45 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
                     x = none_x
                 if y is None or x is None:
                     continue
-                pts.append((x, y * scale))
-                ax.plot(x, y * scale, "o", color=colours[e["method"]])
-                ax.annotate(
-                    f"{e['method']} ({e['target']})",
-                    (x, y * scale),
-                    fontsize=7,
-                    xytext=(3, 3),
-                    textcoords="offset points",
-                )
+                pts.append((x * xscale, y * scale))
+                ax.plot(x * xscale, y * scale, markers[e["target"]], color=colours[e["method"]], ms=7, alpha=0.85)
             if pts:
                 fx, fy = zip(*pareto_front(pts), strict=True)
-                ax.step(fx, fy, where="post", color="gray", ls="--", lw=1, label="non-dominated")
-                ax.legend(fontsize=8, loc="best")
+                ax.step(fx, fy, where="post", color="gray", ls="--", lw=1)
             if ax is left:
                 ax.set_xscale("log")
-            else:  # a TPR of 0 (no record found at that FPR) must show: a linear axis from 0
-                ax.set_xlim(left=0)
-            ax.set_xlabel(xlabel)
+                ticks = [*finite, none_x]
+                ax.set_xticks(ticks, [f"{t:.3g}" for t in finite] + ["no DP"])
+                ax.minorticks_off()
+                ax.set_xlabel("accounted epsilon (log scale)")
+                ax.set_title(f"{family} family: {u} against privacy spent")
+            else:
+                ax.axvline(CHANCE_TPR * 100, color="black", lw=1, ls=":")
+                top = max([CHANCE_TPR * 100 * 2.5, *(x for x, _ in pts)])
+                ax.set_xlim(-0.04 * top, 1.08 * top)  # a TPR of 0 (nothing found at that FPR) must show
+                ax.set_xlabel("best membership attack's TPR at 0.1% FPR (%)")
+                ax.set_title(f"{family} family: {u} against privacy measured")
             ax.set_ylabel(f"{u} ({METRICS[u].kind.axis})")
-            ax.set_title(f"{family} family: {u} against {'privacy spent' if ax is left else 'privacy measured'}")
             ax.grid(alpha=0.3)
+        methods = [Line2D([], [], color=c, marker="o", ls="", label=m) for m, c in colours.items()]
+        targets = [
+            Line2D([], [], color="dimgray", marker=mk, ls="", label=f"target eps {t}" if t != "none" else "no DP")
+            for t, mk in markers.items()
+        ]
+        left.legend(
+            handles=[*methods, *targets, Line2D([], [], color="gray", ls="--", label="non-dominated")],
+            fontsize=7,
+            loc="best",
+            ncol=2,
+        )
+        right.legend(
+            handles=[
+                Line2D([], [], color="gray", ls="--", label="non-dominated"),
+                Line2D([], [], color="black", ls=":", label="chance (TPR = FPR = 0.1%)"),
+            ],
+            fontsize=7,
+            loc="best",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
