@@ -44,14 +44,13 @@ import numpy as np
 from fedvlm.experiments import sweep
 from fedvlm.experiments.sweep_report import read_summary
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
-from fedvlm.metrics import AUDIT_METRICS, CIDER, METRICS, PROPORTION
+from fedvlm.metrics import AUDIT_METRICS, METRICS
 from fedvlm.utils.progress import time_left
 
 log = logging.getLogger("leaderboard")
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "results"
-UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
 TPR, AUC = "tpr@0.1%fpr", "auc"
 
 
@@ -111,15 +110,6 @@ def best_attack(row: dict) -> tuple[str, float, float | None] | None:
     return max(found, key=lambda f: f[1]) if found else None
 
 
-def utility_columns(rows: list[dict]) -> list[str]:
-    """A family's utility: the headline figures of a utility kind its runs report."""
-    return [
-        m.name
-        for m in METRICS.values()
-        if m.headline and m.kind in UTILITY_KINDS and any(r.get(m.name + sweep.LAST10) is not None for r in rows)
-    ]
-
-
 def _mean(values) -> float | None:
     vals = [float(v) for v in values if v is not None and np.isfinite(float(v))]
     return float(np.mean(vals)) if vals else None
@@ -130,7 +120,7 @@ def board(rows: list[dict]) -> list[dict]:
     out = []
     for family in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == family and r["status"] != "failed"]
-        utility = utility_columns(mine)
+        utility = sweep.utility_columns(mine)
         for method, eps in dict.fromkeys((r["method"], r["epsilon"]) for r in mine):
             runs = [r for r in mine if r["method"] == method and r["epsilon"] == eps]
             attacks = [a for a in (best_attack(r) for r in runs) if a is not None]
@@ -187,7 +177,7 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
     ]
     for family in dict.fromkeys(e["family"] for e in entries):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]
-        utility = utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
+        utility = sweep.utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
         head = [
             "method",
             "target eps",
@@ -264,7 +254,7 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(families), 2, figsize=(12, 4.6 * len(families)), squeeze=False)
     for (left, right), family in zip(axes, families, strict=True):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]
-        utility = utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
+        utility = sweep.utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
         if not utility:
             continue
         u = utility[0]

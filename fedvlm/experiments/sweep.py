@@ -46,7 +46,7 @@ from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
 from fedvlm.experiments.sweep_report import audit_row, plot, plot_audit, write_audit, write_failures, write_tables
 from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
-from fedvlm.metrics import ACC
+from fedvlm.metrics import ACC, CIDER, METRICS, PROPORTION
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 from fedvlm.utils.progress import each, time_left
 
@@ -54,6 +54,24 @@ log = logging.getLogger("sweep")
 
 EPSILONS = ("none", "0.4", "0.2", "0.1", "0.05", "0.01")
 LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
+
+
+UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
+
+
+def utility_columns(rows: list[dict]) -> list[str]:
+    """A family's utility: the headline figures of a utility kind its runs report."""
+    return [
+        m.name
+        for m in METRICS.values()
+        if m.headline and m.kind in UTILITY_KINDS and any(r.get(m.name + LAST10) is not None for r in rows)
+    ]
+
+
+def utility_line(row: dict) -> str:
+    """A run's utility for a progress line: its family's first two headline figures, last ten rounds."""
+    names = utility_columns([row])[:2]
+    return ", ".join(f"{n} {METRICS[n].kind.show(row[n + LAST10])}" for n in names) or "no utility figure"
 
 
 def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
@@ -312,12 +330,11 @@ def main(argv: list[str] | None = None) -> int:
             row.update(attack_columns(out / "runs" / name, spec.family, args.shadows, args.online, spec.trains))
         rows.append(row)
         log.info(
-            "[%d/%d] %s: local %.1f%% neighbor %s%s (%.0fs; %s)",
+            "[%d/%d] %s: %s%s (%.0fs; %s)",
             i,
             len(plan),
             name,
-            100 * (row["local-acc-last10"] or 0),
-            f"{100 * row['neighbor-acc-last10']:.1f}%" if row["neighbor-acc-last10"] is not None else "-",
+            utility_line(row),
             f" MIA {100 * row['mia-shokri-acc']:.1f}%" if "mia-shokri-acc" in row else "",
             time.time() - t0,
             time_left(i, len(plan), time.time() - t_all) or "done",

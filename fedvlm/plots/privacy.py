@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from fedvlm.metrics import EPSILON_MEAN, EPSILON_SPENT
 from fedvlm.plots.curves import title
+from fedvlm.privacy.ledger import final_spent, round_spread
 
 FILE = "privacy.png"
 BARS = 40  # above this many nodes, the right panel is a histogram
@@ -48,12 +47,12 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
 
     settings = ledger.get("settings") or {}
     xs = [r["round"] for r in rounds]
-    per = [list((r.get("per_client") or {"-": r["epsilon"]}).values()) for r in rounds]
+    low, mean, high = zip(*(round_spread(r) for r in rounds), strict=True)
     fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 5.2), gridspec_kw={"width_ratios": [3, 2]})
     shown = [EPSILON_SPENT, EPSILON_MEAN, "per-node band"]  # the ledger's figures, as the round records name them
-    ax.fill_between(xs, [min(p) for p in per], [max(p) for p in per], alpha=0.2, label="band: least to most spent node")
-    ax.plot(xs, [max(p) for p in per], "-", marker="o", ms=3, label="max over nodes")
-    ax.plot(xs, [float(np.mean(p)) for p in per], "--", label="mean over nodes")
+    ax.fill_between(xs, low, high, alpha=0.2, label="band: least to most spent node")
+    ax.plot(xs, high, "-", marker="o", ms=3, label="max over nodes")
+    ax.plot(xs, mean, "--", label="mean over nodes")
     if settings.get("epsilon"):
         ax.axhline(settings["epsilon"], color="gray", ls=":", label=f"target privacy.epsilon = {settings['epsilon']:g}")
         shown.append("target")
@@ -92,7 +91,7 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: never over a curve
 
-    last = rounds[-1].get("per_client") or {}
+    last = final_spent(ledger)
     names, values = list(last), list(last.values())
     if len(values) <= BARS:
         right.bar(range(len(values)), values, color="tab:blue")

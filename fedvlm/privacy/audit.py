@@ -139,11 +139,9 @@ def audit_guesses(scores: np.ndarray, included: np.ndarray, delta: float, confid
 AUDIT_PREFIX = "train/audit-"
 
 
-def audit_section(
-    rounds: list[dict], ledger_round: dict, mechanism: LocalDP, global_mechanism: str | None
-) -> dict | None:
+def audit_section(rounds: list[dict], spent: dict, mechanism: LocalDP, global_mechanism: str | None) -> dict | None:
     """The audited node's latest audit (from its train replies in ``rounds``) beside what the
-    ledger says its records spent (``ledger_round``: the ledger's entry for the last round).
+    ledger says its records spent (``spent``: ``privacy.budget.RunBudget.current``, after the last round).
     ``mechanism``: the method's ``LocalDP``, the mechanism the canaries enter. None without an audit."""
     latest: dict[str, tuple[int, dict]] = {}
     for record in rounds:
@@ -156,8 +154,8 @@ def audit_section(
     nodes = {}
     for name, (rnd, found) in latest.items():
         lower = float(found["epsilon-lower"])
-        composed = ledger_round.get("per_client", {}).get(name)
-        alone = ledger_round.get("components", {}).get(mechanism.name, {}).get(name)
+        composed = spent.get("spent", {}).get(name)
+        alone = spent.get("spent_components", {}).get(mechanism.name, {}).get(name)
         claimed = alone if alone is not None else composed
         broken = claimed is not None and lower > claimed * (1 + 1e-9)
         nodes[name] = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+import numpy as np
 import torch
 
 from fedvlm.privacy.accountants import ACCOUNTANTS
@@ -54,6 +55,13 @@ class RunBudget:
         # node name -> its own latest account of its records' epsilon, by accountant (the figures a
         # reprogramming node reports from its ledger with Opacus), set beside the server's figures
         self.node_accounts: dict[str, dict[str, float]] = {}
+        # kept current as rounds are charged (``_refresh``): what a record of each planned client
+        # has spent, by mechanism alone, and by every accountant (once a node reports its own)
+        self.spent: dict[str, float] = {}
+        self.components: dict[str, dict[str, float]] = {}
+        self.accountants: dict[str, dict[str, float]] = {}
+        self._changed: set[str] = set()  # clients whose figures changed since the last ledger entry
+        self._reported: set[str] = set()  # nodes that reported their own account since then
 
     @classmethod
     def planned(
@@ -100,6 +108,7 @@ class RunBudget:
             self.settings.delta, sum(s.n_train for s in shapes.values()), "the federation's", "lower privacy.delta"
         )
         self.planner.plan(dict(shapes))
+        self._refresh_all()
         self.record_noise_sources(sources)
         if self.planner.global_dp is not None and self.planner.global_dp.note:
             self.ledger.notes.append(self.planner.global_dp.note)
@@ -130,6 +139,7 @@ class RunBudget:
             "it joined after the plan and would bring the run past the delta it was planned with; lower privacy.delta",
         )
         self.planner.admit(name, shape)
+        self._refresh([name])
 
     def is_planned(self, name: str) -> bool:
         return name in self.planner.clients
@@ -160,36 +170,103 @@ class RunBudget:
         return True, None
 
     def _spend(self, names: Iterable[str]) -> None:
+        names = list(names)
         for name in names:
             self.rounds_trained[name] = self.rounds_trained.get(name, 0) + 1
+        self._refresh(names)
 
-    def entry(self, extra: Mapping[str, int] | None = None) -> dict:
-        """What a record of each client has spent, every mechanism it feeds composed, for the
-        rounds counted so far (plus ``extra`` rounds per client)."""
-        extra = extra or {}
+    def _refresh(self, names: Iterable[str], changed: bool = True) -> None:
+        """What a record of each of ``names`` has spent, recomputed after its rounds changed. The
+        per-client figures are kept current here, so that a round costs one accountant call per
+        client it charged, not one per client the run knows (a thousand-node federation samples
+        a few). ``changed``: the next ledger entry states them (they spent since the last one)."""
         planner = self.planner
-        per = {
-            name: planner.epsilon(name, self.rounds_trained.get(name, 0) + extra.get(name, 0))
-            for name in sorted(planner.clients)
+        for name in names:
+            if name not in planner.clients:
+                continue
+            rounds = self.rounds_trained.get(name, 0)
+            self.spent[name] = planner.epsilon(name, rounds)
+            plan = planner.local_plans.get(name)
+            if plan is not None:  # each mechanism on its own, as papers that report them separately do
+                steps = planner.clients[name].steps
+                self.components.setdefault(plan.name, {})[name] = plan.epsilon_after(rounds * steps)
+            if self.node_accounts:
+                self.accountants[name] = self._accountants(name)
+            if changed:
+                self._changed.add(name)
+
+    def _refresh_all(self) -> None:
+        """Every planned client's figures from the rounds counted (a new plan, a resumed run): the
+        ledger's ``spent`` states them; its entries state what changes from here."""
+        self.spent, self.components, self.accountants = {}, {}, {}
+        self._refresh(sorted(self.planner.clients), changed=False)
+
+    def worst(self, extra: Mapping[str, int]) -> float:
+        """The most a record of any client will have spent after ``extra`` more rounds of the
+        clients it names (the others as they stand)."""
+        planner = self.planner
+        worst = max((v for n, v in self.spent.items() if n not in extra), default=0.0)
+        for name, more in extra.items():
+            if name in planner.clients:
+                worst = max(worst, planner.epsilon(name, self.rounds_trained.get(name, 0) + more))
+        return worst
+
+    def _accountants(self, name: str) -> dict[str, float]:
+        """Node ``name``'s epsilon so far by each registered accountant."""
+        account = self.planner.account(name)
+        rounds = self.rounds_trained.get(name, 0)
+        return {acc: account.epsilon(rounds, self.settings.delta, acc) for acc in ACCOUNTANTS}
+
+    def entry(self) -> dict:
+        """The ledger's entry for the rounds counted since the previous one: the run-wide figures
+        (the most, least and mean epsilon a record of a planned client has spent) and, per
+        client, only the clients whose records spent since the previous entry (``changed``; the
+        ledger's ``spent`` holds every client's figure once, ``current``). Each figure is what a
+        record has spent, every mechanism it feeds composed."""
+        values = np.fromiter(self.spent.values(), dtype=np.float64, count=len(self.spent))
+        changed = sorted(self._changed)
+        components: dict = {mech: {n: per[n] for n in changed if n in per} for mech, per in self.components.items()}
+        if self.planner.global_plan is not None:
+            components[self.planner.global_plan.name] = self._global_component()
+        out: dict = {
+            "epsilon": float(values.max()) if len(values) else 0.0,
+            "epsilon_mean": float(values.mean()) if len(values) else 0.0,
+            "epsilon_min": float(values.min()) if len(values) else 0.0,
+            "changed": {n: self.spent[n] for n in changed},
+            "components": components,
         }
-        out: dict = {"epsilon": max(per.values(), default=0.0), "per_client": per}
-        # each mechanism on its own, for comparison with papers that report them separately
-        components: dict = {}
-        for name, plan in planner.local_plans.items():
-            steps = planner.clients[name].steps
-            components.setdefault(plan.name, {})[name] = plan.epsilon_after(self.rounds_trained.get(name, 0) * steps)
-        if planner.global_plan is not None:
-            g = planner.global_plan
-            components[g.name] = g.epsilon_after(max(self.rounds_trained.values(), default=0))
-        out["components"] = components
         if self.node_accounts:  # the nodes' own accounts, beside every accountant's figure for the same rounds
-            out["by_accountant"] = self.by_accountant(extra)
-            out["client_reported"] = {k: dict(v) for k, v in self.node_accounts.items()}
+            out["by_accountant"] = {n: self.accountants[n] for n in changed if n in self.accountants}
+            out["client_reported"] = {n: dict(self.node_accounts[n]) for n in sorted(self._reported)}
+        self._changed.clear()
+        self._reported.clear()
+        return out
+
+    def _global_component(self) -> float:
+        g = self.planner.global_plan
+        assert g is not None  # asked only with a global mechanism
+        return g.epsilon_after(max(self.rounds_trained.values(), default=0))
+
+    def current(self) -> dict:
+        """What a record of every planned client has spent as the rounds stand, composed
+        (``spent``) and by mechanism alone (``spent_components``); with the nodes' own accounts,
+        every accountant's figure beside each node's."""
+        components: dict = dict(self.components)
+        if self.planner.global_plan is not None:
+            components[self.planner.global_plan.name] = self._global_component()
+        out: dict = {"spent": dict(sorted(self.spent.items())), "spent_components": components}
+        if self.node_accounts:
+            out["by_accountant"] = dict(sorted(self.accountants.items()))
+            out["client_reported"] = dict(sorted(self.node_accounts.items()))  # each replaced when reported anew
         return out
 
     def note_node_account(self, name: str, figures: Mapping[str, float]) -> None:
         """What node ``name`` reports its records have spent, by accountant (its latest reply)."""
+        first = not self.node_accounts
         self.node_accounts[name] = {k: float(v) for k, v in figures.items()}
+        self._reported.add(name)
+        if first:  # from now on every accountant's figure is kept beside the nodes' (``_refresh``)
+            self.accountants = {n: self._accountants(n) for n in sorted(self.planner.clients)}
 
     def would_exceed(self, names: Iterable[str]) -> float | None:
         """The worst per-record epsilon a round training ``names`` would bring, if it crosses
@@ -198,7 +275,7 @@ class RunBudget:
         names = list(names)
         if not (cap and names):
             return None
-        worst = self.entry({n: 1 for n in names})["epsilon"]
+        worst = self.worst({n: 1 for n in names})
         return worst if worst > cap * (1 + 1e-9) else None
 
     def beyond_promise(self, names: Iterable[str], rounds: int) -> float | None:
@@ -209,7 +286,7 @@ class RunBudget:
         names = list(names)
         if not (promise and names):
             return None
-        worst = self.entry({n: rounds for n in names})["epsilon"]
+        worst = self.worst({n: rounds for n in names})
         return worst if worst > promise * (1 + 1e-9) else None
 
     # ---- what the strategies and the loop read of the plan ---------------------------------
@@ -255,16 +332,6 @@ class RunBudget:
             return None
         return self.planner.local, self.planner.global_dp.name if self.planner.global_dp is not None else None
 
-    def by_accountant(self, extra: Mapping[str, int] | None = None) -> dict[str, dict[str, float]]:
-        """Every planned node's epsilon so far by each registered accountant (``extra``: rounds not
-        yet counted), for methods that report them next to the nodes' own figures."""
-        out = {}
-        for client in self.planner.clients:
-            account = self.planner.account(client)
-            rounds = self.rounds_trained.get(client, 0) + (extra or {}).get(client, 0)
-            out[client] = {acc: account.epsilon(rounds, self.settings.delta, acc) for acc in ACCOUNTANTS}
-        return out
-
     # ---- state across rounds (strategies.base.FederatedStrategy.state_dict) -------------------
     def sigmas(self) -> dict[str, float]:
         """The noise level of every planned mechanism, by who draws it."""
@@ -304,6 +371,7 @@ class RunBudget:
             )
         self.rounds_trained = {str(k): int(v) for k, v in state["rounds_trained"].items()}
         self.node_accounts = {str(k): dict(v) for k, v in state["node_accounts"].items()}
+        self._refresh_all()
 
     # ---- noise sources ------------------------------------------------------------------------
     def server_noise_source(self, sources: Mapping[str, str]) -> str:
@@ -348,16 +416,17 @@ class RunBudget:
 
     # ---- what the run folder records -------------------------------------------------------
     def ledger_section(self) -> dict:
-        """results.json's ``privacy`` section: the ledger as it stands."""
-        return self.ledger.as_dict()
+        """results.json's ``privacy`` section: the ledger as it stands, with what every planned
+        client has spent so far (``current``)."""
+        return self.ledger.as_dict() | self.current()
 
-    def record_round(self, server_round: int, sources: Mapping[str, str]) -> dict[str, float]:
+    def record_round(self, server_round: int, sources: Mapping[str, str]) -> dict:
         """Write round ``server_round``'s entry into the ledger (``sources``: the nodes' noise
-        sources, some may have joined since); what a record of each planned node has spent."""
+        sources, some may have joined since); the entry (``entry``)."""
         entry = self.entry()
         self.record_noise_sources(sources)
         self.ledger.record_round(server_round, entry)
-        return {name: float(eps) for name, eps in entry["per_client"].items()}
+        return entry
 
     def check_resumable(self, state: dict | None) -> None:
         """``BudgetError`` unless a checkpoint's budget (None: privacy was off) can continue here."""
@@ -406,6 +475,9 @@ class NoBudget:
 
     def charge_abandoned(self, server_round: int, trainees: Iterable[str], sources: Mapping[str, str]) -> dict:
         return {}  # nothing was spent, so nothing is charged again
+
+    def current(self) -> dict:
+        return {}  # nothing planned, so nothing spent
 
     def ledger_section(self) -> None:
         return None  # no ledger in results.json

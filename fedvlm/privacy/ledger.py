@@ -16,6 +16,7 @@ outside every mechanism, and notes where a stated guarantee does not hold.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 from fedvlm.privacy.accounting import (
@@ -200,6 +201,7 @@ class PrivacyLedger:
         self.method = method
         self.plans: dict[str, MechanismPlan] = {}
         self.client_plans: dict[str, dict[str, MechanismPlan]] = {}  # per-client LDP plans
+        self._rendered: dict[str, tuple[tuple[MechanismPlan, ...], dict]] = {}  # _client_mechanisms
         # per client: what one round costs its records (privacy.planner.RecordAccount) and the
         # epsilon a record would spend if the client trained in every round
         self.records: dict[str, dict] = {}
@@ -218,6 +220,16 @@ class PrivacyLedger:
             self.plans[plan.name] = plan
         else:
             self.client_plans.setdefault(client, {})[plan.name] = plan
+
+    def _client_mechanisms(self, client: str) -> dict:
+        """Client ``client``'s plans as results.json records them: the same object while its plans
+        are the same (``utils.files.PartsKeptJson`` keeps its text)."""
+        per = self.client_plans[client]
+        held = self._rendered.get(client)
+        plans = tuple(per.values())
+        if held is None or len(held[0]) != len(plans) or any(a is not b for a, b in zip(held[0], plans, strict=True)):
+            held = self._rendered[client] = (plans, {k: p.as_dict() for k, p in per.items()})
+        return held[1]
 
     def note_released(self, message: str, keys) -> None:
         """Record the names of values a node sent outside the noised tensors."""
@@ -244,7 +256,7 @@ class PrivacyLedger:
             "enabled": s.enabled,
             "settings": asdict(s),
             "mechanisms": {k: p.as_dict() for k, p in self.plans.items()},
-            "client_mechanisms": {c: {k: p.as_dict() for k, p in per.items()} for c, per in self.client_plans.items()},
+            "client_mechanisms": {c: self._client_mechanisms(c) for c in self.client_plans},
             "records": self.records,
             "noise_sources": self.noise_sources,
             "reply_bounds": self.reply_bounds,
@@ -255,3 +267,41 @@ class PrivacyLedger:
             },
             "notes": self.notes,
         }
+
+
+# ---- reading a ledger back (results.json's ``privacy`` section) ------------------------------
+# A round's entry names only the clients whose records spent since the entry before (``changed``);
+# an earlier fedvlm wrote every planned client into every entry (``per_client``), which grows with
+# clients x rounds. Both are read here, so a run folder of either plots and tabulates.
+
+
+def round_changes(entry: dict) -> dict[str, float]:
+    """The clients whose figure this entry states, with the epsilon a record of each has spent."""
+    return entry.get("changed", entry.get("per_client")) or {}
+
+
+def round_spread(entry: dict) -> tuple[float, float, float]:
+    """(least, mean, most) epsilon spent by a record of a planned client after this entry's round."""
+    if "epsilon_min" in entry:
+        return entry["epsilon_min"], entry["epsilon_mean"], entry["epsilon"]
+    values = list((entry.get("per_client") or {"-": entry["epsilon"]}).values())
+    return min(values), sum(values) / len(values), max(values)
+
+
+def spent_after_rounds(section: dict) -> Iterator[tuple[int, dict[str, float]]]:
+    """(round, what a record of each client stated so far has spent after it), round by round:
+    one running map, updated in place (copy it to keep a round's)."""
+    spent: dict[str, float] = {}
+    for entry in section.get("rounds") or []:
+        spent.update(round_changes(entry))
+        yield entry["round"], spent
+
+
+def final_spent(section: dict) -> dict[str, float]:
+    """What a record of every planned client has spent after the last round."""
+    if "spent" in section:
+        return dict(section["spent"])
+    last: dict[str, float] = {}
+    for _, spent in spent_after_rounds(section):
+        last = spent
+    return dict(last)

@@ -67,12 +67,11 @@ def _record_nodes(parts: RunParts, recorder: RunRecorder) -> None:
 
 def _record_privacy(parts: RunParts, server_round: int, recorder: RunRecorder) -> dict[str, float]:
     """The round's ledger entry, written; the round's privacy figures for its record."""
-    spent = parts.budget.record_round(server_round, parts.registry.noise_sources())
+    entry = parts.budget.record_round(server_round, parts.registry.noise_sources())
     _record_ledger(parts, recorder)
-    if spent is None:
+    if entry is None:
         return {}
-    values = list(spent.values())
-    return {EPSILON_SPENT: max(values, default=0.0), EPSILON_MEAN: float(np.mean(values)) if values else 0.0}
+    return {EPSILON_SPENT: entry["epsilon"], EPSILON_MEAN: entry["epsilon_mean"]}
 
 
 def _record_ledger(parts: RunParts, recorder: RunRecorder) -> None:
@@ -88,9 +87,7 @@ def _record_audit(parts: RunParts, recorder: RunRecorder) -> None:
     if inputs is None or not parts.cfg.privacy.audit_canaries:
         return
     local, global_name = inputs
-    section = audit_section(
-        recorder.data["rounds"], parts.ledger.rounds[-1] if parts.ledger.rounds else {}, local, global_name
-    )
+    section = audit_section(recorder.data["rounds"], parts.budget.current(), local, global_name)
     if section is None:
         return
     for name, node in section["nodes"].items():

@@ -35,13 +35,30 @@ import numpy as np
 import torch
 
 from fedvlm.metrics import METRICS
+from fedvlm.privacy.ledger import round_changes
 from fedvlm.server_app.tracking import Trackers
-from fedvlm.utils.files import atomic_torch_save, atomic_write_json, atomic_write_text, load_json, overwrite_in_place
+from fedvlm.utils.files import (
+    PartsKeptJson,
+    atomic_torch_save,
+    atomic_write_text,
+    load_json,
+    overwrite_in_place,
+)
 from fedvlm.utils.paths import default_output_dir
 
 log = logging.getLogger(__name__)
 
 ROUNDS_CSV = "rounds.csv"
+# results.json's tables with an entry per node, whose entries are replaced, never changed in
+# place: their text is kept between writes (``utils.files.PartsKeptJson``)
+KEPT_ENTRIES = (
+    ("run", "nodes"),
+    ("privacy", "client_mechanisms"),
+    ("privacy", "records"),
+    ("privacy", "spent"),
+    ("privacy", "by_accountant"),
+    ("privacy", "client_reported"),
+)
 # a round's own columns before its metrics
 ROUND_COLUMNS = ("round", "evaluated", "seconds", "sampled", "bytes_up", "bytes_down")
 CLIENT_COLUMN = "client"  # the node a row is about; empty in a round's own row
@@ -64,6 +81,7 @@ class RunRecorder:
     # left_running make a recorder without __init__)
     _held: int = 0
     _pending: bool = False
+    _json: PartsKeptJson | None = None  # results.json's encoder, made at the first write
 
     def __init__(self, run_dir: Path, config: dict, run_info: dict):
         self.dir = Path(run_dir)
@@ -171,7 +189,9 @@ class RunRecorder:
             self._pending = True
             return
         self._pending = False
-        atomic_write_json(self.data, self.path)
+        if self._json is None:
+            self._json = PartsKeptJson(KEPT_ENTRIES)
+        atomic_write_text(self._json.encode(self.data), self.path)
         atomic_write_text(rounds_csv(self.data), self.dir / ROUNDS_CSV)
         if self.trackers is not None:
             self.trackers.update(self.data)
@@ -257,22 +277,30 @@ def rounds_csv(data: dict) -> str:
     bytes per message), and the epsilon a record of it has spent after the round (the ledger).
     A cell a row lacks is empty."""
     rounds = data["rounds"]
-    spent = {e["round"]: e.get("per_client") or {} for e in (data.get("privacy") or {}).get("rounds") or []}
+    privacy = data.get("privacy") or {}
+    entries = privacy.get("rounds") or []
     present = {k for r in rounds for k in r["metrics"]}
     columns = [m for m in METRICS if m in present]
     node_columns = list(dict.fromkeys(k for r in rounds for c in (r.get("clients") or {}).values() for k in c))
-    if spent:
+    if entries:
         node_columns.append(NODE_EPSILON_COLUMN)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow([ROUND_COLUMNS[0], CLIENT_COLUMN, *ROUND_COLUMNS[1:], *columns, *node_columns])
     blank_round, blank_node = [""] * (len(ROUND_COLUMNS) - 1 + len(columns)), [""] * len(node_columns)
+    planned = privacy.get("spent") or {}  # a planned client no entry stated yet has spent nothing
+    spent: dict[str, float] = {}  # the ledger's figures carried forward to the round written
+    stated = iter(entries)
+    pending = next(stated, None)
     for r in rounds:
         row = [*(r.get(c, "") for c in ROUND_COLUMNS[1:]), *(r["metrics"].get(c, "") for c in columns)]
         writer.writerow([r["round"], "", *row, *blank_node])
-        epsilons = spent.get(r["round"], {})
+        while pending is not None and pending["round"] <= r["round"]:
+            spent.update(round_changes(pending))
+            pending = next(stated, None)
         for name, figures in sorted((r.get("clients") or {}).items()):
-            values = {**figures, NODE_EPSILON_COLUMN: epsilons.get(name, "")}
+            epsilon = spent.get(name, 0.0 if name in planned else "")
+            values = {**figures, NODE_EPSILON_COLUMN: epsilon}
             writer.writerow([r["round"], name, *blank_round, *(values.get(c, "") for c in node_columns)])
     return out.getvalue()
 

@@ -66,8 +66,8 @@ def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_di
     assert len(data["rounds"]) == 2 and not any(r["dropped"] for r in data["rounds"])
     if epsilon:
         spent = data["privacy"]["rounds"][-1]
-        assert 0 < spent["epsilon"] == max(spent["per_client"].values()) <= epsilon * (1 + 1e-6)
-        assert len(spent["per_client"]) == 3
+        assert 0 < spent["epsilon"] == max(data["privacy"]["spent"].values()) <= epsilon * (1 + 1e-6)
+        assert len(data["privacy"]["spent"]) == 3 and spent["changed"].keys() == data["privacy"]["spent"].keys()
         # the one-run audit through real Flower processes: the canaries' node reported its bound
         audited = data["audit"]["nodes"]["client-0"]
         assert audited["canaries"] == 20 and audited["private_steps"] >= 1

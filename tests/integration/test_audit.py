@@ -58,7 +58,7 @@ def test_the_audit_catches_noise_switched_off_and_passes_the_real_mechanism(make
     monkeypatch.setattr(dpsgd, "_add_noise", _no_noise)  # the bug: the noise never reaches the step
     broken, _ = _run(make_cfg, privacy__audit_canaries=100)
     node = broken["audit"]["nodes"]["client-0"]
-    assert broken["privacy"]["rounds"][-1]["per_client"]["client-0"] == pytest.approx(1.0, abs=1e-3)  # still claimed
+    assert broken["privacy"]["spent"]["client-0"] == pytest.approx(1.0, abs=1e-3)  # still claimed
     assert node["epsilon_lower"] > 1.5 * node["accounted_epsilon"]
     assert node["status"].startswith("BROKEN")
 

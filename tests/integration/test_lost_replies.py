@@ -88,8 +88,8 @@ def test_asking_again_under_fresh_noise_is_charged_and_never_breaks_the_promise(
     data, _ = _run(make_cfg, _lose("train", 2, 1), run_name="charged", **fixed)
     (entry,) = data["rounds"][1]["asked_again"]
     assert entry == {"client": "client-1", "phase": "train", "asked": True, "charged": True}
-    spent = data["privacy"]["rounds"][-1]["per_client"]
-    planned = whole["privacy"]["rounds"][-1]["per_client"]
+    spent = data["privacy"]["spent"]
+    planned = whole["privacy"]["spent"]
     assert spent["client-1"] > planned["client-1"] * 1.01  # its second release is on its account
     assert spent["client-0"] == pytest.approx(planned["client-0"])
     # a target epsilon spent to the end by the plan: one more release would pass it, not asked

@@ -45,7 +45,7 @@ def test_a_node_trains_within_its_floor_and_refuses_a_weakened_plan(make_cfg, pr
     for r, spent in zip(honest.data["rounds"], honest.data["privacy"]["rounds"], strict=True):
         assert r["metrics"]["train-clients"] == 3 and not r["dropped"]
         for client in ("client-0", "client-1"):  # the node's own account is the server's ledger's
-            assert r["clients"][client]["train/node-epsilon"] == pytest.approx(spent["per_client"][client], rel=1e-6)
+            assert r["clients"][client]["train/node-epsilon"] == pytest.approx(spent["changed"][client], rel=1e-6)
         assert "train/node-epsilon" not in r["clients"]["client-2"]
     (ledger,) = (tmp_path / "honest" / "n0" / "ledgers").glob("*.json")  # on the node's own disk
     assert [r["round"] for r in json.loads(ledger.read_text())["rows"]] == [1, 2]

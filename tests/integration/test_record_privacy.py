@@ -105,10 +105,15 @@ def test_reported_epsilon_is_the_composition_of_local_and_global_and_meets_the_t
     )
     data = rec.data
     privacy = data["privacy"]
+    stated: dict[str, float] = {}  # an entry names the clients whose records spent since the one before
     for entry in privacy["rounds"]:
-        for client, eps in entry["per_client"].items():
+        stated.update(entry["changed"])
+        for client in privacy["records"]:
+            eps = stated.get(client, 0.0)
             assert eps == pytest.approx(_expected(data, client, entry["round"], denominator=3), rel=0.01)
-        assert entry["epsilon"] == max(entry["per_client"].values())
+        assert entry["epsilon"] == max(stated.values())
+        assert entry["epsilon_mean"] == pytest.approx(sum(stated.values()) / len(privacy["records"]))
+    assert privacy["spent"] == stated
     # calibrated jointly: every client's record meets the target over the whole run, the worst tightly
     planned = {c: r["planned_epsilon"] for c, r in privacy["records"].items()}
     for client, eps in planned.items():
@@ -129,7 +134,7 @@ def test_budget_limited_run_never_exceeds_max_epsilon_per_record(make_cfg, pretr
     assert data["run"]["status"] == "stopped"
     done = len(data["rounds"])
     assert 0 < done < 10
-    for client in data["privacy"]["rounds"][-1]["per_client"]:
+    for client in data["privacy"]["spent"]:
         spent = _expected(data, client, done, denominator=2)
         assert spent <= 2.0
         assert _expected(data, client, done + 1, denominator=2) > 2.0  # it stopped just in time
@@ -155,7 +160,7 @@ def test_a_lost_node_does_not_shrink_the_global_denominator(make_cfg, pretrained
     data = execute(cfg, grid, run_id="t").data
     assert [r["metrics"]["train-clients"] for r in data["rounds"]] == [3, 2, 2]
     assert all(r["metrics"]["gdp-denominator"] == 3 for r in data["rounds"])
-    final = data["privacy"]["rounds"][-1]["per_client"]
+    final = data["privacy"]["spent"]
     trained = {"client-0": 3, "client-1": 1, "client-2": 3}
     for client, rounds in trained.items():
         assert final[client] == pytest.approx(_expected(data, client, rounds, denominator=3), rel=0.01)
@@ -233,7 +238,7 @@ def test_a_late_node_that_the_plan_cannot_cover_is_excluded(make_cfg, pretrained
     data = _run_late(make_cfg, late_partition=2)  # 46 records, batch 32: q = 0.7
     excluded = data["run"]["excluded_nodes"]
     assert any("joined after the privacy plan" in why for why in excluded.values()), excluded
-    assert "client-2" not in data["privacy"]["rounds"][-1]["per_client"]
+    assert "client-2" not in data["privacy"]["spent"]
     assert all(r["metrics"]["train-clients"] == 2 for r in data["rounds"])
 
 
@@ -246,9 +251,7 @@ def test_a_late_node_gets_local_noise_that_keeps_its_records_within_the_target(m
     # its local noise was calibrated against the global noise already fixed, and is at least
     # what its own mechanism alone needs (what the client checks)
     assert late["planned_epsilon"] == pytest.approx(_expected(data, "client-1", 3, denominator=2), rel=0.01)
-    assert privacy["rounds"][-1]["per_client"]["client-1"] == pytest.approx(
-        _expected(data, "client-1", 2, denominator=2), rel=0.01
-    )
+    assert privacy["spent"]["client-1"] == pytest.approx(_expected(data, "client-1", 2, denominator=2), rel=0.01)
 
 
 # ---- clients enforce their own noise -------------------------------------------------------
@@ -415,6 +418,6 @@ def test_a_node_that_rejoins_with_other_data_is_refused(make_cfg, pretrained_cli
     reason = data["run"]["excluded_nodes"]["2002"]
     assert "rejoined as org-2 with" in reason and "planned and accounted for the" in reason
     assert [sorted(r["clients"]) for r in data["rounds"]][1:] == [["org-0", "org-1"]] * 2
-    spent = data["privacy"]["rounds"][-1]["per_client"]
+    spent = data["privacy"]["spent"]
     assert spent["org-2"] == pytest.approx(_expected(data, "org-2", 1, denominator=3), rel=0.01)
     assert max(spent.values()) <= 1.0 * (1 + 1e-6)

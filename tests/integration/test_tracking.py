@@ -18,6 +18,7 @@ import pytest
 from fedvlm.client_app.app import app as client_app
 from fedvlm.server_app.app import execute
 from fedvlm.server_app.tracking import ROUND_FIGURES, SAMPLED, round_values
+from fedvlm.utils.files import json_text
 from fedvlm.utils.inprocess import InProcessGrid
 from fedvlm.utils.processes import free_port, kill_tree
 
@@ -80,8 +81,10 @@ def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_f
         names
     )
     ledger = data["privacy"]["rounds"]
+    stated: dict[str, float] = {}  # an entry names the nodes whose records spent since the one before
     for r, entry in zip(data["rounds"], ledger, strict=True):  # the mean is the ledger's, over the planned nodes
-        per = list(entry["per_client"].values())
+        stated.update(entry["changed"])
+        per = [stated.get(name, 0.0) for name in data["privacy"]["records"]]
         assert r["metrics"]["epsilon/per-record-mean"] == pytest.approx(sum(per) / len(per))
         assert r["metrics"]["epsilon/per-record-max"] == pytest.approx(max(per))
 
@@ -208,15 +211,22 @@ def test_rounds_csv_has_a_row_per_node_with_its_ledger_epsilon_and_the_plots_red
 ):
     data, cfg = _run(make_cfg, **_raw(**DP, **{"num-server-rounds": 2, "run-name": "pictures"}))
     folder = Path(cfg.output_dir) / "pictures"
+    # results.json, written with its per-node tables' entries kept between writes, is the data
+    assert json.loads((folder / "results.json").read_text()) == json.loads(json_text(data))
     with open(folder / "rounds.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["client"] for r in rows if r["round"] == "1"] == ["", "client-0", "client-1", "client-2"]
+    stated: dict[str, float] = {}  # the ledger's entries name the clients that spent since the entry before
+    spent_after = {}
+    for entry in data["privacy"]["rounds"]:
+        stated.update(entry["changed"])
+        spent_after[entry["round"]] = dict(stated)
     for r in rows:
         record = data["rounds"][int(r["round"]) - 1]
         if r["client"] == "":
             assert float(r["local-acc"]) == pytest.approx(record["metrics"]["local-acc"]) and r["epsilon"] == ""
             continue
-        spent = data["privacy"]["rounds"][int(r["round"]) - 1]["per_client"][r["client"]]
+        spent = spent_after[int(r["round"])][r["client"]]
         assert float(r["epsilon"]) == pytest.approx(spent)
         assert float(r["eval/local-acc"]) == pytest.approx(record["clients"][r["client"]]["eval/local-acc"])
         assert r["local-acc"] == ""
