@@ -77,7 +77,7 @@ def _global_gradient_dp(cfg: RunConfig, per_round: int) -> GlobalDP:
         tensors=(GLOBAL_GRAD,),
         note="trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient. A record's batch "
         "feeds its client's local release and its share of the global release, so the per-record epsilon "
-        "(records, rounds[].per_client) composes both; it bounds what the published global prompt and the "
+        "(records, spent, rounds[].changed) composes both; it bounds what the published global prompt and the "
         "client's published personalised prompt together reveal of a record",
     )
 
