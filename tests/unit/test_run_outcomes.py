@@ -38,10 +38,10 @@ def test_a_full_disk_still_ends_the_run_failed_with_its_error(tmp_path, monkeypa
 
     recorder = RunRecorder(tmp_path / "r", {"num-server-rounds": 3}, {"method": "promptfl"})
 
-    def no_space(obj, path):
+    def no_space(text, path, durable=False):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(results, "atomic_write_json", no_space)
+    monkeypatch.setattr(results, "atomic_write_text", no_space)  # results.json and rounds.csv
     with pytest.raises(OSError):
         recorder.add_round({"round": 1, "metrics": {}, "bytes_up": 0, "bytes_down": 0})
     recorder.finish("failed", "OSError: [Errno 28] No space left on device")

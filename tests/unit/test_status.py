@@ -131,19 +131,19 @@ def test_a_full_disk_at_the_start_or_the_end_fails_the_run_with_the_reason(make_
     import fedvlm.plots as plots
     from fedvlm.server_app import results
 
-    real = results.atomic_write_json
+    real = results.atomic_write_text
 
     def full_disk(when):
-        def write(data, path):
-            if when(data):
+        def write(text, path, durable=False):
+            if Path(path).name == "results.json" and when(json.loads(text)):
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
-            real(data, path)
+            real(text, path, durable)
 
         return write
 
     cfg = make_cfg(method="promptfl", num_server_rounds=2, max_per_class=1, run_name="full-at-start")
     nodes = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
-    monkeypatch.setattr(results, "atomic_write_json", full_disk(lambda data: True))
+    monkeypatch.setattr(results, "atomic_write_text", full_disk(lambda data: True))
     with pytest.raises(OSError, match="cannot write the run folder .*full-at-start.*free space on its disk"):
         execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id="t")
     folder = Path(cfg.output_dir) / "full-at-start"
@@ -152,7 +152,7 @@ def test_a_full_disk_at_the_start_or_the_end_fails_the_run_with_the_reason(make_
     assert verdict.code == status.FAILED and "No space left on device" in verdict.reason, verdict
 
     cfg = make_cfg(method="promptfl", num_server_rounds=2, max_per_class=1, run_name="full-at-end")
-    monkeypatch.setattr(results, "atomic_write_json", full_disk(lambda data: "ended" in data["run"]))
+    monkeypatch.setattr(results, "atomic_write_text", full_disk(lambda data: "ended" in data["run"]))
 
     def no_room(data, out_dir):
         raise OSError(errno.ENOSPC, "No space left on device")
