@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import torch
 from fedvlm.models import tiny_vlm
 from fedvlm.models.tiny_vlm import EMBEDDED_VLM_NAME
 from fedvlm.models.vlm_batching import VLM
+from fedvlm.utils.progress import interactive
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,22 @@ class _nullcontext:
         return False
 
 
+@contextmanager
+def _quiet_loading():
+    """transformers draws a 'Loading weights' bar on every load, in logs too (each client of a run
+    loads the model); off where ``progress.interactive`` says no bars, restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was and not interactive():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def resolve_model_path(name: str, cache_dir: Path) -> str:
     """The embedded model's directory (pretrained on first use), or ``name`` unchanged."""
     if name == EMBEDDED_VLM_NAME:
@@ -70,7 +89,7 @@ def load_model_and_processor(name: str, cache_dir: Path, trust_remote_code: bool
         "float16": torch.float16,
     }[dtype]
     try:
-        with _hf_offline_context():
+        with _hf_offline_context(), _quiet_loading():
             processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
             model = AutoModelForImageTextToText.from_pretrained(
                 path, trust_remote_code=trust_remote_code, dtype=torch_dtype
@@ -168,7 +187,11 @@ def add_adapter(model: torch.nn.Module, spec: AdapterSpec, seed: int) -> torch.n
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        wrapped = get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias: a warning
+            # about peft's code, once per client in every log, that no setting of ours can act on
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            wrapped = get_peft_model(model, config)
     except ValueError as err:
         raise VLMLoadError(
             f"no layer of the language model matches lora.target-modules={','.join(spec.targets)} "

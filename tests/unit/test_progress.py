@@ -11,9 +11,9 @@ from fedvlm.utils.progress import time_left
 CODE = "from fedvlm.utils.progress import each\nfor _ in each(range(5), 'pretraining x'):\n    pass\n"
 
 
-def _stderr(**env) -> str:
+def _stderr(code: str = CODE, **env) -> str:
     full = {k: v for k, v in os.environ.items() if k not in ("FEDVLM_PROGRESS", "CI")} | env
-    return subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=full, check=True).stderr
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, check=True).stderr
 
 
 def test_a_log_gets_no_bar_and_a_forced_one_shows_its_count():
@@ -27,3 +27,16 @@ def test_time_left_is_the_mean_time_per_unit_times_the_units_left():
     assert time_left(2, 10, 20.0) == "about 80 s left"
     assert time_left(1, 10, 60.0) == "about 9 min left"
     assert time_left(0, 10, 5.0) == "" and time_left(10, 10, 5.0) == ""
+
+
+def test_a_client_loading_the_vlm_in_a_log_prints_nothing(vlm_cache):
+    """Every client of a VLM run loads the model and wraps it: no transformers bar, no peft warning
+    about transformers' deprecated alias, in a log; a forced bar still shows the load."""
+    code = (
+        "from pathlib import Path\n"
+        "from fedvlm.models.vlm import AdapterSpec, add_adapter, load_model_and_processor\n"
+        f"model, _ = load_model_and_processor('embedded-tiny-vlm', Path({str(vlm_cache)!r}))\n"
+        "add_adapter(model, AdapterSpec(kind='lora', rank=2, alpha=4.0, dropout=0.0, targets=('q_proj',)), seed=0)\n"
+    )
+    assert _stderr(code) == ""
+    assert "Loading weights" in _stderr(code, FEDVLM_PROGRESS="1")
