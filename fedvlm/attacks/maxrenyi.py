@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.metrics import roc_auc_score, roc_curve
 
+from fedvlm.attacks import NoAttackApplies
 from fedvlm.attacks.likelihood import bootstrap, rmia
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.server_app.observer import FOLDER as UPLOADS
@@ -165,6 +166,39 @@ def attack(
     return metrics, scores
 
 
+_FEDPARA_BASE = (
+    "FedPara's server holds only the w1 pair of the LoHa adapter; with the clients' private w2 pair "
+    "at its initial zero, the server model and every client model it rebuilds are the base model: "
+    "there is nothing of the clients' data to attack"
+)
+
+
+def _client_threat(
+    vlm, run_dir: Path, parts: dict, initial: dict, shared: dict, test, samples: int, clients: int, seed: int
+):
+    """(b) each client's model as the server can rebuild it from the client's uploads: the
+    attacks by client, and every attack's (member, non-member) scores by client for pooling."""
+    recon_dir = run_dir / "reconstructed"
+    per_client: dict[str, dict] = {}
+    pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for i, (name, part) in enumerate(sorted(parts.items())):
+        if clients and i >= clients:
+            break
+        path = recon_dir / f"{name}.pt"
+        if not path.exists():
+            continue
+        uploads = load_saved(path, "run the attack on a finished run")["arrays"]
+        adapter = {**initial, **shared, **uploads}
+        per_client[name], scores = attack(
+            vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i, initial
+        )
+        for key, (ms, ns) in scores.items():
+            pooled.setdefault(key, []).append((ms, ns))
+        per_client[name]["uploaded"] = sorted({k.split(".")[-2] for k in uploads})
+        log.info("client %s: %s", name, _headline(per_client[name]))
+    return per_client, pooled
+
+
 def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
     from fedvlm.client_app.vlm_node import vlm_node_data
     from fedvlm.methods.validation import validate
@@ -200,37 +234,22 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
         "threats": {},
     }
 
-    # (a) the server model: members = every client's training data
-    union = _concat([p.train for p in parts.values()])
-    test = next(iter(parts.values())).dataset.test
-    if spec.adapter == "loha":
-        report["threats"]["server"] = {
-            "skipped": "FedPara's server holds only the w1 pair; with the private w2 pair "
-            "at its initial zero the server model is the base model"
-        }
-    else:
-        report["threats"]["server"] = attack(vlm, {**initial, **shared}, union, test, samples, seed)[0]
-        log.info("server model: %s", _headline(report["threats"]["server"]))
-
-    # (b) each client's model as the server can rebuild it from the client's uploads
-    recon_dir = run_dir / "reconstructed"
+    # FedPara's uploads are the w1 pair only: with the clients' private w2 pair at its initial zero,
+    # the server model and every client model the server rebuilds are the base model, so an attack
+    # on them would score the base model and find nothing by design
+    rebuildable = spec.adapter != "loha"
     per_client: dict[str, dict] = {}
     pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for i, (name, part) in enumerate(sorted(parts.items())):
-        if clients and i >= clients:
-            break
-        path = recon_dir / f"{name}.pt"
-        if not path.exists():
-            continue
-        uploads = load_saved(path, "run the attack on a finished run")["arrays"]
-        adapter = {**initial, **shared, **uploads}
-        per_client[name], scores = attack(
-            vlm, adapter, part.train, part.test if len(part.test) >= 10 else test, samples, seed + 1 + i, initial
-        )
-        for key, (ms, ns) in scores.items():
-            pooled.setdefault(key, []).append((ms, ns))
-        per_client[name]["uploaded"] = sorted({k.split(".")[-2] for k in uploads})
-        log.info("client %s: %s", name, _headline(per_client[name]))
+    if not rebuildable:
+        report["threats"]["server"] = {"skipped": _FEDPARA_BASE}
+        report["threats"]["client"] = {"skipped": _FEDPARA_BASE}
+    else:
+        # (a) the server model: members = every client's training data
+        union = _concat([p.train for p in parts.values()])
+        test = next(iter(parts.values())).dataset.test
+        report["threats"]["server"] = attack(vlm, {**initial, **shared}, union, test, samples, seed)[0]
+        log.info("server model: %s", _headline(report["threats"]["server"]))
+        per_client, pooled = _client_threat(vlm, run_dir, parts, initial, shared, test, samples, clients, seed)
     if per_client:
         keys = [k for k in next(iter(per_client.values())) if k.startswith("alpha=")]
         report["threats"]["client"] = {
@@ -280,7 +299,12 @@ def pooled_attacks(run_dir: Path, shadows: int = 0, online: int = 0) -> dict[str
     need no shadow or reference federations (``shadows`` and ``online`` are the prompt family's
     knobs): the base model calibrates them."""
     path = Path(run_dir) / "maxrenyi.json"
-    return pooled(json.loads(path.read_text()) if path.exists() else run_maxrenyi(Path(run_dir), SAMPLES))
+    report = json.loads(path.read_text()) if path.exists() else run_maxrenyi(Path(run_dir), SAMPLES)
+    found = pooled(report)
+    if not found:
+        skipped = [t["skipped"] for t in report["threats"].values() if "skipped" in t]
+        raise NoAttackApplies("; ".join(dict.fromkeys(skipped)) or "no threat of the MaxRényi report applies")
+    return found
 
 
 def upload_attacks(cfg, run_dir: Path, nodes: list[dict], samples: int, seed: int) -> dict:

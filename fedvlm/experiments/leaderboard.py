@@ -212,9 +212,13 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
                 _fmt(e.get("seconds-per-round"), digits=1),
             ]
             lines.append("| " + " | ".join(cells) + " |")
-        notes = dict.fromkeys(f"{e['method']} ({e['target']}): {e['attack-note']}" for e in mine if "attack-note" in e)
-        if notes:
-            lines += ["", "Attack columns left empty:", "", *(f"- {n}" for n in notes)]
+        targets: dict[tuple[str, str], list[str]] = {}  # a method's rows with one reason: one line
+        for e in mine:
+            if "attack-note" in e:
+                targets.setdefault((e["method"], e["attack-note"]), []).append(e["target"])
+        if targets:
+            notes = [f"- {method} ({', '.join(ts)}): {note}" for (method, note), ts in targets.items()]
+            lines += ["", "Attack columns left empty:", "", *notes]
     failed = [e for e in entries if "failed" in e]
     if failed:
         lines += ["", "Runs that failed (the board went on without them):", ""]
@@ -257,7 +261,8 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
         utility = sweep.utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
         if not utility:
             continue
-        u = utility[0]
+        # the family's first utility every row has (FedPara has no server model, so no server CIDEr)
+        u = next((c for c in utility if all(e.get(c) is not None for e in mine)), utility[0])
         scale = METRICS[u].kind.scale
         colours = {m: f"C{k % 10}" for k, m in enumerate(dict.fromkeys(e["method"] for e in mine))}
         markers = {t: MARKERS[k % len(MARKERS)] for k, t in enumerate(dict.fromkeys(e["target"] for e in mine))}
@@ -279,8 +284,9 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
                 ax.step(fx, fy, where="post", color="gray", ls="--", lw=1)
             if ax is left:
                 ax.set_xscale("log")
-                ticks = [*finite, none_x]
-                ax.set_xticks(ticks, [f"{t:.3g}" for t in finite] + ["no DP"])
+                unaccounted = any(not e.get("epsilon-accounted") for e in mine)  # a family with fixed noise has none
+                ticks = [*finite, none_x] if unaccounted else finite
+                ax.set_xticks(ticks, [f"{t:.3g}" for t in finite] + (["no DP"] if unaccounted else []))
                 ax.minorticks_off()
                 ax.set_xlabel("accounted epsilon (log scale)")
                 ax.set_title(f"{family} family: {u} against privacy spent")

@@ -40,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedvlm.attacks import NoAttackApplies
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
@@ -158,6 +159,8 @@ def attack_columns(run_dir: Path, family, shadows: int, online: int, trains: boo
         return {"mia-error": f"no membership attack applies to the {family.name} family yet"}
     try:
         row = attack_row(attack(run_dir, shadows, online))
+    except NoAttackApplies as err:
+        return {"mia-error": str(err)}
     except Exception as err:  # noqa: BLE001 - a run the attacks cannot take is a row without them
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         log.error("%s: the membership attacks could not run: %s", run_dir.name, reason)

@@ -209,6 +209,38 @@ def test_private_parts_of_fedper_and_fedpara_never_travel(vlm_cache, tmp_path, m
         assert layers == {max(layers) - 1, max(layers)}  # the top two layers
 
 
+def test_no_attack_is_scored_on_a_fedpara_model_the_server_cannot_rebuild(vlm_cache, tmp_path):
+    """FedPara's server holds the w1 pair only: every model it can rebuild keeps the clients' w2
+    pair at its initial zero, so it is the base model, and an attack on it would score the base
+    model. The report says so, and a board's row carries that reason instead of chance figures."""
+    import json
+
+    from fedvlm.attacks import NoAttackApplies
+    from fedvlm.attacks.maxrenyi import pooled_attacks
+    from fedvlm.experiments.sweep import attack_columns
+    from fedvlm.methods.registry import get_method
+    from fedvlm.methods.validation import validate
+    from fedvlm.models.vlm import AdapterSpec, load_vlm
+    from fedvlm.utils.files import load_saved
+
+    _, recorder = _run(_raw(vlm_cache, tmp_path, "fedpara-lora", **{"num-server-rounds": 2}))
+    cfg = validate(recorder.data["config"])
+    _, initial, _ = load_vlm(cfg.vlm.model, cfg.cache_path, AdapterSpec.from_config(cfg), cfg.seed, cfg.device)
+    w2_b = {k: v for k, v in initial.items() if ".hada_w2_b" in k}
+    assert w2_b and all(not torch.as_tensor(v).any() for v in w2_b.values())  # the product's zero factor
+    rebuilt = dict(load_saved(recorder.dir / "final_shared.pt", "test")["arrays"])
+    for path in (recorder.dir / "reconstructed").glob("*.pt"):
+        rebuilt.update(load_saved(path, "test")["arrays"])
+    assert rebuilt and not any(".hada_w2_" in k for k in rebuilt)  # so every rebuilt w2_b stays zero
+
+    with pytest.raises(NoAttackApplies, match="base model"):
+        pooled_attacks(recorder.dir)
+    threats = json.loads((recorder.dir / "maxrenyi.json").read_text())["threats"]
+    assert set(threats) == {"server", "client"} and all("base model" in t["skipped"] for t in threats.values())
+    row = attack_columns(recorder.dir, get_method("fedpara-lora").family, shadows=0, online=0)
+    assert set(row) == {"mia-error"} and "w2 pair" in row["mia-error"]
+
+
 def test_maxrenyi_runs_on_a_fedrand_run_folder(fedrand_run):
     import json
 
