@@ -49,6 +49,7 @@ from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
 from fedvlm.metrics import ACC, CIDER, METRICS, PROPORTION
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
+from fedvlm.server_app.resume import CHECKPOINT
 from fedvlm.utils.progress import each, time_left
 
 log = logging.getLogger("sweep")
@@ -102,6 +103,32 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
         log_tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"flwr run of {raw['run-name']} wrote no results.json; its output ends:\n{log_tail}")
     return json.loads(results.read_text())
+
+
+REUSED = ("finished", "stopped")  # a run folder's statuses the sweep takes as they are
+
+
+def continued(raw: dict, run_dir: Path, data: dict | None) -> dict:
+    """``raw``, resuming the run cut off in ``run_dir`` (``data``: its results.json) where it
+    completed a round.
+
+    Without this the ServerApp, finding the name taken, starts afresh in a stamped folder beside it
+    while the sweep goes on reading the stale one. A resumed run with seeded noise ends with the
+    very numbers and arrays of an uninterrupted one (``server_app.resume``), so every row of a
+    table is still one protocol; with OS noise the ledger charges any abandoned round, so the
+    epsilon reported is still what the releases spent. A folder that cannot be resumed (no
+    round completed, or a run that failed) is kept aside, renamed, and the run starts afresh.
+    """
+    if data is None:
+        return raw
+    status = data["run"].get("status")
+    if status != "failed" and (run_dir / CHECKPOINT).is_file():
+        log.info("%s stopped %s: resuming it from its checkpoint", run_dir.name, status)
+        return {**raw, "resume": str(run_dir)}
+    aside = run_dir.with_name(f"{run_dir.name}-{status}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(aside)
+    log.warning("%s %s and cannot be resumed: kept as %s, the run starts afresh", run_dir.name, status, aside.name)
+    return raw
 
 
 def _variants(methods, ranks, residuals):
@@ -291,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict] = []
     t_all = time.time()
+    ran, ran_seconds = 0, 0.0  # the runs this invocation trained (a reused one costs nothing), for the estimate
     for i, (variant, method, extra, eps, seed) in enumerate(each(plan, "sweep", "run"), 1):
         raw = raw_of(variant, method, extra, eps, seed)
         name = raw["run-name"]
@@ -298,12 +326,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(failed_row(variant, method, eps, seed, refused[name]))
             report(rows)
             continue
-        results_path = out / "runs" / name / "results.json"
+        run_dir = out / "runs" / name
         t0 = time.time()
-        data = json.loads(results_path.read_text()) if results_path.exists() else None
+        prior = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").exists() else None
+        reused = prior if prior is not None and prior["run"].get("status") in REUSED else None
+        fresh = reused is None
         try:
-            if data is None or data["run"].get("status") not in ("finished", "stopped"):
-                data = run_one(raw, clients, args.engine, out)
+            data = reused if reused is not None else run_one(continued(raw, run_dir, prior), clients, args.engine, out)
         except Exception as err:  # noqa: BLE001 - a failed variant is a row of the table, not the sweep's end
             rows.append(failed_row(variant, method, eps, seed, err))
             log.error("[%d/%d] %s failed: %s", i, len(plan), name, rows[-1]["error"])
@@ -332,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = get_method(method)
             row.update(attack_columns(out / "runs" / name, spec.family, args.shadows, args.online, spec.trains))
         rows.append(row)
+        if fresh:
+            ran, ran_seconds = ran + 1, ran_seconds + time.time() - t0
         log.info(
             "[%d/%d] %s: %s%s (%.0fs; %s)",
             i,
@@ -340,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             utility_line(row),
             f" MIA {100 * row['mia-shokri-acc']:.1f}%" if "mia-shokri-acc" in row else "",
             time.time() - t0,
-            time_left(i, len(plan), time.time() - t_all) or "done",
+            time_left(ran, ran + len(plan) - i, ran_seconds) or ("done" if i == len(plan) else "reused"),
         )
         report(rows)
     done = [r for r in rows if r["status"] != "failed"]

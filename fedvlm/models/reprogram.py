@@ -251,8 +251,8 @@ class FineTuneNet(nn.Module):
             # follow: per-sample gradients of the whole network come from ExpandedWeights
             self.per_sample_backend = "expanded"
             net.requires_grad_(True)  # before fix(): the validator only replaces trainable BatchNorm
-            # one INFO line per replaced layer and per message otherwise
-            logging.getLogger("opacus.validators.module_validator").setLevel(logging.WARNING)
+            # one INFO line per replaced layer, per message and per BatchNorm fixed otherwise
+            logging.getLogger("opacus.validators").setLevel(logging.WARNING)
             net = ModuleValidator.fix(net)  # BatchNorm -> GroupNorm: per-sample gradients need it
             for m in net.modules():  # Opacus' hooks cannot follow torchvision's in-place ReLUs
                 if isinstance(m, nn.ReLU):

@@ -92,3 +92,41 @@ def test_the_papers_numbers_appear_only_for_the_papers_setup():
         assert reference is None, sets
     assert setup("paper-pfedmoap-dtd", [], 4)[1] == 4  # --clients is honoured, never silently overridden
     assert setup("paper-pfedmoap-dtd", ["seed=3"], None)[2]  # a seed does not change the setup
+
+
+def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(tmp_path, cache_dir, pretrained_clip):
+    def sweep(out, rounds):
+        argv = ["--out", str(out), "--variant", "p", "promptfl", "--epsilons", "none", "--clients", "3"]
+        assert main([*argv, "--set", f"num-server-rounds={rounds}", "max-per-class=4", f"cache-dir={cache_dir}"]) == 0
+        return json.loads((out / "runs" / "p-epsnone-seed0" / "results.json").read_text())
+
+    def cut_off(out):  # what a killed ServerApp leaves: its last results.json still says 'running'
+        path = out / "runs" / "p-epsnone-seed0" / "results.json"
+        data = json.loads(path.read_text())
+        data["run"]["status"] = "running"
+        path.write_text(json.dumps(data))
+
+    out = tmp_path / "cut"
+    sweep(out, 1)
+    cut_off(out)
+    resumed = sweep(out, 2)
+    # resumed in place: no stamped sibling, both rounds in the one folder
+    assert [p.name for p in (out / "runs").iterdir()] == ["p-epsnone-seed0"]
+    assert resumed["run"]["status"] == "finished" and resumed["run"]["resumed"][0]["from_round"] == 1
+    # seeded: the same figures an uninterrupted run records, so the row is one protocol with the rest
+    whole = sweep(tmp_path / "whole", 2)
+
+    def figures(run):  # every metric but the times
+        return [{k: v for k, v in r["metrics"].items() if not k.endswith("seconds")} for r in run["rounds"]]
+
+    assert len(figures(whole)) == 2 and figures(resumed) == figures(whole)
+    row = next(csv.DictReader((out / "summary.csv").open()))
+    assert row["status"] == "finished" and float(row["local-acc-last10"]) == whole["final"]["local-acc-last10-mean"]
+
+    # a folder with no checkpoint cannot be resumed: kept aside under a new name, the run starts afresh
+    cut_off(out)
+    (out / "runs" / "p-epsnone-seed0" / "checkpoint.pt").unlink()
+    fresh = sweep(out, 2)
+    aside = sorted(p.name for p in (out / "runs").iterdir() if p.name != "p-epsnone-seed0")
+    assert len(aside) == 1 and aside[0].startswith("p-epsnone-seed0-running-")
+    assert fresh["run"]["status"] == "finished" and "resumed" not in fresh["run"]

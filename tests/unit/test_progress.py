@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+
+import torch
 
 from fedvlm.utils.progress import time_left
 
@@ -40,3 +43,16 @@ def test_a_client_loading_the_vlm_in_a_log_prints_nothing(vlm_cache):
     )
     assert _stderr(code) == ""
     assert "Loading weights" in _stderr(code, FEDVLM_PROGRESS="1")
+
+
+def test_a_baseline_client_building_its_network_logs_nothing(tmp_path, caplog):
+    """Opacus says at INFO, once per BatchNorm it replaces, that it replaced it: every BL-FF/BL-TS
+    client of every round would repeat it in the run's log."""
+    from fedvlm.models import embedded_resnet
+    from fedvlm.models.reprogram import FineTuneNet, load_source
+
+    source = load_source(next(iter(embedded_resnet.SOURCES)), "random", tmp_path)
+    with caplog.at_level(logging.INFO):
+        net = FineTuneNet(source, 3, "ff")
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules())  # replaced all the same
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("opacus")] == []
