@@ -123,7 +123,7 @@ def continued(raw: dict, run_dir: Path, data: dict | None) -> dict:
         return raw
     status = data["run"].get("status")
     if status != "failed" and (run_dir / CHECKPOINT).is_file():
-        log.info("%s stopped %s: resuming it from its checkpoint", run_dir.name, status)
+        log.info("%s was cut off (its status: %s): resuming it from its checkpoint", run_dir.name, status)
         return {**raw, "resume": str(run_dir)}
     aside = run_dir.with_name(f"{run_dir.name}-{status}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.rename(aside)
