@@ -169,7 +169,9 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
         f"Measured with `{command}` on {machine()}, in {seconds / 60:.0f} min "
         "(finished runs are reused, so a resumed board counts only the time it ran).",
         "",
-        "Utility: mean of the last 10 rounds, ± std over seeds. Privacy: the target epsilon, the epsilon the "
+        "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their standard deviation "
+        "(numpy's, ddof 0); the rest is the seeds' mean (for the attack, the mean of each seed's best attack, "
+        "named by the one that did best in any seed). Privacy: the target epsilon, the epsilon the "
         "run's ledger accounted per record (every mechanism composed), the one-run audit's lower bound (one node, "
         "its local mechanism), and the best membership attack's TPR at 0.1% FPR and AUC (chance: 0.001 and 0.5). "
         "Cost: tensor megabytes per client sent (up) and received (down) over the run, seconds per round. "
@@ -181,6 +183,7 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
         head = [
             "method",
             "target eps",
+            "seeds",
             *utility,
             "accounted eps",
             "audit lower bound",
@@ -197,6 +200,7 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
             cells = [
                 e["method"],
                 e["target"],
+                str(e["seeds"]),
                 *(
                     _fmt(e.get(u), METRICS[u].kind.scale)
                     + ("" if e.get(u + "-std") is None else f" ± {_fmt(e[u + '-std'], METRICS[u].kind.scale)}")
