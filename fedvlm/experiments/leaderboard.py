@@ -20,8 +20,9 @@ std over seeds for utility, the mean for the rest):
 - cost: megabytes each client sent and received, seconds per round, on the machine named in the
   table's header.
 
-Writes ``leaderboard.md``, ``.csv``, ``.json`` and ``pareto.png`` (utility against accounted
-epsilon and against the best attack's TPR, the non-dominated points joined) in ``--out``.
+Writes ``leaderboard.md``, ``.csv``, ``.json`` and ``leaderboard_pareto.png`` (utility against
+accounted epsilon and against the best attack's TPR, a bar for the spread over seeds, the
+non-dominated points joined) in ``--out``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ log = logging.getLogger("leaderboard")
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "results"
+# a utility column's spread over seeds, in the board's rows and its JSON: "<column>-std"
+STD = "-std"
 TPR, AUC = "tpr@0.1%fpr", "auc"
 
 
@@ -131,7 +134,7 @@ def board(rows: list[dict]) -> list[dict]:
             for name in utility:
                 vals = [r[name + sweep.LAST10] for r in runs if r.get(name + sweep.LAST10) is not None]
                 entry[name] = _mean(vals)
-                entry[name + "-std"] = float(np.std(vals)) if len(vals) > 1 else None
+                entry[name + STD] = float(np.std(vals)) if len(vals) > 1 else None
             entry["epsilon-accounted"] = _mean(r.get("epsilon-spent") for r in runs)
             entry["audit-lower-bound"] = _mean(r.get(AUDIT_METRICS["epsilon-lower"]) for r in runs)
             notes = [r["mia-error"] for r in runs if r.get("mia-error")]
@@ -203,7 +206,7 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
                 str(e["seeds"]),
                 *(
                     _fmt(e.get(u), METRICS[u].kind.scale)
-                    + ("" if e.get(u + "-std") is None else f" ± {_fmt(e[u + '-std'], METRICS[u].kind.scale)}")
+                    + ("" if e.get(u + STD) is None else f" ± {_fmt(e[u + STD], METRICS[u].kind.scale)}")
                     for u in utility
                 ),
                 _fmt(e.get("epsilon-accounted"), digits=3),
@@ -282,7 +285,17 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
                 if y is None or x is None:
                     continue
                 pts.append((x * xscale, y * scale))
-                ax.plot(x * xscale, y * scale, markers[e["target"]], color=colours[e["method"]], ms=7, alpha=0.85)
+                spread = e.get(u + STD)  # a row over several seeds shows their spread, not only their mean
+                ax.errorbar(
+                    x * xscale,
+                    y * scale,
+                    yerr=None if spread is None else spread * scale,
+                    fmt=markers[e["target"]],
+                    color=colours[e["method"]],
+                    ms=7,
+                    alpha=0.85,
+                    capsize=3,
+                )
             if pts:
                 fx, fy = zip(*pareto_front(pts), strict=True)
                 ax.step(fx, fy, where="post", color="gray", ls="--", lw=1)
@@ -300,7 +313,8 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
                 ax.set_xlim(-0.04 * top, 1.08 * top)  # a TPR of 0 (nothing found at that FPR) must show
                 ax.set_xlabel("best membership attack's TPR at 0.1% FPR (%)")
                 ax.set_title(f"{family} family: {u} against privacy measured")
-            ax.set_ylabel(f"{u} ({METRICS[u].kind.axis})")
+            several = any(e.get(u + STD) is not None for e in mine)
+            ax.set_ylabel(f"{u} ({METRICS[u].kind.axis})" + (", mean ± std over seeds" if several else ""))
             ax.grid(alpha=0.3)
         methods = [Line2D([], [], color=c, marker="o", ls="", label=m) for m, c in colours.items()]
         targets = [

@@ -75,3 +75,33 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
 def test_the_pareto_front_keeps_the_points_nothing_beats():
     points = [(1.0, 20.0), (2.0, 25.0), (2.0, 22.0), (4.0, 24.0), (8.0, 30.0), (0.5, 10.0)]
     assert leaderboard.pareto_front(points) == [(0.5, 10.0), (1.0, 20.0), (2.0, 25.0), (8.0, 30.0)]
+
+
+def test_the_pareto_plot_shows_each_row_spread_over_seeds(tmp_path, monkeypatch):
+    """A row averaged over seeds is drawn with its std as an error bar; a one-seed row has none."""
+    from matplotlib.axes import Axes
+
+    drawn: list[tuple[float, float, float | None]] = []
+    errorbar = Axes.errorbar
+
+    def recording(self, x, y, yerr=None, **kw):
+        drawn.append((x, y, yerr))
+        return errorbar(self, x, y, yerr=yerr, **kw)
+
+    monkeypatch.setattr(Axes, "errorbar", recording)
+    common = {"family": "prompt", "neighbor-acc": 0.2, "attack-tpr@0.1%fpr": 0.002}
+    entries = [
+        {**common, "method": "dpfpl", "epsilon": "8", "target": "8", "seeds": 3, "local-acc": 0.48}
+        | {"local-acc" + leaderboard.STD: 0.02, "epsilon-accounted": 8.0},
+        {**common, "method": "coop", "epsilon": "none", "target": "none", "seeds": 1, "local-acc": 0.85}
+        | {"local-acc" + leaderboard.STD: None, "epsilon-accounted": None},
+    ]
+    leaderboard.plot_pareto(entries, tmp_path / "pareto.png")
+    assert (tmp_path / "pareto.png").stat().st_size > 10_000
+    # each row on both panels (accounted epsilon, attack TPR), in percent
+    assert sorted(drawn, key=lambda d: (d[1], d[0])) == [
+        (0.2, 48.0, 2.0),
+        (8.0, 48.0, 2.0),
+        (0.2, 85.0, None),
+        (16.0, 85.0, None),
+    ]
