@@ -147,6 +147,7 @@ def board(rows: list[dict]) -> list[dict]:
                 entry["attack-auc"] = _mean(a[2] for a in attacks)
             for key in ("mb-up-per-client", "mb-down-per-client", "seconds-per-round"):
                 entry[key] = _mean(r.get(key) for r in runs)
+            entry["seconds-total"] = sum(r.get("seconds-total") or 0.0 for r in runs)
             out.append(entry)
     failed = [r for r in rows if r["status"] == "failed"]
     for r in failed:
@@ -166,11 +167,14 @@ def machine() -> str:
 
 
 def write_markdown(entries: list[dict], path: Path, command: str, seconds: float) -> None:
+    runs = sum(e["seeds"] for e in entries if "failed" not in e)
+    spent = sum(e["seconds-total"] for e in entries if "failed" not in e)
     lines = [
         "# Leaderboard: utility, privacy and cost of every method on the embedded default",
         "",
-        f"Measured with `{command}` on {machine()}, in {seconds / 60:.0f} min "
-        "(finished runs are reused, so a resumed board counts only the time it ran).",
+        f"Measured with `{command}` on {machine()}: {runs} runs whose rounds took {spent / 3600:.1f} h "
+        "in total (the sum of their own per-round seconds; the audits and attacks after each run add to it). "
+        f"This call took {seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran.",
         "",
         "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their standard deviation "
         "(numpy's, ddof 0); the rest is the seeds' mean (for the attack, the mean of each seed's best attack, "

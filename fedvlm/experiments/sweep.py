@@ -163,13 +163,15 @@ def _labelled(items: list[list[str]]) -> list[tuple[str, str, dict]]:
 
 def cost_row(data: dict) -> dict:
     """What a run cost: tensor megabytes each node sent and received (the run's totals over the
-    nodes that joined) and the mean seconds per round, on the machine it ran on."""
+    nodes that joined), the mean seconds per round and the rounds' seconds in total, on the machine
+    it ran on."""
     nodes = max(1, len((data.get("run") or {}).get("nodes") or []))
     final, rounds = data["final"], data["rounds"]
     return {
         "mb-up-per-client": final.get("bytes_up", 0) / nodes / 1e6,
         "mb-down-per-client": final.get("bytes_down", 0) / nodes / 1e6,
         "seconds-per-round": sum(r["seconds"] for r in rounds) / len(rounds) if rounds else None,
+        "seconds-total": sum(r["seconds"] for r in rounds),
     }
 
 

@@ -30,6 +30,7 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
         assert entry["neighbor-acc"] == pytest.approx(data["final"]["neighbor-acc-last10-mean"])
         assert entry["mb-up-per-client"] == pytest.approx(data["final"]["bytes_up"] / nodes / 1e6)
         assert entry["seconds-per-round"] == pytest.approx(sum(r["seconds"] for r in data["rounds"]) / 2)
+        assert entry["seconds-total"] == pytest.approx(sum(r["seconds"] for r in data["rounds"]))
         name, tpr, auc = best_attack(json.loads((run / "mia.json").read_text()))
         assert entry["attack-tpr@0.1%fpr"] == pytest.approx(tpr) and entry["attack-auc"] == pytest.approx(auc)
         if eps == "1":
