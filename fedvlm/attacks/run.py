@@ -235,9 +235,11 @@ def pooled_attacks(run_dir: Path, shadows: int = 2, online: int = 0) -> dict[str
     """The prompt family's membership attacks on a finished run (``Family.membership_attack``):
     mia.json's attacks that carry pooled intervals (offline LiRA and RMIA, online LiRA with
     ``online`` reference federations, the server's where the run kept its uploads), running them
-    first where the folder has none."""
+    first where the folder has none, or has one made with other ``shadows`` or ``online``."""
     path = Path(run_dir) / "mia.json"
-    result = json.loads(path.read_text()) if path.exists() else run_attacks(run_dir, shadows=shadows, online=online)
+    result = json.loads(path.read_text()) if path.exists() else None
+    if result is None or (result["shadows"]["federations"], result.get("online_references", 0)) != (shadows, online):
+        result = run_attacks(run_dir, shadows=shadows, online=online)  # none yet, or made with other knobs
     return {name: v["pooled"] for name, v in result["summary"].items() if isinstance(v, dict) and "pooled" in v}
 
 

@@ -1,7 +1,7 @@
 """One table of every method's utility, privacy and cost on the embedded default.
 
     python -m fedvlm.experiments.leaderboard                       # the board (--out ~/fedvlm-leaderboard)
-    python -m fedvlm.experiments.leaderboard --quick               # a CI-sized check of the same pipeline
+    python -m fedvlm.experiments.leaderboard --quick               # a CI-sized check (--out ~/fedvlm-leaderboard-quick)
     python -m fedvlm.experiments.leaderboard --docs                # also into docs/results/leaderboard.md
     python -m fedvlm.experiments.leaderboard --families prompt --methods promptfl,dpfpl --seeds 0
 
@@ -346,7 +346,9 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.leaderboard", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path.home() / "fedvlm-leaderboard")
+    p.add_argument(
+        "--out", type=Path, default=None, help="default: ~/fedvlm-leaderboard (~/fedvlm-leaderboard-quick with --quick)"
+    )
     p.add_argument(
         "--quick", action="store_true", help="a CI-sized board: 2 rounds, 3 clients, one seed, eps none and 1"
     )
@@ -362,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     chosen = set(args.methods.split(",")) - {""}
     for name in chosen:
         get_method(name)  # an unknown method fails now, not hours in
-    out = args.out.expanduser().resolve()
+    # a quick board's runs are named like the full board's: apart by default, so neither meets the other's
+    out = (args.out or Path.home() / ("fedvlm-leaderboard-quick" if args.quick else "fedvlm-leaderboard")).expanduser()
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     plan = []
     for family in args.families.split(","):

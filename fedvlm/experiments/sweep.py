@@ -49,7 +49,7 @@ from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
 from fedvlm.metrics import ACC, CIDER, METRICS, PROPORTION
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
-from fedvlm.server_app.resume import CHECKPOINT
+from fedvlm.server_app.resume import CHECKPOINT, config_differences
 from fedvlm.utils.progress import each, time_left
 
 log = logging.getLogger("sweep")
@@ -108,6 +108,29 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
 REUSED = ("finished", "stopped")  # a run folder's statuses the sweep takes as they are
 
 
+def other_run(raw: dict, data: dict, finished: bool = True) -> list[str]:
+    """Why a run folder does not hold the run ``raw`` asks for: its config's differences (every key
+    that changes what a run computes, and for a ``finished`` run its number of rounds: a cut-off
+    one may be resumed up to another); empty when it does.
+
+    A folder is found by its name alone, and a name does not say how the run was made: a quick
+    board's 2-round runs, or a sweep called with another ``--set``, are named like the full ones.
+    """
+    now = validate(raw).as_dict()
+    saved = data["config"]
+    differ = config_differences(saved, now)
+    if finished and saved.get("num-server-rounds") != now["num-server-rounds"]:
+        differ.append(f"num-server-rounds = {saved.get('num-server-rounds')!r} (now {now['num-server-rounds']!r})")
+    return differ
+
+
+def set_aside(run_dir: Path, why: str) -> None:
+    """Rename a run folder the sweep cannot use out of its way, so that nothing is lost."""
+    aside = run_dir.with_name(f"{run_dir.name}-{why}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(aside)
+    log.warning("%s: kept as %s, the run starts afresh", run_dir.name, aside.name)
+
+
 def continued(raw: dict, run_dir: Path, data: dict | None) -> dict:
     """``raw``, resuming the run cut off in ``run_dir`` (``data``: its results.json) where it
     completed a round.
@@ -117,17 +140,22 @@ def continued(raw: dict, run_dir: Path, data: dict | None) -> dict:
     very numbers and arrays of an uninterrupted one (``server_app.resume``), so every row of a
     table is still one protocol; with OS noise the ledger charges any abandoned round, so the
     epsilon reported is still what the releases spent. A folder that cannot be resumed (no
-    round completed, or a run that failed) is kept aside, renamed, and the run starts afresh.
+    round completed, a run that failed, a run of another config) is kept aside, renamed, and the
+    run starts afresh.
     """
     if data is None:
         return raw
     status = data["run"].get("status")
+    differ = other_run(raw, data, finished=False)
+    if differ:
+        log.warning("%s holds a run of another config (%s)", run_dir.name, "; ".join(differ))
+        set_aside(run_dir, "other-config")
+        return raw
     if status != "failed" and (run_dir / CHECKPOINT).is_file():
         log.info("%s was cut off (its status: %s): resuming it from its checkpoint", run_dir.name, status)
         return {**raw, "resume": str(run_dir)}
-    aside = run_dir.with_name(f"{run_dir.name}-{status}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.rename(aside)
-    log.warning("%s %s and cannot be resumed: kept as %s, the run starts afresh", run_dir.name, status, aside.name)
+    log.warning("%s %s and cannot be resumed", run_dir.name, status)
+    set_aside(run_dir, str(status))
     return raw
 
 
@@ -332,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         prior = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").exists() else None
         reused = prior if prior is not None and prior["run"].get("status") in REUSED else None
+        differ = other_run(raw, reused) if reused is not None else []
+        if differ:  # a finished run of another config under this name: not this run
+            log.warning("%s holds a run of another config (%s)", name, "; ".join(differ))
+            set_aside(run_dir, "other-config")
+            reused = prior = None
         fresh = reused is None
         try:
             data = reused if reused is not None else run_one(continued(raw, run_dir, prior), clients, args.engine, out)

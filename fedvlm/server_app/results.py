@@ -148,12 +148,18 @@ class RunRecorder:
     def left_running(cls, run_dir: Path) -> RunRecorder:
         """The folder of a run whose ServerApp ended without finishing it (``fedvlm.stop`` ended
         it), to record how it ended as that ServerApp would have: ``finish`` writes the status,
-        the summary (its seconds counted from the run's start) and the plots."""
+        the summary (its seconds counted from the run's start) and the plots, and ends the run in
+        the trackers it was logging to (their last figures, the folder's files, its status)."""
         recorder = cls.__new__(cls)
         recorder.dir, recorder.trackers = Path(run_dir), None
         recorder.data = load_json(recorder.path, "the run folder cannot record how it ended")
         started = recorder.data.get("run", {}).get("started")
         recorder.t0 = datetime.fromisoformat(started).timestamp() if started else time.time()
+        if recorder.data.get("run", {}).get("status") == "running":  # its trackers are still told it runs
+            trackers = Trackers.reattached(recorder.data, recorder.dir)
+            if trackers.make:
+                recorder.trackers = trackers
+                recorder.data["run"]["tracking"] = trackers.start(recorder.data, resumed=True, ended=False)
         return recorder
 
     @property
@@ -252,6 +258,7 @@ class RunRecorder:
             self.data["run"]["plots"] = f"not drawn: {type(err).__name__}: {str(err)[:300]}"
         try:
             self.write()
+            self.write_status()  # before the trackers take the folder's files: it says how the run ended
             if self.trackers is not None:  # after the last write: the trackers get the folder as it ends
                 tracked = self.trackers.finish(self.data, self.dir)
                 if tracked != self.data["run"].get("tracking"):

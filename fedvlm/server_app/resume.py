@@ -57,12 +57,14 @@ INFLIGHT = "inflight.json"
 # python -m fedvlm.status` reported success when the resume was refused (fedvlm.status reads it)
 REFUSED = "resume-refused.json"
 # keys that may differ: how long the run goes on, and keys that never change what it computes
-# (where a new run's folder would go, how long to wait for replies)
+# (where a new run's folder would go, where the caches are: each entry is named by what made it,
+# like the embedded CLIP by its recipe; how long to wait for replies)
 FREE_KEYS = frozenset(
     {
         "num-server-rounds",
         "resume",
         "output-dir",
+        "cache-dir",
         "run-name",
         "round-timeout",
         *(k.name for k in KEYS if k.section == "tracking"),
@@ -106,7 +108,8 @@ def save_checkpoint(run_dir: Path, state: dict, arrays: dict[str, np.ndarray], s
     atomic_torch_save(state, run_dir / CHECKPOINT, digest=True)  # damage is refused at resume, not resumed from
 
 
-def _differences(saved: dict, now: dict) -> list[str]:
+def config_differences(saved: dict, now: dict) -> list[str]:
+    """The keys, outside ``FREE_KEYS``, whose value in a run folder's config (``saved``) is not ``now``'s."""
     now = json.loads(json.dumps(now))  # as results.json holds it (tuples as lists)
     # a key added to fedvlm after the run was made: the run ran as its default says (a new key's
     # default keeps the behaviour from before it), so a run of an older fedvlm still resumes
@@ -126,12 +129,14 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
             f"run config 'resume' = {cfg.resume!r}: {results} does not exist; name the run folder that holds it"
         )
     data = load_json(results, f"restore it from a backup, or start the run afresh ({run_dir.name} cannot be resumed)")
-    differ = _differences(data["config"], cfg.as_dict())
+    differ = config_differences(data["config"], cfg.as_dict())
     if differ:
         raise ResumeError(
             f"cannot resume {run_dir.name}: its config differs from this one in {len(differ)} key(s): "
             + "; ".join(differ)
-            + ". Resume with the run's own config (only num-server-rounds may change)"
+            + ". Resume with the run's own config (besides num-server-rounds, only "
+            + ", ".join(sorted(FREE_KEYS - {"num-server-rounds"}))
+            + " may change)"
         )
     if not (run_dir / CHECKPOINT).is_file():
         raise ResumeError(f"{run_dir.name} never completed a round (no {CHECKPOINT}): start it afresh")

@@ -13,8 +13,11 @@ A tracker never fails a run: its first error (a server that is down, a disk that
 logged as a warning and recorded in results.json's ``run.tracking``, and that tracker is dropped
 for the rest of the run. MLflow's client is held to ``HTTP_TIMEOUT_S`` and ``HTTP_RETRIES``
 (unless the environment sets MLflow's own variables), so a dead server costs seconds, not the
-minutes of its default retries. A resumed run goes on with the same MLflow run (its id is in
-``run.tracking``) and logs only the rounds it runs.
+minutes of its default retries. A resumed run goes on with the same MLflow run in the store it
+was logged to (its URI and id are in ``run.tracking``) and logs only what the interrupted run did
+not: a round the run kept, evaluated or not, was logged when the run ended (TensorBoard also hides
+anything logged past the round it resumes from). A run ``fedvlm.stop`` ended is finished in its
+trackers as the ServerApp would have (``Trackers.reattached``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ SAMPLED = "round/sampled"
 FILES = ("results.json", "rounds.csv", "partition.json", "status.json")  # and every *.png
 PARAM_CHUNK = 100  # MLflow takes at most 100 parameters per batch
 INSTALL = "pip install 'fedvlm[tracking]'"
+MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "FINISHED", "interrupted": "KILLED"}  # else FAILED
+STATUS_TAG, NOTE_TAG = "fedvlm.status", "fedvlm.note"
 
 
 def round_values(record: dict) -> dict[str, float]:
@@ -46,6 +51,15 @@ def round_values(record: dict) -> dict[str, float]:
     values.update({name: float(record[k]) for k, name in ROUND_FIGURES.items() if k in record})
     if "sampled" in record:
         values[SAMPLED] = float(record["sampled"])
+    return values
+
+
+def settled_values(record: dict) -> dict[str, float]:
+    """What of a round's record no later message changes: all of it once the round is complete;
+    before, not its bytes and seconds, which its evaluation adds to."""
+    values = round_values(record)
+    if not complete(record):
+        values = {k: v for k, v in values.items() if k not in ROUND_FIGURES.values()}
     return values
 
 
@@ -58,9 +72,14 @@ class TensorBoard:
         except ImportError as err:
             raise RuntimeError(f"tracking.tensorboard needs the tensorboard package: {INSTALL}") from err
         self.dir = run_dir / TENSORBOARD_DIR
-        self.writer = SummaryWriter(log_dir=str(self.dir))
+        self.make_writer = SummaryWriter
+        self.writer: Any = None
 
     def start(self, data: dict, resumed: bool) -> dict:
+        # a resumed run hides what the interrupted one logged past the round it goes on from
+        # (a round recorded after its checkpoint is run again)
+        kept = max((r["round"] for r in data["rounds"]), default=0)
+        self.writer = self.make_writer(log_dir=str(self.dir), purge_step=kept + 1 if resumed else None)
         if not resumed:
             rows = "\n".join(f"| {k} | {v} |" for k, v in data["config"].items())
             self.writer.add_text("config", "| key | value |\n|---|---|\n" + rows)
@@ -72,14 +91,15 @@ class TensorBoard:
         self.writer.flush()
 
     def finish(self, data: dict, run_dir: Path) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class MLflow:
     name = "mlflow"
 
     def __init__(self, uri: str, experiment: str, output_dir: str, run_dir: Path):
-        self.run_dir = run_dir
+        self.run_dir, self.experiment, self.output_dir = run_dir, experiment, output_dir
         for var, value in (
             ("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S),
             ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_RETRIES),
@@ -89,25 +109,28 @@ class MLflow:
             from mlflow import MlflowClient
         except ImportError as err:
             raise RuntimeError(f"tracking.mlflow needs the mlflow package: {INSTALL}") from err
-        local = not (uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        self.make_client = MlflowClient
+        self.local = not (uri or os.environ.get("MLFLOW_TRACKING_URI"))
         self.uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(output_dir) / MLFLOW_DB}"
-        self.client = MlflowClient(tracking_uri=self.uri)
-        found = self.client.get_experiment_by_name(experiment)
-        if found is not None:
-            self.experiment_id = found.experiment_id
-        else:  # a local store keeps its artifacts beside it, not in the working directory
-            where = (Path(output_dir) / MLFLOW_ARTIFACTS).as_uri() if local else None
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=where)
-        self.run_id = ""
+        self.client: Any = None
+        self.experiment_id = self.run_id = ""
 
     def start(self, data: dict, resumed: bool) -> dict:
         from mlflow.entities import Param, RunTag
 
-        known = ((data["run"].get("tracking") or {}).get(self.name) or {}).get("run_id", "")
-        if resumed and known:
-            self.run_id = known
+        known = ((data["run"].get("tracking") or {}).get(self.name) or {}) if resumed else {}
+        if known.get("run_id"):  # the same run, in the store it was logged to (output-dir may have moved)
+            self.uri, self.experiment_id, self.run_id = known["uri"], known["experiment_id"], known["run_id"]
+            self.client = self.make_client(tracking_uri=self.uri)
             self.client.update_run(self.run_id, status="RUNNING")
         else:
+            self.client = self.make_client(tracking_uri=self.uri)
+            found = self.client.get_experiment_by_name(self.experiment)
+            if found is not None:
+                self.experiment_id = found.experiment_id
+            else:  # a local store keeps its artifacts beside it, not in the working directory
+                where = (Path(self.output_dir) / MLFLOW_ARTIFACTS).as_uri() if self.local else None
+                self.experiment_id = self.client.create_experiment(self.experiment, artifact_location=where)
             run = data["run"]
             tags = {
                 "mlflow.runName": self.run_dir.name,
@@ -135,8 +158,14 @@ class MLflow:
         for path in [*(run_dir / f for f in FILES), *sorted(run_dir.glob("*.png"))]:
             if path.exists():
                 self.client.log_artifact(self.run_id, str(path))
-        status = {"finished": "FINISHED", "interrupted": "KILLED"}.get(data["run"]["status"], "FAILED")
-        self.client.set_terminated(self.run_id, status)
+        from mlflow.entities import RunTag
+
+        run = data["run"]
+        # MLflow has no status for a run the privacy budget stopped: it ended as it should, so
+        # FINISHED, and the tags say how
+        ended = [RunTag(STATUS_TAG, run["status"]), RunTag(NOTE_TAG, str(run.get("note", ""))[:5000])]
+        self.client.log_batch(self.run_id, tags=ended)
+        self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(run["status"], "FAILED"))
 
 
 class Trackers:
@@ -166,10 +195,31 @@ class Trackers:
         if tracker in self.live:
             self.live.remove(tracker)
 
-    def start(self, data: dict, resumed: bool) -> dict[str, dict]:
-        """Build and start every tracker; what results.json's ``run.tracking`` records."""
-        if resumed:  # the rounds the interrupted run kept were logged by it
-            self.logged = {r["round"]: set(round_values(r)) for r in data["rounds"] if complete(r)}
+    @classmethod
+    def reattached(cls, data: dict, run_dir: Path) -> Trackers:
+        """The trackers a run folder's ``run.tracking`` says its run was sending to (those that had
+        not failed), to finish them for a ServerApp that ended without doing so (``fedvlm.stop``)."""
+        info = data["run"].get("tracking") or {}
+        tensorboard, mlflow = info.get(TensorBoard.name) or {}, info.get(MLflow.name) or {}
+        make: list[tuple[str, Any]] = []
+        if "dir" in tensorboard and "failed" not in tensorboard:
+            make.append((TensorBoard.name, lambda: TensorBoard(run_dir)))
+        if "run_id" in mlflow and "failed" not in mlflow:
+            output = str(data["config"].get("output-dir", ""))
+            make.append((MLflow.name, lambda: MLflow(mlflow["uri"], "", output, run_dir)))
+        return cls(make)
+
+    def start(self, data: dict, resumed: bool, ended: bool = True) -> dict[str, dict]:
+        """Build and start every tracker; what results.json's ``run.tracking`` records. ``resumed``:
+        going on with a run that logged to them before, whose ServerApp ``ended`` it (``finish``)
+        or did not (a folder ``fedvlm.stop`` ends)."""
+        if resumed:
+            # a complete round was logged as it completed, and what was settled of the one still
+            # owed its evaluation when the run ended; the rest of it is logged as it completes. A run
+            # killed outright never ended: its owed round's training figures are in results.json,
+            # not in the tracker.
+            self.logged = {r["round"]: set(settled_values(r)) for r in data["rounds"] if ended or complete(r)}
+            self.info = {k: dict(v) for k, v in (data["run"].get("tracking") or {}).items()}
         for name, build in self.make:
             tracker = None
             try:
@@ -181,7 +231,8 @@ class Trackers:
         return dict(self.info)
 
     def update(self, data: dict, final: bool = False) -> None:
-        """Log every figure of a complete round not logged yet (complete: evaluated, or ``final``)."""
+        """Log every figure of a complete round not logged yet; at the run's end (``final``), what
+        is settled of a round still owed its evaluation too."""
         if not self.live:
             return
         rounds = data["rounds"]
@@ -190,7 +241,7 @@ class Trackers:
             done = self.logged.setdefault(step, set())
             if not (complete(record) or final):
                 continue
-            fresh = {k: v for k, v in round_values(record).items() if k not in done}
+            fresh = {k: v for k, v in settled_values(record).items() if k not in done}
             if not fresh:
                 continue
             for tracker in list(self.live):

@@ -1,5 +1,5 @@
 """One small sweep through the real sweep tool: labelled variants, a method without DP kept at
-'none', finished runs reused, the tables written."""
+'none', finished runs reused (only where they are the run asked for), the tables written."""
 
 from __future__ import annotations
 
@@ -130,3 +130,9 @@ def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(tmp_path,
     aside = sorted(p.name for p in (out / "runs").iterdir() if p.name != "p-epsnone-seed0")
     assert len(aside) == 1 and aside[0].startswith("p-epsnone-seed0-running-")
     assert fresh["run"]["status"] == "finished" and "resumed" not in fresh["run"]
+
+    # a finished run made with another config under the same name (a quick board's, another --set)
+    # is not this run: kept aside, and the run is made afresh
+    longer = sweep(out, 3)
+    assert [r["round"] for r in longer["rounds"]] == [1, 2, 3] and "resumed" not in longer["run"]
+    assert len([p for p in (out / "runs").iterdir() if p.name.startswith("p-epsnone-seed0-other-config-")]) == 1

@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from fedvlm.client_app.app import app as client_app
+from fedvlm.protocol import FINAL_ROUND
 from fedvlm.server_app.app import execute
-from fedvlm.server_app.tracking import ROUND_FIGURES, SAMPLED, round_values
+from fedvlm.server_app.tracking import ROUND_FIGURES, SAMPLED, STATUS_TAG, round_values
 from fedvlm.utils.files import json_text
 from fedvlm.utils.inprocess import InProcessGrid
 from fedvlm.utils.processes import free_port, kill_tree
@@ -131,6 +132,97 @@ def test_a_resumed_run_goes_on_with_its_mlflow_run_and_logs_each_round_once(make
     assert sorted({step for step, _ in got}) == [1, 2, 3]
     assert got == pytest.approx(_flat(expected, names))
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+class Killed(BaseException):
+    """The server process dies here (a BaseException, so that no handler goes on after it)."""
+
+
+def _kill_in_last_evaluation(req, reply):
+    if req.metadata.message_type == "evaluate" and req.content["config"][FINAL_ROUND]:
+        raise Killed
+    return reply
+
+
+def _tensorboard_points(tb_dir: str, names) -> dict[tuple[int, str], float]:
+    """(round, name) -> the value TensorBoard shows; each shown once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb_dir)
+    events.Reload()
+    got: dict[tuple[int, str], float] = {}
+    for name in names:
+        for e in events.Scalars(name):
+            assert (e.step, name) not in got, f"{name} shown twice at step {e.step}"
+            got[e.step, name] = e.value
+    return got
+
+
+def test_a_run_cut_off_in_its_last_evaluation_and_resumed_logs_each_figure_once(make_cfg, pretrained_clip):
+    """The cut-off run logged its last round's training figures as it ended; the resumed run logs
+    that round's evaluation and nothing twice, in both trackers, and MLflow's run goes from
+    FAILED back to FINISHED."""
+    from mlflow import MlflowClient
+
+    same = {"method": "promptfl", "max-per-class": 6, "num-server-rounds": 2, "run-name": "cut"}
+    same.update({"tracking.mlflow": True, "tracking.tensorboard": True})
+    cfg = make_cfg(**_raw(**same))
+    nodes = [{"partition-id": i, "num-partitions": NODES} for i in range(NODES)]
+    with pytest.raises(Killed):
+        execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict(), intercept=_kill_in_last_evaluation), run_id="a")
+    run_dir = Path(cfg.output_dir) / "cut"
+    cut = json.loads((run_dir / "results.json").read_text())
+    info = cut["run"]["tracking"]["mlflow"]
+    client = MlflowClient(info["uri"])
+    assert client.get_run(info["run_id"]).info.status == "FAILED"
+    assert [r["evaluated"] for r in cut["rounds"]] == [True, False]
+    assert client.get_metric_history(info["run_id"], "train-loss")[-1].step == 2  # logged as the run ended
+
+    later = make_cfg(**_raw(**same, resume=str(run_dir)))
+    data = execute(later, InProcessGrid(client_app, nodes, later.as_dict()), run_id="b").data
+    assert data["run"]["status"] == "finished" and data["run"]["tracking"]["mlflow"]["run_id"] == info["run_id"]
+    expected = _flat(_expected(data))
+    names = sorted({name for _, name in expected})
+    assert "local-acc" in names and "train-loss" in names
+    assert _mlflow_history(client, info["run_id"], names) == pytest.approx(expected)
+    assert _tensorboard_points(data["run"]["tracking"]["tensorboard"]["dir"], names) == pytest.approx(expected)
+    run = client.get_run(info["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags[STATUS_TAG] == "finished"
+    status = client.download_artifacts(info["run_id"], "status.json", str(run_dir.parent / "got"))
+    assert json.loads(Path(status).read_text())["status"] == "finished"
+
+
+def test_a_run_fedvlm_stop_ends_is_ended_in_its_trackers(make_cfg, pretrained_clip, monkeypatch):
+    """A ServerApp killed outright ends nothing: its folder says 'running', and so does its MLflow
+    run. ``fedvlm.stop`` records the interruption in both: the round still owed its evaluation
+    logged, the folder's files attached, the run KILLED."""
+    from mlflow import MlflowClient
+
+    from fedvlm.server_app.results import RunRecorder
+    from fedvlm.stop import record_interrupted
+
+    same = {"method": "promptfl", "max-per-class": 6, "num-server-rounds": 2, "run-name": "gone"}
+    cfg = make_cfg(**_raw(**same, **{"tracking.mlflow": True, "tracking.tensorboard": True}))
+    nodes = [{"partition-id": i, "num-partitions": NODES} for i in range(NODES)]
+    with monkeypatch.context() as m:
+        m.setattr(RunRecorder, "finish", lambda self, *a, **k: None)  # the process dies: nothing is ended
+        with pytest.raises(Killed):
+            execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict(), intercept=_kill_in_last_evaluation), "a")
+    run_dir = Path(cfg.output_dir) / "gone"
+    left = json.loads((run_dir / "results.json").read_text())
+    info = left["run"]["tracking"]["mlflow"]
+    client = MlflowClient(info["uri"])
+    assert left["run"]["status"] == "running" and client.get_run(info["run_id"]).info.status == "RUNNING"
+    assert [p.step for p in client.get_metric_history(info["run_id"], "train-loss")] == [1]
+
+    [line] = record_interrupted([run_dir])
+    assert "interrupted after round 2" in line
+    run = client.get_run(info["run_id"])
+    assert run.info.status == "KILLED" and run.data.tags[STATUS_TAG] == "interrupted"
+    assert [p.step for p in client.get_metric_history(info["run_id"], "train-loss")] == [1, 2]
+    assert {"results.json", "status.json", "rounds.csv"} <= {a.path for a in client.list_artifacts(info["run_id"])}
+    points = _tensorboard_points(left["run"]["tracking"]["tensorboard"]["dir"], ["train-loss"])
+    assert sorted(points) == [(1, "train-loss"), (2, "train-loss")]
 
 
 def test_a_real_mlflow_server_gets_the_run_and_a_dead_one_costs_a_warning_not_the_run(

@@ -126,9 +126,9 @@ def test_a_global_local_method_refuses_a_class_specific_context_at_validation(me
 def test_a_run_made_before_a_key_existed_resumes_as_its_default():
     """results.json of an older fedvlm lacks a key added since: the run ran as the key's default
     says, so resuming it with the default is no difference, and with another value is one."""
-    from fedvlm.server_app.resume import _differences
+    from fedvlm.server_app.resume import config_differences
 
     now = validate({"method": "promptfl"}).as_dict()
     saved = json.loads(json.dumps({k: v for k, v in now.items() if k != "evaluate-every"}))
-    assert _differences(saved, now) == []
-    assert _differences(saved, {**now, "evaluate-every": 2}) == ["evaluate-every = 1 (now 2)"]
+    assert config_differences(saved, now) == []
+    assert config_differences(saved, {**now, "evaluate-every": 2}) == ["evaluate-every = 1 (now 2)"]

@@ -1,0 +1,32 @@
+"""A run's attack report is reused only where it was made with the knobs asked for: a board
+must not publish a quick board's one-shadow attack as its own."""
+
+from __future__ import annotations
+
+import json
+
+from fedvlm.attacks import run as attacks_run
+
+
+def test_an_attack_report_made_with_other_knobs_is_made_again(tmp_path, monkeypatch):
+    def report(federations: int, online: int) -> dict:
+        pooled = {"auc": {"value": 0.5}}
+        return {
+            "shadows": {"federations": federations},
+            "online_references": online,
+            "summary": {"lira": {"pooled": pooled}},
+        }
+
+    made = []
+
+    def run_attacks(run_dir, shadows, online):
+        made.append((shadows, online))
+        return report(shadows, online)
+
+    monkeypatch.setattr(attacks_run, "run_attacks", run_attacks)
+    (tmp_path / "mia.json").write_text(json.dumps(report(1, 0)))  # a quick board's: one shadow federation
+    assert attacks_run.pooled_attacks(tmp_path, shadows=1, online=0) == {"lira": {"auc": {"value": 0.5}}}
+    assert made == []  # the same knobs: the report is reused
+    attacks_run.pooled_attacks(tmp_path, shadows=2, online=0)
+    attacks_run.pooled_attacks(tmp_path, shadows=1, online=4)
+    assert made == [(2, 0), (1, 4)]
