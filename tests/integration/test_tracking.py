@@ -116,15 +116,18 @@ def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_f
     assert (Path(cfg.output_dir) / "mlartifacts").is_dir()
 
 
-def test_a_resumed_run_goes_on_with_its_mlflow_run_and_logs_each_round_once(make_cfg, pretrained_clip):
+def test_a_resumed_run_goes_on_with_its_mlflow_run_and_logs_each_round_once(make_cfg, pretrained_clip, tmp_path):
     from mlflow import MlflowClient
 
     common = {"method": "promptfl", "max-per-class": 6, "run-name": "grows", "tracking.mlflow": True}
     first, cfg = _run(make_cfg, **_raw(**common, **{"num-server-rounds": 2}))
     run_dir = Path(cfg.output_dir) / "grows"
-    second, _ = _run(make_cfg, **_raw(**common, **{"num-server-rounds": 3, "resume": str(run_dir)}))
+    # resumed with another output-dir, whose default store would be another database: the run
+    # goes on in the store it logged to
+    moved = {"num-server-rounds": 3, "resume": str(run_dir), "output-dir": str(tmp_path / "elsewhere")}
+    second, _ = _run(make_cfg, **_raw(**common, **moved))
     run_id = first["run"]["tracking"]["mlflow"]["run_id"]
-    assert second["run"]["tracking"]["mlflow"]["run_id"] == run_id
+    assert second["run"]["tracking"]["mlflow"] == first["run"]["tracking"]["mlflow"]
     client = MlflowClient(second["run"]["tracking"]["mlflow"]["uri"])
     expected = _expected(second)
     names = ["local-acc", "round/bytes-up"]
