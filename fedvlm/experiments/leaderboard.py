@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from fedvlm.experiments import sweep
-from fedvlm.experiments.sweep_report import read_summary
+from fedvlm.experiments.sweep_report import LAST10, read_summary, utility_columns
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
 from fedvlm.metrics import AUDIT_METRICS, METRICS
 from fedvlm.utils.progress import time_left
@@ -123,7 +123,7 @@ def board(rows: list[dict]) -> list[dict]:
     out = []
     for family in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == family and r["status"] != "failed"]
-        utility = sweep.utility_columns(mine)
+        utility = utility_columns(mine)
         for method, eps in dict.fromkeys((r["method"], r["epsilon"]) for r in mine):
             runs = [r for r in mine if r["method"] == method and r["epsilon"] == eps]
             attacks = [a for a in (best_attack(r) for r in runs) if a is not None]
@@ -132,7 +132,7 @@ def board(rows: list[dict]) -> list[dict]:
             target = f"none (z={z:g})" if eps == "none" and z else eps
             entry: dict = {"family": family, "method": method, "epsilon": eps, "target": target, "seeds": len(runs)}
             for name in utility:
-                vals = [r[name + sweep.LAST10] for r in runs if r.get(name + sweep.LAST10) is not None]
+                vals = [r[name + LAST10] for r in runs if r.get(name + LAST10) is not None]
                 entry[name] = _mean(vals)
                 entry[name + STD] = float(np.std(vals)) if len(vals) > 1 else None
             entry["epsilon-accounted"] = _mean(r.get("epsilon-spent") for r in runs)
@@ -186,7 +186,7 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
     ]
     for family in dict.fromkeys(e["family"] for e in entries):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]
-        utility = sweep.utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
+        utility = utility_columns([{k + LAST10: v for k, v in e.items()} for e in mine])
         head = [
             "method",
             "target eps",
@@ -269,7 +269,7 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(families), 2, figsize=(12, 4.6 * len(families)), squeeze=False)
     for (left, right), family in zip(axes, families, strict=True):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]
-        utility = sweep.utility_columns([{k + sweep.LAST10: v for k, v in e.items()} for e in mine])
+        utility = utility_columns([{k + LAST10: v for k, v in e.items()} for e in mine])
         if not utility:
             continue
         # the family's first utility every row has (FedPara has no server model, so no server CIDEr)

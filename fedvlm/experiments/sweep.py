@@ -44,10 +44,19 @@ from fedvlm.attacks import NoAttackApplies
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
-from fedvlm.experiments.sweep_report import audit_row, plot, plot_audit, write_audit, write_failures, write_tables
+from fedvlm.experiments.sweep_report import (
+    LAST10,
+    audit_row,
+    plot,
+    plot_audit,
+    utility_columns,
+    write_audit,
+    write_failures,
+    write_tables,
+)
 from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
-from fedvlm.metrics import ACC, CIDER, METRICS, PROPORTION
+from fedvlm.metrics import ACC, METRICS
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 from fedvlm.server_app.resume import CHECKPOINT, config_differences
 from fedvlm.utils.progress import each, time_left
@@ -55,19 +64,6 @@ from fedvlm.utils.progress import each, time_left
 log = logging.getLogger("sweep")
 
 EPSILONS = ("none", "0.4", "0.2", "0.1", "0.05", "0.01")
-LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
-
-
-UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
-
-
-def utility_columns(rows: list[dict]) -> list[str]:
-    """A family's utility: the headline figures of a utility kind its runs report."""
-    return [
-        m.name
-        for m in METRICS.values()
-        if m.headline and m.kind in UTILITY_KINDS and any(r.get(m.name + LAST10) is not None for r in rows)
-    ]
 
 
 def utility_line(row: dict) -> str:

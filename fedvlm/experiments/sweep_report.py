@@ -9,7 +9,19 @@ from pathlib import Path
 
 import numpy as np
 
-from fedvlm.metrics import ACC, AUDIT_METRICS
+from fedvlm.metrics import ACC, AUDIT_METRICS, CIDER, METRICS, PROPORTION
+
+LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
+UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
+
+
+def utility_columns(rows: list[dict]) -> list[str]:
+    """A family's utility: the headline figures of a utility kind its runs report."""
+    return [
+        m.name
+        for m in METRICS.values()
+        if m.headline and m.kind in UTILITY_KINDS and any(r.get(m.name + LAST10) is not None for r in rows)
+    ]
 
 
 def _fmt(values: list[float | None]) -> str:
@@ -198,25 +210,34 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     xs = [e for e in epsilons if e != "none"]
-    panels = [("local-acc-last10", "local accuracy (%)"), ("neighbor-acc-last10", "neighbor accuracy (%)")]
     if not xs:  # no epsilon axis: one bar per variant
         _bars(plt, rows, out / "accuracy_by_variant.png")
         return
-    figs = [("accuracy_vs_epsilon.png", panels)]
+    # the family's own utility (accuracies, or the VLM methods' CIDEr), each on its own axis
+    utility = [(u + LAST10, f"{u} ({METRICS[u].kind.axis})", METRICS[u].kind.scale) for u in utility_columns(rows)]
+    figs = [("accuracy_vs_epsilon.png", utility)]
     if any(r.get("mia-shokri-acc") is not None for r in rows):
         figs.append(
             (
                 "mia_vs_epsilon.png",
-                [("mia-shokri-acc", "Shokri MIA accuracy (%)"), ("mia-loss-acc", "loss-threshold MIA accuracy (%)")],
+                [
+                    ("mia-shokri-acc", "Shokri MIA accuracy (%)", 100.0),
+                    ("mia-loss-acc", "loss-threshold MIA accuracy (%)", 100.0),
+                ],
             )
         )
+    # 'none' asks for no target; a family with fixed noise (Reprogrammable-FL's z) still adds it
+    z = next((r["noise-multiplier"] for r in rows if r["epsilon"] == "none" and r.get("noise-multiplier")), None)
+    untargeted = f"no target, fixed z = {z:g}" if z else "no noise"
     for fname, keys in figs:
+        if not keys:
+            continue
         fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4))
-        for ax, (key, label) in zip(np.atleast_1d(axes), keys, strict=True):
+        for ax, (key, label, scale) in zip(np.atleast_1d(axes), keys, strict=True):
             for i, v in enumerate(dict.fromkeys(r["variant"] for r in rows)):
                 colour = f"C{i % 10}"
                 pts = [
-                    (float(e), 100 * np.mean([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]))
+                    (float(e), scale * np.mean([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]))
                     for e in xs
                     if any(r["variant"] == v and r["epsilon"] == e and r.get(key) is not None for r in rows)
                 ]
@@ -225,14 +246,17 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
                 clean = [
                     r[key] for r in rows if r["variant"] == v and r["epsilon"] == "none" and r.get(key) is not None
                 ]
-                if clean:  # a method without noise (zero-shot, CoOp) is its dotted line alone, labelled
+                if clean:  # a method without a target (zero-shot, CoOp) is its dotted line alone, labelled
                     ax.axhline(
-                        100 * np.mean(clean), color=colour, ls=":", lw=1, label=None if pts else f"{v} (no noise)"
+                        scale * np.mean(clean), color=colour, ls=":", lw=1, label=None if pts else f"{v} ({untargeted})"
                     )
             if "mia" in key:
                 ax.axhline(50, color="gray", ls="--", lw=1)
             ax.set_xscale("log")
-            ax.set_xlabel("target epsilon (dotted: the same method without noise)")
+            ticks = sorted(float(e) for e in xs)
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel(f"target epsilon (dotted: the same method, {untargeted})")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
