@@ -38,6 +38,7 @@ class Kind:
     highest: float
     integer: bool = False
     axis: str = ""  # a plot's y-axis label
+    unit: str = ""  # a table column's unit, after scaling
     scale: float = 1.0  # shown as value x scale (a proportion as a percentage)
     fmt: str = ".4f"  # how a value is printed (after scaling)
 
@@ -46,10 +47,10 @@ class Kind:
 
 
 COUNT = Kind("count", 0.0, math.inf, integer=True, axis="count", fmt=".0f")
-PROPORTION = Kind("proportion", 0.0, 1.0, axis="accuracy (%)", scale=100.0, fmt=".2f")
+PROPORTION = Kind("proportion", 0.0, 1.0, axis="accuracy (%)", unit="%", scale=100.0, fmt=".2f")
 LOSS = Kind("loss", 0.0, 1e4, axis="loss", fmt=".4f")
 PERCENT = Kind("percent", 0.0, 100.0, axis="score (0-100)", fmt=".2f")  # BLEU, ROUGE-L, VQA accuracy x100
-CIDER = Kind("cider", 0.0, 1000.0, axis="CIDEr (x100)", fmt=".2f")
+CIDER = Kind("cider", 0.0, 1000.0, axis="CIDEr (x100)", unit="CIDEr x100", fmt=".2f")
 SECONDS = Kind("seconds", 0.0, 1e7, axis="seconds", fmt=".1f")
 EPSILON = Kind("epsilon", 0.0, 1e9, axis="epsilon", fmt=".4g")
 SIGMA = Kind("sigma", 0.0, math.inf, axis="noise std", fmt=".4g")

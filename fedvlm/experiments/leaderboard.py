@@ -32,11 +32,10 @@ import csv
 import dataclasses
 import json
 import logging
-import os
-import platform
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +147,9 @@ def board(rows: list[dict]) -> list[dict]:
             for key in ("mb-up-per-client", "mb-down-per-client", "seconds-per-round"):
                 entry[key] = _mean(r.get(key) for r in runs)
             entry["seconds-total"] = sum(r.get("seconds-total") or 0.0 for r in runs)
+            entry["machines"] = dict(Counter(str(r.get("machine") or "not recorded") for r in runs))
+            accounted = {(r["accountant"], r["delta"]) for r in runs if r.get("accountant")}
+            entry["accounting"] = [{"accountant": a, "delta": d} for a, d in sorted(accounted)]
             out.append(entry)
     failed = [r for r in rows if r["status"] == "failed"]
     for r in failed:
@@ -161,9 +163,19 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    return f"{platform.system()} {cpu}, {os.cpu_count()} CPU cores, no GPU (device cpu)"
+def accounting(entries: list[dict]) -> str:
+    """The accountants and deltas the board's accounted epsilons are under (one, unless a run was
+    made with another ``privacy.accountant`` or ``privacy.delta``)."""
+    pairs = dict.fromkeys((a["accountant"], a["delta"]) for e in entries for a in e.get("accounting") or [])
+    return " and ".join(f"{a.upper()} at delta {d:g}" for a, d in pairs) or "no accountant (no private run)"
+
+
+def machines(entries: list[dict]) -> str:
+    """Where the runs' seconds were measured (each run records its host and its nodes' devices)."""
+    count: Counter[str] = Counter()
+    for e in entries:
+        count.update(e.get("machines") or {})
+    return "; ".join(f"{m} ({n} runs)" if len(count) > 1 else m for m, n in count.items())
 
 
 def write_markdown(entries: list[dict], path: Path, command: str, seconds: float) -> None:
@@ -172,14 +184,16 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
     lines = [
         "# Leaderboard: utility, privacy and cost of every method on the embedded default",
         "",
-        f"Measured with `{command}` on {machine()}: {runs} runs whose rounds took {spent / 3600:.1f} h "
-        "in total (the sum of their own per-round seconds; the audits and attacks after each run add to it). "
-        f"This call took {seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran.",
+        f"Measured with `{command}`: {runs} runs, whose rounds took {spent / 3600:.1f} h in total (the sum of "
+        "their own per-round seconds; the audits and attacks after each run add to it). This call took "
+        f"{seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran. "
+        f"Machine, as the runs recorded it: {machines(entries)}.",
         "",
         "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their standard deviation "
         "(numpy's, ddof 0); the rest is the seeds' mean (for the attack, the mean of each seed's best attack, "
         "named by the one that did best in any seed). Privacy: the target epsilon, the epsilon the "
-        "run's ledger accounted per record (every mechanism composed), the one-run audit's lower bound (one node, "
+        "run's ledger accounted per record (every mechanism composed; the most any client spent, under "
+        f"{accounting(entries)}), the one-run audit's lower bound (one node, "
         "its local mechanism), and the best membership attack's TPR at 0.1% FPR and AUC (chance: 0.001 and 0.5). "
         "Cost: tensor megabytes per client sent (up) and received (down) over the run, seconds per round. "
         "`-`: not measured for that row (no mechanism to audit, no attack that applies).",
@@ -191,7 +205,7 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
             "method",
             "target eps",
             "seeds",
-            *utility,
+            *(f"{u} ({METRICS[u].kind.unit})" if METRICS[u].kind.unit else u for u in utility),
             "accounted eps",
             "audit lower bound",
             "best attack",
@@ -386,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = board(rows)
     command = "python -m fedvlm.experiments.leaderboard " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "leaderboard.json").write_text(
-        json.dumps({"command": command, "machine": machine(), "entries": entries}, indent=1)
+        json.dumps({"command": command, "machines": machines(entries), "entries": entries}, indent=1)
     )
     with open(out / "leaderboard.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for e in entries for k in e)))

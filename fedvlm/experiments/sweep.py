@@ -185,13 +185,28 @@ def _labelled(items: list[list[str]]) -> list[tuple[str, str, dict]]:
     return out
 
 
+def machine(data: dict) -> str:
+    """The machine a run's seconds were measured on: its ServerApp's host (``run.host``) and the
+    devices its nodes trained on."""
+    run = data.get("run") or {}
+    devices = sorted({str((n.get("info") or {}).get("device", "?")) for n in run.get("nodes") or []})
+    host = run.get("host")
+    where = (
+        f"{host['system']} {host['cpu']}, {host['cores']} CPU cores, {host['gpu'] or 'no GPU'}"
+        if host
+        else "a host the run did not record (made before fedvlm recorded it)"
+    )
+    return f"{where}; nodes on {', '.join(devices) or '?'}"
+
+
 def cost_row(data: dict) -> dict:
     """What a run cost: tensor megabytes each node sent and received (the run's totals over the
-    nodes that joined), the mean seconds per round and the rounds' seconds in total, on the machine
-    it ran on."""
+    nodes that joined), the mean seconds per round and the rounds' seconds in total, and the
+    machine they were measured on."""
     nodes = max(1, len((data.get("run") or {}).get("nodes") or []))
     final, rounds = data["final"], data["rounds"]
     return {
+        "machine": machine(data),
         "mb-up-per-client": final.get("bytes_up", 0) / nodes / 1e6,
         "mb-down-per-client": final.get("bytes_down", 0) / nodes / 1e6,
         "seconds-per-round": sum(r["seconds"] for r in rounds) / len(rounds) if rounds else None,
@@ -384,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = str(data["run"].get("note") or "the run failed").splitlines()[0][:300]
         spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
         row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
+        settings = (data.get("privacy") or {}).get("settings") or {}
+        if row["epsilon-spent"] is not None:  # under which accountant, at which delta
+            row["accountant"], row["delta"] = settings.get("accountant"), settings.get("delta")
         row["noise-multiplier"] = data["config"].get("privacy.noise-multiplier")  # a family's fixed noise (z)
         row.update(cost_row(data))
         row.update({k: v for k, v in data["final"].items() if k.endswith(LAST10)})  # the family's headline figures

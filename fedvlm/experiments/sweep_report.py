@@ -31,7 +31,18 @@ def _fmt(values: list[float | None]) -> str:
     return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}" if len(vals) > 1 else f"{100 * vals[0]:.2f}"
 
 
-TEXT_COLUMNS = ("variant", "method", "epsilon", "status", "error", "mia-error", "audit-node", "audit-status")
+TEXT_COLUMNS = (
+    "variant",
+    "method",
+    "epsilon",
+    "status",
+    "error",
+    "mia-error",
+    "audit-node",
+    "audit-status",
+    "machine",
+    "accountant",
+)
 
 
 def read_summary(path: Path) -> list[dict]:

@@ -24,6 +24,7 @@ import csv
 import io
 import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Iterator
@@ -76,6 +77,20 @@ def make_run_dir(output_dir: str, run_name: str, method: str, dataset: str, run_
     return path.resolve()
 
 
+def host() -> dict:
+    """The machine the ServerApp runs on (in a simulation, its nodes' too): what the run's seconds
+    were measured on. The nodes name their own device (``run.nodes``' info)."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):  # Linux names the model there; platform does not
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+                break
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"system": platform.system(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu}
+
+
 class RunRecorder:
     # inside how many one_write blocks, and whether they owe a write (class defaults: reopen and
     # left_running make a recorder without __init__)
@@ -93,6 +108,7 @@ class RunRecorder:
                 "started": datetime.now(timezone.utc).isoformat(),
                 "python": platform.python_version(),
                 "torch": torch.__version__,
+                "host": host(),
             },
             "rounds": [],
             "final": {},
