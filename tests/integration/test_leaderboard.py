@@ -43,7 +43,8 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
     assert "| dpfpl | 1 |" in board and "| dpfpl | none |" in board
     # the machine the runs' seconds were measured on, as each run recorded it
     host = json.loads((out / "prompt" / "runs" / "dpfpl-r8-eps1-seed0" / "results.json").read_text())["run"]["host"]
-    assert f"recorded it: {host['system']} {host['cpu']}, {host['cores']} CPU cores" in board and "nodes on cpu" in board
+    assert f"recorded it: {host['system']} {host['cpu']}, {host['cores']} CPU cores" in board
+    assert "nodes on cpu" in board
     assert (out / "leaderboard_pareto.png").stat().st_size > 10_000
 
     # the sweep's pictures redraw from its folder alone
