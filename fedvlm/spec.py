@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from fedvlm.metrics import Metric
@@ -118,6 +119,9 @@ class Family:
     # "ci95"}}, ``experiments.attack_report``); '' where none applies yet (the sweep and the
     # leaderboard say so)
     membership_attack: str = ""
+    # 'module:function' of a run folder -> the pooled attacks its attack report holds, or None
+    # where it holds none (read only: nothing is attacked; the run's privacy plot shows the best)
+    attack_report: str = ""
 
     @property
     def node_data(self) -> Callable[[Any, dict], Any]:
@@ -128,6 +132,11 @@ class Family:
     def attack(self) -> Callable[[Any, int, int], dict[str, dict]] | None:
         """The family's membership attacks (``membership_attack``), or None."""
         return load(self.membership_attack) if self.membership_attack else None
+
+    @property
+    def reported_attacks(self) -> Callable[[Path], dict[str, dict] | None] | None:
+        """How a run folder's attack report is read (``attack_report``), or None."""
+        return load(self.attack_report) if self.attack_report else None
 
 
 @dataclass(frozen=True)

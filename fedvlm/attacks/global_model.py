@@ -129,6 +129,13 @@ def pooled_attacks(run_dir: Path, shadows: int = 0, online: int = 0) -> dict[str
     return {name: a["pooled"] for name, a in report["attacks"].items()}
 
 
+def read_pooled(run_dir: Path) -> dict[str, dict] | None:
+    """The pooled attacks a run folder's global_attack.json holds (``Family.attack_report``), or
+    None where it has none: nothing is attacked."""
+    path = Path(run_dir) / REPORT
+    return {name: a["pooled"] for name, a in json.loads(path.read_text())["attacks"].items()} if path.exists() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.attacks.global_model", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)

@@ -267,11 +267,12 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
     if (run_dir / UPLOADS).is_dir():  # every upload of every round, where the run kept them
         uploads = report["threats"]["uploads"] = upload_attacks(cfg, run_dir, nodes, samples, seed)
         log.info("uploads, pooled AUC: %s", {k: v["pooled"]["auc"]["value"] for k, v in uploads["summary"].items()})
-    atomic_write_json(report, run_dir / "maxrenyi.json")
+    atomic_write_json(report, run_dir / REPORT)
     return report
 
 
 SAMPLES = 100  # members and non-members per attacked model where a caller names no other
+REPORT = "maxrenyi.json"
 
 
 def pooled(report: dict) -> dict[str, dict]:
@@ -298,13 +299,20 @@ def pooled_attacks(run_dir: Path, shadows: int = 0, online: int = 0) -> dict[str
     pooled ones of its maxrenyi.json, running the attack first where the folder has none. They
     need no shadow or reference federations (``shadows`` and ``online`` are the prompt family's
     knobs): the base model calibrates them."""
-    path = Path(run_dir) / "maxrenyi.json"
+    path = Path(run_dir) / REPORT
     report = json.loads(path.read_text()) if path.exists() else run_maxrenyi(Path(run_dir), SAMPLES)
     found = pooled(report)
     if not found:
         skipped = [t["skipped"] for t in report["threats"].values() if "skipped" in t]
         raise NoAttackApplies("; ".join(dict.fromkeys(skipped)) or "no threat of the MaxRényi report applies")
     return found
+
+
+def read_pooled(run_dir: Path) -> dict[str, dict] | None:
+    """The pooled attacks a run folder's maxrenyi.json holds (``Family.attack_report``), or None
+    where it has none: nothing is attacked."""
+    path = Path(run_dir) / REPORT
+    return pooled(json.loads(path.read_text())) if path.exists() else None
 
 
 def upload_attacks(cfg, run_dir: Path, nodes: list[dict], samples: int, seed: int) -> dict:

@@ -53,6 +53,8 @@ from fedvlm.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
+REPORT = "mia.json"
+
 
 def _publish_only(cfg: dict) -> dict:
     """What a federation trained for the attack evaluates: its last round only. The attack reads
@@ -227,7 +229,7 @@ def run_attacks(
             "seconds": round(time.time() - t0, 1),
         }
     )
-    atomic_write_json(result, run_dir / "mia.json")
+    atomic_write_json(result, run_dir / REPORT)
     return result
 
 
@@ -236,11 +238,22 @@ def pooled_attacks(run_dir: Path, shadows: int = 2, online: int = 0) -> dict[str
     mia.json's attacks that carry pooled intervals (offline LiRA and RMIA, online LiRA with
     ``online`` reference federations, the server's where the run kept its uploads), running them
     first where the folder has none, or has one made with other ``shadows`` or ``online``."""
-    path = Path(run_dir) / "mia.json"
+    path = Path(run_dir) / REPORT
     result = json.loads(path.read_text()) if path.exists() else None
     if result is None or (result["shadows"]["federations"], result.get("online_references", 0)) != (shadows, online):
         result = run_attacks(run_dir, shadows=shadows, online=online)  # none yet, or made with other knobs
+    return _pooled(result)
+
+
+def _pooled(result: dict) -> dict[str, dict]:
     return {name: v["pooled"] for name, v in result["summary"].items() if isinstance(v, dict) and "pooled" in v}
+
+
+def read_pooled(run_dir: Path) -> dict[str, dict] | None:
+    """The pooled attacks a run folder's mia.json holds (``Family.attack_report``), or None where
+    it has none: nothing is attacked."""
+    path = Path(run_dir) / REPORT
+    return _pooled(json.loads(path.read_text())) if path.exists() else None
 
 
 def _interval(metric: dict, digits: int) -> str:

@@ -28,6 +28,7 @@ non-dominated points joined) in ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -100,6 +101,21 @@ def run_family(family: str, methods: list[str], scale: Scale, out: Path, quick: 
         argv += ["--set", *sets]
     sweep.main(argv)
     return [{**r, "family": family} for r in read_summary(folder / "summary.csv")]
+
+
+def planned(methods: list[str], scale: Scale) -> int:
+    """The runs a family's board makes: each method at each privacy level it has, at each seed."""
+    return sum(len(scale.seeds) * (len(scale.epsilons) if get_method(m).supports_dp else 1) for m in methods)
+
+
+def finished(folder: Path) -> set[str]:
+    """The runs a family's folder holds finished (which its sweep reuses)."""
+    found = set()
+    for path in (folder / "runs").glob("*/results.json"):
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(path.read_text())["run"].get("status") in sweep.REUSED:
+                found.add(path.parent.name)
+    return found
 
 
 def best_attack(row: dict) -> tuple[str, float, float | None] | None:
@@ -267,6 +283,13 @@ CHANCE_TPR = 0.001
 MARKERS = "os^Dv<>PX*"
 
 
+def target_label(target: str) -> str:
+    """A row's privacy target as a legend says it: 'target eps 8', 'no DP', 'no target (z=1.1)'."""
+    if target == "none":
+        return "no DP"
+    return f"no target ({target.removeprefix('none (')}" if target.startswith("none (") else f"target eps {target}"
+
+
 def plot_pareto(entries: list[dict], path: Path) -> None:
     """Utility against the epsilon accounted (left) and against the best attack's TPR (right).
 
@@ -336,8 +359,7 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
             ax.grid(alpha=0.3)
         methods = [Line2D([], [], color=c, marker="o", ls="", label=m) for m, c in colours.items()]
         targets = [
-            Line2D([], [], color="dimgray", marker=mk, ls="", label=f"target eps {t}" if t != "none" else "no DP")
-            for t, mk in markers.items()
+            Line2D([], [], color="dimgray", marker=mk, ls="", label=target_label(t)) for t, mk in markers.items()
         ]
         left.legend(
             handles=[*methods, *targets, Line2D([], [], color="gray", ls="--", label="non-dominated")],
@@ -371,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="", help="override the scale's seeds, e.g. 0,1")
     p.add_argument("--docs", action="store_true", help="also write docs/results/leaderboard.md and its plot")
     args = p.parse_args(argv)
+    if args.docs and not DOCS.is_dir():  # checked now, not after hours of runs
+        p.error(f"--docs writes into a checkout's docs/results ({DOCS} does not exist): run it from a git checkout")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     scale = QUICK if args.quick else FULL
     if args.seeds:
@@ -391,11 +415,19 @@ def main(argv: list[str] | None = None) -> int:
             plan.append((family, methods))
     t0 = time.time()
     rows: list[dict] = []
+    made, made_seconds = 0, 0.0  # the runs this call trained (a reused one costs nothing), for the estimate
     for i, (family, methods) in enumerate(plan, 1):
         log.info("leaderboard: family %s (%d/%d): %s", family, i, len(plan), ", ".join(methods))
+        before, t = finished(out / family), time.time()
         rows += run_family(family, methods, scale, out, args.quick)
+        fresh = len(finished(out / family) - before)
+        made, made_seconds = made + fresh, made_seconds + (time.time() - t if fresh else 0.0)
+        later = sum(planned(ms, scale) - len(finished(out / f)) for f, ms in plan[i:])
+        estimate = time_left(made, made + later, made_seconds) if later else "done"
         log.info(
-            "leaderboard: %d/%d families done, %s", i, len(plan), time_left(i, len(plan), time.time() - t0) or "done"
+            "leaderboard: %d/%d families done (%s: %d runs made, %d reused), %s",
+            *(i, len(plan), family, fresh, len(before)),
+            estimate or "no estimate yet (no run made so far)",
         )
     entries = board(rows)
     command = "python -m fedvlm.experiments.leaderboard " + " ".join(argv if argv is not None else sys.argv[1:])

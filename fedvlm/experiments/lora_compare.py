@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedvlm.attacks.maxrenyi import pooled
+from fedvlm.attacks.maxrenyi import REPORT, pooled
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.sweep import run_one
 from fedvlm.methods.registry import VLM, methods_of
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mia_samples:
             from fedvlm.attacks.maxrenyi import run_maxrenyi
 
-            report = out / "runs" / name / "maxrenyi.json"
+            report = out / "runs" / name / REPORT
             mia = (
                 json.loads(report.read_text())
                 if report.exists()

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from fedvlm.attacks import NoAttackApplies
+from fedvlm.attacks.run import REPORT as MIA_REPORT
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
@@ -57,6 +58,7 @@ from fedvlm.experiments.sweep_report import (
 from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
 from fedvlm.metrics import ACC, METRICS
+from fedvlm.plots import redraw_run
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 from fedvlm.server_app.resume import CHECKPOINT, config_differences
 from fedvlm.utils.progress import each, time_left
@@ -233,7 +235,7 @@ def attack_columns(run_dir: Path, family, shadows: int, online: int, trains: boo
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         log.error("%s: the membership attacks could not run: %s", run_dir.name, reason)
         return {"mia-error": reason}
-    mia_path = run_dir / "mia.json"
+    mia_path = run_dir / MIA_REPORT
     if mia_path.exists():
         mia = json.loads(mia_path.read_text())["summary"]
         row.update(
@@ -409,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.mia:
             spec = get_method(method)
             row.update(attack_columns(out / "runs" / name, spec.family, args.shadows, args.online, spec.trains))
+            if fresh:  # drawn when the run ended, before its attacks: the privacy picture names the best now
+                redraw_run(out / "runs" / name)
         rows.append(row)
         if fresh:
             ran, ran_seconds = ran + 1, ran_seconds + time.time() - t0

@@ -31,3 +31,18 @@ def draw_run(data: dict, out_dir: Path) -> dict[str, list[str]]:
             log.warning("could not draw %s: %s: %s", draw.__name__.removeprefix("draw_"), type(err).__name__, err)
             drawn[f"{draw.__name__.removeprefix('draw_')}: not drawn"] = [f"{type(err).__name__}: {str(err)[:300]}"]
     return drawn
+
+
+def redraw_run(folder: Path) -> dict[str, list[str]]:
+    """A run folder's pictures from what it holds now (an attack report made after the run, say);
+    a run that has ended gets its ``run.plots`` updated to what was drawn."""
+    import json
+
+    from fedvlm.utils.files import atomic_write_json
+
+    data = json.loads((folder / "results.json").read_text())
+    drawn = draw_run(data, folder)
+    if data["run"].get("status") != "running":  # a running run rewrites results.json itself
+        data["run"]["plots"] = drawn
+        atomic_write_json(data, folder / "results.json")
+    return drawn

@@ -10,13 +10,11 @@ folder one with summary.csv (``python -m fedvlm.experiments.sweep --out``).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 
-from fedvlm.plots import draw_run
-from fedvlm.utils.files import atomic_write_json
+from fedvlm.plots import redraw_run
 
 
 def redraw_sweep(folder: Path) -> list[str]:
@@ -42,12 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     for folder in args.folders:
         folder = folder.expanduser().resolve()
         if (folder / "results.json").exists():
-            data = json.loads((folder / "results.json").read_text())
-            drawn = draw_run(data, folder)
-            if data["run"].get("status") != "running":  # a running run rewrites results.json itself
-                data["run"]["plots"] = drawn
-                atomic_write_json(data, folder / "results.json")
-            for name, shows in drawn.items():
+            for name, shows in redraw_run(folder).items():
                 print(f"{folder / name}: {', '.join(shows)}")
         elif (folder / "summary.csv").exists():
             for name in redraw_sweep(folder):

@@ -6,29 +6,29 @@ least to the most spent node; the target ``privacy.epsilon`` and the budget ``pr
 as lines; the one-run audit's lower bound (``audit``) at the round it was computed, beside the
 accounted epsilon of the mechanism it audits. Right: each node's epsilon after the last round (a
 histogram past ``BARS`` nodes), with the best membership attack's TPR at 0.1% FPR and AUC in the
-corner when the folder holds ``mia.json`` (``python -m fedvlm.attacks``).
+corner when the folder holds its family's attack report (``Family.attack_report``: mia.json,
+maxrenyi.json or global_attack.json, from ``python -m fedvlm.attacks`` or a sweep's ``--mia``).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from fedvlm.methods.registry import FAMILIES
 from fedvlm.metrics import EPSILON_MEAN, EPSILON_SPENT
 from fedvlm.plots.curves import title
 from fedvlm.privacy.ledger import final_spent, round_spread
 
 FILE = "privacy.png"
 BARS = 40  # above this many nodes, the right panel is a histogram
-MIA = "mia.json"
 
 
-def best_attack(mia: dict) -> tuple[str, float, float] | None:
-    """The pooled attack with the highest TPR at 0.1% FPR in a run's mia.json: (name, TPR, AUC)."""
+def best_attack(attacks: dict[str, dict]) -> tuple[str, float, float] | None:
+    """The pooled attack with the highest TPR at 0.1% FPR of a run's attack report (``Family.
+    reported_attacks``): (name, TPR, AUC)."""
     best = None
-    for name, result in (mia.get("summary") or {}).items():
-        pooled = result.get("pooled") if isinstance(result, dict) else None
-        if not isinstance(pooled, dict) or not isinstance(pooled.get("tpr@0.1%fpr"), dict):
+    for name, pooled in attacks.items():
+        if not isinstance(pooled.get("tpr@0.1%fpr"), dict):
             continue
         tpr, auc = pooled["tpr@0.1%fpr"]["value"], pooled["auc"]["value"]
         if best is None or tpr > best[1]:
@@ -103,8 +103,10 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
         right.set_ylabel("nodes")
     right.set_title(f"per node, after round {xs[-1]}")
     right.grid(alpha=0.3, axis="y")
-    mia_path = Path(out_dir) / MIA
-    attack = best_attack(json.loads(mia_path.read_text())) if mia_path.exists() else None
+    family = FAMILIES.get(str(data.get("run", {}).get("family")))
+    read = family.reported_attacks if family is not None else None
+    reported = read(Path(out_dir)) if read is not None else None
+    attack = best_attack(reported) if reported else None
     if attack is not None:
         name, tpr, auc = attack
         right.text(

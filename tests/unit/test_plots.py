@@ -1,26 +1,35 @@
 """The privacy picture reads the ledger as results.json holds it: the budget line where the run
-has one, a histogram past 40 nodes, the best attack where the folder holds mia.json."""
+has one, a histogram past 40 nodes, the best attack where the folder holds its family's attack
+report (mia.json, maxrenyi.json, global_attack.json)."""
 
 from __future__ import annotations
 
 import json
 
 import matplotlib
+import pytest
 
+from fedvlm.attacks.maxrenyi import HEADLINE
+from fedvlm.methods.registry import FAMILIES
 from fedvlm.plots.privacy import BARS, best_attack, draw_privacy
 
 matplotlib.use("Agg")
 
 
-def _data(nodes: int, max_epsilon: float) -> dict:
+def _data(nodes: int, max_epsilon: float, family: str = "prompt") -> dict:
     per = [{f"client-{i}": r * (1 + i / nodes) / 10 for i in range(nodes)} for r in (1, 2, 3)]
     return {
+        "run": {"family": family},
         "config": {"method": "dpfpl", "dataset": "embedded"},
         "privacy": {
             "settings": {"epsilon": 1.0, "max_epsilon": max_epsilon, "delta": 1e-5, "accountant": "rdp"},
             "rounds": [{"round": r + 1, "epsilon": max(p.values()), "per_client": p} for r, p in enumerate(per)],
         },
     }
+
+
+def _pooled(tpr: float) -> dict:
+    return {"tpr@0.1%fpr": {"value": tpr, "ci95": [0, 1]}, "auc": {"value": 0.5 + tpr, "ci95": [0, 1]}}
 
 
 def _mia(tprs: dict[str, float]) -> dict:
@@ -45,9 +54,40 @@ def test_the_privacy_picture_shows_the_budget_the_nodes_and_the_best_attack(tmp_
     assert (tmp_path / "privacy.png").stat().st_size > 10_000
 
 
+# each family's report as its attack writes it, and the attack the picture should name
+REPORTS = {
+    "prompt": ("mia.json", _mia({"lira-offline": 0.02, "rmia-offline": 0.05}), "rmia-offline"),
+    "vlm": (
+        "maxrenyi.json",
+        {
+            "threats": {
+                "server": {HEADLINE: {"intervals": _pooled(0.01)}},
+                "client": {"pooled": {HEADLINE: _pooled(0.03), "calibrated-base": _pooled(0.04)}},
+            }
+        },
+        "clients-calibrated-base",
+    ),
+    "reprogram": (
+        "global_attack.json",
+        {"attacks": {"global-loss": {"pooled": _pooled(0.02)}, "global-calibrated": {"pooled": _pooled(0.01)}}},
+        "global-loss",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(REPORTS))
+def test_the_picture_names_the_best_attack_of_each_familys_report(family, tmp_path):
+    name, report, best = REPORTS[family]
+    assert "membership attack" not in draw_privacy(_data(3, 0.0, family), tmp_path)["privacy.png"]
+    (tmp_path / name).write_text(json.dumps(report))
+    attacks = FAMILIES[family].reported_attacks(tmp_path)
+    assert best_attack(attacks)[0] == best
+    assert "membership attack" in draw_privacy(_data(3, 0.0, family), tmp_path)["privacy.png"]
+
+
 def test_the_best_attack_is_the_highest_tpr_at_the_lowest_fpr():
-    assert best_attack(_mia({"lira-offline": 0.02, "rmia-offline": 0.05})) == ("rmia-offline", 0.05, 0.55)
-    assert best_attack({"summary": {}}) is None
+    assert best_attack({"lira-offline": _pooled(0.02), "rmia-offline": _pooled(0.05)}) == ("rmia-offline", 0.05, 0.55)
+    assert best_attack({}) is None
 
 
 def test_the_partition_of_a_thousand_nodes_is_one_matrix_of_a_fixed_size(tmp_path):
