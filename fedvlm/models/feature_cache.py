@@ -48,18 +48,17 @@ def encode_images(
     with ``kind="patch-tokens"`` one embedding per patch [n, P, D] (FedOTP)."""
     transform = transform or bundle.preprocess
     out = []
-    images = bar(len(indices), f"encoding {source.identity}", "image")
-    for start in range(0, len(indices), batch_size):
-        chunk = indices[start : start + batch_size]
-        images.update(len(chunk))
-        pixels = torch.stack([transform(source.image(int(i))) for i in chunk]).to(bundle.device)
-        if kind == "patch-tokens":
-            from fedvlm.models.patch_tokens import encode_patch_tokens
+    with bar(len(indices), f"encoding {source.identity}", "image") as images:
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            pixels = torch.stack([transform(source.image(int(i))) for i in chunk]).to(bundle.device)
+            if kind == "patch-tokens":
+                from fedvlm.models.patch_tokens import encode_patch_tokens
 
-            out.append(encode_patch_tokens(bundle.model, pixels).cpu())
-        else:
-            out.append(F.normalize(bundle.model.encode_image(pixels).float(), dim=-1).cpu())
-    images.close()
+                out.append(encode_patch_tokens(bundle.model, pixels).cpu())
+            else:
+                out.append(F.normalize(bundle.model.encode_image(pixels).float(), dim=-1).cpu())
+            images.update(len(chunk))  # counted once encoded
     return torch.cat(out) if out else torch.empty(0, bundle.embed_dim)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from fedvlm.plots.curves import title
 
 FILE, COUNTS = "partition.png", "partition.json"
-LEGEND_UP_TO = 20  # labels: a legend up to this many, beyond it the colours alone
+LEGEND_UP_TO = 20  # labels: stacked bars with a legend up to this many, beyond it the matrix (rows named)
 BARS_UP_TO = 60  # nodes: a stacked bar each up to this many, beyond it a node-by-label matrix
 
 
@@ -78,8 +78,8 @@ def _partitioner(names: list[str], train: dict[str, list[int]]):
 
 
 def _draw_matrix(data: dict, names: list[str], train: dict[str, list[int]], path: Path) -> None:
-    """Many nodes: one column per node, one row per label, the colour its records, at a size
-    that does not grow with the nodes (a bar per node would need 0.35 inch each)."""
+    """Many nodes or many labels: one column per node, one row per label, the colour its records,
+    at a size that does not grow with the nodes (a bar per node would need 0.35 inch each)."""
     import matplotlib.pyplot as plt
 
     matrix = np.array(list(train.values()), dtype=float).T
@@ -111,7 +111,9 @@ def draw_partition(data: dict, out_dir: Path) -> dict[str, list[str]]:
 
     names, nodes = counts["names"], counts["nodes"]
     train = {name: node["train"] for name, node in nodes.items()}
-    if len(nodes) > BARS_UP_TO:
+    # many nodes, or more labels than a legend can name (stacked bars would be colours no reader
+    # can tell apart): the matrix, whose rows are named
+    if len(nodes) > BARS_UP_TO or len(names) > LEGEND_UP_TO:
         _draw_matrix(data, names, train, Path(out_dir) / FILE)
         return {FILE: ["training records per label and node (a cell per node and label)"]}
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(nodes) + 3), 4.2))
@@ -128,7 +130,7 @@ def draw_partition(data: dict, out_dir: Path) -> dict[str, list[str]]:
     )
     ax.set_xticks(range(len(nodes)), list(nodes), rotation=90, fontsize=7)
     ax.set_xlabel("node")
-    ax.set_ylabel("training records" + ("" if len(names) <= LEGEND_UP_TO else f" (colour: one of {len(names)} labels)"))
+    ax.set_ylabel("training records")
     fig.tight_layout()
     fig.savefig(Path(out_dir) / FILE, dpi=110)
     plt.close(fig)

@@ -5,12 +5,14 @@ far it got (a sweep's name the time left). ``FEDVLM_PROGRESS=1`` forces the bars
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 T = TypeVar("T")
 
@@ -37,5 +39,8 @@ def time_left(done: int, total: int, seconds: float) -> str:
 
 
 def each(items: Iterable[T], desc: str, unit: str = "step") -> Iterator[T]:
-    """``items`` under a bar (see ``bar``)."""
-    return iter(tqdm(items, desc=desc, unit=unit, disable=not interactive(), leave=False, dynamic_ncols=True))
+    """``items`` under a bar (see ``bar``). While a bar is drawn, log lines are written above it
+    (a sweep logs each run) rather than through it."""
+    shown = interactive()
+    with logging_redirect_tqdm() if shown else contextlib.nullcontext():
+        yield from tqdm(items, desc=desc, unit=unit, disable=not shown, leave=False, dynamic_ncols=True)

@@ -90,7 +90,10 @@ def test_the_best_attack_is_the_highest_tpr_at_the_lowest_fpr():
     assert best_attack({}) is None
 
 
-def test_the_partition_of_a_thousand_nodes_is_one_matrix_of_a_fixed_size(tmp_path):
+# a thousand nodes; or ten nodes with more labels than a legend names (40 stacked colours no
+# reader could tell apart): both the matrix, whose rows are named
+@pytest.mark.parametrize("nodes_n", [1000, 10])
+def test_many_nodes_or_labels_are_one_matrix_of_a_fixed_size(nodes_n, tmp_path):
     import numpy as np
     from PIL import Image
 
@@ -100,7 +103,7 @@ def test_the_partition_of_a_thousand_nodes_is_one_matrix_of_a_fixed_size(tmp_pat
     names = [f"label {k}" for k in range(40)]
     nodes = {
         f"client-{i}": {"partition_id": i, "train": rng.integers(0, 3, 40).tolist(), "test": [1] * 40}
-        for i in range(1000)
+        for i in range(nodes_n)
     }
     (tmp_path / COUNTS).write_text(json.dumps({"names": names, "nodes": nodes}))
     shows = draw_partition({"config": {"method": "promptfl", "dataset": "embedded", "partitioner": "iid"}}, tmp_path)
