@@ -120,3 +120,16 @@ def test_attacks_with_intervals_get_their_table_and_tpr_plot(tmp_path):
     plot_attacks(rows, tmp_path)
     assert (tmp_path / "attack_tpr_vs_epsilon.png").stat().st_size > 0
     assert attack_row({"shokri": {"auc": 0.6}}) == {}  # point estimates without intervals are not rows
+
+
+def test_an_attack_point_is_the_mean_over_its_targets_seeds():
+    from fedvlm.experiments.attack_report import target_points
+
+    key = "mia-lira-offline-tpr@0.1%fpr"
+
+    def row(eps, seed, spent, tpr):
+        return {"epsilon": eps, "seed": seed, "epsilon-spent": spent, key: tpr, key + "-lo": 0.0, key + "-hi": 2 * tpr}
+
+    rows = [row("8", 0, 6.0, 0.01), row("8", 1, 5.0, 0.03), row("none", 0, None, 0.02), row("1", 0, 0.8, 0.0)]
+    points = target_points(rows, key, no_dp_x=40.0)
+    assert points == [(0.8, 0.0, 0.0, 0.0), (5.5, 0.02, 0.0, 0.04), (40.0, 0.02, 0.0, 0.04)]
