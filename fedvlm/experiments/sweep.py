@@ -15,7 +15,9 @@ an interrupted sweep resumes. Outputs in ``--out``:
 - ``runs/<name>/``: each run's folder (results.json, plots, published prompts, mia.json);
 - ``summary.csv``: one row per run (method, variant, epsilon, seed, metrics, epsilon spent);
 - ``table_local.md/.csv``, ``table_neighbor.md/.csv``: mean of the last 10 rounds, mean ± std
-  over seeds, methods x epsilon (DP-FPL's Tables 2 and 3), and ``table_mia.md`` with ``--mia``;
+  over seeds, methods x epsilon (DP-FPL's Tables 2 and 3; a family whose utility is another
+  figure gets a ``table_<figure>.md`` for each, the VLM methods' ``table_client-cider.md``), and
+  ``table_mia.md`` with ``--mia``;
 - ``table_final.md/.csv``: local accuracy after the last round (pFedMoAP's protocol), with the
   paper's number beside ours when the preset has one;
 - ``accuracy_vs_epsilon.png`` (``accuracy_by_variant.png`` when only 'none' ran) and, with
@@ -431,17 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     plot(done, out, epsilons)
     plot_audit(done, out)
     plot_attacks(done, out)
-    print((out / "table_final.md").read_text())
-    print((out / "table_local.md").read_text())
-    print((out / "table_neighbor.md").read_text())
-    if (out / "table_mia.md").exists():
-        print((out / "table_mia.md").read_text())
-    if (out / "table_attacks.md").exists():
-        print((out / "table_attacks.md").read_text())
-    if (out / "table_audit.md").exists():
-        print((out / "table_audit.md").read_text())
-    if (out / "table_failures.md").exists():
-        print((out / "table_failures.md").read_text())
+    for tag in [*write_tables(rows, out, epsilons, reference), "attacks", "audit", "failures"]:
+        if (out / f"table_{tag}.md").exists():
+            print((out / f"table_{tag}.md").read_text())
     log.info("sweep of %d runs done in %.0fs: %s", len(plan), time.time() - t_all, out)
     return 0
 

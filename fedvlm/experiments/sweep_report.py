@@ -24,11 +24,11 @@ def utility_columns(rows: list[dict]) -> list[str]:
     ]
 
 
-def _fmt(values: list[float | None]) -> str:
+def _fmt(values: list[float | None], scale: float = 100.0) -> str:
     vals = [v for v in values if v is not None and np.isfinite(v)]
     if not vals:
         return "-"
-    return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}" if len(vals) > 1 else f"{100 * vals[0]:.2f}"
+    return f"{scale * np.mean(vals):.2f} ± {scale * np.std(vals):.2f}" if len(vals) > 1 else f"{scale * vals[0]:.2f}"
 
 
 TEXT_COLUMNS = (
@@ -80,19 +80,42 @@ def _write_table(out: Path, tag: str, head: str, table: list[list[str]]) -> None
     (out / f"table_{tag}.md").write_text(f"{head}, mean ± std over seeds\n\n" + "\n".join(md) + "\n")
 
 
-def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: dict | None = None) -> None:
-    """One table per metric, variants x epsilon; ``reference`` ((variant, epsilon) -> the paper's
-    accuracy in %) adds a paper column beside each of ours in the final-accuracy table."""
+# the prompt family's accuracy tables keep the names DP-FPL's tables had (table_local.md, ...)
+TABLE_TAGS = {ACC["local"]: "local", ACC["neighbor"]: "neighbor"}
+
+
+def utility_tables(rows: list[dict]) -> list[tuple[str, str, float, str]]:
+    """(tag, row key, scale, heading) of a table per utility column of the family: the mean of its
+    last 10 rounds (table_local.md and table_neighbor.md for accuracy, table_<figure>.md else)."""
+    out = []
+    for u in utility_columns(rows):
+        kind = METRICS[u].kind
+        classes = {ACC["local"]: " (local classes)", ACC["neighbor"]: " (neighbor classes)"}.get(u)
+        head = (
+            f"Mean of the last 10 rounds{classes}, %" if classes else f"Mean of the last 10 rounds, {u} ({kind.unit})"
+        )
+        out.append((TABLE_TAGS.get(u, u), u + LAST10, kind.scale, head))
+    return out
+
+
+def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: dict | None = None) -> list[str]:
+    """One table per metric, variants x epsilon (the family's utility, accuracy after the last
+    round where the family has it, the prompt family's Shokri and loss-threshold attacks); their
+    tags, the utility's first. ``reference`` ((variant, epsilon) -> the paper's accuracy in %)
+    adds a paper column beside each of ours in the final-accuracy table."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    metrics = [("local", "local-acc-last10"), ("neighbor", "neighbor-acc-last10"), ("final", ACC["local"])]
+    metrics = [(tag, key, scale) for tag, key, scale, _ in utility_tables(rows)]
+    heads = {tag: head for tag, _, _, head in utility_tables(rows)}
+    if any(r.get(ACC["local"]) is not None for r in rows):
+        metrics.append(("final", ACC["local"], 100.0))
     if any(r.get("mia-shokri-acc") is not None for r in rows):
         metrics += [
-            ("mia", "mia-shokri-acc"),
-            ("mia_auc", "mia-shokri-auc"),
-            ("mia_loss", "mia-loss-acc"),
-            ("mia_loss_auc", "mia-loss-auc"),
+            ("mia", "mia-shokri-acc", 100.0),
+            ("mia_auc", "mia-shokri-auc", 100.0),
+            ("mia_loss", "mia-loss-acc", 100.0),
+            ("mia_loss_auc", "mia-loss-auc", 100.0),
         ]
-    for tag, key in metrics:
+    for tag, key, scale in metrics:
         paper = reference if tag == "final" and reference else {}
         table = [["method"] + [h for e in epsilons for h in [f"eps={e}"] + ([f"paper eps={e}"] if paper else [])]]
         for v in variants:
@@ -100,13 +123,12 @@ def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: di
             for e in epsilons:
                 these = [r for r in rows if r["variant"] == v and r["epsilon"] == e]
                 failed = these and all(r.get("status") == "failed" for r in these)
-                cells.append("failed" if failed else _fmt([r.get(key) for r in these]))
+                cells.append("failed" if failed else _fmt([r.get(key) for r in these], scale))
                 if paper:
                     cells.append(f"{paper[(v, e)]:.2f}" if (v, e) in paper else "-")
             table.append(cells)
         what = {
-            "local": "Mean of the last 10 rounds (local classes), %",
-            "neighbor": "Mean of the last 10 rounds (neighbor classes), %",
+            **heads,
             "final": "Local accuracy after the last round, %" + (" (paper: its reported number)" if paper else ""),
             "mia": "Membership inference on the published personalised prompts: Shokri MIA accuracy (chance 50)",
             "mia_auc": "Membership inference on the published personalised prompts: Shokri MIA AUC (x100, chance 50)",
@@ -116,6 +138,7 @@ def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: di
             "(x100, chance 50)",
         }[tag]
         _write_table(out, tag, what, table)
+    return [tag for tag, _, _ in metrics]
 
 
 def _bars(plt, rows: list[dict], path: Path) -> None:

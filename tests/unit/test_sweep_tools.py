@@ -133,3 +133,19 @@ def test_an_attack_point_is_the_mean_over_its_targets_seeds():
     rows = [row("8", 0, 6.0, 0.01), row("8", 1, 5.0, 0.03), row("none", 0, None, 0.02), row("1", 0, 0.8, 0.0)]
     points = target_points(rows, key, no_dp_x=40.0)
     assert points == [(0.8, 0.0, 0.0, 0.0), (5.5, 0.02, 0.0, 0.04), (40.0, 0.02, 0.0, 0.04)]
+
+
+def test_a_family_whose_utility_is_cider_gets_its_own_tables(tmp_path):
+    """The VLM methods report CIDEr, not accuracy: a table per CIDEr figure, unscaled, and no
+    accuracy tables of dashes."""
+    from fedvlm.experiments.sweep_report import write_tables
+
+    rows = [
+        {"variant": "fedrand", "epsilon": e, "seed": s, "status": "finished", "client-cider-last10-mean": c}
+        for e, s, c in (("none", 0, 350.0), ("none", 1, 450.0), ("8", 0, 140.0))
+    ]
+    assert write_tables(rows, tmp_path, ["none", "8"]) == ["client-cider"]
+    lines = (tmp_path / "table_client-cider.md").read_text().splitlines()
+    assert lines[0] == "Mean of the last 10 rounds, client-cider (CIDEr x100), mean ± std over seeds"
+    assert lines[-1] == "| fedrand | 400.00 ± 50.00 | 140.00 |"
+    assert not (tmp_path / "table_local.md").exists() and not (tmp_path / "table_final.md").exists()
