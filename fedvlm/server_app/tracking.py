@@ -42,7 +42,7 @@ FILES = ("results.json", "rounds.csv", "partition.json", "status.json")  # and e
 PARAM_CHUNK = 100  # MLflow takes at most 100 parameters per batch
 INSTALL = "pip install 'fedvlm[tracking]'"
 MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "FINISHED", "interrupted": "KILLED"}  # else FAILED
-STATUS_TAG, NOTE_TAG = "fedvlm.status", "fedvlm.note"
+STATUS_TAG, NOTE_TAG = "ended", "note"  # how the run ended, in fedvlm's words
 
 
 def round_values(record: dict) -> dict[str, float]:
