@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from fedvlm.attacks.likelihood import bootstrap
+from fedvlm.attacks.reports import GLOBAL, global_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.utils.files import atomic_write_json, load_saved
 
-REPORT = "global_attack.json"
 BATCH = 256
 
 
@@ -68,7 +68,7 @@ def _trained_nodes(data: dict) -> list[dict]:
 
 
 def run_attack(run_dir: Path) -> dict:
-    """Attack a finished run's global model; the report (also written to ``REPORT``)."""
+    """Attack a finished run's global model; the report (also written to ``GLOBAL``)."""
     from fedvlm.methods.validation import validate
     from fedvlm.models.reprogram import initial_model, input_size, source_model
 
@@ -115,7 +115,7 @@ def run_attack(run_dir: Path) -> dict:
         "mean_loss": {f"{split}-{which}": float(v.mean()) for (split, which), v in loss.items()},
         "attacks": {name: {"pooled": bootstrap(s, member)} for name, s in scores.items()},
     }
-    atomic_write_json(report, run_dir / REPORT)
+    atomic_write_json(report, run_dir / GLOBAL)
     return report
 
 
@@ -124,16 +124,9 @@ def pooled_attacks(run_dir: Path, shadows: int = 0, online: int = 0) -> dict[str
     (``Family.membership_attack``): the pooled ones of its global_attack.json, attacking first
     where the folder has none. They need no shadow or reference federations (``shadows`` and
     ``online`` are the prompt family's knobs): the run's own initial model calibrates them."""
-    path = Path(run_dir) / REPORT
+    path = Path(run_dir) / GLOBAL
     report = json.loads(path.read_text()) if path.exists() else run_attack(Path(run_dir))
-    return {name: a["pooled"] for name, a in report["attacks"].items()}
-
-
-def read_pooled(run_dir: Path) -> dict[str, dict] | None:
-    """The pooled attacks a run folder's global_attack.json holds (``Family.attack_report``), or
-    None where it has none: nothing is attacked."""
-    path = Path(run_dir) / REPORT
-    return {name: a["pooled"] for name, a in json.loads(path.read_text())["attacks"].items()} if path.exists() else None
+    return global_pooled(report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,7 @@ from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedvlm.attacks import NoAttackApplies
 from fedvlm.attacks.likelihood import bootstrap, rmia
+from fedvlm.attacks.reports import HEADLINE, MAXRENYI, maxrenyi_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.utils.files import atomic_write_json, load_saved
@@ -61,7 +62,6 @@ log = logging.getLogger(__name__)
 ALPHAS = (0.5, 1.0, 2.0, math.inf)
 KS = (0, 10)
 LOGLIK = "loglik"  # sample_scores' key of the mean target-token log-likelihood
-HEADLINE = "alpha=0.5,K=10"
 
 
 def renyi_entropy(logits: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -267,31 +267,11 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
     if (run_dir / UPLOADS).is_dir():  # every upload of every round, where the run kept them
         uploads = report["threats"]["uploads"] = upload_attacks(cfg, run_dir, nodes, samples, seed)
         log.info("uploads, pooled AUC: %s", {k: v["pooled"]["auc"]["value"] for k, v in uploads["summary"].items()})
-    atomic_write_json(report, run_dir / REPORT)
+    atomic_write_json(report, run_dir / MAXRENYI)
     return report
 
 
 SAMPLES = 100  # members and non-members per attacked model where a caller names no other
-REPORT = "maxrenyi.json"
-
-
-def pooled(report: dict) -> dict[str, dict]:
-    """A MaxRényi report's attacks with bootstrap intervals, by name: MaxRényi-10% (alpha 0.5,
-    fixed in advance) on the server's model and on the rebuilt client models, the base-model
-    calibrated likelihood and RMIA on the client models, and the server's attacks on every upload
-    where the run kept them."""
-    threats = report["threats"]
-    server = threats.get("server", {}).get(HEADLINE, {})
-    clients = threats.get("client", {}).get("pooled", {})
-    uploads = threats.get("uploads", {}).get("summary", {})
-    found = {
-        "server-maxrenyi10": server.get("intervals", {}),
-        "clients-maxrenyi10": clients.get(HEADLINE, {}),
-        "clients-calibrated-base": clients.get("calibrated-base", {}),
-        "clients-rmia-base": clients.get("rmia-base", {}),
-        **{f"uploads-{k.removeprefix('server-')}": v["pooled"] for k, v in uploads.items()},
-    }
-    return {name: v for name, v in found.items() if v}
 
 
 def pooled_attacks(run_dir: Path, shadows: int = 0, online: int = 0) -> dict[str, dict]:
@@ -299,20 +279,13 @@ def pooled_attacks(run_dir: Path, shadows: int = 0, online: int = 0) -> dict[str
     pooled ones of its maxrenyi.json, running the attack first where the folder has none. They
     need no shadow or reference federations (``shadows`` and ``online`` are the prompt family's
     knobs): the base model calibrates them."""
-    path = Path(run_dir) / REPORT
+    path = Path(run_dir) / MAXRENYI
     report = json.loads(path.read_text()) if path.exists() else run_maxrenyi(Path(run_dir), SAMPLES)
-    found = pooled(report)
+    found = maxrenyi_pooled(report)
     if not found:
         skipped = [t["skipped"] for t in report["threats"].values() if "skipped" in t]
         raise NoAttackApplies("; ".join(dict.fromkeys(skipped)) or "no threat of the MaxRényi report applies")
     return found
-
-
-def read_pooled(run_dir: Path) -> dict[str, dict] | None:
-    """The pooled attacks a run folder's maxrenyi.json holds (``Family.attack_report``), or None
-    where it has none: nothing is attacked."""
-    path = Path(run_dir) / REPORT
-    return pooled(json.loads(path.read_text())) if path.exists() else None
 
 
 def upload_attacks(cfg, run_dir: Path, nodes: list[dict], samples: int, seed: int) -> dict:

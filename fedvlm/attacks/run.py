@@ -40,6 +40,7 @@ from fedvlm.attacks.membership import (
     interval_summary,
     load_published,
 )
+from fedvlm.attacks.reports import MIA, prompt_pooled
 from fedvlm.attacks.server import ATTACKS as SERVER_ATTACKS
 from fedvlm.attacks.server import ServerAttack, server_scores
 from fedvlm.client_app.node import node_data
@@ -52,8 +53,6 @@ from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
-
-REPORT = "mia.json"
 
 
 def _publish_only(cfg: dict) -> dict:
@@ -229,7 +228,7 @@ def run_attacks(
             "seconds": round(time.time() - t0, 1),
         }
     )
-    atomic_write_json(result, run_dir / REPORT)
+    atomic_write_json(result, run_dir / MIA)
     return result
 
 
@@ -238,22 +237,11 @@ def pooled_attacks(run_dir: Path, shadows: int = 2, online: int = 0) -> dict[str
     mia.json's attacks that carry pooled intervals (offline LiRA and RMIA, online LiRA with
     ``online`` reference federations, the server's where the run kept its uploads), running them
     first where the folder has none, or has one made with other ``shadows`` or ``online``."""
-    path = Path(run_dir) / REPORT
+    path = Path(run_dir) / MIA
     result = json.loads(path.read_text()) if path.exists() else None
     if result is None or (result["shadows"]["federations"], result.get("online_references", 0)) != (shadows, online):
         result = run_attacks(run_dir, shadows=shadows, online=online)  # none yet, or made with other knobs
-    return _pooled(result)
-
-
-def _pooled(result: dict) -> dict[str, dict]:
-    return {name: v["pooled"] for name, v in result["summary"].items() if isinstance(v, dict) and "pooled" in v}
-
-
-def read_pooled(run_dir: Path) -> dict[str, dict] | None:
-    """The pooled attacks a run folder's mia.json holds (``Family.attack_report``), or None where
-    it has none: nothing is attacked."""
-    path = Path(run_dir) / REPORT
-    return _pooled(json.loads(path.read_text())) if path.exists() else None
+    return prompt_pooled(result)
 
 
 def _interval(metric: dict, digits: int) -> str:

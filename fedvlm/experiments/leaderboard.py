@@ -103,18 +103,30 @@ def run_family(family: str, methods: list[str], scale: Scale, out: Path, quick: 
     return [{**r, "family": family} for r in read_summary(folder / "summary.csv")]
 
 
-def planned(methods: list[str], scale: Scale) -> int:
-    """The runs a family's board makes: each method at each privacy level it has, at each seed."""
-    return sum(len(scale.seeds) * (len(scale.epsilons) if get_method(m).supports_dp else 1) for m in methods)
+def planned(methods: list[str], scale: Scale) -> set[str]:
+    """The run folders a family's board makes: each method (at the sweep's default rank) at each
+    privacy level it has, at each seed."""
+    return {
+        sweep.run_name(label, eps, seed)
+        for label, method, _ in sweep.method_variants(methods, [int(sweep.RANK)], [True])
+        for eps in scale.epsilons
+        if eps == "none" or get_method(method).supports_dp
+        for seed in scale.seeds
+    }
 
 
-def finished(folder: Path) -> set[str]:
-    """The runs a family's folder holds finished (which its sweep reuses)."""
+def unfinished(folder: Path, names: set[str]) -> set[str]:
+    """Those of ``names`` a family's board still has to make."""
+    return names - finished(folder, names)
+
+
+def finished(folder: Path, names: set[str]) -> set[str]:
+    """Those of ``names`` a family's folder holds finished (which its sweep reuses)."""
     found = set()
-    for path in (folder / "runs").glob("*/results.json"):
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(path.read_text())["run"].get("status") in sweep.REUSED:
-                found.add(path.parent.name)
+    for name in names:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if json.loads((folder / "runs" / name / "results.json").read_text())["run"].get("status") in sweep.REUSED:
+                found.add(name)
     return found
 
 
@@ -418,11 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     made, made_seconds = 0, 0.0  # the runs this call trained (a reused one costs nothing), for the estimate
     for i, (family, methods) in enumerate(plan, 1):
         log.info("leaderboard: family %s (%d/%d): %s", family, i, len(plan), ", ".join(methods))
-        before, t = finished(out / family), time.time()
+        names = planned(methods, scale)
+        before, t = finished(out / family, names), time.time()
         rows += run_family(family, methods, scale, out, args.quick)
-        fresh = len(finished(out / family) - before)
+        fresh = len(names) - len(before)  # every planned run is finished now, or failed: made in this call
         made, made_seconds = made + fresh, made_seconds + (time.time() - t if fresh else 0.0)
-        later = sum(planned(ms, scale) - len(finished(out / f)) for f, ms in plan[i:])
+        later = sum(len(unfinished(out / f, planned(ms, scale))) for f, ms in plan[i:])
         estimate = time_left(made, made + later, made_seconds) if later else "done"
         log.info(
             "leaderboard: %d/%d families done (%s: %d runs made, %d reused), %s",

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedvlm.attacks.maxrenyi import REPORT, pooled
+from fedvlm.attacks.reports import MAXRENYI, maxrenyi_pooled
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.sweep import run_one
 from fedvlm.methods.registry import VLM, methods_of
@@ -75,7 +75,7 @@ def summarise(method: str, data: dict, mia: dict | None) -> dict:
             row[f"mia-{threat}-auroc"] = best[0] if best else None
             row[f"mia-{threat}-setting"] = best[1] if best else "n/a"
         # the setting fixed in advance, with intervals: the server's model, the clients' pooled
-        row.update(attack_row(pooled(mia)))
+        row.update(attack_row(maxrenyi_pooled(mia)))
     return row
 
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mia_samples:
             from fedvlm.attacks.maxrenyi import run_maxrenyi
 
-            report = out / "runs" / name / REPORT
+            report = out / "runs" / name / MAXRENYI
             mia = (
                 json.loads(report.read_text())
                 if report.exists()

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from fedvlm.attacks import NoAttackApplies
-from fedvlm.attacks.run import REPORT as MIA_REPORT
+from fedvlm.attacks.reports import GLOBAL, MAXRENYI, MIA
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
@@ -63,6 +63,7 @@ from fedvlm.metrics import ACC, METRICS
 from fedvlm.plots import redraw_run
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 from fedvlm.server_app.resume import CHECKPOINT, config_differences
+from fedvlm.strategies.records import complete
 from fedvlm.utils.progress import each, time_left
 
 log = logging.getLogger("sweep")
@@ -105,6 +106,7 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
     return json.loads(results.read_text())
 
 
+RANK = "8"  # a low-rank method's rank where --ranks names none
 REUSED = ("finished", "stopped")  # a run folder's statuses the sweep takes as they are
 
 
@@ -126,7 +128,10 @@ def other_run(raw: dict, data: dict, finished: bool = True) -> list[str]:
 
 def set_aside(run_dir: Path, why: str) -> None:
     """Rename a run folder the sweep cannot use out of its way, so that nothing is lost."""
-    aside = run_dir.with_name(f"{run_dir.name}-{why}-{time.strftime('%Y%m%d-%H%M%S')}")
+    base = f"{run_dir.name}-{why}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, k = run_dir.with_name(base), 1
+    while aside.exists():  # two folders set aside in one second
+        aside, k = run_dir.with_name(f"{base}-{k}"), k + 1
     run_dir.rename(aside)
     log.warning("%s: kept as %s, the run starts afresh", run_dir.name, aside.name)
 
@@ -147,11 +152,14 @@ def continued(raw: dict, run_dir: Path, data: dict | None) -> dict:
         return raw
     status = data["run"].get("status")
     differ = other_run(raw, data, finished=False)
+    rounds, wanted = data["rounds"], validate(raw).num_server_rounds
+    # every round asked for is done (and evaluated), or more: nothing to resume to
+    done = bool(rounds) and (rounds[-1]["round"] > wanted or rounds[-1]["round"] == wanted and complete(rounds[-1]))
     if differ:
         log.warning("%s holds a run of another config (%s)", run_dir.name, "; ".join(differ))
         set_aside(run_dir, "other-config")
         return raw
-    if status != "failed" and (run_dir / CHECKPOINT).is_file():
+    if status != "failed" and not done and (run_dir / CHECKPOINT).is_file():
         log.info("%s was cut off (its status: %s): resuming it from its checkpoint", run_dir.name, status)
         return {**raw, "resume": str(run_dir)}
     log.warning("%s %s and cannot be resumed", run_dir.name, status)
@@ -159,7 +167,12 @@ def continued(raw: dict, run_dir: Path, data: dict | None) -> dict:
     return raw
 
 
-def _variants(methods, ranks, residuals):
+def run_name(variant: str, eps: str, seed: int) -> str:
+    """A sweep run's folder name: what a later sweep finds it by."""
+    return f"{variant}-eps{eps}-seed{seed}"
+
+
+def method_variants(methods, ranks, residuals):
     """(label, method, overrides): the rank axis for every low-rank method, and the residual
     ablation for a method that has a '<method>.residual' key (DP-FPL)."""
     for m in methods:
@@ -237,7 +250,7 @@ def attack_columns(run_dir: Path, family, shadows: int, online: int, trains: boo
         reason = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         log.error("%s: the membership attacks could not run: %s", run_dir.name, reason)
         return {"mia-error": reason}
-    mia_path = run_dir / MIA_REPORT
+    mia_path = run_dir / MIA
     if mia_path.exists():
         mia = json.loads(mia_path.read_text())["summary"]
         row.update(
@@ -249,6 +262,11 @@ def attack_columns(run_dir: Path, family, shadows: int, online: int, trains: boo
             }
         )
     return row
+
+
+def report_stamps(run_dir: Path) -> dict[str, int]:
+    """When each attack report in a run folder was last written (to tell one made just now)."""
+    return {n: (run_dir / n).stat().st_mtime_ns for n in (MIA, MAXRENYI, GLOBAL) if (run_dir / n).exists()}
 
 
 def failed_row(variant: str, method: str, eps: str, seed: int, err: BaseException) -> dict:
@@ -275,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--epsilons", default=",".join(EPSILONS), help="'none' = no noise")
     p.add_argument("--seeds", default="0")
-    p.add_argument("--ranks", default="8")
+    p.add_argument("--ranks", default=RANK)
     p.add_argument("--residual", default="on", help="on, off or on,off (DP-FPL's ablation)")
     p.add_argument("--clients", type=int, default=None, help="clients per run (default: the preset's, else 10)")
     p.add_argument("--preset", choices=sorted(PRESETS))
@@ -310,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = COMPARISONS.get(args.compare, []) + _labelled(args.variant)
     if args.methods is not None or not variants:
         methods = args.methods or ",".join(m.name for m in methods_of(PROMPT) if m.supports_dp)
-        variants = list(_variants(methods.split(","), ranks, residuals)) + variants
+        variants = list(method_variants(methods.split(","), ranks, residuals)) + variants
     # A method without a DP mechanism runs at 'none' only (zero-shot, CoOp in a comparison set).
     plan = [
         (v, m, extra, e, s)
@@ -328,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": seed,
             "privacy.epsilon": 0.0 if eps == "none" else float(eps),
             "output-dir": str(out / "runs"),
-            "run-name": f"{variant}-eps{eps}-seed{seed}",
+            "run-name": run_name(variant, eps, seed),
         }
         if args.audit and (eps != "none" or get_method(method).family.noise_multiplier > 0):  # a private run
             raw["privacy.audit-canaries"] = args.audit
@@ -375,13 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         prior = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").exists() else None
         reused = prior if prior is not None and prior["run"].get("status") in REUSED else None
-        differ = other_run(raw, reused) if reused is not None else []
-        if differ:  # a finished run of another config under this name: not this run
-            log.warning("%s holds a run of another config (%s)", name, "; ".join(differ))
-            set_aside(run_dir, "other-config")
-            reused = prior = None
         fresh = reused is None
         try:
+            differ = other_run(raw, reused) if reused is not None else []
+            if differ:  # a finished run of another config under this name: not this run
+                log.warning("%s holds a run of another config (%s)", name, "; ".join(differ))
+                set_aside(run_dir, "other-config")
+                reused, prior, fresh = None, None, True
             data = reused if reused is not None else run_one(continued(raw, run_dir, prior), clients, args.engine, out)
         except Exception as err:  # noqa: BLE001 - a failed variant is a row of the table, not the sweep's end
             rows.append(failed_row(variant, method, eps, seed, err))
@@ -412,9 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         row.update(audit_row(data))
         if args.mia:
             spec = get_method(method)
+            before = report_stamps(out / "runs" / name)
             row.update(attack_columns(out / "runs" / name, spec.family, args.shadows, args.online, spec.trains))
-            if fresh:  # drawn when the run ended, before its attacks: the privacy picture names the best now
-                redraw_run(out / "runs" / name)
+            if report_stamps(out / "runs" / name) != before:  # attacked now: the privacy picture names the best
+                try:
+                    redraw_run(out / "runs" / name)
+                except Exception as err:  # noqa: BLE001 - a picture must not end the sweep
+                    log.warning("%s: could not redraw its pictures: %s: %s", name, type(err).__name__, err)
         rows.append(row)
         if fresh:
             ran, ran_seconds = ran + 1, ran_seconds + time.time() - t0

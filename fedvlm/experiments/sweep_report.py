@@ -237,6 +237,11 @@ def plot_audit(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def _having(rows: list[dict], variant: str, epsilon: str, key: str) -> list[dict]:
+    """The runs of a variant at an epsilon that have ``key`` (a seed that finished no round has not)."""
+    return [r for r in rows if r["variant"] == variant and r["epsilon"] == epsilon and r.get(key) is not None]
+
+
 def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
     import matplotlib
 
@@ -271,15 +276,13 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
             for i, v in enumerate(dict.fromkeys(r["variant"] for r in rows)):
                 colour = f"C{i % 10}"
                 pts = [
-                    (float(e), scale * np.mean([r[key] for r in rows if r["variant"] == v and r["epsilon"] == e]))
+                    (float(e), scale * np.mean([r[key] for r in _having(rows, v, e, key)]))
                     for e in xs
-                    if any(r["variant"] == v and r["epsilon"] == e and r.get(key) is not None for r in rows)
+                    if _having(rows, v, e, key)
                 ]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker="o", color=colour, label=v)
-                clean = [
-                    r[key] for r in rows if r["variant"] == v and r["epsilon"] == "none" and r.get(key) is not None
-                ]
+                clean = [r[key] for r in _having(rows, v, "none", key)]
                 if clean:  # a method without a target (zero-shot, CoOp) is its dotted line alone, labelled
                     ax.axhline(
                         scale * np.mean(clean), color=colour, ls=":", lw=1, label=None if pts else f"{v} ({untargeted})"

@@ -163,7 +163,7 @@ PROMPT = Family(
     "fedvlm.client_app.node:node_data",
     _steps_or_epochs(lambda cfg: cfg.prompt),
     membership_attack="fedvlm.attacks.run:pooled_attacks",
-    attack_report="fedvlm.attacks.run:read_pooled",
+    attack_report="fedvlm.attacks.reports:read_prompt",
 )
 VLM = Family(
     "vlm",
@@ -175,7 +175,7 @@ VLM = Family(
     "fedvlm.client_app.vlm_node:vlm_node_data",
     _steps_or_epochs(lambda cfg: cfg.lora),
     membership_attack="fedvlm.attacks.maxrenyi:pooled_attacks",
-    attack_report="fedvlm.attacks.maxrenyi:read_pooled",
+    attack_report="fedvlm.attacks.reports:read_maxrenyi",
 )
 # Reprogrammable-FL: 3 clients, IID, all of them every round, DP-SGD with C = 1, z = 1.1
 REPROGRAM = Family(
@@ -191,7 +191,7 @@ REPROGRAM = Family(
     noise_multiplier=1.1,
     check=check_reprogram,
     membership_attack="fedvlm.attacks.global_model:pooled_attacks",
-    attack_report="fedvlm.attacks.global_model:read_pooled",
+    attack_report="fedvlm.attacks.reports:read_global",
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in (PROMPT, VLM, REPROGRAM)}
 

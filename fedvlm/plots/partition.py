@@ -112,7 +112,7 @@ def draw_partition(data: dict, out_dir: Path) -> dict[str, list[str]]:
     names, nodes = counts["names"], counts["nodes"]
     train = {name: node["train"] for name, node in nodes.items()}
     # many nodes, or more labels than a legend can name (stacked bars would be colours no reader
-    # can tell apart): the matrix, whose rows are named
+    # can tell apart): the matrix, whose rows are named up to 40 labels
     if len(nodes) > BARS_UP_TO or len(names) > LEGEND_UP_TO:
         _draw_matrix(data, names, train, Path(out_dir) / FILE)
         return {FILE: ["training records per label and node (a cell per node and label)"]}

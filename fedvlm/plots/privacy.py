@@ -7,17 +7,21 @@ as lines; the one-run audit's lower bound (``audit``) at the round it was comput
 accounted epsilon of the mechanism it audits. Right: each node's epsilon after the last round (a
 histogram past ``BARS`` nodes), with the best membership attack's TPR at 0.1% FPR and AUC in the
 corner when the folder holds its family's attack report (``Family.attack_report``: mia.json,
-maxrenyi.json or global_attack.json, from ``python -m fedvlm.attacks`` or a sweep's ``--mia``).
+maxrenyi.json or global_attack.json; read by ``attacks.reports``, nothing attacked; redraw with
+``python -m fedvlm.plots RUN_DIR`` after attacking, as a sweep's ``--mia`` does).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from fedvlm.methods.registry import FAMILIES
+from fedvlm.methods.registry import FAMILIES, METHODS
 from fedvlm.metrics import EPSILON_MEAN, EPSILON_SPENT
 from fedvlm.plots.curves import title
 from fedvlm.privacy.ledger import final_spent, round_spread
+
+log = logging.getLogger(__name__)
 
 FILE = "privacy.png"
 BARS = 40  # above this many nodes, the right panel is a histogram
@@ -34,6 +38,15 @@ def best_attack(attacks: dict[str, dict]) -> tuple[str, float, float] | None:
         if best is None or tpr > best[1]:
             best = (name, float(tpr), float(auc))
     return best
+
+
+def _reported_attacks(data: dict, run_dir: Path) -> dict[str, dict] | None:
+    """The pooled attacks of the run's family's report in ``run_dir``, or None (a run folder of
+    an older fedvlm names its method, not its family)."""
+    run, method = data.get("run") or {}, (data.get("config") or {}).get("method")
+    family = FAMILIES.get(str(run.get("family"))) or (METHODS[method].family if method in METHODS else None)
+    read = family.reported_attacks if family is not None else None
+    return read(run_dir) if read is not None else None
 
 
 def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
@@ -103,10 +116,12 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
         right.set_ylabel("nodes")
     right.set_title(f"per node, after round {xs[-1]}")
     right.grid(alpha=0.3, axis="y")
-    family = FAMILIES.get(str(data.get("run", {}).get("family")))
-    read = family.reported_attacks if family is not None else None
-    reported = read(Path(out_dir)) if read is not None else None
-    attack = best_attack(reported) if reported else None
+    attack = None
+    try:  # a report that cannot be read costs the picture its corner, not the picture
+        reported = _reported_attacks(data, Path(out_dir))
+        attack = best_attack(reported) if reported else None
+    except Exception as err:  # noqa: BLE001
+        log.warning("privacy.png drawn without the membership attack: its report could not be read: %s", err)
     if attack is not None:
         name, tpr, auc = attack
         right.text(

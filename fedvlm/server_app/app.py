@@ -78,7 +78,9 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
         )
     trackers = Trackers.of(cfg, recorder.dir)
     if trackers.make:
-        recorder.track(trackers, resumed=point is not None)
+        # a folder still 'running' was left by a ServerApp that never ended it (killed outright)
+        ended = point is not None and point.results["run"].get("status") != "running"
+        recorder.track(trackers, resumed=point is not None, ended=ended)
     try:
         run_rounds(strategy, parts, grid, recorder, point)
     except ResumeError as err:  # refused before anything was recorded: the folder is as it was

@@ -87,7 +87,9 @@ def host() -> dict:
             if key.strip() == "model name":
                 cpu = value.strip()
                 break
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    gpu = None
+    with contextlib.suppress(Exception):  # informative only: a GPU in a bad state must not stop the run
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"system": platform.system(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu}
 
 
@@ -182,11 +184,12 @@ class RunRecorder:
     def path(self) -> Path:
         return self.dir / "results.json"
 
-    def track(self, trackers: Trackers, resumed: bool) -> None:
-        """Send the run to ``trackers`` from now on (``server_app.tracking``); what they are is
-        recorded in results.json's ``run.tracking``."""
+    def track(self, trackers: Trackers, resumed: bool, ended: bool = True) -> None:
+        """Send the run to ``trackers`` from now on (``server_app.tracking``; ``resumed`` and
+        ``ended`` as ``Trackers.start`` takes them); what they are is recorded in results.json's
+        ``run.tracking``."""
         self.trackers = trackers
-        info = trackers.start(self.data, resumed)
+        info = trackers.start(self.data, resumed, ended)
         if info:
             self.set_run_info(tracking=info)
 

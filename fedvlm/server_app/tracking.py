@@ -15,8 +15,8 @@ for the rest of the run. MLflow's client is held to ``HTTP_TIMEOUT_S`` and ``HTT
 (unless the environment sets MLflow's own variables), so a dead server costs seconds, not the
 minutes of its default retries. A resumed run goes on with the same MLflow run in the store it
 was logged to (its URI and id are in ``run.tracking``) and logs only what the interrupted run did
-not: a round the run kept, evaluated or not, was logged when the run ended (TensorBoard also hides
-anything logged past the round it resumes from). A run ``fedvlm.stop`` ended is finished in its
+not (TensorBoard also hides anything logged past the round it resumes from; docs/outputs.md says
+when MLflow can hold a round twice). A run ``fedvlm.stop`` ended is finished in its
 trackers as the ServerApp would have (``Trackers.reattached``).
 """
 
@@ -219,7 +219,9 @@ class Trackers:
             # killed outright never ended: its owed round's training figures are in results.json,
             # not in the tracker.
             self.logged = {r["round"]: set(settled_values(r)) for r in data["rounds"] if ended or complete(r)}
-            self.info = {k: dict(v) for k, v in (data["run"].get("tracking") or {}).items()}
+            # what the trackers it still has recorded (their run ids, kept if one fails now)
+            mine = {name for name, _ in self.make}
+            self.info = {k: dict(v) for k, v in (data["run"].get("tracking") or {}).items() if k in mine}
         for name, build in self.make:
             tracker = None
             try:

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from fedvlm.attacks.run import read_pooled
+from fedvlm.attacks.reports import read_prompt
 from fedvlm.experiments import leaderboard
 from fedvlm.plots.__main__ import main as plots_main
 from fedvlm.plots.privacy import best_attack
@@ -32,7 +32,7 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
         assert entry["mb-up-per-client"] == pytest.approx(data["final"]["bytes_up"] / nodes / 1e6)
         assert entry["seconds-per-round"] == pytest.approx(sum(r["seconds"] for r in data["rounds"]) / 2)
         assert entry["seconds-total"] == pytest.approx(sum(r["seconds"] for r in data["rounds"]))
-        name, tpr, auc = best_attack(read_pooled(run))
+        name, tpr, auc = best_attack(read_prompt(run))
         assert entry["attack-tpr@0.1%fpr"] == pytest.approx(tpr) and entry["attack-auc"] == pytest.approx(auc)
         if eps == "1":
             # the run's privacy picture, drawn again once the run was attacked, names the best attack

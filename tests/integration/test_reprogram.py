@@ -274,7 +274,8 @@ def test_the_global_model_attack_takes_every_trained_record_against_the_test_rec
     """The family's membership attack (``attacks.global_model``) on what a run publishes: every
     training record of the nodes that trained is a member, every test record a non-member, and
     each attack pools them into one ROC with intervals, as the sweep and the leaderboard read it."""
-    from fedvlm.attacks.global_model import REPORT, pooled_attacks
+    from fedvlm.attacks.global_model import pooled_attacks
+    from fedvlm.attacks.reports import GLOBAL as REPORT
     from fedvlm.experiments.sweep import attack_columns
     from fedvlm.methods.registry import get_method
 

@@ -136,3 +136,9 @@ def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(tmp_path,
     longer = sweep(out, 3)
     assert [r["round"] for r in longer["rounds"]] == [1, 2, 3] and "resumed" not in longer["run"]
     assert len([p for p in (out / "runs").iterdir() if p.name.startswith("p-epsnone-seed0-other-config-")]) == 1
+
+    # a cut-off run already past the rounds now asked for has nothing to resume to: kept aside too
+    cut_off(out)
+    shorter = sweep(out, 2)
+    assert [r["round"] for r in shorter["rounds"]] == [1, 2] and "resumed" not in shorter["run"]
+    assert len([p for p in (out / "runs").iterdir() if p.name.startswith("p-epsnone-seed0-running-")]) == 2

@@ -195,6 +195,30 @@ def test_a_run_cut_off_in_its_last_evaluation_and_resumed_logs_each_figure_once(
     assert json.loads(Path(status).read_text())["status"] == "finished"
 
 
+def test_a_run_killed_outright_and_resumed_logs_its_owed_round_once(make_cfg, pretrained_clip, monkeypatch):
+    """No ServerApp ended the killed run, so its owed round's training figures never reached the
+    tracker: the resumed run logs them with the round's evaluation, each once."""
+    from mlflow import MlflowClient
+
+    from fedvlm.server_app.results import RunRecorder
+
+    same = {"method": "promptfl", "max-per-class": 6, "num-server-rounds": 2, "run-name": "killed"}
+    cfg = make_cfg(**_raw(**same, **{"tracking.mlflow": True}))
+    nodes = [{"partition-id": i, "num-partitions": NODES} for i in range(NODES)]
+    with monkeypatch.context() as m:
+        m.setattr(RunRecorder, "finish", lambda self, *a, **k: None)  # the process dies: nothing is ended
+        with pytest.raises(Killed):
+            execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict(), intercept=_kill_in_last_evaluation), "a")
+    run_dir = Path(cfg.output_dir) / "killed"
+    later = make_cfg(**_raw(**same, **{"tracking.mlflow": True, "resume": str(run_dir)}))
+    data = execute(later, InProcessGrid(client_app, nodes, later.as_dict()), run_id="b").data
+    info = data["run"]["tracking"]["mlflow"]
+    expected = _flat(_expected(data))
+    names = sorted({name for _, name in expected})
+    assert _mlflow_history(MlflowClient(info["uri"]), info["run_id"], names) == pytest.approx(expected)
+    assert (2, "train-loss") in expected
+
+
 def test_a_run_fedvlm_stop_ends_is_ended_in_its_trackers(make_cfg, pretrained_clip, monkeypatch):
     """A ServerApp killed outright ends nothing: its folder says 'running', and so does its MLflow
     run. ``fedvlm.stop`` records the interruption in both: the round still owed its evaluation

@@ -9,7 +9,7 @@ import json
 import matplotlib
 import pytest
 
-from fedvlm.attacks.maxrenyi import HEADLINE
+from fedvlm.attacks.reports import HEADLINE
 from fedvlm.methods.registry import FAMILIES
 from fedvlm.plots.privacy import BARS, best_attack, draw_privacy
 

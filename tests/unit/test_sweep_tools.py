@@ -149,3 +149,15 @@ def test_a_family_whose_utility_is_cider_gets_its_own_tables(tmp_path):
     assert lines[0] == "Mean of the last 10 rounds, client-cider (CIDEr x100), mean ± std over seeds"
     assert lines[-1] == "| fedrand | 400.00 ± 50.00 | 140.00 |"
     assert not (tmp_path / "table_local.md").exists() and not (tmp_path / "table_final.md").exists()
+
+
+def test_the_utility_plot_leaves_out_a_seed_that_finished_no_round(tmp_path):
+    from fedvlm.experiments.sweep_report import plot
+
+    rows = [
+        {"variant": "dpfpl", "epsilon": "1", "seed": 0, "local-acc-last10-mean": 0.4},
+        {"variant": "dpfpl", "epsilon": "1", "seed": 1, "local-acc-last10-mean": None},  # stopped before round 1
+        {"variant": "dpfpl", "epsilon": "none", "seed": 0},
+    ]
+    plot(rows, tmp_path, ["none", "1"])
+    assert (tmp_path / "accuracy_vs_epsilon.png").stat().st_size > 0
