@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--csv", type=Path)
     args = p.parse_args()
-    from fedvlm.privacy.dpsgd import NOISE_SIGNIFICANCE, detectable_scale
+    from fedvlm.privacy.noise_check import NOISE_SIGNIFICANCE, detectable_scale
 
     cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp())
     rows = []

@@ -4,6 +4,8 @@ Each message (``query``, ``train``, ``evaluate``; ``client_app.handlers`` says w
 runs in this process, or, when the node config names a warm worker (``node-worker``), in that
 worker (``client_app.worker``): then this process imports only Flower, because Flower starts
 one such process per message and the worker keeps the model and data loaded between them.
+The node's layers (``client_app.layers``: what an error may say, secure aggregation) wrap the
+handlers wherever they run; secure aggregation's later stages need neither torch nor the model.
 """
 
 from __future__ import annotations
@@ -11,10 +13,20 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fedvlm.client_app.layers import layered
 from fedvlm.client_app.worker import forward
 from fedvlm.protocol import NODE_WORKER
 
 app = ClientApp()
+
+
+def _here(msg: Message, context: Context) -> Message:
+    from fedvlm.client_app.handlers import handle  # torch and the models: only where the message needs them
+
+    return handle(msg, context)
+
+
+_layered_here = layered(_here)
 
 
 def _run(msg: Message, context: Context) -> Message:
@@ -23,13 +35,7 @@ def _run(msg: Message, context: Context) -> Message:
         reply = forward(msg, context, str(path))
         if reply is not None:
             return reply
-    from fedvlm.client_app import secure_stages  # no torch: a secure round's later stages start fast
-
-    if secure_stages.is_later_stage(msg):
-        return secure_stages.next_stage(msg, context)
-    from fedvlm.client_app.handlers import handle  # torch and the models: only where the message runs
-
-    return handle(msg, context)
+    return _layered_here(msg, context)
 
 
 @app.query()

@@ -9,22 +9,21 @@ Three message types:
   missing data, unknown weights) surfaces here as a failed reply, so the server excludes the
   node before the first round with the node's own error message. The audited node
   (``privacy.audit-node``) counts its canary slots among its records (``client_app.audit_node``).
-- a train message of a secure round (``protocol.SECURE_SUM``): its first stage trains as above and
-  answers through ``client_app.secure_sum``; its later stages run there alone.
 - ``train`` / ``evaluate``: the node's part of the round (``client_app.node_round``: the
   method's client on the arrays the server sent, the node's privacy floor, its state restored
   before and persisted after); the reply goes through the send guard. A train message may carry
   the previous round's evaluation (``protocol.EVALUATE_CONFIG``): the node runs it first,
   exactly as its own message, and the reply carries its metrics beside the training's.
 
-This module only reads messages and hands replies to the send guard.
+This module only reads messages and hands replies to the send guard. Secure aggregation is a
+layer around it (``client_app.secure_aggregation``): these handlers do not know whether a round is
+secure.
 """
 
 from __future__ import annotations
 
 from flwr.app import Context, Message, MessageType
 
-from fedvlm.client_app import secure_stages, secure_sum
 from fedvlm.client_app.node_round import NodeMessage, message_parts
 from fedvlm.client_app.send_guard import failed_reply, guarded_reply, hello_reply
 from fedvlm.protocol import (
@@ -32,21 +31,15 @@ from fedvlm.protocol import (
     CONFIG_RECORD,
     EVALUATE_ARRAYS,
     EVALUATE_CONFIG,
-    SECURE_SUM,
-    SERVER_ROUND,
     EvaluateReply,
 )
 
 
 def hello(msg: Message, context: Context) -> Message:
-    node = NodeMessage.open(context)
-    secure_stages.hello_check(context.node_config, node.cfg.secure_aggregation.enabled)
-    return hello_reply(msg, node.hello())
+    return hello_reply(msg, NodeMessage.open(context).hello())
 
 
 def train(msg: Message, context: Context) -> Message:
-    if secure_stages.is_later_stage(msg):
-        return secure_stages.next_stage(msg, context)  # a later stage of a secure round: no training
     node = NodeMessage.open(context)
     evaluation: EvaluateReply | Exception | None = None
     if EVALUATE_CONFIG in msg.content:
@@ -70,15 +63,6 @@ def train(msg: Message, context: Context) -> Message:
         # changes when a round is committed, which is then on disk too, and the node's ledger
         # may count a release that never left: conservative.
         return failed_reply(msg, err, evaluation)
-    if SECURE_SUM in msg.content:  # a secure round: the update leaves only inside the masked sum
-        try:
-            server_round = int(msg.content[CONFIG_RECORD][SERVER_ROUND])  # type: ignore[arg-type]  # the server's
-            randomness = secure_sum.share_randomness(node.cfg, node.node.noise_source, node.node.seed, server_round)
-            return secure_sum.first_stage(msg, context, node.cfg, randomness, part, evaluation)
-        except Exception as err:
-            if evaluation is None:
-                raise
-            return failed_reply(msg, err, evaluation)  # as a failed training: the evaluation still goes back
     # the guard holds the reply to what the server named this round (none named = nothing may
     # leave) as well as to the method's shared set
     return guarded_reply(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fedvlm.client_app.node_policy import CACHE_DIR, DATA_ROOT, MODELS, TRUST_REMOTE_CODE
 from fedvlm.client_app.privacy_floor import DELTA, MAX_EPSILON
-from fedvlm.client_app.secure_stages import MIN_CLIENTS, REQUIRE, TRUE_WORDS
+from fedvlm.client_app.secure_aggregation import IDENTITY, MIN_CLIENTS, REQUIRE, ROSTER, TRUE_WORDS
 from fedvlm.client_app.state import STATE_DIR
 from fedvlm.privacy.mechanisms import NOISE_SOURCE
 from fedvlm.protocol import NODE_WORKER, PUBLISH_DIR
@@ -50,6 +50,8 @@ KEYS: dict[str, str] = {
     TRUST_REMOTE_CODE: "text",
     REQUIRE: "bool",
     MIN_CLIENTS: "int",
+    ROSTER: "path",
+    IDENTITY: "path",
 }
 
 

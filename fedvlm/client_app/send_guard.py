@@ -6,17 +6,22 @@ asked for a subset, in that subset too. As a second line, a tensor whose bytes e
 the client's private tensors is refused whatever its name, which catches a private prompt
 renamed into a shared slot. A refusal raises ``PrivacyGuardError``: the reply is never
 sent, the server sees a failed client, and the error names the offending tensor.
+
+What leaves in an error's text is held here too (``public_errors``, ``public_text``): the text of
+a ``fedvlm.errors.PublicError``, else only the error's class name, its text kept in the node's log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from fedvlm.errors import PublicError
 from fedvlm.protocol import (
     ARRAYS_RECORD,
     EVALUATION,
@@ -34,7 +39,10 @@ if TYPE_CHECKING:  # torch is imported where a tensor is handled, so that a mess
     import torch
 
 
-class PrivacyGuardError(RuntimeError):
+log = logging.getLogger(__name__)
+
+
+class PrivacyGuardError(PublicError, RuntimeError):
     pass
 
 
@@ -106,12 +114,14 @@ def secure_reply(
     metrics: Mapping[str, float | int],
     record: Mapping,
     masked: np.ndarray | None = None,
-    evaluation: EvaluateReply | Exception | None = None,
+    carried: RecordDict | None = None,
 ) -> Message:
-    """A stage of a secure round (``client_app.secure_sum``): the stage's ``record``
-    (``protocol.SECURE_SUM``: public keys, encrypted shares, the shares the server asked for),
-    and no tensor but ``masked``, the node's vector under its masks (``SECAGG_MASKED``). The
-    tensors that vector encodes passed ``check_outgoing`` before they were encoded."""
+    """A stage of a secure round (``client_app.secure_aggregation``): the stage's ``record``
+    (``protocol.SECURE_SUM``: public keys, encrypted shares, a signature, the shares the server
+    asked for), and no tensor but ``masked``, the node's vector under its masks
+    (``SECAGG_MASKED``); ``carried``: the clear reply this one replaces, whose evaluation figures
+    and failed parts (``protocol.EVALUATION``, ``FAILED``) go back as they were. The tensors the
+    vector encodes passed ``check_outgoing`` before they were encoded."""
     content = RecordDict()
     arrays = ArrayRecord()
     if masked is not None:
@@ -121,7 +131,9 @@ def secure_reply(
     content[ARRAYS_RECORD] = arrays
     content[METRICS_RECORD] = _metric_record(metrics)
     content[SECURE_SUM] = ConfigRecord(dict(record))
-    _add_evaluation(content, evaluation, {})
+    for key in (EVALUATION, FAILED):
+        if carried is not None and key in carried:
+            content[key] = carried[key]
     return Message(content, reply_to=msg)
 
 
@@ -147,7 +159,38 @@ def _add_evaluation(content: RecordDict, evaluation: EvaluateReply | Exception |
 
 
 def _reason(error: Exception) -> str:
-    return f"{type(error).__name__}: {error}"
+    return public_text(error)
+
+
+class NodeError(PublicError, RuntimeError):
+    """Raised in place of an error whose text stays on the node (``public_errors``)."""
+
+
+def public_text(error: BaseException) -> str:
+    """What may leave the node of ``error`` (``fedvlm.errors``): its text where its class promises
+    that the text carries no value of the node's records, else its class name alone (its text is
+    logged here, on the node)."""
+    if isinstance(error, PublicError):
+        return f"{type(error).__name__}: {error}"
+    log.error("an error whose text stays on this node: %s: %s", type(error).__name__, error, exc_info=error)
+    return (
+        f"{type(error).__name__} (its text is in this node's log, not in the reply: an error's text may carry "
+        "values of the node's records)"
+    )
+
+
+def public_errors(inner: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
+    """``inner`` (a node's handlers), whose errors leave with ``public_text`` only."""
+
+    def handle(msg: Message, context: Context) -> Message:
+        try:
+            return inner(msg, context)
+        except PublicError:
+            raise
+        except Exception as err:  # noqa: BLE001 - every other error: its text stays on the node
+            raise NodeError(f"the node's {msg.metadata.message_type} message failed: {public_text(err)}") from None
+
+    return handle
 
 
 def hello_reply(msg: Message, report: HelloReport) -> Message:

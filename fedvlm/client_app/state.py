@@ -45,7 +45,7 @@ META = "meta"
 AUDIT = "audit"  # the audited node's canaries (privacy.canaries): secret, never in a reply
 LEDGER = "node-ledger"  # what the node released (client_app.privacy_floor): never rolled back
 HELD = "held"  # which round the state in memory is from, and whether it changed since written
-# a secure round's secrets (client_app.secure_sum): in memory only, never in a snapshot, so that a
+# a secure round's secrets (client_app.secure_aggregation): in memory only, never in a snapshot, so that a
 # node's disk never holds a key that unmasks it; a node that restarts mid-round drops out of it
 SECURE_ROUND = "secure-round"
 STATE_DIR = "state-dir"  # the node config key
@@ -78,7 +78,7 @@ def save_private(state: RecordDict, tensors: dict[str, torch.Tensor], key: str =
 
 
 def load_secure(state: RecordDict, part: str = "") -> dict:
-    """A part of the node's secure round in progress (``client_app.secure_sum``), or nothing."""
+    """A part of the node's secure round in progress (``client_app.secure_aggregation``), or nothing."""
     record = state.get(SECURE_ROUND + part)
     return dict(record) if isinstance(record, ConfigRecord) else {}
 

@@ -211,10 +211,11 @@ class Worker:
             return
         self.node_id = context.node_id
         from fedvlm.client_app.handlers import handle
+        from fedvlm.client_app.layers import layered
 
         t0 = time.perf_counter()
         try:
-            reply = handle(msg, context)
+            reply = layered(handle)(msg, context)
         except Exception as err:  # noqa: BLE001 - as Flower does in-process: the error goes back, state untouched
             _send(conn, {"kind": "error", "error": f"{type(err).__name__}: {err}"}, None, None)
             return

@@ -71,13 +71,14 @@ def generate(private_path: Path, public_path: Path) -> None:
     Path(public_path).chmod(0o644)
 
 
-def load_private(path: Path) -> Ed25519PrivateKey:
+def load_private(path: Path, what: str = "the ServerApp's signing key") -> Ed25519PrivateKey:
+    """An Ed25519 private key from a file only its owner may read (``what``: whose, for the errors)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     path = Path(path)
     if stat.S_IMODE(path.stat().st_mode) & 0o077:
-        raise PermissionError(f"{path} (the ServerApp's signing key) is readable by others: chmod 600 {path}")
+        raise PermissionError(f"{path} ({what}) is readable by others: chmod 600 {path}")
     key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     if not isinstance(key, Ed25519PrivateKey):
         raise ValueError(f"{path} is not an Ed25519 private key (make one with python -m fedvlm.deploy.credentials)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import dp_accounting
 from absl import logging as absl_logging
 
+from fedvlm.errors import PublicError
 from fedvlm.privacy.accountants import REFERENCE, get_accountant
 
 # dp-accounting logs a warning for every RDP order it drops at small noise; the result is
@@ -35,7 +36,7 @@ absl_logging.set_verbosity(absl_logging.ERROR)
 MEANINGLESS_EPSILON = 100.0  # an epsilon beyond this bounds nothing; tight accountants are skipped
 
 
-class BudgetError(ValueError):
+class BudgetError(PublicError, ValueError):
     """A privacy budget that cannot be met; the message says which knob to change."""
 
 

@@ -19,9 +19,9 @@ import torch
 from fedvlm.privacy.accountants import ACCOUNTANTS
 from fedvlm.privacy.accounting import BudgetError, check_delta
 from fedvlm.privacy.distributed import DistributedGaussian
-from fedvlm.privacy.dpsgd import check_noise
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.mechanisms import NOISE_SOURCES, gaussian_noise, noise_generator
+from fedvlm.privacy.noise_check import check_noise
 from fedvlm.privacy.planner import ClientShape, GlobalDP, LocalDP, PrivacyPlanner
 from fedvlm.runconfig.schema import PrivacyConfig
 

@@ -43,8 +43,6 @@ accountants over the releases in the node's ledger (``client_app.privacy_floor``
 
 from __future__ import annotations
 
-import functools
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +54,7 @@ from torch import nn
 
 from fedvlm.privacy.accounting import MEANINGLESS_EPSILON
 from fedvlm.privacy.mechanisms import OsNoise, gaussian_noise
+from fedvlm.privacy.noise_check import MechanismError, check_noise
 
 if TYPE_CHECKING:
     from opacus.grad_sample.gsm_base import AbstractGradSampleModule
@@ -75,76 +74,17 @@ class DPStep:
     per_batch: bool = False  # clip the batch gradient as a whole (no per-record guarantee)
 
 
-class MechanismError(RuntimeError):
-    """A private step did not do what its plan says; nothing of it may leave the node."""
-
-
 CLIP_SLACK = 1e-3  # float rounding of a clip to C
-NOISE_SIGNIFICANCE = 1e-12
 
 
 def check_clipped(rows: torch.Tensor, clip: float, what: str) -> None:
     """Every row (a record's gradient, or a batch's) has L2 norm <= ``clip``."""
     worst = float(rows.reshape(rows.shape[0], -1).norm(dim=1).max()) if rows.shape[0] else 0.0
-    if not worst <= clip * (1 + CLIP_SLACK):
+    if not worst <= clip * (1 + CLIP_SLACK):  # the text names the bound, never the norm (a value of the data)
         raise MechanismError(
-            f"a {what} entering the private sum has norm {worst:.4g}, above the clip norm {clip:g}: the mechanism "
-            "did not clip; refusing to release this round"
+            f"a {what} entering the private sum is above the clip norm {clip:g}: the mechanism did not clip; "
+            "refusing to release this round"
         )
-
-
-@functools.lru_cache(maxsize=1024)
-def _chi2_interval(dof: int, tests: int = 1) -> tuple[float, float]:
-    """The two-sided acceptance interval of a chi-square with ``dof`` degrees, at
-    ``NOISE_SIGNIFICANCE`` shared by ``tests`` tests (Bonferroni)."""
-    from scipy.stats import chi2  # scipy only where a step is private
-
-    alpha = NOISE_SIGNIFICANCE / tests
-    return float(chi2.ppf(alpha / 2, dof)), float(chi2.isf(alpha / 2, dof))
-
-
-def check_noise(added: Mapping[str, torch.Tensor], sigma: float, what: str = "this step") -> None:
-    """The noise ``added`` to each noised tensor (noised minus clean) has std ``sigma``, tensor by
-    tensor: a tensor's sum of squares over sigma^2 is chi-square with one degree per coordinate,
-    tested two-sided at ``NOISE_SIGNIFICANCE`` over the number of tensors (Bonferroni: an honest
-    release is refused with probability at most ``NOISE_SIGNIFICANCE`` however many tensors it
-    has), and a tensor whose added noise is identically zero is refused outright (a continuous
-    draw is never all zeros). Tested one by one, a tensor released without its noise is not lost
-    among the others' coordinates. What each size catches: ``detectable_scale``; per method, in
-    docs/privacy.md from ``bench/noise_check_power.py``: a 1,536-coordinate prompt is refused at
-    noise x0.84 or x1.18 in one step (ViT-B/16's 8,192: x0.93 / x1.08), a 16,384-coordinate gate
-    weight at x0.95 / x1.06, a 10-coordinate bias only near zero noise (x0.03) or x5.7."""
-    tests = sum(1 for a in added.values() if a.numel())
-    for name, a in added.items():
-        dof = a.numel()
-        if dof == 0:
-            continue
-        squares = float((a.double() ** 2).sum())
-        if squares == 0.0:
-            raise MechanismError(
-                f"{what} adds no noise at all to {name} ({dof} coordinates), planned std {sigma:.4g}: refusing to "
-                "release this round"
-            )
-        lo, hi = _chi2_interval(dof, tests)
-        if not lo <= squares / sigma**2 <= hi:
-            raise MechanismError(
-                f"the noise {what} adds to {name} has std {math.sqrt(squares / dof):.4g} over {dof} coordinates, not "
-                f"the planned {sigma:.4g} (chi-square test at {NOISE_SIGNIFICANCE:g} over {tests} tensor(s)): refusing "
-                "to release this round"
-            )
-
-
-def detectable_scale(dof: int, tests: int = 1, power: float = 0.99) -> tuple[float, float]:
-    """(below, above): noise scaled by a factor at most ``below`` (or at least ``above``) on a
-    tensor of ``dof`` coordinates is refused with probability at least ``power`` by
-    ``check_noise`` (one of ``tests`` tensors)."""
-    from scipy.stats import chi2
-
-    lo, hi = _chi2_interval(dof, tests)
-    # scaled noise s*N(0, sigma^2): squares/sigma^2 = s^2 chi2(dof); refused when it leaves [lo, hi]
-    below = math.sqrt(lo / float(chi2.ppf(power, dof)))
-    above = math.sqrt(hi / float(chi2.ppf(1 - power, dof)))
-    return below, above
 
 
 def per_sample_clip(grads: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from fedvlm.errors import PublicError
 from fedvlm.privacy.accounting import (
     BudgetError,
     GaussianReleases,
@@ -49,7 +50,7 @@ from fedvlm.runconfig.schema import PrivacyConfig
 WRAP_PROBABILITY = 1e-9  # the most a round's distributed-noise sum may wrap around modulo 2^bits
 
 
-class NoiseRefused(RuntimeError):
+class NoiseRefused(PublicError, RuntimeError):
     """A client was asked to train with less noise than its own plan requires, or with a plan
     its data cannot honour."""
 
@@ -203,6 +204,27 @@ class RecordAccount:
             assert self.z_local is not None and self.z_global is not None  # shared_batch: both set
             d["z_joint"] = joint_noise_multiplier(self.z_local, self.z_global)
         return d
+
+
+def record_account(
+    settings: PrivacyConfig,
+    local: LocalDP | None,
+    shape: ClientShape,
+    sigma_local: float | None,
+    z_global: float | None = None,
+    zcdp: tuple[float, float] | None = None,
+) -> RecordAccount:
+    """What a round costs a record of a client of ``shape``: its local mechanism at
+    ``sigma_local`` (None: none), with the server's Gaussian (``z_global``) or the clients'
+    distributed release (``zcdp``). The one composition: the planner's ledger and a node's own
+    check of its noise share (``client_app.secure_aggregation.check_share``) both read it."""
+    z_local = None
+    rate, steps = shape.sampling_rate(settings), shape.steps
+    if sigma_local is not None:
+        assert local is not None  # a local sigma exists only with a local mechanism
+        z_local = sigma_local / valid_sensitivity(settings, *local.sensitivity(settings, shape))
+        rate, steps = local.account_shape(settings, shape)
+    return RecordAccount(rate, steps, z_local, z_global, zcdp)
 
 
 @dataclass(frozen=True)
@@ -437,13 +459,7 @@ class PrivacyPlanner:
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, shape: ClientShape, sigma_local: float | None, sigma_global: float | None) -> RecordAccount:
         s = self.settings
-        z_local = z_global = None
-        rate, steps = shape.sampling_rate(s), shape.steps
-        if sigma_local is not None:
-            assert self.local is not None  # a local sigma exists only with a local mechanism
-            z_local = sigma_local / valid_sensitivity(s, *self.local.sensitivity(s, shape))
-            rate, steps = self.local.account_shape(s, shape)
-        zcdp = None
+        z_global = zcdp = None
         if sigma_global is not None:
             assert self.global_dp is not None  # a global sigma exists only with a global mechanism
             n, d = self.global_dp.denominator, self.global_dp.distributed
@@ -452,7 +468,7 @@ class PrivacyPlanner:
             else:  # the clients' shares: the record's upload moves by its sensitivity, rounded
                 shares = DistributedGaussian.for_mean(sigma_global, self.gamma, n, d.n_min, d.dim, s.clip, d.bits)
                 zcdp = shares.zcdp(valid_sensitivity(s, s.clip / shape.expected_batch, 2 * s.clip))
-        return RecordAccount(rate, steps, z_local, z_global, zcdp)
+        return record_account(s, self.local, shape, sigma_local, z_global, zcdp)
 
     def account(self, name: str) -> RecordAccount:
         plan = self.local_plans.get(name)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedvlm.errors import PublicError
 from fedvlm.runconfig import datasets
 from fedvlm.runconfig.schema import AUTO, DEFAULTS, KEY_BY_NAME, KEYS, Key, RunConfig
 from fedvlm.utils.paths import default_cache_dir, default_output_dir
@@ -46,7 +47,7 @@ def parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-class ConfigError(ValueError):
+class ConfigError(PublicError, ValueError):
     """A run config that cannot be run; the message says which key and how to fix it."""
 
 

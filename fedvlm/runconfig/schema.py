@@ -498,6 +498,12 @@ class SecureAggregationConfig:
         max=1.0,
         min_exclusive=True,
     )
+    roster: str = opt(
+        "",
+        "The federation's member roster (roster.json from python -m fedvlm.deploy.credentials), as a path on the "
+        "ServerApp's host: the server relays only keys its members signed, and every node checks them against the "
+        "roster it pins; empty = a simulation's roster, built from its nodes.",
+    )
 
 
 @dataclass(frozen=True)

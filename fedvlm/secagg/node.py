@@ -3,23 +3,31 @@ it lets anything of them go.
 
 The node draws two key pairs (one to agree encryption keys with its neighbours, one to agree
 pairwise mask seeds) and a self-mask seed b, deals Shamir shares of b and of its mask key to
-its neighbours (t of them reconstruct either), and sends ``x + PRG(b) + sum_j +-PRG(s_ij)``
-modulo 2^bits. When the server says who survived, the node returns, for each neighbour, the
-share of b (a survivor: its self mask must go) or of the mask key (a node that dropped out after
-dealing its shares: its pairwise masks must go), never both for one neighbour. Everything
-secret comes from the operating system's generator, whatever the run's noise source: a seeded
-mask would hide nothing.
+its neighbours (t of them rebuild either), and sends ``x + PRG(b) + sum_j +-PRG(s_ij)`` modulo
+2^bits. Everything secret comes from the operating system's generator, whatever the run's noise
+source: a seeded mask would hide nothing.
 
-What the node refuses, and why:
-- a threshold that is not a strict majority of the share holders (2t > k + 1): otherwise the
-  server could tell two disjoint groups of holders different stories about one node (survived /
-  dropped) and get both its secrets;
-- fewer than t neighbours' keys, or keys that repeat: its shares could not be recovered, or a
-  neighbour impersonates another;
-- an unmasking request that names a node both survivor and dropped, names a node it holds no
-  share of, leaves itself out of the survivors, names fewer than t survivors (the sum would then
-  cover fewer clients, and less noise, than planned), or contradicts what it already revealed
-  this round (a copy of the request asked again must ask the same).
+What binds a round together, so that a server that deviates learns no more than one that
+follows the protocol (docs/privacy.md, "What the server learns"):
+- one plan (``stages.SumPlan``): every node signs the plan's digest into its advert with its
+  member's identity key (``secagg.roster``) and refuses adverts that carry another digest, no
+  rostered member's signature, or a member twice. The server cannot hand nodes different plans
+  (thresholds, noise shares, participants) and have them meet, nor make up members;
+- one graph: derived from the round's session (the plan's digest and every accepted advert,
+  ``session``), which no single party chooses; every node recomputes it from all the adverts it
+  is shown, and the session enters every pairwise mask, so nodes shown different adverts produce
+  masks that do not cancel;
+- one story: before it reveals a share, a node signs the dealers (U2) and survivors (U3) it was
+  told, and reveals only once a strict majority of the round's participants, and t of its own
+  neighbourhood, signed the same story. Honest nodes sign one story each, so two stories cannot
+  both gather a majority: every node that reveals answers the same story;
+- the threshold: a strict majority of each node's share holders (2t > k + 1), at least two, at
+  least the node's own floor and the survivors the noise was planned for.
+
+Under these, the masks that no honest node helps remove cover every sum of fewer than t of the
+survivors (docs/privacy.md gives the argument); the server learns the sum over the survivors, of
+at least t nodes, one connected piece of the graph.
+
 A share whose ciphertext does not decrypt, or was meant for another node, is kept out and
 reported (``complaints``); the pairwise mask with its dealer is added all the same, since it
 depends only on the dealer's public key, so the server's sum stays consistent.
@@ -30,11 +38,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.fernet import InvalidToken
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_utils import (
@@ -49,13 +60,58 @@ from flwr.supercore.primitives.asymmetric import (
     public_key_to_bytes,
 )
 
-from fedvlm.secagg.masks import SEED_BYTES, expand, reduce
+from fedvlm.errors import PublicError
+from fedvlm.secagg.graph import connected, degree, neighbours
+from fedvlm.secagg.masks import SEED_BYTES, expand, modulus, reduce
+from fedvlm.secagg.roster import Identity, Roster, verify
+from fedvlm.secagg.stages import Advert, SumPlan
 
 SCALAR_BYTES = 48  # a P-384 private scalar
+ADVERT_DOMAIN = b"fedvlm secure aggregation advert v2"
+SESSION_DOMAIN = b"fedvlm secure aggregation session v2"
+STORY_DOMAIN = b"fedvlm secure aggregation story v2"
+PAIR_DOMAIN = b"fedvlm secure aggregation pairwise mask v2"
 
 
-class SecAggRefused(RuntimeError):
-    """The node will not take this step of the protocol; the message says why."""
+class SecAggRefused(PublicError, RuntimeError):
+    """The node will not take this step of the protocol; the message says why (built from the
+    plan and the protocol's messages only, never from the node's data)."""
+
+
+# ---- what the round's parties sign and hash (shared with secagg.server) ------------------------
+def _framed(*parts: bytes) -> bytes:
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def _node(node: int) -> bytes:
+    return int(node).to_bytes(8, "big")
+
+
+def advert_message(plan_digest: bytes, node: int, encryption: bytes, mask: bytes) -> bytes:
+    """What a node's identity key signs of its advert."""
+    return hashlib.sha256(ADVERT_DOMAIN + _framed(plan_digest, _node(node), encryption, mask)).digest()
+
+
+def session(plan_digest: bytes, adverts: Mapping[int, Advert]) -> bytes:
+    """The round's session: the plan and every accepted advert. It orders the graph and keys
+    every pairwise mask."""
+    parts = [plan_digest]
+    for node in sorted(adverts):
+        a = adverts[node]
+        parts += [_node(node), a.encryption, a.mask, a.identity]
+    return hashlib.sha256(SESSION_DOMAIN + _framed(*parts)).digest()
+
+
+def story_message(session_id: bytes, dealers: Iterable[int], survivors: Iterable[int]) -> bytes:
+    """What a node signs in the consistency round: who dealt, who survived, in which session."""
+    ids = [_node(n) for n in sorted(dealers)] + [b"|"] + [_node(n) for n in sorted(survivors)]
+    return hashlib.sha256(STORY_DOMAIN + _framed(session_id, *ids)).digest()
+
+
+def quorum(participants: int) -> int:
+    """The signatures a story needs: a strict majority of the round's participants, so that no
+    two stories both gather one from honest nodes (each signs once)."""
+    return participants // 2 + 1
 
 
 def seed_commitment(seed: bytes) -> bytes:
@@ -76,9 +132,10 @@ def key_from_scalar(scalar: bytes) -> bytes:
     return private_key_to_bytes(ec.derive_private_key(int.from_bytes(scalar, "big"), ec.SECP384R1()))
 
 
-def pair_seed(own_mask_key: bytes, peer_mask_public: bytes) -> bytes:
-    """The seed two nodes share for their pairwise mask (ECDH, then HKDF)."""
-    return generate_shared_key(bytes_to_private_key(own_mask_key), bytes_to_public_key(peer_mask_public))
+def pair_seed(own_mask_key: bytes, peer_mask_public: bytes, session_id: bytes) -> bytes:
+    """The seed two nodes share for their pairwise mask in ``session_id`` (ECDH, then HKDF)."""
+    shared = bytes_to_private_key(own_mask_key).exchange(ec.ECDH(), bytes_to_public_key(peer_mask_public))
+    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None, info=PAIR_DOMAIN + session_id).derive(shared)
 
 
 def pair_sign(node: int, peer: int) -> int:
@@ -100,78 +157,101 @@ def check_threshold(threshold: int, holders: int) -> None:
         )
 
 
+def check_plan(plan: SumPlan, node_id: int, roster: Roster, floor: int) -> None:
+    """The node's terms for a round, before it trains: it is a participant, the plan names its
+    roster, and the threshold is a strict majority of a node's share holders, at least two, at
+    least ``floor`` (the node's ``secure-aggregation-min-clients``) and at least the survivors the
+    noise is planned for."""
+    n = len(plan.participants)
+    if node_id not in plan.participants:
+        raise SecAggRefused("the round's plan does not list this node among its participants")
+    if plan.roster != roster.digest:
+        raise SecAggRefused(
+            f"the round's plan is for roster {plan.roster[:16] or '(none named)'}, this node pins roster "
+            f"{roster.digest[:16]}: give the ServerApp the federation's roster (secure-aggregation.roster)"
+        )
+    try:
+        modulus(plan.bits)
+    except ValueError as why:
+        raise SecAggRefused(str(why)) from None
+    k = degree(plan.degree, n)
+    if k < n - 1 and (k < 2 or k % 2):
+        raise SecAggRefused(f"the plan's graph degree {plan.degree} is not an even number of at least 2")
+    check_threshold(plan.threshold, k + 1)
+    least = max(2, floor, plan.n_min if plan.client_sigma > 0 else 0)
+    if plan.threshold < least:
+        raise SecAggRefused(
+            f"the round's threshold {plan.threshold} would let the server unmask a sum of {plan.threshold} node(s); "
+            f"this node requires at least {least} (two, its secure-aggregation-min-clients {floor}, and the "
+            f"{plan.n_min} survivors the noise is planned for)"
+        )
+
+
 @dataclass
 class NodeRound:
     """A node's secrets and view of one round (kept on the node between the round's messages)."""
 
     node_id: int
-    server_round: int
-    threshold: int
-    neighbours: tuple[int, ...]
-    bits: int
+    plan: SumPlan
     encryption_key: bytes = b""  # private keys, PEM
     mask_key: bytes = b""
-    adverts: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # node -> (encryption, mask) public keys
+    adverts: dict[int, Advert] = field(default_factory=dict)  # U1: node -> its signed advert
+    session: bytes = b""
     seed: bytes = b""
     seed_shares: dict[int, bytes] = field(default_factory=dict)  # dealer -> this node's share of its seed
     key_shares: dict[int, bytes] = field(default_factory=dict)  # dealer -> this node's share of its mask key
+    dealers: tuple[int, ...] = ()  # U2, as the server told it
     peers: tuple[int, ...] = ()  # the neighbours whose pairwise masks this node added
     complaints: dict[int, str] = field(default_factory=dict)  # dealer -> why its share was kept out
-    revealed: dict[str, list[int]] = field(default_factory=dict)  # "seeds"/"keys" -> whose shares went out
+    survivors: tuple[int, ...] = ()  # U3, as the server told it
+    signature: bytes = b""  # this node's signature on its story
     stage: str = "keys"
+
+    @property
+    def threshold(self) -> int:
+        return self.plan.threshold
+
+    @property
+    def bits(self) -> int:
+        return self.plan.bits
 
     # ---- stage 1: keys ------------------------------------------------------------------------
     @classmethod
     def start(
-        cls, node_id: int, server_round: int, threshold: int, neighbours: list[int], bits: int
-    ) -> tuple[NodeRound, tuple[bytes, bytes]]:
-        """A fresh round, and the two public keys it advertises (encryption, mask)."""
-        if node_id in neighbours or len(set(neighbours)) != len(neighbours):
-            raise SecAggRefused("the server's neighbour list names this node itself, or a node twice")
-        check_threshold(threshold, len(neighbours) + 1)
+        cls, node_id: int, plan: SumPlan, roster: Roster, identity: Identity, floor: int = 0
+    ) -> tuple[NodeRound, Advert]:
+        """A fresh round under ``plan`` (checked: ``check_plan``), and the advert it sends: two
+        public keys signed with the plan's digest by ``identity``, which must be on ``roster``."""
+        check_plan(plan, node_id, roster, floor)
+        if roster.member(identity.public) is None:
+            raise SecAggRefused("this node's identity key is not on the roster it pins: fix its node config")
         enc_sk, enc_pk = generate_key_pairs()
         mask_sk, mask_pk = generate_key_pairs()
-        node = cls(
-            node_id,
-            server_round,
-            threshold,
-            tuple(sorted(neighbours)),
-            bits,
-            private_key_to_bytes(enc_sk),
-            private_key_to_bytes(mask_sk),
-        )
-        advert = (public_key_to_bytes(enc_pk), public_key_to_bytes(mask_pk))
+        node = cls(node_id, plan, private_key_to_bytes(enc_sk), private_key_to_bytes(mask_sk))
+        enc, mask = public_key_to_bytes(enc_pk), public_key_to_bytes(mask_pk)
+        advert = Advert(enc, mask, identity.public, identity.sign(advert_message(plan.digest, node_id, enc, mask)))
         node.adverts[node_id] = advert
         return node, advert
 
     # ---- stage 2: shares ----------------------------------------------------------------------
-    def share(self, adverts: dict[int, tuple[bytes, bytes]]) -> tuple[bytes, dict[int, bytes]]:
-        """The commitment to this node's self-mask seed, and its shares for each neighbour that
-        advertised keys (``adverts``), encrypted to that neighbour."""
+    def share(self, adverts: Mapping[int, Advert], roster: Roster) -> tuple[bytes, dict[int, bytes]]:
+        """The commitment to this node's self-mask seed, and its shares for each of its neighbours
+        in the graph the round's adverts (U1, ``adverts``, all of them) determine, each encrypted
+        to that neighbour. Every advert must be a participant's, signed over this plan by a
+        distinct rostered member."""
         self._expect("keys")
         own = self.adverts[self.node_id]
-        if adverts.get(self.node_id, own) != own:
-            raise SecAggRefused("the server shows this node other public keys than the ones it advertised")
-        peers = {n: a for n, a in adverts.items() if n != self.node_id}
-        strangers = sorted(set(peers) - set(self.neighbours))
-        if strangers:
-            raise SecAggRefused(f"the server sends keys of nodes that are not this node's neighbours: {strangers}")
-        if len(peers) + 1 < self.threshold:
-            raise SecAggRefused(
-                f"only {len(peers)} neighbours advertised keys: fewer than threshold - 1 = {self.threshold - 1}, so "
-                "this node's secrets could not be recovered if it dropped out"
-            )
-        keys = [k for pair in [own, *peers.values()] for k in pair]
-        if len(set(keys)) != len(keys):
-            raise SecAggRefused("two advertised public keys are equal: one node impersonates another")
-        for node, (enc, mask) in peers.items():
-            try:
-                bytes_to_public_key(enc), bytes_to_public_key(mask)
-            except (ValueError, TypeError) as why:
-                raise SecAggRefused(f"node {node}'s advertised key is not a public key: {why}") from None
-        self.adverts.update(peers)
+        if adverts.get(self.node_id) != own:
+            raise SecAggRefused("the server shows this node other public keys than the ones it advertised, or none")
+        self._check_adverts(adverts, roster)
+        if len(adverts) < self.threshold:
+            raise SecAggRefused(f"only {len(adverts)} nodes advertised keys, fewer than the threshold {self.threshold}")
+        self.adverts = dict(adverts)
+        self.session = session(self.plan.digest, adverts)
+        mine = self.graph()[self.node_id]
+        check_threshold(self.threshold, len(mine) + 1)
         self.seed = os.urandom(SEED_BYTES)
-        holders = sorted([self.node_id, *peers])
+        holders = sorted([self.node_id, *mine])
         seed_shares = create_shares(self.seed, self.threshold, len(holders))
         key_shares = create_shares(key_scalar(self.mask_key), self.threshold, len(holders))
         out = {}
@@ -179,29 +259,62 @@ class NodeRound:
             if holder == self.node_id:
                 self.seed_shares[holder], self.key_shares[holder] = s_share, k_share
                 continue
-            secret = generate_shared_key(
-                bytes_to_private_key(self.encryption_key), bytes_to_public_key(peers[holder][0])
-            )
+            secret = self._agreed(adverts[holder].encryption)
             out[holder] = encrypt(secret, share_keys_plaintext_concat(self.node_id, holder, s_share, k_share))
         self.stage = "shares"
         return seed_commitment(self.seed), out
 
-    # ---- stage 3: the masked vector -----------------------------------------------------------
-    def receive(self, ciphertexts: dict[int, bytes]) -> None:
-        """Keep the shares dealt to this node by the neighbours the server names as having dealt
-        (``ciphertexts``: dealer -> ciphertext); those neighbours' pairwise masks will be added."""
-        self._expect("shares")
-        strangers = sorted((set(ciphertexts) - set(self.adverts)) | ({self.node_id} & set(ciphertexts)))
+    def _check_adverts(self, adverts: Mapping[int, Advert], roster: Roster) -> None:
+        strangers = sorted(set(adverts) - set(self.plan.participants))
         if strangers:
-            raise SecAggRefused(f"shares came from nodes that advertised no keys to this node: {strangers}")
-        if len(ciphertexts) + 1 < self.threshold:
+            raise SecAggRefused(f"the server relays keys of nodes the plan does not list: {strangers}")
+        members: dict[bytes, int] = {}
+        for node, advert in sorted(adverts.items()):
+            if roster.member(advert.identity) is None:
+                raise SecAggRefused(f"node {node}'s keys are not signed by a member of this node's roster")
+            if advert.identity in members:
+                raise SecAggRefused(f"nodes {members[advert.identity]} and {node} speak for one member")
+            members[advert.identity] = node
+            if not verify(advert.identity, advert_message(self.plan.digest, node, advert.encryption, advert.mask),
+                          advert.signature):  # fmt: skip
+                raise SecAggRefused(f"node {node}'s keys do not carry its member's signature over this round's plan")
+            for key in (advert.encryption, advert.mask):
+                try:
+                    public = bytes_to_public_key(key)
+                except (ValueError, TypeError):
+                    raise SecAggRefused(f"node {node}'s advertised key is not a public key") from None
+                if not isinstance(public, ec.EllipticCurvePublicKey) or not isinstance(public.curve, ec.SECP384R1):
+                    raise SecAggRefused(f"node {node}'s advertised key is not a P-384 key")
+        keys = [k for a in adverts.values() for k in (a.encryption, a.mask)]
+        if len(set(keys)) != len(keys):
+            raise SecAggRefused("two advertised public keys are equal: one node impersonates another")
+
+    def graph(self) -> dict[int, tuple[int, ...]]:
+        """The round's graph, as every node that saw the same adverts derives it."""
+        return neighbours(sorted(self.adverts), self.plan.degree, self.session)
+
+    # ---- stage 3: the masked vector -----------------------------------------------------------
+    def receive(self, dealers: Iterable[int], ciphertexts: Mapping[int, bytes]) -> None:
+        """Keep the shares dealt to this node (``ciphertexts``: dealer -> ciphertext); ``dealers``:
+        every node the server says dealt its shares (U2). The node must get one from each of its
+        neighbours among them, and no other: it then masks with exactly those."""
+        self._expect("shares")
+        dealers = tuple(sorted(set(dealers)))
+        if not set(dealers) <= set(self.adverts) or self.node_id not in dealers:
+            raise SecAggRefused("the server's dealers include nodes that advertised no keys, or leave this node out")
+        mine = set(self.graph()[self.node_id]) & set(dealers)
+        if set(ciphertexts) != mine:
             raise SecAggRefused(
-                f"only {len(ciphertexts)} neighbours dealt shares: fewer than threshold - 1 = {self.threshold - 1}"
+                f"the server delivers shares from {sorted(ciphertexts)}, not from this node's neighbours among the "
+                f"dealers {sorted(mine)}"
             )
+        if len(mine) + 1 < self.threshold:
+            raise SecAggRefused(f"only {len(mine)} neighbours dealt shares: fewer than threshold - 1")
         for dealer, ciphertext in sorted(ciphertexts.items()):
-            secret = self._agreed(self.adverts[dealer][0])
             try:
-                src, dst, s_share, k_share = share_keys_plaintext_separate(decrypt(secret, ciphertext))
+                src, dst, s_share, k_share = share_keys_plaintext_separate(
+                    decrypt(self._agreed(self.adverts[dealer].encryption), ciphertext)
+                )
             except (InvalidToken, ValueError, TypeError):
                 self.complaints[dealer] = "its ciphertext does not decrypt under the key agreed with it"
                 continue
@@ -209,7 +322,7 @@ class NodeRound:
                 self.complaints[dealer] = f"its ciphertext carries a share from {src} meant for {dst}"
                 continue
             self.seed_shares[dealer], self.key_shares[dealer] = s_share, k_share
-        self.peers = tuple(sorted(ciphertexts))
+        self.dealers, self.peers = dealers, tuple(sorted(mine))
         self.stage = "dealt"
 
     def mask(self, vector: np.ndarray) -> np.ndarray:
@@ -219,41 +332,71 @@ class NodeRound:
         v = np.asarray(vector, dtype=np.uint64)
         out = v + expand(self.seed, v.size, self.bits)
         for peer in self.peers:
-            m = expand(pair_seed(self.mask_key, self.adverts[peer][1]), v.size, self.bits)
+            m = expand(pair_seed(self.mask_key, self.adverts[peer].mask, self.session), v.size, self.bits)
             out = out + m if pair_sign(self.node_id, peer) > 0 else out - m
         self.stage = "masked"
         return reduce(out, self.bits)
 
-    # ---- stage 4: unmasking -------------------------------------------------------------------
-    def reveal(self, survivors: list[int], dropped: list[int]) -> tuple[dict[int, bytes], dict[int, bytes]]:
-        """The shares the server needs to remove the masks: of each survivor's seed, of each
-        dropped node's mask key (both as dealer -> share)."""
-        self._expect("masked", "revealed")
-        alive, gone = set(survivors), set(dropped)
-        known = set(self.peers) | {self.node_id}
-        if alive & gone:
-            raise SecAggRefused(f"the server names nodes both survivor and dropped: {sorted(alive & gone)}")
-        if not (alive | gone) <= known:
-            raise SecAggRefused(
-                f"the server names nodes that dealt this node no share: {sorted((alive | gone) - known)}"
-            )
-        if self.node_id not in alive:
-            raise SecAggRefused("the server lists this node, which sent its masked vector, as not surviving")
+    # ---- stage 4: consistency -------------------------------------------------------------------
+    def sign_story(self, survivors: Iterable[int], identity: Identity, floor: int = 0) -> bytes:
+        """This node's signature on its story (the dealers it was told, and ``survivors``), once
+        it checked that the survivors hold at least t of its own neighbourhood, are at least
+        ``max(t, floor)`` and one connected piece of the graph. A node signs one story a round:
+        asked again, it signs the same one and refuses any other."""
+        self._expect("masked", "signed")
+        survivors = tuple(sorted(set(survivors)))
+        if self.signature:
+            if survivors != self.survivors:
+                raise SecAggRefused("the server asks this node to sign another survivor set than the one it signed")
+            return self.signature
+        if not set(survivors) <= set(self.dealers) or self.node_id not in survivors:
+            raise SecAggRefused("the survivors include nodes that did not deal shares, or leave this node out")
+        alive = set(survivors) & {self.node_id, *self.peers}
         if len(alive) < self.threshold:
             raise SecAggRefused(
                 f"only {len(alive)} survivors among this node's neighbours and itself: fewer than the threshold "
-                f"{self.threshold} the round's noise was planned for"
+                f"{self.threshold}"
             )
-        before = {k: set(v) for k, v in self.revealed.items()}
-        if before and (before["seeds"] & gone or before["keys"] & alive):
-            raise SecAggRefused("the server asks again with survivors and dropped nodes swapped")
-        self.revealed = {
-            "seeds": sorted(alive | before.get("seeds", set())),
-            "keys": sorted(gone | before.get("keys", set())),
+        least = max(self.threshold, floor)
+        if len(survivors) < least:
+            raise SecAggRefused(f"only {len(survivors)} survivors: this node helps unmask a sum of at least {least}")
+        if not connected(self.graph(), survivors):
+            raise SecAggRefused("the survivors are not one connected piece of the round's graph")
+        self.survivors = survivors
+        self.signature = identity.sign(self.story())
+        self.stage = "signed"
+        return self.signature
+
+    def story(self) -> bytes:
+        return story_message(self.session, self.dealers, self.survivors)
+
+    # ---- stage 5: unmasking ---------------------------------------------------------------------
+    def reveal(self, signatures: Mapping[int, bytes]) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        """The shares the server needs to remove the masks (dealer -> share): of each surviving
+        neighbour's seed and its own, of each dropped neighbour's mask key; only once a strict
+        majority of the participants (``quorum``) and t of this node's neighbourhood signed the
+        story it signed (``signatures``: signer -> signature)."""
+        self._expect("signed", "revealed")
+        story = self.story()
+        signed = {self.node_id} | {
+            n for n, sig in signatures.items() if n in self.survivors and verify(self.adverts[n].identity, story, sig)
         }
+        need = quorum(len(self.plan.participants))
+        if len(signed) < need:
+            raise SecAggRefused(
+                f"{len(signed)} of the round's {len(self.plan.participants)} participants signed the survivors this "
+                f"node signed: it reveals only once {need} have"
+            )
+        near = signed & {self.node_id, *self.graph()[self.node_id]}
+        if len(near) < self.threshold:
+            raise SecAggRefused(
+                f"{len(near)} of this node's neighbourhood signed its story: it reveals only once {self.threshold} have"
+            )
         self.stage = "revealed"
-        seeds = {n: self.seed_shares[n] for n in sorted(alive) if n in self.seed_shares}
-        keys = {n: self.key_shares[n] for n in sorted(gone) if n in self.key_shares}
+        alive, gone = set(self.survivors), set(self.dealers) - set(self.survivors)
+        own = {self.node_id, *self.peers}
+        seeds = {n: self.seed_shares[n] for n in sorted(own & alive) if n in self.seed_shares}
+        keys = {n: self.key_shares[n] for n in sorted(own & gone) if n in self.key_shares}
         return seeds, keys
 
     def _agreed(self, peer_public: bytes) -> bytes:
@@ -266,23 +409,41 @@ class NodeRound:
 
     # ---- kept on the node between messages ------------------------------------------------------
     def to_bytes(self) -> bytes:
-        d = asdict(self)
-        d["adverts"] = {str(k): [a.hex(), b.hex()] for k, (a, b) in self.adverts.items()}
-        for name in ("seed_shares", "key_shares"):
-            d[name] = {str(k): v.hex() for k, v in d[name].items()}
-        for name in ("encryption_key", "mask_key", "seed"):
-            d[name] = d[name].hex()
-        d["complaints"] = {str(k): v for k, v in self.complaints.items()}
+        d = {
+            "node_id": self.node_id,
+            "plan": self.plan.to_config(),
+            "adverts": {
+                str(n): [a.encryption.hex(), a.mask.hex(), a.identity.hex(), a.signature.hex()]
+                for n, a in self.adverts.items()
+            },  # fmt: skip
+            "seed_shares": {str(k): v.hex() for k, v in self.seed_shares.items()},
+            "key_shares": {str(k): v.hex() for k, v in self.key_shares.items()},
+            "complaints": {str(k): v for k, v in self.complaints.items()},
+            "dealers": list(self.dealers),
+            "peers": list(self.peers),
+            "survivors": list(self.survivors),
+            "stage": self.stage,
+        }
+        for name in _BYTES:
+            d[name] = getattr(self, name).hex()
         return json.dumps(d).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> NodeRound:
         d = json.loads(raw)
-        d["adverts"] = {int(k): (bytes.fromhex(a), bytes.fromhex(b)) for k, (a, b) in d["adverts"].items()}
-        for name in ("seed_shares", "key_shares"):
-            d[name] = {int(k): bytes.fromhex(v) for k, v in d[name].items()}
-        for name in ("encryption_key", "mask_key", "seed"):
-            d[name] = bytes.fromhex(d[name])
-        d["complaints"] = {int(k): v for k, v in d["complaints"].items()}
-        d["neighbours"], d["peers"] = tuple(d["neighbours"]), tuple(d["peers"])
-        return cls(**d)
+        return cls(
+            node_id=d["node_id"],
+            plan=SumPlan.from_config(d["plan"]),
+            adverts={int(n): Advert(*(bytes.fromhex(x) for x in a)) for n, a in d["adverts"].items()},
+            seed_shares={int(k): bytes.fromhex(v) for k, v in d["seed_shares"].items()},
+            key_shares={int(k): bytes.fromhex(v) for k, v in d["key_shares"].items()},
+            complaints={int(k): v for k, v in d["complaints"].items()},
+            dealers=tuple(d["dealers"]),
+            peers=tuple(d["peers"]),
+            survivors=tuple(d["survivors"]),
+            stage=d["stage"],
+            **{name: bytes.fromhex(d[name]) for name in _BYTES},
+        )
+
+
+_BYTES = ("encryption_key", "mask_key", "session", "seed", "signature")

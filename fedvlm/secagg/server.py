@@ -1,17 +1,23 @@
-"""The server's side of a round of secure aggregation: route the nodes' keys and encrypted shares,
-collect the masked vectors, and remove the masks from their sum with the shares the survivors
-return. The server never holds what would unmask one node: a survivor's pairwise masks stay
-(only their sum cancels), a dropped node's self mask stays (its vector is not in the sum).
+"""The server's side of a round of secure aggregation: relay the nodes' signed keys and encrypted
+shares, collect the masked vectors and the nodes' signatures on who survived, and remove the
+masks from their sum with the shares the survivors return. The server never holds what would
+unmask one node: a survivor's pairwise masks stay (only their sum cancels), a dropped node's self
+mask stays (its vector is not in the sum).
 
-Who takes part shrinks stage by stage (SecAgg+'s U1 ... U4): the nodes whose keys are well
-formed; those that dealt a share to every neighbour; those that sent a well-formed masked
-vector; those that returned shares. A node that sends something malformed (a key that is not
-a public key, a key another node uses, a share list that skips a neighbour, a vector of the
-wrong size or past the modulus) is excluded with the reason, as a dropout is, and the round
-goes on while every remaining node keeps at least ``threshold - 1`` neighbours. A secret that
-cannot be rebuilt to match what its owner published (the seed's commitment, the mask key's
-public key) from the shares returned, even leaving forged shares out, fails the round
-(``SecAggError``): no sum, rather than a wrong one.
+Who takes part shrinks stage by stage (SecAgg+'s U1 ... U5): the nodes whose adverts are well
+formed and signed (by a member of the roster, where the server holds one); those that dealt a
+share to every neighbour; those that sent a well-formed masked vector and stay one connected
+piece of the graph with t - 1 neighbours each; those whose signature on that story verifies;
+those that returned shares. A node that sends something malformed (a key that is not a public
+key, a key or member another node uses, a share list that skips a neighbour, a vector of the
+wrong size or past the modulus, a signature that does not verify) is excluded with the reason, as
+a dropout is, and the round goes on while it can. A secret that cannot be rebuilt to match what
+its owner published (the seed's commitment, the mask key's public key) from the shares returned,
+even leaving forged shares out, fails the round (``SecAggError``): no sum, rather than a wrong one.
+
+The server runs the same derivations as the nodes (``secagg.node``: the session, the graph, the
+story), so that an honest server's messages pass every node's checks; nothing here is trusted by
+a node.
 """
 
 from __future__ import annotations
@@ -25,8 +31,20 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key, public_key_to_bytes
 
+from fedvlm.secagg.graph import neighbours, reach
 from fedvlm.secagg.masks import expand, modulus, reduce
-from fedvlm.secagg.node import check_threshold, key_from_scalar, pair_seed, pair_sign, seed_commitment
+from fedvlm.secagg.node import (
+    advert_message,
+    key_from_scalar,
+    pair_seed,
+    pair_sign,
+    quorum,
+    seed_commitment,
+    session,
+    story_message,
+)
+from fedvlm.secagg.roster import KEY_BYTES, SIGNATURE_BYTES, Roster, verify
+from fedvlm.secagg.stages import Advert, SumPlan
 
 MAX_KEY_BYTES = 1024  # a PEM public key on P-384 is about 215 bytes
 MAX_CIPHERTEXT_BYTES = 8192  # two shares of a few hundred bytes, encrypted
@@ -42,59 +60,77 @@ class SecAggError(RuntimeError):
 class ServerRound:
     """The server's view of one round (node ids are Flower's)."""
 
-    server_round: int
-    threshold: int
-    bits: int
+    plan: SumPlan
     size: int  # the length of every node's vector
-    graph: dict[int, tuple[int, ...]]
-    adverts: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # U1
+    roster: Roster | None = None  # the federation's, where the server holds it (else adverts are checked alone)
+    adverts: dict[int, Advert] = field(default_factory=dict)  # U1
+    session: bytes = b""
+    graph: dict[int, tuple[int, ...]] = field(default_factory=dict)
     commitments: dict[int, bytes] = field(default_factory=dict)
     dealt: dict[int, dict[int, bytes]] = field(default_factory=dict)  # U2: dealer -> holder -> ciphertext
     masked: dict[int, np.ndarray] = field(default_factory=dict)  # U3
-    revealers: list[int] = field(default_factory=list)  # U4
+    signatures: dict[int, bytes] = field(default_factory=dict)  # U4: signer -> its signature on the story
+    revealers: list[int] = field(default_factory=list)  # U5
     excluded: dict[int, str] = field(default_factory=dict)  # node -> why it was left out
     forged: dict[int, str] = field(default_factory=dict)  # holder -> which of its returned shares did not fit
     complaints: dict[int, list[int]] = field(default_factory=dict)  # dealer -> holders that could not decrypt its share
 
     def __post_init__(self) -> None:
-        modulus(self.bits)
-        for peers in self.graph.values():
-            check_threshold(self.threshold, len(peers) + 1)
+        modulus(self.plan.bits)
+
+    @property
+    def server_round(self) -> int:
+        return self.plan.server_round
+
+    @property
+    def threshold(self) -> int:
+        return self.plan.threshold
+
+    @property
+    def bits(self) -> int:
+        return self.plan.bits
 
     # ---- stage 1 -> 2 ---------------------------------------------------------------------------
-    def take_adverts(self, replies: Mapping[int, tuple[bytes, bytes]]) -> dict[int, dict[int, tuple[bytes, bytes]]]:
-        """Each remaining node's view for stage 2: its own and its neighbours' public keys."""
+    def take_adverts(self, replies: Mapping[int, Advert]) -> dict[int, Advert]:
+        """U1: the well-formed, signed adverts (every node of U1 is shown all of them); the graph
+        and the session follow from them."""
+        digest = self.plan.digest
         for node, advert in replies.items():
-            why = _advert_problem(advert) if node in self.graph else "it was not asked to take part"
+            why = _advert_problem(node, advert, self.plan, digest, self.roster)
             if why:
                 self._exclude(node, why)
             else:
-                self.adverts[node] = (bytes(advert[0]), bytes(advert[1]))
+                self.adverts[node] = advert
         owners: dict[bytes, set[int]] = {}
-        for node, pair in self.adverts.items():
-            for key in pair:
+        for node, advert in self.adverts.items():
+            for key in (advert.identity, advert.encryption, advert.mask):
                 owners.setdefault(key, set()).add(node)
-        repeated = {n for node, pair in self.adverts.items() for n in owners[pair[0]] | owners[pair[1]] if n != node}
-        repeated |= {node for node, pair in self.adverts.items() if pair[0] == pair[1]}
-        for node in repeated:
-            self._exclude(node, "it advertised a public key that another key of the round repeats")
+        repeated = {n for nodes in owners.values() if len(nodes) > 1 for n in nodes}
+        repeated |= {node for node, a in self.adverts.items() if a.encryption == a.mask}
+        for node in sorted(repeated):
+            self._exclude(node, "it advertised a key or a member that another advert of the round repeats")
             del self.adverts[node]
-        self._prune(self.adverts, "advertised keys")
-        return {u: {v: self.adverts[v] for v in (u, *self.graph[u]) if v in self.adverts} for u in self.adverts}
+        if len(self.adverts) < self.threshold:
+            raise SecAggError(
+                f"round {self.server_round}: {len(self.adverts)} nodes advertised keys, fewer than the threshold "
+                f"{self.threshold}"
+            )
+        self.session = session(digest, self.adverts)
+        self.graph = neighbours(sorted(self.adverts), self.plan.degree, self.session)
+        return dict(self.adverts)
 
     # ---- stage 2 -> 3 ---------------------------------------------------------------------------
     def take_shares(self, replies: Mapping[int, tuple[bytes, Mapping[int, bytes]]]) -> dict[int, dict[int, bytes]]:
-        """Each remaining node's ciphertexts for stage 3 (dealer -> ciphertext)."""
+        """U2, and each of its nodes' ciphertexts for stage 3 (dealer -> ciphertext)."""
         for node, (commitment, ciphertexts) in replies.items():
             if node not in self.adverts:
                 self._exclude(node, "it dealt shares without having advertised keys")
                 continue
-            holders = {v for v in self.graph[node] if v in self.adverts}  # U1 stays as stage 2 saw it
             why = ""
             if not (isinstance(commitment, bytes) and len(commitment) == 32):
                 why = "its seed commitment is not 32 bytes"
-            elif set(ciphertexts) != holders:
-                why = f"it dealt shares to {sorted(ciphertexts)}, not to its neighbours with keys {sorted(holders)}"
+            elif set(ciphertexts) != set(self.graph[node]):
+                why = f"it dealt shares to {sorted(ciphertexts)}, not to its neighbours {sorted(self.graph[node])}"
             elif any(not isinstance(c, bytes) or len(c) > MAX_CIPHERTEXT_BYTES for c in ciphertexts.values()):
                 why = f"a ciphertext is not bytes or longer than {MAX_CIPHERTEXT_BYTES} bytes"
             if why:
@@ -108,10 +144,11 @@ class ServerRound:
     # ---- stage 3 -> 4 ---------------------------------------------------------------------------
     def take_masked(
         self, replies: Mapping[int, np.ndarray], complaints: Mapping[int, list[int]] | None = None
-    ) -> dict[int, tuple[list[int], list[int]]]:
-        """Each surviving node's unmasking request: (survivors, dropped) among its neighbours.
-        ``complaints``: holder -> the dealers whose shares it could not decrypt (``NodeRound.complaints``),
-        named if their secrets then cannot be rebuilt."""
+    ) -> list[int]:
+        """U3: the nodes whose well-formed masked vectors go into the sum, kept to one connected
+        piece of the graph with t - 1 neighbours each (what every node checks before it signs).
+        ``complaints``: holder -> the dealers whose shares it could not decrypt
+        (``NodeRound.complaints``), named if their secrets then cannot be rebuilt."""
         for holder, dealers in (complaints or {}).items():
             for dealer in dealers:
                 self.complaints.setdefault(dealer, []).append(holder)
@@ -125,32 +162,56 @@ class ServerRound:
                 self._exclude(node, f"its masked vector holds values past the modulus 2^{self.bits}")
             else:
                 self.masked[node] = v
-        requests = {}
-        for u in self.masked:
-            alive = sorted([u, *(v for v in self.graph[u] if v in self.masked)])
-            if len(alive) < self.threshold:
-                raise SecAggError(
-                    f"round {self.server_round}: node {u} has {len(alive)} survivors among its neighbours and "
-                    f"itself, fewer than the threshold {self.threshold}: its mask cannot be removed"
-                )
-            gone = sorted(v for v in self.graph[u] if v in self.dealt and v not in self.masked)
-            requests[u] = (alive, gone)
-        if len(self.masked) < self.threshold:
+        self._prune(self.masked, "in the sum")
+        pieces = _pieces(self.graph, self.masked)
+        for piece in pieces[1:]:
+            for node in piece:
+                self._exclude(node, "its masked vector is not connected to the largest piece of the survivors")
+                del self.masked[node]
+        least = max(self.threshold, quorum(len(self.plan.participants)))
+        if len(self.masked) < least:
             raise SecAggError(
-                f"round {self.server_round}: {len(self.masked)} masked vectors came back, fewer than the "
-                f"threshold {self.threshold}"
+                f"round {self.server_round}: {len(self.masked)} masked vectors can go into the sum, fewer than "
+                f"{least} (the threshold, and a strict majority of the round's {len(self.plan.participants)} "
+                "participants, who must sign it)"
             )
-        return requests
+        return sorted(self.masked)
 
-    # ---- stage 4: the sum -------------------------------------------------------------------------
+    # ---- stage 4 -> 5 ---------------------------------------------------------------------------
+    def take_signatures(self, replies: Mapping[int, bytes]) -> dict[int, bytes]:
+        """U4: the survivors whose signature on the story verifies; what each of them is shown.
+        A node reveals only with a strict majority of the participants and t of its own
+        neighbourhood among the signers: the server checks both as the node will."""
+        story = story_message(self.session, self.dealt, self.masked)
+        for node, signature in replies.items():
+            if node not in self.masked:
+                self._exclude(node, "it signed a story without being among the survivors")
+            elif not verify(self.adverts[node].identity, story, signature):
+                self._exclude(node, "its signature on the survivors does not verify")
+            else:
+                self.signatures[node] = signature
+        need = quorum(len(self.plan.participants))
+        if len(self.signatures) < need:
+            raise SecAggError(
+                f"round {self.server_round}: {len(self.signatures)} survivors signed the story, fewer than the "
+                f"{need} (a strict majority of the participants) a node waits for before it reveals"
+            )
+        return dict(self.signatures)
+
+    # ---- stage 5: the sum -------------------------------------------------------------------------
     def unmask(self, replies: Mapping[int, tuple[Mapping[int, bytes], Mapping[int, bytes]]]) -> np.ndarray:
         """The sum of the surviving nodes' vectors modulo 2^bits (uint64), from the shares they
         returned (holder -> (seed shares, key shares), each dealer -> share)."""
         seeds: dict[int, dict[int, bytes]] = {}
         keys: dict[int, dict[int, bytes]] = {}
+        gone = set(self.dealt) - set(self.masked)
         for holder, (seed_shares, key_shares) in replies.items():
-            if holder not in self.masked:
-                continue  # it dropped before sending its vector: its word is not needed
+            if holder not in self.signatures:
+                continue  # it did not sign the story: its word is not needed
+            holds = {holder, *self.graph[holder]}
+            if not set(seed_shares) <= holds & set(self.masked) or not set(key_shares) <= holds & gone:
+                self._exclude(holder, "it returned shares of nodes it holds none of, or of the wrong secret")
+                continue
             self.revealers.append(holder)
             for dealer, share in seed_shares.items():
                 seeds.setdefault(dealer, {})[holder] = share
@@ -166,7 +227,7 @@ class ServerRound:
             mask_key = key_from_scalar(self._recover(v, keys.get(v, {}), MASK_KEY))
             for u in self.graph[v]:
                 if u in self.masked:  # u added sign(u, v) * PRG(s_uv): take it out
-                    m = expand(pair_seed(mask_key, self.adverts[u][1]), self.size, self.bits)
+                    m = expand(pair_seed(mask_key, self.adverts[u].mask, self.session), self.size, self.bits)
                     total = total - m if pair_sign(u, v) > 0 else total + m
             total = reduce(total, self.bits)
         return total
@@ -177,10 +238,11 @@ class ServerRound:
             "threshold": self.threshold,
             "bits": self.bits,
             "neighbours": max((len(p) for p in self.graph.values()), default=0),
-            "asked": len(self.graph),
+            "asked": len(self.plan.participants),
             "advertised": len(self.adverts),
             "dealt": len(self.dealt),
             "masked": len(self.masked),
+            "signed": len(self.signatures),
             "revealed": len(self.revealers),
             "excluded": {str(k): v for k, v in sorted(self.excluded.items())},
             "forged_shares": {str(k): v for k, v in sorted(self.forged.items())},
@@ -194,7 +256,8 @@ class ServerRound:
 
     def _prune(self, members: dict, what: str) -> None:
         """Leave out, until none is left, the members with fewer than threshold - 1 neighbours
-        among the members: their secrets could not be rebuilt if they dropped out."""
+        among the members: their secrets could not be rebuilt if they dropped out, and every node
+        refuses to sign a story with fewer than t of its neighbourhood in the sum."""
         while True:
             short = [u for u in members if sum(v in members for v in self.graph[u]) < self.threshold - 1]
             if not short:
@@ -208,7 +271,7 @@ class ServerRound:
         the mask key's public key."""
         if what == SEED:
             return seed_commitment(secret) == self.commitments[owner]
-        return _public(secret) == self.adverts[owner][1]
+        return _public(secret) == self.adverts[owner].mask
 
     def _subsets(self, holders: list[int]):
         """Threshold-many holders to rebuild a secret from: the first ones, then leaving out one
@@ -256,10 +319,29 @@ class ServerRound:
         )
 
 
-def _advert_problem(advert: object) -> str:
-    if not (isinstance(advert, (tuple, list)) and len(advert) == 2):
-        return "it did not advertise two public keys"
-    for key in advert:
+def _pieces(graph: Mapping[int, tuple[int, ...]], members: Mapping[int, object]) -> list[list[int]]:
+    """The connected pieces of ``graph`` among ``members``, the largest first (ties: smallest id)."""
+    left, pieces = set(members), []
+    while left:
+        piece = reach(graph, min(left), left)
+        pieces.append(sorted(piece))
+        left -= piece
+    return sorted(pieces, key=lambda p: (-len(p), p[0]))
+
+
+def _advert_problem(node: int, advert: object, plan: SumPlan, digest: bytes, roster: Roster | None) -> str:
+    """Why ``advert`` cannot be relayed ("" if it can): what every node would refuse of it."""
+    if node not in plan.participants:
+        return "it was not asked to take part"
+    if not isinstance(advert, Advert):
+        return "it did not advertise two public keys, an identity key and a signature"
+    if not (isinstance(advert.identity, bytes) and len(advert.identity) == KEY_BYTES):
+        return f"its identity key is not {KEY_BYTES} bytes"
+    if not (isinstance(advert.signature, bytes) and len(advert.signature) == SIGNATURE_BYTES):
+        return f"its signature is not {SIGNATURE_BYTES} bytes"
+    if roster is not None and roster.member(advert.identity) is None:
+        return "its identity key is not on the roster"
+    for key in (advert.encryption, advert.mask):
         if not isinstance(key, bytes) or len(key) > MAX_KEY_BYTES:
             return f"an advertised key is not bytes of at most {MAX_KEY_BYTES}"
         try:
@@ -268,6 +350,8 @@ def _advert_problem(advert: object) -> str:
             return "an advertised key is not a PEM public key"
         if not isinstance(public, ec.EllipticCurvePublicKey) or not isinstance(public.curve, ec.SECP384R1):
             return "an advertised key is not a P-384 elliptic-curve key"
+    if not verify(advert.identity, advert_message(digest, node, advert.encryption, advert.mask), advert.signature):
+        return "its keys do not carry its identity key's signature over the round's plan"
     return ""
 
 

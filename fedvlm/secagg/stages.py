@@ -1,42 +1,55 @@
-"""The four stages of a secure round on the wire, typed: what the server's message carries in its
+"""The five stages of a secure round on the wire, typed: what the server's message carries in its
 ``protocol.SECURE_SUM`` record at each stage, and what the node's reply carries back.
 
-1. ``keys``: the train message itself, plus the round's ``SumPlan`` (the neighbours, the
-   threshold, the vector's layout and encoding). The node trains, encodes its update
-   (``secagg.summand``) and keeps it; its reply holds the training's metrics and two public keys,
-   no tensor.
-2. ``shares``: the neighbours' public keys; the reply, the node's seed commitment and one
-   ciphertext of shares per neighbour.
-3. ``masked``: the ciphertexts dealt to the node; the reply, its masked vector (the one tensor
-   of a secure round, ``SECAGG_MASKED``) and the dealers whose shares it could not decrypt.
-4. ``unmask``: who survived and who dropped among its neighbours; the reply, its shares of the
+1. ``keys``: the train message itself, plus the round's ``SumPlan`` (the participants, the graph's
+   degree, the threshold, the vector's layout, encoding and noise, the roster's digest): one plan,
+   the same for every node. The node trains, encodes its update (``secagg.summand``) and keeps
+   it; its reply holds the training's metrics and its ``Advert``: two public keys signed, with
+   the plan's digest and its node id, by its member's identity key (``secagg.roster``).
+2. ``shares``: every advert the server accepted (U1); the node checks them all and derives the
+   graph; the reply, its seed commitment and one ciphertext of shares per neighbour.
+3. ``masked``: who dealt shares (U2) and the ciphertexts dealt to the node; the reply, its masked
+   vector (the one tensor of a secure round, ``SECAGG_MASKED``) and the dealers whose shares it
+   could not decrypt.
+4. ``consistency``: whose masked vectors are in the sum (U3); the reply, the node's signature
+   on that survivor story.
+5. ``unmask``: the signatures the server collected; the reply, the node's shares of the
    survivors' seeds and of the dropped nodes' mask keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedvlm.errors import PublicError
 from fedvlm.protocol import (
     SECAGG_BITS,
     SECAGG_CIPHERTEXTS,
     SECAGG_CLIENT_SIGMA,
     SECAGG_COMMITMENT,
     SECAGG_COMPLAINTS,
-    SECAGG_DROPPED,
+    SECAGG_DEALERS,
+    SECAGG_DEGREE,
     SECAGG_ENCRYPTION_KEYS,
     SECAGG_GAMMA,
+    SECAGG_IDENTITY_KEYS,
     SECAGG_KEY_OWNERS,
     SECAGG_KEY_SHARES,
     SECAGG_MASK_KEYS,
     SECAGG_N_MIN,
     SECAGG_NAMES,
-    SECAGG_NEIGHBOURS,
     SECAGG_NODES,
     SECAGG_NORM_BOUND,
+    SECAGG_PARTICIPANTS,
+    SECAGG_ROSTER,
+    SECAGG_ROUND,
     SECAGG_SEED_SHARES,
+    SECAGG_SIGNATURES,
     SECAGG_SIZES,
     SECAGG_STAGE,
     SECAGG_SURVIVORS,
@@ -44,32 +57,36 @@ from fedvlm.protocol import (
     SECAGG_WEIGHTED,
 )
 
-KEYS, SHARES, MASKED, UNMASK = "keys", "shares", "masked", "unmask"
-STAGES = (KEYS, SHARES, MASKED, UNMASK)
+KEYS, SHARES, MASKED, CONSISTENCY, UNMASK = "keys", "shares", "masked", "consistency", "unmask"
+STAGES = (KEYS, SHARES, MASKED, CONSISTENCY, UNMASK)
+PLAN_DOMAIN = b"fedvlm secure aggregation plan v2"
 
 
-class MalformedStage(ValueError):
+class MalformedStage(PublicError, ValueError):
     """A stage's record lacks a field or holds one of the wrong type."""
 
 
 def _ids(values: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in _list(values, str))
+    try:
+        return tuple(int(v) for v in _list(values, str))
+    except ValueError:
+        raise MalformedStage("a node id is not a number") from None
 
 
-def _texts(ids: Mapping[int, Any] | tuple[int, ...] | list[int]) -> list[str]:
+def _texts(ids: Iterable[int]) -> list[str]:
     return [str(i) for i in ids]
 
 
 def _list(values: Any, kind: type) -> list:
-    if not isinstance(values, list) or any(not isinstance(v, kind) for v in values):
+    if not isinstance(values, list) or any(not isinstance(v, kind) or isinstance(v, bool) for v in values):
         raise MalformedStage(f"expected a list of {kind.__name__}")
     return values
 
 
-def _by_node(config: Mapping, key: str) -> dict[int, bytes]:
-    nodes, values = _ids(config.get(SECAGG_NODES, [])), _list(config.get(key, []), bytes)
-    if len(nodes) != len(values):
-        raise MalformedStage(f"{key} holds {len(values)} values for {len(nodes)} nodes")
+def _by_node(config: Mapping, key: str, nodes_key: str = SECAGG_NODES) -> dict[int, bytes]:
+    nodes, values = _ids(config.get(nodes_key, [])), _list(config.get(key, []), bytes)
+    if len(nodes) != len(values) or len(set(nodes)) != len(nodes):
+        raise MalformedStage(f"{key} holds {len(values)} values for {len(nodes)} nodes, or names a node twice")
     return dict(zip(nodes, values, strict=True))
 
 
@@ -82,10 +99,13 @@ def stage_of(config: Mapping) -> str:
 
 @dataclass(frozen=True)
 class SumPlan:
-    """The round's secure sum, sent with the train message (stage ``keys``)."""
+    """The round's secure sum, sent with the train message (stage ``keys``): one plan for every
+    node of the round, which each node checks and whose digest it signs into its advert."""
 
+    server_round: int
+    participants: tuple[int, ...]  # every node sent the plan (U0), sorted
+    degree: int  # neighbours per node as configured (0: every other; secagg.graph.degree)
     threshold: int
-    neighbours: tuple[int, ...]
     bits: int
     names: tuple[str, ...]
     sizes: tuple[int, ...]
@@ -94,12 +114,15 @@ class SumPlan:
     norm_bound: float
     client_sigma: float  # 0: no noise is added to the sum
     n_min: int
+    roster: str  # the digest of the roster the server relays for
 
     def to_config(self) -> dict:
         return {
             SECAGG_STAGE: KEYS,
+            SECAGG_ROUND: self.server_round,
+            SECAGG_PARTICIPANTS: _texts(self.participants),
+            SECAGG_DEGREE: self.degree,
             SECAGG_THRESHOLD: self.threshold,
-            SECAGG_NEIGHBOURS: _texts(self.neighbours),
             SECAGG_BITS: self.bits,
             SECAGG_NAMES: list(self.names),
             SECAGG_SIZES: list(self.sizes),
@@ -108,51 +131,95 @@ class SumPlan:
             SECAGG_NORM_BOUND: float(self.norm_bound),
             SECAGG_CLIENT_SIGMA: float(self.client_sigma),
             SECAGG_N_MIN: self.n_min,
+            SECAGG_ROSTER: self.roster,
         }
 
     @classmethod
     def from_config(cls, config: Mapping) -> SumPlan:
         try:
-            return cls(
-                int(config[SECAGG_THRESHOLD]),
-                _ids(config[SECAGG_NEIGHBOURS]),
-                int(config[SECAGG_BITS]),
+            plan = cls(
+                _int(config[SECAGG_ROUND]),
+                _ids(config[SECAGG_PARTICIPANTS]),
+                _int(config[SECAGG_DEGREE]),
+                _int(config[SECAGG_THRESHOLD]),
+                _int(config[SECAGG_BITS]),
                 tuple(_list(config[SECAGG_NAMES], str)),
-                tuple(int(v) for v in _list(config[SECAGG_SIZES], int)),
+                tuple(_list(config[SECAGG_SIZES], int)),
                 bool(config[SECAGG_WEIGHTED]),
-                float(config[SECAGG_GAMMA]),
-                float(config[SECAGG_NORM_BOUND]),
-                float(config[SECAGG_CLIENT_SIGMA]),
-                int(config[SECAGG_N_MIN]),
+                _float(config[SECAGG_GAMMA]),
+                _float(config[SECAGG_NORM_BOUND]),
+                _float(config[SECAGG_CLIENT_SIGMA]),
+                _int(config[SECAGG_N_MIN]),
+                str(config[SECAGG_ROSTER]),
             )
         except KeyError as missing:
             raise MalformedStage(f"the round's secure-sum plan lacks {missing}") from None
+        if list(plan.participants) != sorted(set(plan.participants)) or len(plan.names) != len(plan.sizes):
+            raise MalformedStage("the plan's participants are not sorted and distinct, or its layout is uneven")
+        return plan
+
+    @property
+    def digest(self) -> bytes:
+        """What names this plan in every signature and mask of the round (SHA-256 of its fields)."""
+        fields = {k: v for k, v in self.to_config().items() if k != SECAGG_STAGE}
+        return hashlib.sha256(PLAN_DOMAIN + json.dumps(fields, sort_keys=True).encode()).digest()
 
 
-def keys_reply(encryption: bytes, mask: bytes) -> dict:
-    return {SECAGG_STAGE: KEYS, SECAGG_ENCRYPTION_KEYS: [encryption], SECAGG_MASK_KEYS: [mask]}
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise MalformedStage(f"expected a whole number, got {type(value).__name__}")
+    return value
 
 
-def read_keys_reply(config: Mapping) -> tuple[bytes, bytes]:
-    enc, mask = _list(config.get(SECAGG_ENCRYPTION_KEYS), bytes), _list(config.get(SECAGG_MASK_KEYS), bytes)
-    if len(enc) != 1 or len(mask) != 1:
-        raise MalformedStage("a keys reply holds one encryption key and one mask key")
-    return enc[0], mask[0]
+def _float(value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise MalformedStage("expected a finite number")
+    return float(value)
 
 
-def peer_keys(adverts: Mapping[int, tuple[bytes, bytes]]) -> dict:
-    """Stage ``shares``: the neighbours' public keys (the node's own among them)."""
+@dataclass(frozen=True)
+class Advert:
+    """A node's public keys for one round, signed by its member's identity key
+    (``secagg.node.advert_message``)."""
+
+    encryption: bytes
+    mask: bytes
+    identity: bytes
+    signature: bytes
+
+
+def keys_reply(advert: Advert) -> dict:
     return {
-        SECAGG_STAGE: SHARES,
-        SECAGG_NODES: _texts(list(adverts)),
-        SECAGG_ENCRYPTION_KEYS: [a[0] for a in adverts.values()],
-        SECAGG_MASK_KEYS: [a[1] for a in adverts.values()],
+        SECAGG_STAGE: KEYS,
+        SECAGG_ENCRYPTION_KEYS: [advert.encryption],
+        SECAGG_MASK_KEYS: [advert.mask],
+        SECAGG_IDENTITY_KEYS: [advert.identity],
+        SECAGG_SIGNATURES: [advert.signature],
     }
 
 
-def read_peer_keys(config: Mapping) -> dict[int, tuple[bytes, bytes]]:
-    enc, mask = _by_node(config, SECAGG_ENCRYPTION_KEYS), _by_node(config, SECAGG_MASK_KEYS)
-    return {n: (enc[n], mask[n]) for n in enc}
+def read_keys_reply(config: Mapping) -> Advert:
+    fields = [_list(config.get(k), bytes) for k in _ADVERT_KEYS]
+    if any(len(f) != 1 for f in fields):
+        raise MalformedStage("a keys reply holds one encryption key, one mask key, one identity key and a signature")
+    return Advert(*(f[0] for f in fields))
+
+
+_ADVERT_KEYS = (SECAGG_ENCRYPTION_KEYS, SECAGG_MASK_KEYS, SECAGG_IDENTITY_KEYS, SECAGG_SIGNATURES)
+
+
+def peer_keys(adverts: Mapping[int, Advert]) -> dict:
+    """Stage ``shares``: every accepted advert (U1), the node's own among them."""
+    nodes = sorted(adverts)
+    out: dict = {SECAGG_STAGE: SHARES, SECAGG_NODES: _texts(nodes)}
+    for key, field in zip(_ADVERT_KEYS, ("encryption", "mask", "identity", "signature"), strict=True):
+        out[key] = [getattr(adverts[n], field) for n in nodes]
+    return out
+
+
+def read_peer_keys(config: Mapping) -> dict[int, Advert]:
+    fields = [_by_node(config, k) for k in _ADVERT_KEYS]
+    return {n: Advert(*(f[n] for f in fields)) for n in fields[0]}
 
 
 def shares_reply(commitment: bytes, ciphertexts: Mapping[int, bytes]) -> dict:
@@ -171,20 +238,22 @@ def read_shares_reply(config: Mapping) -> tuple[bytes, dict[int, bytes]]:
     return commitment, _by_node(config, SECAGG_CIPHERTEXTS)
 
 
-def dealt(ciphertexts: Mapping[int, bytes]) -> dict:
-    """Stage ``masked``: the ciphertexts dealt to the node (dealer -> ciphertext)."""
+def dealt(dealers: Iterable[int], ciphertexts: Mapping[int, bytes]) -> dict:
+    """Stage ``masked``: who dealt shares (U2), and the ciphertexts dealt to the node (dealer ->
+    ciphertext)."""
     return {
         SECAGG_STAGE: MASKED,
+        SECAGG_DEALERS: _texts(sorted(dealers)),
         SECAGG_NODES: _texts(list(ciphertexts)),
         SECAGG_CIPHERTEXTS: list(ciphertexts.values()),
     }
 
 
-def read_dealt(config: Mapping) -> dict[int, bytes]:
-    return _by_node(config, SECAGG_CIPHERTEXTS)
+def read_dealt(config: Mapping) -> tuple[tuple[int, ...], dict[int, bytes]]:
+    return _ids(config.get(SECAGG_DEALERS, [])), _by_node(config, SECAGG_CIPHERTEXTS)
 
 
-def masked_reply(complaints: Mapping[int, str]) -> dict:
+def masked_reply(complaints: Iterable[int]) -> dict:
     return {SECAGG_STAGE: MASKED, SECAGG_COMPLAINTS: _texts(sorted(complaints))}
 
 
@@ -192,13 +261,33 @@ def read_complaints(config: Mapping) -> list[int]:
     return list(_ids(config.get(SECAGG_COMPLAINTS, [])))
 
 
-def unmask(survivors: list[int], dropped: list[int]) -> dict:
-    """Stage ``unmask``: who survived and who dropped among the node's neighbours."""
-    return {SECAGG_STAGE: UNMASK, SECAGG_SURVIVORS: _texts(survivors), SECAGG_DROPPED: _texts(dropped)}
+def survivors(nodes: Iterable[int]) -> dict:
+    """Stage ``consistency``: whose masked vectors are in the sum (U3)."""
+    return {SECAGG_STAGE: CONSISTENCY, SECAGG_SURVIVORS: _texts(sorted(nodes))}
 
 
-def read_unmask(config: Mapping) -> tuple[list[int], list[int]]:
-    return list(_ids(config.get(SECAGG_SURVIVORS, []))), list(_ids(config.get(SECAGG_DROPPED, [])))
+def read_survivors(config: Mapping) -> tuple[int, ...]:
+    return _ids(config.get(SECAGG_SURVIVORS, []))
+
+
+def story_signature(signature: bytes) -> dict:
+    return {SECAGG_STAGE: CONSISTENCY, SECAGG_SIGNATURES: [signature]}
+
+
+def read_story_signature(config: Mapping) -> bytes:
+    signatures = _list(config.get(SECAGG_SIGNATURES), bytes)
+    if len(signatures) != 1:
+        raise MalformedStage("a consistency reply holds one signature")
+    return signatures[0]
+
+
+def unmask(signatures: Mapping[int, bytes]) -> dict:
+    """Stage ``unmask``: the survivors' signatures on the story (signer -> signature)."""
+    return {SECAGG_STAGE: UNMASK, SECAGG_NODES: _texts(list(signatures)), SECAGG_SIGNATURES: list(signatures.values())}
+
+
+def read_unmask(config: Mapping) -> dict[int, bytes]:
+    return _by_node(config, SECAGG_SIGNATURES)
 
 
 def shares_back(seeds: Mapping[int, bytes], keys: Mapping[int, bytes]) -> dict:
@@ -212,8 +301,4 @@ def shares_back(seeds: Mapping[int, bytes], keys: Mapping[int, bytes]) -> dict:
 
 
 def read_shares_back(config: Mapping) -> tuple[dict[int, bytes], dict[int, bytes]]:
-    seeds = _by_node(config, SECAGG_SEED_SHARES)
-    owners, values = _ids(config.get(SECAGG_KEY_OWNERS, [])), _list(config.get(SECAGG_KEY_SHARES, []), bytes)
-    if len(owners) != len(values):
-        raise MalformedStage(f"{len(values)} key shares for {len(owners)} nodes")
-    return seeds, dict(zip(owners, values, strict=True))
+    return _by_node(config, SECAGG_SEED_SHARES), _by_node(config, SECAGG_KEY_SHARES, SECAGG_KEY_OWNERS)

@@ -365,7 +365,7 @@ class FederatedStrategy(Strategy):
             noise = self.budget.distributed_noise()
             bound = self.privacy.clip if noise is not None else self.cfg.replies.max_norm
             try:
-                self.secure.begin(server_round, kept, noise, bound)
+                self.secure.plan(server_round, kept, noise, bound)
             except SecAggError as why:  # a round that cannot be summed securely trains no one
                 log.error("round %d is skipped: %s", server_round, why)
                 kept.secure, kept.messages, kept.outgoing = {"failed": str(why)}, [], {}
@@ -390,7 +390,8 @@ class FederatedStrategy(Strategy):
         with it (``strategies.secure_sum``)."""
         if self.secure is None:
             return []
-        return self.secure.advance(server_round, list(replies), self.plans[server_round].phase("train"))
+        kept = self.plans[server_round].phase("train")
+        return self.secure.advance(server_round, list(replies), kept, self._validated)
 
     # ---- replies -------------------------------------------------------------------------------
     def _sender(self, reply: Message, kept: PhasePlan) -> int:
@@ -528,9 +529,12 @@ class FederatedStrategy(Strategy):
         """The new global arrays and the round's training figures, from the validated, bounded
         replies to this round's train messages."""
         kept = self.plans[server_round].phase("train")
-        updates = self._validated(replies, kept)
         if self.secure is None:
-            updates = self._bound_norms(updates, kept)
+            updates = self._bound_norms(self._validated(replies, kept), kept)
+        else:  # validated as the protocol began (next_stage); only the nodes in the sum count
+            updates, left_out = self.secure.in_sum(server_round)
+            for name, why in left_out.items():
+                _drop(kept, name, why)
         for u in updates:
             kept.client(u.node.name).update({f"train/{k}": v for k, v in u.reply.metrics.items()})
         if self.secure is not None:  # what the server learns is the survivors' sum, not the updates

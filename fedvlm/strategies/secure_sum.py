@@ -1,53 +1,57 @@
 """The server's side of secure aggregation for a run (``secure-aggregation.enabled``): each train
-round becomes four stages of messages (``secagg.stages``), and what the strategy aggregates is the
+round becomes five stages of messages (``secagg.stages``), and what the strategy aggregates is the
 unmasked sum of the survivors' vectors, never one node's update.
 
-``begin`` plans a round from its train messages: the graph of who shares with whom, the
-threshold, and the vector's layout (the union of the tensors the nodes were asked for, with their
-sizes); it adds the plan to each train message. ``advance`` takes one stage's replies and returns
-the next stage's messages, until the last stage's replies give the sum (``total``). A reply that
-is an error, comes from another node than the one asked, or is malformed leaves its node out of
-the round with the reason (``secagg.server.ServerRound.excluded``); a round whose sum cannot be
-recovered is discarded with its reason (``failed``) and the global arrays stay as they were.
+``plan`` builds a round's one plan from its train messages (the participants, the graph's
+degree, the threshold, the vector's layout, the noise shares, the roster's digest) and adds it to
+every train message; it changes nothing here. ``advance`` takes one stage's replies and returns
+the next stage's messages, until the last stage's replies give the sum (``total``); the round's
+protocol state is made from the plan when its train replies come back. The train replies are
+those the strategy accepts (``validate``: the reply checks every reply passes): a node whose
+reply is dropped never enters the sum, so the sum and the round's record agree on who is in it.
+A stage reply that is an error, comes from another node than the one asked, answers another
+stage, or is malformed in any way (bytes that are not an array, a wrong size or type, shares of
+nodes it holds none of) leaves its node out of the round with the reason
+(``secagg.server.ServerRound.excluded``); the round goes on, or, where the sum cannot be
+recovered, is discarded with its reason (``failed``) and the global arrays stay as they were.
 
 The threshold is never below the number of survivors the noise was planned for (``n_min``):
-every node refuses to help unmask fewer (``secagg.node``), so a released sum always carries at
-least the planned noise.
+every node refuses a plan that would let the server unmask fewer (``secagg.node.check_plan``), so
+a released sum always carries at least the planned noise.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from fedvlm.privacy.distributed import DistributedGaussian
-from fedvlm.protocol import CONFIG_RECORD, SECAGG_MASKED, SECURE_SUM, SERVER_ROUND
+from fedvlm.protocol import CONFIG_RECORD, SECAGG_MASKED, SECAGG_STAGE, SECURE_SUM, SERVER_ROUND
 from fedvlm.runconfig.schema import SecureAggregationConfig
 from fedvlm.secagg import stages
-from fedvlm.secagg.graph import neighbours
+from fedvlm.secagg.graph import degree
 from fedvlm.secagg.node import majority_threshold
+from fedvlm.secagg.roster import Roster
 from fedvlm.secagg.server import SecAggError, ServerRound
 from fedvlm.secagg.summand import Summand, plain_gamma
+from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.plan import PhasePlan
-from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
+from fedvlm.strategies.records import ClientUpdate
 
 log = logging.getLogger(__name__)
 
-
-def degree(settings: SecureAggregationConfig, nodes: int) -> int:
-    """Each node's number of neighbours in a round of ``nodes``."""
-    k = settings.neighbours
-    return nodes - 1 if k == 0 or k >= nodes - 1 else k
+MAX_VECTOR_OVERHEAD = 4096  # bytes an array's header may add to its values
 
 
 def threshold(settings: SecureAggregationConfig, nodes: int, n_min: int = 0) -> int:
     """A round's threshold: the configured one, never below a strict majority of a node's share
-    holders nor below the survivors the noise was planned for."""
-    return max(settings.threshold, majority_threshold(degree(settings, nodes) + 1), n_min)
+    holders, nor two, nor the survivors the noise was planned for."""
+    return max(settings.threshold, majority_threshold(degree(settings.neighbours, nodes) + 1), 2, n_min)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class SecureRound:
     server: ServerRound
     summand: Summand
     stage: str = stages.KEYS
+    accepted: dict[int, ClientUpdate] = field(default_factory=dict)  # node id -> its validated train reply
     total: tuple[dict[str, np.ndarray], dict[str, float]] | None = None
     failed: str = ""
     bytes_up: int = 0
@@ -69,20 +74,32 @@ class SecureSum:
         self.seed = seed
         self.weighted = weighted  # each update weighted by its node's examples (else a plain sum)
         self.rounds: dict[int, SecureRound] = {}
+        self._roster = Roster.load(Path(settings.roster)) if settings.roster else None
 
-    def begin(self, server_round: int, kept: PhasePlan, noise: DistributedGaussian | None, norm_bound: float) -> None:
-        """Plan round ``server_round``'s secure sum over its train messages (in ``kept``) and add
-        each node's part of the plan to its message."""
+    def roster(self, nodes: Iterable[NodeInfo]) -> Roster | None:
+        """The roster the server relays for: the federation's (``secure-aggregation.roster``), or,
+        in a simulation whose nodes are partitions of one dataset, the simulation's."""
+        if self._roster is not None:
+            return self._roster
+        counts = {n.num_partitions for n in nodes}
+        if len(counts) == 1 and (members := counts.pop()) > 0:
+            return Roster.simulated(self.seed, members)
+        return None
+
+    def plan(
+        self, server_round: int, kept: PhasePlan, noise: DistributedGaussian | None, norm_bound: float
+    ) -> stages.SumPlan:
+        """Round ``server_round``'s plan over its train messages (in ``kept``), added to each of
+        them (``SecAggError``: the round cannot be summed securely)."""
         nodes = sorted(kept.outgoing)
         layout: dict[str, int] = {}
         for out in kept.outgoing.values():
             for name, shape in out.payload.expected.items():
                 layout[name] = int(np.prod(shape, dtype=np.int64))
         names = tuple(sorted(layout))
-        k = degree(self.settings, len(nodes))
+        k = degree(self.settings.neighbours, len(nodes))
         n_min = noise.n_min if noise is not None else 0
         t = threshold(self.settings, len(nodes), n_min)
-        graph = neighbours(nodes, k, numpy_rng(server_key(self.seed, server_round, ServerStream.SECAGG_GRAPH)))
         if t > k + 1:
             raise SecAggError(
                 f"round {server_round} has {len(nodes)} nodes to train: too few for a threshold of {t} (the noise "
@@ -90,9 +107,12 @@ class SecureSum:
             )
         weight = max((o.node.num_train for o in kept.outgoing.values()), default=1) if self.weighted else 1
         gamma = noise.gamma if noise is not None else plain_gamma(len(nodes), weight, norm_bound, self.settings.bits)
+        roster = self.roster(o.node for o in kept.outgoing.values())
         plan = stages.SumPlan(
+            server_round,
+            tuple(nodes),
+            self.settings.neighbours,
             t,
-            (),
             self.settings.bits,
             names,
             tuple(layout[n] for n in names),
@@ -101,44 +121,29 @@ class SecureSum:
             norm_bound,
             noise.client_sigma if noise is not None else 0.0,
             n_min,
+            roster.digest if roster is not None else "",
         )
-        summand = Summand(plan)
-        self.rounds[server_round] = SecureRound(ServerRound(server_round, t, plan.bits, summand.length, graph), summand)
         for msg in kept.messages:
-            own = stages.SumPlan(**{**plan.__dict__, "neighbours": graph[msg.metadata.dst_node_id]})
-            msg.content[SECURE_SUM] = ConfigRecord(own.to_config())
-        kept.secure = self.report(server_round)
+            msg.content[SECURE_SUM] = ConfigRecord(plan.to_config())
+        kept.secure = _plan_report(plan)
+        return plan
 
-    def advance(self, server_round: int, replies: list[Message], kept: PhasePlan) -> list[Message]:
+    def advance(
+        self,
+        server_round: int,
+        replies: list[Message],
+        kept: PhasePlan,
+        validate: Callable[[list[Message], PhasePlan], list[ClientUpdate]],
+    ) -> list[Message]:
         """The next stage's messages, from this stage's ``replies`` (none once the sum is known or
-        the round failed)."""
+        the round failed); ``validate``: the strategy's checks of the train replies."""
         secure = self.rounds.get(server_round)
-        if secure is None or secure.total is not None or secure.failed:
+        if secure is None:
+            secure = self.rounds[server_round] = self._start(kept)
+        if secure.total is not None or secure.failed:
             return []
-        stage_messages = kept.messages if secure.stage == stages.KEYS else kept.stage_messages
-        asked = {
-            m.metadata.message_id: m.metadata.dst_node_id
-            for m in stage_messages
-            if stages.stage_of(m.content[SECURE_SUM]) == secure.stage  # copies asked again too
-        }
-        answers = self._answers(secure, replies, asked)
-        server = secure.server
         try:
-            if secure.stage == stages.KEYS:
-                views = server.take_adverts(self._read(secure, answers, stages.read_keys_reply))
-                out = {u: stages.peer_keys(v) for u, v in views.items()}
-            elif secure.stage == stages.SHARES:
-                routed = server.take_shares(self._read(secure, answers, stages.read_shares_reply))
-                out = {u: stages.dealt(c) for u, c in routed.items()}
-            elif secure.stage == stages.MASKED:
-                vectors = self._read(secure, answers, _masked_vector)
-                complaints = self._read(secure, answers, stages.read_complaints)
-                requests = server.take_masked(vectors, complaints)
-                out = {u: stages.unmask(*r) for u, r in requests.items()}
-            else:
-                total = server.unmask(self._read(secure, answers, stages.read_shares_back))
-                secure.total = secure.summand.decode(total)
-                out = {}
+            out = self._take(secure, replies, kept, validate)
         except SecAggError as why:
             secure.failed = str(why)
             log.error("round %d: secure aggregation failed, the round's updates are discarded: %s", server_round, why)
@@ -160,6 +165,40 @@ class SecureSum:
         kept.stage_messages.extend(messages)
         return messages
 
+    def _start(self, kept: PhasePlan) -> SecureRound:
+        """The round's protocol state, from the plan its train messages carry."""
+        plan = stages.SumPlan.from_config(kept.messages[0].content[SECURE_SUM])
+        summand = Summand(plan)
+        roster = self.roster(o.node for o in kept.outgoing.values())
+        return SecureRound(ServerRound(plan, summand.length, roster), summand)
+
+    def _take(self, secure: SecureRound, replies: list[Message], kept: PhasePlan, validate) -> dict[int, dict]:
+        """This stage's answers taken into the protocol; the next stage's record for each node."""
+        server = secure.server
+        if secure.stage == stages.KEYS:
+            secure.accepted = {u.node.node_id: u for u in validate(replies, kept)}
+            answers = self._answers(secure, replies, kept.messages)
+            for node in sorted(set(answers) - set(secure.accepted)):
+                server.excluded.setdefault(node, "its train reply was dropped (the round's dropped list says why)")
+                del answers[node]
+            adverts = server.take_adverts(self._read(secure, answers, stages.read_keys_reply))
+            return {u: stages.peer_keys(adverts) for u in adverts}
+        answers = self._answers(secure, replies, kept.stage_messages)
+        if secure.stage == stages.SHARES:
+            routed = server.take_shares(self._read(secure, answers, stages.read_shares_reply))
+            return {u: stages.dealt(server.dealt, c) for u, c in routed.items()}
+        if secure.stage == stages.MASKED:
+            vectors = self._read(secure, answers, lambda reply: _masked_vector(reply, server.size), whole=True)
+            complaints = self._read(secure, {n: answers[n] for n in vectors}, stages.read_complaints)
+            survivors = server.take_masked(vectors, complaints)
+            return {u: stages.survivors(survivors) for u in survivors}
+        if secure.stage == stages.CONSISTENCY:
+            signatures = server.take_signatures(self._read(secure, answers, stages.read_story_signature))
+            return {u: stages.unmask(signatures) for u in signatures}
+        total = server.unmask(self._read(secure, answers, stages.read_shares_back))
+        secure.total = secure.summand.decode(total)
+        return {}
+
     def total(self, server_round: int) -> tuple[dict[str, np.ndarray], dict[str, float], list[int]] | None:
         """The round's (sums, weights, by tensor, flat; the survivors' node ids), or None if it failed."""
         secure = self.rounds.get(server_round)
@@ -168,26 +207,37 @@ class SecureSum:
         sums, weights = secure.total
         return sums, weights, sorted(secure.server.masked)
 
+    def in_sum(self, server_round: int) -> tuple[list[ClientUpdate], dict[str, str]]:
+        """The accepted train replies of the nodes whose updates are in the round's released sum
+        (none if it failed), and why each other accepted node's is not (name -> reason)."""
+        secure = self.rounds.get(server_round)
+        if secure is None:
+            return [], {}
+        members = set(secure.server.masked) if secure.total is not None else set()
+        left_out = {}
+        for node, update in secure.accepted.items():
+            if node not in members:
+                why = secure.server.excluded.get(node) or secure.failed or "it dropped out of the protocol"
+                left_out[update.node.name] = f"its update is not in the secure sum: {why}"
+        return [u for n, u in secure.accepted.items() if n in members], left_out
+
     def report(self, server_round: int) -> dict:
         """What results.json records of the round's protocol (``rounds[].secure_aggregation``): its
-        parameters (threshold, neighbours, modulus, the nodes' clip bound and quantisation step,
-        the vector's length), who took part at each stage and who was left out and why, what it
-        cost in bytes, the noise shares, and why the round failed, if it did."""
+        parameters (threshold, neighbours, modulus, the nodes' bound and quantisation step, the
+        vector's length), who took part at each stage and who was left out and why, what it cost
+        in bytes, the noise shares, and why the round failed, if it did."""
         secure = self.rounds[server_round]
-        plan = secure.summand.plan
         out = {
+            **_plan_report(secure.summand.plan),
             **secure.server.report(),
-            "norm_bound": plan.norm_bound,
-            "gamma": plan.gamma,
-            "weighted": plan.weighted,
-            "coordinates": secure.summand.length,
             "stage": secure.stage,
             "bytes_up": secure.bytes_up,
             "bytes_down": secure.bytes_down,
         }
         noise = secure.summand.noise
         if noise is not None:
-            out["noise"] = {**noise.as_dict(), "wrap_probability": noise.wrap_probability(len(secure.server.graph))}
+            participants = len(secure.summand.plan.participants)
+            out["noise"] = {**noise.as_dict(), "wrap_probability": noise.wrap_probability(participants)}
         if secure.failed:
             out["failed"] = secure.failed
         return out
@@ -197,46 +247,79 @@ class SecureSum:
 
     # ---- helpers ------------------------------------------------------------------------------
     @staticmethod
-    def _answers(secure: SecureRound, replies: list[Message], asked: Mapping[str, int]) -> dict[int, Message]:
-        """The replies to this stage's messages, by node: only from the node asked, the first one."""
+    def _answers(secure: SecureRound, replies: list[Message], sent: list[Message]) -> dict[int, Message]:
+        """The replies to this stage's messages (``sent``, copies asked again too), by node: only
+        from the node asked, the first one. Their size is counted from their bytes as they came,
+        without decoding anything a node sent."""
+        asked = {
+            m.metadata.message_id: m.metadata.dst_node_id
+            for m in sent
+            if stages.stage_of(m.content[SECURE_SUM]) == secure.stage
+        }
         out: dict[int, Message] = {}
         for reply in replies:
             node = asked.get(reply.metadata.reply_to_message_id)
-            if node is None:
-                continue
-            if reply.has_error():
-                continue  # the node dropped out of this stage (its error, or the SuperLink's, in the logs)
+            if node is None or reply.has_error():
+                continue  # another stage's, or the node dropped out of this one (its error is in the logs)
             if reply.metadata.src_node_id != node:
                 secure.server.excluded.setdefault(node, "a reply in its name came from another node")
                 continue
-            out.setdefault(node, reply)
-            secure.bytes_up += sum(_nbytes(dict(r)) for r in reply.content.config_records.values())
-            secure.bytes_up += sum(a.numpy().nbytes for r in reply.content.array_records.values() for a in r.values())
+            if node in out:
+                continue
+            out[node] = reply
+            secure.bytes_up += _reply_nbytes(reply)
         return out
 
     @staticmethod
-    def _read(secure: SecureRound, answers: Mapping[int, Message], read) -> dict:
-        """Each answer's stage record read with ``read``; an unreadable one leaves its node out."""
+    def _read(secure: SecureRound, answers: Mapping[int, Message], read: Callable, whole: bool = False) -> dict:
+        """Each answer read with ``read`` (its stage record; the reply itself where ``whole``); an
+        answer that is malformed in any way, or answers another stage, leaves its node out."""
         out = {}
         for node, reply in answers.items():
             try:
                 record = reply.content[SECURE_SUM] if SECURE_SUM in reply.content else None
                 if not isinstance(record, ConfigRecord):
                     raise stages.MalformedStage("its reply carries no secure-sum record")
-                out[node] = read(dict(record)) if read is not _masked_vector else read(reply)
-            except (stages.MalformedStage, ValueError, TypeError) as why:
-                secure.server.excluded.setdefault(node, f"its {secure.stage} reply is malformed: {why}")
+                if stages.stage_of(record) != secure.stage:
+                    raise stages.MalformedStage(f"it answers the {record.get(SECAGG_STAGE)!r} stage")
+                out[node] = read(reply) if whole else read(dict(record))
+            except Exception as why:  # noqa: BLE001 - whatever a node sends, it costs that node only
+                secure.server.excluded.setdefault(node, f"its {secure.stage} reply is malformed: {why}"[:300])
         return out
 
 
-def _masked_vector(reply: Message) -> np.ndarray:
+def _masked_vector(reply: Message, size: int) -> np.ndarray:
     record = reply.content.array_records.get(next(iter(reply.content.array_records), ""), None)
     if not isinstance(record, ArrayRecord) or list(record.keys()) != [SECAGG_MASKED]:
         raise stages.MalformedStage(f"a masked reply carries one tensor, {SECAGG_MASKED}")
     array = record[SECAGG_MASKED]
-    if array.dtype not in ("uint32", "uint64") or len(array.shape) != 1:
-        raise stages.MalformedStage(f"the masked vector is {array.dtype} {array.shape}, not a flat uint32/64 vector")
-    return array.numpy().astype(np.uint64)
+    if len(array.data) > 8 * size + MAX_VECTOR_OVERHEAD:
+        raise stages.MalformedStage(f"its masked vector holds {len(array.data)} bytes, more than {size} residues")
+    if array.dtype not in ("uint32", "uint64") or list(array.shape) != [size]:
+        raise stages.MalformedStage(f"the masked vector is {array.dtype} {array.shape}, not a flat uint32/64 ({size},)")
+    values = array.numpy()
+    if values.dtype not in (np.uint32, np.uint64) or values.shape != (size,):
+        raise stages.MalformedStage("the masked vector's bytes do not hold what its header says")
+    return values.astype(np.uint64)
+
+
+def _plan_report(plan: stages.SumPlan) -> dict:
+    return {
+        "threshold": plan.threshold,
+        "bits": plan.bits,
+        "asked": len(plan.participants),
+        "norm_bound": plan.norm_bound,
+        "gamma": plan.gamma,
+        "weighted": plan.weighted,
+        "coordinates": Summand(plan).length,
+        "roster": plan.roster[:16],
+    }
+
+
+def _reply_nbytes(reply: Message) -> int:
+    """What a stage reply weighs on the wire, roughly, from its raw bytes."""
+    total = sum(_nbytes(dict(r)) for r in reply.content.config_records.values())
+    return total + sum(len(a.data) for r in reply.content.array_records.values() for a in r.values())
 
 
 def _nbytes(record: Mapping) -> int:

@@ -1,0 +1,216 @@
+"""Secure aggregation's protocol driven in one process: honest nodes (real ``secagg.node.NodeRound``
+objects, each with its own identity key on one roster), an honest server (``ServerRound``), or a
+server that deviates, and an oracle of what a server can unmask from what the nodes gave it.
+
+The oracle (``unmaskable``) works from the nodes' true state, not from the server's claims: a sum
+over a set S of the nodes that sent masked vectors is in the server's reach when it can rebuild the
+self-mask seed of every node of S from the shares nodes revealed, and every pairwise mask term a
+node of S added either cancels inside S (both ends added it, in one session, with the keys each
+really holds) or is removable with a mask key the server rebuilt. A protocol that holds leaves
+only sums of at least t nodes in reach, whatever the server told each node.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+
+from fedvlm.secagg.graph import degree
+from fedvlm.secagg.masks import decode, encode, expand, reduce
+from fedvlm.secagg.node import (
+    NodeRound,
+    SecAggRefused,
+    key_from_scalar,
+    key_scalar,
+    majority_threshold,
+    pair_seed,
+    pair_sign,
+    seed_commitment,
+)
+from fedvlm.secagg.roster import Identity, Roster
+from fedvlm.secagg.server import ServerRound
+from fedvlm.secagg.stages import Advert, SumPlan
+
+BITS, SIZE = 32, 257
+
+
+@dataclass
+class Round:
+    """One round's honest nodes, before the server speaks."""
+
+    ids: list[int]
+    plan: SumPlan
+    roster: Roster
+    identities: dict[int, Identity]
+    values: dict[int, np.ndarray]
+    nodes: dict[int, NodeRound] = field(default_factory=dict)
+    adverts: dict[int, Advert] = field(default_factory=dict)
+
+    @property
+    def t(self) -> int:
+        return self.plan.threshold
+
+    def start(self, ids=None, floor: int = 0) -> None:
+        for u in self.ids if ids is None else ids:
+            self.nodes[u], self.adverts[u] = NodeRound.start(u, self.plan, self.roster, self.identities[u], floor)
+
+    def vector(self, u: int) -> np.ndarray:
+        return encode(self.values[u], self.plan.bits)
+
+
+def make_round(n: int, k: int = 0, seed: int = 0, threshold: int | None = None, **plan) -> Round:
+    ids = [101 + 7 * i for i in range(n)]
+    roster = Roster.simulated(seed, n)
+    identities = {u: Identity.simulated(seed, i) for i, u in enumerate(ids)}
+    t = threshold if threshold is not None else max(2, majority_threshold(degree(k, n) + 1))
+    fields = dict(
+        server_round=1,
+        participants=tuple(ids),
+        degree=k,
+        threshold=t,
+        bits=BITS,
+        names=("x",),
+        sizes=(SIZE - 1,),
+        weighted=False,
+        gamma=1.0,
+        norm_bound=1.0,
+        client_sigma=0.0,
+        n_min=0,
+        roster=roster.digest,
+    )
+    fields.update(plan)
+    rng = np.random.default_rng(seed + 1)
+    values = {u: rng.integers(-1000, 1000, SIZE) for u in ids}
+    return Round(ids, SumPlan(**fields), roster, identities, values)
+
+
+def run_honest(n, k=0, drop=None, tamper=None, seed=0):
+    """The whole protocol with an honest server; ``drop``: stage -> nodes that stop answering
+    before it; ``tamper``: (stage, node id, reply) -> a changed reply."""
+    drop, tamper = drop or {}, tamper or (lambda stage, u, r: r)
+    r = make_round(n, k, seed)
+    r.start([u for u in r.ids if u not in drop.get("keys", ())])
+    server = ServerRound(r.plan, SIZE, r.roster)
+    adverts = server.take_adverts({u: tamper("keys", u, a) for u, a in r.adverts.items()})
+    dealt = {
+        u: tamper("shares", u, r.nodes[u].share(adverts, r.roster)) for u in adverts if u not in drop.get("shares", ())
+    }
+    routed = server.take_shares(dealt)
+    masked = {}
+    for u, ciphertexts in routed.items():
+        if u in drop.get("masked", ()):
+            continue
+        r.nodes[u].receive(server.dealt, ciphertexts)
+        masked[u] = tamper("masked", u, r.nodes[u].mask(r.vector(u)))
+    survivors = server.take_masked(masked, {u: sorted(r.nodes[u].complaints) for u in masked})
+    signed = {
+        u: tamper("consistency", u, r.nodes[u].sign_story(survivors, r.identities[u]))
+        for u in survivors
+        if u not in drop.get("consistency", ())
+    }
+    signatures = server.take_signatures(signed)
+    revealed = {
+        u: tamper("unmask", u, r.nodes[u].reveal(signatures)) for u in signatures if u not in drop.get("unmask", ())
+    }
+    total = server.unmask(revealed)
+    expected = sum((r.values[u] for u in server.masked), np.zeros(SIZE, dtype=np.int64))
+    return decode(total, BITS), expected, server, r
+
+
+# ---- what a server can unmask ------------------------------------------------------------------
+def rebuilt(r: Round, revealed: dict[int, tuple[dict[int, bytes], dict[int, bytes]]]) -> tuple[set[int], set[int]]:
+    """The nodes whose self-mask seed, and whose mask key, the server can rebuild from every
+    share any node revealed (holder -> (seed shares, key shares), each by owner)."""
+    seeds: dict[int, list[bytes]] = {}
+    keys: dict[int, list[bytes]] = {}
+    for seed_shares, key_shares in revealed.values():
+        for owner, share in seed_shares.items():
+            seeds.setdefault(owner, []).append(share)
+        for owner, share in key_shares.items():
+            keys.setdefault(owner, []).append(share)
+    got_seeds = {
+        u
+        for u, s in seeds.items()
+        if _opens(s, r.t, lambda x, u=u: seed_commitment(x) == seed_commitment(r.nodes[u].seed))
+    }
+    got_keys = {u for u, s in keys.items() if _opens(s, r.t, lambda x, u=u: x == key_scalar(r.nodes[u].mask_key))}
+    return got_seeds, got_keys
+
+
+def _opens(shares: list[bytes], t: int, fits) -> bool:
+    unique = list(dict.fromkeys(shares))
+    if len(unique) < t:
+        return False
+    for subset in itertools.islice(itertools.combinations(unique, t), 50):
+        try:
+            if fits(combine_shares(list(subset))):
+                return True
+        except (ValueError, IndexError, TypeError):
+            continue
+    return False
+
+
+def _cancels(r: Round, u: int, j: int, members: set[int]) -> bool:
+    a, b = r.nodes[u], r.nodes.get(j)
+    return (
+        j in members
+        and b is not None
+        and u in b.peers
+        and a.session == b.session
+        and a.adverts[j] == b.adverts[j]
+        and b.adverts[u] == a.adverts[u]
+    )
+
+
+def _removable(r: Round, u: int, j: int, keys: set[int]) -> bool:
+    """Whether the server can compute u's pairwise mask term with j: from u's mask key, or from
+    the key j really holds when u masked with j's real public key."""
+    if u in keys:
+        return True
+    b = r.nodes.get(j)
+    return j in keys and b is not None and r.nodes[u].adverts[j].mask == b.adverts[j].mask
+
+
+def unmaskable(r: Round, sent: set[int], revealed) -> list[frozenset[int]]:
+    """Every set of the nodes that sent masked vectors (``sent``) whose sum the server can unmask."""
+    seeds, keys = rebuilt(r, revealed)
+    out = []
+    for size in range(1, len(sent) + 1):
+        for members in itertools.combinations(sorted(sent & seeds), size):
+            s = set(members)
+            if all(_cancels(r, u, j, s) or _removable(r, u, j, keys) for u in s for j in r.nodes[u].peers):
+                out.append(frozenset(s))
+    return out
+
+
+def unmask_numerically(r: Round, members: frozenset[int], masked: dict[int, np.ndarray], revealed) -> np.ndarray:
+    """The sum over ``members`` as a server computes it from what it was given (to check the oracle)."""
+    seeds, keys = rebuilt(r, revealed)
+    assert members <= seeds
+    total = np.zeros(SIZE, dtype=np.uint64)
+    for u in members:
+        node = r.nodes[u]
+        total = reduce(total + masked[u] - expand(node.seed, SIZE, BITS), BITS)
+        for j in node.peers:
+            if _cancels(r, u, j, set(members)):
+                continue
+            key = node.mask_key if u in keys else None
+            if key is not None:
+                m = expand(pair_seed(key, node.adverts[j].mask, node.session), SIZE, BITS)
+            else:
+                other = key_from_scalar(key_scalar(r.nodes[j].mask_key))
+                m = expand(pair_seed(other, node.adverts[u].mask, node.session), SIZE, BITS)
+            total = reduce(total - m if pair_sign(u, j) > 0 else total + m, BITS)
+    return decode(total, BITS)
+
+
+def refuses(call) -> str:
+    """The node's refusal text, or '' where it went along."""
+    try:
+        call()
+    except SecAggRefused as why:
+        return str(why)
+    return ""
