@@ -122,6 +122,7 @@ def test_a_secure_rounds_later_stages_start_without_torch():
     """A deployed node starts a ClientApp process per message: a secure round's shares, masked and
     unmask stages run on what the node kept and load neither torch nor a model (importing torch
     costs about 2 s on two cores, three times a round on every node)."""
-    code = "import sys\nimport fedvlm.client_app.app, fedvlm.client_app.secure_aggregation\nprint('torch' in sys.modules)\n"
+    modules = "fedvlm.client_app.app, fedvlm.client_app.secure_aggregation"
+    code = f"import sys\nimport {modules}\nprint('torch' in sys.modules)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", out
