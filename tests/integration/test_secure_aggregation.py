@@ -14,11 +14,12 @@ import torch
 from flwr.app import Array, ArrayRecord, Error, Message
 
 from fedvlm.attacks.server import ServerAttack
-from fedvlm.client_app import secure_sum
+from fedvlm.client_app import secure_aggregation
 from fedvlm.client_app.app import app as client_app
-from fedvlm.metrics import EPSILON_SPENT
+from fedvlm.metrics import EPSILON_SPENT, NUM_EXAMPLES
 from fedvlm.protocol import (
     ARRAYS_RECORD,
+    METRICS_RECORD,
     SECAGG_CLIENT_SIGMA,
     SECAGG_MASKED,
     SECAGG_NODES,
@@ -114,21 +115,26 @@ def _secure_run(make_cfg, run_id, intercept=None, n=5, method="promptfl", **over
 
 
 def _capture_updates(monkeypatch) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
-    """node id -> (the prompt it was sent, its update, its weight), as each node encodes them."""
+    """node id -> (the prompt it was sent, its update, its weight), from the clear reply the
+    handlers hand to the secure-aggregation layer, which encodes it."""
     seen = {}
-    first_stage = secure_sum.first_stage
+    first_stage = secure_aggregation._first_stage
 
-    def spy(msg, context, cfg, randomness, part, evaluation):
-        sent = msg.content[ARRAYS_RECORD][CTX].numpy()
-        reply = part.reply
-        seen[context.node_id] = (sent, reply.arrays[CTX].numpy() - sent, reply.num_examples)
-        return first_stage(msg, context, cfg, randomness, part, evaluation)
+    def spy(msg, context, inner):
+        def watching(m, c):
+            reply = inner(m, c)
+            sent = msg.content[ARRAYS_RECORD][CTX].numpy()
+            returned = reply.content[ARRAYS_RECORD][CTX].numpy()
+            seen[context.node_id] = (sent, returned - sent, int(reply.content[METRICS_RECORD][NUM_EXAMPLES]))
+            return reply
 
-    monkeypatch.setattr(secure_sum, "first_stage", spy)
+        return first_stage(msg, context, watching)
+
+    monkeypatch.setattr(secure_aggregation, "_first_stage", spy)
     return seen
 
 
-@pytest.mark.parametrize("stage", ["keys", "shares", "masked", "unmask"])
+@pytest.mark.parametrize("stage", ["keys", "shares", "masked", "consistency", "unmask"])
 def test_a_node_dropping_out_at_any_stage_leaves_the_survivors_exact_sum(make_cfg, pretrained_clip, monkeypatch, stage):
     dropped = 1001  # partition 1's node
 
@@ -141,7 +147,9 @@ def test_a_node_dropping_out_at_any_stage_leaves_the_survivors_exact_sum(make_cf
     rec, data, grid = _secure_run(make_cfg, f"drop-{stage}", drop)
     protocol = data["rounds"][0]["secure_aggregation"]
     assert data["run"]["status"] == "finished" and "failed" not in protocol
-    in_sum = set(seen) - ({dropped} if stage != "unmask" else set())  # lost after its vector: still summed
+    in_sum = set(seen) - (
+        {dropped} if stage in ("keys", "shares", "masked") else set()
+    )  # lost after its vector: summed
     assert protocol["masked"] == len(in_sum) and len(seen) == 5
     # the aggregate is the weighted average of the clear updates the survivors encoded
     sent = next(iter(seen.values()))[0]
@@ -197,7 +205,7 @@ def test_a_malformed_vector_excludes_its_sender_and_the_rest_sum_exactly(make_cf
 
     rec, data, _ = _secure_run(make_cfg, "malformed", shorten)
     protocol = data["rounds"][0]["secure_aggregation"]
-    assert "uint64" in protocol["excluded"]["1002"] and protocol["masked"] == 4
+    assert "not a flat uint32/64" in protocol["excluded"]["1002"] and protocol["masked"] == 4
     rest = {n: v for n, v in seen.items() if n != 1002}
     weights = sum(w for _, _, w in rest.values())
     sent = next(iter(rest.values()))[0]
@@ -231,7 +239,7 @@ def test_nodes_hold_the_server_to_their_own_terms(make_cfg, pretrained_clip, mon
     )
     rec, data, _ = _secure_run(make_cfg, "weak-noise", method="dpfpl", privacy__epsilon=4.0, n=4)
     protocol = data["rounds"][0]["secure_aggregation"]
-    assert protocol["advertised"] == 0 and "no node is left" in protocol["failed"]
+    assert protocol["advertised"] == 0 and "0 nodes advertised keys" in protocol["failed"]
     assert all("noise share" in d["reason"] for d in data["rounds"][0]["dropped"])
 
 

@@ -1,0 +1,336 @@
+"""Secure aggregation through the wire, against the two parties it must hold against: a SuperLink
+host that rewrites what the real ServerApp sends (``HostileGrid``: the request each real node
+receives), and a hostile member whose stage replies are malformed. The nodes are the project's
+real ClientApp (its handlers inside the secure-aggregation layer), in a real in-process federation.
+
+What the server must never get: a node's update outside a masked sum (a stripped plan), a value
+of its data in a refusal (a forged bound; any error text: the same bytes for neighbouring
+datasets), a sum the plan did not promise (per-node plans, keys off the roster, per-node survivor
+stories). What a hostile node must never do: stop the run, or have an update dropped from the
+round's record still counted in the sum.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+
+from fedvlm.client_app import node_round, trainer
+from fedvlm.client_app.app import app as client_app
+from fedvlm.protocol import (
+    ARRAYS_RECORD,
+    SECAGG_IDENTITY_KEYS,
+    SECAGG_MASKED,
+    SECAGG_NODES,
+    SECAGG_NORM_BOUND,
+    SECAGG_ROSTER,
+    SECAGG_STAGE,
+    SECAGG_SURVIVORS,
+    SECAGG_THRESHOLD,
+    SECURE_SUM,
+)
+from fedvlm.secagg import server as secagg_server
+from fedvlm.secagg import stages
+from fedvlm.secagg.roster import Identity
+from fedvlm.server_app.app import execute
+from fedvlm.tensor_names import CTX
+from fedvlm.utils.inprocess import InProcessGrid
+
+N = 5
+
+
+class HostileGrid(InProcessGrid):
+    """An in-process federation whose SuperLink rewrites each request before its node sees it
+    (``rewrite``: the request -> the request delivered)."""
+
+    def __init__(self, *args, rewrite: Callable[[Message], Message] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rewrite = rewrite
+
+    def _answer(self, msg: Message) -> list[Message]:
+        if self.rewrite is None:
+            return super()._answer(msg)
+        return super()._answer(self.rewrite(copy.deepcopy(msg)))  # the ServerApp keeps what it sent
+
+
+def _stage(msg: Message) -> str:
+    return str(msg.content[SECURE_SUM][SECAGG_STAGE]) if SECURE_SUM in msg.content else ""
+
+
+def _federation(make_cfg, run_id, rewrite=None, intercept=None, nodes=None, n=N, **overrides):
+    cfg = make_cfg(
+        **{
+            "method": "promptfl",
+            "num_server_rounds": 1,
+            "max_per_class": 6,
+            "replies__max_norm": 100.0,
+            "secure_aggregation__enabled": True,
+            "reply_grace": 0.2,
+            **overrides,
+        }
+    )
+    configs = nodes or [{"partition-id": i, "num-partitions": n} for i in range(n)]
+    grid = HostileGrid(client_app, configs, cfg.as_dict(), intercept=intercept, rewrite=rewrite)
+    rec = execute(cfg, grid, run_id=run_id)
+    return rec, json.loads(rec.path.read_text()), grid
+
+
+def _errors(grid: InProcessGrid, node: int) -> list[str]:
+    return [r.error.reason.split("\n")[0] for r in grid.replies if r.has_error() and r.metadata.src_node_id == node]
+
+
+def _final(rec) -> np.ndarray:
+    return torch.load(rec.dir / "final_shared.pt", weights_only=True)["arrays"][CTX].numpy()
+
+
+def _trained(monkeypatch) -> list[int]:
+    """The nodes whose handlers trained (node ids, in order)."""
+    calls = []
+    honest = node_round.NodeMessage.train
+
+    def train(self, *args):
+        calls.append(self.context.node_id)
+        return honest(self, *args)
+
+    monkeypatch.setattr(node_round.NodeMessage, "train", train)
+    return calls
+
+
+# ---- a server that deviates -----------------------------------------------------------------------
+@pytest.mark.parametrize("who", ["run", "node"])
+def test_a_train_message_stripped_of_its_plan_is_refused_before_training(make_cfg, pretrained_clip, monkeypatch, who):
+    """The downgrade, to node 1001: the run enables secure aggregation and the SuperLink hands the
+    node its train message without the plan (``run``); or the run does not, and the node's own
+    config requires it, a requirement the server got around at the handshake (``node``: set
+    after it). Either way the node trains nothing and sends nothing."""
+    grid_of = {}
+
+    def strip(msg):
+        if msg.metadata.dst_node_id == 1001 and msg.metadata.message_type == "train":
+            grid_of["grid"].contexts[1001].node_config["require-secure-aggregation"] = "true" if who == "node" else ""
+            if SECURE_SUM in msg.content and _stage(msg) == "keys":
+                del msg.content[SECURE_SUM]
+        return msg
+
+    honest_init = HostileGrid.__init__
+
+    def keep(self, *args, **kwargs):
+        honest_init(self, *args, **kwargs)
+        grid_of["grid"] = self
+
+    monkeypatch.setattr(HostileGrid, "__init__", keep)
+    trained = _trained(monkeypatch)
+    rec, data, grid = _federation(make_cfg, f"stripped-{who}", strip, secure_aggregation__enabled=who == "run")
+    (why,) = _errors(grid, 1001)
+    assert "carries no secure-sum plan: refused before training" in why
+    assert 1001 not in trained and len(set(trained)) == N - 1
+    trains = [r for r in grid.replies if r.metadata.src_node_id == 1001 and r.metadata.message_type == "train"]
+    assert trains and all(r.has_error() for r in trains)
+
+
+def test_a_forged_tiny_bound_is_projected_onto_never_refused_with_a_norm(make_cfg, pretrained_clip, monkeypatch):
+    """The server plans a bound far below every update (one plan, as every node checks): each
+    node projects its update onto it; no refusal, no norm leaves a node, and the global prompt
+    moves by at most the bound."""
+    bound = 1e-4
+    to_config = stages.SumPlan.to_config
+    monkeypatch.setattr(stages.SumPlan, "to_config", lambda plan: {**to_config(plan), SECAGG_NORM_BOUND: bound})
+    rec, data, grid = _federation(make_cfg, "tiny-bound")
+    assert not [r for r in grid.replies if r.has_error()]
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert protocol["masked"] == N and "failed" not in protocol
+    sent = next(m for m in grid.sent if _stage(m) == "keys").content[ARRAYS_RECORD][CTX].numpy()
+    moved = float(np.linalg.norm(_final(rec).astype(np.float64) - sent))
+    assert 0 < moved <= bound * 1.01, moved
+
+
+def _relays_everything(monkeypatch) -> None:
+    """The ServerApp itself deviates: it relays every advert, whatever plan it was signed over."""
+    monkeypatch.setattr(secagg_server, "_advert_problem", lambda *args: "")
+
+
+def test_a_plan_handed_out_differently_is_refused_and_nothing_is_summed(make_cfg, pretrained_clip, monkeypatch):
+    _relays_everything(monkeypatch)
+
+    def split(msg):
+        if msg.metadata.dst_node_id >= 1003 and _stage(msg) == "keys":
+            msg.content[SECURE_SUM][SECAGG_THRESHOLD] = int(msg.content[SECURE_SUM][SECAGG_THRESHOLD]) + 1
+        return msg
+
+    rec, data, grid = _federation(make_cfg, "two-plans", split)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert "failed" in protocol
+    refusals = [e for node in range(1000, 1000 + N) for e in _errors(grid, node)]
+    assert refusals and all("signature over this round's plan" in e for e in refusals), refusals
+
+
+def test_keys_no_rostered_member_signed_are_refused_through_the_wire(make_cfg, pretrained_clip):
+    """The SuperLink adds a Sybil's advert (an identity off the roster) to what it relays."""
+    sybil = Identity.simulated(12345, 0).public
+
+    def add_sybil(msg):
+        if _stage(msg) == "shares":
+            record = msg.content[SECURE_SUM]
+            pairs = zip(record[SECAGG_NODES], record[SECAGG_IDENTITY_KEYS], strict=True)
+            record[SECAGG_IDENTITY_KEYS] = [sybil if n == str(1004) else k for n, k in pairs]
+        return msg
+
+    rec, data, grid = _federation(make_cfg, "sybil", add_sybil)
+    assert "failed" in data["rounds"][0]["secure_aggregation"]
+    for node in range(1000, 1000 + N - 1):
+        assert any("not signed by a member of this node's roster" in e for e in _errors(grid, node)), node
+    assert any("other public keys than the ones it advertised" in e for e in _errors(grid, 1004))
+
+
+def test_a_plan_for_another_roster_is_refused_before_training(make_cfg, pretrained_clip, monkeypatch):
+    trained = _trained(monkeypatch)
+
+    def other_roster(msg):
+        if _stage(msg) == "keys":
+            msg.content[SECURE_SUM][SECAGG_ROSTER] = "f" * 64
+        return msg
+
+    rec, data, grid = _federation(make_cfg, "other-roster", other_roster)
+    assert not trained
+    assert all("this node pins roster" in _errors(grid, n)[0] for n in range(1000, 1000 + N))
+
+
+def test_per_node_survivor_stories_reveal_nothing(make_cfg, pretrained_clip):
+    """At the consistency stage the SuperLink tells each node another set of survivors (itself
+    and two others): each signs its own story, none gathers a majority, no share is revealed."""
+
+    def stories(msg):
+        if _stage(msg) == "consistency":
+            u = msg.metadata.dst_node_id
+            msg.content[SECURE_SUM][SECAGG_SURVIVORS] = [str(u), str(1000 + (u + 1) % N), str(1000 + (u + 2) % N)]
+        return msg
+
+    rec, data, grid = _federation(make_cfg, "stories", stories)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert "failed" in protocol and protocol["revealed"] == 0
+    assert not [r for r in grid.replies if _stage_of_reply(r) == "unmask"]
+
+
+def _stage_of_reply(reply: Message) -> str:
+    if reply.has_error() or SECURE_SUM not in reply.content:
+        return ""
+    return str(reply.content[SECURE_SUM][SECAGG_STAGE])
+
+
+# ---- what leaves a node: the same bytes for neighbouring datasets ----------------------------------
+def _one_record(world: str, sizes: list[int]):
+    """Partition 0's batches: its record 0 alone (``world`` 'in') or nothing ('out')."""
+    honest = trainer.batches
+
+    def batches(n, batch_size, steps, settings, rng):
+        if n != sizes[0]:
+            yield from honest(n, batch_size, steps, settings, rng)
+            return
+        for _ in range(steps):
+            yield np.array([0] if world == "in" else [], dtype=np.int64)
+
+    return batches
+
+
+def _leaking_training(monkeypatch):
+    """A training that fails with a text carrying a value of the node's data (its update's norm)."""
+    honest = node_round.NodeMessage.train
+
+    def train(self, *args):
+        part = honest(self, *args)
+        norm = float(sum(float(v.double().norm() ** 2) for v in part.reply.arrays.values()))
+        raise ValueError(f"the update's squared norm is {norm!r}")
+
+    monkeypatch.setattr(node_round.NodeMessage, "train", train)
+
+
+REFUSALS = {
+    "stripped plan": lambda msg: (msg.content.__delitem__(SECURE_SUM), msg)[1] if _stage(msg) == "keys" else msg,
+    "minority threshold": lambda msg: _set(msg, SECAGG_THRESHOLD, 2),
+    "other roster": lambda msg: _set(msg, SECAGG_ROSTER, "0" * 64),
+}
+
+
+def _set(msg: Message, key: str, value) -> Message:
+    if _stage(msg) == "keys":
+        msg.content[SECURE_SUM][key] = value
+    return msg
+
+
+@pytest.mark.parametrize("case", [*REFUSALS, "leaking error"])
+def test_what_a_node_says_is_the_same_for_neighbouring_datasets(make_cfg, pretrained_clip, monkeypatch, case):
+    """Partition 0 with one record in its batch or not: every refusal and error text it sends is
+    the same bytes, whatever the server did; an error whose text carries a value of its data
+    leaves as its class name alone."""
+    cfg = make_cfg(method="promptfl", max_per_class=6)
+    sizes = [len(cfg.spec.family.node_data(cfg, {"partition-id": i, "num-partitions": N}).part.train) for i in (0, 1)]
+    if case == "leaking error":
+        _leaking_training(monkeypatch)
+    said = {}
+    for world in ("in", "out"):
+        monkeypatch.setattr(trainer, "batches", _one_record(world, sizes))
+        _, _, grid = _federation(make_cfg, f"{case}-{world}", REFUSALS.get(case))
+        said[world] = _errors(grid, 1000)
+    assert said["in"] and said["in"] == said["out"], said
+    if case == "leaking error":
+        assert "squared norm" not in said["in"][0] and "ValueError (its text is in this node's log" in said["in"][0]
+
+
+# ---- a hostile member ------------------------------------------------------------------------------
+def _replace_masked(data: bytes, dtype="uint64", shape=None):
+    def corrupt(request, reply):
+        if request.metadata.dst_node_id == 1002 and _stage(request) == "masked" and not reply.has_error():
+            real = reply.content[ARRAYS_RECORD][SECAGG_MASKED]
+            fake = Array(dtype=dtype, shape=tuple(shape or real.shape), stype=real.stype, data=data)
+            reply.content[ARRAYS_RECORD] = ArrayRecord({SECAGG_MASKED: fake})
+        return reply
+
+    return corrupt
+
+
+@pytest.mark.parametrize(
+    "how,reason",
+    [
+        ("not an array", "malformed"),
+        ("oversized", "more than"),
+        ("another stage", "answers the 'keys' stage"),
+    ],
+)
+def test_a_hostile_nodes_malformed_stage_reply_costs_that_node_only(make_cfg, pretrained_clip, how, reason):
+    if how == "not an array":
+        corrupt = _replace_masked(b"these bytes are no array at all")
+    elif how == "oversized":
+        corrupt = _replace_masked(bytes(8 * 10_000_000 // 100), shape=[100])
+    else:
+
+        def corrupt(request, reply):
+            if request.metadata.dst_node_id == 1002 and _stage(request) == "masked" and not reply.has_error():
+                reply.content[SECURE_SUM] = ConfigRecord({**reply.content[SECURE_SUM], SECAGG_STAGE: "keys"})
+            return reply
+
+    rec, data, _ = _federation(make_cfg, f"hostile-{how.replace(' ', '-')}", intercept=corrupt)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert data["run"]["status"] == "finished" and "failed" not in protocol
+    assert reason in protocol["excluded"]["1002"] and protocol["masked"] == N - 1
+
+
+def test_a_train_reply_dropped_by_validation_is_not_in_the_sum(make_cfg, pretrained_clip):
+    """Node 1003's keys reply carries a clear tensor beside its advert: validation drops it, and so
+    does the protocol; the round's record and its sum agree on who is in it."""
+
+    def smuggle(request, reply):
+        if request.metadata.dst_node_id == 1003 and _stage(request) == "keys" and not reply.has_error():
+            reply.content[ARRAYS_RECORD] = ArrayRecord({CTX: Array(np.zeros((4, 4), dtype=np.float32))})
+        return reply
+
+    rec, data, _ = _federation(make_cfg, "smuggled", intercept=smuggle)
+    r = data["rounds"][0]
+    assert [d["client"] for d in r["dropped"]] == ["client-3"] and r["secure_aggregation"]["masked"] == N - 1
+    assert "dropped" in r["secure_aggregation"]["excluded"]["1003"]
+    assert r["metrics"]["train-clients"] == N - 1 and "train/train-loss" not in r["clients"].get("client-3", {})
