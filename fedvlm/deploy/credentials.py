@@ -19,13 +19,20 @@ writes
                                     0600): stays on that SuperNode's machine
     <out>/supernodes/<name>.pub     its public key: the researcher registers it with
                                     `flwr supernode register`
+    <out>/supernodes/<name>.identity        the organisation's identity key for secure aggregation
+    <out>/supernodes/<name>.identity.pub    (Ed25519, 0600; secagg.roster): it signs the keys its node
+                                    advertises in a secure round; stays on that SuperNode's machine
+    <out>/roster.json               every organisation's identity public key: each organisation pins
+                                    it (node config secure-aggregation-roster) after checking its
+                                    digest with the others (python -m fedvlm.secagg.roster show),
+                                    and the ServerApp relays for it (secure-aggregation.roster)
 
 Run it again with new --supernode names to add organisations later: an existing CA and server
 certificate are reused, existing keys are never overwritten (use --force to reissue the server
 certificate, e.g. for a new address). The CA key signs nothing else: keep it offline.
 
-Only ca.crt, server.crt/server.key and server-signing.key go to the SuperLink machine; only ca.crt,
-server-signing.pub and its own key to a SuperNode. Nothing here is ever committed (the
+Only ca.crt, server.crt/server.key, server-signing.key and roster.json go to the SuperLink machine;
+only ca.crt, server-signing.pub, roster.json and its own two keys to a SuperNode. Nothing here is ever committed (the
 repository's .gitignore excludes the usual output folders and key files).
 """
 
@@ -45,6 +52,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedvlm.deploy import instruction_signing as signing
+from fedvlm.secagg import roster
+from fedvlm.secagg.roster import Roster
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -212,10 +221,26 @@ def generate(
     for name in supernodes:
         if (out / "supernodes" / name).exists():
             kept.append(f"supernodes/{name}")
-            continue
-        make_supernode_key(out, name)
-        made.append(f"supernodes/{name}")
+        else:
+            make_supernode_key(out, name)
+            made.append(f"supernodes/{name}")
+        identity = out / "supernodes" / f"{name}.identity"
+        if not identity.exists():
+            identity.with_suffix(".identity.pub").unlink(missing_ok=True)  # a public key without its private one
+            roster.generate(identity, identity.with_suffix(".identity.pub"))
+            made.append(f"supernodes/{name}.identity")
+    write_roster(out)
     return {"created": made, "kept": kept}
+
+
+def write_roster(out: Path) -> Roster:
+    """``<out>/roster.json``: every organisation's identity public key in ``<out>/supernodes``."""
+    members = {}
+    for public in sorted((out / "supernodes").glob("*.identity.pub")):
+        members[public.name.removesuffix(".identity.pub")] = roster.read_public(public)
+    made = Roster(members)
+    made.write(out / "roster.json")
+    return made
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,12 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"created {out / what}")
     for what in done["kept"]:
         print(f"kept    {out / what} (exists)")
+    made = Roster.load(out / "roster.json")
+    print(f"roster.json: {len(made.members)} members, digest {made.digest} (compare it with every organisation)")
     print(
         f"The SuperLink certificate is valid for {', '.join([*args.server_name, *args.server_ip])}"
         f"{' and ' if args.server_name or args.server_ip else ''}localhost and 127.0.0.1 (the SuperLink dials itself "
         "there). "
-        f"SuperLink machine: {out}/ca.crt, server.crt, server.key, server-signing.key. "
-        f"Each SuperNode: {out}/ca.crt, server-signing.pub and its supernodes/<name>. Keep ca.key offline."
+        f"SuperLink machine: {out}/ca.crt, server.crt, server.key, server-signing.key, roster.json. "
+        f"Each SuperNode: {out}/ca.crt, server-signing.pub, roster.json and its supernodes/<name> and "
+        "<name>.identity. Keep ca.key offline."
     )
     return 0
 

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedvlm.client_app.secure_aggregation import IDENTITY, ROSTER
 from fedvlm.deploy.credentials import generate
 from fedvlm.deploy.pinned_app import build_hash
 from fedvlm.metrics import EVAL_CLIENTS, TRAIN_CLIENTS
@@ -258,6 +259,9 @@ class LocalFederation:
         SuperExec, which starts a ClientApp process per task only for the pinned app; the two
         share a secret so that no other process on the machine can take the node's tasks."""
         cfg = node_config if node_config is not None else self.node_configs.get(name, f"name='{name}'")
+        if ROSTER not in cfg:  # the roster it pins and its identity: what a secure round needs of it
+            identity = self.creds / "supernodes" / f"{name}.identity"
+            cfg = f"{cfg} {ROSTER}='{self.creds / 'roster.json'}' {IDENTITY}='{identity}'"
         if name in self.workers:
             cfg = f"{cfg} node-worker='{self.start_worker(name)}'"
         secret = self.dir / "secrets" / name
@@ -347,6 +351,8 @@ class LocalFederation:
     def run_app(self, run_config: str, timeout: float = 1800, echo: bool = False) -> subprocess.CompletedProcess:
         """`flwr run . loopback --stream`: the researcher's command against this federation;
         with ``echo`` its output is also printed as it comes (rounds, epsilon, accuracy)."""
+        if "secure-aggregation.roster" not in run_config:  # the roster the ServerApp relays for, on its host
+            run_config = f"{run_config} secure-aggregation.roster='{self.creds / 'roster.json'}'"
         cmd = [str(BIN / "flwr"), "run", str(ROOT), CONNECTION, "--stream", "--run-config", run_config]
         if not echo:
             return self.flwr(*cmd[1:], timeout=timeout)

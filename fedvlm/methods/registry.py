@@ -68,14 +68,22 @@ def _pfedmoap_local(cfg: RunConfig) -> LocalDP:
 
 def _global_gradient_dp(cfg: RunConfig, per_round: int) -> GlobalDP:
     """DP-FPL's server mechanism (and its baselines'): Gaussian noise on the average of the
-    sampled clients' clipped global-prompt gradients, divided by at least ``per_round``."""
+    sampled clients' clipped global-prompt gradients, divided by at least ``per_round``. The
+    ledger's note says who sees the un-noised gradients: the server, as in the paper, or, under
+    secure aggregation, no one (the server learns the noised sum)."""
+    seen = (
+        "secure aggregation: the server sees no client's gradient, only the survivors' sum, which carries every "
+        "survivor's share of the noise"
+        if cfg.secure_aggregation.enabled
+        else "trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient"
+    )
     return GlobalDP(
         "gdp-global",
         f"server: average of the sampled clients' clipped global-prompt gradients (divided by at least {per_round}), "
         "once per round",
         denominator=per_round,
         tensors=(GLOBAL_GRAD,),
-        note="trusted server (as in DP-FPL): it sees each client's un-noised global-prompt gradient. A record's batch "
+        note=f"{seen}. A record's batch "
         "feeds its client's local release and its share of the global release, so the per-record epsilon "
         "(records, spent, rounds[].changed) composes both; it bounds what the published global prompt and the "
         "client's published personalised prompt together reveal of a record",

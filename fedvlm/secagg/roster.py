@@ -134,14 +134,53 @@ class Identity:
 
 
 def generate(private_path: Path, public_path: Path) -> bytes:
-    """A new identity key pair (the private key 0600, PEM; the public one as 64 hex digits);
-    returns the raw public key."""
+    """A new identity key pair (the private key 0600, the public one 0644, both PEM); returns the
+    raw public key."""
     from fedvlm.deploy.instruction_signing import generate as generate_pair
 
     generate_pair(private_path, public_path)
-    key = serialization.load_pem_public_key(Path(public_path).read_bytes())
-    assert isinstance(key, Ed25519PublicKey)  # generate_pair writes one
+    return read_public(public_path)
+
+
+def read_public(path: Path) -> bytes:
+    """The raw Ed25519 key of a PEM public key file."""
+    try:
+        key = serialization.load_pem_public_key(Path(path).read_bytes())
+    except (OSError, ValueError) as why:
+        raise RosterError(f"cannot read the identity public key {path}: {why}") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise RosterError(f"{path} is not an Ed25519 public key (make one with python -m fedvlm.deploy.credentials)")
     return public_bytes(key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``show ROSTER``: its members, their key fingerprints and its digest, for the organisations
+    to compare before each pins it; ``build NAME=PUBLIC_KEY ... --out ROSTER``: a roster from
+    identity public keys the organisations made themselves (``deploy.credentials``)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m fedvlm.secagg.roster", description=main.__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show")
+    show.add_argument("roster", type=Path)
+    build = sub.add_parser("build")
+    build.add_argument("members", nargs="+", metavar="NAME=PUBLIC_KEY")
+    build.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    try:
+        if args.command == "build":
+            pairs = [m.split("=", 1) for m in args.members]
+            if any(len(pair) != 2 for pair in pairs):
+                raise RosterError("give each member as NAME=PATH_TO_ITS_IDENTITY_PUBLIC_KEY")
+            Roster({name: read_public(Path(path)) for name, path in pairs}).write(args.out)
+        made = Roster.load(args.out if args.command == "build" else args.roster)
+    except RosterError as why:
+        print(f"error: {why}")
+        return 2
+    for name, key in sorted(made.members.items()):
+        print(f"{name}\t{hashlib.sha256(key).hexdigest()[:16]}")
+    print(f"digest\t{made.digest}")
+    return 0
 
 
 def _simulated_name(index: int) -> str:
@@ -151,3 +190,7 @@ def _simulated_name(index: int) -> str:
 def _simulated_key(seed: int, index: int) -> Ed25519PrivateKey:
     raw = hashlib.sha256(f"fedvlm simulated member {int(seed)} {int(index)}".encode()).digest()
     return Ed25519PrivateKey.from_private_bytes(raw)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -65,6 +65,8 @@ def test_dpfpl_under_secure_aggregation_has_its_clients_draw_the_global_noise(ma
     (plan,) = ledger["mechanisms"].values()
     shares = plan["distributed"]
     assert plan["party"] == "clients" and plan["sampling_rate"] == 1.0  # no amplification claimed
+    assert not any("sees each client's un-noised" in n for n in ledger["notes"])  # no one sees one now
+    assert any(n.startswith("secure aggregation: the server sees no client's gradient") for n in ledger["notes"])
     # every round's sum carried the shares of n_min or more survivors, as planned
     for r in data["rounds"]:
         noise = r["secure_aggregation"]["noise"]
