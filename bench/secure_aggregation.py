@@ -9,14 +9,15 @@ Round 1 is left out (warm-up). Bytes are what the run's records count: tensors d
 the secure stages' keys, shares and masked vectors.
 
 ``protocol``: one round of the protocol alone (no training), every party in this process: seconds
-for ``--nodes`` nodes with every other as a neighbour, ``--repeats`` times.
+per stage for 4, 10 and 20 nodes (``--nodes``), the consistency round's share among them,
+``--repeats`` times. ``cost`` also reports each later stage's seconds per round of the secure runs.
 
 ``accuracy``: DP-FPL at one privacy.epsilon on the embedded default, the server's Gaussian
 (central) against the clients' distributed discrete Gaussian (secure aggregation), for several
 seeds: the final round's local and neighbour accuracy, and the sigma each drew on the mean.
 
     python bench/secure_aggregation.py cost --nodes 4,10,20 --rounds 3 --neighbours 6
-    python bench/secure_aggregation.py protocol --nodes 20 --repeats 3
+    python bench/secure_aggregation.py protocol --nodes 4,10,20 --repeats 3
     python bench/secure_aggregation.py accuracy --seeds 0,1,2 --rounds 20 --epsilon 8
 
 Prints one JSON line per measurement and a table; ``--out FILE`` writes the JSON list.
@@ -25,6 +26,7 @@ Prints one JSON line per measurement and a table; ``--out FILE`` writes the JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -81,6 +83,10 @@ def cost(args, work: Path) -> list[dict]:
                 data, wall = run(o, n, work, f"{name}-{n}-{int(secure)}-{k}")
                 row = {"nodes": n, "method": name, "secure": secure, "neighbours": k if secure else None}
                 row.update({**per_round(data), "wall_s": round(wall, 1)})
+                if secure:  # each later stage's seconds per round, the consistency round's among them
+                    stages = [r["secure_aggregation"]["stage_seconds"] for r in data["rounds"][1:] or data["rounds"]]
+                    for stage in stages[0]:
+                        row[f"{stage}_s"] = round(statistics.fmean(x.get(stage, 0.0) for x in stages), 4)
                 print(json.dumps(row), flush=True)
                 out.append(row)
     return out
@@ -114,39 +120,65 @@ def accuracy(args, work: Path) -> list[dict]:
     return out
 
 
-def protocol(args, work: Path) -> list[dict]:
+def protocol_round(plan, roster, identities, size: int) -> dict[str, float]:
+    """One round of the protocol alone, every party in this process: seconds per stage (the
+    nodes' work on it and the server's on their replies)."""
     import numpy as np
 
-    from fedvlm.secagg.graph import neighbours
     from fedvlm.secagg.masks import encode
-    from fedvlm.secagg.node import NodeRound, majority_threshold
+    from fedvlm.secagg.node import NodeRound
     from fedvlm.secagg.server import ServerRound
 
-    n, size, bits = args.nodes, args.size, 32
-    ids = list(range(100, 100 + n))
-    graph = neighbours(ids, n - 1, np.random.default_rng(0))
-    t = majority_threshold(n)
+    clock: dict[str, float] = {}
 
-    def one_round() -> float:
+    @contextlib.contextmanager
+    def stage(name: str):
         t0 = time.perf_counter()
-        server = ServerRound(1, t, bits, size, graph)
-        nodes, adverts = {}, {}
-        for u in ids:
-            nodes[u], adverts[u] = NodeRound.start(u, 1, t, list(graph[u]), bits)
-        routed = server.take_shares({u: nodes[u].share(v) for u, v in server.take_adverts(adverts).items()})
-        masked = {}
+        yield
+        clock[name] = clock.get(name, 0.0) + time.perf_counter() - t0
+
+    ids = list(plan.participants)
+    server = ServerRound(plan, size, roster)
+    with stage("keys"):
+        started = {u: NodeRound.start(u, plan, roster, identities[u]) for u in ids}
+        shown = server.take_adverts({u: advert for u, (_, advert) in started.items()})
+    nodes = {u: node for u, (node, _) in started.items()}
+    with stage("shares"):
+        routed = server.take_shares({u: nodes[u].share(shown, roster) for u in shown})
+    with stage("masked"):
+        zeros = encode(np.zeros(size, dtype=np.int64), plan.bits)
         for u, ciphertexts in routed.items():
-            nodes[u].receive(ciphertexts)
-            masked[u] = nodes[u].mask(encode(np.zeros(size, dtype=np.int64), bits))
-        requests = server.take_masked(masked)
-        server.unmask({u: nodes[u].reveal(*r) for u, r in requests.items()})
-        return time.perf_counter() - t0
+            nodes[u].receive(server.dealt, ciphertexts)
+        survivors = server.take_masked({u: nodes[u].mask(zeros) for u in routed})
+    with stage("consistency"):
+        signatures = server.take_signatures({u: nodes[u].sign_story(survivors, identities[u]) for u in survivors})
+    with stage("unmask"):
+        server.unmask({u: nodes[u].reveal(signatures) for u in signatures})
+    return clock
+
+
+def protocol(args, work: Path) -> list[dict]:
+    from fedvlm.secagg.graph import degree
+    from fedvlm.secagg.node import majority_threshold
+    from fedvlm.secagg.roster import Identity, Roster
+    from fedvlm.secagg.stages import SumPlan
 
     out = []
-    for _ in range(args.repeats):
-        row = {"nodes": n, "coordinates": size, "seconds": round(one_round(), 3)}
-        print(json.dumps(row), flush=True)
-        out.append(row)
+    for n in [int(x) for x in str(args.nodes).split(",")]:
+        ids = list(range(100, 100 + n))
+        roster = Roster.simulated(0, n)
+        identities = {u: Identity.simulated(0, i) for i, u in enumerate(ids)}
+        k = args.neighbours if 0 < args.neighbours < n - 1 else 0
+        t = max(2, majority_threshold(degree(k, n) + 1))
+        plan = SumPlan(1, tuple(ids), k, t, 32, ("x",), (args.size - 1,), False, 1.0, 1.0, 0.0, 0, roster.digest)
+        for _ in range(args.repeats):
+            clock = protocol_round(plan, roster, identities, args.size)
+            total = sum(clock.values())
+            row = {"nodes": n, "neighbours": k, "coordinates": args.size, "seconds": round(total, 3)}
+            row.update({f"{name}_s": round(v, 4) for name, v in clock.items()})
+            row["consistency_share"] = round(clock["consistency"] / total, 4)
+            print(json.dumps(row), flush=True)
+            out.append(row)
     return out
 
 
@@ -163,7 +195,10 @@ def main() -> None:
     a.add_argument("--epsilon", type=float, default=8.0)
     a.add_argument("--clients", type=int, default=10)
     r = sub.add_parser("protocol")
-    r.add_argument("--nodes", type=int, default=20)
+    r.add_argument("--nodes", default="4,10,20")
+    r.add_argument(
+        "--neighbours", type=int, default=0, help="SecAgg+'s degree where it is below n - 1 (0: every other)"
+    )
     r.add_argument("--size", type=int, default=1553, help="coordinates of a vector (the default: DP-FPL's)")
     r.add_argument("--repeats", type=int, default=3)
     for p in (c, a, r):

@@ -22,6 +22,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedvlm.errors import PublicError
+from fedvlm.metrics import EVALUATE, TRAIN, reply_metric
 from fedvlm.protocol import (
     ARRAYS_RECORD,
     EVALUATION,
@@ -104,7 +105,7 @@ def guarded_reply(
     check_outgoing(arrays, allowed, private, requested)
     content = RecordDict()
     content[ARRAYS_RECORD] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
-    content[METRICS_RECORD] = _metric_record(metrics)
+    content[METRICS_RECORD] = _metric_record(metrics, msg.metadata.message_type)
     _add_evaluation(content, evaluation, {})
     return Message(content, reply_to=msg)
 
@@ -129,7 +130,7 @@ def secure_reply(
             raise PrivacyGuardError("a secure round sends one flat vector of residues (uint32/64), nothing else")
         arrays[SECAGG_MASKED] = Array(np.ascontiguousarray(masked))
     content[ARRAYS_RECORD] = arrays
-    content[METRICS_RECORD] = _metric_record(metrics)
+    content[METRICS_RECORD] = _metric_record(metrics, TRAIN)
     content[SECURE_SUM] = ConfigRecord(dict(record))
     for key in (EVALUATION, FAILED):
         if carried is not None and key in carried:
@@ -153,7 +154,7 @@ def _add_evaluation(content: RecordDict, evaluation: EvaluateReply | Exception |
     elif evaluation is not None:
         tensors, figures = evaluation.to_records()
         check_outgoing(tensors, allowed=())
-        content[EVALUATION] = _metric_record(figures)
+        content[EVALUATION] = _metric_record(figures, EVALUATE)
     if failed:
         content[FAILED] = ConfigRecord(failed)
 
@@ -204,5 +205,16 @@ def hello_reply(msg: Message, report: HelloReport) -> Message:
     return Message(content, reply_to=msg)
 
 
-def _metric_record(metrics: Mapping[str, float | int]) -> MetricRecord:
+def _metric_record(metrics: Mapping[str, float | int], message: str | None = None) -> MetricRecord:
+    """The reply's figures; for a train or evaluate reply (``message``) only those the catalogue
+    declares for it (``fedvlm.metrics``): the ledger lists them as released, and a made-up name
+    could itself carry a value of the node's data, so the refusal does not name it."""
+    for name in metrics if message in (TRAIN, EVALUATE) else ():
+        why = reply_metric(str(name), str(message))
+        if isinstance(why, str):
+            log.error("refused to send metric %r: %s", name, why)
+            raise PrivacyGuardError(
+                f"refusing to send a metric the project does not declare for {message} replies (its name is in "
+                "this node's log): nothing undeclared leaves the node"
+            )
     return MetricRecord({k: (float(v) if isinstance(v, (float, np.floating)) else int(v)) for k, v in metrics.items()})

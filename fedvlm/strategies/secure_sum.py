@@ -23,6 +23,7 @@ a released sum always carries at least the planned noise.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,10 @@ class SecureRound:
     failed: str = ""
     bytes_up: int = 0
     bytes_down: int = 0
+    # each later stage's seconds, from sending its messages to taking its replies (the keys
+    # stage is the training's round trip)
+    seconds: dict[str, float] = field(default_factory=dict)
+    mark: float = field(default_factory=time.perf_counter)
 
 
 class SecureSum:
@@ -142,6 +147,8 @@ class SecureSum:
             secure = self.rounds[server_round] = self._start(kept)
         if secure.total is not None or secure.failed:
             return []
+        if secure.stage != stages.KEYS:
+            secure.seconds[secure.stage] = round(time.perf_counter() - secure.mark, 4)
         try:
             out = self._take(secure, replies, kept, validate)
         except SecAggError as why:
@@ -163,6 +170,7 @@ class SecureSum:
             secure.bytes_down += _nbytes(record)
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         kept.stage_messages.extend(messages)
+        secure.mark = time.perf_counter()
         return messages
 
     def _start(self, kept: PhasePlan) -> SecureRound:
@@ -231,6 +239,7 @@ class SecureSum:
             **_plan_report(secure.summand.plan),
             **secure.server.report(),
             "stage": secure.stage,
+            "stage_seconds": dict(secure.seconds),
             "bytes_up": secure.bytes_up,
             "bytes_down": secure.bytes_down,
         }

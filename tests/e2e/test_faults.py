@@ -247,8 +247,9 @@ def test_hostile_organisations_through_a_real_superlink_are_dropped_and_the_run_
 
 
 def test_secure_aggregation_survives_a_node_dropping_out_at_each_stage(tmp_path, cache_dir):
-    """A deployed federation of three real SuperNodes with secure aggregation: the third drops out
-    of round r at the protocol's r-th stage (keys, shares, masked vector, unmasking;
+    """A deployed federation of three real SuperNodes with secure aggregation, each pinning the
+    federation's roster with its own identity key: the third drops out of round r at the
+    protocol's r-th stage (keys, shares, masked vector, consistency, unmasking;
     tests/e2e/hostile_node). Every round still releases the survivors' sum, and the node lost
     after sending its masked vector is still in it."""
     from fedvlm.deploy.local_federation import LocalFederation
@@ -260,7 +261,7 @@ def test_secure_aggregation_survives_a_node_dropping_out_at_each_stage(tmp_path,
     with LocalFederation(tmp_path / "fed", list(names), configs, node_env=hostile, cache_dir=cache_dir) as fed:
         _wait_online(fed, 3)
         run = fed.run_app(
-            f"method='promptfl' num-server-rounds=4 min-nodes=3 round-timeout=180 cache-dir='{cache_dir}' "
+            f"method='promptfl' num-server-rounds=5 min-nodes=3 round-timeout=180 cache-dir='{cache_dir}' "
             f"output-dir='{out}' run-name='secure' secure-aggregation.enabled=true replies.max-norm=100.0",
             timeout=900,
         )
@@ -268,6 +269,8 @@ def test_secure_aggregation_survives_a_node_dropping_out_at_each_stage(tmp_path,
     data = json.loads((out / "secure" / "results.json").read_text())
     assert data["run"]["status"] == "finished", run.stdout[-4000:] + run.stderr[-2000:]
     in_sum = [r["secure_aggregation"]["masked"] for r in data["rounds"]]
-    assert in_sum == [2, 2, 2, 3], [r["secure_aggregation"] for r in data["rounds"]]
+    assert in_sum == [2, 2, 2, 3, 3], [r["secure_aggregation"] for r in data["rounds"]]
+    assert [r["secure_aggregation"]["signed"] for r in data["rounds"]] == [2, 2, 2, 2, 3]
+    assert all(len(r["secure_aggregation"]["roster"]) == 16 for r in data["rounds"])  # the federation's roster
     assert not any("failed" in r["secure_aggregation"] for r in data["rounds"])
     assert all(r["bytes"]["train_up"] == 0 and r["bytes"]["secure_up"] > 0 for r in data["rounds"])

@@ -51,3 +51,18 @@ def test_a_carried_evaluation_leaves_as_metrics_beside_the_training():
     )
     assert dict(reply.content[EVALUATION]) == {NUM_EXAMPLES: 2, "local-acc": 0.5}
     assert dict(reply.content["metrics"]) == {NUM_EXAMPLES: 4} and list(reply.content["arrays"]) == ["shared"]
+
+
+def test_a_metric_the_catalogue_does_not_declare_never_leaves_and_is_not_named():
+    request = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=3, message_type=MessageType.TRAIN)
+    smuggled = {NUM_EXAMPLES: 4, "label-of-record-17-is-3": 1.0}
+    with pytest.raises(PrivacyGuardError, match="does not declare for train replies") as refused:
+        guarded_reply(request, TrainReply({"shared": torch.ones(2)}, smuggled), allowed={"shared"})
+    assert "record-17" not in str(refused.value)
+    with pytest.raises(PrivacyGuardError, match="for evaluate replies"):  # an evaluation's figures too
+        guarded_reply(
+            request,
+            TrainReply({"shared": torch.ones(2)}, {NUM_EXAMPLES: 4}),
+            allowed={"shared"},
+            evaluation=EvaluateReply({NUM_EXAMPLES: 2, "train-acc": 0.5}),  # a train figure in an evaluation
+        )

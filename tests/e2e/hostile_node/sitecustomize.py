@@ -4,7 +4,7 @@ pinned protects the organisation from the server, not the server from the organi
 
 ``FEDVLM_HOSTILE=hello``: the handshake reports no training records.
 ``FEDVLM_HOSTILE=secure-dropout``: under secure aggregation the node drops out of round r at its
-r-th stage (``SECURE_DROPS``: keys, shares, masked, unmask), answering that stage with an error.
+r-th stage (``SECURE_DROPS``: keys, shares, masked, consistency, unmask), answering that stage with an error.
 ``FEDVLM_HOSTILE=replies``: each train and evaluate reply is corrupted, one way per round (``CORRUPT``; in round 4 the
 final evaluation's reply is an error with a 5 MB reason, ``FAIL``), and so is each evaluation that travels
 with a train message. Python imports
@@ -70,7 +70,7 @@ FAIL = {("evaluate", 4): "RuntimeError: " + "a 5 MB reason " * 380_000}
 
 
 # server round -> the secure-aggregation stage the node drops out at
-SECURE_DROPS = {1: "keys", 2: "shares", 3: "masked", 4: "unmask"}
+SECURE_DROPS = {1: "keys", 2: "shares", 3: "masked", 4: "consistency", 5: "unmask"}
 
 
 def _install(mode: str) -> None:
