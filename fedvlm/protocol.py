@@ -55,6 +55,13 @@ NUM_TRAIN = "plan.num-train"
 FINAL_ROUND = "final-round"
 PUBLISH_DIR = "publish-dir"  # a node config key (client_app.publishing)
 NODE_WORKER = "node-worker"  # a node config key: the warm worker's socket path (client_app.worker)
+# node config keys read where torch must not be loaded (client_app.secure_aggregation's later stages)
+PARTITION_ID, NUM_PARTITIONS = "partition-id", "num-partitions"  # a partition of the run's dataset
+REQUIRE_SECURE = "require-secure-aggregation"  # true: training results leave only inside a masked sum
+SECURE_MIN_CLIENTS = "secure-aggregation-min-clients"  # the fewest survivors the node helps unmask
+SECURE_ROSTER = "secure-aggregation-roster"  # the federation's roster.json the node pins
+SECURE_IDENTITY = "secure-aggregation-identity"  # its organisation's identity key
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")  # how a node config's bool reads
 RUN_DIR = "run-dir"
 # the how-many-th time the server sends this message (server_app.exchange asks a late one again
 # once): Flower names a message by its content, so a copy must differ; the node ignores it

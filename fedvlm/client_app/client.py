@@ -27,6 +27,7 @@ import torch
 
 from fedvlm.client_app.state import load_meta, load_private, save_meta, save_private
 from fedvlm.client_app.trainer import Learner, RoundStats, local_round
+from fedvlm.errors import PublicError
 from fedvlm.metrics import ROUNDS_TRAINED  # also the node's meta key: how many rounds it has trained
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.mechanisms import OsNoise, noise_generator, sampling_rng
@@ -36,6 +37,12 @@ from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.spec import NodeClient
 from fedvlm.utils.rng import NodeStream, node_key
+
+
+class RequestRefused(PublicError, RuntimeError):
+    """The node will not do what the server's message asks; the text names the request and the
+    rule it breaks (what the server sent, the node's sizes the handshake released), never a value
+    of the node's records."""
 
 
 class Client(NodeClient):

@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager, contextmanager
 import numpy as np
 import torch
 
-from fedvlm.client_app.client import Client
+from fedvlm.client_app.client import Client, RequestRefused
 from fedvlm.client_app.node_config import NUM_PARTITIONS
 from fedvlm.client_app.server_view import UploadView
 from fedvlm.client_app.trainer import Learner, StepOutput
@@ -114,7 +114,7 @@ class LoRAClient(Client):
     # --- a round (client_app.client.Client.train) ----------------------------------------------
     def training_records(self) -> int:
         if not len(self.node.train):
-            raise RuntimeError(f"{self.node.name} holds no training samples")
+            raise RequestRefused(f"{self.node.name} holds no training samples")
         return len(self.node.train)
 
     def begin_round(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> LoRARound:
@@ -156,7 +156,7 @@ class LoRAClient(Client):
         """Refuse a train message that breaks the method's rule on what is exchanged."""
         extra = set(arrays) - set(self.shareable)
         if extra:
-            raise RuntimeError(f"the server sent tensors this method keeps on the client: {sorted(extra)[:3]}")
+            raise RequestRefused(f"the server sent tensors this method keeps on the client: {sorted(extra)[:3]}")
 
     def keep(self, trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the node stores for its next round: everything it trained (its personal model
@@ -260,14 +260,14 @@ class FedRandClient(LoRAClient):
         halves = {h: adapter_parts.lora_half(self.shareable, h) for h in adapter_parts.HALVES}
         half = next((h for h, names in halves.items() if requested == names), None)
         if half is None:
-            raise RuntimeError(
+            raise RequestRefused(
                 f"fedrand: the server asked for {len(requested)} tensors back, not one whole LoRA half "
                 "(all A or all B); the other half must stay on this node"
             )
         first = not self.own
         allowed = sorted(self.shareable) if first else halves[half]
         if sorted(arrays) != allowed:
-            raise RuntimeError(
+            raise RequestRefused(
                 f"fedrand: the server sent {len(arrays)} tensors with a request for half {half}; it "
                 f"must send exactly that half{' or, at a first participation, both' if first else ''}"
             )

@@ -21,14 +21,23 @@ from pathlib import Path
 
 from fedvlm.client_app.node_policy import CACHE_DIR, DATA_ROOT, MODELS, TRUST_REMOTE_CODE
 from fedvlm.client_app.privacy_floor import DELTA, MAX_EPSILON
-from fedvlm.client_app.secure_aggregation import IDENTITY, MIN_CLIENTS, REQUIRE, ROSTER, TRUE_WORDS
 from fedvlm.client_app.state import STATE_DIR
 from fedvlm.privacy.mechanisms import NOISE_SOURCE
-from fedvlm.protocol import NODE_WORKER, PUBLISH_DIR
+from fedvlm.protocol import (
+    FALSE_WORDS,
+    NODE_WORKER,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    PUBLISH_DIR,
+    REQUIRE_SECURE,
+    SECURE_IDENTITY,
+    SECURE_MIN_CLIENTS,
+    SECURE_ROSTER,
+    TRUE_WORDS,
+)
 from fedvlm.runconfig import ConfigError
 
-PARTITION_ID, NUM_PARTITIONS, NAME, DATA_DIR = "partition-id", "num-partitions", "name", "data-dir"
-FALSE_WORDS = ("false", "0", "no")
+NAME, DATA_DIR = "name", "data-dir"
 
 # key -> what its value must be: "int" (a whole number), "number" (finite), "bool" (true or
 # false), "path" (an absolute path), "folder" (an absolute path that is a folder where it
@@ -48,10 +57,10 @@ KEYS: dict[str, str] = {
     NOISE_SOURCE: "text",
     MODELS: "text",
     TRUST_REMOTE_CODE: "text",
-    REQUIRE: "bool",
-    MIN_CLIENTS: "int",
-    ROSTER: "path",
-    IDENTITY: "path",
+    REQUIRE_SECURE: "bool",
+    SECURE_MIN_CLIENTS: "int",
+    SECURE_ROSTER: "path",
+    SECURE_IDENTITY: "path",
 }
 
 

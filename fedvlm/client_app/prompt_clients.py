@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.client import Client
+from fedvlm.client_app.client import Client, RequestRefused
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.scoring import PromptScorer, TemplateScorer
 from fedvlm.client_app.server_view import UploadView
@@ -136,7 +136,7 @@ class PromptClient(Client):
 
     def training_records(self) -> int:
         if len(self.node.part.train) == 0:
-            raise RuntimeError(f"{self.node.name} holds no training images")
+            raise RequestRefused(f"{self.node.name} holds no training images")
         return len(self.node.part.train)
 
     def start_context(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -314,7 +314,7 @@ class CoOpClient(PromptClient):
     def _own_ctx(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
         if CTX not in self.own:
             if CTX not in arrays:
-                raise RuntimeError("first contact with this node but the server sent no initial prompt")
+                raise RequestRefused("first contact with this node but the server sent no initial prompt")
             self.own[CTX] = arrays[CTX].clone()
         return self.own[CTX]
 
@@ -335,7 +335,7 @@ class ZeroShotClient(PromptClient):
     scorer_class = TemplateScorer
 
     def training_records(self):
-        raise RuntimeError("zeroshot does not train; the server should not send it train messages")
+        raise RequestRefused("zeroshot does not train; the server should not send it train messages")
 
     def personal_prompts(self, arrays):
         return {}

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.client import Client
+from fedvlm.client_app.client import Client, RequestRefused
 from fedvlm.client_app.node import NodeData
 from fedvlm.client_app.privacy_floor import run_history
 from fedvlm.client_app.trainer import Learner, StepOutput
@@ -124,7 +124,7 @@ class ReprogramClient(Client):
     def training_records(self) -> int:
         n = len(self.node.part.train)
         if n == 0:
-            raise RuntimeError(f"{self.node.name} holds no training images")
+            raise RequestRefused(f"{self.node.name} holds no training images")
         return n
 
     def begin_round(self, arrays: dict[str, torch.Tensor], instruction: TrainInstruction) -> ReprogramRound:

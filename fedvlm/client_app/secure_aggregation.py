@@ -44,7 +44,20 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, M
 
 from fedvlm.client_app.send_guard import secure_reply
 from fedvlm.client_app.state import clear_secure, load_secure, save_secure
-from fedvlm.protocol import ARRAYS_RECORD, CONFIG_RECORD, METRICS_RECORD, SECURE_SUM, TrainInstruction
+from fedvlm.protocol import (
+    ARRAYS_RECORD,
+    CONFIG_RECORD,
+    METRICS_RECORD,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    REQUIRE_SECURE,
+    SECURE_IDENTITY,
+    SECURE_MIN_CLIENTS,
+    SECURE_ROSTER,
+    SECURE_SUM,
+    TRUE_WORDS,
+    TrainInstruction,
+)
 from fedvlm.runconfig import ConfigError
 from fedvlm.secagg import stages
 from fedvlm.secagg.masks import wire_dtype
@@ -57,11 +70,6 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Message, Context], Message]
 
-REQUIRE = "require-secure-aggregation"  # node config keys
-MIN_CLIENTS = "secure-aggregation-min-clients"
-ROSTER = "secure-aggregation-roster"
-IDENTITY = "secure-aggregation-identity"
-TRUE_WORDS = ("true", "1", "yes")
 ENABLED = "secure-aggregation.enabled"  # the run config's key
 # what the node keeps of its secure round: its secrets, its encoded vector, the masked vector it
 # sent, and (per stage) a digest of the request it answered
@@ -69,11 +77,11 @@ ROUND, VECTOR, MASKED, ASKED = "round", "vector", "masked", "asked"
 
 
 def required(node_config: Mapping) -> bool:
-    return str(node_config.get(REQUIRE, "")).strip().lower() in TRUE_WORDS
+    return str(node_config.get(REQUIRE_SECURE, "")).strip().lower() in TRUE_WORDS
 
 
 def min_clients(node_config: Mapping) -> int:
-    return int(node_config.get(MIN_CLIENTS, 0) or 0)
+    return int(node_config.get(SECURE_MIN_CLIENTS, 0) or 0)
 
 
 def secure_run(context: Context) -> bool:
@@ -87,21 +95,21 @@ def member(context: Context) -> tuple[Roster, Identity]:
     from fedvlm.utils.runtime import simulated
 
     config = context.node_config
-    roster_path, identity_path = config.get(ROSTER), config.get(IDENTITY)
+    roster_path, identity_path = config.get(SECURE_ROSTER), config.get(SECURE_IDENTITY)
     if roster_path or identity_path:
         if not (roster_path and identity_path):
-            raise ConfigError(f"node config names only one of {ROSTER} and {IDENTITY}: give both")
+            raise ConfigError(f"node config names only one of {SECURE_ROSTER} and {SECURE_IDENTITY}: give both")
         try:
             return Roster.load(Path(str(roster_path))), Identity.load(Path(str(identity_path)))
         except RosterError as why:
             raise ConfigError(str(why)) from None
-    partition, members = config.get("partition-id"), config.get("num-partitions")
+    partition, members = config.get(PARTITION_ID), config.get(NUM_PARTITIONS)
     if simulated() and partition is not None and members is not None:
         seed = int(str(context.run_config.get("seed", 0)))
         return Roster.simulated(seed, int(str(members))), Identity.simulated(seed, int(str(partition)))
     raise ConfigError(
         f"secure aggregation needs this node's roster and identity: start its SuperNode with --node-config "
-        f"\"{ROSTER}='/abs/roster.json' {IDENTITY}='/abs/<member>.identity'\" (made by python -m "
+        f"\"{SECURE_ROSTER}='/abs/roster.json' {SECURE_IDENTITY}='/abs/<member>.identity'\" (made by python -m "
         "fedvlm.deploy.credentials; docs/deployment.md)"
     )
 
@@ -111,7 +119,7 @@ def hello_check(context: Context) -> None:
     node in a secure run must hold its roster and identity."""
     if required(context.node_config) and context.run_config.get(ENABLED) is not True:
         raise ConfigError(
-            f"this node requires secure aggregation ({REQUIRE} = true in its node config) and the run does not "
+            f"this node requires secure aggregation ({REQUIRE_SECURE} = true in its node config) and the run does not "
             "use it: set secure-aggregation.enabled = true in the run config"
         )
     if secure_run(context):

@@ -28,6 +28,7 @@ from fedvlm.data.sources import (
     DatasetError,
     DatasetSource,
     DatasetSplits,
+    DataSetupError,
     FileSource,
     SubsetSource,
     limit_per_class,
@@ -124,7 +125,7 @@ def _find_coop_split(name: str, root: Path) -> tuple[Path, Path] | None:
             for d in image_dirs:
                 if (root / d).is_dir():
                     return split_path, root / d
-            raise DatasetError(
+            raise DataSetupError(
                 f"found CoOp split file {split_path} but no image directory under {root} "
                 f"(looked for {', '.join(image_dirs)})"
             )
@@ -181,7 +182,7 @@ def load_torchvision(request: catalogue.Request) -> DatasetSplits:
 
     name, root, download, test_fraction = request.name, Path(request.data_root), request.download, request.test_fraction
     if not download and not root.is_dir():
-        raise DatasetError(
+        raise DataSetupError(
             f"data-root {str(root)!r} does not exist; create it with the {name} files or set download=true"
         )
     coop = _find_coop_split(name, root)
@@ -244,7 +245,7 @@ def load_torchvision(request: catalogue.Request) -> DatasetSplits:
         ),
     }
     if name not in official:
-        raise DatasetError(f"unknown torchvision dataset {name!r}")
+        raise DataSetupError(f"unknown torchvision dataset {name!r}")
     factory, (s_train, s_test), expected = official[name]
     train = _open(name, lambda download: factory(s_train, download), root, download, expected)
     test = _open(name, lambda download: factory(s_test, download), root, download, expected)
@@ -288,7 +289,7 @@ def _federation_classes(root: Path, found: list[str]) -> list[str]:
     names = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if not names or dupes:
-        raise DatasetError(
+        raise DataSetupError(
             f"{listing} must list each class once, one per line ("
             f"{'it is empty' if not names else 'repeated: ' + ', '.join(dupes[:5])})"
         )
@@ -309,7 +310,7 @@ def load_image_folder_request(request: catalogue.Request) -> DatasetSplits:
 def load_image_folder(root: Path, test_fraction: float) -> DatasetSplits:
     root = Path(root)
     if not root.is_dir():
-        raise DatasetError(
+        raise DataSetupError(
             f"image folder {str(root)!r} does not exist; it must hold one sub-folder per class "
             "(<root>/<class name>/<image>.jpg)"
         )
@@ -317,7 +318,7 @@ def load_image_folder(root: Path, test_fraction: float) -> DatasetSplits:
     trees = {s: _scan_class_dirs(root / s) for s in ("train", "test")} if has_split else {"all": _scan_class_dirs(root)}
     found = sorted(set().union(*[t.keys() for t in trees.values()]))
     if not found:
-        raise DatasetError(
+        raise DataSetupError(
             f"image folder {str(root)!r} has no class sub-folders; expected <root>/<class name>/<image>.jpg"
         )
     names = _federation_classes(root, found)
@@ -369,7 +370,7 @@ def load_bloodmnist(request: catalogue.Request) -> DatasetSplits:
             splits = load_image_folder(root, test_fraction)
             splits.name = "bloodmnist"
             return splits
-        raise DatasetError(
+        raise DataSetupError(
             f"BloodMNIST not found under {str(root)!r}: put MedMNIST's bloodmnist.npz there "
             "(https://zenodo.org/records/10519652, or `pip install medmnist` and its download) or an "
             "image folder <root>/<class>/*.png"

@@ -21,9 +21,18 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from fedvlm.errors import PublicError
+
 
 class DatasetError(ValueError):
-    """A dataset that cannot be loaded; the message says what is missing and how to fix it."""
+    """A dataset that cannot be loaded; the message says what is missing and how to fix it. Its
+    text may name a record (a file that cannot be read, a class folder), so it stays on the node
+    (``fedvlm.errors``); ``DataSetupError`` is the setup-level kind, whose text may leave."""
+
+
+class DataSetupError(PublicError, DatasetError):
+    """A dataset that cannot be found or set up: its text names only the node's configured
+    folders, the federation's shared class list and the dataset's name, never a record."""
 
 
 class ImageSource:

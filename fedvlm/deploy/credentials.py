@@ -225,7 +225,9 @@ def generate(
             make_supernode_key(out, name)
             made.append(f"supernodes/{name}")
         identity = out / "supernodes" / f"{name}.identity"
-        if not identity.exists():
+        if identity.exists():
+            kept.append(f"supernodes/{name}.identity")
+        else:
             identity.with_suffix(".identity.pub").unlink(missing_ok=True)  # a public key without its private one
             roster.generate(identity, identity.with_suffix(".identity.pub"))
             made.append(f"supernodes/{name}.identity")

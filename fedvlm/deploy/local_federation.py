@@ -37,10 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedvlm.client_app.secure_aggregation import IDENTITY, ROSTER
 from fedvlm.deploy.credentials import generate
 from fedvlm.deploy.pinned_app import build_hash
 from fedvlm.metrics import EVAL_CLIENTS, TRAIN_CLIENTS
+from fedvlm.protocol import SECURE_IDENTITY, SECURE_ROSTER
 from fedvlm.utils.processes import TreeMemory, free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,9 +259,9 @@ class LocalFederation:
         SuperExec, which starts a ClientApp process per task only for the pinned app; the two
         share a secret so that no other process on the machine can take the node's tasks."""
         cfg = node_config if node_config is not None else self.node_configs.get(name, f"name='{name}'")
-        if ROSTER not in cfg:  # the roster it pins and its identity: what a secure round needs of it
+        if SECURE_ROSTER not in cfg:  # the roster it pins and its identity: what a secure round needs of it
             identity = self.creds / "supernodes" / f"{name}.identity"
-            cfg = f"{cfg} {ROSTER}='{self.creds / 'roster.json'}' {IDENTITY}='{identity}'"
+            cfg = f"{cfg} {SECURE_ROSTER}='{self.creds / 'roster.json'}' {SECURE_IDENTITY}='{identity}'"
         if name in self.workers:
             cfg = f"{cfg} node-worker='{self.start_worker(name)}'"
         secret = self.dir / "secrets" / name

@@ -468,9 +468,9 @@ def test_other_accounts_on_the_superlink_host_reach_nothing(federation, tmp_path
 @pytest.mark.ci
 def test_what_the_deployment_writes_is_owner_only(federation):
     """Keys, secrets, the SuperLink's database, logs and the apps a node unpacked are readable by
-    their owner alone (the processes run with umask 077); only certificates and public keys are
-    not secret."""
-    public = {"ca.crt", "server.crt"}
+    their owner alone (the processes run with umask 077); only certificates and public keys (the
+    roster is the members' public keys) are not secret."""
+    public = {"ca.crt", "server.crt", "roster.json"}
     exposed = [
         str(p.relative_to(federation.dir))
         for p in [federation.dir, *federation.dir.rglob("*")]

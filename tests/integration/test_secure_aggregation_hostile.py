@@ -39,6 +39,7 @@ from fedvlm.secagg import server as secagg_server
 from fedvlm.secagg import stages
 from fedvlm.secagg.roster import Identity
 from fedvlm.server_app.app import execute
+from fedvlm.strategies.nodes import FederationError
 from fedvlm.tensor_names import CTX
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -334,3 +335,38 @@ def test_a_train_reply_dropped_by_validation_is_not_in_the_sum(make_cfg, pretrai
     assert [d["client"] for d in r["dropped"]] == ["client-3"] and r["secure_aggregation"]["masked"] == N - 1
     assert "dropped" in r["secure_aggregation"]["excluded"]["1003"]
     assert r["metrics"]["train-clients"] == N - 1 and "train/train-loss" not in r["clients"].get("client-3", {})
+
+
+# ---- a deployed node's roster --------------------------------------------------------------------
+def test_a_real_node_holds_its_pinned_roster_and_identity_and_refuses_without_them(
+    make_cfg, pretrained_clip, monkeypatch, tmp_path
+):
+    """Nodes that are not simulated: without a roster each is refused at the handshake, naming the
+    node config keys; with the federation's roster and their own identity keys (made by
+    deploy.credentials) and the ServerApp given the same roster, the round sums; a ServerApp
+    relaying for another roster is refused before any node trains."""
+    from fedvlm.deploy.credentials import generate
+    from fedvlm.utils import runtime
+
+    monkeypatch.setattr(runtime, "simulated", lambda: False)
+    names = [f"org-{i}" for i in range(3)]
+    generate(tmp_path / "creds", [], [], names)
+    bare = [{"partition-id": i, "num-partitions": 3, "noise-source": "seeded"} for i in range(3)]
+    with pytest.raises(
+        FederationError, match=r"3 node\(s\).*needs this node's roster and identity.*secure-aggregation-roster"
+    ):
+        _federation(make_cfg, "no-roster", nodes=bare, n=3)
+    pinned = [
+        {
+            **node,
+            "secure-aggregation-roster": str(tmp_path / "creds" / "roster.json"),
+            "secure-aggregation-identity": str(tmp_path / "creds" / "supernodes" / f"{name}.identity"),
+        }
+        for node, name in zip(bare, names, strict=True)
+    ]
+    roster = str(tmp_path / "creds" / "roster.json")
+    rec, data, grid = _federation(make_cfg, "roster", nodes=pinned, n=3, secure_aggregation__roster=roster)
+    protocol = data["rounds"][0]["secure_aggregation"]
+    assert protocol["masked"] == 3 and protocol["signed"] == 3 and "failed" not in protocol
+    rec, data, grid = _federation(make_cfg, "simulated-roster", nodes=pinned, n=3)  # the server's is made up
+    assert all("this node pins roster" in _errors(grid, n)[0] for n in range(1000, 1003))

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.serialization import load_ssh_private_key, l
 from fedvlm.deploy.credentials import CredentialsError, generate
 from fedvlm.methods.registry import FAMILIES
 from fedvlm.models import prepare
+from fedvlm.secagg.roster import Identity, Roster, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -34,14 +35,20 @@ def test_credentials_make_a_ca_a_server_certificate_and_supernode_keys(tmp_path)
         done = generate(out, ["superlink.example.org"], ["10.0.0.5"], ["org-a", "org-b"])
     finally:
         os.umask(umask)
-    assert done["created"] == ["ca.crt", "server.crt", "server-signing.key", "supernodes/org-a", "supernodes/org-b"]
+    orgs = [f"supernodes/{org}{what}" for org in ("org-a", "org-b") for what in ("", ".identity")]
+    assert done["created"] == ["ca.crt", "server.crt", "server-signing.key", *orgs]
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
-    for secret in ("ca.key", "server.key", "server-signing.key", "supernodes/org-a", "supernodes/org-b"):
+    for secret in ("ca.key", "server.key", "server-signing.key", *orgs):
         assert mode(out / secret) == 0o600, secret
     # what other accounts (the containers', the researcher's) read, whatever the umask
-    for public in ("ca.crt", "server.crt", "server-signing.pub", "supernodes/org-a.pub", "supernodes/org-b.pub"):
+    for public in ("ca.crt", "server.crt", "server-signing.pub", "roster.json", *(f"{o}.pub" for o in orgs)):
         assert mode(out / public) == 0o644, public
     assert mode(out) == 0o700
+    # the roster lists each organisation's identity, the key its private one signs with
+    roster = Roster.load(out / "roster.json")
+    for org in ("org-a", "org-b"):
+        identity = Identity.load(out / "supernodes" / f"{org}.identity")
+        assert roster.member(identity.public) == org and verify(identity.public, b"m", identity.sign(b"m"))
 
     ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
     server = x509.load_pem_x509_certificate((out / "server.crt").read_bytes())
@@ -63,11 +70,14 @@ def test_credentials_add_organisations_later_without_touching_existing_ones(tmp_
     out = tmp_path / "creds"
     generate(out, ["localhost"], [], ["org-a"])
     kept = ("ca.crt", "ca.key", "server.crt", "server-signing.key", "server-signing.pub", "supernodes/org-a")
+    kept += ("supernodes/org-a.identity", "supernodes/org-a.identity.pub")
     before = {p: (out / p).read_bytes() for p in kept}
     done = generate(out, ["localhost"], [], ["org-a", "org-c"])
-    assert done["created"] == ["supernodes/org-c"]
-    assert set(done["kept"]) == {"ca.crt", "server.crt", "server-signing.key", "supernodes/org-a"}
+    assert done["created"] == ["supernodes/org-c", "supernodes/org-c.identity"]
+    kept_now = {"ca.crt", "server.crt", "server-signing.key", "supernodes/org-a", "supernodes/org-a.identity"}
+    assert set(done["kept"]) == kept_now
     assert all((out / p).read_bytes() == b for p, b in before.items())
+    assert sorted(Roster.load(out / "roster.json").members) == ["org-a", "org-c"]
     server = x509.load_pem_x509_certificate((out / "server.crt").read_bytes())
     server.verify_directly_issued_by(x509.load_pem_x509_certificate((out / "ca.crt").read_bytes()))
 

@@ -105,12 +105,35 @@ def test_the_wrap_bound_holds_where_wrapping_is_likely():
     assert 0 < wrapped / 4000 <= bound
 
 
-def test_encode_refuses_a_vector_past_its_bound_and_a_sigma_below_one():
+def test_encode_projects_a_vector_past_its_bound_and_refuses_a_sigma_below_one():
+    """A node never refuses with its update's norm (a value of its data): past the bound, the
+    update is projected onto it, which is what it encodes (the same draws give the same ints)."""
     mech = DistributedGaussian(gamma=0.01, client_sigma=2.0, n_min=3, dim=4, norm_bound=1.0, bits=32)
-    with pytest.raises(ValueError, match="past the bound"):
-        mech.encode(np.full(4, 1.0), Uniforms(np.random.default_rng(0)))
+    big = np.full(4, 1.0)  # norm 2
+    projected = mech.encode(big, Uniforms(np.random.default_rng(0)))
+    np.testing.assert_array_equal(projected, mech.encode(big / 2.0, Uniforms(np.random.default_rng(0))))
     with pytest.raises(ValueError, match="finer quantisation"):
         DistributedGaussian(gamma=1.0, client_sigma=0.5, n_min=3, dim=4, norm_bound=1.0, bits=32)
+
+
+def test_a_share_that_is_not_the_planned_noise_is_refused(monkeypatch):
+    """The share passes the check every noise draw passes: a sampler returning zeros, or noise
+    of another scale, is refused before anything is encoded."""
+    from fedvlm.privacy import distributed
+    from fedvlm.privacy.noise_check import MechanismError
+
+    mech = DistributedGaussian(gamma=0.01, client_sigma=4.0, n_min=3, dim=2048, norm_bound=1.0, bits=40)
+    mech.encode(np.zeros(2048), Uniforms(np.random.default_rng(0)))  # an honest share passes
+    monkeypatch.setattr(distributed, "discrete_gaussian", lambda size, sigma, u: np.zeros(size, dtype=np.int64))
+    with pytest.raises(MechanismError, match="adds no noise at all"):
+        mech.encode(np.zeros(2048), Uniforms(np.random.default_rng(0)))
+    monkeypatch.setattr(
+        distributed,
+        "discrete_gaussian",
+        lambda size, sigma, u: np.rint(np.random.default_rng(1).normal(0, sigma / 3, size)),
+    )
+    with pytest.raises(MechanismError, match="not the planned"):
+        mech.encode(np.zeros(2048), Uniforms(np.random.default_rng(0)))
 
 
 def test_rounding_is_unbiased_and_the_granularity_sets_its_overhead():
