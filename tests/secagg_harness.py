@@ -207,6 +207,30 @@ def unmask_numerically(r: Round, members: frozenset[int], masked: dict[int, np.n
     return decode(total, BITS)
 
 
+def attempt(call):
+    """What the node's ``call`` returns, or None where the node refuses."""
+    try:
+        return call()
+    except SecAggRefused:
+        return None
+
+
+def sign_and_reveal(r: Round, masked, survivors_of) -> dict:
+    """Every node that sent a masked vector signs the survivors it is told (``survivors_of``: node
+    -> survivors), and every signer is shown every signature: what each one then revealed."""
+    signatures = {}
+    for u in masked:
+        signature = attempt(lambda u=u: r.nodes[u].sign_story(survivors_of(u), r.identities[u]))
+        if signature is not None:
+            signatures[u] = signature
+    revealed = {}
+    for u in signatures:
+        shares = attempt(lambda u=u: r.nodes[u].reveal(signatures))
+        if shares is not None:
+            revealed[u] = shares
+    return revealed
+
+
 def refuses(call) -> str:
     """The node's refusal text, or '' where it went along."""
     try:

@@ -247,7 +247,7 @@ def _next_stage(msg: Message, context: Context, stage: str) -> Message:
     elif stage == stages.MASKED:
         secure.receive(*stages.read_dealt(config))
         masked = secure.mask(np.frombuffer(held[VECTOR], dtype=np.uint64))
-        held[MASKED] = masked.astype(wire_dtype(secure.bits)).tobytes()
+        held[MASKED] = masked.astype(wire_dtype(secure.plan.bits)).tobytes()
         answer = stages.masked_reply(secure.complaints)
     elif stage == stages.CONSISTENCY:
         identity = member(context)[1]
@@ -262,6 +262,6 @@ def _next_stage(msg: Message, context: Context, stage: str) -> Message:
 
 
 def _reply(msg: Message, stage: str, answer: dict, held: dict) -> Message:
-    bits = NodeRound.from_bytes(held[ROUND]).bits
+    bits = NodeRound.from_bytes(held[ROUND]).plan.bits
     masked = np.frombuffer(held[MASKED], dtype=wire_dtype(bits)) if stage == stages.MASKED else None
     return secure_reply(msg, {}, {k: v for k, v in answer.items() if k != ASKED}, masked=masked)

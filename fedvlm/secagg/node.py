@@ -207,14 +207,6 @@ class NodeRound:
     signature: bytes = b""  # this node's signature on its story
     stage: str = "keys"
 
-    @property
-    def threshold(self) -> int:
-        return self.plan.threshold
-
-    @property
-    def bits(self) -> int:
-        return self.plan.bits
-
     # ---- stage 1: keys ------------------------------------------------------------------------
     @classmethod
     def start(
@@ -244,16 +236,18 @@ class NodeRound:
         if adverts.get(self.node_id) != own:
             raise SecAggRefused("the server shows this node other public keys than the ones it advertised, or none")
         self._check_adverts(adverts, roster)
-        if len(adverts) < self.threshold:
-            raise SecAggRefused(f"only {len(adverts)} nodes advertised keys, fewer than the threshold {self.threshold}")
+        if len(adverts) < self.plan.threshold:
+            raise SecAggRefused(
+                f"only {len(adverts)} nodes advertised keys, fewer than the threshold {self.plan.threshold}"
+            )
         self.adverts = dict(adverts)
         self.session = session(self.plan.digest, adverts)
         mine = self.graph()[self.node_id]
-        check_threshold(self.threshold, len(mine) + 1)
+        check_threshold(self.plan.threshold, len(mine) + 1)
         self.seed = os.urandom(SEED_BYTES)
         holders = sorted([self.node_id, *mine])
-        seed_shares = create_shares(self.seed, self.threshold, len(holders))
-        key_shares = create_shares(key_scalar(self.mask_key), self.threshold, len(holders))
+        seed_shares = create_shares(self.seed, self.plan.threshold, len(holders))
+        key_shares = create_shares(key_scalar(self.mask_key), self.plan.threshold, len(holders))
         out = {}
         for holder, s_share, k_share in zip(holders, seed_shares, key_shares, strict=True):
             if holder == self.node_id:
@@ -308,7 +302,7 @@ class NodeRound:
                 f"the server delivers shares from {sorted(ciphertexts)}, not from this node's neighbours among the "
                 f"dealers {sorted(mine)}"
             )
-        if len(mine) + 1 < self.threshold:
+        if len(mine) + 1 < self.plan.threshold:
             raise SecAggRefused(f"only {len(mine)} neighbours dealt shares: fewer than threshold - 1")
         for dealer, ciphertext in sorted(ciphertexts.items()):
             try:
@@ -330,12 +324,12 @@ class NodeRound:
         masks with every neighbour that dealt shares."""
         self._expect("dealt")
         v = np.asarray(vector, dtype=np.uint64)
-        out = v + expand(self.seed, v.size, self.bits)
+        out = v + expand(self.seed, v.size, self.plan.bits)
         for peer in self.peers:
-            m = expand(pair_seed(self.mask_key, self.adverts[peer].mask, self.session), v.size, self.bits)
+            m = expand(pair_seed(self.mask_key, self.adverts[peer].mask, self.session), v.size, self.plan.bits)
             out = out + m if pair_sign(self.node_id, peer) > 0 else out - m
         self.stage = "masked"
-        return reduce(out, self.bits)
+        return reduce(out, self.plan.bits)
 
     # ---- stage 4: consistency -------------------------------------------------------------------
     def sign_story(self, survivors: Iterable[int], identity: Identity, floor: int = 0) -> bytes:
@@ -352,12 +346,12 @@ class NodeRound:
         if not set(survivors) <= set(self.dealers) or self.node_id not in survivors:
             raise SecAggRefused("the survivors include nodes that did not deal shares, or leave this node out")
         alive = set(survivors) & {self.node_id, *self.peers}
-        if len(alive) < self.threshold:
+        if len(alive) < self.plan.threshold:
             raise SecAggRefused(
                 f"only {len(alive)} survivors among this node's neighbours and itself: fewer than the threshold "
-                f"{self.threshold}"
+                f"{self.plan.threshold}"
             )
-        least = max(self.threshold, floor)
+        least = max(self.plan.threshold, floor)
         if len(survivors) < least:
             raise SecAggRefused(f"only {len(survivors)} survivors: this node helps unmask a sum of at least {least}")
         if not connected(self.graph(), survivors):
@@ -388,9 +382,10 @@ class NodeRound:
                 f"node signed: it reveals only once {need} have"
             )
         near = signed & {self.node_id, *self.graph()[self.node_id]}
-        if len(near) < self.threshold:
+        if len(near) < self.plan.threshold:
             raise SecAggRefused(
-                f"{len(near)} of this node's neighbourhood signed its story: it reveals only once {self.threshold} have"
+                f"{len(near)} of this node's neighbourhood signed its story: it reveals only once "
+                f"{self.plan.threshold} have"
             )
         self.stage = "revealed"
         alive, gone = set(self.survivors), set(self.dealers) - set(self.survivors)

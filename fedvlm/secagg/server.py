@@ -78,18 +78,6 @@ class ServerRound:
     def __post_init__(self) -> None:
         modulus(self.plan.bits)
 
-    @property
-    def server_round(self) -> int:
-        return self.plan.server_round
-
-    @property
-    def threshold(self) -> int:
-        return self.plan.threshold
-
-    @property
-    def bits(self) -> int:
-        return self.plan.bits
-
     # ---- stage 1 -> 2 ---------------------------------------------------------------------------
     def take_adverts(self, replies: Mapping[int, Advert]) -> dict[int, Advert]:
         """U1: the well-formed, signed adverts (every node of U1 is shown all of them); the graph
@@ -110,10 +98,10 @@ class ServerRound:
         for node in sorted(repeated):
             self._exclude(node, "it advertised a key or a member that another advert of the round repeats")
             del self.adverts[node]
-        if len(self.adverts) < self.threshold:
+        if len(self.adverts) < self.plan.threshold:
             raise SecAggError(
-                f"round {self.server_round}: {len(self.adverts)} nodes advertised keys, fewer than the threshold "
-                f"{self.threshold}"
+                f"round {self.plan.server_round}: {len(self.adverts)} nodes advertised keys, fewer than the threshold "
+                f"{self.plan.threshold}"
             )
         self.session = session(digest, self.adverts)
         self.graph = neighbours(sorted(self.adverts), self.plan.degree, self.session)
@@ -158,8 +146,8 @@ class ServerRound:
                 self._exclude(node, "it sent a masked vector without having dealt shares")
             elif v.dtype != np.uint64 or v.shape != (self.size,):
                 self._exclude(node, f"its masked vector is {v.dtype} {v.shape}, not uint64 ({self.size},)")
-            elif v.size and int(v.max()) >= modulus(self.bits):
-                self._exclude(node, f"its masked vector holds values past the modulus 2^{self.bits}")
+            elif v.size and int(v.max()) >= modulus(self.plan.bits):
+                self._exclude(node, f"its masked vector holds values past the modulus 2^{self.plan.bits}")
             else:
                 self.masked[node] = v
         self._prune(self.masked, "in the sum")
@@ -168,10 +156,10 @@ class ServerRound:
             for node in piece:
                 self._exclude(node, "its masked vector is not connected to the largest piece of the survivors")
                 del self.masked[node]
-        least = max(self.threshold, quorum(len(self.plan.participants)))
+        least = max(self.plan.threshold, quorum(len(self.plan.participants)))
         if len(self.masked) < least:
             raise SecAggError(
-                f"round {self.server_round}: {len(self.masked)} masked vectors can go into the sum, fewer than "
+                f"round {self.plan.server_round}: {len(self.masked)} masked vectors can go into the sum, fewer than "
                 f"{least} (the threshold, and a strict majority of the round's {len(self.plan.participants)} "
                 "participants, who must sign it)"
             )
@@ -193,7 +181,7 @@ class ServerRound:
         need = quorum(len(self.plan.participants))
         if len(self.signatures) < need:
             raise SecAggError(
-                f"round {self.server_round}: {len(self.signatures)} survivors signed the story, fewer than the "
+                f"round {self.plan.server_round}: {len(self.signatures)} survivors signed the story, fewer than the "
                 f"{need} (a strict majority of the participants) a node waits for before it reveals"
             )
         return dict(self.signatures)
@@ -220,23 +208,23 @@ class ServerRound:
         total = np.zeros(self.size, dtype=np.uint64)
         for u, vector in self.masked.items():
             seed = self._recover(u, seeds.get(u, {}), SEED)
-            total = reduce(total + vector - expand(seed, self.size, self.bits), self.bits)
+            total = reduce(total + vector - expand(seed, self.size, self.plan.bits), self.plan.bits)
         for v in self.dealt:
             if v in self.masked:
                 continue
             mask_key = key_from_scalar(self._recover(v, keys.get(v, {}), MASK_KEY))
             for u in self.graph[v]:
                 if u in self.masked:  # u added sign(u, v) * PRG(s_uv): take it out
-                    m = expand(pair_seed(mask_key, self.adverts[u].mask, self.session), self.size, self.bits)
+                    m = expand(pair_seed(mask_key, self.adverts[u].mask, self.session), self.size, self.plan.bits)
                     total = total - m if pair_sign(u, v) > 0 else total + m
-            total = reduce(total, self.bits)
+            total = reduce(total, self.plan.bits)
         return total
 
     def report(self) -> dict:
         """What results.json records of the round's protocol."""
         return {
-            "threshold": self.threshold,
-            "bits": self.bits,
+            "threshold": self.plan.threshold,
+            "bits": self.plan.bits,
             "neighbours": max((len(p) for p in self.graph.values()), default=0),
             "asked": len(self.plan.participants),
             "advertised": len(self.adverts),
@@ -259,11 +247,11 @@ class ServerRound:
         among the members: their secrets could not be rebuilt if they dropped out, and every node
         refuses to sign a story with fewer than t of its neighbourhood in the sum."""
         while True:
-            short = [u for u in members if sum(v in members for v in self.graph[u]) < self.threshold - 1]
+            short = [u for u in members if sum(v in members for v in self.graph[u]) < self.plan.threshold - 1]
             if not short:
                 return
             for u in short:
-                self._exclude(u, f"fewer than threshold - 1 = {self.threshold - 1} of its neighbours {what}")
+                self._exclude(u, f"fewer than threshold - 1 = {self.plan.threshold - 1} of its neighbours {what}")
                 del members[u]
 
     def _fits(self, owner: int, what: str, secret: bytes) -> bool:
@@ -280,8 +268,8 @@ class ServerRound:
         seen = set()
         for left_out in itertools.chain([()], itertools.combinations(holders, 1), itertools.combinations(holders, 2)):
             rest = [h for h in holders if h not in left_out]
-            subset = tuple(rest[: self.threshold])
-            if len(subset) == self.threshold and subset not in seen:
+            subset = tuple(rest[: self.plan.threshold])
+            if len(subset) == self.plan.threshold and subset not in seen:
                 seen.add(subset)
                 yield subset
 
@@ -291,11 +279,11 @@ class ServerRound:
         fits; each try costs a Lagrange interpolation in GF(2^128)); once one set failed, the
         holders whose shares do not fit the secret a later set rebuilt are recorded as forgers.
         A forged share outside the first set is never used, so it is left out unnamed."""
-        if len(shares) < self.threshold:
+        if len(shares) < self.plan.threshold:
             blamed = self.complaints.get(owner)
             raise SecAggError(
-                f"round {self.server_round}: {len(shares)} shares of node {owner}'s {what} came back, fewer than "
-                f"the threshold {self.threshold}"
+                f"round {self.plan.server_round}: {len(shares)} shares of node {owner}'s {what} came back, fewer than "
+                f"the threshold {self.plan.threshold}"
                 + (f"; nodes {sorted(blamed)} could not decrypt the shares it dealt them" if blamed else "")
             )
         holders = sorted(shares)
@@ -304,7 +292,7 @@ class ServerRound:
             secret = _combine([shares[h] for h in subset])
             if secret is not None and self._fits(owner, what, secret):
                 for h in sorted(set(holders) - set(subset)) if attempt else ():
-                    if _combine([shares[x] for x in (*subset[: self.threshold - 1], h)]) != secret:
+                    if _combine([shares[x] for x in (*subset[: self.plan.threshold - 1], h)]) != secret:
                         self.forged[h] = f"its share of node {owner}'s {what} does not fit the others"
                 return secret
         blamed = self.complaints.get(owner)
@@ -314,7 +302,7 @@ class ServerRound:
             else f"shares were forged (holders {holders})"
         )
         raise SecAggError(
-            f"round {self.server_round}: node {owner}'s {what} cannot be rebuilt from the {len(shares)} shares "
+            f"round {self.plan.server_round}: node {owner}'s {what} cannot be rebuilt from the {len(shares)} shares "
             f"returned to match what it published: {why}; the round is discarded"
         )
 

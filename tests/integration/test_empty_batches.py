@@ -15,6 +15,7 @@ from fedvlm.client_app.app import app as client_app
 from fedvlm.server_app.app import execute
 from fedvlm.tensor_names import GLOBAL_GRAD
 from fedvlm.utils.inprocess import InProcessGrid
+from tests.neighbours import one_record_batches
 
 GLOBAL_DP_METHODS = ("dpfpl", "fedotp", "fedpgp")
 
@@ -24,16 +25,7 @@ def _round(cfg, world: str) -> tuple[dict, dict[int, np.ndarray]]:
     alone (``world`` 'in') or nothing ('out'); the other node samples as usual. Returns the
     round's record and each node's uploaded global-prompt gradient, by node id."""
     sizes = [len(cfg.spec.family.node_data(cfg, {"partition-id": i, "num-partitions": 2}).part.train) for i in (0, 1)]
-    assert sizes[0] != sizes[1]  # a node's batches are told apart by its number of records
-    honest = trainer.batches
-
-    def batches(n, batch_size, steps, settings, rng):
-        if n != sizes[0]:
-            yield from honest(n, batch_size, steps, settings, rng)
-            return
-        for _ in range(steps):
-            yield np.array([0] if world == "in" else [], dtype=np.int64)
-
+    honest, batches = trainer.batches, one_record_batches(world, sizes[0], sizes[1:])
     uploads: dict[int, np.ndarray] = {}
 
     def keep(req, reply):

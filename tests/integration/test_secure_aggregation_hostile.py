@@ -42,6 +42,7 @@ from fedvlm.server_app.app import execute
 from fedvlm.strategies.nodes import FederationError
 from fedvlm.tensor_names import CTX
 from fedvlm.utils.inprocess import InProcessGrid
+from tests.neighbours import one_record_batches
 
 N = 5
 
@@ -225,20 +226,6 @@ def _stage_of_reply(reply: Message) -> str:
 
 
 # ---- what leaves a node: the same bytes for neighbouring datasets ----------------------------------
-def _one_record(world: str, sizes: list[int]):
-    """Partition 0's batches: its record 0 alone (``world`` 'in') or nothing ('out')."""
-    honest = trainer.batches
-
-    def batches(n, batch_size, steps, settings, rng):
-        if n != sizes[0]:
-            yield from honest(n, batch_size, steps, settings, rng)
-            return
-        for _ in range(steps):
-            yield np.array([0] if world == "in" else [], dtype=np.int64)
-
-    return batches
-
-
 def _leaking_training(monkeypatch):
     """A training that fails with a text carrying a value of the node's data (its update's norm)."""
     honest = node_round.NodeMessage.train
@@ -269,14 +256,15 @@ def test_what_a_node_says_is_the_same_for_neighbouring_datasets(make_cfg, pretra
     """Partition 0 with one record in its batch or not: every refusal and error text it sends is
     the same bytes, whatever the server did; an error whose text carries a value of its data
     leaves as its class name alone."""
-    cfg = make_cfg(method="promptfl", max_per_class=6)
-    sizes = [len(cfg.spec.family.node_data(cfg, {"partition-id": i, "num-partitions": N}).part.train) for i in (0, 1)]
+    skew = {"partitioner": "quantity-skew", "quantity_ratios": "4:1:1:1:1"}  # partition 0's size is its own
+    cfg = make_cfg(method="promptfl", max_per_class=6, **skew)
+    sizes = [len(cfg.spec.family.node_data(cfg, {"partition-id": i, "num-partitions": N}).part.train) for i in range(N)]
     if case == "leaking error":
         _leaking_training(monkeypatch)
     said = {}
     for world in ("in", "out"):
-        monkeypatch.setattr(trainer, "batches", _one_record(world, sizes))
-        _, _, grid = _federation(make_cfg, f"{case}-{world}", REFUSALS.get(case))
+        monkeypatch.setattr(trainer, "batches", one_record_batches(world, sizes[0], sizes[1:]))
+        _, _, grid = _federation(make_cfg, f"{case}-{world}", REFUSALS.get(case), **skew)
         said[world] = _errors(grid, 1000)
     assert said["in"] and said["in"] == said["out"], said
     if case == "leaking error":

@@ -21,7 +21,7 @@ from fedvlm.secagg.graph import neighbours
 from fedvlm.secagg.node import NodeRound, SecAggRefused, advert_message, session
 from fedvlm.secagg.roster import Identity
 from fedvlm.secagg.stages import Advert
-from tests.secagg_harness import make_round, refuses, unmask_numerically, unmaskable
+from tests.secagg_harness import make_round, refuses, sign_and_reveal, unmask_numerically, unmaskable
 
 
 def _dealt_and_masked(r, view, drop_dealers=()):
@@ -224,20 +224,11 @@ def _attack(n: int, k: int, rng: np.random.Generator):
         cts = {j: shared[j][1][u] if j in shared and u in shared[j][1] else os.urandom(300) for j in expect}
         if not refuses(lambda u=u, node=node, dealers=dealers, cts=cts: node.receive(dealers, cts)):
             masked[u] = node.mask(r.vector(u))
-    signatures = {}
-    for u, g in zip(r.ids, groups, strict=True):
-        if u not in masked:
-            continue
-        survivors = [v for i, v in enumerate(r.ids) if v == u or (v in masked and stories[g][2][i] < 0.8)]
-        refuses(
-            lambda u=u, survivors=survivors: signatures.__setitem__(
-                u, r.nodes[u].sign_story(survivors, r.identities[u])
-            )
-        )
-    revealed = {}
-    for u in signatures:
-        refuses(lambda u=u: revealed.__setitem__(u, r.nodes[u].reveal(signatures)))
-    return r, masked, revealed
+    group = dict(zip(r.ids, groups, strict=True))
+    told = {
+        u: [v for i, v in enumerate(r.ids) if v == u or (v in masked and stories[group[u]][2][i] < 0.8)] for u in r.ids
+    }
+    return r, masked, sign_and_reveal(r, masked, told.__getitem__)
 
 
 def _split(n: int, k: int, rng: np.random.Generator):
@@ -263,18 +254,7 @@ def _split(n: int, k: int, rng: np.random.Generator):
         cts = {j: shared[j][1][u] for j in graph[u] if j in dealers}
         if not refuses(lambda u=u, dealers=dealers, cts=cts: r.nodes[u].receive(dealers, cts)):
             masked[u] = r.nodes[u].mask(r.vector(u))
-    signatures = {}
-    for u in masked:
-        survivors = [x for x in stories[u][1] if x in masked]
-        refuses(
-            lambda u=u, survivors=survivors: signatures.__setitem__(
-                u, r.nodes[u].sign_story(survivors, r.identities[u])
-            )
-        )
-    revealed = {}
-    for u in signatures:
-        refuses(lambda u=u: revealed.__setitem__(u, r.nodes[u].reveal(signatures)))
-    return r, masked, revealed
+    return r, masked, sign_and_reveal(r, masked, lambda u: [x for x in stories[u][1] if x in masked])
 
 
 ATTACKS = {"groups": _attack, "split": _split}
