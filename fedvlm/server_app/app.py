@@ -15,12 +15,13 @@ from fedvlm.deploy import object_pulls, simulation_polls
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, key_id, sign_pushes, signing_key_from_env
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, RunConfig
-from fedvlm.server_app.loop import run_rounds
+from fedvlm.server_app.loop import RoundHooks, run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 from fedvlm.server_app.resume import clear_refused, hold_run_dir, note_refused, resume_point
 from fedvlm.server_app.tracking import Trackers
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.parts import RunParts
+from fedvlm.strategies.secure_aggregation import SecureAggregation
 from fedvlm.utils.runtime import simulated_grid
 
 log = logging.getLogger("fedvlm")
@@ -48,7 +49,9 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
         note_refused(cfg, err)
         raise
     parts = RunParts.of(cfg)  # the run's parts: the loop owns them, the strategy's hooks use them
-    strategy = spec.strategy(parts)
+    method = spec.strategy(parts)
+    # a cross-cutting feature is a layer around the method's strategy, as Flower's wrappers are
+    strategy: RoundHooks = SecureAggregation(method) if cfg.secure_aggregation.enabled else method
     if point is not None:
         assert held is not None  # held above, with the resume point
         log.info("resuming %s after its round %d", point.run_dir, point.round)
@@ -57,7 +60,7 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
         run_dir = make_run_dir(cfg.output_dir, cfg.run_name, spec.name, cfg.dataset, run_id)
         held = hold_run_dir(run_dir)
         log.info("run folder: %s", run_dir)
-        backbone = getattr(strategy, "bundle", None)
+        backbone = getattr(method, "bundle", None)
         recorder = RunRecorder(
             run_dir,
             cfg.as_dict(),

@@ -58,7 +58,7 @@ class Exchanger:
     def run(self, messages: list[Message], ask_again: Callable[[list[Message]], list[Message]]) -> list[Message]:
         """Every reply pulled for ``messages`` (of a node asked again, only what came for the
         first of its two messages to be answered); the strategy judges each reply's origin and
-        sees who did not answer by who it asked (``FederatedStrategy._validated``)."""
+        sees who did not answer by who it asked (``FederatedStrategy.validate``)."""
         if not messages:
             return []
         if self.grace <= 0:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -32,9 +34,8 @@ from fedvlm.server_app.messages import ask_again, bundle
 from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
-from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.parts import RunParts
-from fedvlm.strategies.records import RoundRecord, with_evaluation
+from fedvlm.strategies.records import RoundRecord, RunOutputs, with_evaluation
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,29 @@ HOOKS = (
     "num_rounds",
     "outputs",
 )
+
+
+class RoundHooks(Protocol):
+    """What the loop calls (``HOOKS``): a method's strategy (``strategies.base``), or a layer
+    around one (``strategies.secure_aggregation``)."""
+
+    def begin(self, grid: Grid, resumed: dict | None = None) -> None: ...
+    def admit(self, grid: Grid) -> None: ...
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]: ...
+    def next_stage(self, server_round: int, replies: Iterable[Message]) -> Iterable[Message]: ...
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]: ...
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]: ...
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def num_rounds(self) -> int: ...
+    def outputs(self, rounds: list[dict]) -> RunOutputs: ...
 
 
 def _record_nodes(parts: RunParts, recorder: RunRecorder) -> None:
@@ -119,14 +143,14 @@ def _phase_config(recorder: RunRecorder, final: bool | None = None) -> ConfigRec
 
 
 def _evaluation(
-    strategy: FederatedStrategy, server_round: int, arrays: ArrayRecord, recorder: RunRecorder, grid: Grid, final: bool
+    strategy: RoundHooks, server_round: int, arrays: ArrayRecord, recorder: RunRecorder, grid: Grid, final: bool
 ) -> list[Message]:
     """Round ``server_round``'s evaluate messages (a fresh plan of its evaluation)."""
     return list(strategy.configure_evaluate(server_round, arrays, _phase_config(recorder, final=final), grid))
 
 
 def _evaluate_alone(
-    strategy: FederatedStrategy,
+    strategy: RoundHooks,
     parts: RunParts,
     server_round: int,
     arrays: ArrayRecord,
@@ -143,7 +167,7 @@ def _evaluate_alone(
 
 
 def _settle(
-    strategy: FederatedStrategy,
+    strategy: RoundHooks,
     parts: RunParts,
     recorder: RunRecorder,
     server_round: int,
@@ -167,7 +191,7 @@ def _settle(
 
 
 def run_rounds(
-    strategy: FederatedStrategy,
+    strategy: RoundHooks,
     parts: RunParts,
     grid: Grid,
     recorder: RunRecorder,

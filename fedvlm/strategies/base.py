@@ -54,7 +54,7 @@ from fedvlm.metrics import (
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.privacy.budget import NoBudget, RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
-from fedvlm.privacy.planner import ClientShape, Distributed, GlobalDP
+from fedvlm.privacy.planner import ClientShape, GlobalDP
 from fedvlm.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
@@ -65,15 +65,12 @@ from fedvlm.protocol import (
     TrainReply,
 )
 from fedvlm.runconfig import ConfigError
-from fedvlm.secagg.server import SecAggError
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate, RunOutputs
-from fedvlm.strategies.secure_sum import SecureSum, threshold
 from fedvlm.strategies.validation import (
     NAMES_SHOWN,
-    REASON_CHARS,
     ReplyBound,
     ReplyRejected,
     bound_round,
@@ -115,9 +112,6 @@ class FederatedStrategy(Strategy):
         # how each part of an update is bounded (strategies.validation.reply_bounds): what the
         # server noises at the fixed clip, once its mechanism is planned; the rest by replies.*
         self.bounds: list[ReplyBound] = reply_bounds((), self.privacy.clip)
-        # secure aggregation (strategies.secure_sum): the server sees only each round's sum
-        settings = parts.cfg.secure_aggregation
-        self.secure = SecureSum(settings, parts.cfg.seed, self.sum_weighted) if settings.enabled else None
 
     # the run's parts, as the hooks read them
     @property
@@ -183,7 +177,8 @@ class FederatedStrategy(Strategy):
         survivors: list[int],
         updates: list[ClientUpdate],
     ) -> dict[str, float]:
-        """``aggregate`` under secure aggregation, from what the server learns: the sum over the
+        """``aggregate`` from a sum, where a layer around the strategy gives it one in place of the
+        updates (``strategies.secure_aggregation``: what the server learns): the sum over the
         round's ``survivors`` (node ids) of each tensor's weighted update (returned minus sent) and
         of its weights; ``updates``: the validated replies, metrics only. A per-tensor weighted
         average of the returned tensors, as ``aggregate`` computes for every summing method: each
@@ -290,21 +285,18 @@ class FederatedStrategy(Strategy):
         self.ledger.reply_bounds = [b.as_dict(self.cfg.replies) for b in self.bounds]
 
     def _global_dp(self) -> GlobalDP | None:
-        """The method's server-side mechanism, drawn by the clients in shares under secure
-        aggregation: over the coordinates of the tensors it noises, for as many survivors as the
-        protocol's threshold guarantees."""
+        """The method's server-side mechanism, or, where the run has the clients draw it in shares
+        (``RunParts.shares``), their shares of it, over the coordinates of the tensors it noises."""
         if not self.spec.global_dp:
             return None
         n = self.nodes_per_round()
         mechanism = self.spec.global_dp(self.cfg, n)
-        if self.secure is None:
+        if self.parts.shares is None:
             return mechanism
         node = next(iter(self.nodes.values()))
         expected = self.train_payload(node, 1, self.global_arrays).expected
         dim = sum(int(np.prod(expected[t], dtype=np.int64)) for t in mechanism.tensors)
-        settings = self.cfg.secure_aggregation
-        shares = Distributed(dim, threshold(settings, n), settings.rounding_overhead, settings.bits)
-        return dataclasses.replace(mechanism, distributed=shares)
+        return dataclasses.replace(mechanism, distributed=self.parts.shares(dim, n))
 
     def admit(self, grid: Grid) -> None:
         """Before each phase (called by the loop, never by ``configure_*``): handshake the nodes
@@ -361,14 +353,6 @@ class FederatedStrategy(Strategy):
                 }
             )
             kept.messages.append(Message(content, dst_node_id=node.node_id, message_type=kind))
-        if phase == "train" and self.secure is not None and kept.messages:
-            noise = self.budget.distributed_noise()
-            bound = self.privacy.clip if noise is not None else self.cfg.replies.max_norm
-            try:
-                self.secure.plan(server_round, kept, noise, bound)
-            except SecAggError as why:  # a round that cannot be summed securely trains no one
-                log.error("round %d is skipped: %s", server_round, why)
-                kept.secure, kept.messages, kept.outgoing = {"failed": str(why)}, [], {}
         return kept.messages
 
     def configure_train(
@@ -385,13 +369,10 @@ class FederatedStrategy(Strategy):
         return self._phase("evaluate", server_round, arrays, config, self.cfg.fraction_evaluate)
 
     def next_stage(self, server_round: int, replies: Iterable[Message]) -> Iterable[Message]:
-        """The messages of the round's next stage of training, given the last stage's ``replies``
-        (none: the training's replies are all in). One stage without secure aggregation; four
-        with it (``strategies.secure_sum``)."""
-        if self.secure is None:
-            return []
-        kept = self.plans[server_round].phase("train")
-        return self.secure.advance(server_round, list(replies), kept, self._validated)
+        """The messages of the round's next stage of training, given the last stage's ``replies``:
+        none, the training is one stage (a layer around the strategy may add stages:
+        ``strategies.secure_aggregation``)."""
+        return []
 
     # ---- replies -------------------------------------------------------------------------------
     def _sender(self, reply: Message, kept: PhasePlan) -> int:
@@ -445,7 +426,7 @@ class FederatedStrategy(Strategy):
             return "it answers another message than the one the server sent this node"
         return ""
 
-    def _validated(self, replies: Iterable[Message], kept: PhasePlan) -> list[ClientUpdate]:
+    def validate(self, replies: Iterable[Message], kept: PhasePlan) -> list[ClientUpdate]:
         """The replies that concern ``kept`` (an exchange may carry two phases, ``server_app.messages.bundle``),
         checked; what was dropped, and who did not answer, recorded in ``kept``. A reply concerns
         the phase whose message it answers; one that answers no message of a phase in progress
@@ -475,14 +456,14 @@ class FederatedStrategy(Strategy):
                 out = kept.outgoing.get(nid)
                 answered = sent.get(msg.metadata.reply_to_message_id)
                 carried = answered is not None and answered.metadata.message_type == MessageType.TRAIN
-                expected = out.payload.expected if out and self.secure is None else {}  # secure: no tensor in clear
+                expected = out.payload.expected if out and kept.tensors_in_replies else {}
                 reply, refused = (
                     check_train_reply(msg, expected, node.num_train)
                     if kept.phase == "train"
                     else check_evaluate_reply(msg, carried, node.evaluation_counts())
                 )
             except ReplyRejected as why:
-                _drop(kept, name, str(why))
+                kept.drop(name, str(why))
                 continue
             if refused:
                 _refuse_metrics(kept, name, refused)
@@ -514,8 +495,7 @@ class FederatedStrategy(Strategy):
                     )
             if arrays is None:
                 e = entries[0]
-                _drop(
-                    kept,
+                kept.drop(
                     u.node.name,
                     f"update norm {e['norm']:.4g} exceeds the round's bound {e['bound']:.4g} ({e['rule']})",
                 )
@@ -529,20 +509,16 @@ class FederatedStrategy(Strategy):
         """The new global arrays and the round's training figures, from the validated, bounded
         replies to this round's train messages."""
         kept = self.plans[server_round].phase("train")
-        if self.secure is None:
-            updates = self._bound_norms(self._validated(replies, kept), kept)
-        else:  # validated as the protocol began (next_stage); only the nodes in the sum count
-            updates, left_out = self.secure.in_sum(server_round)
-            for name, why in left_out.items():
-                _drop(kept, name, why)
+        updates = self._bound_norms(self.validate(replies, kept), kept)
+        return self.train_result(kept, updates, self.aggregate(server_round, updates) if updates else {})
+
+    def train_result(
+        self, kept: PhasePlan, updates: list[ClientUpdate], metrics: dict[str, float]
+    ) -> tuple[ArrayRecord, MetricRecord]:
+        """The round's outcome once ``updates`` (the replies that count) were folded in with
+        ``metrics`` (the method's figures): each client's figures recorded, the round's made."""
         for u in updates:
             kept.client(u.node.name).update({f"train/{k}": v for k, v in u.reply.metrics.items()})
-        if self.secure is not None:  # what the server learns is the survivors' sum, not the updates
-            total = self.secure.total(server_round)
-            metrics = self.aggregate_sums(server_round, *total, updates) if total is not None else {}
-            self.secure.finish(server_round)
-        else:
-            metrics = self.aggregate(server_round, updates) if updates else {}
         metrics.update(round_figures([u.reply.metrics for u in updates], TRAIN))
         metrics[TRAIN_COMPUTE_SECONDS] = float(sum(u.reply.compute_seconds for u in updates))
         metrics[TRAIN_CLIENTS] = len(updates)
@@ -551,19 +527,13 @@ class FederatedStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         kept = self.plans[server_round].phase("evaluate")
-        updates = self._validated(replies, kept)
+        updates = self.validate(replies, kept)
         for u in updates:
             kept.client(u.node.name).update({f"eval/{k}": v for k, v in u.reply.metrics.items()})
         metrics = round_figures([u.reply.metrics for u in updates], EVALUATE)
         metrics[EVAL_CLIENTS] = len(updates)
         metrics[EVAL_COMPUTE_SECONDS] = float(sum(u.reply.compute_seconds for u in updates))
         return MetricRecord(dict(metrics))
-
-
-def _drop(kept: PhasePlan, name: str, reason: str) -> None:
-    reason = bounded(reason, REASON_CHARS + 200)  # the server's words around what the node sent, itself bounded
-    log.warning("round %s: dropped the %s reply of %s: %s", kept.round, kept.phase, name, reason)
-    kept.dropped.append({"client": name, "phase": kept.phase, "reason": reason})
 
 
 def _refuse_metrics(kept: PhasePlan, name: str, refused: dict[str, str]) -> None:

@@ -9,12 +9,14 @@ the arrays the loop sends are the ones the strategy aggregates into.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fedvlm.privacy.budget import NoBudget, RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
+from fedvlm.privacy.planner import Distributed
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.nodes import NodeRegistry
 from fedvlm.strategies.plan import RoundPlan
@@ -31,6 +33,10 @@ class RunParts:
     # the rounds being run, by round: what was sent and what validation found (the loop builds
     # each round's record from its plan, then takes it: ``take_plan``)
     plans: dict[int, RoundPlan] = field(default_factory=dict)
+    # who draws a method's global noise: the server (None), or, given the mechanism's coordinates
+    # and the clients sampled per round, the clients in shares (a layer around the strategy sets
+    # it: strategies.secure_aggregation)
+    shares: Callable[[int, int], Distributed] | None = None
 
     @classmethod
     def of(cls, cfg: RunConfig) -> RunParts:

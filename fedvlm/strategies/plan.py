@@ -11,6 +11,7 @@ that is planned and not sent (the budget's stop) leaves no trace once its plan i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from flwr.app import Message
 
     from fedvlm.strategies.nodes import NodeInfo
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,8 +56,11 @@ class PhasePlan:
     bounded: list[dict] = field(default_factory=list)  # updates past their norm bound
     asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.exchange)
     missing: list[dict] = field(default_factory=list)  # nodes whose reply never came
-    # a secure round's later stages (strategies.secure_sum): their messages, copies included, and
-    # the protocol's account of the round
+    # a layer around the strategy may carry the replies' tensors elsewhere (secure aggregation:
+    # under masks, in later stages): then the replies carry figures only
+    tensors_in_replies: bool = True
+    # a secure round's later stages (strategies.secure_aggregation): their messages, copies
+    # included, and the protocol's account of the round
     stage_messages: list[Message] = field(default_factory=list)
     secure: dict | None = None
     bytes_down: int = 0
@@ -65,6 +72,14 @@ class PhasePlan:
     def add_up(self, name: str, nbytes: int) -> None:
         self.bytes_up = (self.bytes_up or 0) + nbytes
         self.client(name)[f"{self.phase}/bytes_up"] = nbytes
+
+    def drop(self, name: str, reason: str) -> None:
+        """Record that ``name``'s reply of this phase is not used, and why."""
+        from fedvlm.strategies.validation import REASON_CHARS, bounded
+
+        reason = bounded(reason, REASON_CHARS + 200)  # the server's words around what the node sent, itself bounded
+        log.warning("round %s: dropped the %s reply of %s: %s", self.round, self.phase, name, reason)
+        self.dropped.append({"client": name, "phase": self.phase, "reason": reason})
 
 
 @dataclass

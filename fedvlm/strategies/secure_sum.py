@@ -1,6 +1,7 @@
-"""The server's side of secure aggregation for a run (``secure-aggregation.enabled``): each train
-round becomes five stages of messages (``secagg.stages``), and what the strategy aggregates is the
-unmasked sum of the survivors' vectors, never one node's update.
+"""The server's side of secure aggregation for a run, the protocol's runner that the layer around
+the strategy (``strategies.secure_aggregation``) drives: each train round becomes five stages of
+messages (``secagg.stages``), and what the strategy aggregates is the unmasked sum of the
+survivors' vectors, never one node's update.
 
 ``plan`` builds a round's one plan from its train messages (the participants, the graph's
 degree, the threshold, the vector's layout, the noise shares, the roster's digest) and adds it to

@@ -204,7 +204,7 @@ def test_a_restarted_nodes_answer_outweighs_the_superlinks_error_for_its_lost_co
         return Message(RecordDict({"arrays": ArrayRecord({"ctx": Array(ctx)}), "metrics": metrics}), reply_to=copy)
 
     lost = create_message_error_unavailable_res_message(copies[0].metadata, "node_unavail")
-    good = strategy._validated([lost if second_real else real(copies[0]), real(copies[1])], kept)
+    good = strategy.validate([lost if second_real else real(copies[0]), real(copies[1])], kept)
     if second_real:
         assert len(good) == 1 and kept.dropped == []
     else:

@@ -11,8 +11,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fedvlm.client_app.app import app as client_app
 from fedvlm.methods.validation import validate
-from fedvlm.protocol import FINAL_ROUND, RUN_DIR
+from fedvlm.protocol import FINAL_ROUND, RUN_DIR, SECURE_SUM
 from fedvlm.strategies.parts import RunParts
+from fedvlm.strategies.secure_aggregation import SecureAggregation
 from fedvlm.utils.inprocess import InProcessGrid
 
 N = 4
@@ -44,42 +45,53 @@ def _content(messages) -> list[tuple]:
             m.metadata.dst_node_id,
             {k: v.numpy().tobytes() for k, v in m.content["arrays"].items()},
             dict(m.content["config"]),
+            dict(m.content[SECURE_SUM]) if SECURE_SUM in m.content else None,  # a secure round's plan
         )
         for m in messages
     ]
 
 
-@pytest.mark.parametrize("method", ["promptfl", "pfedmoap", "dpfpl", "fedrand", "coop", "reprogram"])
+@pytest.mark.parametrize(
+    "method", ["promptfl", "pfedmoap", "dpfpl", "fedrand", "coop", "reprogram", "promptfl-secure", "dpfpl-secure"]
+)
 def test_configure_builds_messages_from_its_inputs_and_changes_nothing(method, vlm_cache, pretrained_clip, tmp_path):
+    method, secure = method.removesuffix("-secure"), method.endswith("-secure")
     raw = {"method": method, "cache-dir": str(vlm_cache), "output-dir": str(tmp_path), "fraction-train": 1.0}
     if method == "dpfpl":
         raw["privacy.epsilon"] = 1.0
     if method == "reprogram":  # the digits task's tiny source: the default motif source pretrains for minutes
         raw["dataset"] = "digits"
+    if secure:  # the layer around the strategy: its configure_train adds the plan and keeps no state
+        raw.update({"secure-aggregation.enabled": True, "replies.max-norm": 100.0})
     cfg = validate(raw)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N} for i in range(N)], raw)
-    strategy = cfg.spec.strategy(RunParts.of(cfg))
-    strategy.begin(grid)
+    method_strategy = cfg.spec.strategy(RunParts.of(cfg))
+    hooks = SecureAggregation(method_strategy) if secure else method_strategy
+    strategy = method_strategy  # the parts the test reads; the hooks go through the layer
+    hooks.begin(grid)
     if method == "pfedmoap":  # every node in the pool: its messages carry experts
         strategy.pool = {
             n.name: np.full_like(strategy.global_arrays["ctx"], i) for i, n in enumerate(strategy.nodes.values())
         }
-    strategy.admit(grid)
-    before = strategy.state_dict()
+    hooks.admit(grid)
+    before = hooks.state_dict()
     arrays = ArrayRecord({k: Array(np.ascontiguousarray(v + 1.0)) for k, v in strategy.global_arrays.items()})
     built = []
     for _ in range(2):
-        train = list(strategy.configure_train(1, arrays, ConfigRecord({RUN_DIR: "/runs/x"}), NoGrid()))
+        train = list(hooks.configure_train(1, arrays, ConfigRecord({RUN_DIR: "/runs/x"}), NoGrid()))
         evaluate = list(
-            strategy.configure_evaluate(1, arrays, ConfigRecord({RUN_DIR: "/runs/x", FINAL_ROUND: True}), NoGrid())
+            hooks.configure_evaluate(1, arrays, ConfigRecord({RUN_DIR: "/runs/x", FINAL_ROUND: True}), NoGrid())
         )
         built.append((_content(train), _content(evaluate)))
         strategy.plans.clear()  # the round is dropped unsent (the budget's stop)
-        assert _same(strategy.state_dict(), before), "configure changed the strategy's state"
+        assert _same(hooks.state_dict(), before), "configure changed the strategy's state"
+        if secure:  # the protocol's state is made when the round's replies come, never by configuring
+            assert isinstance(hooks, SecureAggregation) and hooks.sums.rounds == {}
     assert built[0] == built[1]
     train, evaluate = built[0]
-    assert len(train) == N and all(config[RUN_DIR] == "/runs/x" for _, _, config in train)
-    assert all(config[FINAL_ROUND] is True for _, _, config in evaluate)
+    assert len(train) == N and all(config[RUN_DIR] == "/runs/x" for _, _, config, _ in train)
+    assert all(config[FINAL_ROUND] is True for _, _, config, _ in evaluate)
+    assert all((plan is not None) == secure for *_, plan in train)
     # what was sent is the global arrays it was given, not the strategy's own copy
     given = {k: v.numpy().tobytes() for k, v in arrays.items()}
-    assert any(sent.get(k) == given[k] for _, sent, _ in train for k in given)
+    assert any(sent.get(k) == given[k] for _, sent, _, _ in train for k in given)
