@@ -12,6 +12,10 @@ the secure stages' keys, shares and masked vectors.
 per stage for 4, 10 and 20 nodes (``--nodes``), the consistency round's share among them,
 ``--repeats`` times. ``cost`` also reports each later stage's seconds per round of the secure runs.
 
+``attack``: a server that deviates (``tests/secagg_harness``: one that tells groups of nodes
+stories of their own, one that targets a node with two stories) against real nodes, with the
+consistency round's majority and without it: the rounds in which it could unmask fewer than t.
+
 ``accuracy``: DP-FPL at one privacy.epsilon on the embedded default, the server's Gaussian
 (central) against the clients' distributed discrete Gaussian (secure aggregation), for several
 seeds: the final round's local and neighbour accuracy, and the sigma each drew on the mean.
@@ -19,6 +23,7 @@ seeds: the final round's local and neighbour accuracy, and the sigma each drew o
     python bench/secure_aggregation.py cost --nodes 4,10,20 --rounds 3 --neighbours 6
     python bench/secure_aggregation.py protocol --nodes 4,10,20 --repeats 3
     python bench/secure_aggregation.py accuracy --seeds 0,1,2 --rounds 20 --epsilon 8
+    python bench/secure_aggregation.py attack --configs 7:0,7:2,9:4,11:4,13:6 --rounds 12
 
 Prints one JSON line per measurement and a table; ``--out FILE`` writes the JSON list.
 """
@@ -182,6 +187,38 @@ def protocol(args, work: Path) -> list[dict]:
     return out
 
 
+def attack(args, work: Path) -> list[dict]:
+    """A server that deviates, against real nodes (``tests/secagg_harness``): for each configuration
+    and attacker, the rounds in which it could unmask a sum of fewer than t nodes, with the
+    consistency round as built and with its majority taken away (a node revealing on its
+    neighbourhood's signatures alone)."""
+    import numpy as np
+
+    from fedvlm.secagg import node as node_module
+    from tests.secagg_harness import ATTACKS, unmaskable
+
+    built = node_module.quorum
+    out = []
+    for config in args.configs.split(","):
+        n, k = (int(x) for x in config.split(":"))
+        for name, attacker in ATTACKS.items():
+            for quorum in ("majority", "none"):
+                node_module.quorum = built if quorum == "majority" else (lambda participants: 1)
+                rng = np.random.default_rng(args.seed)
+                small = single = 0
+                for _ in range(args.rounds):
+                    r, masked, revealed = attacker(n, k, rng)
+                    sizes = [len(m) for m in unmaskable(r, set(masked), revealed)]
+                    small += any(size < r.t for size in sizes)
+                    single += any(size == 1 for size in sizes)
+                node_module.quorum = built
+                row = {"nodes": n, "neighbours": k, "threshold": r.t, "attacker": name, "quorum": quorum}
+                row.update({"rounds": args.rounds, "fewer_than_t": small, "single_node": single, "seed": args.seed})
+                print(json.dumps(row), flush=True)
+                out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -201,11 +238,15 @@ def main() -> None:
     )
     r.add_argument("--size", type=int, default=1553, help="coordinates of a vector (the default: DP-FPL's)")
     r.add_argument("--repeats", type=int, default=3)
-    for p in (c, a, r):
+    t = sub.add_parser("attack")
+    t.add_argument("--configs", default="7:0,7:2,9:4,11:4,13:6", help="nodes:neighbours, comma-separated")
+    t.add_argument("--rounds", type=int, default=12)
+    t.add_argument("--seed", type=int, default=7)
+    for p in (c, a, r, t):
         p.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = {"cost": cost, "accuracy": accuracy, "protocol": protocol}[args.what](args, Path(tmp))
+        rows = {"cost": cost, "accuracy": accuracy, "protocol": protocol, "attack": attack}[args.what](args, Path(tmp))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

@@ -13,6 +13,7 @@ only sums of at least t nodes in reach, whatever the server told each node.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -238,3 +239,71 @@ def refuses(call) -> str:
     except SecAggRefused as why:
         return str(why)
     return ""
+
+
+# ---- servers that deviate -----------------------------------------------------------------------
+def group_attack(n: int, k: int, rng: np.random.Generator):
+    """One round against a server that splits the nodes into groups and tells each group its own
+    story (the adverts it shows, who dealt, who survived), drops dealers and survivors at random,
+    fakes the ciphertexts it cannot deliver, and shows every node every signature it collected.
+    Returns the round, the nodes that sent masked vectors, those vectors, and what was revealed."""
+    r = make_round(n, k, seed=int(rng.integers(1 << 30)))
+    r.start()
+    groups = rng.integers(0, int(rng.integers(1, 4)), n)
+    stories = {}
+    for g in set(groups.tolist()):
+        members = {u for u, gu in zip(r.ids, groups, strict=True) if gu == g}
+        shown = members | {u for u in r.ids if rng.random() < 0.7}
+        dealers = members | {u for u in shown if rng.random() < 0.8}
+        stories[g] = (sorted(shown), sorted(dealers), rng.random(n))
+    shared = {}
+    for u, g in zip(r.ids, groups, strict=True):
+        shown = stories[g][0]
+        if not refuses(
+            lambda u=u, shown=shown: shared.__setitem__(u, r.nodes[u].share({v: r.adverts[v] for v in shown}, r.roster))
+        ):
+            continue
+    masked = {}
+    for u, g in zip(r.ids, groups, strict=True):
+        if u not in shared:
+            continue
+        dealers = [v for v in stories[g][1] if v in stories[g][0]]
+        node = r.nodes[u]
+        expect = [j for j in node.graph()[u] if j in dealers]
+        cts = {j: shared[j][1][u] if j in shared and u in shared[j][1] else os.urandom(300) for j in expect}
+        if not refuses(lambda u=u, node=node, dealers=dealers, cts=cts: node.receive(dealers, cts)):
+            masked[u] = node.mask(r.vector(u))
+    group = dict(zip(r.ids, groups, strict=True))
+    told = {
+        u: [v for i, v in enumerate(r.ids) if v == u or (v in masked and stories[group[u]][2][i] < 0.8)] for u in r.ids
+    }
+    return r, masked, sign_and_reveal(r, masked, told.__getitem__)
+
+
+def split_attack(n: int, k: int, rng: np.random.Generator):
+    """One round against a server that targets one node v with two stories: v and t - 1 of its
+    neighbours (P) are told that v's other neighbours did not deal, so that v masks with P alone;
+    everyone else is told that P dropped, so that they reveal P's mask keys, and that v survived,
+    so that they reveal shares of v's seed. Every node is shown every signature."""
+    r = make_round(n, k, seed=int(rng.integers(1 << 30)))
+    r.start()
+    shared = {u: r.nodes[u].share(dict(r.adverts), r.roster) for u in r.ids}
+    graph = r.nodes[r.ids[0]].graph()
+    v = r.ids[int(rng.integers(n))]
+    # the neighbours sharing the fewest holders with v: their mask keys are easiest to collect elsewhere
+    far = sorted(graph[v], key=lambda p: (len(set(graph[p]) & set(graph[v])), rng.random()))
+    peers = set(far[: r.t - 1])
+    told_a = [u for u in r.ids if u not in set(graph[v]) - peers]
+    stories = {
+        u: (told_a, told_a) if u in peers | {v} else (r.ids, [x for x in r.ids if x not in peers]) for u in r.ids
+    }
+    masked = {}
+    for u in r.ids:
+        dealers = stories[u][0]
+        cts = {j: shared[j][1][u] for j in graph[u] if j in dealers}
+        if not refuses(lambda u=u, dealers=dealers, cts=cts: r.nodes[u].receive(dealers, cts)):
+            masked[u] = r.nodes[u].mask(r.vector(u))
+    return r, masked, sign_and_reveal(r, masked, lambda u: [x for x in stories[u][1] if x in masked])
+
+
+ATTACKS = {"groups": group_attack, "split": split_attack}
