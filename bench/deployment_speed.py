@@ -118,7 +118,15 @@ def summary(run: dict, round_timeout: float) -> dict:
         "wall_s": run["wall_s"],
         "peak_pss_mib": round(mem.peak_pss_mib),
         "peak_by_program": mem.peak_by_program,
+        # a secure round's later stages, each from sending its messages to taking its replies
+        "secure_stage_s": _stage_means([r.get("secure_aggregation") or {} for r in run["rounds"][1:]]),
     }
+
+
+def _stage_means(protocols: list[dict]) -> dict[str, float]:
+    stages = [p["stage_seconds"] for p in protocols if p.get("stage_seconds")]
+    names = sorted({name for s in stages for name in s})
+    return {name: round(statistics.mean(s.get(name, 0.0) for s in stages), 3) for name in names}
 
 
 def main() -> None:
