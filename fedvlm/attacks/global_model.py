@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from fedvlm.attacks.likelihood import bootstrap
 from fedvlm.attacks.reports import GLOBAL, global_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
+from fedvlm.strategies.records import TRAIN_ROW
 from fedvlm.utils.files import atomic_write_json, load_saved
 
 BATCH = 256
@@ -58,7 +59,7 @@ def record_losses(model: torch.nn.Module, source, rows: np.ndarray, size: int) -
 
 
 def _trained(figures: dict) -> bool:
-    return any(k.startswith("train/") for k in figures)
+    return any(k.startswith(TRAIN_ROW) for k in figures)
 
 
 def _trained_nodes(data: dict) -> list[dict]:

@@ -18,11 +18,15 @@ models (shadow models the attacker trained itself), higher = more likely a membe
 Metrics (``roc_metrics``): ROC AUC, the best TPR at FPR <= 0.1% and <= 1% (the step ROC, no
 interpolation beyond the observed thresholds), and ``bootstrap`` 95% percentile intervals:
 members and non-members resampled separately at their own sizes, 1000 times, from a fixed seed.
+
+Each figure carries its own chance level (``chance``): what a score that ignores the model
+expects from the same counts. With n non-members, "FPR <= x" admits k = floor(x n) false
+positives, and a member outranks the (k+1)-th highest of n exchangeable non-member scores with
+probability (k + 1) / (n + 1). Below 1 / x non-members k is 0, the figure is the TPR at zero false
+positives, and its chance is 1 / (n + 1), not x: 0.97% with 100 non-members at "0.1% FPR".
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 from scipy.stats import norm, rankdata
@@ -95,16 +99,6 @@ def rmia(
     return count / np.maximum(total, 1)
 
 
-@dataclass(frozen=True)
-class Interval:
-    value: float
-    low: float
-    high: float
-
-    def as_dict(self) -> dict:
-        return {"value": self.value, "ci95": [self.low, self.high]}
-
-
 def roc_metrics(scores: np.ndarray, member: np.ndarray) -> dict[str, float]:
     """AUC (Mann-Whitney, ties counted half) and the best TPR at FPR <= 0.1% and <= 1% of the
     rule "member if score >= t" (higher score = member). Closed forms, so that a bootstrap of a
@@ -117,16 +111,31 @@ def roc_metrics(scores: np.ndarray, member: np.ndarray) -> dict[str, float]:
     out = {"auc": float((ranks[member].sum() - n_in * (n_in + 1) / 2) / (n_in * n_out))}
     s_in, s_out = scores[member], -np.sort(-scores[~member])  # non-members, highest first
     for level in FPRS:
-        allowed = int(np.floor(level * n_out + 1e-9))  # false positives the level admits
+        allowed = admitted(level, n_out)
         # the lowest threshold admitting at most that many: just above the next non-member score
         tpr = 1.0 if allowed >= n_out else float(np.mean(s_in > s_out[allowed]))
         out[f"tpr@{100 * level:g}%fpr"] = tpr
     return out
 
 
+def admitted(level: float, n_out: int) -> int:
+    """The false positives "FPR <= level" admits among ``n_out`` non-members."""
+    return int(np.floor(level * n_out + 1e-9))
+
+
+def chance(metric: str, n_out: int) -> float:
+    """The expected value of ``metric`` (a key of ``roc_metrics``) for a score independent of
+    membership, with ``n_out`` non-members (the module's docstring derives it)."""
+    if metric == "auc":
+        return 0.5
+    level = next(lv for lv in FPRS if metric == f"tpr@{100 * lv:g}%fpr")
+    return min(1.0, (admitted(level, n_out) + 1) / (n_out + 1))
+
+
 def bootstrap(scores: np.ndarray, member: np.ndarray, samples: int = 1000, seed: int = 0) -> dict[str, dict]:
-    """Each metric of ``roc_metrics`` with its 95% percentile interval: members and non-members
-    resampled separately, with replacement, at their own sizes."""
+    """Each metric of ``roc_metrics`` with its 95% percentile interval (members and non-members
+    resampled separately, with replacement, at their own sizes), its chance level and the
+    non-members it was measured on."""
     scores, member = np.asarray(scores, dtype=np.float64), np.asarray(member, dtype=bool)
     point = roc_metrics(scores, member)
     rng = np.random.default_rng(seed)
@@ -136,4 +145,13 @@ def bootstrap(scores: np.ndarray, member: np.ndarray, samples: int = 1000, seed:
         pick = np.r_[rng.choice(ins, len(ins)), rng.choice(outs, len(outs))]
         for k, v in roc_metrics(scores[pick], member[pick]).items():
             draws[k].append(v)
-    return {k: Interval(point[k], *(float(q) for q in np.quantile(draws[k], [0.025, 0.975]))).as_dict() for k in point}
+    n_out = len(outs)
+    return {
+        k: {
+            "value": point[k],
+            "ci95": [float(q) for q in np.quantile(draws[k], [0.025, 0.975])],
+            "chance": chance(k, n_out),
+            "non-members": n_out,
+        }
+        for k in point
+    }

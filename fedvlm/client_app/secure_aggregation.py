@@ -40,13 +40,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from fedvlm.client_app.send_guard import secure_reply
-from fedvlm.client_app.state import clear_secure, load_secure, save_secure
+from fedvlm.client_app.state import (
+    SECURE_KEYED,
+    SECURE_ROUND,
+    clear_secure,
+    load_meta,
+    load_secure,
+    save_meta,
+    save_secure,
+)
 from fedvlm.protocol import (
     ARRAYS_RECORD,
     CONFIG_RECORD,
+    EVALUATION,
+    FAILED,
     METRICS_RECORD,
     NUM_PARTITIONS,
     PARTITION_ID,
@@ -74,6 +84,8 @@ ENABLED = "secure-aggregation.enabled"  # the run config's key
 # what the node keeps of its secure round: its secrets, its encoded vector, the masked vector it
 # sent, and (per stage) a digest of the request it answered
 ROUND, VECTOR, MASKED, ASKED = "round", "vector", "masked", "asked"
+PLAN = "plan"  # the digest of the plan the node keyed its last round under (``SECURE_KEYED``)
+CARRIED = (EVALUATION, FAILED)  # a train reply's records a keys reply carries back as they were
 
 
 def required(node_config: Mapping) -> bool:
@@ -151,7 +163,7 @@ def secure_aggregation(inner: Handler) -> Handler:
 
 def _first_stage(msg: Message, context: Context, inner: Handler) -> Message:
     """Stage ``keys``: the round's terms checked, then the training, its reply encoded and kept,
-    and the signed advert sent in its place."""
+    and the signed advert sent in its place. Once per round (``keyed``)."""
     from fedvlm.client_app.node_round import NodeMessage  # torch and the models: the training needs them
 
     plan = stages.SumPlan.from_config(msg.content[SECURE_SUM])
@@ -160,10 +172,15 @@ def _first_stage(msg: Message, context: Context, inner: Handler) -> Message:
     instruction = TrainInstruction.from_config(config)
     if plan.server_round != instruction.server_round:
         raise SecAggRefused("the secure-sum plan is for another round than the train message")
+    node = NodeMessage.open(context)
+    again = keyed(context, plan, node.cfg.num_server_rounds)
+    if again is not None:
+        return secure_reply(msg, again[0], again[1], carried=again[2])
     roster, identity = member(context)
     secure, advert = NodeRound.start(context.node_id, plan, roster, identity, min_clients(context.node_config))
-    node = NodeMessage.open(context)
     check_share(node.cfg, instruction, plan)
+    save_meta(context.state, {ROUND: plan.server_round, PLAN: plan.digest.hex()}, SECURE_KEYED)
+    clear_secure(context.state)  # a round left unfinished is over: its secrets go
     reply = inner(msg, context)
     record = reply.content.get(ARRAYS_RECORD) if not reply.has_error() else None
     if not isinstance(record, ArrayRecord) or not record:
@@ -180,9 +197,52 @@ def _first_stage(msg: Message, context: Context, inner: Handler) -> Message:
     randomness = share_randomness(node.cfg, node.node.noise_source, node.node.seed, plan.server_round)
     weight = int(TrainReply.from_records({}, figures).num_examples) if plan.weighted else 1
     vector = Summand(plan).encode(update, weight, randomness)
-    clear_secure(context.state)  # a round left unfinished is over: its secrets go
     save_secure(context.state, {ROUND: secure.to_bytes(), VECTOR: vector.tobytes()})
-    return secure_reply(msg, figures, stages.keys_reply(advert), carried=reply.content)
+    answer = stages.keys_reply(advert)
+    save_secure(context.state, answer, f"/{stages.KEYS}")
+    save_secure(context.state, figures, f"/{stages.KEYS}/{METRICS_RECORD}")
+    for key in CARRIED:
+        if key in reply.content:
+            context.state[f"{SECURE_ROUND}/{stages.KEYS}/{key}"] = reply.content[key]
+    return secure_reply(msg, figures, answer, carried=reply.content)
+
+
+def keyed(context: Context, plan: stages.SumPlan, rounds: int) -> tuple[dict, dict, RecordDict] | None:
+    """Whether this node may key a secure sum of ``plan``'s round: the run's rounds at most, once
+    each, in order. The same round under the same plan again (a copy of the message, or the same
+    round resumed) gets the node's first answer (None: the node keys it now); anything else is
+    refused. A node that trained a round's update into a second session, or an earlier round's,
+    would let the server difference two sums into that update (a second session of one round
+    draws the same update and, with a seeded source, the same noise share); and a node that keys
+    at most ``rounds`` sums makes at most the releases ``check_share`` accounts."""
+    if plan.server_round > rounds:
+        raise SecAggRefused(
+            f"a secure sum for round {plan.server_round} of a run of {rounds} rounds: this node releases at most one "
+            "masked update per round of the run (its noise share is checked for that many)"
+        )
+    last = load_meta(context.state, SECURE_KEYED)
+    if not last or plan.server_round > int(last[ROUND]):
+        return None
+    if plan.server_round < int(last[ROUND]) or last[PLAN] != plan.digest.hex():
+        raise SecAggRefused(
+            f"this node keyed round {last[ROUND]}'s secure sum already and is asked to key round {plan.server_round} "
+            "under "
+            + ("another plan" if plan.server_round == int(last[ROUND]) else "an earlier round")
+            + ": refused (a second sum of the same update would reveal it)"
+        )
+    answer = load_secure(context.state, f"/{stages.KEYS}")
+    if not answer:
+        raise SecAggRefused(
+            f"this node keyed round {plan.server_round}'s secure sum already and no longer holds that session (it "
+            "restarted, or its training failed): it sits this round out"
+        )
+    figures = load_secure(context.state, f"/{stages.KEYS}/{METRICS_RECORD}")
+    carried = RecordDict()
+    for key in CARRIED:
+        found = context.state.get(f"{SECURE_ROUND}/{stages.KEYS}/{key}")
+        if found is not None:
+            carried[key] = found
+    return figures, answer, carried
 
 
 def check_share(cfg: RunConfig, instruction: TrainInstruction, plan: stages.SumPlan) -> None:

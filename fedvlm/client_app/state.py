@@ -19,8 +19,9 @@ round r restores the newest snapshot the server's last completed round can have 
 for training, up to r for evaluation) when the node holds nothing in memory, or holds a state
 ahead of that: a run killed in round r + 1 resumes from round r, and the node's snapshot of the
 unfinished round r + 1 is not used. The run's privacy ledger of a node without a state-dir
-(``client_app.privacy_floor``) is the exception: what the node released in round r + 1 did leave
-it, so that ledger always comes from the newest snapshot. A node with a state-dir keeps its ledger
+(``client_app.privacy_floor``) and its record of the secure sums it keyed (``SECURE_KEYED``) are
+the exception: what the node released in round r + 1 did leave it, so they always come from the
+newest snapshot. A node with a state-dir keeps its ledger
 beside the runs' folders, across every run.
 """
 
@@ -48,6 +49,11 @@ HELD = "held"  # which round the state in memory is from, and whether it changed
 # a secure round's secrets (client_app.secure_aggregation): in memory only, never in a snapshot, so that a
 # node's disk never holds a key that unmasks it; a node that restarts mid-round drops out of it
 SECURE_ROUND = "secure-round"
+# the last round this node keyed a secure sum in, and under which plan (client_app.secure_aggregation):
+# never rolled back, like the ledger, since a second session of a round, or one of an earlier round,
+# would put the same update into two sums whose difference is that update
+SECURE_KEYED = "secure-keyed"
+NEVER_ROLLED_BACK = (LEDGER, SECURE_KEYED)
 STATE_DIR = "state-dir"  # the node config key
 KEEP = 2  # snapshots kept: the newest, and the one before it (see the module docstring)
 
@@ -185,9 +191,10 @@ def restore(state: RecordDict, where: Path | None, server_round: int, training: 
             f"restore them from a backup, or remove the folder {where} to start this node afresh in this run"
         )
     usable = {r: p for r, p in snapshots.items() if r <= newest}
-    ledger = state.get(LEDGER)
-    if snapshots and ledger is None:
-        ledger = _records(_load_snapshot(snapshots[max(snapshots)])).get(LEDGER)
+    kept = {key: state.get(key) for key in NEVER_ROLLED_BACK}
+    if snapshots and None in kept.values():
+        newest_saved = _records(_load_snapshot(snapshots[max(snapshots)]))
+        kept = {key: record if record is not None else newest_saved.get(key) for key, record in kept.items()}
     for key in list(state.keys()):
         del state[key]
     restored = None
@@ -196,9 +203,10 @@ def restore(state: RecordDict, where: Path | None, server_round: int, training: 
         for key, record in _records(saved).items():
             state[key] = record
         restored = int(saved["round"])
-    if ledger is not None:
-        state[LEDGER] = ledger
-    state[HELD] = ConfigRecord({"round": restored or 0, "changed": ledger is not None})
+    for key, record in kept.items():
+        if record is not None:
+            state[key] = record
+    state[HELD] = ConfigRecord({"round": restored or 0, "changed": any(r is not None for r in kept.values())})
     return restored
 
 

@@ -2,9 +2,12 @@
 bootstrap 95% intervals, and the attacks' true-positive rate at low false-positive rates against
 the epsilon the run accounted (``experiments.sweep --mia``, ``experiments.lora_compare``).
 
-An attack's pooled result (``mia.json`` or ``maxrenyi.json``) is ``{metric: {"value", "ci95"}}``
-for metric in ``likelihood.roc_metrics``; a row keeps it flat as ``mia-<attack>-<metric>`` with
-``-lo``/``-hi`` for the interval, so that summary.csv stays one value per cell.
+An attack's pooled result (``mia.json`` or ``maxrenyi.json``) is ``{metric: {"value", "ci95",
+"chance", "non-members"}}`` for metric in ``likelihood.roc_metrics``; a row keeps it flat as
+``mia-<attack>-<metric>`` with ``-lo``/``-hi`` for the interval and ``-chance`` for its chance
+level, so that summary.csv stays one value per cell. A figure is compared with its own chance
+level, never a nominal one: with fewer than 1000 non-members "TPR at 0.1% FPR" is the TPR at zero
+false positives, whose chance is 1 / (non-members + 1) (``likelihood.chance``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 METRICS = ("auc", "tpr@1%fpr", "tpr@0.1%fpr")
-CHANCE = {"auc": 0.5, "tpr@1%fpr": 0.01, "tpr@0.1%fpr": 0.001}
+ENDS = {"value": "", "low": "-lo", "high": "-hi", "chance": "-chance"}  # a flat row's keys of one figure
 
 
 def attack_row(pooled_by_attack: dict[str, dict]) -> dict:
@@ -24,14 +27,10 @@ def attack_row(pooled_by_attack: dict[str, dict]) -> dict:
     for name, pooled in pooled_by_attack.items():
         for metric in METRICS:
             if metric in pooled and isinstance(pooled[metric], dict):
-                low, high = pooled[metric]["ci95"]
-                row.update(
-                    {
-                        f"mia-{name}-{metric}": pooled[metric]["value"],
-                        f"mia-{name}-{metric}-lo": low,
-                        f"mia-{name}-{metric}-hi": high,
-                    }
-                )
+                figure = pooled[metric]
+                low, high = figure["ci95"]
+                found = {"value": figure["value"], "low": low, "high": high, "chance": figure["chance"]}
+                row.update({f"mia-{name}-{metric}{ENDS[k]}": v for k, v in found.items()})
     return row
 
 
@@ -44,8 +43,10 @@ def _cell(r: dict, name: str, metric: str) -> str:
     key = f"mia-{name}-{metric}"
     if r.get(key) is None:
         return "-"
-    beyond = r[f"{key}-lo"] > CHANCE[metric]  # the whole interval above chance
-    return f"{r[key]:.3f} [{r[f'{key}-lo']:.3f}, {r[f'{key}-hi']:.3f}]" + (" *" if beyond else "")
+    beyond = r[f"{key}-lo"] > r[f"{key}-chance"]  # the whole interval above this figure's chance
+    return f"{r[key]:.3f} [{r[f'{key}-lo']:.3f}, {r[f'{key}-hi']:.3f}] (chance {r[f'{key}-chance']:.4f})" + (
+        " *" if beyond else ""
+    )
 
 
 def write_attack_table(rows: list[dict], out: Path, label: str, keys: tuple[str, ...] = ("variant", "epsilon", "seed")):
@@ -68,7 +69,8 @@ def write_attack_table(rows: list[dict], out: Path, label: str, keys: tuple[str,
     md += ["| " + " | ".join(row) + " |" for row in table[1:]]
     (out / "table_attacks.md").write_text(
         f"Membership attacks on {label}, pooled over clients: value [bootstrap 95% interval]; "
-        "* = the whole interval above chance (AUC 0.5, TPR at x% FPR = x%)\n\n" + "\n".join(md) + "\n"
+        "chance = what a score ignoring the model expects from the same counts (AUC 0.5; TPR at FPR <= x: "
+        "(floor(x n) + 1) / (n + 1) with n non-members); * = the whole interval above it\n\n" + "\n".join(md) + "\n"
     )
 
 
@@ -76,16 +78,16 @@ STYLES = ("-", "--", ":", "-.")
 MARKS = "o^sDv<>P"
 
 
-def target_points(rows: list[dict], key: str, no_dp_x: float) -> list[tuple[float, float, float, float]]:
-    """(accounted epsilon, value, interval low, interval high) of ``key`` per privacy target, each
-    the mean over the target's seeds, by epsilon; a run without DP at ``no_dp_x``."""
+def target_points(rows: list[dict], key: str, no_dp_x: float) -> list[tuple[float, float, float, float, float]]:
+    """(accounted epsilon, value, interval low, interval high, chance) of ``key`` per privacy
+    target, each the mean over the target's seeds, by epsilon; a run without DP at ``no_dp_x``."""
     mine = [r for r in rows if r.get(key) is not None]
     pts = []
     for target in dict.fromkeys(r["epsilon"] for r in mine):
         runs = [r for r in mine if r["epsilon"] == target]
         x = float(np.mean([r.get("epsilon-spent") or no_dp_x for r in runs]))
-        y, lo, hi = (float(np.mean([r[key + end] for r in runs])) for end in ("", "-lo", "-hi"))
-        pts.append((x, y, lo, hi))
+        value, low, high, luck = (float(np.mean([r[key + ENDS[end]] for r in runs])) for end in ENDS)
+        pts.append((x, value, low, high, luck))
     return sorted(pts)
 
 
@@ -93,8 +95,9 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
     """``attack_tpr_vs_epsilon.png``: TPR at 1% and at 0.1% FPR against the accounted epsilon, a
     colour per ``series`` (the method or variant) and a line style and marker per attack. A point
     is one privacy target: over several seeds, the mean of their accounted epsilons and TPRs, its
-    bar the mean of their 95% bootstrap intervals. Runs without DP sit at the right edge, not
-    joined to the line. The legends sit below the panels, off the data."""
+    bar the mean of their 95% bootstrap intervals, and a gray tick at the same epsilon its own
+    chance level (which depends on the non-members the attack had). Runs without DP sit at the
+    right edge, not joined to the line. The legends sit below the panels, off the data."""
     names = attacks_in(rows)
     if not names:
         return
@@ -117,7 +120,8 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
                 pts = target_points([r for r in rows if r.get(series) == group], f"mia-{name}-{metric}", no_dp_x)
                 if not pts:
                     continue
-                x, y, lo, hi = (np.array(v) for v in zip(*pts, strict=True))
+                x, y, lo, hi, luck = (np.array(v) for v in zip(*pts, strict=True))
+                ax.plot(x, 100 * luck, ls="none", marker="_", ms=14, mew=2, color="gray")
                 bars = 100 * np.vstack([y - lo, hi - y])
                 private = x != no_dp_x  # joined by a line; runs without noise: a marker on their own
                 style, mark = looks[name]
@@ -132,7 +136,6 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
                         color=colours[group],
                         alpha=0.85,
                     )
-        ax.axhline(100 * CHANCE[metric], color="gray", ls="--", lw=1)
         if spent:
             ax.axvline(no_dp_x / 2, color="gray", ls=":", lw=1)
             ax.text(no_dp_x, ax.get_ylim()[1], "no DP", ha="center", va="top", fontsize=8)
@@ -143,7 +146,8 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
     several = any(len({r.get("seed") for r in rows if r.get(series) == g}) > 1 for g in groups)
     handles = [Line2D([], [], color=colours[g], lw=2, label=str(g)) for g in groups]
     handles += [Line2D([], [], color="dimgray", ls=looks[n][0], marker=looks[n][1], label=n) for n in names]
-    handles.append(Line2D([], [], color="gray", ls="--", lw=1, label="chance (TPR = FPR)"))
+    chance = "its chance (from its non-member count)"
+    handles.append(Line2D([], [], color="gray", ls="none", marker="_", ms=14, mew=2, label=chance))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=7, frameon=False)
     if several:
         fig.suptitle("each point: the mean over seeds (bar: the mean of their 95% bootstrap intervals)", fontsize=9)

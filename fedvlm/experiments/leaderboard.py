@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import io
 import json
 import logging
 import shutil
@@ -42,19 +43,28 @@ from pathlib import Path
 
 import numpy as np
 
-from fedvlm.experiments import sweep
+from fedvlm.experiments import stats, sweep
+from fedvlm.experiments.attack_report import ENDS
+from fedvlm.experiments.sweep import MB
 from fedvlm.experiments.sweep_report import LAST10, read_summary, utility_columns
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
 from fedvlm.metrics import AUDIT_METRICS, METRICS
+from fedvlm.strategies.records import TRAFFIC_KEYS
+from fedvlm.utils.files import atomic_write_json, atomic_write_text
 from fedvlm.utils.progress import time_left
 
 log = logging.getLogger("leaderboard")
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "results"
-# a utility column's spread over seeds, in the board's rows and its JSON: "<column>-std"
-STD = "-std"
+# a utility column's spread over seeds and 95% interval on its mean, in the board's rows and its
+# JSON: "<column>-std", "<column>-ci95"; a private row's difference from its reference: "delta-<column>"
+STD, CI, DELTA, CHANCE = "-std", "-ci95", "delta-", "-chance"
 TPR, AUC = "tpr@0.1%fpr", "auc"
+ATTACK_TPR, ATTACK_AUC = "attack-" + TPR, "attack-" + AUC
+COMPUTE = ("rounds", "clients-per-round", "local-steps-per-round", "local-steps-per-client")
+# the no-DP run of a method at its DP compute (``MethodSpec.dp_defaults``): "<variant>-dpcompute"
+MATCHED, MATCHED_DIR = "-dpcompute", "dp-compute"
 
 
 @dataclass(frozen=True)
@@ -76,16 +86,13 @@ QUICK = Scale(("none", "1"), (0,), 3, 20, 1, ("num-server-rounds=2", "max-per-cl
 QUICK_FAMILY = {"reprogram": ("dataset=digits", "reprogram.local-iterations=2")}
 
 
-def run_family(family: str, methods: list[str], scale: Scale, out: Path, quick: bool) -> list[dict]:
-    """Every run of ``methods`` through the sweep (resumed where it stopped); its summary's rows."""
-    folder = out / family
-    argv = [
+def sweep_argv(folder: Path, methods: list[str], scale: Scale, epsilons: tuple[str, ...]) -> list[str]:
+    return [
         "--out",
         str(folder),
-        "--methods",
-        ",".join(methods),
+        *(["--methods", ",".join(methods)] if methods else []),
         "--epsilons",
-        ",".join(scale.epsilons),
+        ",".join(epsilons),
         "--seeds",
         ",".join(map(str, scale.seeds)),
         "--clients",
@@ -96,32 +103,64 @@ def run_family(family: str, methods: list[str], scale: Scale, out: Path, quick: 
         "--audit",
         str(scale.audit),
     ]
+
+
+def matched(methods: list[str]) -> list[tuple[str, str, dict]]:
+    """(label, method, overrides) of the no-DP runs at the compute a method trains with under DP,
+    for each method whose DP runs change it (``MethodSpec.dp_defaults``: PromptFL's and pFedMoAP's
+    one local step): the private row's cost of privacy is then the noise's alone."""
+    return [
+        (label + MATCHED, method, {**extra, **get_method(method).dp_defaults})
+        for label, method, extra in sweep.method_variants(methods, [int(sweep.RANK)], [True])
+        if get_method(method).dp_defaults and get_method(method).supports_dp
+    ]
+
+
+def run_family(family: str, methods: list[str], scale: Scale, out: Path, quick: bool) -> list[dict]:
+    """Every run of ``methods`` through the sweep (resumed where it stopped), and their no-DP
+    runs at DP compute (in ``<family>/dp-compute``); the summaries' rows."""
+    folder = out / family
     sets = [*scale.sets, *(QUICK_FAMILY.get(family, ()) if quick else ())]
-    if sets:
-        argv += ["--set", *sets]
-    sweep.main(argv)
-    return [{**r, "family": family} for r in read_summary(folder / "summary.csv")]
+    tail = ["--set", *sets] if sets else []
+    sweep.main([*sweep_argv(folder, methods, scale, scale.epsilons), *tail])
+    rows = read_summary(folder / "summary.csv")
+    extra = matched(methods) if any(e != "none" for e in scale.epsilons) else []
+    if extra:
+        variants = [arg for label, method, o in extra for arg in ("--variant", label, method, *pairs(o))]
+        sweep.main([*sweep_argv(folder / MATCHED_DIR, [], scale, ("none",)), *variants, *tail])
+        rows += read_summary(folder / MATCHED_DIR / "summary.csv")
+    return [{**r, "family": family} for r in rows]
 
 
-def planned(methods: list[str], scale: Scale) -> set[str]:
-    """The run folders a family's board makes: each method (at the sweep's default rank) at each
-    privacy level it has, at each seed."""
-    return {
+def pairs(overrides: dict) -> list[str]:
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def planned(methods: list[str], scale: Scale) -> dict[str, set[str]]:
+    """The run folders a family's board makes, by the sweep folder they live in: each method (at
+    the sweep's default rank) at each privacy level it has, at each seed; and its no-DP runs at DP
+    compute."""
+    main = {
         sweep.run_name(label, eps, seed)
         for label, method, _ in sweep.method_variants(methods, [int(sweep.RANK)], [True])
         for eps in scale.epsilons
         if eps == "none" or get_method(method).supports_dp
         for seed in scale.seeds
     }
+    extra = matched(methods) if any(e != "none" for e in scale.epsilons) else []
+    return {
+        "": main,
+        MATCHED_DIR: {sweep.run_name(label, "none", seed) for label, _, _ in extra for seed in scale.seeds},
+    }
 
 
-def unfinished(folder: Path, names: set[str]) -> set[str]:
-    """Those of ``names`` a family's board still has to make."""
-    return names - finished(folder, names)
+def unfinished(folder: Path, names: dict[str, set[str]]) -> int:
+    """How many of ``names`` a family's board still has to make."""
+    return sum(len(wanted - finished(folder / sub, wanted)) for sub, wanted in names.items())
 
 
 def finished(folder: Path, names: set[str]) -> set[str]:
-    """Those of ``names`` a family's folder holds finished (which its sweep reuses)."""
+    """Those of ``names`` a sweep folder holds finished (which its sweep reuses)."""
     found = set()
     for name in names:
         with contextlib.suppress(OSError, ValueError, KeyError):
@@ -130,61 +169,125 @@ def finished(folder: Path, names: set[str]) -> set[str]:
     return found
 
 
-def best_attack(row: dict) -> tuple[str, float, float | None] | None:
-    """The attack with the highest TPR at 0.1% FPR in a sweep row: (name, TPR, AUC)."""
-    found = [
-        (k[len("mia-") : -len(f"-{TPR}")], row[k], row.get(k.replace(TPR, AUC)))
-        for k in row
-        if k.startswith("mia-") and k.endswith(f"-{TPR}") and row[k] is not None
-    ]
-    return max(found, key=lambda f: f[1]) if found else None
+def attack_names(row: dict) -> list[str]:
+    """The attacks a sweep row carries a TPR at 0.1% FPR for."""
+    return [k[len("mia-") : -len(f"-{TPR}")] for k in row if k.startswith("mia-") and k.endswith(f"-{TPR}")]
+
+
+def named_attack(runs: list[dict]) -> str | None:
+    """The one attack a row reports: of those every seed ran, the one whose TPR at 0.1% FPR is
+    highest on average over the seeds. One name for every seed, so that the figure is one
+    attack's, not the best of each seed's under one name."""
+    common = set.intersection(*(set(n for n in attack_names(r) if r[f"mia-{n}-{TPR}"] is not None) for r in runs))
+    if not common:
+        return None
+    return max(sorted(common), key=lambda n: float(np.mean([r[f"mia-{n}-{TPR}"] for r in runs])))
 
 
 def _mean(values) -> float | None:
-    vals = [float(v) for v in values if v is not None and np.isfinite(float(v))]
+    vals = stats.finite(values)
     return float(np.mean(vals)) if vals else None
 
 
+def _by_seed(runs: list[dict], key: str) -> dict[int, float | None]:
+    return {int(r["seed"]): r.get(key) for r in runs}
+
+
+def group(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """A family's finished runs by (family, variant, epsilon): one board row each."""
+    out: dict[tuple[str, str, str], list[dict]] = {}
+    for r in rows:
+        if r["status"] != "failed":
+            out.setdefault((r["family"], r["variant"], r["epsilon"]), []).append(r)
+    return out
+
+
+def reference(groups: dict, family: str, variant: str, method: str, eps: str) -> tuple[str, list[dict]] | None:
+    """What a private row's cost of privacy is measured against: the same method without noise
+    at the private row's compute where the board ran it (``MATCHED``), else its own no-DP row."""
+    if eps == "none":
+        return None
+    for label in (variant + MATCHED, variant):
+        runs = groups.get((family, label, "none"))
+        if runs and runs[0]["method"] == method:
+            return label, runs
+    return None
+
+
 def board(rows: list[dict]) -> list[dict]:
-    """One entry per family, method and target epsilon: the seeds' runs combined."""
+    """One entry per family, variant and target epsilon: the seeds' runs combined
+    (``experiments.stats``: mean, ddof-1 std and 95% interval over seeds)."""
     out = []
+    groups = group(rows)
     for family in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == family and r["status"] != "failed"]
         utility = utility_columns(mine)
-        for method, eps in dict.fromkeys((r["method"], r["epsilon"]) for r in mine):
-            runs = [r for r in mine if r["method"] == method and r["epsilon"] == eps]
-            attacks = [a for a in (best_attack(r) for r in runs) if a is not None]
-            z = runs[0].get("noise-multiplier")
-            # 'none' asks for no epsilon target; a family with fixed noise (Reprogrammable-FL's z = 1.1) still adds it
-            target = f"none (z={z:g})" if eps == "none" and z else eps
-            entry: dict = {"family": family, "method": method, "epsilon": eps, "target": target, "seeds": len(runs)}
-            for name in utility:
-                vals = [r[name + LAST10] for r in runs if r.get(name + LAST10) is not None]
-                entry[name] = _mean(vals)
-                entry[name + STD] = float(np.std(vals)) if len(vals) > 1 else None
-            entry["epsilon-accounted"] = _mean(r.get("epsilon-spent") for r in runs)
-            entry["audit-lower-bound"] = _mean(r.get(AUDIT_METRICS["epsilon-lower"]) for r in runs)
-            notes = [r["mia-error"] for r in runs if r.get("mia-error")]
-            if notes:  # why the attack columns are empty (or rest on fewer seeds)
-                entry["attack-note"] = notes[0]
-            if attacks:
-                name, _, _ = max(attacks, key=lambda a: a[1])
-                entry["best-attack"] = name
-                entry["attack-tpr@0.1%fpr"] = _mean(a[1] for a in attacks)
-                entry["attack-auc"] = _mean(a[2] for a in attacks)
-            for key in ("mb-up-per-client", "mb-down-per-client", "seconds-per-round"):
-                entry[key] = _mean(r.get(key) for r in runs)
-            entry["seconds-total"] = sum(r.get("seconds-total") or 0.0 for r in runs)
-            entry["machines"] = dict(Counter(str(r.get("machine") or "not recorded") for r in runs))
-            accounted = {(r["accountant"], r["delta"]) for r in runs if r.get("accountant")}
-            entry["accounting"] = [{"accountant": a, "delta": d} for a, d in sorted(accounted)]
-            out.append(entry)
-    failed = [r for r in rows if r["status"] == "failed"]
-    for r in failed:
+        for (fam, variant, eps), runs in groups.items():
+            if fam != family:
+                continue
+            out.append(entry(runs, utility, reference(groups, family, variant, runs[0]["method"], eps)))
+    for r in (r for r in rows if r["status"] == "failed"):
         out.append(
-            {"family": r["family"], "method": r["method"], "epsilon": r["epsilon"], "failed": r.get("error", "")}
+            {
+                "family": r["family"],
+                "variant": r["variant"],
+                "method": r["method"],
+                "epsilon": r["epsilon"],
+                "failed": r.get("error", ""),
+            }
         )
     return out
+
+
+def entry(runs: list[dict], utility: list[str], ref: tuple[str, list[dict]] | None) -> dict:
+    """A board row from its seeds' sweep rows."""
+    first = runs[0]
+    z, eps = first.get("noise-multiplier"), first["epsilon"]
+    # 'none' asks for no epsilon target; a family with fixed noise (Reprogrammable-FL's z = 1.1) still adds it
+    target = f"none (z={z:g})" if eps == "none" and z else eps
+    e: dict = {
+        "family": first["family"],
+        "variant": first["variant"],
+        "method": first["method"],
+        "epsilon": eps,
+        "target": target,
+        "seeds": len(runs),
+        "seed-list": sorted(int(r["seed"]) for r in runs),
+    }
+    for key in COMPUTE:
+        e[key] = _mean(r.get(key) for r in runs)
+    for name in utility:
+        figure = stats.spread(r.get(name + LAST10) for r in runs)
+        e[name] = figure.mean if figure else None
+        e[name + STD] = figure.std if figure else None
+        e[name + CI] = [figure.low, figure.high] if figure else None
+    if ref is not None and utility:
+        label, base = ref
+        e["reference"] = label
+        for name in utility:
+            delta = stats.difference(_by_seed(runs, name + LAST10), _by_seed(base, name + LAST10))
+            if delta is not None:
+                e[DELTA + name] = delta.as_dict()
+    e["epsilon-accounted"] = _mean(r.get("epsilon-spent") for r in runs)
+    e["audit-lower-bound"] = _mean(r.get(AUDIT_METRICS["epsilon-lower"]) for r in runs)
+    notes = [r["mia-error"] for r in runs if r.get("mia-error")]
+    if notes:  # why the attack columns are empty (or rest on fewer seeds)
+        e["attack-note"] = notes[0]
+    attack = named_attack(runs)
+    if attack is not None:
+        tpr = stats.spread(r[f"mia-{attack}-{TPR}"] for r in runs)
+        e["attack"] = attack
+        e[ATTACK_TPR] = tpr.mean if tpr else None
+        e[ATTACK_TPR + CI] = [tpr.low, tpr.high] if tpr else None
+        e[ATTACK_TPR + CHANCE] = _mean(r.get(f"mia-{attack}-{TPR}{ENDS['chance']}") for r in runs)
+        e[ATTACK_AUC] = _mean(r.get(f"mia-{attack}-{AUC}") for r in runs)
+    for key in (*MB.values(), "seconds-per-round"):
+        e[key] = _mean(r.get(key) for r in runs)
+    e["seconds-total"] = sum(r.get("seconds-total") or 0.0 for r in runs)
+    e["machines"] = dict(Counter(str(r.get("machine") or "not recorded") for r in runs))
+    accounted = {(r["accountant"], r["delta"]) for r in runs if r.get("accountant")}
+    e["accounting"] = [{"accountant": a, "delta": d} for a, d in sorted(accounted)]
+    return e
 
 
 def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
@@ -206,6 +309,70 @@ def machines(entries: list[dict]) -> str:
     return "; ".join(f"{m} ({n} runs)" if len(count) > 1 else m for m, n in count.items())
 
 
+FEW_SEEDS = 5  # a difference within two std over fewer seeds than this asks for more
+
+
+def delta_cell(e: dict, u: str) -> str:
+    """A private row's difference from its reference in utility ``u``: mean [95% interval], with
+    '†' where it lies within two std over fewer than FEW_SEEDS seeds."""
+    d = e.get(DELTA + u)
+    if d is None:
+        return "-"
+    figure = stats.Spread(d["mean"], d["std"], d["n"], *d["ci95"])
+    scale = METRICS[u].kind.scale
+    close = figure.std is not None and abs(figure.mean) < 2 * figure.std and figure.n < FEW_SEEDS
+    return figure.interval(scale) + (" †" if close else "")
+
+
+def attack_cell(e: dict) -> str:
+    """The named attack's TPR at FPR <= 0.1% (%): mean over seeds [95% interval], '*' where the
+    whole interval lies above its chance level."""
+    if e.get(ATTACK_TPR) is None:
+        return "-"
+    low, high = e.get(ATTACK_TPR + CI) or (None, None)
+    text = f"{100 * e[ATTACK_TPR]:.2f}"
+    if low is None or high is None:
+        return text
+    return text + f" [{100 * low:.2f}, {100 * high:.2f}]" + (" *" if low > e[ATTACK_TPR + CHANCE] else "")
+
+
+def family_tables(mine: list[dict]) -> list[str]:
+    """A family's two tables: utility at its compute, and privacy and cost."""
+    utility = utility_columns([{k + LAST10: v for k, v in e.items()} for e in mine])
+    units = {u: f" ({METRICS[u].kind.unit})" if METRICS[u].kind.unit else "" for u in utility}
+    head = [
+        "variant",
+        "target eps",
+        "seeds",
+        "rounds",
+        "local steps / round",
+        "local steps / client",
+        "clients / round",
+    ]
+    head += [f"{u}{units[u]}" for u in utility] + [f"Δ {u} vs reference" for u in utility] + ["reference"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in mine:
+        cells = [e["variant"], e["target"], str(e["seeds"])]
+        cells += [_fmt(e.get(k), digits=0 if k == "rounds" else 1) for k in COMPUTE]
+        cells += [
+            _fmt(e.get(u), METRICS[u].kind.scale)
+            + ("" if e.get(u + STD) is None else f" ± {_fmt(e[u + STD], METRICS[u].kind.scale)}")
+            for u in utility
+        ]
+        cells += [delta_cell(e, u) for u in utility] + [e.get("reference", "-")]
+        lines.append("| " + " | ".join(cells) + " |")
+    head = ["variant", "target eps", "accounted eps", "audit lower bound", "attack", "TPR at FPR <= 0.1% (%)"]
+    head += ["its chance (%)", "AUC", "MB train up", "MB train down", "MB eval up", "MB eval down", "s/round"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in mine:
+        cells = [e["variant"], e["target"], _fmt(e.get("epsilon-accounted"), digits=3)]
+        cells += [_fmt(e.get("audit-lower-bound"), digits=3), e.get("attack", "-"), attack_cell(e)]
+        cells += [_fmt(e.get(ATTACK_TPR + CHANCE), 100.0), _fmt(e.get(ATTACK_AUC), digits=3)]
+        cells += [_fmt(e.get(MB[k]), digits=3) for k in TRAFFIC_KEYS] + [_fmt(e.get("seconds-per-round"), digits=1)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_markdown(entries: list[dict], path: Path, command: str, seconds: float) -> None:
     runs = sum(e["seeds"] for e in entries if "failed" not in e)
     spent = sum(e["seconds-total"] for e in entries if "failed" not in e)
@@ -217,67 +384,43 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
         f"{seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran. "
         f"Machine, as the runs recorded it: {machines(entries)}.",
         "",
-        "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their standard deviation "
-        "(numpy's, ddof 0); the rest is the seeds' mean (for the attack, the mean of each seed's best attack, "
-        "named by the one that did best in any seed). Privacy: the target epsilon, the epsilon the "
-        "run's ledger accounted per record (every mechanism composed; the most any client spent, under "
-        f"{accounting(entries)}), the one-run audit's lower bound (one node, "
-        "its local mechanism), and the best membership attack's TPR at 0.1% FPR and AUC (chance: 0.001 and 0.5). "
-        "Cost: tensor megabytes per client sent (up) and received (down) over the run, seconds per round. "
-        "`-`: not measured for that row (no mechanism to audit, no attack that applies).",
+        "Compute, as the runs recorded it: rounds, the local steps a trained node ran per round, the local steps "
+        f"each node ran over the run, and the nodes trained per round. A `{MATCHED}` row is the method without "
+        "noise at the compute its private rows train with (PromptFL's and pFedMoAP's one local step under DP), "
+        "and it is the private rows' reference where it exists, so that their difference is the noise's alone.",
+        "",
+        "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their sample standard deviation "
+        "(ddof 1). Δ: the private row minus its reference (the same method without noise), paired by seed, with "
+        "the 95% Student-t interval of the per-seed differences; † marks a difference within two standard "
+        f"deviations measured on fewer than {FEW_SEEDS} seeds.",
+        "",
+        "Privacy: the target epsilon, the epsilon the run's ledger accounted per record (every mechanism composed; "
+        f"the most any client spent, under {accounting(entries)}), the one-run audit's lower bound (one node, its "
+        "local mechanism), and one membership attack per row, named: of the attacks every seed ran, the one with "
+        "the highest mean TPR at FPR <= 0.1%; its mean over seeds [95% t interval over seeds] and AUC. Its chance "
+        "is the TPR a score that ignores the model expects from the same counts: with n non-members, "
+        "(floor(0.001 n) + 1) / (n + 1), which is 1 / (n + 1), the TPR at zero false positives, below 1000 "
+        "non-members (so never 0.1% here); * marks an interval wholly above it. Cost: tensor megabytes per "
+        "client, sent (up) and received (down), for training (its secure-aggregation stages included) and for "
+        "evaluation, over the run; seconds per round. `-`: not measured for that row (no mechanism to audit, no "
+        "attack that applies, no reference).",
     ]
     for family in dict.fromkeys(e["family"] for e in entries):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]
-        utility = utility_columns([{k + LAST10: v for k, v in e.items()} for e in mine])
-        head = [
-            "method",
-            "target eps",
-            "seeds",
-            *(f"{u} ({METRICS[u].kind.unit})" if METRICS[u].kind.unit else u for u in utility),
-            "accounted eps",
-            "audit lower bound",
-            "best attack",
-            "TPR@0.1%FPR",
-            "AUC",
-            "MB up",
-            "MB down",
-            "s/round",
-        ]
-        lines += ["", f"## {family} family ({FAMILIES[family].default_dataset})", ""]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for e in mine:
-            cells = [
-                e["method"],
-                e["target"],
-                str(e["seeds"]),
-                *(
-                    _fmt(e.get(u), METRICS[u].kind.scale)
-                    + ("" if e.get(u + STD) is None else f" ± {_fmt(e[u + STD], METRICS[u].kind.scale)}")
-                    for u in utility
-                ),
-                _fmt(e.get("epsilon-accounted"), digits=3),
-                _fmt(e.get("audit-lower-bound"), digits=3),
-                e.get("best-attack", "-"),
-                _fmt(e.get("attack-tpr@0.1%fpr"), digits=4),
-                _fmt(e.get("attack-auc"), digits=3),
-                _fmt(e.get("mb-up-per-client"), digits=3),
-                _fmt(e.get("mb-down-per-client"), digits=3),
-                _fmt(e.get("seconds-per-round"), digits=1),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", f"## {family} family ({FAMILIES[family].default_dataset})", "", *family_tables(mine)]
         targets: dict[tuple[str, str], list[str]] = {}  # a method's rows with one reason: one line
         for e in mine:
             if "attack-note" in e:
-                targets.setdefault((e["method"], e["attack-note"]), []).append(e["target"])
+                targets.setdefault((e["variant"], e["attack-note"]), []).append(e["target"])
         if targets:
-            notes = [f"- {method} ({', '.join(ts)}): {note}" for (method, note), ts in targets.items()]
+            notes = [f"- {variant} ({', '.join(ts)}): {note}" for (variant, note), ts in targets.items()]
             lines += ["", "Attack columns left empty:", "", *notes]
     failed = [e for e in entries if "failed" in e]
     if failed:
         lines += ["", "Runs that failed (the board went on without them):", ""]
-        lines += [f"- {e['family']} / {e['method']} at epsilon {e['epsilon']}: {e['failed']}" for e in failed]
-    lines += ["", "![utility against accounted epsilon and the best attack](leaderboard_pareto.png)", ""]
-    path.write_text("\n".join(lines))
+        lines += [f"- {e['family']} / {e['variant']} at epsilon {e['epsilon']}: {e['failed']}" for e in failed]
+    lines += ["", "![utility against accounted epsilon and the attack](leaderboard_pareto.png)", ""]
+    atomic_write_text("\n".join(lines), path)
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -289,9 +432,6 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return front
 
 
-# Chance for a membership attack: at a false-positive rate of 0.1% a guess that ignores the model
-# finds members at the same rate, so a TPR at or below this line measures nothing.
-CHANCE_TPR = 0.001
 MARKERS = "os^Dv<>PX*"
 
 
@@ -324,11 +464,11 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
         # the family's first utility every row has (FedPara has no server model, so no server CIDEr)
         u = next((c for c in utility if all(e.get(c) is not None for e in mine)), utility[0])
         scale = METRICS[u].kind.scale
-        colours = {m: f"C{k % 10}" for k, m in enumerate(dict.fromkeys(e["method"] for e in mine))}
+        colours = {m: f"C{k % 10}" for k, m in enumerate(dict.fromkeys(e["variant"] for e in mine))}
         markers = {t: MARKERS[k % len(MARKERS)] for k, t in enumerate(dict.fromkeys(e["target"] for e in mine))}
         finite = sorted({e["epsilon-accounted"] for e in mine if e.get("epsilon-accounted")})
         none_x = 2 * finite[-1] if finite else 1.0  # where runs without noise sit: right of every private one
-        for ax, xkey in ((left, "epsilon-accounted"), (right, "attack-tpr@0.1%fpr")):
+        for ax, xkey in ((left, "epsilon-accounted"), (right, ATTACK_TPR)):
             xscale = 1.0 if ax is left else 100.0
             pts = []
             for e in mine:
@@ -344,11 +484,13 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
                     y * scale,
                     yerr=None if spread is None else spread * scale,
                     fmt=markers[e["target"]],
-                    color=colours[e["method"]],
+                    color=colours[e["variant"]],
                     ms=7,
                     alpha=0.85,
                     capsize=3,
                 )
+                if ax is right:  # each point's own chance level, at its height: below 1000 non-members it is not 0.1%
+                    ax.plot(e[ATTACK_TPR + CHANCE] * 100, y * scale, marker="|", ms=12, mew=2, color="gray")
             if pts:
                 fx, fy = zip(*pareto_front(pts), strict=True)
                 ax.step(fx, fy, where="post", color="gray", ls="--", lw=1)
@@ -361,10 +503,10 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
                 ax.set_xlabel("accounted epsilon (log scale)")
                 ax.set_title(f"{family} family: {u} against privacy spent")
             else:
-                ax.axvline(CHANCE_TPR * 100, color="black", lw=1, ls=":")
-                top = max([CHANCE_TPR * 100 * 2.5, *(x for x, _ in pts)])
+                chances = [100 * e[ATTACK_TPR + CHANCE] for e in mine if e.get(ATTACK_TPR) is not None]
+                top = max([*(2.5 * c for c in chances), *(x for x, _ in pts), 0.1])
                 ax.set_xlim(-0.04 * top, 1.08 * top)  # a TPR of 0 (nothing found at that FPR) must show
-                ax.set_xlabel("best membership attack's TPR at 0.1% FPR (%)")
+                ax.set_xlabel("the row's named attack: TPR at FPR <= 0.1% (%)")
                 ax.set_title(f"{family} family: {u} against privacy measured")
             several = any(e.get(u + STD) is not None for e in mine)
             ax.set_ylabel(f"{u} ({METRICS[u].kind.axis})" + (", mean ± std over seeds" if several else ""))
@@ -382,7 +524,9 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
         right.legend(
             handles=[
                 Line2D([], [], color="gray", ls="--", label="non-dominated"),
-                Line2D([], [], color="black", ls=":", label="chance (TPR = FPR = 0.1%)"),
+                Line2D(
+                    [], [], color="gray", marker="|", ms=12, mew=2, ls="", label="its chance (from its non-members)"
+                ),
             ],
             fontsize=7,
             loc="best",
@@ -431,26 +575,25 @@ def main(argv: list[str] | None = None) -> int:
     for i, (family, methods) in enumerate(plan, 1):
         log.info("leaderboard: family %s (%d/%d): %s", family, i, len(plan), ", ".join(methods))
         names = planned(methods, scale)
-        before, t = finished(out / family, names), time.time()
+        fresh, t = unfinished(out / family, names), time.time()
         rows += run_family(family, methods, scale, out, args.quick)
-        fresh = len(names) - len(before)  # every planned run is finished now, or failed: made in this call
+        # every planned run is finished now, or failed: made in this call
         made, made_seconds = made + fresh, made_seconds + (time.time() - t if fresh else 0.0)
-        later = sum(len(unfinished(out / f, planned(ms, scale))) for f, ms in plan[i:])
+        later = sum(unfinished(out / f, planned(ms, scale)) for f, ms in plan[i:])
         estimate = time_left(made, made + later, made_seconds) if later else "done"
         log.info(
             "leaderboard: %d/%d families done (%s: %d runs made, %d reused), %s",
-            *(i, len(plan), family, fresh, len(before)),
+            *(i, len(plan), family, fresh, sum(map(len, names.values())) - fresh),
             estimate or "no estimate yet (no run made so far)",
         )
     entries = board(rows)
     command = "python -m fedvlm.experiments.leaderboard " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "leaderboard.json").write_text(
-        json.dumps({"command": command, "machines": machines(entries), "entries": entries}, indent=1)
-    )
-    with open(out / "leaderboard.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for e in entries for k in e)))
-        writer.writeheader()
-        writer.writerows(entries)
+    atomic_write_json({"command": command, "machines": machines(entries), "entries": entries}, out / "leaderboard.json")
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for e in entries for k in e)))
+    writer.writeheader()
+    writer.writerows(entries)
+    atomic_write_text(table.getvalue(), out / "leaderboard.csv")
     write_markdown(entries, out / "leaderboard.md", command.strip(), time.time() - t0)
     plot_pareto(entries, out / "leaderboard_pareto.png")
     if args.docs:

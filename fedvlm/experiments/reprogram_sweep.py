@@ -25,8 +25,7 @@ import logging
 import sys
 from pathlib import Path
 
-import numpy as np
-
+from fedvlm.experiments import stats
 from fedvlm.experiments.sweep import run_one
 from fedvlm.methods.registry import REPROGRAM, methods_of
 from fedvlm.metrics import ACC, ACC_WEIGHTED
@@ -133,10 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         row = [method]
         for src in sources:
             found = [at_epsilon(pts, target) for (s, m, _), pts in curves.items() if s == src and m == method]
-            vals = [100 * v for v in found if v is not None]
-            row.append(
-                "-" if not vals else f"{np.mean(vals):.2f}" + (f" ± {np.std(vals):.2f}" if len(vals) > 1 else "")
-            )
+            figure = stats.spread(found)
+            row.append("-" if figure is None else figure.text(100.0))
         table.append(row)
     with open(out / "table_at_epsilon.csv", "w", newline="") as f:
         csv.writer(f).writerows(table)

@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from fedvlm.attacks import NoAttackApplies
 from fedvlm.attacks.reports import GLOBAL, MAXRENYI, MIA
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
@@ -59,11 +61,13 @@ from fedvlm.experiments.sweep_report import (
 )
 from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
-from fedvlm.metrics import ACC, METRICS
+from fedvlm.metrics import ACC, METRICS, STEPS, TRAIN_CLIENTS
 from fedvlm.plots import redraw_run
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 from fedvlm.server_app.resume import CHECKPOINT, config_differences
-from fedvlm.strategies.records import complete
+from fedvlm.status import RUN_LOCK
+from fedvlm.strategies.records import TRAFFIC_KEYS, TRAIN_ROW, complete
+from fedvlm.utils.files import try_hold
 from fedvlm.utils.progress import each, time_left
 
 log = logging.getLogger("sweep")
@@ -107,6 +111,8 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
 
 
 RANK = "8"  # a low-rank method's rank where --ranks names none
+# a run's traffic in a row: megabytes per node, e.g. 'mb-train-up-per-client'
+MB = {key: "mb-" + key.replace("_bytes_", "-").replace("_", "-") + "-per-client" for key in TRAFFIC_KEYS}
 REUSED = ("finished", "stopped")  # a run folder's statuses the sweep takes as they are
 
 
@@ -127,7 +133,17 @@ def other_run(raw: dict, data: dict, finished: bool = True) -> list[str]:
 
 
 def set_aside(run_dir: Path, why: str) -> None:
-    """Rename a run folder the sweep cannot use out of its way, so that nothing is lost."""
+    """Rename a run folder the sweep cannot use out of its way, so that nothing is lost; never
+    one a live ServerApp holds (another sweep or board running that run now): that is refused."""
+    held = try_hold(run_dir / RUN_LOCK) if run_dir.is_dir() else None
+    if run_dir.is_dir() and held is None:
+        pid = (run_dir / RUN_LOCK).read_text().strip() or "?"
+        raise RuntimeError(
+            f"{run_dir.name} is being run now by another process ({pid} holds its {RUN_LOCK}): left as it is; run "
+            "this sweep again once that run ended, or give this one another --out"
+        )
+    if held is not None:
+        held.close()
     base = f"{run_dir.name}-{why}-{time.strftime('%Y%m%d-%H%M%S')}"
     aside, k = run_dir.with_name(base), 1
     while aside.exists():  # two folders set aside in one second
@@ -217,17 +233,33 @@ def machine(data: dict) -> str:
 
 
 def cost_row(data: dict) -> dict:
-    """What a run cost: tensor megabytes each node sent and received (the run's totals over the
-    nodes that joined), the mean seconds per round and the rounds' seconds in total, and the
-    machine they were measured on."""
+    """What a run cost and how much it computed: tensor megabytes each node sent and received for
+    training and for evaluation (the run's totals over the nodes that joined), the mean seconds
+    per round and the rounds' seconds in total, the machine they were measured on, and its compute
+    (``compute_row``)."""
     nodes = max(1, len((data.get("run") or {}).get("nodes") or []))
     final, rounds = data["final"], data["rounds"]
     return {
         "machine": machine(data),
-        "mb-up-per-client": final.get("bytes_up", 0) / nodes / 1e6,
-        "mb-down-per-client": final.get("bytes_down", 0) / nodes / 1e6,
+        **{MB[key]: final.get(key, 0) / nodes / 1e6 for key in TRAFFIC_KEYS},
         "seconds-per-round": sum(r["seconds"] for r in rounds) / len(rounds) if rounds else None,
         "seconds-total": sum(r["seconds"] for r in rounds),
+        **compute_row(data),
+    }
+
+
+def compute_row(data: dict) -> dict:
+    """The compute a run's figures rest on, as its rounds recorded it: rounds, the nodes trained
+    per round, the local steps a trained node ran per round (mean), and the local steps each node
+    ran over the run (mean over the nodes): the budget two rows are matched on."""
+    rounds, nodes = data["rounds"], max(1, len((data.get("run") or {}).get("nodes") or []))
+    steps = [row[TRAIN_ROW + STEPS] for r in rounds for row in r["clients"].values() if TRAIN_ROW + STEPS in row]
+    trained = [r["metrics"].get(TRAIN_CLIENTS, 0) for r in rounds]
+    return {
+        "rounds": len(rounds),
+        "clients-per-round": float(np.mean(trained)) if rounds else None,
+        "local-steps-per-round": float(np.mean(steps)) if steps else None,
+        "local-steps-per-client": sum(steps) / nodes,
     }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedvlm.experiments import stats
 from fedvlm.metrics import ACC, AUDIT_METRICS, CIDER, METRICS, PROPORTION
 
 LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
@@ -25,10 +26,9 @@ def utility_columns(rows: list[dict]) -> list[str]:
 
 
 def _fmt(values: list[float | None], scale: float = 100.0) -> str:
-    vals = [v for v in values if v is not None and np.isfinite(v)]
-    if not vals:
-        return "-"
-    return f"{scale * np.mean(vals):.2f} ± {scale * np.std(vals):.2f}" if len(vals) > 1 else f"{scale * vals[0]:.2f}"
+    """'mean ± std' over seeds (ddof 1, ``experiments.stats``)."""
+    figure = stats.spread(values)
+    return "-" if figure is None else figure.text(scale)
 
 
 TEXT_COLUMNS = (

@@ -27,16 +27,16 @@ FILE = "privacy.png"
 BARS = 40  # above this many nodes, the right panel is a histogram
 
 
-def best_attack(attacks: dict[str, dict]) -> tuple[str, float, float] | None:
+def best_attack(attacks: dict[str, dict]) -> tuple[str, float, float, float] | None:
     """The pooled attack with the highest TPR at 0.1% FPR of a run's attack report (``Family.
-    reported_attacks``): (name, TPR, AUC)."""
+    reported_attacks``): (name, TPR, its chance level, AUC)."""
     best = None
     for name, pooled in attacks.items():
         if not isinstance(pooled.get("tpr@0.1%fpr"), dict):
             continue
-        tpr, auc = pooled["tpr@0.1%fpr"]["value"], pooled["auc"]["value"]
-        if best is None or tpr > best[1]:
-            best = (name, float(tpr), float(auc))
+        tpr, auc = pooled["tpr@0.1%fpr"], pooled["auc"]["value"]
+        if best is None or tpr["value"] > best[1]:
+            best = (name, float(tpr["value"]), float(tpr["chance"]), float(auc))
     return best
 
 
@@ -123,11 +123,11 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
     except Exception as err:  # noqa: BLE001
         log.warning("privacy.png drawn without the membership attack: its report could not be read: %s", err)
     if attack is not None:
-        name, tpr, auc = attack
+        name, tpr, luck, auc = attack
         right.text(
             0.98,
             0.97,
-            f"best membership attack: {name}\nTPR at 0.1% FPR {tpr:.3f}, AUC {auc:.3f}",
+            f"best membership attack: {name}\nTPR at FPR <= 0.1% {tpr:.3f} (chance {luck:.4f}), AUC {auc:.3f}",
             transform=right.transAxes,
             ha="right",
             va="top",

@@ -12,8 +12,9 @@ A run config the ServerApp refuses leaves a run folder too, failed with the reas
 - ``rounds``: one object per round with ``round``, ``sampled`` (train messages sent),
   ``evaluated`` (false until the round's evaluation is back; null for a round not evaluated,
   ``evaluate-every``), ``metrics``, ``seconds``,
-  ``bytes_up``, ``bytes_down``, ``clients`` (per-client metrics), ``dropped`` (rejected replies
-  and why);
+  ``train_bytes_up``, ``train_bytes_down``, ``evaluate_bytes_up``, ``evaluate_bytes_down``
+  (the round's traffic by purpose, ``strategies.records.TRAFFIC``; ``bytes`` by phase),
+  ``clients`` (per-client metrics), ``dropped`` (rejected replies and why);
 - ``final``: the summary (last-round and mean-of-last-10-rounds metrics, totals).
 """
 
@@ -38,6 +39,7 @@ import torch
 from fedvlm.metrics import METRICS
 from fedvlm.privacy.ledger import round_changes
 from fedvlm.server_app.tracking import Trackers
+from fedvlm.strategies.records import TRAFFIC, TRAFFIC_KEYS
 from fedvlm.utils.files import (
     PartsKeptJson,
     atomic_torch_save,
@@ -61,7 +63,7 @@ KEPT_ENTRIES = (
     ("privacy", "client_reported"),
 )
 # a round's own columns before its metrics
-ROUND_COLUMNS = ("round", "evaluated", "seconds", "sampled", "bytes_up", "bytes_down")
+ROUND_COLUMNS = ("round", "evaluated", "seconds", "sampled", *TRAFFIC_KEYS)
 CLIENT_COLUMN = "client"  # the node a row is about; empty in a round's own row
 NODE_EPSILON_COLUMN = "epsilon"  # a node's row: what a record of it has spent after the round (the ledger)
 STATUS_FILE, STATUS_BYTES = "status.json", 8192
@@ -249,8 +251,7 @@ class RunRecorder:
         final: dict = {
             "rounds": len(rounds),
             "seconds": round(time.time() - self.t0, 2),
-            "bytes_up": int(sum(r["bytes_up"] for r in rounds)),
-            "bytes_down": int(sum(r["bytes_down"] for r in rounds)),
+            **{key: int(sum(r[key] for r in rounds)) for key in TRAFFIC_KEYS},
         }
         for key in (m.name for m in METRICS.values() if m.headline):
             series = [r["metrics"][key] for r in rounds if key in r["metrics"]]
@@ -331,12 +332,22 @@ def rounds_csv(data: dict) -> str:
     return out.getvalue()
 
 
+def traffic_text(figures: dict, scale: float, unit: str) -> str:
+    """'train up U down D, evaluate up U down D <unit>' of a round's or a run's ``TRAFFIC_KEYS``."""
+    each = [
+        f"{purpose} up {figures[f'{purpose}_bytes_up'] / scale:,.{1 if scale > 1 else 0}f} "
+        f"down {figures[f'{purpose}_bytes_down'] / scale:,.{1 if scale > 1 else 0}f}"
+        for purpose in TRAFFIC
+    ]
+    return ", ".join(each) + f" {unit}"
+
+
 def progress_line(record: dict, num_rounds: int) -> str:
     m = record["metrics"]
     parts = [f"[round {record['round']}/{num_rounds}]"]
     parts += [f"{x.label} {x.kind.show(m[x.name])}" for x in METRICS.values() if x.label and x.name in m]
     parts.append(f"{record['seconds']:.1f}s")
-    parts.append(f"up {record['bytes_up'] / 1024:.1f} KiB down {record['bytes_down'] / 1024:.1f} KiB")
+    parts.append(traffic_text(record, 1024, "KiB"))
     if record.get("dropped"):
         parts.append(f"{len(record['dropped'])} dropped")
     return " | ".join(parts)
@@ -353,7 +364,7 @@ def summary_table(data: dict) -> str:
         if metric.headline and metric.name in final:
             rows.append((f"{metric.name} (last round)", metric.kind.show(final[metric.name])))
             rows.append((f"{metric.name} (mean of last 10)", metric.kind.show(final[f"{metric.name}-last10-mean"])))
-    rows.append(("bytes up / down", f"{final['bytes_up']:,} / {final['bytes_down']:,}"))
+    rows.append(("traffic", traffic_text(final, 1, "bytes")))
     comm = data.get("communication") or {}
     if comm.get("up_vs_full_lora") is not None and comm.get("down_vs_full_lora") is not None:
         rows.append(

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedvlm.strategies.records import complete
+from fedvlm.strategies.records import TRAFFIC_KEYS, complete
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,9 @@ TENSORBOARD_DIR = "tensorboard"
 MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlartifacts"
 HTTP_TIMEOUT_S, HTTP_RETRIES = "10", "1"
 # a round's own figures, beside its declared metrics
-ROUND_FIGURES = {"seconds": "round/seconds", "bytes_up": "round/bytes-up", "bytes_down": "round/bytes-down"}
-SAMPLED = "round/sampled"
+# a round's own figures beside its declared metrics, under rounds.csv's names (one name per quantity)
+ROUND_FIGURES = ("seconds", *TRAFFIC_KEYS)
+SAMPLED = "sampled"
 FILES = ("results.json", "rounds.csv", "partition.json", "status.json")  # and every *.png
 PARAM_CHUNK = 100  # MLflow takes at most 100 parameters per batch
 INSTALL = "pip install 'fedvlm[tracking]'"
@@ -48,7 +49,7 @@ STATUS_TAG, NOTE_TAG = "ended", "note"  # how the run ended, in fedvlm's words
 def round_values(record: dict) -> dict[str, float]:
     """What a tracker logs of a round's record: its figures, bytes, seconds and sampled nodes."""
     values = {k: float(v) for k, v in record["metrics"].items() if isinstance(v, (int, float))}
-    values.update({name: float(record[k]) for k, name in ROUND_FIGURES.items() if k in record})
+    values.update({name: float(record[name]) for name in ROUND_FIGURES if name in record})
     if "sampled" in record:
         values[SAMPLED] = float(record["sampled"])
     return values
@@ -59,7 +60,7 @@ def settled_values(record: dict) -> dict[str, float]:
     before, not its bytes and seconds, which its evaluation adds to."""
     values = round_values(record)
     if not complete(record):
-        values = {k: v for k, v in values.items() if k not in ROUND_FIGURES.values()}
+        values = {k: v for k, v in values.items() if k not in ROUND_FIGURES}
     return values
 
 

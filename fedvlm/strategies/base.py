@@ -68,7 +68,7 @@ from fedvlm.runconfig import ConfigError
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
-from fedvlm.strategies.records import ClientUpdate, RunOutputs
+from fedvlm.strategies.records import EVAL_ROW, TRAIN_ROW, ClientUpdate, RunOutputs
 from fedvlm.strategies.validation import (
     NAMES_SHOWN,
     ReplyBound,
@@ -518,7 +518,7 @@ class FederatedStrategy(Strategy):
         """The round's outcome once ``updates`` (the replies that count) were folded in with
         ``metrics`` (the method's figures): each client's figures recorded, the round's made."""
         for u in updates:
-            kept.client(u.node.name).update({f"train/{k}": v for k, v in u.reply.metrics.items()})
+            kept.client(u.node.name).update({TRAIN_ROW + k: v for k, v in u.reply.metrics.items()})
         metrics.update(round_figures([u.reply.metrics for u in updates], TRAIN))
         metrics[TRAIN_COMPUTE_SECONDS] = float(sum(u.reply.compute_seconds for u in updates))
         metrics[TRAIN_CLIENTS] = len(updates)
@@ -529,7 +529,7 @@ class FederatedStrategy(Strategy):
         kept = self.plans[server_round].phase("evaluate")
         updates = self.validate(replies, kept)
         for u in updates:
-            kept.client(u.node.name).update({f"eval/{k}": v for k, v in u.reply.metrics.items()})
+            kept.client(u.node.name).update({EVAL_ROW + k: v for k, v in u.reply.metrics.items()})
         metrics = round_figures([u.reply.metrics for u in updates], EVALUATE)
         metrics[EVAL_CLIENTS] = len(updates)
         metrics[EVAL_COMPUTE_SECONDS] = float(sum(u.reply.compute_seconds for u in updates))

@@ -86,8 +86,8 @@ class LoRAStrategy(FederatedStrategy):
         """What the server could reconstruct of each client's model (its last uploads), and what
         the run's communication cost against sending the whole adapter."""
         full = self.adapter_bytes()
-        up = sum(r.get("bytes", {}).get("train_up", 0) for r in rounds)
-        down = sum(r.get("bytes", {}).get("train_down", 0) for r in rounds)
+        up = sum(r["train_bytes_up"] for r in rounds)
+        down = sum(r["train_bytes_down"] for r in rounds)
         trained = sum(r["metrics"].get(TRAIN_CLIENTS, 0) for r in rounds)
         sent = sum(r["sampled"] for r in rounds)  # train messages sent: a round is recorded once it was sent
         communication = {

@@ -15,6 +15,24 @@ if TYPE_CHECKING:
     from fedvlm.strategies.nodes import NodeInfo
     from fedvlm.strategies.plan import RoundPlan
 
+# a client's metrics in its round row (``RoundRecord.clients``), by the message that carried them
+TRAIN_ROW, EVAL_ROW = "train/", "eval/"
+
+# What a round's bytes were for, each way: training (its secure-aggregation stages included) and
+# evaluation. These four names are results.json's, rounds.csv's and the trackers' (one spelling).
+TRAFFIC = {"train": ("train", "secure"), "evaluate": ("evaluate",)}
+TRAFFIC_KEYS = tuple(f"{purpose}_bytes_{way}" for purpose in TRAFFIC for way in ("up", "down"))
+
+
+def traffic(parts: dict[str, int]) -> dict[str, int]:
+    """A round's bytes by phase ({"train_down": .., "secure_up": .., ...}) as its traffic by
+    purpose and direction (``TRAFFIC_KEYS``)."""
+    return {
+        f"{purpose}_bytes_{way}": sum(parts.get(f"{phase}_{way}", 0) for phase in phases)
+        for purpose, phases in TRAFFIC.items()
+        for way in ("up", "down")
+    }
+
 
 @dataclass(frozen=True)
 class ClientUpdate:
@@ -74,8 +92,7 @@ class RoundRecord:
             "evaluated": evaluated,
             "metrics": self.metrics,
             "seconds": round(seconds, 3),
-            "bytes_up": sum(v for k, v in self.bytes.items() if k.endswith("_up")),
-            "bytes_down": sum(v for k, v in self.bytes.items() if k.endswith("_down")),
+            **traffic(self.bytes),
             "bytes": self.bytes,
             "clients": self.clients,
             "dropped": self.dropped,
@@ -110,9 +127,7 @@ def with_evaluation(record: dict, evaluation: RoundRecord, seconds: float | None
     for key in ("dropped", "refused_metrics", "bounded", "asked_again", "missing"):
         out[key] = record.get(key, []) + done[key]
     out["bytes"] = {**record["bytes"], **evaluation.bytes}
-    out["bytes_up"] = sum(v for k, v in out["bytes"].items() if k.endswith("_up"))
-    out["bytes_down"] = sum(v for k, v in out["bytes"].items() if k.endswith("_down"))
-    return out
+    return {**out, **traffic(out["bytes"])}
 
 
 @dataclass

@@ -14,6 +14,7 @@ from fedvlm.metrics import NUM_EXAMPLES
 from fedvlm.protocol import SERVER_ROUND, TrainReply
 from fedvlm.server_app.app import execute
 from fedvlm.strategies.nodes import FederationError
+from fedvlm.strategies.records import TRAFFIC_KEYS
 from fedvlm.utils.inprocess import InProcessGrid
 
 N = 10
@@ -44,7 +45,7 @@ def test_promptfl_learns_and_writes_results(make_cfg, pretrained_clip):
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == list(range(1, 7))
     for r in rounds:
-        assert set(r) >= {"round", "metrics", "seconds", "bytes_up", "bytes_down"}
+        assert set(r) >= {"round", "metrics", "seconds", *TRAFFIC_KEYS}
         assert len(r["clients"]) == N and not r["dropped"]
     acc = [r["metrics"]["local-acc"] for r in rounds]
     assert acc[-1] > acc[0] + 0.05, acc  # the learning curve rises
@@ -52,14 +53,17 @@ def test_promptfl_learns_and_writes_results(make_cfg, pretrained_clip):
     # evaluation travels with the next round's train messages and evaluates the prompt they carry
     # (nothing more is sent), except the last round's, which goes alone
     prompt = 16 * 96 * 4
-    assert rounds[0]["bytes_up"] == N * prompt and rounds[0]["bytes_down"] == N * prompt
+    assert rounds[0]["train_bytes_up"] == N * prompt and rounds[0]["train_bytes_down"] == N * prompt
+    assert rounds[0]["evaluate_bytes_up"] == rounds[0]["evaluate_bytes_down"] == 0
     assert rounds[0]["bytes"] == {
         "train_down": N * prompt,
         "train_up": N * prompt,
         "evaluate_down": 0,
         "evaluate_up": 0,
     }
-    assert rounds[-1]["bytes"]["evaluate_down"] == N * prompt and rounds[-1]["bytes_down"] == 2 * N * prompt
+    assert rounds[-1]["bytes"]["evaluate_down"] == N * prompt
+    assert rounds[-1]["evaluate_bytes_down"] == N * prompt and rounds[-1]["train_bytes_down"] == N * prompt
+    assert data["final"]["train_bytes_up"] == sum(r["bytes"]["train_up"] for r in rounds)
     assert {"local-acc-last10-mean", "neighbor-acc-last10-mean"} <= set(data["final"])
     assert data["run"]["status"] == "finished"
     for f in ("accuracy.png", "loss.png", "final_shared.pt", "checkpoint.pt"):
@@ -97,8 +101,8 @@ def test_promptfl_aggregate_is_the_weighted_mean_of_replies(make_cfg, pretrained
 def test_coop_keeps_its_prompt_private_and_across_rounds(make_cfg, pretrained_clip):
     rec, grid = _run(make_cfg, method="coop", num_server_rounds=3)
     rounds = rec.data["rounds"]
-    assert all(r["bytes_up"] == 0 for r in rounds)  # nothing but metrics leaves a client
-    assert rounds[0]["bytes_down"] > 0 and rounds[1]["bytes_down"] == 0  # init prompt once
+    assert all(r["train_bytes_up"] == r["evaluate_bytes_up"] == 0 for r in rounds)  # only metrics leave a client
+    assert rounds[0]["train_bytes_down"] > 0 and rounds[1]["train_bytes_down"] == 0  # init prompt once
     for r, expected in zip(rounds, (1, 2, 3), strict=True):
         assert {c["train/rounds-trained"] for c in r["clients"].values()} == {expected}
     assert all(not keys for keys in _arrays_sent(grid, "up"))

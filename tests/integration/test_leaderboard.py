@@ -21,6 +21,7 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
     argv = ["--quick", "--out", str(out), "--families", "prompt", "--methods", "dpfpl"]
     assert leaderboard.main(argv) == 0
     entries = {e["epsilon"]: e for e in json.loads((out / "leaderboard.json").read_text())["entries"]}
+    assert {e["variant"] for e in entries.values()} == {"dpfpl-r8"}
     assert set(entries) == {"none", "1"}
     for eps, entry in entries.items():
         run = out / "prompt" / "runs" / f"dpfpl-r8-eps{eps}-seed0"
@@ -29,11 +30,15 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
         assert nodes == leaderboard.QUICK.clients
         assert entry["local-acc"] == pytest.approx(data["final"]["local-acc-last10-mean"])
         assert entry["neighbor-acc"] == pytest.approx(data["final"]["neighbor-acc-last10-mean"])
-        assert entry["mb-up-per-client"] == pytest.approx(data["final"]["bytes_up"] / nodes / 1e6)
+        assert entry["mb-train-up-per-client"] == pytest.approx(data["final"]["train_bytes_up"] / nodes / 1e6)
+        assert entry["mb-evaluate-down-per-client"] == pytest.approx(data["final"]["evaluate_bytes_down"] / nodes / 1e6)
+        assert entry["rounds"] == 2 and entry["local-steps-per-round"] == 1  # DP-FPL's one step, with DP or not
         assert entry["seconds-per-round"] == pytest.approx(sum(r["seconds"] for r in data["rounds"]) / 2)
         assert entry["seconds-total"] == pytest.approx(sum(r["seconds"] for r in data["rounds"]))
-        name, tpr, auc = best_attack(read_prompt(run))
-        assert entry["attack-tpr@0.1%fpr"] == pytest.approx(tpr) and entry["attack-auc"] == pytest.approx(auc)
+        name, tpr, chance, auc = best_attack(read_prompt(run))  # one seed: the named attack is its best
+        assert entry["attack"] == name and entry["attack-tpr@0.1%fpr"] == pytest.approx(tpr)
+        assert entry["attack-auc"] == pytest.approx(auc)
+        assert entry["attack-tpr@0.1%fpr-chance"] == pytest.approx(chance) and chance > 0.001  # few non-members
         if eps == "1":
             # the run's privacy picture, drawn again once the run was attacked, names the best attack
             assert "membership attack" in data["run"]["plots"]["privacy.png"]
@@ -43,7 +48,7 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
         else:
             assert entry["epsilon-accounted"] is None and entry["audit-lower-bound"] is None
     board = (out / "leaderboard.md").read_text()
-    assert "| dpfpl | 1 |" in board and "| dpfpl | none |" in board
+    assert "| dpfpl-r8 | 1 |" in board and "| dpfpl-r8 | none |" in board
     # the machine the runs' seconds were measured on, as each run recorded it
     host = json.loads((out / "prompt" / "runs" / "dpfpl-r8-eps1-seed0" / "results.json").read_text())["run"]["host"]
     assert f"recorded it: {host['system']} {host['cpu']}, {host['cores']} CPU cores" in board
@@ -97,12 +102,12 @@ def test_the_pareto_plot_shows_each_row_spread_over_seeds(tmp_path, monkeypatch)
         return errorbar(self, x, y, yerr=yerr, **kw)
 
     monkeypatch.setattr(Axes, "errorbar", recording)
-    common = {"family": "prompt", "neighbor-acc": 0.2, "attack-tpr@0.1%fpr": 0.002}
+    common = {"family": "prompt", "neighbor-acc": 0.2, "attack-tpr@0.1%fpr": 0.002, "attack-tpr@0.1%fpr-chance": 0.01}
     entries = [
-        {**common, "method": "dpfpl", "epsilon": "8", "target": "8", "seeds": 3, "local-acc": 0.48}
-        | {"local-acc" + leaderboard.STD: 0.02, "epsilon-accounted": 8.0},
-        {**common, "method": "coop", "epsilon": "none", "target": "none", "seeds": 1, "local-acc": 0.85}
-        | {"local-acc" + leaderboard.STD: None, "epsilon-accounted": None},
+        {**common, "method": "dpfpl", "variant": "dpfpl-r8", "epsilon": "8", "target": "8", "seeds": 3}
+        | {"local-acc": 0.48, "local-acc" + leaderboard.STD: 0.02, "epsilon-accounted": 8.0},
+        {**common, "method": "coop", "variant": "coop", "epsilon": "none", "target": "none", "seeds": 1}
+        | {"local-acc": 0.85, "local-acc" + leaderboard.STD: None, "epsilon-accounted": None},
     ]
     leaderboard.plot_pareto(entries, tmp_path / "pareto.png")
     assert (tmp_path / "pareto.png").stat().st_size > 10_000

@@ -13,18 +13,20 @@ round's record still counted in the sum.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message
 
 from fedvlm.client_app import node_round, trainer
 from fedvlm.client_app.app import app as client_app
 from fedvlm.protocol import (
     ARRAYS_RECORD,
+    CONFIG_RECORD,
     SECAGG_IDENTITY_KEYS,
     SECAGG_MASKED,
     SECAGG_NODES,
@@ -34,6 +36,7 @@ from fedvlm.protocol import (
     SECAGG_SURVIVORS,
     SECAGG_THRESHOLD,
     SECURE_SUM,
+    SERVER_ROUND,
 )
 from fedvlm.secagg import server as secagg_server
 from fedvlm.secagg import stages
@@ -42,6 +45,7 @@ from fedvlm.server_app.app import execute
 from fedvlm.strategies.nodes import FederationError
 from fedvlm.tensor_names import CTX
 from fedvlm.utils.inprocess import InProcessGrid
+from fedvlm.utils.runtime import in_process_node
 from tests.neighbours import one_record_batches
 
 N = 5
@@ -358,3 +362,83 @@ def test_a_real_node_holds_its_pinned_roster_and_identity_and_refuses_without_th
     assert protocol["masked"] == 3 and protocol["signed"] == 3 and "failed" not in protocol
     rec, data, grid = _federation(make_cfg, "simulated-roster", nodes=pinned, n=3)  # the server's is made up
     assert all("this node pins roster" in _errors(grid, n)[0] for n in range(1000, 1003))
+
+
+class RekeyingGrid(HostileGrid):
+    """A SuperLink that hands node 1001 each keys message more times than the protocol does, beside
+    the real exchange (its extra answers never reach the ServerApp): again as it was, again under
+    another plan of the same round (one participant fewer), and, in round 2, round 1's again and
+    a round past the run's last. ``extra``: (what was asked, the node's answer)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra: list[tuple[str, Message]] = []
+        self.first: Message | None = None
+
+    def _again(self, label: str, msg: Message) -> None:
+        with in_process_node():
+            try:
+                self.extra.append((label, self.app(msg, self.contexts[1001])))
+            except Exception as err:  # noqa: BLE001 - as Flower would: an error reply
+                self.extra.append((label, Message(Error(code=1, reason=f"{type(err).__name__}: {err}"), reply_to=msg)))
+
+    def _answer(self, msg: Message) -> list[Message]:
+        replies = super()._answer(msg)
+        if msg.metadata.dst_node_id != 1001 or _stage(msg) != "keys":
+            return replies
+        plan = stages.SumPlan.from_config(msg.content[SECURE_SUM])
+        self._again("same", copy.deepcopy(msg))
+        other = copy.deepcopy(msg)
+        fewer = dataclasses.replace(plan, participants=plan.participants[:-1])
+        other.content[SECURE_SUM] = ConfigRecord(fewer.to_config())
+        self._again("other plan", other)
+        if plan.server_round == 1:
+            self.first = copy.deepcopy(msg)
+        else:
+            assert self.first is not None
+            self._again("earlier round", copy.deepcopy(self.first))
+            later = copy.deepcopy(msg)
+            later.content[SECURE_SUM] = ConfigRecord(dataclasses.replace(plan, server_round=3).to_config())
+            later.content[CONFIG_RECORD][SERVER_ROUND] = 3
+            self._again("past the run", later)
+        return replies
+
+
+def test_a_node_keys_each_round_once_and_answers_a_copy_as_it_did(make_cfg, pretrained_clip, monkeypatch):
+    """The difference attack (a second sum of one update is that update minus nothing new): the
+    node trains once per round; a copy of the keys message gets the very advert it sent (no new
+    session, no new training, so no second vector with fresh noise); a second plan for the round,
+    an earlier round and a round past the run's last are refused. The run itself is unharmed."""
+    trained = _trained(monkeypatch)
+    cfg = make_cfg(
+        method="promptfl",
+        num_server_rounds=2,
+        max_per_class=6,
+        replies__max_norm=100.0,
+        secure_aggregation__enabled=True,
+        reply_grace=0.2,
+    )
+    configs = [{"partition-id": i, "num-partitions": N} for i in range(N)]
+    grid = RekeyingGrid(client_app, configs, cfg.as_dict())
+    rec = execute(cfg, grid, run_id="rekey")
+    data = json.loads(rec.path.read_text())
+    assert all("failed" not in r["secure_aggregation"] for r in data["rounds"])
+    assert [r["metrics"]["train-clients"] for r in data["rounds"]] == [N, N]
+    assert trained.count(1001) == 2  # once per round, however often it was asked
+    first = {
+        m.metadata.reply_to_message_id: m for m in grid.replies if m.metadata.src_node_id == 1001 and not m.has_error()
+    }
+    answers: dict[str, list[str]] = {}
+    for label, reply in grid.extra:
+        if reply.has_error():
+            answers.setdefault(label, []).append(reply.error.reason)
+            continue
+        assert label == "same"
+        original = first[reply.metadata.reply_to_message_id]
+        assert stages.read_keys_reply(reply.content[SECURE_SUM]) == stages.read_keys_reply(original.content[SECURE_SUM])
+        assert not reply.content[ARRAYS_RECORD]
+        answers.setdefault(label, []).append("the same advert")
+    assert answers["same"] == ["the same advert"] * 2
+    assert len(answers["other plan"]) == 2 and all("under another plan" in e for e in answers["other plan"])
+    assert len(answers["earlier round"]) == 1 and "under an earlier round" in answers["earlier round"][0]
+    assert len(answers["past the run"]) == 1 and "of a run of 2 rounds" in answers["past the run"][0]

@@ -130,7 +130,7 @@ def test_a_resumed_run_goes_on_with_its_mlflow_run_and_logs_each_round_once(make
     assert second["run"]["tracking"]["mlflow"] == first["run"]["tracking"]["mlflow"]
     client = MlflowClient(second["run"]["tracking"]["mlflow"]["uri"])
     expected = _expected(second)
-    names = ["local-acc", "round/bytes-up"]
+    names = ["local-acc", "train_bytes_up"]
     got = _mlflow_history(client, run_id, names)
     assert sorted({step for step, _ in got}) == [1, 2, 3]
     assert got == pytest.approx(_flat(expected, names))

@@ -106,7 +106,7 @@ def test_bootstrap_intervals_are_reproducible_and_cover_the_estimate():
         assert v["ci95"][0] <= v["value"] <= v["ci95"][1], k
     assert 0.65 < a["auc"]["ci95"][0] < a["auc"]["value"] < a["auc"]["ci95"][1] < 0.81
     perfect = bootstrap(member.astype(float), member, samples=50, seed=0)
-    assert perfect["auc"] == {"value": 1.0, "ci95": [1.0, 1.0]}
+    assert perfect["auc"] == {"value": 1.0, "ci95": [1.0, 1.0], "chance": 0.5, "non-members": 200}
 
 
 def test_closed_form_metrics_equal_sklearns_roc():

@@ -29,17 +29,17 @@ def _data(nodes: int, max_epsilon: float, family: str = "prompt") -> dict:
 
 
 def _pooled(tpr: float) -> dict:
-    return {"tpr@0.1%fpr": {"value": tpr, "ci95": [0, 1]}, "auc": {"value": 0.5 + tpr, "ci95": [0, 1]}}
+    return {
+        "tpr@0.1%fpr": {"value": tpr, "ci95": [0, 1], "chance": 0.004},
+        "auc": {"value": 0.5 + tpr, "ci95": [0, 1], "chance": 0.5},
+    }
 
 
 def _mia(tprs: dict[str, float]) -> dict:
     return {
         "summary": {
             "shokri": {"accuracy": 0.5, "auc": 0.5},  # no pooled interval: not a candidate
-            **{
-                n: {"pooled": {"tpr@0.1%fpr": {"value": t, "ci95": [0, 1]}, "auc": {"value": 0.5 + t, "ci95": [0, 1]}}}
-                for n, t in tprs.items()
-            },
+            **{n: {"pooled": _pooled(t)} for n, t in tprs.items()},
         }
     }
 
@@ -86,7 +86,12 @@ def test_the_picture_names_the_best_attack_of_each_familys_report(family, tmp_pa
 
 
 def test_the_best_attack_is_the_highest_tpr_at_the_lowest_fpr():
-    assert best_attack({"lira-offline": _pooled(0.02), "rmia-offline": _pooled(0.05)}) == ("rmia-offline", 0.05, 0.55)
+    assert best_attack({"lira-offline": _pooled(0.02), "rmia-offline": _pooled(0.05)}) == (
+        "rmia-offline",
+        0.05,
+        0.004,
+        0.55,
+    )
     assert best_attack({}) is None
 
 

@@ -14,6 +14,7 @@ from fedvlm.server_app.app import run
 from fedvlm.server_app.results import RunRecorder
 from fedvlm.status import check
 from fedvlm.status import main as status_main
+from fedvlm.strategies.records import TRAFFIC_KEYS
 
 
 def test_a_refused_config_leaves_a_failed_run_that_status_reports(tmp_path, capsys):
@@ -43,7 +44,7 @@ def test_a_full_disk_still_ends_the_run_failed_with_its_error(tmp_path, monkeypa
 
     monkeypatch.setattr(results, "atomic_write_text", no_space)  # results.json and rounds.csv
     with pytest.raises(OSError):
-        recorder.add_round({"round": 1, "metrics": {}, "bytes_up": 0, "bytes_down": 0})
+        recorder.add_round({"round": 1, "metrics": {}, **dict.fromkeys(TRAFFIC_KEYS, 0)})
     recorder.finish("failed", "OSError: [Errno 28] No space left on device")
     assert json.loads((tmp_path / "r" / "results.json").read_text())["run"]["status"] == "running"  # never rewritten
     verdict = check(tmp_path / "r")

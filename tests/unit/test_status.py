@@ -53,7 +53,8 @@ def test_a_running_folder_whose_serverapp_is_gone_reads_interrupted_and_stop_rec
 
     from fedvlm.stop import record_interrupted, run_dirs_held_by
 
-    recorded = {**_round(4, 4), "bytes_up": 10, "bytes_down": 20}  # as RunRecorder.add_round keeps it
+    traffic = {"train_bytes_up": 10, "train_bytes_down": 20, "evaluate_bytes_up": 0, "evaluate_bytes_down": 20}
+    recorded = {**_round(4, 4), **traffic}  # as RunRecorder.add_round keeps it
     folder = _write(tmp_path / "r", {"status": "running", "started": "2026-11-27T10:00:00+00:00"}, [recorded])
     holder = subprocess.Popen(
         [

@@ -64,7 +64,7 @@ def test_final_table_puts_the_papers_number_beside_ours(tmp_path):
     write_tables(rows, tmp_path, ["none"], {("pfedmoap", "none"): 98.41})
     lines = (tmp_path / "table_final.md").read_text().splitlines()
     assert lines[2] == "| method | eps=none | paper eps=none |"
-    assert lines[4] == "| pfedmoap | 60.00 ± 10.00 | 98.41 |"
+    assert lines[4] == "| pfedmoap | 60.00 ± 14.14 | 98.41 |"  # std over seeds, ddof 1
     assert lines[5] == "| coop | 30.00 | - |"
 
 
@@ -127,12 +127,14 @@ def test_an_attack_point_is_the_mean_over_its_targets_seeds():
 
     key = "mia-lira-offline-tpr@0.1%fpr"
 
-    def row(eps, seed, spent, tpr):
-        return {"epsilon": eps, "seed": seed, "epsilon-spent": spent, key: tpr, key + "-lo": 0.0, key + "-hi": 2 * tpr}
+    def row(eps, seed, spent, tpr, chance=0.002):
+        figure = {key: tpr, key + "-lo": 0.0, key + "-hi": 2 * tpr, key + "-chance": chance}
+        return {"epsilon": eps, "seed": seed, "epsilon-spent": spent, **figure}
 
-    rows = [row("8", 0, 6.0, 0.01), row("8", 1, 5.0, 0.03), row("none", 0, None, 0.02), row("1", 0, 0.8, 0.0)]
+    rows = [row("8", 0, 6.0, 0.01), row("8", 1, 5.0, 0.03, 0.004), row("none", 0, None, 0.02), row("1", 0, 0.8, 0.0)]
     points = target_points(rows, key, no_dp_x=40.0)
-    assert points == [(0.8, 0.0, 0.0, 0.0), (5.5, 0.02, 0.0, 0.04), (40.0, 0.02, 0.0, 0.04)]
+    expected = [(0.8, 0.0, 0.0, 0.0, 0.002), (5.5, 0.02, 0.0, 0.04, 0.003), (40.0, 0.02, 0.0, 0.04, 0.002)]
+    assert [pytest.approx(p) for p in points] == expected
 
 
 def test_a_family_whose_utility_is_cider_gets_its_own_tables(tmp_path):
@@ -147,7 +149,7 @@ def test_a_family_whose_utility_is_cider_gets_its_own_tables(tmp_path):
     assert write_tables(rows, tmp_path, ["none", "8"]) == ["client-cider"]
     lines = (tmp_path / "table_client-cider.md").read_text().splitlines()
     assert lines[0] == "Mean of the last 10 rounds, client-cider (CIDEr x100), mean ± std over seeds"
-    assert lines[-1] == "| fedrand | 400.00 ± 50.00 | 140.00 |"
+    assert lines[-1] == "| fedrand | 400.00 ± 70.71 | 140.00 |"
     assert not (tmp_path / "table_local.md").exists() and not (tmp_path / "table_final.md").exists()
 
 

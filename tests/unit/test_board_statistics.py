@@ -1,0 +1,98 @@
+"""What the published figures are compared with: each attack figure's own chance level (measured
+by attacking with scores that ignore membership), the seeds' statistics (ddof 1, Student-t
+intervals, paired differences, checked against scipy), and the board's rows (one attack named
+for every seed, the cost of privacy against the same method at the same compute)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from fedvlm.attacks.likelihood import bootstrap, chance, roc_metrics
+from fedvlm.experiments import leaderboard, stats
+
+
+@pytest.mark.parametrize("n_out", [100, 300, 999, 2000, 5000])
+def test_the_chance_level_is_what_blind_scores_get(n_out):
+    """Scores independent of membership: their mean TPR at FPR <= 0.1% over many draws is
+    (floor(0.001 n) + 1) / (n + 1), which below 1000 non-members is the TPR at zero false
+    positives (0.99% at 100), never the nominal 0.1%."""
+    rng = np.random.default_rng(n_out)
+    member = np.r_[np.ones(200, bool), np.zeros(n_out, bool)]
+    draws = [roc_metrics(rng.random(len(member)), member) for _ in range(3000)]
+    for metric in ("tpr@0.1%fpr", "tpr@1%fpr", "auc"):
+        observed = np.mean([d[metric] for d in draws])
+        spread = np.std([d[metric] for d in draws]) / np.sqrt(len(draws))
+        assert abs(observed - chance(metric, n_out)) < 4 * spread + 1e-4, (metric, observed, chance(metric, n_out))
+    assert chance("tpr@0.1%fpr", 100) == pytest.approx(1 / 101)
+    assert chance("tpr@0.1%fpr", 2000) == pytest.approx(3 / 2001)
+
+
+def test_every_bootstrapped_figure_carries_its_chance_and_its_count():
+    member = np.r_[np.ones(50, bool), np.zeros(150, bool)]
+    out = bootstrap(np.random.default_rng(0).random(200), member, samples=50)
+    assert out["tpr@0.1%fpr"]["chance"] == pytest.approx(1 / 151) and out["auc"]["chance"] == 0.5
+    assert {v["non-members"] for v in out.values()} == {150}
+
+
+def test_a_spread_over_seeds_is_ddof_1_with_a_student_t_interval():
+    values = [0.31, 0.35, 0.29, 0.40, 0.33]
+    figure = stats.spread(values)
+    assert figure is not None and figure.std == pytest.approx(np.std(values, ddof=1))
+    low, high = scipy_stats.t.interval(0.95, len(values) - 1, loc=np.mean(values), scale=scipy_stats.sem(values))
+    assert (figure.low, figure.high) == pytest.approx((low, high))
+    assert stats.spread([0.5]) == stats.Spread(0.5, None, 1, None, None)
+    assert stats.spread([None, float("nan")]) is None
+
+
+def test_a_difference_is_paired_by_seed_else_welch():
+    a = {0: 0.50, 1: 0.55, 2: 0.47}
+    b = {0: 0.40, 1: 0.47, 2: 0.36}
+    paired = stats.difference(a, b)
+    test = scipy_stats.ttest_rel(list(a.values()), list(b.values()))
+    low, high = test.confidence_interval(0.95)
+    assert paired is not None and (paired.mean, paired.low, paired.high) == pytest.approx((0.09666667, low, high))
+    welch = stats.difference(a, {3: 0.40, 4: 0.47, 5: 0.36, 6: 0.41})
+    test = scipy_stats.ttest_ind(list(a.values()), [0.40, 0.47, 0.36, 0.41], equal_var=False)
+    assert welch is not None and (welch.low, welch.high) == pytest.approx(test.confidence_interval(0.95))
+    assert paired.excludes(0.0) and not stats.difference({0: 0.5, 1: 0.4}, {0: 0.45, 1: 0.45}).excludes(0.0)
+
+
+def _row(variant, method, eps, seed, acc, attacks=None, steps=8.0):
+    row = {
+        "family": "prompt",
+        "variant": variant,
+        "method": method,
+        "epsilon": eps,
+        "seed": seed,
+        "status": "finished",
+        "local-acc-last10-mean": acc,
+        "local-steps-per-round": steps,
+    }
+    for name, tpr in (attacks or {}).items():
+        row |= {f"mia-{name}-tpr@0.1%fpr": tpr, f"mia-{name}-tpr@0.1%fpr-chance": 0.0099, f"mia-{name}-auc": 0.5}
+    return row
+
+
+def test_a_board_row_names_one_attack_for_every_seed_and_measures_privacy_at_matched_compute():
+    rows = [
+        # the best attack differs by seed: the row reports the one best on average, for every seed
+        _row("promptfl", "promptfl", "8", 0, 0.30, {"lira": 0.05, "rmia": 0.00}, steps=1),
+        _row("promptfl", "promptfl", "8", 1, 0.32, {"lira": 0.00, "rmia": 0.02}, steps=1),
+        _row("promptfl", "promptfl", "8", 2, 0.31, {"lira": 0.04, "rmia": 0.03}, steps=1),
+        *(_row("promptfl", "promptfl", "none", s, 0.40 + s / 100) for s in range(3)),
+        *(_row("promptfl-dpcompute", "promptfl", "none", s, 0.33 + s / 100, steps=1) for s in range(3)),
+    ]
+    entries = {(e["variant"], e["epsilon"]): e for e in leaderboard.board(rows)}
+    private = entries[("promptfl", "8")]
+    assert private["attack"] == "lira" and private["attack-tpr@0.1%fpr"] == pytest.approx(0.03)
+    assert private["attack-tpr@0.1%fpr-chance"] == pytest.approx(0.0099)
+    # its reference is the no-DP run at its own compute (one step), not the 8-step one
+    assert private["reference"] == "promptfl-dpcompute"
+    delta = private["delta-local-acc"]
+    assert delta["mean"] == pytest.approx(-0.03) and delta["n"] == 3
+    assert private["local-acc-std"] == pytest.approx(0.01)  # ddof 1
+    assert private["local-steps-per-round"] == 1 and entries[("promptfl", "none")]["local-steps-per-round"] == 8
+    md = "\n".join(leaderboard.family_tables(list(entries.values())))
+    assert "| promptfl-dpcompute | none |" in md and "promptfl-dpcompute |" in md.split("| promptfl | 8 |")[1]
