@@ -59,12 +59,13 @@ def run(overrides: dict, nodes: int, work: Path, run_id: str) -> tuple[dict, flo
 
 
 def per_round(data: dict) -> dict:
+    from fedvlm.strategies.records import TRAFFIC_KEYS
+
     rounds = data["rounds"][1:] or data["rounds"]
     mean = statistics.fmean
     return {
         "seconds_per_round": round(mean(r["seconds"] for r in rounds), 3),
-        "mb_down_per_round": round(mean(r["bytes_down"] for r in rounds) / 1e6, 4),
-        "mb_up_per_round": round(mean(r["bytes_up"] for r in rounds) / 1e6, 4),
+        **{f"mb_{k.replace('_bytes', '')}_per_round": round(mean(r[k] for r in rounds) / 1e6, 4) for k in TRAFFIC_KEYS},
         "secure_mb_down_per_round": round(mean(r["bytes"].get("secure_down", 0) for r in rounds) / 1e6, 4),
         "secure_mb_up_per_round": round(mean(r["bytes"].get("secure_up", 0) for r in rounds) / 1e6, 4),
     }
