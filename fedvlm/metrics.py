@@ -59,10 +59,11 @@ SIGMA = Kind("sigma", 0.0, math.inf, axis="noise std", fmt=".4g")
 @dataclass(frozen=True)
 class Combine:
     """How the server makes one round figure of the nodes' values of metric ``of``: their plain
-    ``mean`` (as the papers report per-client figures), ``std``, or ``weighted`` mean by the count
-    metric ``weight`` (the federation's figure for the union of the nodes' records)."""
+    ``mean`` (as the papers report per-client figures), their spread over nodes (``std``, the
+    worst node's ``min``: ``PER_CLIENT``), or ``weighted`` mean by the count metric ``weight``
+    (the federation's figure for the union of the nodes' records)."""
 
-    statistic: str  # 'mean' | 'std' | 'weighted'
+    statistic: str  # 'mean' | 'std' | 'min' | 'weighted'
     of: str
     weight: str = ""
 
@@ -134,12 +135,27 @@ def round_figures(replies: Sequence[Mapping[str, float]], message: str) -> dict[
             out[metric.name] = float(np.mean(values))
         elif c.statistic == "std":
             out[metric.name] = float(np.std(values))
+        elif c.statistic == "min":
+            out[metric.name] = float(np.min(values))
         else:
             pairs = [(r[c.of], r.get(c.weight, 0)) for r in replies if c.of in r]
             total = sum(w for _, w in pairs)
             if total > 0:
                 out[metric.name] = float(sum(v * w for v, w in pairs) / total)
     return out
+
+
+# the statistics that describe how a figure varies over the nodes, not the federation's figure
+PER_CLIENT = ("std", "min")
+
+
+def per_client(name: str) -> dict[str, str]:
+    """The round figures that spread ``name`` over the nodes, by statistic ({'std': .., 'min': ..})."""
+    return {
+        m.combine.statistic: m.name
+        for m in METRICS.values()
+        if m.combine is not None and m.combine.of == name and m.combine.statistic in PER_CLIENT
+    }
 
 
 def undeclared(names: Iterable[str]) -> list[str]:
@@ -157,6 +173,7 @@ STEPS = _metric("local-steps", COUNT, "local steps the node ran this round", TRA
 ROUNDS_TRAINED = _metric("rounds-trained", COUNT, "rounds the node had trained before this one", TRAIN)
 LOCAL_N = _metric("local-n", COUNT, "test records of the node's own classes", EVALUATE)
 NEIGHBOR_N = _metric("neighbor-n", COUNT, "test records of the other nodes' classes", EVALUATE)
+NOVEL_N = _metric("novel-n", COUNT, "test records of the held-out novel classes (class-split base-to-novel)", EVALUATE)
 OOD_EXAMPLES = _metric("ood-examples", COUNT, "out-of-domain test records the node scored", EVALUATE)
 
 # training
@@ -182,16 +199,19 @@ TRAIN_ACC = _metric(
 )
 CLIPPED_FRACTION = _metric("dp-clipped-fraction", PROPORTION, "fraction of per-sample gradients DP-SGD clipped", TRAIN)
 
-# evaluation of the image-classification methods: the node's own classes and its neighbours'
-TEST_SETS = ("local", "neighbor")
+# evaluation of the image-classification methods: the node's own classes, its neighbours', and,
+# under class-split = base-to-novel, the novel classes no node trained on
+TEST_SETS = ("local", "neighbor", "novel")
 # by test set: the nodes' accuracy, cross-entropy and records; the round's spread and weighted figures
 ACC: dict[str, str] = {}
 TEST_LOSS: dict[str, str] = {}
-TEST_N = {"local": LOCAL_N, "neighbor": NEIGHBOR_N}
+TEST_N = {"local": LOCAL_N, "neighbor": NEIGHBOR_N, "novel": NOVEL_N}
 ACC_STD: dict[str, str] = {}
+ACC_WORST: dict[str, str] = {}
 ACC_WEIGHTED: dict[str, str] = {}
 LOSS_WEIGHTED: dict[str, str] = {}
-for _tag, _words in zip(TEST_SETS, ("its own classes", "the other nodes' classes"), strict=True):
+_WORDS = ("its own classes", "the other nodes' classes", "the held-out novel classes, among those classes alone")
+for _tag, _words in zip(TEST_SETS, _WORDS, strict=True):
     ACC[_tag] = _metric(
         f"{_tag}-acc",
         PROPORTION,
@@ -204,7 +224,20 @@ for _tag, _words in zip(TEST_SETS, ("its own classes", "the other nodes' classes
     )
     TEST_LOSS[_tag] = _metric(f"{_tag}-loss", LOSS, f"test cross-entropy on {_words}", EVALUATE)
     ACC_STD[_tag] = _metric(
-        f"{_tag}-acc-std", PROPORTION, f"spread over nodes of {_tag}-acc", SERVER, combine=Combine("std", ACC[_tag])
+        f"{_tag}-acc-std",
+        PROPORTION,
+        f"spread over nodes of {_tag}-acc",
+        SERVER,
+        combine=Combine("std", ACC[_tag]),
+        headline=True,
+    )
+    ACC_WORST[_tag] = _metric(
+        f"{_tag}-acc-worst",
+        PROPORTION,
+        f"the worst node's {_tag}-acc",
+        SERVER,
+        combine=Combine("min", ACC[_tag]),
+        headline=True,
     )
     ACC_WEIGHTED[_tag] = _metric(
         f"{_tag}-acc-weighted",

@@ -169,6 +169,7 @@ HELLO_NUMBERS = {
     "num_train": ("num-train", 1),
     "num_test": ("num-test", 0),
     "num_neighbor": ("num-neighbor", 0),
+    "num_novel": ("num-novel", 0),
     "num_classes": ("num-classes", 1),
     "num_partitions": ("num-partitions", 0),
 }
@@ -203,6 +204,7 @@ class HelloReport:
     class_list: str = ""  # digest of its class names in order: label i must mean one class on every node
     source_weights: str = ""  # reprogramming: the source model's weights
     num_partitions: int = 0  # a partition node's num-partitions (0: its own data): all must agree
+    num_novel: int = 0  # its test records of novel classes (class-split base-to-novel)
 
     def to_records(self) -> tuple[dict, dict]:
         """(info, metrics): the two records of the reply; an empty word is left out."""

@@ -106,6 +106,7 @@ class Family:
     # steps. The server plans with it and sends the result; clients never recompute it.
     local_shape: Callable[[RunConfig, int], ClientShape]
     privacy_clip: float = 10.0  # what privacy.clip = 'auto' means
+    class_splits: tuple[str, ...] = ("none",)  # the class-split values its evaluation supports
     noise_multiplier: float = 0.0  # what privacy.noise-multiplier = 'auto' means (0: calibrate to epsilon)
     # the combinations the family cannot run (raises ConfigError), on the resolved typed config
     check: Callable[[RunConfig], None] | None = None

@@ -123,6 +123,7 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
         cfg.seed,
         cfg.dirichlet_alpha,
         cfg.quantity_ratios,
+        cfg.class_split,
     )
     if part_key not in _PARTS:
         _PARTS[part_key] = make_partitions(
@@ -134,6 +135,7 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
             cfg.seed,
             alpha=cfg.dirichlet_alpha,
             ratios=cfg.quantity_ratios,
+            class_split=cfg.class_split,
         )
     part = _PARTS[part_key][pid]
     if cfg.attack.reference >= 0:  # an online-LiRA reference federation (python -m fedvlm.attacks --online)

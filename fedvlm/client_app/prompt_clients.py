@@ -6,8 +6,10 @@ the cached image features of this node, the training hooks of one context (the l
 keeps private and what it sends.
 
 Evaluation follows DP-FPL: accuracy on the node's own test classes ("local") and, for a
-pathological split, on every other node's test classes ("neighbor"); the argmax is always
-over all classes of the dataset.
+pathological split, on every other node's test classes ("neighbor"); the argmax is over all
+classes of the dataset. Under ``class-split = base-to-novel`` (CoCoOp's protocol) the node also
+scores its share of the novel classes' test records ("novel"), and each set is scored among its
+own classes only: base among the base classes, novel among the novel ones.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
 from fedvlm.tensor_names import CTX
 from fedvlm.utils.runtime import simulated
+
+# the partition's record sets each test set of ``metrics.TEST_SETS`` is scored on
+EVALUATED = ("test", "neighbor", "novel")
 
 
 class PromptClient(Client):
@@ -79,8 +84,9 @@ class PromptClient(Client):
         node = self.node
         n_train, n_test = len(node.part.train), len(node.part.test)
         n_neighbor = len(node.part.neighbor) if node.part.neighbor is not None else 0
+        n_novel = len(node.part.novel) if node.part.novel is not None else 0
         if not simulated():
-            for which in ("train", "test", "neighbor")[: 3 if n_neighbor else 2]:
+            for which in ("train", "test", *(w for w, n in (("neighbor", n_neighbor), ("novel", n_novel)) if n)):
                 self.features(which)
         return HelloReport(
             node.name,
@@ -96,11 +102,12 @@ class PromptClient(Client):
             device=str(self.bundle.device),
             # label i must mean the same class on every node: the server compares this digest
             class_list=hashlib.sha256("\n".join(self.classnames).encode()).hexdigest()[:16],
+            num_novel=n_novel,
         )
 
     # --- data ------------------------------------------------------------------------------
     def features(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached image features and labels of 'train', 'test' (local) or 'neighbor'.
+        """Cached image features and labels of 'train', 'test' (local), 'neighbor' or 'novel'.
 
         Training features cover this node's own images only. Evaluation features are taken
         from one cache entry for the whole test split, which every simulated node shares
@@ -111,8 +118,8 @@ class PromptClient(Client):
             feats = self.scorer.image_features(split, idx, c.cache_dir)
         else:
             split = self.node.splits.test
-            chosen = self.node.part.test if which == "test" else self.node.part.neighbor
-            assert chosen is not None  # callers ask for 'neighbor' only where the partition has one
+            chosen = getattr(self.node.part, which)
+            assert chosen is not None  # callers ask for 'neighbor' or 'novel' only where the partition has one
             idx = chosen
             feats = self.scorer.image_features(split, np.arange(len(split)), c.cache_dir)[idx]
         labels = torch.from_numpy(split.labels[idx])
@@ -206,21 +213,21 @@ class PromptClient(Client):
 
     @torch.no_grad()
     def evaluate_prompts(self, prompts: dict[str, torch.Tensor]) -> dict[str, float]:
-        sets = {}
-        for which, tag in zip(("test", "neighbor"), TEST_SETS, strict=True):
-            if which == "neighbor" and (self.node.part.neighbor is None or len(self.node.part.neighbor) == 0):
+        part, sets = self.node.part, {}
+        for tag, which in zip(TEST_SETS, EVALUATED, strict=True):
+            if getattr(part, which) is None or len(getattr(part, which)) == 0:
                 continue
             feats, labels = self.features(which)
-            if len(labels):
-                sets[tag] = (feats, labels)
+            sets[tag] = (feats, labels, part.label_space(which))
         local = TEST_SETS[0]
         out: dict[str, float] = {NUM_EXAMPLES: len(sets[local][1]) if local in sets else 0}
         if not sets:
             return out
-        # One scoring pass over both sets: the prompts' text features are encoded once.
-        logits = self.scorer.logits(prompts, torch.cat([f for f, _ in sets.values()]))
-        chunks = logits.split([len(y) for _, y in sets.values()])
-        for (tag, (_, labels)), chunk in zip(sets.items(), chunks, strict=True):
+        # One scoring pass over every set: the prompts' text features are encoded once.
+        logits = self.scorer.logits(prompts, torch.cat([f for f, _, _ in sets.values()]))
+        chunks = logits.split([len(y) for _, y, _ in sets.values()])
+        for (tag, (_, labels, space)), chunk in zip(sets.items(), chunks, strict=True):
+            chunk, labels = chunk[:, space], labels - (space.start or 0)  # among the set's own classes
             out[ACC[tag]] = float((chunk.argmax(1) == labels).float().mean())
             out[TEST_LOSS[tag]] = float(F.cross_entropy(chunk, labels))
             out[TEST_N[tag]] = int(len(labels))

@@ -11,6 +11,9 @@ the labels and the seed alone, so no index lists travel over the network.
 - ``iid``: a seeded shuffle cut into equal shards (flwr-datasets' ``IidPartitioner``).
 - ``quantity-skew``: a seeded shuffle cut by size ratios such as 45:9:1 (flwr-datasets'
   ``SizePartitioner``); test sets are equal IID shards.
+
+``class-split = base-to-novel`` (``base_to_novel``) runs any of them on the base classes alone
+and gives each client a share of the novel classes' test records besides.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PARTITIONERS = ("pathological", "dirichlet", "iid", "quantity-skew")
+CLASS_SPLITS = ("none", "base-to-novel")
 
 
 class PartitionError(ValueError):
@@ -34,6 +38,14 @@ class Partition:
     test: np.ndarray
     neighbor: np.ndarray | None  # other clients' test classes (pathological only)
     classes: tuple[int, ...]  # classes present in this client's training data
+    novel: np.ndarray | None = None  # test records of classes no client trains on (base-to-novel)
+    base: int | None = None  # base-to-novel: classes 0..base-1 are base, the rest novel; None: no split
+
+    def label_space(self, which: str) -> slice:
+        """The labels an evaluation of ``which`` ('test', 'neighbor', 'novel') chooses among."""
+        if self.base is None:
+            return slice(None)
+        return slice(self.base, None) if which == "novel" else slice(0, self.base)
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -178,8 +190,13 @@ def make_partitions(
     seed: int,
     alpha: float = 0.3,
     ratios: str = "45:9:1",
+    class_split: str = "none",
 ) -> list[Partition]:
     """All clients' partitions; every process computes the same result."""
+    if class_split == "base-to-novel":
+        return base_to_novel(name, train_labels, test_labels, n_classes, num_partitions, seed, alpha, ratios)
+    if class_split != "none":
+        raise PartitionError(f"unknown class split {class_split!r}; accepted: {', '.join(CLASS_SPLITS)}")
     if num_partitions < 1:
         raise PartitionError(f"need at least one client, got {num_partitions}")
     train_labels = np.asarray(train_labels)
@@ -193,3 +210,31 @@ def make_partitions(
     if name == "quantity-skew":
         return quantity_skew(train_labels, test_labels, num_partitions, seed, parse_ratios(ratios))
     raise PartitionError(f"unknown partitioner {name!r}; accepted: {', '.join(PARTITIONERS)}")
+
+
+def base_to_novel(name, train_labels, test_labels, n_classes, num_partitions, seed, alpha, ratios) -> list[Partition]:
+    """CoCoOp's base-to-novel protocol (Zhou et al., CVPR 2022), as FedOTP, FedPGP and pFedMoAP
+    report it: the first half of the classes (rounded up) are base, the rest novel. The clients'
+    training data and their local (and neighbour) test sets are split from base-class records
+    alone, by the run's partitioner; each client also gets an equal seeded share of the novel
+    classes' test records, which no client trains on. Each set is scored among its own classes
+    (``Partition.label_space``), as CoCoOp scores base and novel apart."""
+    if n_classes < 2:
+        raise PartitionError(f"base-to-novel needs at least 2 classes, the dataset has {n_classes}")
+    base = (n_classes + 1) // 2
+    train_labels, test_labels = np.asarray(train_labels), np.asarray(test_labels)
+    train, test = np.flatnonzero(train_labels < base), np.flatnonzero(test_labels < base)
+    inner = make_partitions(name, train_labels[train], test_labels[test], base, num_partitions, seed, alpha, ratios)
+    novel = np.flatnonzero(test_labels >= base)
+    shares = _equal_shards(len(novel), num_partitions, np.random.default_rng([seed, 2])) if len(novel) else []
+    return [
+        Partition(
+            train=train[p.train],
+            test=test[p.test],
+            neighbor=None if p.neighbor is None else test[p.neighbor],
+            classes=p.classes,
+            novel=np.sort(novel[shares[i]]) if len(novel) else np.zeros(0, dtype=np.int64),
+            base=base,
+        )
+        for i, p in enumerate(inner)
+    ]

@@ -48,7 +48,7 @@ from fedvlm.experiments.attack_report import ENDS
 from fedvlm.experiments.sweep import MB
 from fedvlm.experiments.sweep_report import LAST10, read_summary, utility_columns
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
-from fedvlm.metrics import AUDIT_METRICS, METRICS
+from fedvlm.metrics import AUDIT_METRICS, METRICS, per_client
 from fedvlm.strategies.records import TRAFFIC_KEYS
 from fedvlm.utils.files import atomic_write_json, atomic_write_text
 from fedvlm.utils.progress import time_left
@@ -58,8 +58,8 @@ log = logging.getLogger("leaderboard")
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "results"
 # a utility column's spread over seeds and 95% interval on its mean, in the board's rows and its
-# JSON: "<column>-std", "<column>-ci95"; a private row's difference from its reference: "delta-<column>"
-STD, CI, DELTA, CHANCE = "-std", "-ci95", "delta-", "-chance"
+# JSON: "<column>-seeds-std", "<column>-ci95"; a private row's difference from its reference: "delta-<column>"
+STD, CI, DELTA, CHANCE = "-seeds-std", "-ci95", "delta-", "-chance"
 TPR, AUC = "tpr@0.1%fpr", "auc"
 ATTACK_TPR, ATTACK_AUC = "attack-" + TPR, "attack-" + AUC
 COMPUTE = ("rounds", "clients-per-round", "local-steps-per-round", "local-steps-per-client")
@@ -261,6 +261,8 @@ def entry(runs: list[dict], utility: list[str], ref: tuple[str, list[dict]] | No
         e[name] = figure.mean if figure else None
         e[name + STD] = figure.std if figure else None
         e[name + CI] = [figure.low, figure.high] if figure else None
+        for spread in per_client(name).values():  # over the nodes: the worst node's, their std
+            e[spread] = _mean(r.get(spread + LAST10) for r in runs)
     if ref is not None and utility:
         label, base = ref
         e["reference"] = label
@@ -324,6 +326,13 @@ def delta_cell(e: dict, u: str) -> str:
     return figure.interval(scale) + (" †" if close else "")
 
 
+def per_client_cell(e: dict, u: str) -> str:
+    """How ``u`` spread over the row's nodes: the worst node's and the std over nodes (means of
+    the last 10 rounds, averaged over seeds)."""
+    names, scale = per_client(u), METRICS[u].kind.scale
+    return " / ".join(_fmt(e.get(names[k]), scale) for k in ("min", "std") if k in names)
+
+
 def attack_cell(e: dict) -> str:
     """The named attack's TPR at FPR <= 0.1% (%): mean over seeds [95% interval], '*' where the
     whole interval lies above its chance level."""
@@ -349,7 +358,9 @@ def family_tables(mine: list[dict]) -> list[str]:
         "local steps / client",
         "clients / round",
     ]
-    head += [f"{u}{units[u]}" for u in utility] + [f"Δ {u} vs reference" for u in utility] + ["reference"]
+    spread = [u for u in utility if per_client(u)]
+    head += [f"{u}{units[u]}" for u in utility] + [f"{u} per client: worst / std" for u in spread]
+    head += [f"Δ {u} vs reference" for u in utility] + ["reference"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in mine:
         cells = [e["variant"], e["target"], str(e["seeds"])]
@@ -359,6 +370,7 @@ def family_tables(mine: list[dict]) -> list[str]:
             + ("" if e.get(u + STD) is None else f" ± {_fmt(e[u + STD], METRICS[u].kind.scale)}")
             for u in utility
         ]
+        cells += [per_client_cell(e, u) for u in spread]
         cells += [delta_cell(e, u) for u in utility] + [e.get("reference", "-")]
         lines.append("| " + " | ".join(cells) + " |")
     head = ["variant", "target eps", "accounted eps", "audit lower bound", "attack", "TPR at FPR <= 0.1% (%)"]
@@ -390,7 +402,8 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
         "and it is the private rows' reference where it exists, so that their difference is the noise's alone.",
         "",
         "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their sample standard deviation "
-        "(ddof 1). Δ: the private row minus its reference (the same method without noise), paired by seed, with "
+        "(ddof 1); per client: the worst node's figure and the standard deviation over the nodes (each the mean of "
+        "the last 10 rounds, averaged over seeds). Δ: the private row minus its reference (the same method without noise), paired by seed, with "
         "the 95% Student-t interval of the per-seed differences; † marks a difference within two standard "
         f"deviations measured on fewer than {FEW_SEEDS} seeds.",
         "",

@@ -10,18 +10,22 @@ from pathlib import Path
 import numpy as np
 
 from fedvlm.experiments import stats
-from fedvlm.metrics import ACC, AUDIT_METRICS, CIDER, METRICS, PROPORTION
+from fedvlm.metrics import ACC, AUDIT_METRICS, CIDER, METRICS, PER_CLIENT, PROPORTION
 
 LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
 UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
 
 
 def utility_columns(rows: list[dict]) -> list[str]:
-    """A family's utility: the headline figures of a utility kind its runs report."""
+    """A family's utility: the headline figures of a utility kind its runs report (the
+    federation's figures; their spread over nodes goes beside them, ``metrics.per_client``)."""
     return [
         m.name
         for m in METRICS.values()
-        if m.headline and m.kind in UTILITY_KINDS and any(r.get(m.name + LAST10) is not None for r in rows)
+        if m.headline
+        and m.kind in UTILITY_KINDS
+        and not (m.combine is not None and m.combine.statistic in PER_CLIENT)
+        and any(r.get(m.name + LAST10) is not None for r in rows)
     ]
 
 

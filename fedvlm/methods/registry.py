@@ -170,6 +170,7 @@ PROMPT = Family(
     1.0,
     "fedvlm.client_app.node:node_data",
     _steps_or_epochs(lambda cfg: cfg.prompt),
+    class_splits=("none", "base-to-novel"),
     membership_attack="fedvlm.attacks.run:pooled_attacks",
     attack_report="fedvlm.attacks.reports:read_prompt",
 )

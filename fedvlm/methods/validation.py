@@ -49,6 +49,11 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
     for key, value in family_decides.items():
         if values[key] == AUTO:
             values[key] = value
+    if values["class-split"] not in family.class_splits:
+        raise ConfigError(
+            f"run config 'class-split' = {values['class-split']!r} is not an evaluation the {family.name} family "
+            f"has; accepted: {', '.join(family.class_splits)}"
+        )
     if values["privacy.noise-multiplier"] == AUTO:
         # the family's fixed noise is the default only when no epsilon is asked for
         values["privacy.noise-multiplier"] = 0.0 if values["privacy.epsilon"] > 0 else family.noise_multiplier

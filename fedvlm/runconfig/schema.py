@@ -159,8 +159,9 @@ class PromptConfig:
     local_epochs: int = opt(1, "Local epochs per round (used when local-steps is 0).", min=1)
     local_steps: int = decided(
         "Local steps per round; 0 = local-epochs full passes; 'auto' = the method's (1 for "
-        "dpfpl/fedotp/fedpgp, DP-FPL's Algorithm 1, and for promptfl with privacy on, as DP-FPL's "
-        "baselines; 0 otherwise).",
+        "dpfpl/fedotp/fedpgp, DP-FPL's Algorithm 1, and for promptfl and pfedmoap with privacy on, as "
+        "DP-FPL's baselines: their private runs then train fewer steps than their runs without noise, "
+        "which the leaderboard's -dpcompute rows match; 0 otherwise).",
         min=0,
     )
     augment: bool = opt(
@@ -631,6 +632,12 @@ class RunConfig:
         "value (0.3 prompt methods, 0.5 VLM methods).",
         min=0.0,
         min_exclusive=True,
+    )
+    class_split: str = opt(
+        "none",
+        "'base-to-novel': train on the first half of the classes and test also on the other half, each scored "
+        "among its own classes (CoCoOp's protocol; the prompt methods). 'none': every class.",
+        choices=("none", "base-to-novel"),
     )
     quantity_ratios: str = opt(
         "45:9:1", "Client size ratios of the quantity-skew split (one number per client).", check=_ratios

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedvlm.metrics import LOCAL_N, NEIGHBOR_N, NUM_EXAMPLES
+from fedvlm.metrics import LOCAL_N, NEIGHBOR_N, NOVEL_N, NUM_EXAMPLES
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.protocol import CONFIG_RECORD, SERVER_ROUND
 from fedvlm.runconfig import RunConfig
@@ -54,10 +54,16 @@ class NodeInfo:
     num_partitions: int = 0  # a partition node's num-partitions; 0 for a node with its own data
     noise_source: str = "seeded"  # where its DP noise comes from, as its handshake said
     class_list: str = ""  # the digest of its class names in order (the prompt family)
+    num_novel: int = 0  # its test records of novel classes (class-split base-to-novel)
 
     def evaluation_counts(self) -> dict[str, int]:
         """The most each record count of this node's evaluation may say (its handshake's sizes)."""
-        return {NUM_EXAMPLES: self.num_test, LOCAL_N: self.num_test, NEIGHBOR_N: self.num_neighbor}
+        return {
+            NUM_EXAMPLES: self.num_test,
+            LOCAL_N: self.num_test,
+            NEIGHBOR_N: self.num_neighbor,
+            NOVEL_N: self.num_novel,
+        }
 
 
 class NodeRegistry:
@@ -121,6 +127,7 @@ class NodeRegistry:
                     hello.num_partitions,
                     hello.noise_source,
                     hello.class_list,
+                    hello.num_novel,
                 )
                 why = self._forget_restarted(node, connected) or self._mismatch(node)
                 if why:

@@ -514,3 +514,29 @@ def test_a_deployment_short_of_nodes_stops_after_round_timeout_with_the_reason(m
     """min-nodes above the federation's size waited forever in deployment, whatever round-timeout said."""
     with pytest.raises(FederationError, match=r"1 SuperNode\(s\) connected within round-timeout \(2 s\), 2 needed"):
         _run(make_cfg, n=1, method="promptfl", num_server_rounds=1, min_nodes=2, round_timeout=2.0)
+
+
+def test_base_to_novel_scores_every_node_on_classes_no_node_trained_on(make_cfg, pretrained_clip):
+    """CoCoOp's protocol: the nodes train and test locally on the base half of the classes and are
+    also scored on their share of the novel half's test records, which the handshake declares
+    (the server bounds the evaluation's counts by it); the round's figures carry the novel
+    accuracy and its spread over the nodes (mean, worst, std)."""
+    from fedvlm.client_app.node import _dataset
+    from fedvlm.metrics import ACC, ACC_STD, ACC_WORST, NOVEL_N
+
+    rec, grid = _run(make_cfg, n=4, method="promptfl", num_server_rounds=2, class_split="base-to-novel")
+    data = json.loads(rec.path.read_text())
+    splits = _dataset(make_cfg(method="promptfl"))
+    base = (splits.n_classes + 1) // 2
+    nodes = {node["name"]: node for node in data["run"]["nodes"]}
+    assert all(max(int(c) for c in node["info"]["classes"].split(",")) < base for node in nodes.values())
+    for r in data["rounds"]:
+        rows = [row for row in r["clients"].values() if f"eval/{NOVEL_N}" in row]
+        assert len(rows) == 4 and all(row[f"eval/{NOVEL_N}"] > 0 for row in rows)
+        # every novel test record scored once, by one node
+        assert sum(row[f"eval/{NOVEL_N}"] for row in rows) == int((splits.test.labels >= base).sum())
+        accs = [row["eval/" + ACC["novel"]] for row in rows]
+        assert r["metrics"][ACC["novel"]] == pytest.approx(np.mean(accs))
+        assert r["metrics"][ACC_WORST["novel"]] == pytest.approx(min(accs))
+        assert r["metrics"][ACC_STD["novel"]] == pytest.approx(np.std(accs))
+    assert f"{ACC['novel']}-last10-mean" in data["final"]

@@ -92,7 +92,32 @@ def test_a_board_row_names_one_attack_for_every_seed_and_measures_privacy_at_mat
     assert private["reference"] == "promptfl-dpcompute"
     delta = private["delta-local-acc"]
     assert delta["mean"] == pytest.approx(-0.03) and delta["n"] == 3
-    assert private["local-acc-std"] == pytest.approx(0.01)  # ddof 1
+    assert private["local-acc" + leaderboard.STD] == pytest.approx(0.01)  # over seeds, ddof 1
     assert private["local-steps-per-round"] == 1 and entries[("promptfl", "none")]["local-steps-per-round"] == 8
     md = "\n".join(leaderboard.family_tables(list(entries.values())))
     assert "| promptfl-dpcompute | none |" in md and "promptfl-dpcompute |" in md.split("| promptfl | 8 |")[1]
+
+
+def test_base_to_novel_trains_on_the_base_half_and_tests_every_client_on_the_novel_half():
+    from fedvlm.data.partitioners import make_partitions
+
+    rng = np.random.default_rng(0)
+    train, test = rng.integers(0, 9, 900), rng.integers(0, 9, 450)
+    for name in ("pathological", "dirichlet", "iid"):
+        parts = make_partitions(name, train, test, 9, 3, seed=1, alpha=0.5, class_split="base-to-novel")
+        assert {p.base for p in parts} == {5}  # classes 0..4 base (half, rounded up), 5..8 novel
+        assert all(train[p.train].max() < 5 and test[p.test].max() < 5 for p in parts)
+        novel = np.sort(np.concatenate([p.novel for p in parts]))
+        assert np.array_equal(novel, np.flatnonzero(test >= 5))  # every novel test record, once
+        assert parts[0].label_space("novel") == slice(5, None) and parts[0].label_space("test") == slice(0, 5)
+    plain = make_partitions("iid", train, test, 9, 3, seed=1)
+    assert plain[0].novel is None and plain[0].label_space("test") == slice(None)
+
+
+def test_only_the_prompt_family_takes_base_to_novel():
+    from fedvlm.methods.validation import validate
+    from fedvlm.runconfig import ConfigError
+
+    assert validate({"method": "promptfl", "class-split": "base-to-novel"}).class_split == "base-to-novel"
+    with pytest.raises(ConfigError, match="'class-split' = 'base-to-novel' is not an evaluation the vlm family"):
+        validate({"method": "fedrand", "class-split": "base-to-novel"})
