@@ -115,7 +115,10 @@ def verdict(data: dict, max_lost: float, written_ago: float, alive: bool | None 
     return Verdict(OK, f"finished {done}, last training round heard from {sampled - lost} of {sampled}{extra}")
 
 
-def check(run_dir: Path, max_lost: float = 0.5) -> Verdict:
+MAX_LOST = 0.5  # the share of a last round's sampled clients a run may lose and still pass (--max-lost)
+
+
+def check(run_dir: Path, max_lost: float = MAX_LOST) -> Verdict:
     path = Path(run_dir) / "results.json"
     # the status file is written in place at the end even when results.json could not be (a full disk)
     try:

@@ -403,8 +403,9 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
         "",
         "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their sample standard deviation "
         "(ddof 1); per client: the worst node's figure and the standard deviation over the nodes (each the mean of "
-        "the last 10 rounds, averaged over seeds). Δ: the private row minus its reference (the same method without noise), paired by seed, with "
-        "the 95% Student-t interval of the per-seed differences; † marks a difference within two standard "
+        "the last 10 rounds, averaged over seeds). Δ: the private row minus its reference (the same method "
+        "without noise), paired by seed, with the 95% Student-t interval of the per-seed differences; † marks a "
+        "difference within two standard "
         f"deviations measured on fewer than {FEW_SEEDS} seeds.",
         "",
         "Privacy: the target epsilon, the epsilon the run's ledger accounted per record (every mechanism composed; "

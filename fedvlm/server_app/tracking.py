@@ -28,11 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedvlm.status import MAX_LOST, OK, verdict
 from fedvlm.strategies.records import TRAFFIC_KEYS, complete
 
 log = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
+HPARAMS_RUN = "hparams"  # the TensorBoard run (a folder under tensorboard/) holding the config and summary
 MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlartifacts"
 HTTP_TIMEOUT_S, HTTP_RETRIES = "10", "1"
 # a round's own figures, beside its declared metrics
@@ -44,6 +46,30 @@ PARAM_CHUNK = 100  # MLflow takes at most 100 parameters per batch
 INSTALL = "pip install 'fedvlm[tracking]'"
 MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "FINISHED", "interrupted": "KILLED"}  # else FAILED
 STATUS_TAG, NOTE_TAG = "ended", "note"  # how the run ended, in fedvlm's words
+VERDICT_TAG = "verdict"  # what python -m fedvlm.status says of the run as it ends
+RUN_FIGURE = "run/"  # a run-level summary figure (results.json's final) beside the per-round ones
+
+
+def run_figures(data: dict) -> dict[str, float]:
+    """What a researcher sorts runs by: results.json's ``final`` (the headline figures' last
+    round and mean of the last 10, the traffic totals) and the epsilon a record spent, each under
+    ``run/``, a name of its own (a run's total is not a round's figure)."""
+    final = {k: v for k, v in (data.get("final") or {}).items() if isinstance(v, (int, float))}
+    spent = ((data.get("privacy") or {}).get("rounds") or [{}])[-1].get("epsilon")
+    if spent is not None:
+        final["epsilon"] = spent
+    return {RUN_FIGURE + k: float(v) for k, v in final.items() if not isinstance(v, bool)}
+
+
+def ended_as(data: dict) -> tuple[str, str]:
+    """(MLflow's status, the verdict) of a run as it ends: a run ``fedvlm.status`` rejects (one
+    that finished but lost most of its last round's clients) is FAILED, not FINISHED."""
+    found = verdict(data, MAX_LOST, 0.0, alive=True)
+    status = data["run"]["status"]
+    state = MLFLOW_STATUS.get(status, "FAILED")
+    if status == "finished" and found.code != OK:
+        state = "FAILED"
+    return state, found.reason
 
 
 def round_values(record: dict) -> dict[str, float]:
@@ -92,8 +118,12 @@ class TensorBoard:
         self.writer.flush()
 
     def finish(self, data: dict, run_dir: Path) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """The run's config and summary figures in TensorBoard's HParams view (its ``hparams`` run)."""
+        if self.writer is None:
+            return
+        params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in data["config"].items()}
+        self.writer.add_hparams(params, run_figures(data), run_name=HPARAMS_RUN)
+        self.writer.close()
 
 
 class MLflow:
@@ -159,14 +189,20 @@ class MLflow:
         for path in [*(run_dir / f for f in FILES), *sorted(run_dir.glob("*.png"))]:
             if path.exists():
                 self.client.log_artifact(self.run_id, str(path))
-        from mlflow.entities import RunTag
+        from mlflow.entities import Metric, RunTag
 
-        run = data["run"]
+        run, (state, reason) = data["run"], ended_as(data)
+        now, step = int(time.time() * 1000), len(data["rounds"])
+        summary = [Metric(k, v, now, step) for k, v in run_figures(data).items()]
         # MLflow has no status for a run the privacy budget stopped: it ended as it should, so
         # FINISHED, and the tags say how
-        ended = [RunTag(STATUS_TAG, run["status"]), RunTag(NOTE_TAG, str(run.get("note", ""))[:5000])]
-        self.client.log_batch(self.run_id, tags=ended)
-        self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(run["status"], "FAILED"))
+        ended = [
+            RunTag(STATUS_TAG, run["status"]),
+            RunTag(NOTE_TAG, str(run.get("note", ""))[:5000]),
+            RunTag(VERDICT_TAG, reason[:5000]),
+        ]
+        self.client.log_batch(self.run_id, metrics=summary, tags=ended)
+        self.client.set_terminated(self.run_id, state)
 
 
 class Trackers:

@@ -18,7 +18,16 @@ import pytest
 from fedvlm.client_app.app import app as client_app
 from fedvlm.protocol import FINAL_ROUND
 from fedvlm.server_app.app import execute
-from fedvlm.server_app.tracking import ROUND_FIGURES, SAMPLED, STATUS_TAG, round_values
+from fedvlm.server_app.tracking import (
+    HPARAMS_RUN,
+    ROUND_FIGURES,
+    RUN_FIGURE,
+    SAMPLED,
+    STATUS_TAG,
+    VERDICT_TAG,
+    round_values,
+    run_figures,
+)
 from fedvlm.utils.files import json_text
 from fedvlm.utils.inprocess import InProcessGrid
 from fedvlm.utils.processes import free_port, kill_tree
@@ -110,6 +119,16 @@ def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_f
     assert _mlflow_history(client, info["run_id"], names) == pytest.approx(_flat(expected))
     artifacts = {a.path for a in client.list_artifacts(info["run_id"])}
     assert {"results.json", "rounds.csv", "privacy.png", "accuracy.png", "partition.png", "status.json"} <= artifacts
+    # what a researcher sorts runs by: the run's summary, under names of its own, in both trackers
+    summary = run_figures(data)
+    assert summary[RUN_FIGURE + "local-acc-last10-mean"] == pytest.approx(data["final"]["local-acc-last10-mean"])
+    assert summary[RUN_FIGURE + "epsilon"] == pytest.approx(data["privacy"]["rounds"][-1]["epsilon"])
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith(RUN_FIGURE)} == pytest.approx(summary)
+    assert run.data.tags[VERDICT_TAG].startswith("finished 3 of 3 rounds")
+    hparams = EventAccumulator(str(Path(data["run"]["tracking"]["tensorboard"]["dir"]) / HPARAMS_RUN))
+    hparams.Reload()
+    assert {k: hparams.Scalars(k)[-1].value for k in hparams.Tags()["scalars"]} == pytest.approx(summary, rel=1e-6)
+    assert "_hparams_/session_start_info" in hparams.PluginTagToContent("hparams")  # the HParams view
     # the local store keeps its artifacts beside it, not in the working directory
     assert (Path(cfg.output_dir) / "mlartifacts").is_dir()
 
@@ -381,3 +400,29 @@ def test_a_run_whose_nodes_bring_their_own_data_draws_no_partition():
         "run": {"nodes": [{"name": "h", "partition_id": -1}]},
     }
     assert draw_partition(data, Path("/nonexistent")) == {}
+
+
+def test_a_run_fedvlm_status_rejects_is_not_finished_in_mlflow(make_cfg, pretrained_clip):
+    """A run that finished its rounds but heard from one of three sampled nodes in its last
+    round: ``python -m fedvlm.status`` rejects it (code 4), and MLflow says FAILED with the reason,
+    not FINISHED."""
+    from mlflow import MlflowClient
+
+    from fedvlm.status import LOST_NODES, check
+
+    cfg = make_cfg(**_raw(method="promptfl", **{"max-per-class": 6, "num-server-rounds": 2, "tracking.mlflow": True}))
+    nodes = [{"partition-id": i, "num-partitions": NODES} for i in range(NODES)]
+
+    def lose_two(req, reply):  # the last round's training replies of two nodes never arrive
+        config = req.content.get("config")
+        late = config is not None and int(config.get("server-round", 0)) == 2
+        return None if late and req.metadata.message_type == "train" and req.metadata.dst_node_id > 1000 else reply
+
+    rec = execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict(), intercept=lose_two), run_id="lost")
+    data = rec.data
+    assert data["run"]["status"] == "finished"
+    assert check(rec.dir).code == LOST_NODES
+    info = data["run"]["tracking"]["mlflow"]
+    run = MlflowClient(info["uri"]).get_run(info["run_id"])
+    assert run.info.status == "FAILED" and run.data.tags[STATUS_TAG] == "finished"
+    assert "the last training round lost 2 of 3 sampled clients" in run.data.tags[VERDICT_TAG]
