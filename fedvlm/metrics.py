@@ -223,22 +223,18 @@ for _tag, _words in zip(TEST_SETS, _WORDS, strict=True):
         label=_tag,
     )
     TEST_LOSS[_tag] = _metric(f"{_tag}-loss", LOSS, f"test cross-entropy on {_words}", EVALUATE)
-    ACC_STD[_tag] = _metric(
-        f"{_tag}-acc-std",
-        PROPORTION,
-        f"spread over nodes of {_tag}-acc",
-        SERVER,
-        combine=Combine("std", ACC[_tag]),
-        headline=True,
-    )
-    ACC_WORST[_tag] = _metric(
-        f"{_tag}-acc-worst",
-        PROPORTION,
-        f"the worst node's {_tag}-acc",
-        SERVER,
-        combine=Combine("min", ACC[_tag]),
-        headline=True,
-    )
+    for _spread, _stat, _end, _what in (
+        (ACC_STD, "std", "std", "spread over nodes of"),
+        (ACC_WORST, "min", "worst", "the worst node's"),
+    ):
+        _spread[_tag] = _metric(
+            f"{_tag}-acc-{_end}",
+            PROPORTION,
+            f"{_what} {_tag}-acc",
+            SERVER,
+            combine=Combine(_stat, ACC[_tag]),
+            headline=True,
+        )
     ACC_WEIGHTED[_tag] = _metric(
         f"{_tag}-acc-weighted",
         PROPORTION,
