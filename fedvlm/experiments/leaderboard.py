@@ -63,8 +63,10 @@ STD, CI, DELTA, CHANCE = "-seeds-std", "-ci95", "delta-", "-chance"
 TPR, AUC = "tpr@0.1%fpr", "auc"
 ATTACK_TPR, ATTACK_AUC = "attack-" + TPR, "attack-" + AUC
 COMPUTE = ("rounds", "clients-per-round", "local-steps-per-round", "local-steps-per-client")
+COMPUTE_HEADS = ("rounds", "clients / round", "local steps / round", "local steps / client")
 # the no-DP run of a method at its DP compute (``MethodSpec.dp_defaults``): "<variant>-dpcompute"
 MATCHED, MATCHED_DIR = "-dpcompute", "dp-compute"
+STEM, TITLE = "leaderboard", "Leaderboard: utility, privacy and cost of every method on the embedded default"
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Scale:
     seeds: tuple[int, ...]
     clients: int
     audit: int  # canaries of the one-run audit
-    shadows: int  # shadow federations of the membership attacks
+    shadows: int  # shadow federations of the membership attacks (0: no attacks)
     sets: tuple[str, ...]  # run-config overrides for every run
 
 
@@ -97,9 +99,7 @@ def sweep_argv(folder: Path, methods: list[str], scale: Scale, epsilons: tuple[s
         ",".join(map(str, scale.seeds)),
         "--clients",
         str(scale.clients),
-        "--mia",
-        "--shadows",
-        str(scale.shadows),
+        *(["--mia", "--shadows", str(scale.shadows)] if scale.shadows else []),  # 0: no attacks
         "--audit",
         str(scale.audit),
     ]
@@ -353,10 +353,7 @@ def family_tables(mine: list[dict]) -> list[str]:
         "variant",
         "target eps",
         "seeds",
-        "rounds",
-        "local steps / round",
-        "local steps / client",
-        "clients / round",
+        *COMPUTE_HEADS,
     ]
     spread = [u for u in utility if per_client(u)]
     head += [f"{u}{units[u]}" for u in utility] + [f"{u} per client: worst / std" for u in spread]
@@ -385,11 +382,13 @@ def family_tables(mine: list[dict]) -> list[str]:
     return lines
 
 
-def write_markdown(entries: list[dict], path: Path, command: str, seconds: float) -> None:
+def board_markdown(entries: list[dict], command: str, seconds: float, title: str = TITLE) -> list[str]:
+    """The board's page: its header (how it was measured, what each column means) and each
+    family's tables."""
     runs = sum(e["seeds"] for e in entries if "failed" not in e)
     spent = sum(e["seconds-total"] for e in entries if "failed" not in e)
     lines = [
-        "# Leaderboard: utility, privacy and cost of every method on the embedded default",
+        f"# {title}",
         "",
         f"Measured with `{command}`: {runs} runs, whose rounds took {spent / 3600:.1f} h in total (the sum of "
         "their own per-round seconds; the audits and attacks after each run add to it). This call took "
@@ -433,8 +432,30 @@ def write_markdown(entries: list[dict], path: Path, command: str, seconds: float
     if failed:
         lines += ["", "Runs that failed (the board went on without them):", ""]
         lines += [f"- {e['family']} / {e['variant']} at epsilon {e['epsilon']}: {e['failed']}" for e in failed]
-    lines += ["", "![utility against accounted epsilon and the attack](leaderboard_pareto.png)", ""]
-    atomic_write_text("\n".join(lines), path)
+    return lines
+
+
+def write_outputs(entries: list[dict], out: Path, stem: str, lines: list[str], command: str, extra: dict) -> None:
+    """``<stem>.json`` (the entries, with ``extra``), ``.csv``, ``.md`` (``lines`` and the plot)
+    and ``_pareto.png`` in ``out``, each written whole (a reader never sees half a file)."""
+    atomic_write_json(
+        {"command": command, "machines": machines(entries), "entries": entries, **extra}, out / f"{stem}.json"
+    )
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for e in entries for k in e)))
+    writer.writeheader()
+    writer.writerows(entries)
+    atomic_write_text(table.getvalue(), out / f"{stem}.csv")
+    plot = f"{stem}_pareto.png"
+    atomic_write_text(
+        "\n".join([*lines, "", f"![utility against accounted epsilon and the attack]({plot})", ""]), out / f"{stem}.md"
+    )
+    plot_pareto(entries, out / plot)
+
+
+def copy_to_docs(out: Path, stem: str) -> None:
+    for end in (".md", "_pareto.png", ".json"):
+        shutil.copy(out / f"{stem}{end}", DOCS / f"{stem}{end}")
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -602,19 +623,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     entries = board(rows)
     command = "python -m fedvlm.experiments.leaderboard " + " ".join(argv if argv is not None else sys.argv[1:])
-    atomic_write_json({"command": command, "machines": machines(entries), "entries": entries}, out / "leaderboard.json")
-    table = io.StringIO()
-    writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for e in entries for k in e)))
-    writer.writeheader()
-    writer.writerows(entries)
-    atomic_write_text(table.getvalue(), out / "leaderboard.csv")
-    write_markdown(entries, out / "leaderboard.md", command.strip(), time.time() - t0)
-    plot_pareto(entries, out / "leaderboard_pareto.png")
+    lines = board_markdown(entries, command.strip(), time.time() - t0)
+    write_outputs(entries, out, STEM, lines, command, {})
     if args.docs:
-        shutil.copy(out / "leaderboard.md", DOCS / "leaderboard.md")
-        shutil.copy(out / "leaderboard_pareto.png", DOCS / "leaderboard_pareto.png")
-        shutil.copy(out / "leaderboard.json", DOCS / "leaderboard.json")
-    print((out / "leaderboard.md").read_text())
+        copy_to_docs(out, STEM)
+    print((out / f"{STEM}.md").read_text())
     return 0
 
 

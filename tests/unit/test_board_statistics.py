@@ -95,6 +95,10 @@ def test_a_board_row_names_one_attack_for_every_seed_and_measures_privacy_at_mat
     assert private["local-acc" + leaderboard.STD] == pytest.approx(0.01)  # over seeds, ddof 1
     assert private["local-steps-per-round"] == 1 and entries[("promptfl", "none")]["local-steps-per-round"] == 8
     md = "\n".join(leaderboard.family_tables(list(entries.values())))
+    head, _, *body = md.split("\n\n")[0].splitlines()
+    cells = [dict(zip(head.split(" | "), line.split(" | "), strict=True)) for line in body]
+    steps = {(c["| variant"], c["target eps"]): c["local steps / round"] for c in cells}
+    assert steps[("| promptfl", "8")] == "1.0" and steps[("| promptfl", "none")] == "8.0"  # under its own heading
     assert "| promptfl-dpcompute | none |" in md and "promptfl-dpcompute |" in md.split("| promptfl | 8 |")[1]
 
 

@@ -1,0 +1,383 @@
+"""Each seed paper's own protocol, and its headlines as claims the board's runs can settle.
+
+    python -m fedvlm.experiments.leaderboard --protocol paper-dpfpl --docs
+
+A protocol is what the paper ran, as ../shared/METHODS.md records it (docs/methods.md): its
+methods and baselines, rounds, local training, clients, sampling, rank and privacy levels. It runs
+on the family's embedded default, and unchanged on real CLIP weights and datasets (``--set
+dataset=... clip.model=...``); the paper's own numbers are on its datasets, so they stand beside
+ours as the claim, not as a target ours should hit.
+
+A headline is a comparison the paper draws: ``better`` above ``worse`` on one figure at one
+privacy level (or, with ``within``, not below it by more than that share). Its verdict
+(``verdict``) rests on the difference paired by seed and its 95% interval
+(``experiments.stats``): reproduced when the interval lies wholly on the paper's side, reversed
+when it lies wholly on the other, not measurable when it covers the line or a row is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedvlm.experiments import stats
+from fedvlm.experiments.presets import COMPARISONS
+from fedvlm.metrics import METRICS
+
+LAST10 = "-last10-mean"  # a utility figure's key in a sweep row: its mean over the last 10 rounds
+
+
+@dataclass(frozen=True)
+class Headline:
+    claim: str  # the paper's claim, in words, with its numbers
+    figure: str  # the sweep row key it is about (a utility's LAST10, or an attack's figure)
+    better: str  # the variant the paper finds better
+    worse: str
+    epsilon: str  # the privacy level of both rows ('none' or a target)
+    higher: bool = True  # a higher figure is better (False: an attack's AUC, lower = more private)
+    within: float = 0.0  # > 0: the claim is "no worse than ``worse`` by more than this share"
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    family: str
+    summary: str  # what the paper ran, and what differs here
+    variants: tuple[tuple[str, str, dict], ...]  # (label, method, run-config overrides)
+    epsilons: tuple[str, ...]
+    seeds: tuple[int, ...]
+    clients: int
+    sets: tuple[str, ...]  # the protocol's run config, for every run
+    budget: str  # the CPU time it takes on the 2-core machine, measured
+    headlines: tuple[Headline, ...]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    headline: Headline
+    outcome: str  # 'reproduced' | 'reversed' | 'not measurable'
+    difference: stats.Spread | None  # better - worse (a relative share for a 'within' claim)
+    why: str
+
+
+def verdict(headline: Headline, rows: list[dict]) -> Verdict:
+    """The headline judged on a protocol's sweep rows (finished runs, their seeds paired)."""
+    pick = {
+        label: {int(r["seed"]): r.get(headline.figure) for r in rows if r["variant"] == label and r["epsilon"] == eps}
+        for label, eps in ((headline.better, headline.epsilon), (headline.worse, headline.epsilon))
+    }
+    a, b = pick[headline.better], pick[headline.worse]
+    if headline.within:
+        base = stats.spread(b.values())
+        if base is None or not base.mean:
+            return Verdict(headline, "not measurable", None, f"no {headline.worse} rows at epsilon {headline.epsilon}")
+        a = {s: None if v is None else v / base.mean - 1 for s, v in a.items()}
+        b = {s: 0.0 for s in b}
+    diff = stats.difference(a, b)
+    if diff is None:
+        return Verdict(headline, "not measurable", None, "a row it compares was not run (or has no figure)")
+    if diff.low is None or diff.high is None:
+        return Verdict(headline, "not measurable", diff, "one seed: an interval needs two or more")
+    sign = 1.0 if headline.higher else -1.0
+    line = -headline.within if headline.within else 0.0
+    low, high = sorted((sign * diff.low, sign * diff.high))
+    if low > line:
+        return Verdict(headline, "reproduced", diff, "the whole interval lies on the paper's side")
+    if high < line:
+        return Verdict(headline, "reversed", diff, "the whole interval lies on the other side")
+    return Verdict(headline, "not measurable", diff, "the interval covers the line: more seeds, or no difference")
+
+
+def _acc(tag: str) -> str:
+    return f"{tag}-acc{LAST10}"
+
+
+_DPFPL_SETS = (  # DP-FPL, Algorithm 1 and section 5: 10 clients, 100 rounds of one SGD step, B = 32, lr 1e-4
+    "num-server-rounds=100",
+    "partitioner=pathological",
+    "prompt.batch-size=32",
+    "prompt.optimizer=sgd",
+    "prompt.lr=0.0001",
+    "prompt.momentum=0.0",
+    "prompt.local-steps=1",
+    "prompt.n-ctx=16",
+    "dpfpl.server-optimizer=sgd",
+    "dpfpl.server-lr=0.0001",
+    "privacy.clip=10.0",
+)
+_MOAP_SETS = (  # pFedMoAP's public code: 10 clients, 16 shots, 10 rounds of 5 epochs, CoOp's SGD
+    "partitioner=pathological",
+    "max-per-class=16",
+    "fraction-train=1.0",
+    "num-server-rounds=10",
+    "prompt.local-epochs=5",
+    "prompt.optimizer=sgd",
+    "prompt.lr=0.002",
+    "prompt.momentum=0.9",
+    "prompt.weight-decay=0.0005",
+    "prompt.batch-size=32",
+    "prompt.n-ctx=16",
+)
+PROTOCOLS: dict[str, Protocol] = {
+    p.name: p
+    for p in (
+        Protocol(
+            "paper-dpfpl",
+            "prompt",
+            "DP-FPL (ICLR 2025), Table 1-3: ViT-B/16 on Caltech101, OxfordPets, Flowers102, Food101; here the "
+            "embedded CLIP and its dataset. Epsilons 0.4, 0.1, 0.01 of the paper's 0.4 to 0.01, calibrated by the "
+            "accountant with per-sample clipping (the paper's closed form and per-batch clipping do not give the "
+            "epsilon they claim: docs/methods.md).",
+            (
+                ("promptfl", "promptfl", {}),
+                ("dpfpl-r8", "dpfpl", {"dpfpl.rank": 8}),
+                ("dpfpl-r8-nores", "dpfpl", {"dpfpl.rank": 8, "dpfpl.residual": False}),
+                ("fedotp", "fedotp", {}),
+                ("fedpgp", "fedpgp", {}),
+            ),
+            ("none", "0.4", "0.1", "0.01"),
+            (0, 1, 2),
+            10,
+            _DPFPL_SETS,
+            "estimated about 8 h of rounds for three seeds (FedOTP's 14 s a private round is most of it), from "
+            "the 2026-11-28 board's seconds per round; not yet measured",
+            (
+                Headline(
+                    "DP-FPL keeps more local accuracy than PromptFL under DP (epsilon 0.1, Caltech101: 92.71 vs 80.42)",
+                    _acc("local"),
+                    "dpfpl-r8",
+                    "promptfl",
+                    "0.1",
+                ),
+                Headline(
+                    "DP-FPL generalises to the other clients' classes under DP better than PromptFL (epsilon 0.1, "
+                    "Caltech101 neighbour accuracy 90.02)",
+                    _acc("neighbor"),
+                    "dpfpl-r8",
+                    "promptfl",
+                    "0.1",
+                ),
+                Headline(
+                    "DP-FPL above FedPGP on local accuracy under DP (the paper's Table 1, epsilon 0.1)",
+                    _acc("local"),
+                    "dpfpl-r8",
+                    "fedpgp",
+                    "0.1",
+                ),
+                Headline(
+                    "the residual term helps (the paper's ablation, epsilon 0.1)",
+                    _acc("local"),
+                    "dpfpl-r8",
+                    "dpfpl-r8-nores",
+                    "0.1",
+                ),
+            ),
+        ),
+        Protocol(
+            "paper-fedrand",
+            "vlm",
+            "FedRand (seed: fedrand.txt): TinyLLaVA-OpenELM-450M, LoRA rank 8, 12 clients, 30% a round, 30 rounds, "
+            "Dirichlet 0.5 on COCO and ScienceQA; here the embedded VLM and captions, no DP (the paper has none).",
+            (
+                ("fedrand", "fedrand", {}),
+                ("fedavg-lora", "fedavg-lora", {}),
+                ("fedper-lora", "fedper-lora", {}),
+                ("fedpara-lora", "fedpara-lora", {}),
+            ),
+            ("none",),
+            (0, 1, 2),
+            12,
+            (
+                "num-server-rounds=30",
+                "fraction-train=0.3",
+                "partitioner=dirichlet",
+                "dirichlet-alpha=0.5",
+                "lora.rank=8",
+                "lora.lr=0.0003",
+                "lora.local-epochs=1",
+                "lora.batch-size=8",
+            ),
+            "estimated about 1.5 h of rounds for three seeds, from the board's 9 to 12 s a round; not yet measured",
+            (
+                Headline(
+                    "FedRand's server model within 1% of FedAvg-LoRA's (COCO CIDEr 110.27 vs 111.08)",
+                    f"server-cider{LAST10}",
+                    "fedrand",
+                    "fedavg-lora",
+                    "none",
+                    within=0.01,
+                ),
+                Headline(
+                    "the client models a server rebuilds leak less under FedRand (MaxRényi-10% AUROC 66.61 vs 70.22)",
+                    "mia-clients-maxrenyi10-auc",
+                    "fedrand",
+                    "fedavg-lora",
+                    "none",
+                    higher=False,
+                ),
+            ),
+        ),
+        Protocol(
+            "paper-reprogram",
+            "reprogram",
+            "Reprogrammable-FL (seed: reprogrammable-fl.md): ImageNet ResNets on CIFAR-10, 3 clients, IID, 100 "
+            "rounds of DP-SGD (C = 1, z = 1.1, Poisson batches of 256, lr 0.15); here the embedded source model on "
+            "the motif task.",
+            (
+                ("reprogram", "reprogram", {}),
+                ("bl-pf", "bl-pf", {}),
+                ("bl-ff", "bl-ff", {}),
+                ("bl-ts", "bl-ts", {}),
+            ),
+            ("none",),
+            (0, 1, 2),
+            3,
+            ("num-server-rounds=100", "partitioner=iid", "reprogram.lr=0.15", "reprogram.local-iterations=1"),
+            "estimated about 2.5 h of rounds for three seeds, from the board's 3 to 7 s a round; not yet measured",
+            (
+                Headline(
+                    "model reprogramming beats the partial fine-tune under the same DP-SGD (CIFAR-10, epsilon "
+                    "1.04: 79.08 vs 58.31)",
+                    _acc("local"),
+                    "reprogram",
+                    "bl-pf",
+                    "none",
+                ),
+                Headline(
+                    "model reprogramming beats the full fine-tune (79.08 vs 16.9)",
+                    _acc("local"),
+                    "reprogram",
+                    "bl-ff",
+                    "none",
+                ),
+                Headline(
+                    "model reprogramming beats training from scratch (79.08 vs 14.4)",
+                    _acc("local"),
+                    "reprogram",
+                    "bl-ts",
+                    "none",
+                ),
+            ),
+        ),
+        Protocol(
+            "paper-pfedmoap",
+            "prompt",
+            "pFedMoAP (seed: pfedmoap_slides.md, Table 1): RN50 on Flowers102, OxfordPets, Food101, Caltech101, "
+            "DTD, 10 clients with disjoint classes, 16 shots; here the embedded CLIP and its dataset. This "
+            "project's CoOp trains every round (the paper's trains once): a stronger baseline.",
+            tuple(COMPARISONS["pfedmoap"]),
+            ("none",),
+            (0, 1, 2),
+            10,
+            _MOAP_SETS,
+            "estimated about 1 h of rounds for three seeds; not yet measured",
+            (
+                Headline(
+                    "pFedMoAP above FedOTP on local accuracy (Flowers102: 98.41 vs 96.23)",
+                    _acc("local"),
+                    "pfedmoap",
+                    "fedotp",
+                    "none",
+                ),
+                Headline(
+                    "the local expert's weight helps (lambda 0.5 vs 0: 98.41 vs 97.61)",
+                    _acc("local"),
+                    "pfedmoap",
+                    "pfedmoap-lambda0",
+                    "none",
+                ),
+                Headline(
+                    "FedOTP far above PromptFL (96.23 vs 72.80) and CoOp (70.14)",
+                    _acc("local"),
+                    "fedotp",
+                    "promptfl",
+                    "none",
+                ),
+            ),
+        ),
+    )
+}
+
+
+def scale_of(protocol: Protocol, quick: bool, seeds: str, attacks: bool):
+    """The leaderboard's ``Scale`` of a protocol (``--quick``: the CI-sized rounds and data)."""
+    from fedvlm.experiments.leaderboard import FULL, QUICK, QUICK_FAMILY, Scale
+
+    size = QUICK if quick else FULL
+    sets = (*protocol.sets, *(size.sets + QUICK_FAMILY.get(protocol.family, ()) if quick else ()))
+    chosen = tuple(int(s) for s in seeds.split(",")) if seeds else (size.seeds if quick else protocol.seeds)
+    clients = size.clients if quick else protocol.clients
+    return Scale(protocol.epsilons, chosen, clients, size.audit, size.shadows if attacks else 0, sets)
+
+
+def markdown(protocol: Protocol, verdicts: list[Verdict], board_lines: list[str]) -> list[str]:
+    """The protocol's page: what the paper ran and what differs here, the budget, each headline
+    with its verdict, then the board's tables of its runs."""
+    head = [
+        "| headline (the paper's words and numbers) | figure | rows | Δ [95% CI] | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        h, d = v.headline, v.difference
+        name = h.figure.removesuffix(LAST10)
+        scale = 100.0 if h.within else METRICS[name].kind.scale if name in METRICS else 1.0
+        delta = "-" if d is None else d.interval(scale) + (" % of the worse row" if h.within else "")
+        rows = f"{h.better} - {h.worse} at epsilon {h.epsilon}"
+        head.append(f"| {h.claim} | {h.figure} | {rows} | {delta} | **{v.outcome}**: {v.why} |")
+    title, *rest = board_lines
+    intro = [title, "", protocol.summary, "", f"CPU budget: {protocol.budget}.", "", "## Headlines", "", *head]
+    return [*intro, "", "## The runs", *rest]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import logging
+    import sys
+    import time
+    from pathlib import Path
+
+    from fedvlm.experiments import leaderboard, sweep
+    from fedvlm.experiments.sweep_report import read_summary
+
+    p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.protocols", description=__doc__.split("\n\n")[0])
+    p.add_argument("protocol", choices=sorted(PROTOCOLS))
+    p.add_argument("--out", type=Path, default=Path.home() / "fedvlm-protocols")
+    p.add_argument("--quick", action="store_true", help="CI-sized: 2 rounds, 3 clients, one seed")
+    p.add_argument("--seeds", default="", help="override the protocol's seeds, e.g. 0,1,2,3,4")
+    p.add_argument("--variants", default="", help="comma-separated labels: run only these of the protocol's")
+    p.add_argument("--epsilons", default="", help="comma-separated: only these of the protocol's privacy levels")
+    p.add_argument("--no-attacks", action="store_true", help="skip the membership attacks (utility headlines only)")
+    p.add_argument("--docs", action="store_true", help="also write docs/results/<protocol>.md, its plot and JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    protocol = PROTOCOLS[args.protocol]
+    chosen = set(args.variants.split(",")) - {""}
+    unknown = chosen - {label for label, _, _ in protocol.variants}
+    if unknown:
+        p.error(f"--variants: {', '.join(sorted(unknown))} not among {', '.join(v[0] for v in protocol.variants)}")
+    variants = [v for v in protocol.variants if not chosen or v[0] in chosen]
+    scale = scale_of(protocol, args.quick, args.seeds, not args.no_attacks)
+    epsilons = tuple(e for e in scale.epsilons if not args.epsilons or e in args.epsilons.split(","))
+    out = args.out.expanduser().resolve()
+    folder, t0 = out / protocol.name, time.time()
+    labelled = [a for label, method, o in variants for a in ("--variant", label, method, *leaderboard.pairs(o))]
+    sweep.main([*leaderboard.sweep_argv(folder, [], scale, epsilons), *labelled, "--set", *scale.sets])
+    rows = [{**r, "family": protocol.family} for r in read_summary(folder / "summary.csv")]
+    entries = leaderboard.board(rows)
+    verdicts = [verdict(h, [r for r in rows if r["status"] != "failed"]) for h in protocol.headlines]
+    command = "python -m fedvlm.experiments.protocols " + " ".join(argv if argv is not None else sys.argv[1:])
+    title = f"Protocol {protocol.name}: the paper's setup on the embedded default"
+    lines = markdown(protocol, verdicts, leaderboard.board_markdown(entries, command.strip(), time.time() - t0, title))
+    found = [{"claim": v.headline.claim, "outcome": v.outcome, "why": v.why} | _difference(v) for v in verdicts]
+    leaderboard.write_outputs(entries, out, protocol.name, lines, command, {"headlines": found})
+    if args.docs:
+        leaderboard.copy_to_docs(out, protocol.name)
+    print((out / f"{protocol.name}.md").read_text())
+    return 0
+
+
+def _difference(v: Verdict) -> dict:
+    return {} if v.difference is None else {"difference": v.difference.as_dict()}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""The seed papers' protocols: every run they plan is a valid run config (checked before hours of
+runs, as the sweep checks), and a headline's verdict follows its paired interval."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedvlm.experiments.protocols import LAST10, PROTOCOLS, Headline, scale_of, verdict
+from fedvlm.methods.validation import validate
+from fedvlm.runconfig import parse_value
+
+
+@pytest.mark.parametrize("name", sorted(PROTOCOLS))
+def test_every_run_of_a_protocol_is_a_valid_config_of_its_family(name):
+    protocol = PROTOCOLS[name]
+    sets = dict(item.split("=", 1) for item in scale_of(protocol, False, "", True).sets)
+    labels = [label for label, _, _ in protocol.variants]
+    assert len(set(labels)) == len(labels)
+    for label, method, overrides in protocol.variants:
+        for eps in protocol.epsilons:
+            raw = {k: parse_value(v) for k, v in sets.items()} | overrides | {"method": method}
+            raw["privacy.epsilon"] = 0.0 if eps == "none" else float(eps)
+            cfg = validate(raw)
+            assert cfg.spec.family.name == protocol.family, (label, eps)
+    for h in protocol.headlines:  # every headline compares rows the protocol makes
+        assert {h.better, h.worse} <= set(labels) and h.epsilon in protocol.epsilons and h.claim, h
+
+
+def _rows(better: list[float], worse: list[float], figure="local-acc" + LAST10) -> list[dict]:
+    rows = [{"variant": "a", "epsilon": "0.1", "seed": s, figure: v} for s, v in enumerate(better)]
+    return rows + [{"variant": "b", "epsilon": "0.1", "seed": s, figure: v} for s, v in enumerate(worse)]
+
+
+def test_a_verdict_follows_the_paired_interval():
+    h = Headline("a above b", "local-acc" + LAST10, "a", "b", "0.1")
+    assert verdict(h, _rows([0.50, 0.52, 0.51], [0.40, 0.41, 0.43])).outcome == "reproduced"
+    assert verdict(h, _rows([0.30, 0.31, 0.33], [0.40, 0.41, 0.43])).outcome == "reversed"
+    assert verdict(h, _rows([0.40, 0.45, 0.38], [0.41, 0.40, 0.42])).outcome == "not measurable"
+    assert verdict(h, _rows([0.5], [0.4])).outcome == "not measurable"  # one seed: no interval
+    assert verdict(h, _rows([], [0.4, 0.5])).outcome == "not measurable"  # a row missing
+    lower = Headline("a leaks less", "auc", "a", "b", "0.1", higher=False)
+    assert verdict(lower, _rows([0.51, 0.50, 0.52], [0.60, 0.62, 0.61], "auc")).outcome == "reproduced"
+    close = Headline("a within 1% of b", "cider", "a", "b", "0.1", within=0.01)
+    assert verdict(close, _rows([100.2, 99.9, 100.1], [100.0, 100.2, 99.8], "cider")).outcome == "reproduced"
+    assert verdict(close, _rows([85.0, 84.0, 86.0], [100.0, 100.2, 99.8], "cider")).outcome == "reversed"
