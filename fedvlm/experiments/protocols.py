@@ -2,7 +2,7 @@
 
     python -m fedvlm.experiments.leaderboard --protocol paper-dpfpl --docs
 
-A protocol is what the paper ran, as ../shared/METHODS.md records it (docs/methods.md): its
+A protocol is what the paper ran, as docs/methods.md records it: its
 methods and baselines, rounds, local training, clients, sampling, rank and privacy levels. It runs
 on the family's embedded default, and unchanged on real CLIP weights and datasets (``--set
 dataset=... clip.model=...``); the paper's own numbers are on its datasets, so they stand beside
