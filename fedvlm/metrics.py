@@ -162,6 +162,18 @@ def undeclared(names: Iterable[str]) -> list[str]:
     return [n for n in names if n not in METRICS]
 
 
+def _per_client(name: str, kind: Kind) -> tuple[str, str]:
+    """The round figures that spread ``name`` (a higher-is-better node figure) over the nodes:
+    its std over the nodes and the worst node's, both in results.json's summary."""
+    std = _metric(
+        f"{name}-std", kind, f"spread over nodes of {name}", SERVER, combine=Combine("std", name), headline=True
+    )
+    worst = _metric(
+        f"{name}-worst", kind, f"the worst node's {name}", SERVER, combine=Combine("min", name), headline=True
+    )
+    return std, worst
+
+
 # ---- this project's figures -------------------------------------------------------------------
 # weights and sizes
 NUM_EXAMPLES = _metric(
@@ -223,18 +235,7 @@ for _tag, _words in zip(TEST_SETS, _WORDS, strict=True):
         label=_tag,
     )
     TEST_LOSS[_tag] = _metric(f"{_tag}-loss", LOSS, f"test cross-entropy on {_words}", EVALUATE)
-    for _spread, _stat, _end, _what in (
-        (ACC_STD, "std", "std", "spread over nodes of"),
-        (ACC_WORST, "min", "worst", "the worst node's"),
-    ):
-        _spread[_tag] = _metric(
-            f"{_tag}-acc-{_end}",
-            PROPORTION,
-            f"{_what} {_tag}-acc",
-            SERVER,
-            combine=Combine(_stat, ACC[_tag]),
-            headline=True,
-        )
+    ACC_STD[_tag], ACC_WORST[_tag] = _per_client(ACC[_tag], PROPORTION)
     ACC_WEIGHTED[_tag] = _metric(
         f"{_tag}-acc-weighted",
         PROPORTION,
@@ -292,6 +293,8 @@ for _model in (*VLM_MODELS, OOD):
             headline=_score in _HEADLINE[_model],
             label=_name if _model != OOD and _score in ("cider", "accuracy") else "",
         )
+        if _model == CLIENT_MODEL and _score in ("cider", "accuracy"):  # each node's own model: how they spread
+            _per_client(_name, _kind)
 
 # privacy: a node's own accounts, and the one-run audit's figures from the audited node
 NODE_EPSILON = _metric("node-epsilon", EPSILON, "a node's own account of what its reply releases", TRAIN)
