@@ -297,6 +297,56 @@ PROTOCOLS: dict[str, Protocol] = {
     )
 }
 
+# The standard protocols of federated prompt learning (FLiP, FedOTP, FedPGP and pFedMoAP report
+# them): the prompt methods without noise under each, no headline of their own (their tables are
+# the result). Client counts past the board's 10 take more images per class of the embedded set.
+_PROMPT_METHODS: tuple[tuple[str, str, dict], ...] = tuple(
+    (m, m, {}) for m in ("zeroshot", "coop", "promptfl", "dpfpl", "fedotp", "fedpgp", "pfedmoap")
+)
+
+
+def _standard(name: str, summary: str, clients: int, sets: tuple[str, ...], budget: str) -> Protocol:
+    return Protocol(name, "prompt", summary, _PROMPT_METHODS, ("none",), (0, 1, 2), clients, sets, budget, ())
+
+
+PROTOCOLS.update(
+    {
+        p.name: p
+        for p in (
+            _standard(
+                "base-to-novel",
+                "CoCoOp's base-to-novel generalisation: train on the first half of the classes, score every node "
+                "also on the other half (class-split = base-to-novel), 10 clients, pathological split of the base "
+                "classes.",
+                10,
+                ("class-split=base-to-novel",),
+                "not yet measured",
+            ),
+            *(
+                _standard(
+                    f"dirichlet-{alpha:g}",
+                    f"Dirichlet label skew at alpha {alpha:g}, 10 clients (smaller alpha: fewer classes per client).",
+                    10,
+                    ("partitioner=dirichlet", f"dirichlet-alpha={alpha:g}"),
+                    "not yet measured",
+                )
+                for alpha in (0.1, 0.5, 1.0)
+            ),
+            *(
+                _standard(
+                    f"clients-{n}",
+                    f"{n} clients, 10% of them a round, Dirichlet 0.5 (pFedMoAP's CIFAR setup), on an embedded set of "
+                    "640 images a class.",
+                    n,
+                    ("partitioner=dirichlet", "dirichlet-alpha=0.5", "fraction-train=0.1", "embedded-per-class=640"),
+                    "not yet measured",
+                )
+                for n in (50, 100)
+            ),
+        )
+    }
+)
+
 
 def scale_of(protocol: Protocol, quick: bool, seeds: str, attacks: bool):
     """The leaderboard's ``Scale`` of a protocol (``--quick``: the CI-sized rounds and data)."""
