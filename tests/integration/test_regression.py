@@ -69,3 +69,16 @@ def test_the_kernel_key_names_level_vendor_and_digest_and_prefers_the_full_key()
     assert recorded({KERNELS_KEY: {level: bare}}) is bare
     assert recorded({KERNELS_KEY: {f"{level}/other/000000000000": full}}) is None
     assert regression.recorded({}) is None
+
+
+def test_a_figure_added_since_the_record_moves_no_recorded_number():
+    from regression import differences
+
+    record = [{"acc": 0.5}, {"acc": 0.6}]
+    assert differences(record, [{"acc": 0.5, "acc-worst": 0.1}, {"acc": 0.6, "acc-worst": 0.2}]) == []
+    assert differences(record, [{"acc": 0.5}, {"acc": 0.7}]) == ["round 2: acc = 0.7, fixture 0.6"]
+    assert differences(record, [{"acc": 0.5}, {}]) == ["round 2: acc only in the fixture"]
+    mixed = [{"acc": 0.5}, {"acc": 0.6, "late": 1.0}]  # a figure the record has in some rounds is pinned
+    assert differences(mixed, [{"acc": 0.5, "late": 1.0}, {"acc": 0.6, "late": 1.0}]) == [
+        "round 1: late only in this run"
+    ]
