@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from fedvlm.experiments import stats
 from fedvlm.experiments.presets import COMPARISONS
-from fedvlm.metrics import METRICS
+from fedvlm.metrics import ACC, METRICS, SERVER_MODEL, vlm_score
 
 LAST10 = "-last10-mean"  # a utility figure's key in a sweep row: its mean over the last 10 rounds
 
@@ -88,7 +88,7 @@ def verdict(headline: Headline, rows: list[dict]) -> Verdict:
 
 
 def _acc(tag: str) -> str:
-    return f"{tag}-acc{LAST10}"
+    return ACC[tag] + LAST10
 
 
 _DPFPL_SETS = (  # DP-FPL, Algorithm 1 and section 5: 10 clients, 100 rounds of one SGD step, B = 32, lr 1e-4
@@ -200,7 +200,7 @@ PROTOCOLS: dict[str, Protocol] = {
             (
                 Headline(
                     "FedRand's server model within 1% of FedAvg-LoRA's (COCO CIDEr 110.27 vs 111.08)",
-                    f"server-cider{LAST10}",
+                    vlm_score(SERVER_MODEL, "cider") + LAST10,
                     "fedrand",
                     "fedavg-lora",
                     "none",
