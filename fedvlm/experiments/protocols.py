@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from fedvlm.experiments import stats
 from fedvlm.experiments.presets import COMPARISONS
+from fedvlm.experiments.sweep_report import LAST10  # a utility figure's key in a sweep row
 from fedvlm.metrics import ACC, METRICS, SERVER_MODEL, vlm_score
-
-LAST10 = "-last10-mean"  # a utility figure's key in a sweep row: its mean over the last 10 rounds
 
 
 @dataclass(frozen=True)
