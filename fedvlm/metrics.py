@@ -60,12 +60,14 @@ SIGMA = Kind("sigma", 0.0, math.inf, axis="noise std", fmt=".4g")
 class Combine:
     """How the server makes one round figure of the nodes' values of metric ``of``: their plain
     ``mean`` (as the papers report per-client figures), their spread over nodes (``std``, the
-    worst node's ``min``: ``PER_CLIENT``), or ``weighted`` mean by the count metric ``weight``
-    (the federation's figure for the union of the nodes' records)."""
+    worst node's ``min``: ``PER_CLIENT``), ``weighted`` mean by the count metric ``weight``
+    (the federation's figure for the union of the nodes' records), or the ``harmonic`` mean of
+    the round figures ``of`` and ``other`` (CoCoOp's base-to-novel H, of the means, as it reports it)."""
 
-    statistic: str  # 'mean' | 'std' | 'min' | 'weighted'
+    statistic: str  # 'mean' | 'std' | 'min' | 'weighted' | 'harmonic'
     of: str
     weight: str = ""
+    other: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,10 @@ def register_metric(metric: Metric) -> Metric:
     known = METRICS.get(metric.name)
     if known is not None and known != metric:
         raise ValueError(f"metric {metric.name!r} is already declared differently: {known}")
-    if metric.combine is not None and metric.combine.of != metric.name and metric.combine.of not in METRICS:
-        raise ValueError(f"metric {metric.name!r} combines {metric.combine.of!r}, which is not declared")
+    c = metric.combine
+    for of in () if c is None else (c.of, c.other) if c.other else (c.of,):
+        if of != metric.name and of not in METRICS:
+            raise ValueError(f"metric {metric.name!r} combines {of!r}, which is not declared")
     METRICS[metric.name] = metric
     return metric
 
@@ -129,7 +133,7 @@ def round_figures(replies: Sequence[Mapping[str, float]], message: str) -> dict[
         if c is None or message not in METRICS[c.of].reporters:
             continue
         values = [r[c.of] for r in replies if c.of in r]
-        if not values:
+        if not values or c.statistic == "harmonic":
             continue
         if c.statistic == "mean":
             out[metric.name] = float(np.mean(values))
@@ -142,6 +146,11 @@ def round_figures(replies: Sequence[Mapping[str, float]], message: str) -> dict[
             total = sum(w for _, w in pairs)
             if total > 0:
                 out[metric.name] = float(sum(v * w for v, w in pairs) / total)
+    for metric in METRICS.values():  # of the figures just made: a harmonic mean of two round means
+        c = metric.combine
+        if c is not None and c.statistic == "harmonic" and c.of in out and c.other in out:
+            a, b = out[c.of], out[c.other]
+            out[metric.name] = 2 * a * b / (a + b) if a + b > 0 else 0.0
     return out
 
 
@@ -252,6 +261,15 @@ for _tag, _words in zip(TEST_SETS, _WORDS, strict=True):
         plot="loss.png",
         headline=_tag == "local",
     )
+
+BASE_NOVEL_HM = _metric(
+    "base-novel-hm",
+    PROPORTION,
+    "harmonic mean of local-acc (the node's own, base classes) and novel-acc, CoCoOp's H (class-split base-to-novel)",
+    SERVER,
+    combine=Combine("harmonic", ACC["local"], other=ACC["novel"]),
+    headline=True,
+)
 
 # evaluation of the VLM methods: the server's model and each node's own, on the node's test
 # records; the server's also out of domain. Scores are x100 (utils.vlm_metrics).

@@ -87,7 +87,14 @@ def verdict(headline: Headline, rows: list[dict]) -> Verdict:
 
 
 def _acc(tag: str) -> str:
+    """DP-FPL's figure: the mean of the last 10 rounds (its section 5)."""
     return ACC[tag] + LAST10
+
+
+def _final(tag: str) -> str:
+    """The trained model's figure, the last round's, where the paper reports that (a 10-round
+    protocol's mean of the last 10 would average its whole training curve)."""
+    return ACC[tag]
 
 
 _DPFPL_SETS = (  # DP-FPL, Algorithm 1 and section 5: 10 clients, 100 rounds of one SGD step, B = 32, lr 1e-4
@@ -199,7 +206,7 @@ PROTOCOLS: dict[str, Protocol] = {
             (
                 Headline(
                     "FedRand's server model within 1% of FedAvg-LoRA's (COCO CIDEr 110.27 vs 111.08)",
-                    vlm_score(SERVER_MODEL, "cider") + LAST10,
+                    vlm_score(SERVER_MODEL, "cider"),  # the final server model, as the paper scores it
                     "fedrand",
                     "fedavg-lora",
                     "none",
@@ -236,21 +243,21 @@ PROTOCOLS: dict[str, Protocol] = {
                 Headline(
                     "model reprogramming beats the partial fine-tune under the same DP-SGD (CIFAR-10, epsilon "
                     "1.04: 79.08 vs 58.31)",
-                    _acc("local"),
+                    _final("local"),
                     "reprogram",
                     "bl-pf",
                     "none",
                 ),
                 Headline(
                     "model reprogramming beats the full fine-tune (79.08 vs 16.9)",
-                    _acc("local"),
+                    _final("local"),
                     "reprogram",
                     "bl-ff",
                     "none",
                 ),
                 Headline(
                     "model reprogramming beats training from scratch (79.08 vs 14.4)",
-                    _acc("local"),
+                    _final("local"),
                     "reprogram",
                     "bl-ts",
                     "none",
@@ -272,21 +279,21 @@ PROTOCOLS: dict[str, Protocol] = {
             (
                 Headline(
                     "pFedMoAP above FedOTP on local accuracy (Flowers102: 98.41 vs 96.23)",
-                    _acc("local"),
+                    _final("local"),
                     "pfedmoap",
                     "fedotp",
                     "none",
                 ),
                 Headline(
                     "the local expert's weight helps (lambda 0.5 vs 0: 98.41 vs 97.61)",
-                    _acc("local"),
+                    _final("local"),
                     "pfedmoap",
                     "pfedmoap-lambda0",
                     "none",
                 ),
                 Headline(
                     "FedOTP far above PromptFL (96.23 vs 72.80) and CoOp (70.14)",
-                    _acc("local"),
+                    _final("local"),
                     "fedotp",
                     "promptfl",
                     "none",

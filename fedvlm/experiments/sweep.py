@@ -61,7 +61,7 @@ from fedvlm.experiments.sweep_report import (
 )
 from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
-from fedvlm.metrics import ACC, METRICS, STEPS, TRAIN_CLIENTS
+from fedvlm.metrics import METRICS, STEPS, TRAIN_CLIENTS
 from fedvlm.plots import redraw_run
 from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 from fedvlm.server_app.resume import CHECKPOINT, config_differences
@@ -443,10 +443,6 @@ def main(argv: list[str] | None = None) -> int:
             "method": method,
             "epsilon": eps,
             "seed": seed,
-            "local-acc-last10": data["final"].get("local-acc-last10-mean"),
-            "neighbor-acc-last10": data["final"].get("neighbor-acc-last10-mean"),
-            ACC["local"]: data["final"].get(ACC["local"]),
-            ACC["neighbor"]: data["final"].get(ACC["neighbor"]),
             "status": data["run"]["status"],
         }
         if row["status"] == "failed":  # the ServerApp stopped with an error and said why
@@ -458,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
             row["accountant"], row["delta"] = settings.get("accountant"), settings.get("delta")
         row["noise-multiplier"] = data["config"].get("privacy.noise-multiplier")  # a family's fixed noise (z)
         row.update(cost_row(data))
-        row.update({k: v for k, v in data["final"].items() if k.endswith(LAST10)})  # the family's headline figures
+        final = data["final"]  # the family's headline figures: the last round's and the mean of the last 10
+        row.update({k: v for k, v in final.items() if k.endswith(LAST10) or k + LAST10 in final})
         row.update(audit_row(data))
         if args.mia:
             spec = get_method(method)

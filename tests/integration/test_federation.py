@@ -520,9 +520,10 @@ def test_base_to_novel_scores_every_node_on_classes_no_node_trained_on(make_cfg,
     """CoCoOp's protocol: the nodes train and test locally on the base half of the classes and are
     also scored on their share of the novel half's test records, which the handshake declares
     (the server bounds the evaluation's counts by it); the round's figures carry the novel
-    accuracy and its spread over the nodes (mean, worst, std)."""
+    accuracy, its spread over the nodes (mean, worst, std) and CoCoOp's harmonic mean H of the
+    base (own classes) and novel means."""
     from fedvlm.client_app.node import _dataset
-    from fedvlm.metrics import ACC, ACC_STD, ACC_WORST, NOVEL_N
+    from fedvlm.metrics import ACC, ACC_STD, ACC_WORST, BASE_NOVEL_HM, NOVEL_N
 
     rec, grid = _run(make_cfg, n=4, method="promptfl", num_server_rounds=2, class_split="base-to-novel")
     data = json.loads(rec.path.read_text())
@@ -539,4 +540,6 @@ def test_base_to_novel_scores_every_node_on_classes_no_node_trained_on(make_cfg,
         assert r["metrics"][ACC["novel"]] == pytest.approx(np.mean(accs))
         assert r["metrics"][ACC_WORST["novel"]] == pytest.approx(min(accs))
         assert r["metrics"][ACC_STD["novel"]] == pytest.approx(np.std(accs))
-    assert f"{ACC['novel']}-last10-mean" in data["final"]
+        base_acc, novel_acc = r["metrics"][ACC["local"]], r["metrics"][ACC["novel"]]
+        assert r["metrics"][BASE_NOVEL_HM] == pytest.approx(2 * base_acc * novel_acc / (base_acc + novel_acc))
+    assert f"{ACC['novel']}-last10-mean" in data["final"] and f"{BASE_NOVEL_HM}-last10-mean" in data["final"]

@@ -121,7 +121,9 @@ def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(tmp_path,
 
     assert len(figures(whole)) == 2 and figures(resumed) == figures(whole)
     row = next(csv.DictReader((out / "summary.csv").open()))
-    assert row["status"] == "finished" and float(row["local-acc-last10"]) == whole["final"]["local-acc-last10-mean"]
+    assert (
+        row["status"] == "finished" and float(row["local-acc-last10-mean"]) == whole["final"]["local-acc-last10-mean"]
+    )
 
     # a folder with no checkpoint cannot be resumed: kept aside under a new name, the run starts afresh
     cut_off(out)

@@ -55,12 +55,12 @@ def test_labelled_variants_parse_and_refuse_typos():
 
 def test_final_table_puts_the_papers_number_beside_ours(tmp_path):
     rows = [
-        {"variant": "pfedmoap", "epsilon": "none", "local-acc": 0.5, "local-acc-last10": 0.4},
-        {"variant": "pfedmoap", "epsilon": "none", "local-acc": 0.7, "local-acc-last10": 0.6},
-        {"variant": "coop", "epsilon": "none", "local-acc": 0.3, "local-acc-last10": 0.3},
+        {"variant": "pfedmoap", "epsilon": "none", "local-acc": 0.5, "local-acc-last10-mean": 0.4},
+        {"variant": "pfedmoap", "epsilon": "none", "local-acc": 0.7, "local-acc-last10-mean": 0.6},
+        {"variant": "coop", "epsilon": "none", "local-acc": 0.3, "local-acc-last10-mean": 0.3},
     ]
     for r in rows:
-        r["neighbor-acc-last10"] = None
+        r["neighbor-acc-last10-mean"] = None
     write_tables(rows, tmp_path, ["none"], {("pfedmoap", "none"): 98.41})
     lines = (tmp_path / "table_final.md").read_text().splitlines()
     assert lines[2] == "| method | eps=none | paper eps=none |"

@@ -1,0 +1,156 @@
+"""Experiment: why FedOTP scores below local CoOp on the embedded default.
+
+FedOTP scores an image by transporting its patch embeddings to each class's two prompts
+(``client_app.scoring.OTScorer``); CoOp scores the pooled image feature (``PromptScorer``).
+Everything else equal, this fits one context per scoring path, on the same client's training
+records (the pFedMoAP protocol's run config: pathological split, 16 shots, CoOp's SGD), with the
+runs' prompt optimiser for the local steps a client trains over the protocol's rounds, starting
+from the same context, and prints each path's test accuracy on the client's own
+classes (argmax over all classes, as the runs score it); first the zero-shot accuracy of each path
+with the hand-written template and no training. If the OT-over-patches path is weaker than the
+pooled path here, with the federation, the global prompt and the averaging taken away, the
+ceiling FedOTP can reach on this backbone is set by its image features, not by its federated
+training. Both paths are the scorers the runs use, so nothing here is a second implementation.
+
+Usage:
+    python bench/fedotp_patch_signal.py                # clients 0..9, the protocol's 100 local steps
+    python bench/fedotp_patch_signal.py --steps 400 --out fedotp_patch_signal.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedvlm.client_app.node import node_data
+from fedvlm.client_app.prompt_clients import PromptClient
+from fedvlm.client_app.scoring import OTScorer, PromptScorer
+from fedvlm.experiments.protocols import PROTOCOLS
+from fedvlm.methods.validation import validate
+from fedvlm.models.clip_loader import load_clip
+from fedvlm.models.prompt_learner import clip_logits
+from fedvlm.runconfig import parse_value
+
+
+def template_text(bundle, classnames: list[str], template: str) -> torch.Tensor:
+    tokens = bundle.tokenizer([template.format(c) for c in classnames]).to(bundle.device)
+    with torch.no_grad():
+        return F.normalize(bundle.model.encode_text(tokens).float(), dim=-1)
+
+
+def fit(cfg, scorer, prompts: dict, feats: torch.Tensor, labels: torch.Tensor, steps: int, seed: int):
+    """The runs' prompt optimiser on the prompts' contexts, minibatches drawn with a fixed seed."""
+    params = {k: v.clone().requires_grad_(True) for k, v in prompts.items()}
+    opt = PromptClient.make_optimizer(SimpleNamespace(cfg=cfg), list(params.values()))  # type: ignore[arg-type]
+    batch = cfg.prompt.batch_size
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        pick = torch.from_numpy(rng.choice(len(labels), min(batch, len(labels)), replace=False))
+        loss = F.cross_entropy(scorer.logits(params, feats[pick]), labels[pick])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return float((logits.argmax(-1) == labels).float().mean())
+
+
+def one_client(cfg, pid: int, n: int, steps: int) -> dict:
+    node = node_data(cfg, {"partition-id": pid, "num-partitions": n})
+    bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
+    classnames = node.splits.classnames
+    pooled, ot = PromptScorer(bundle, classnames, cfg), OTScorer(bundle, classnames, cfg)
+    train, test = node.part.train, node.part.test
+    y_train = torch.from_numpy(node.splits.train.labels[train]).long()
+    y_test = torch.from_numpy(node.splits.test.labels[test]).long()
+    cache = cfg.cache_path
+    feats = {
+        "pooled": (
+            pooled.image_features(node.splits.train, train, cache),
+            pooled.image_features(node.splits.test, test, cache),
+        ),
+        "patches": (
+            ot.image_features(node.splits.train, train, cache),
+            ot.image_features(node.splits.test, test, cache),
+        ),
+    }
+    text = template_text(bundle, classnames, cfg.zeroshot.template)
+    with torch.no_grad():
+        zero = {
+            "pooled": accuracy(clip_logits(feats["pooled"][1], text, bundle.logit_scale), y_test),
+            "patches": accuracy(ot.ot_logits(feats["patches"][1], torch.stack([text, text])), y_test),
+        }
+    torch.manual_seed(cfg.seed)
+    ctx = torch.randn(cfg.prompt.n_ctx, bundle.model.ln_final.weight.shape[0]) * 0.02  # CoOp's init
+    trained = {}
+    for path, scorer, prompts in (
+        ("pooled", pooled, {"ctx": ctx}),
+        ("patches", ot, {"global": ctx, "local": ctx.clone()}),
+    ):
+        t0 = time.time()
+        fitted = fit(cfg, scorer, prompts, feats[path][0], y_train, steps, cfg.seed + pid)
+        with torch.no_grad():
+            trained[path] = {
+                "train": accuracy(scorer.logits(fitted, feats[path][0]), y_train),
+                "test": accuracy(scorer.logits(fitted, feats[path][1]), y_test),
+                "seconds": round(time.time() - t0, 1),
+            }
+    return {
+        "client": pid,
+        "classes": list(node.part.classes),
+        "train": len(train),
+        "test": len(test),
+        "zero-shot": zero,
+        "fitted": trained,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=10, help="clients 0..k-1 of the protocol's 10")
+    p.add_argument(
+        "--steps", type=int, default=100, help="local steps (the protocol's: 10 rounds x 5 epochs x 2 batches)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    protocol = PROTOCOLS["paper-pfedmoap"]
+    sets = dict(s.split("=", 1) for s in protocol.sets)
+    cfg = validate({k: parse_value(v) for k, v in sets.items()} | {"seed": args.seed})
+    rows = []
+    for pid in range(args.clients):
+        r = one_client(cfg, pid, protocol.clients, args.steps)
+        rows.append(r)
+        z, f = r["zero-shot"], r["fitted"]
+        print(
+            f"client {pid}: zero-shot pooled {100 * z['pooled']:.1f}% patches {100 * z['patches']:.1f}% | fitted "
+            f"pooled {100 * f['pooled']['test']:.1f}% (train {100 * f['pooled']['train']:.1f}%) patches "
+            f"{100 * f['patches']['test']:.1f}% (train {100 * f['patches']['train']:.1f}%)",
+            flush=True,
+        )
+    summary = {
+        f"{stage}-{path}": float(
+            np.mean([r[stage][path]["test"] if stage == "fitted" else r[stage][path] for r in rows])
+        )
+        for stage in ("zero-shot", "fitted")
+        for path in ("pooled", "patches")
+    }
+    print("mean over clients: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in summary.items()))
+    if args.out:
+        args.out.write_text(
+            json.dumps({"argv": vars(args) | {"out": str(args.out)}, "mean": summary, "clients": rows}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
