@@ -12,9 +12,15 @@ pooled path here, with the federation, the global prompt and the averaging taken
 ceiling FedOTP can reach on this backbone is set by its image features, not by its federated
 training. Both paths are the scorers the runs use, so nothing here is a second implementation.
 
+With ``--runs``, it also reads finished FedOTP runs and scores each node's own test classes with
+the prompts it published, as the run pairs them (the federation's global prompt and its local
+one) and with its local prompt in both places: how much the averaged global prompt costs a node
+at the end of the run.
+
 Usage:
     python bench/fedotp_patch_signal.py                # clients 0..9, the protocol's 100 local steps
     python bench/fedotp_patch_signal.py --steps 400 --out fedotp_patch_signal.json
+    python bench/fedotp_patch_signal.py --clients 0 --runs ~/fedvlm-protocols/paper-pfedmoap/runs/fedotp-*
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvlm.client_app.node import node_data
+from fedvlm.attacks.global_model import trained_nodes
+from fedvlm.client_app.node import NUM_PARTITIONS, PARTITION_ID, node_data
 from fedvlm.client_app.prompt_clients import PromptClient
 from fedvlm.client_app.scoring import OTScorer, PromptScorer
 from fedvlm.experiments.protocols import PROTOCOLS
 from fedvlm.methods.validation import validate
 from fedvlm.models.clip_loader import load_clip
-from fedvlm.models.prompt_learner import clip_logits
+from fedvlm.models.prompt_learner import TextTower, clip_logits, init_context
 from fedvlm.runconfig import parse_value
 
 
@@ -89,8 +96,8 @@ def one_client(cfg, pid: int, n: int, steps: int) -> dict:
             "pooled": accuracy(clip_logits(feats["pooled"][1], text, bundle.logit_scale), y_test),
             "patches": accuracy(ot.ot_logits(feats["patches"][1], torch.stack([text, text])), y_test),
         }
-    torch.manual_seed(cfg.seed)
-    ctx = torch.randn(cfg.prompt.n_ctx, bundle.model.ln_final.weight.shape[0]) * 0.02  # CoOp's init
+    generator = torch.Generator().manual_seed(cfg.seed)
+    ctx = init_context(TextTower.from_open_clip(bundle.model), bundle.tokenizer, cfg.prompt.n_ctx, generator=generator)
     trained = {}
     for path, scorer, prompts in (
         ("pooled", pooled, {"ctx": ctx}),
@@ -114,6 +121,36 @@ def one_client(cfg, pid: int, n: int, steps: int) -> dict:
     }
 
 
+@torch.no_grad()
+def probe_run(run_dir: Path) -> dict:
+    """A finished FedOTP run's nodes scored with their published prompts: as paired, and local only."""
+    data = json.loads((run_dir / "results.json").read_text())
+    cfg = validate(data["config"])
+    bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
+    rows = []
+    for n in trained_nodes(data):
+        node = node_data(cfg, {PARTITION_ID: int(n["partition_id"]), NUM_PARTITIONS: int(n["num_partitions"])})
+        ot = OTScorer(bundle, node.splits.classnames, cfg)
+        test = node.part.test
+        feats = ot.image_features(node.splits.test, test, cfg.cache_path)
+        labels = torch.from_numpy(node.splits.test.labels[test]).long()
+        prompts = torch.load(run_dir / "published" / f"{n['name']}.pt", weights_only=False)["prompts"]
+        rows.append(
+            {
+                "node": n["name"],
+                "paired": accuracy(ot.logits(prompts, feats), labels),
+                "local only": accuracy(
+                    ot.logits({"global": prompts["local"], "local": prompts["local"]}, feats), labels
+                ),
+                "global only": accuracy(
+                    ot.logits({"global": prompts["global"], "local": prompts["global"]}, feats), labels
+                ),
+            }
+        )
+    mean = {k: float(np.mean([r[k] for r in rows])) for k in ("paired", "local only", "global only")}
+    return {"run": run_dir.name, "mean": mean, "nodes": rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=10, help="clients 0..k-1 of the protocol's 10")
@@ -121,6 +158,7 @@ def main() -> int:
         "--steps", type=int, default=100, help="local steps (the protocol's: 10 rounds x 5 epochs x 2 batches)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=Path, nargs="*", default=[], help="finished FedOTP runs to probe")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     protocol = PROTOCOLS["paper-pfedmoap"]
@@ -137,17 +175,28 @@ def main() -> int:
             f"{100 * f['patches']['test']:.1f}% (train {100 * f['patches']['train']:.1f}%)",
             flush=True,
         )
-    summary = {
-        f"{stage}-{path}": float(
-            np.mean([r[stage][path]["test"] if stage == "fitted" else r[stage][path] for r in rows])
-        )
-        for stage in ("zero-shot", "fitted")
-        for path in ("pooled", "patches")
-    }
-    print("mean over clients: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in summary.items()))
+    summary = (
+        {}
+        if not rows
+        else {
+            f"{stage}-{path}": float(
+                np.mean([r[stage][path]["test"] if stage == "fitted" else r[stage][path] for r in rows])
+            )
+            for stage in ("zero-shot", "fitted")
+            for path in ("pooled", "patches")
+        }
+    )
+    if rows:
+        print("mean over clients: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in summary.items()))
+    probed = [probe_run(run_dir) for run_dir in args.runs]
+    for r in probed:
+        print(f"{r['run']}: own-class accuracy " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in r["mean"].items()))
     if args.out:
         args.out.write_text(
-            json.dumps({"argv": vars(args) | {"out": str(args.out)}, "mean": summary, "clients": rows}, indent=1)
+            json.dumps(
+                {"argv": vars(args) | {"out": str(args.out)}, "mean": summary, "clients": rows, "runs": probed},
+                indent=1,
+            )
         )
     return 0
 

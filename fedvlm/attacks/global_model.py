@@ -62,7 +62,7 @@ def _trained(figures: dict) -> bool:
     return any(k.startswith(TRAIN_ROW) for k in figures)
 
 
-def _trained_nodes(data: dict) -> list[dict]:
+def trained_nodes(data: dict) -> list[dict]:
     """The run's nodes that trained in some round (their records are the members)."""
     trained = {name for r in data["rounds"] for name, m in r.get("clients", {}).items() if _trained(m)}
     return [n for n in data["run"]["nodes"] if n["name"] in trained and int(n.get("partition_id", -1)) >= 0]
@@ -76,7 +76,7 @@ def run_attack(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     data = json.loads((run_dir / "results.json").read_text())
     cfg = validate(data["config"])
-    nodes = _trained_nodes(data)
+    nodes = trained_nodes(data)
     if not nodes:
         raise ValueError(f"{run_dir}: no simulated node trained in this run, so there is no member to look for")
     shared = dict(load_saved(run_dir / "final_shared.pt", "run the attack on a finished run")["arrays"])
