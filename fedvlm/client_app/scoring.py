@@ -16,6 +16,7 @@ from fedvlm.models.clip_loader import ClipBundle
 from fedvlm.models.feature_cache import image_features
 from fedvlm.models.optimal_transport import unbalanced_sinkhorn
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits
+from fedvlm.runconfig import ConfigError
 from fedvlm.tensor_names import CTX
 
 _ENCODERS: dict[tuple, PromptEncoder] = {}
@@ -56,12 +57,32 @@ class PromptScorer:
 class TemplateScorer(PromptScorer):
     """Zero-shot CLIP: the hand-written template instead of a learned context."""
 
+    def __init__(self, bundle: ClipBundle, classnames: list[str], cfg):
+        super().__init__(bundle, classnames, cfg)
+        self._text: torch.Tensor | None = None
+
     @torch.no_grad()
+    def template_text(self) -> torch.Tensor:
+        """Each class's text feature, encoded once. A template that pushes a class name past the
+        text context is refused: the tokenizer would cut the name off without a word, every class
+        would read the same, and accuracy would be chance with a run that looks finished."""
+        if self._text is None:
+            texts = [self.cfg.zeroshot.template.format(c) for c in self.classnames]
+            tokens = self.bundle.tokenizer(texts)
+            encode = getattr(self.bundle.tokenizer, "encode", None)
+            if encode is not None:  # open_clip's tokenizers truncate silently
+                needed, longest = max((len(encode(t)) + 2, t) for t in texts)
+                if needed > tokens.shape[1]:
+                    raise ConfigError(
+                        f"run config 'zeroshot.template' makes {longest[:80]!r} {needed} tokens long, and the text "
+                        f"context holds {tokens.shape[1]}: the class name would be cut off; shorten the template"
+                    )
+            encoded = self.bundle.model.encode_text(tokens.to(self.bundle.device))  # type: ignore[operator]  # open_clip
+            self._text = F.normalize(encoded.float(), dim=-1)
+        return self._text
+
     def logits(self, prompts, feats):
-        template = self.cfg.zeroshot.template
-        tokens = self.bundle.tokenizer([template.format(c) for c in self.classnames]).to(self.bundle.device)
-        text = F.normalize(self.bundle.model.encode_text(tokens).float(), dim=-1)
-        return clip_logits(feats, text, self.scale)
+        return clip_logits(feats, self.template_text(), self.scale)
 
 
 class OTScorer(PromptScorer):

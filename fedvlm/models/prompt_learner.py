@@ -136,7 +136,8 @@ class PromptEncoder(nn.Module):
             if needed > ids.shape[1]:
                 raise ValueError(
                     f"a prompt with {n_ctx} context tokens needs {needed} tokens but the text "
-                    f"context holds {ids.shape[1]}; use a smaller n-ctx or shorter class names"
+                    f"context holds {ids.shape[1]}; use fewer context tokens (prompt.n-ctx, or a shorter "
+                    "prompt.ctx-init phrase, whose token count sets it) or shorter class names"
                 )
         eot = tower.eot_positions(ids)
         ph_id = tokenizer([PLACEHOLDER])[0, 1]

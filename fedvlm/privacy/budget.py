@@ -104,9 +104,10 @@ class RunBudget:
         """Plan every mechanism for the nodes known before round 1 (``sources``: each node's
         noise source) and refuse a schedule past ``privacy.max-epsilon``."""
         self._check_sources(sources)
-        check_delta(
-            self.settings.delta, sum(s.n_train for s in shapes.values()), "the federation's", "lower privacy.delta"
-        )
+        fix = "lower privacy.delta"
+        if self.settings.audit_canaries:  # each canary is a training record of the audited node
+            fix = f"use fewer privacy.audit-canaries ({self.settings.audit_canaries} now, each a record) or {fix}"
+        check_delta(self.settings.delta, sum(s.n_train for s in shapes.values()), "the federation's", fix)
         self.planner.plan(dict(shapes))
         self._refresh_all()
         self.record_noise_sources(sources)

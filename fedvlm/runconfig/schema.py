@@ -112,7 +112,12 @@ def _run_name(value: str) -> str | None:
     return "must be one folder name of 1-100 letters, digits or ._@+- (not '.' or '..'), such as 'promptfl-seed0'"
 
 
+TEMPLATE_CHARS = 2000  # no text of CLIP's 77 tokens is longer; the exact check is the scorer's, per class
+
+
 def _template(value: str) -> str | None:
+    if len(value) > TEMPLATE_CHARS:
+        return f"is {len(value)} characters: CLIP's text context (77 tokens) holds far fewer; shorten it"
     return None if value.count("{}") == 1 else "must contain exactly one '{}' where the class name goes"
 
 

@@ -41,6 +41,8 @@ def test_defaults_are_valid_and_resolve_auto():
         ({"output-dir": "runs"}, ["'output-dir'", "absolute"]),
         ({"quantity-ratios": "45:x"}, ["'quantity-ratios'", "'45:9:1'"]),
         ({"zeroshot.template": "a photo"}, ["'zeroshot.template'", "'{}'"]),
+        # a 1 MB template was tokenised once per class on every client before any check
+        ({"zeroshot.template": "{}" + "x" * 1_000_000}, ["'zeroshot.template'", "1000002 characters", "shorten"]),
         # the one sentinel is 'auto'; the old numeric ones are refused with the fix named
         ({"privacy.clip": -1.0}, ["'privacy.clip'", "-1.0", "must be > 0.0, or 'auto'"]),
         ({"prompt.local-steps": -1}, ["'prompt.local-steps'", "must be >= 0, or 'auto'"]),

@@ -220,3 +220,27 @@ def test_delta_must_be_well_below_one_over_the_records():
     for delta, records in ((1e-5, 10_001), (1.0, 10), (0.5, 1)):
         with pytest.raises(BudgetError, match=r"not well below 1/records.*lower privacy.delta to at most"):
             check_delta(delta, records, "the federation's", "lower privacy.delta")
+
+
+def test_a_delta_too_large_for_the_audits_canaries_names_the_canaries_first():
+    """The audit's canaries are training records of the audited node: with 100,000 of them the
+    federation's delta check fails, and the advice names the key that made it fail."""
+    from fedvlm.methods.validation import validate
+    from fedvlm.privacy.accounting import BudgetError
+    from fedvlm.privacy.budget import RunBudget
+    from fedvlm.privacy.ledger import PrivacyLedger
+    from fedvlm.privacy.planner import ClientShape
+
+    cfg = validate({"method": "dpfpl", "privacy.epsilon": 2.0, "privacy.audit-canaries": 100_000})
+    spec = cfg.spec
+    shapes = {"a": ClientShape(60_000, 32, 1), "b": ClientShape(200, 32, 1)}
+    with pytest.raises(BudgetError, match=r"use fewer privacy.audit-canaries \(100000 now, each a record\) or lower"):
+        RunBudget.planned(
+            cfg.privacy,
+            PrivacyLedger(cfg.privacy, spec.name),
+            cfg.num_server_rounds,
+            spec.local_dp(cfg),
+            spec.global_dp(cfg, 2),
+            shapes,
+            {"a": "seeded", "b": "seeded"},
+        )

@@ -96,8 +96,23 @@ def test_init_context_random_and_phrase():
 def test_prompt_too_long_is_a_clear_error():
     model = tiny_clip.build_tiny_clip()
     tower = TextTower.from_open_clip(model)
-    with pytest.raises(ValueError, match="n-ctx"):
+    with pytest.raises(ValueError, match=r"prompt.n-ctx, or a shorter prompt.ctx-init phrase"):
         PromptEncoder(tower, tiny_clip.tokenizer(), ["a very long class name " * 3], n_ctx=16)
+
+
+def test_a_zero_shot_template_that_cuts_the_class_name_off_is_refused(make_cfg, pretrained_clip):
+    """open_clip's tokenizer truncates silently: a template too long for the text context made every
+    class read the same text, and the run finished at chance with status 0."""
+    from fedvlm.client_app.scoring import TemplateScorer
+    from fedvlm.runconfig import ConfigError
+
+    feats = torch.randn(3, pretrained_clip.model.visual.output_dim)
+    fine = TemplateScorer(pretrained_clip, NAMES, make_cfg(method="zeroshot"))
+    assert fine.logits({}, F.normalize(feats, dim=-1)).shape == (3, len(NAMES))
+    long = "a photo of " + "a very " * 40 + "nice {}."
+    scorer = TemplateScorer(pretrained_clip, NAMES, make_cfg(method="zeroshot", zeroshot__template=long))
+    with pytest.raises(ConfigError, match=r"'zeroshot.template' makes .* tokens long.*class name would be cut off"):
+        scorer.logits({}, feats)
 
 
 def test_context_shape_errors():
