@@ -211,8 +211,21 @@ def ledger(node: NodeData, state: RecordDict) -> Ledger:
         return RunLedger(state)
     data = data_identity(node)
     key = hashlib.sha256(data.encode()).hexdigest()[:16]
-    name = Path(str(node.config["data-dir"])).name if node.partition_id < 0 else node.name
-    return DiskLedger(Path(str(where)).expanduser().resolve() / LEDGERS / f"{_slug(name)}-{key}.json", data)
+    name = Path(os.path.realpath(str(node.config["data-dir"]))).name if node.partition_id < 0 else node.name
+    return DiskLedger(_ledger_file(Path(str(where)).expanduser().resolve() / LEDGERS, name, key), data)
+
+
+def _ledger_file(folder: Path, name: str, key: str) -> Path:
+    """The one file of these records' ledger, found by their identity's ``key`` whatever name it
+    was first written under (until 2026-12-02 the data-dir as written: a symlink's name), else
+    named now. Two files of one key would be two histories of the same records: refused."""
+    found = sorted(folder.glob(f"*-{key}.json"))
+    if len(found) > 1:
+        raise ConfigError(
+            f"this node's records have {len(found)} privacy ledgers ({', '.join(str(f) for f in found)}): merge "
+            "their rows into one file and move the others away; the node will not guess which history is right"
+        )
+    return found[0] if found else folder / f"{_slug(name)}-{key}.json"
 
 
 def prior(rows: list[dict], row: dict, fresh: bool) -> list[dict]:

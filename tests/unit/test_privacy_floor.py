@@ -200,6 +200,30 @@ def test_the_ledger_is_per_data_whichever_node_trains_on_it(tmp_path):
     assert ledger(other, RecordDict()).rows() == []
 
 
+def test_one_folder_reached_through_a_symlink_keeps_its_one_ledger(tmp_path):
+    """The data folder through a symlink started a fresh ledger (10 releases, epsilon 3.72 against
+    a limit of 3): the ledger is the records' (their resolved folder), found whatever name its file
+    was first written under, and two files for one folder are refused, not guessed between."""
+    cfg, instruction = _plan(rounds=1, **{"privacy.epsilon": 2.0})
+    folder, link = tmp_path / "images", tmp_path / "link"
+    folder.mkdir()
+    link.symlink_to(folder)
+    common = {"max-epsilon": 3.0, "delta": 1e-5, "state-dir": str(tmp_path / "state")}
+    _train(_node({**common, "data-dir": str(link)}, partition_id=-1), RecordDict(), cfg, _at(instruction, 1, "/r/1"))
+    direct = _node({**common, "data-dir": str(folder)}, partition_id=-1)
+    assert len(ledger(direct, RecordDict()).rows()) == 1
+    # a ledger first written under the symlink's name (before the file was named from the
+    # resolved folder) is still this folder's
+    written = next((tmp_path / "state" / "ledgers").iterdir())
+    assert written.name.startswith("images-")  # named from the resolved folder
+    key = written.name.removeprefix("images-")
+    old = written.rename(written.with_name("link-" + key))
+    assert len(ledger(direct, RecordDict()).rows()) == 1
+    (old.with_name("images-" + key)).write_text(old.read_text())
+    with pytest.raises(ConfigError, match="2 privacy ledgers.*merge their rows into one file"):
+        ledger(direct, RecordDict())
+
+
 def test_two_runs_at_once_cannot_both_spend_the_rest(tmp_path):
     """Both pass the check before training; the second to finish finds the first's row under the
     ledger's lock and its reply stays on the node."""
