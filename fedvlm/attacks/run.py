@@ -60,8 +60,9 @@ def _publish_only(cfg: dict) -> dict:
     the prompts the last evaluation publishes, never the rounds' figures, and evaluating every
     round was most of its time (FedOTP's transport-weighted scores: 29 of a shadow federation's
     40 s in a two-round profile; docs/results/membership-inference.md). Training, and so the
-    published prompts, are the same either way (evaluation only evaluates)."""
-    return {**cfg, "evaluate-every": int(cfg["num-server-rounds"])}
+    published prompts, are the same either way (evaluation only evaluates). It is a new run in
+    its own folder: a target that was resumed does not make it continue the target's folder."""
+    return {**cfg, "evaluate-every": int(cfg["num-server-rounds"]), "resume": ""}
 
 
 def shadow_config(target_cfg: dict, shadow_index: int, out_dir: Path, shadow_data_root: str | None) -> dict:

@@ -30,3 +30,16 @@ def test_an_attack_report_made_with_other_knobs_is_made_again(tmp_path, monkeypa
     attacks_run.pooled_attacks(tmp_path, shadows=2, online=0)
     attacks_run.pooled_attacks(tmp_path, shadows=1, online=4)
     assert made == [(2, 0), (1, 4)]
+
+
+def test_the_federations_an_attack_trains_are_new_runs_even_for_a_resumed_target(tmp_path):
+    """A resumed target's config names the folder it continued; a shadow or reference federation
+    that inherited it failed to start, and a resumed board row had no attack at all."""
+    from fedvlm.methods.validation import validate
+
+    target = validate({"method": "promptfl", "resume": str(tmp_path / "runs" / "target")}).as_dict()
+    for cfg in (
+        attacks_run.shadow_config(target, 0, tmp_path / "shadows", None),
+        attacks_run.reference_config(target, 0, tmp_path / "references", 7),
+    ):
+        assert cfg["resume"] == "" and validate(cfg).resume == ""
