@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedvlm.metrics import TRAIN_CLIENTS
+from fedvlm.utils.files import RESULTS, UnreadableFile, read_results
 
 OK, FAILED, UNREADABLE, STOPPED, LOST_NODES, UNFINISHED = 0, 1, 2, 3, 4, 5
 DEFAULT_RUNS = Path.home() / "fedvlm-runs"
@@ -70,14 +71,17 @@ def newest_run(runs: Path) -> Path:
     return found[-1].parent
 
 
-def lost_in_last_round(rounds: list[dict]) -> tuple[int, int]:
-    """(clients sampled for training, of them without an accepted reply) in the last round that
-    trained: timed out, failed, or rejected by the server's checks."""
-    for record in reversed(rounds):
+def lost_by_round(rounds: list[dict]) -> list[tuple[int, int, int]]:
+    """(round, clients sampled for training, of them without an accepted reply) of every round
+    that trained: a reply timed out, failed, or rejected by the server's checks (a node restarted
+    mid-round, say, whose round was trained and charged to its ledger all the same)."""
+    found = []
+    for record in rounds:
         sampled = int(record.get("sampled", 0))
         if sampled:
-            return sampled, sampled - int(record.get("metrics", {}).get(TRAIN_CLIENTS, 0))
-    return 0, 0
+            trained = int(record.get("metrics", {}).get(TRAIN_CLIENTS, 0))
+            found.append((int(record.get("round", 0)), sampled, sampled - trained))
+    return found
 
 
 def verdict(data: dict, max_lost: float, written_ago: float, alive: bool | None = None) -> Verdict:
@@ -103,43 +107,51 @@ def verdict(data: dict, max_lost: float, written_ago: float, alive: bool | None 
             UNFINISHED,
             f"{status} after {done}; results.json last written {written_ago:.0f} s ago (still running, or killed)",
         )
-    sampled, lost = lost_in_last_round(rounds)
-    excluded = run.get("excluded_nodes") or {}
-    if sampled and lost / sampled > max_lost:
+    trained = lost_by_round(rounds)
+    lossy = [f"round {r} lost {lost} of {sampled}" for r, sampled, lost in trained if lost]
+    over = [(r, sampled, lost) for r, sampled, lost in trained if lost / sampled > max_lost]
+    if over:
         return Verdict(
             LOST_NODES,
-            f"finished {done}, but the last training round lost {lost} of {sampled} sampled clients "
-            f"(more than --max-lost {max_lost:g}); see each round's 'dropped' in results.json",
+            f"finished {done}, but {len(over)} round(s) lost more than --max-lost {max_lost:g} of the clients they "
+            f"sampled ({'; '.join(lossy)}); see each round's 'dropped' in results.json",
         )
+    _, sampled, lost = trained[-1] if trained else (0, 0, 0)
+    excluded = run.get("excluded_nodes") or {}
     extra = f"; {len(excluded)} node(s) excluded: {', '.join(excluded.values())}" if excluded else ""
+    extra += f"; clients lost: {'; '.join(lossy)}" if lossy else ""
     return Verdict(OK, f"finished {done}, last training round heard from {sampled - lost} of {sampled}{extra}")
 
 
 MAX_LOST = 0.5  # the share of a last round's sampled clients a run may lose and still pass (--max-lost)
 
 
+def _readable(path: Path) -> dict:
+    """A side file the run writes beside results.json (status.json, resume-refused.json), or {}
+    where there is none or it is not a JSON object: it only ever adds to what results.json says."""
+    try:
+        found = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def check(run_dir: Path, max_lost: float = MAX_LOST) -> Verdict:
-    path = Path(run_dir) / "results.json"
+    path = Path(run_dir) / RESULTS
     # the status file is written in place at the end even when results.json could not be (a full disk)
+    ended = _readable(Path(run_dir) / "status.json")
     try:
-        ended = json.loads((Path(run_dir) / "status.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        ended = {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        data = read_results(run_dir, "restore it from a backup; without it the run's outcome is unknown")
+    except UnreadableFile as err:
         if ended.get("status") == "failed":  # the run folder could not be written from the start
             return Verdict(FAILED, f"failed: {ended.get('note', '')}")
-        return Verdict(UNREADABLE, f"cannot read {path}: {err}")
+        return Verdict(UNREADABLE, str(err))
     if data.get("run", {}).get("status") == "running" and ended.get("status") not in (None, "running"):
         data["run"] = {**data["run"], "status": ended["status"], "note": ended.get("note", "")}
     found = verdict(data, max_lost, time.time() - path.stat().st_mtime, held(run_dir))
     # a resume refused after the folder was last written is the newest thing that happened to it
     # (server_app.resume.REFUSED: the refusal leaves results.json as it was)
-    try:
-        refused = json.loads((Path(run_dir) / "resume-refused.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        refused = None
+    refused = _readable(Path(run_dir) / "resume-refused.json")
     if refused and float(refused.get("at", 0)) >= path.stat().st_mtime:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(refused["at"])))
         why = refused.get("reason", "?")

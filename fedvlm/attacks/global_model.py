@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from fedvlm.attacks.likelihood import bootstrap
-from fedvlm.attacks.reports import GLOBAL, global_pooled
+from fedvlm.attacks.reports import ATTACKED, GLOBAL, global_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.strategies.records import TRAIN_ROW
-from fedvlm.utils.files import atomic_write_json, load_saved
+from fedvlm.utils.files import atomic_write_json, load_saved, read_results
 
 BATCH = 256
 
@@ -74,7 +74,7 @@ def run_attack(run_dir: Path) -> dict:
     from fedvlm.models.reprogram import initial_model, input_size, source_model
 
     run_dir = Path(run_dir)
-    data = json.loads((run_dir / "results.json").read_text())
+    data = read_results(run_dir, ATTACKED)
     cfg = validate(data["config"])
     nodes = trained_nodes(data)
     if not nodes:

@@ -52,10 +52,10 @@ from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedvlm.attacks import NoAttackApplies
 from fedvlm.attacks.likelihood import bootstrap, rmia
-from fedvlm.attacks.reports import HEADLINE, MAXRENYI, maxrenyi_pooled
+from fedvlm.attacks.reports import ATTACKED, HEADLINE, MAXRENYI, maxrenyi_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.server_app.observer import FOLDER as UPLOADS
-from fedvlm.utils.files import atomic_write_json, load_saved
+from fedvlm.utils.files import atomic_write_json, load_saved, read_results
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
     from fedvlm.models.vlm import AdapterSpec, load_vlm
 
     run_dir = Path(run_dir)
-    data = json.loads((run_dir / "results.json").read_text())
+    data = read_results(run_dir, ATTACKED)
     cfg = validate(data["config"])
     spec = cfg.spec
     if not spec.adapter:

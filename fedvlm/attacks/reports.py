@@ -11,6 +11,8 @@ MIA = "mia.json"  # the prompt family's (``attacks.run``)
 MAXRENYI = "maxrenyi.json"  # the VLM family's (``attacks.maxrenyi``)
 GLOBAL = "global_attack.json"  # the reprogramming family's (``attacks.global_model``)
 HEADLINE = "alpha=0.5,K=10"  # MaxRényi's setting fixed in advance (``attacks.maxrenyi``)
+# what an attack says of a run folder whose results.json it cannot read (``utils.files.read_results``)
+ATTACKED = "restore it from a backup: an attack reads the run's config and its members from it"
 
 
 def prompt_pooled(report: dict) -> dict[str, dict]:

@@ -40,7 +40,7 @@ from fedvlm.attacks.membership import (
     interval_summary,
     load_published,
 )
-from fedvlm.attacks.reports import MIA, prompt_pooled
+from fedvlm.attacks.reports import ATTACKED, MIA, prompt_pooled
 from fedvlm.attacks.server import ATTACKS as SERVER_ATTACKS
 from fedvlm.attacks.server import ServerAttack, server_scores
 from fedvlm.client_app.node import node_data
@@ -50,7 +50,7 @@ from fedvlm.methods.registry import get_method
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import datasets
 from fedvlm.server_app.observer import FOLDER as UPLOADS
-from fedvlm.utils.files import atomic_write_json
+from fedvlm.utils.files import atomic_write_json, read_results
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def run_attacks(
     if online % 2:
         raise ValueError(f"--online must be even (reference federations come in complementary pairs), got {online}")
     run_dir = Path(run_dir)
-    data = json.loads((run_dir / "results.json").read_text())
+    data = read_results(run_dir, ATTACKED)
     cfg = validate(data["config"])
     published = load_published(run_dir / "published")
     sim = {k: v for k, v in published.items() if v["partition_id"] >= 0}
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=300, help="VLM runs: members and non-members per attacked model")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    method = get_method(json.loads((args.run_dir / "results.json").read_text())["run"]["method"])
+    method = get_method(read_results(args.run_dir, ATTACKED)["run"]["method"])
     if method.adapter:  # FedRand and its LoRA baselines: the MaxRényi-K% attack (attacks.maxrenyi)
         from fedvlm.attacks.maxrenyi import main as maxrenyi_main
 

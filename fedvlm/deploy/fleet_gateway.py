@@ -316,6 +316,7 @@ def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
     The server listens on plain TCP and each connection starts its TLS here (``tls``), after its
     address passed the connection limits: a client that never finishes its handshake holds one
     counted connection for ``handshake_timeout`` seconds, no more."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     open_by_peer: Counter[str] = Counter()
@@ -326,6 +327,7 @@ def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
         _peer = ""
         _cycle_seen: object = None
         _early: list[bytes] = []  # replaced, never appended to in place
+        _hint = 0  # the status h11 suggested for the request it could not parse (0: none)
 
         def _arm(self, seconds: float, what: str) -> None:
             self._disarm()
@@ -394,6 +396,17 @@ def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
 
         def _serve(self, transport) -> None:
             super().connection_made(transport)
+            self._hint = 0
+            receive = self.conn.next_event
+
+            def next_event():  # keeps the status h11 suggests for a request it cannot parse
+                try:
+                    return receive()
+                except h11.RemoteProtocolError as err:
+                    self._hint = err.error_status_hint
+                    raise
+
+            self.conn.next_event = next_event  # type: ignore[method-assign]
             self._arm(limits.header_timeout, "the request's headers")
             early, self._early = self._early, []
             for data in early:
@@ -411,6 +424,23 @@ def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
                 self._arm(limits.body_timeout, "the request's body")
             if cycle is not None and not cycle.more_body:  # its body is in: the app's turn
                 self._disarm()
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn answers every request h11 cannot parse with 400; headers still arriving
+            past ``max_header`` get the documented 431, and every such refusal a log line."""
+            if self._hint != 431:
+                log.warning("refused a request from %s that is not HTTP/1.1 h11 can parse", self._peer)
+                return super().send_400_response(msg)
+            log.warning("refused a request from %s: its headers ran past %d bytes", self._peer, limits.max_header)
+            event = h11.Response(
+                status_code=431, headers=[(b"connection", b"close")], reason=b"Request Header Fields Too Large"
+            )
+            self.transport.write(self.conn.send(event))
+            self.transport.write(
+                self.conn.send(h11.Data(data=f"request headers may be at most {limits.max_header} bytes\n".encode()))
+            )
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -477,6 +507,8 @@ def _logging(path: str | None, max_mb: float, backups: int) -> None:
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    # httpx logs each upstream request at INFO: every forwarded call was logged twice
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

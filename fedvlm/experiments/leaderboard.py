@@ -32,7 +32,6 @@ import contextlib
 import csv
 import dataclasses
 import io
-import json
 import logging
 import shutil
 import sys
@@ -50,7 +49,7 @@ from fedvlm.experiments.sweep_report import LAST10, read_summary, utility_column
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
 from fedvlm.metrics import AUDIT_METRICS, METRICS, per_client
 from fedvlm.strategies.records import TRAFFIC_KEYS
-from fedvlm.utils.files import atomic_write_json, atomic_write_text
+from fedvlm.utils.files import UnreadableFile, atomic_write_json, atomic_write_text, read_results
 from fedvlm.utils.progress import time_left
 
 log = logging.getLogger("leaderboard")
@@ -163,8 +162,8 @@ def finished(folder: Path, names: set[str]) -> set[str]:
     """Those of ``names`` a sweep folder holds finished (which its sweep reuses)."""
     found = set()
     for name in names:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            if json.loads((folder / "runs" / name / "results.json").read_text())["run"].get("status") in sweep.REUSED:
+        with contextlib.suppress(UnreadableFile):  # a damaged one: its sweep says so in its row
+            if read_results(folder / "runs" / name, sweep.DAMAGED)["run"].get("status") in sweep.REUSED:
                 found.add(name)
     return found
 

@@ -31,10 +31,11 @@ from pathlib import Path
 
 from fedvlm.attacks.reports import MAXRENYI, maxrenyi_pooled
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
-from fedvlm.experiments.sweep import run_one
+from fedvlm.experiments.sweep import DAMAGED, run_one
 from fedvlm.methods.registry import VLM, methods_of
 from fedvlm.metrics import CLIENT_MODEL, OOD, SERVER_MODEL, TASK_LOSS, VLM_MODELS, VQA_SCORES, vlm_score
 from fedvlm.runconfig import parse_value
+from fedvlm.utils.files import RESULTS, read_results
 
 METHODS = tuple(m.name for m in methods_of(VLM))
 BOUNDS = ("-lo", "-hi")  # interval attacks go to table_attacks, not the main table
@@ -155,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         raw = {**base, "method": method, "run-name": name}
         if eps != "none":
             raw["privacy.epsilon"] = float(eps)
-        path = out / "runs" / name / "results.json"
         t0 = time.time()
-        data = json.loads(path.read_text()) if path.exists() else None
+        data = read_results(out / "runs" / name, DAMAGED) if (out / "runs" / name / RESULTS).exists() else None
         if data is None or data["run"].get("status") != "finished":
             data = run_one(raw, args.clients, args.engine, out)
         mia = None

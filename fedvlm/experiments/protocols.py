@@ -270,7 +270,14 @@ PROTOCOLS: dict[str, Protocol] = {
             "pFedMoAP (seed: pfedmoap_slides.md, Table 1): RN50 on Flowers102, OxfordPets, Food101, Caltech101, "
             "DTD, 10 clients with disjoint classes, 16 shots; here the embedded CLIP and its dataset. This "
             "project's CoOp trains every round (the paper's trains once): a stronger baseline.",
-            tuple(COMPARISONS["pfedmoap"]),
+            (
+                *COMPARISONS["pfedmoap"],
+                # the experiment behind FedOTP's shortfall: this project's FedOTP moves its global
+                # prompt by one server step a round (DP-FPL's structure, where the server adds the
+                # global noise), 0.01 x the mean gradient; FedOTP's own FedAvg of 10 local SGD steps
+                # (lr 0.002, momentum 0.9) moves it about 0.08 x. The same method at that step:
+                ("fedotp-server-lr0.1", "fedotp", {"prompt.local-steps": 0, "dpfpl.server-lr": 0.1}),
+            ),
             ("none",),
             (0, 1, 2),
             10,

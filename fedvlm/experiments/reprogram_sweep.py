@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import sys
 from pathlib import Path
 
 from fedvlm.experiments import stats
-from fedvlm.experiments.sweep import run_one
+from fedvlm.experiments.sweep import DAMAGED, run_one
 from fedvlm.methods.registry import REPROGRAM, methods_of
 from fedvlm.metrics import ACC, ACC_WEIGHTED
 from fedvlm.runconfig import parse_value
+from fedvlm.utils.files import RESULTS, read_results
 
 METHODS = tuple(m.name for m in methods_of(REPROGRAM))
 
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             for seed in [int(s) for s in args.seeds.split(",")]:
                 name = f"{method}-{source}-seed{seed}"
                 raw = {**base, "method": method, "reprogram.source-model": source, "seed": seed, "run-name": name}
-                path = out / "runs" / name / "results.json"
-                data = json.loads(path.read_text()) if path.exists() else None
+                found = (out / "runs" / name / RESULTS).exists()
+                data = read_results(out / "runs" / name, DAMAGED) if found else None
                 if data is None or data["run"].get("status") != "finished":
                     data = run_one(raw, args.clients, args.engine, out)
                 resolved = data["config"]["reprogram.source-model"]

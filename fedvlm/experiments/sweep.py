@@ -67,7 +67,7 @@ from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 from fedvlm.server_app.resume import CHECKPOINT, config_differences
 from fedvlm.status import RUN_LOCK
 from fedvlm.strategies.records import TRAFFIC_KEYS, TRAIN_ROW, complete
-from fedvlm.utils.files import try_hold
+from fedvlm.utils.files import RESULTS, UnreadableFile, read_results, try_hold
 from fedvlm.utils.progress import each, time_left
 
 log = logging.getLogger("sweep")
@@ -103,11 +103,11 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
         finally:
             for pid in pids_matching(tmp):
                 kill_tree(pid)
-    results = Path(raw["output-dir"]) / raw["run-name"] / "results.json"
+    results = Path(raw["output-dir"]) / raw["run-name"] / RESULTS
     if not results.exists():
         log_tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"flwr run of {raw['run-name']} wrote no results.json; its output ends:\n{log_tail}")
-    return json.loads(results.read_text())
+    return read_results(results.parent, "the run just made wrote a damaged record; run the sweep again")
 
 
 RANK = "8"  # a low-rank method's rank where --ranks names none
@@ -130,6 +130,10 @@ def other_run(raw: dict, data: dict, finished: bool = True) -> list[str]:
     if finished and saved.get("num-server-rounds") != now["num-server-rounds"]:
         differ.append(f"num-server-rounds = {saved.get('num-server-rounds')!r} (now {now['num-server-rounds']!r})")
     return differ
+
+
+# what a sweep says of a run folder whose results.json it cannot read (it changes nothing there)
+DAMAGED = "move that run folder away (or restore the file from a backup) and run the sweep again to make the run afresh"
 
 
 def set_aside(run_dir: Path, why: str) -> None:
@@ -423,7 +427,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         run_dir = out / "runs" / name
         t0 = time.time()
-        prior = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").exists() else None
+        try:
+            prior = read_results(run_dir, DAMAGED) if (run_dir / RESULTS).exists() else None
+        except UnreadableFile as err:  # the user's file: said, left as it is, the sweep goes on
+            rows.append(failed_row(variant, method, eps, seed, err))
+            log.error("[%d/%d] %s: %s", i, len(plan), name, err)
+            report(rows)
+            continue
         reused = prior if prior is not None and prior["run"].get("status") in REUSED else None
         fresh = reused is None
         try:

@@ -36,13 +36,11 @@ def draw_run(data: dict, out_dir: Path) -> dict[str, list[str]]:
 def redraw_run(folder: Path) -> dict[str, list[str]]:
     """A run folder's pictures from what it holds now (an attack report made after the run, say);
     a run that has ended gets its ``run.plots`` updated to what was drawn."""
-    import json
+    from fedvlm.utils.files import RESULTS, atomic_write_json, read_results
 
-    from fedvlm.utils.files import atomic_write_json
-
-    data = json.loads((folder / "results.json").read_text())
+    data = read_results(folder, "restore it from a backup; the pictures are drawn from it")
     drawn = draw_run(data, folder)
     if data["run"].get("status") != "running":  # a running run rewrites results.json itself
         data["run"]["plots"] = drawn
-        atomic_write_json(data, folder / "results.json")
+        atomic_write_json(data, folder / RESULTS)
     return drawn

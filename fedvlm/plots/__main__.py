@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from fedvlm.plots import redraw_run
+from fedvlm.utils.files import RESULTS, UnreadableFile
 
 
 def redraw_sweep(folder: Path) -> list[str]:
@@ -39,16 +40,31 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for folder in args.folders:
         folder = folder.expanduser().resolve()
-        if (folder / "results.json").exists():
-            for name, shows in redraw_run(folder).items():
-                print(f"{folder / name}: {', '.join(shows)}")
-        elif (folder / "summary.csv").exists():
-            for name in redraw_sweep(folder):
-                print(folder / name)
-        else:
-            print(f"{folder}: neither a run folder (results.json) nor a sweep folder (summary.csv)", file=sys.stderr)
+        try:
+            status = max(status, _redraw(folder))
+        except UnreadableFile as err:  # a damaged results.json: named, left as it is
+            print(f"{folder}: {err}", file=sys.stderr)
+            status = 2
+        except OSError as err:  # a folder it may not write in: what could not be written, and the fix
+            print(
+                f"{folder}: cannot write its pictures ({err}); make it writable, or copy it somewhere that is",
+                file=sys.stderr,
+            )
             status = 2
     return status
+
+
+def _redraw(folder: Path) -> int:
+    if (folder / RESULTS).exists():
+        for name, shows in redraw_run(folder).items():
+            print(f"{folder / name}: {', '.join(shows)}")
+    elif (folder / "summary.csv").exists():
+        for name in redraw_sweep(folder):
+            print(folder / name)
+    else:
+        print(f"{folder}: neither a run folder ({RESULTS}) nor a sweep folder (summary.csv)", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

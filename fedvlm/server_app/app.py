@@ -22,6 +22,7 @@ from fedvlm.server_app.tracking import Trackers
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.secure_aggregation import SecureAggregation
+from fedvlm.utils.files import UnreadableFile
 from fedvlm.utils.runtime import simulated_grid
 
 log = logging.getLogger("fedvlm")
@@ -45,7 +46,7 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     try:
         point = resume_point(cfg)
         held = hold_run_dir(point.run_dir) if point is not None else None
-    except ResumeError as err:
+    except (ResumeError, UnreadableFile) as err:  # a damaged file of the folder: refused, named, kept
         note_refused(cfg, err)
         raise
     parts = RunParts.of(cfg)  # the run's parts: the loop owns them, the strategy's hooks use them

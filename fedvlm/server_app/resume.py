@@ -48,7 +48,7 @@ from fedvlm.status import RUN_LOCK
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.records import complete
-from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_json, load_saved, try_hold
+from fedvlm.utils.files import atomic_torch_save, atomic_write_json, load_json, load_saved, read_results, try_hold
 
 CHECKPOINT = "checkpoint.pt"
 INFLIGHT = "inflight.json"
@@ -128,7 +128,8 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
         raise ResumeError(
             f"run config 'resume' = {cfg.resume!r}: {results} does not exist; name the run folder that holds it"
         )
-    data = load_json(results, f"restore it from a backup, or start the run afresh ({run_dir.name} cannot be resumed)")
+    fix = f"restore it from a backup, or start the run afresh ({run_dir.name} cannot be resumed)"
+    data = read_results(run_dir, fix)
     differ = config_differences(data["config"], cfg.as_dict())
     if differ:
         raise ResumeError(
@@ -140,10 +141,8 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
         )
     if not (run_dir / CHECKPOINT).is_file():
         raise ResumeError(f"{run_dir.name} never completed a round (no {CHECKPOINT}): start it afresh")
-    saved = load_saved(
-        run_dir / CHECKPOINT, f"restore it from a backup, or start the run afresh ({run_dir.name} cannot be resumed)"
-    )
-    if "state" not in saved:
+    saved = load_saved(run_dir / CHECKPOINT, fix)
+    if not isinstance(saved, dict) or "state" not in saved or "round" not in saved:
         raise ResumeError(f"{run_dir / CHECKPOINT} holds no strategy state (written by an older fedvlm): start afresh")
     done = int(saved["round"])
     last = [r for r in data["rounds"] if r["round"] == done]
@@ -156,6 +155,8 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
     # without it, a round cut off after its messages went out could not be charged to its trainees
     why_inflight = f"restore it from a backup, or start afresh ({run_dir.name} cannot be resumed without it)"
     inflight = load_json(run_dir / INFLIGHT, why_inflight) if (run_dir / INFLIGHT).is_file() else None
+    if inflight is not None and not (isinstance(inflight, dict) and "round" in inflight):
+        raise ResumeError(f"{run_dir / INFLIGHT} is not a round in flight (no 'round'): {why_inflight}")
     abandoned = inflight if inflight is not None and inflight["round"] > done else None
     return ResumePoint(run_dir, data, done, saved["state"], abandoned, owed)
 
@@ -170,7 +171,7 @@ def charge_abandoned(parts: RunParts, point: ResumePoint) -> dict:
     )
 
 
-def note_refused(cfg: RunConfig, why: ResumeError) -> None:
+def note_refused(cfg: RunConfig, why: Exception) -> None:
     """Keep why resuming ``cfg.resume`` was refused in that run folder (where there is one)."""
     run_dir = Path(cfg.resume).expanduser()
     if cfg.resume and run_dir.is_dir():

@@ -153,6 +153,31 @@ def load_json(path: Path, fix: str) -> Any:
         raise UnreadableFile(f"{path} is not valid UTF-8 JSON ({str(err)[:200]}): {fix}") from err
 
 
+RESULTS = "results.json"  # a run folder's record (server_app.results writes it)
+RECORD_PARTS = {"run": dict, "config": dict, "rounds": list}  # what every record holds from its first write
+
+
+def read_results(run_dir: Path, fix: str) -> dict:
+    """A run folder's ``results.json``. A file that cannot be read, is not JSON, or is JSON but not
+    a run's record (a list, one without its run, config or rounds) raises ``UnreadableFile``
+    naming it, what is wrong and ``fix``; nothing is changed."""
+    path = Path(run_dir) / RESULTS
+    try:
+        data = load_json(path, fix)
+    except OSError as err:
+        raise UnreadableFile(f"{path} cannot be read ({type(err).__name__}: {err}): {fix}") from err
+    if not isinstance(data, dict):
+        raise UnreadableFile(f"{path} holds a JSON {type(data).__name__}, not a run's record: {fix}")
+    wrong = [
+        f"'{k}' is {'missing' if k not in data else 'a ' + type(data[k]).__name__}, not a {t.__name__}"
+        for k, t in RECORD_PARTS.items()
+        if not isinstance(data.get(k), t)
+    ]
+    if wrong:
+        raise UnreadableFile(f"{path} is not a run's record ({'; '.join(wrong)}): {fix}")
+    return data
+
+
 def read_utf8(path: Path, fix: str) -> str:
     """A text file's contents; one that is not UTF-8 raises ``UnreadableFile`` naming it, the
     byte where it breaks and ``fix`` (Python's own error names neither file nor fix)."""

@@ -258,6 +258,12 @@ def test_resuming_refuses_what_it_cannot_continue_exactly(make_cfg, pretrained_c
     (done / "results.json").write_bytes(b'{"run": \xff')
     with pytest.raises(UnreadableFile, match=r"results\.json is not valid UTF-8 JSON.*cannot be resumed"):
         execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")
+    # ... and one that is JSON but not a run's record (a bare TypeError/KeyError named neither)
+    for body, words in (("[]", "holds a JSON list, not a run's record"), ('{"run": {}}', "'config' is missing")):
+        (done / "results.json").write_text(body)
+        with pytest.raises(UnreadableFile, match=f"results\\.json.*{words}.*cannot be resumed"):
+            execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")
+        assert (done / "results.json").read_text() == body  # left as it was
 
 
 def test_an_extended_run_keeps_spending_the_same_budget(make_cfg, pretrained_clip):

@@ -80,6 +80,15 @@ def test_an_impossible_variant_is_refused_before_the_first_run_and_the_sweep_goe
     assert not (out / "runs" / "otp-timm-epsnone-seed0").exists()  # refused before it started
     assert "| otp-timm | failed |" in (out / "table_final.md").read_text()
     assert "timm image tower" in (out / "table_failures.md").read_text()
+    # a damaged results.json (truncated, binary, a list) is that run's failed row, named, left as
+    # it was; the sweep goes on to the next run and writes its tables (it ended in a traceback)
+    for body, words in ((b'{"run": ', "not valid UTF-8 JSON"), (b"\xff\xfe", "not valid UTF-8"), (b"[]", "JSON list")):
+        (out / "runs" / "zs-epsnone-seed0" / "results.json").write_bytes(body)
+        assert main(argv) == 0
+        rows = {r["variant"]: r for r in csv.DictReader((out / "summary.csv").open())}
+        assert rows["zs"]["status"] == "failed" and "zs-epsnone-seed0/results.json" in rows["zs"]["error"]
+        assert words in rows["zs"]["error"] and "move that run folder away" in rows["zs"]["error"]
+        assert (out / "runs" / "zs-epsnone-seed0" / "results.json").read_bytes() == body
 
 
 def test_the_papers_numbers_appear_only_for_the_papers_setup():

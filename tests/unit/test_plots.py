@@ -114,3 +114,33 @@ def test_many_nodes_or_labels_are_one_matrix_of_a_fixed_size(nodes_n, tmp_path):
     shows = draw_partition({"config": {"method": "promptfl", "dataset": "embedded", "partitioner": "iid"}}, tmp_path)
     assert shows == {FILE: ["training records per label and node (a cell per node and label)"]}
     assert Image.open(tmp_path / FILE).size == (1210, 528)  # 11 x 4.8 inches at 110 dpi, whatever the nodes
+
+
+def test_the_plots_command_names_a_damaged_record_or_a_folder_it_cannot_write(tmp_path, capsys):
+    """A damaged results.json or a read-only folder was a traceback naming no file."""
+    import os
+
+    from fedvlm.plots.__main__ import main
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "results.json").write_text("[]")
+    assert main([str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert str(damaged / "results.json") in err and "not a run's record" in err and "restore it" in err
+    assert (damaged / "results.json").read_text() == "[]" and sorted(p.name for p in damaged.iterdir()) == [
+        "results.json"
+    ]
+    if os.geteuid() == 0:
+        return  # root writes into a read-only folder: the path cannot be taken here
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "results.json").write_text(
+        json.dumps({"run": {"status": "finished"}, "config": {}, "rounds": [], "final": {}})
+    )
+    locked.chmod(0o500)
+    try:
+        assert main([str(locked)]) == 2
+        assert "cannot write its pictures" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)

@@ -23,15 +23,18 @@ def _write(folder, run: dict, rounds: list[dict], total: int = 2):
     return folder
 
 
-def _round(sampled: int, trained: int) -> dict:
-    return {"round": 1, "sampled": sampled, "metrics": {"train-clients": trained}}
+def _round(sampled: int, trained: int, r: int = 1) -> dict:
+    return {"round": r, "sampled": sampled, "metrics": {"train-clients": trained}}
 
 
 @pytest.mark.parametrize(
     "run,rounds,code,words",
     [
         ({"status": "finished"}, [_round(4, 4), _round(4, 3)], status.OK, "heard from 3 of 4"),
-        ({"status": "finished"}, [_round(4, 4), _round(4, 1)], status.LOST_NODES, "lost 3 of 4"),
+        ({"status": "finished"}, [_round(4, 4), _round(4, 1, 2)], status.LOST_NODES, "round 2 lost 3 of 4"),
+        # a round lost mid-run (a node restarted, its reply refused) is judged too, not only the last
+        ({"status": "finished"}, [_round(4, 1), _round(4, 4, 2)], status.LOST_NODES, "round 1 lost 3 of 4"),
+        ({"status": "finished"}, [_round(4, 3), _round(4, 4, 2)], status.OK, "clients lost: round 1 lost 1 of 4"),
         ({"status": "failed", "note": "RuntimeError: boom"}, [_round(4, 4)], status.FAILED, "RuntimeError: boom"),
         ({"status": "stopped", "note": "privacy budget reached"}, [_round(4, 4)], status.STOPPED, "privacy budget"),
         ({"status": "running"}, [_round(4, 4)], status.UNFINISHED, "1 of 2 rounds"),
@@ -92,6 +95,18 @@ def test_a_run_that_is_not_there_or_unreadable_is_exit_2(tmp_path, capsys):
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "results.json").write_text("{")
     assert status.main([str(tmp_path / "half")]) == status.UNREADABLE
+    # binary bytes, a list, a record without its rounds; and a side file that is not an object
+    (tmp_path / "half" / "status.json").write_text("[1]")
+    for body, words in (
+        (b"\x80\xff", "not valid UTF-8 JSON"),
+        (b"[]", "JSON list"),
+        (b'{"run": {}, "config": {}}', "'rounds' is missing"),
+    ):
+        (tmp_path / "half" / "results.json").write_bytes(body)
+        capsys.readouterr()
+        assert status.main([str(tmp_path / "half")]) == status.UNREADABLE
+        said = capsys.readouterr()
+        assert "results.json" in said.out + said.err and words in said.out + said.err
 
 
 def test_without_a_folder_it_reads_the_newest_run(tmp_path, capsys):
