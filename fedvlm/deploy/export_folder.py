@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
             k, v = item.split("=", 1)
             overrides[k] = parse_value(v)
-        folders = export_partitions(args.out, args.num_partitions, overrides)
+        # a node refuses a relative data-dir: the folders are named as it must be given them
+        folders = export_partitions(args.out.expanduser().resolve(), args.num_partitions, overrides)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

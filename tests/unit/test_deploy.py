@@ -277,3 +277,13 @@ def test_an_image_refuses_a_family_it_was_built_without(tmp_path, monkeypatch):
         with pytest.raises(prepare.NotInImage, match=prepare.BUILD_ARGS[family]):
             for make in prepare.models_of(family).values():
                 make(tmp_path)
+
+
+def test_export_folder_names_each_folder_as_a_node_must_be_given_it(tmp_path, monkeypatch, capsys, cache_dir):
+    """A relative --out was printed back relative, and a node refuses a relative data-dir."""
+    from fedvlm.deploy.export_folder import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--out", "parts", "--num-partitions", "2", "--set", "max-per-class=2", f"cache-dir={cache_dir}"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "data-dir=" in line]
+    assert len(said) == 2 and all(f"data-dir='{tmp_path / 'parts'}/" in line for line in said)
