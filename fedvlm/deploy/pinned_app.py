@@ -218,6 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the federation's ServerApp key (server-signing.pub): run only messages it signed (repeatable)",
     )
     e.add_argument(
+        "--accept-unsigned-instructions",
+        action="store_true",
+        help="run without --server-key: any message of a pinned app that reaches this node runs, whoever pushed it",
+    )
+    e.add_argument(
         "--clientapp-start",
         choices=("fork", "spawn"),
         default="fork" if sys.platform.startswith("linux") else "spawn",
@@ -241,12 +246,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_public(key)
     except (OSError, ValueError) as err:
         p.error(f"--server-key: {err}")
+    if not args.server_key and not args.accept_unsigned_instructions:
+        p.error(
+            "--server-key is required: pin the federation's server-signing.pub so that this node acts only on its "
+            "ServerApp's instructions (or say --accept-unsigned-instructions to run any message of a pinned app "
+            "that reaches it, whoever pushed it)"
+        )
     rest = args.superexec_args[1:] if args.superexec_args[:1] == ["--"] else args.superexec_args
     log_beside_flower()
     if not args.server_key:
         logging.getLogger("fedvlm.exec").warning(
-            "no --server-key: this node runs any message of a pinned app that reaches it, whoever pushed it; pin the "
-            "federation's server-signing.pub so that it acts only on its ServerApp's instructions"
+            "--accept-unsigned-instructions: this node runs any message of a pinned app that reaches it, whoever "
+            "pushed it"
         )
     _exec(pins, args.server_key, rest, args.clientapp_start == "fork", args.task_poll)
     return 0

@@ -123,3 +123,19 @@ def test_an_installed_app_is_found_by_its_exact_bytes_only(tmp_path, monkeypatch
     assert installed_app(ours) == path and (path / "demo.py").read_text() == "x = 1\n"
     assert installed_app(changed) is None  # other bytes: another folder, installed by Flower
     assert installed_app(b"not a zip") is None  # Flower's install reports what is wrong with it
+
+
+def test_exec_without_a_server_key_is_refused_unless_said_in_words(capsys, monkeypatch):
+    """Without --server-key the node ran unsigned instructions after a warning nobody reads."""
+    from fedvlm.deploy import pinned_app
+
+    started = []
+    monkeypatch.setattr(pinned_app, "_exec", lambda *a: started.append(a))
+    monkeypatch.setattr(pinned_app, "log_beside_flower", lambda: None)
+    pin = "sha256:" + "ab" * 32
+    with pytest.raises(SystemExit) as refused:
+        pinned_app.main(["exec", "--pin", pin, "--", "--insecure"])
+    assert refused.value.code == 2 and not started
+    assert "--server-key is required" in capsys.readouterr().err
+    assert pinned_app.main(["exec", "--pin", pin, "--accept-unsigned-instructions", "--", "--insecure"]) == 0
+    assert len(started) == 1 and started[0][1] == []  # it runs, with no key, only when the operator said so
