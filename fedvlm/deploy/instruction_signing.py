@@ -18,10 +18,14 @@ This is the end-to-end layer, which holds even where the gateway is bypassed or 
   trained or spent.
 
 What is signed (``digest``): the run id, the sender and destination node ids, the message type,
-the group id and the message's content (Flower's own object id of the content's RecordDict, a
-SHA-256 Merkle digest over every record and array, computed again on the node from what it
-pulled), under a domain string. A signature therefore binds a message to one node and one run: it
-cannot be redirected to another node, replayed into another run, or have its content changed.
+the group id (the round), the message's content (Flower's own object id of the content's
+RecordDict, a SHA-256 Merkle digest over every record and array, computed again on the node from
+what it pulled) and a random nonce of the message's own, under a domain string. A signature
+therefore binds a message to one node and one run: it cannot be redirected to another node,
+replayed into another run, or have its content changed. Within its run a node serves each
+signed message once: it keeps the nonces it served (``Served``, a file per run in the folder
+``pinned_app exec --served-dir`` names, owner-only) and refuses a message whose nonce is there,
+so a replayed instruction is never trained on or charged to the node's ledger again.
 The signature travels in one ConfigRecord of the content (``SIGNATURE``), which the digest leaves
 out. Every message gets a content of its own before it is signed, since Flower's strategies may
 share one RecordDict between the messages of a round.
@@ -48,7 +52,7 @@ if TYPE_CHECKING:
 
 SIGNATURE = "fedvlm.signature"  # the content record that carries the signature
 SIGNING_KEY_ENV = "FEDVLM_SIGNING_KEY"  # the ServerApp's private key file, on the SuperLink host
-DOMAIN = "fedvlm-instruction-v1"
+DOMAIN = "fedvlm-instruction-v2"  # v2: the nonce is signed
 
 
 class UnsignedInstruction(PermissionError):
@@ -102,23 +106,25 @@ def key_id(key: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def digest(msg: Message) -> bytes:
+def digest(msg: Message, nonce: str) -> bytes:
     """What a signature covers (the module docstring)."""
     from flwr.app import RecordDict
 
     md = msg.metadata
     content = RecordDict({k: v for k, v in msg.content.items() if k != SIGNATURE})
-    fields = [DOMAIN, md.run_id, md.src_node_id, md.dst_node_id, md.message_type, md.group_id, content.object_id]
+    fields = [DOMAIN, md.run_id, md.src_node_id, md.dst_node_id, md.message_type, md.group_id, content.object_id, nonce]
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).digest()
 
 
 def signed(msg: Message, key: Ed25519PrivateKey) -> Message:
-    """``msg`` with a content of its own that carries its signature."""
+    """``msg`` with a content of its own that carries its signature and its nonce."""
     from flwr.app import ConfigRecord, RecordDict
 
     content = RecordDict({k: v for k, v in msg.content.items() if k != SIGNATURE})
     msg.content = content
-    content[SIGNATURE] = ConfigRecord({"key": key_id(key.public_key()), "signature": key.sign(digest(msg))})
+    nonce = os.urandom(16).hex()
+    signature = key.sign(digest(msg, nonce))
+    content[SIGNATURE] = ConfigRecord({"key": key_id(key.public_key()), "nonce": nonce, "signature": signature})
     return msg
 
 
@@ -133,8 +139,37 @@ def sign_pushes(grid: Any, key: Ed25519PrivateKey) -> None:
     grid.push_messages = push_signed
 
 
-def verify(msg: Message, keys: Sequence[Ed25519PublicKey]) -> None:
-    """``UnsignedInstruction`` unless one of ``keys`` signed ``msg`` as it arrived."""
+class Served:
+    """The nonces of the signed messages a node served, a JSON list per run in ``folder`` (0700),
+    each added under an exclusive lock before the app runs: a message seen before is refused."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def once(self, run_id: int, nonce: str, what: str) -> None:
+        from fedvlm.utils.files import atomic_write_json, file_lock, load_json
+
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.folder / f"run-{int(run_id)}.json"
+        with file_lock(path):
+            seen = (
+                load_json(path, "restore it or move it away (it lists the messages this node served)")
+                if path.exists()
+                else []
+            )
+            if not isinstance(seen, list):
+                raise UnsignedInstruction(f"{path} is not a list of served messages: restore it or move it away")
+            if nonce in seen:
+                raise UnsignedInstruction(
+                    f"the {what} was served by this node before (nonce {nonce[:12]}...): a replayed instruction is "
+                    "refused before the app ran, so it trains nothing and spends nothing"
+                )
+            atomic_write_json([*seen, nonce], path, durable=True)
+
+
+def verify(msg: Message, keys: Sequence[Ed25519PublicKey], served: Served | None = None) -> None:
+    """``UnsignedInstruction`` unless one of ``keys`` signed ``msg`` as it arrived and, with
+    ``served``, this node has not served it before."""
     from cryptography.exceptions import InvalidSignature
 
     what = f"{msg.metadata.message_type} message of run {msg.metadata.run_id}"
@@ -144,13 +179,16 @@ def verify(msg: Message, keys: Sequence[Ed25519PublicKey]) -> None:
             f"the {what} carries no signature: this node acts only on instructions its federation's ServerApp signed "
             f"(key {', '.join(key_id(k) for k in keys)}); refused before the app ran"
         )
-    body, signature = digest(msg), record.get("signature")
+    nonce = record.get("nonce")
+    body, signature = digest(msg, nonce if isinstance(nonce, str) else ""), record.get("signature")
     for key in keys:
         try:
             key.verify(signature, body)  # type: ignore[arg-type]  # a record's value; not bytes: TypeError
-            return
         except (InvalidSignature, TypeError):
             continue
+        if served is not None:
+            served.once(msg.metadata.run_id, str(nonce), what)
+        return
     raise UnsignedInstruction(
         f"the {what} is not signed by this node's pinned ServerApp key ({', '.join(key_id(k) for k in keys)}; "
         f"it names key {record.get('key', '?')}), or was changed after signing: refused before the app ran"

@@ -312,6 +312,7 @@ class LocalFederation:
                 "exec",
                 *(f"--pin={p}" for p in self.pins),
                 f"--server-key={self.creds / 'server-signing.pub'}",  # it acts only on the federation's ServerApp
+                f"--served-dir={self.dir / 'served' / name}",  # each signed message once
                 f"--clientapp-start={'fork' if self.fork else 'spawn'}",
                 f"--task-poll={self.waits.task_poll}",
                 "--",

@@ -48,6 +48,8 @@ from fedvlm.deploy import log_beside_flower, object_pulls
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 SERVER_KEYS_ENV = "FEDVLM_SERVER_KEYS"  # and the ServerApp keys whose signatures they accept
+SERVED_ENV = "FEDVLM_SERVED_DIR"  # and where they keep the signed messages the node served
+DEFAULT_SERVED = "~/.local/state/fedvlm/served"
 CLIENTAPP_COMMAND = "fedvlm-clientapp"  # pyproject [project.scripts]
 CLIENTAPP_ENTRY = "fedvlm.deploy.pinned_app:clientapp_main"  # what that script runs
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads it (seconds, default 1)
@@ -151,7 +153,10 @@ def clientapp_main() -> None:
     from fedvlm.deploy.instruction_signing import verify
 
     install, pull = runtime.install_from_fab, runtime.pull_task_input
+    from fedvlm.deploy.instruction_signing import Served
+
     keys, pulled = server_keys_from_env(), {}
+    served = Served(Path(os.environ[SERVED_ENV])) if os.environ.get(SERVED_ENV) else None
 
     def pull_kept(client):
         message, context, run, fab = pull(client)
@@ -162,7 +167,7 @@ def clientapp_main() -> None:
         fab = fab_file.read_bytes() if isinstance(fab_file, Path) else fab_file
         check_fab(fab, pinned_from_env())
         if keys:
-            verify(pulled["message"], keys)
+            verify(pulled["message"], keys, served)
         installed = installed_app(fab) if install_dir is None and skip_prompt else None
         return installed if installed is not None else install(fab_file, install_dir, skip_prompt)
 
@@ -174,7 +179,12 @@ def clientapp_main() -> None:
 
 
 def _exec(
-    pins: Sequence[str], server_keys: Sequence[Path], superexec_args: Sequence[str], fork: bool, task_poll: float
+    pins: Sequence[str],
+    server_keys: Sequence[Path],
+    superexec_args: Sequence[str],
+    fork: bool,
+    task_poll: float,
+    served: Path,
 ) -> None:
     """Flower's SuperExec, starting ``fedvlm-clientapp`` for ClientApp tasks (forked, with ``fork``)."""
     from flwr.supercore import constant
@@ -185,6 +195,7 @@ def _exec(
         raise SystemExit(f"{command} is missing: install this project (pip install -e .) in this environment")
     os.environ[PINS_ENV] = ",".join(pins)  # inherited by every ClientApp process it starts
     os.environ[SERVER_KEYS_ENV] = os.pathsep.join(str(Path(k).resolve()) for k in server_keys)
+    os.environ[SERVED_ENV] = str(served.expanduser().resolve())
     os.environ.setdefault(TASK_POLL_ENV, str(task_poll))  # an operator's own setting wins
     commands: dict[Any, str] = constant.TASK_TYPE_TO_COMMAND  # keyed by a StrEnum (Python 3.11)
     commands[constant.TaskType.CLIENT_APP] = str(command)
@@ -229,6 +240,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="fork each ClientApp from a warm fork server (Linux default) or start it as a new process (Flower's way)",
     )
     e.add_argument("--task-poll", type=float, default=0.2, help="seconds between looks for a task (Flower: 1)")
+    e.add_argument(
+        "--served-dir",
+        type=Path,
+        default=Path(DEFAULT_SERVED),
+        help="where the node keeps the signed messages it served, so that a replay is refused (owner-only; "
+        f"default {DEFAULT_SERVED})",
+    )
     e.add_argument("superexec_args", nargs=argparse.REMAINDER, help="-- then flower-superexec's arguments")
     args = p.parse_args(argv)
     if args.command == "hash":
@@ -259,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--accept-unsigned-instructions: this node runs any message of a pinned app that reaches it, whoever "
             "pushed it"
         )
-    _exec(pins, args.server_key, rest, args.clientapp_start == "fork", args.task_poll)
+    _exec(pins, args.server_key, rest, args.clientapp_start == "fork", args.task_poll, args.served_dir)
     return 0
 
 

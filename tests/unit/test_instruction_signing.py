@@ -108,3 +108,30 @@ def test_every_pushed_message_is_signed_with_a_content_of_its_own(keys):
         verify(_travelled(msg), [keys["public"]])
     one, two = grid.pushed
     assert one.content is not two.content and one.content[SIGNATURE]["signature"] != two.content[SIGNATURE]["signature"]
+
+
+def test_a_node_serves_each_signed_instruction_once(keys, tmp_path):
+    """A signed instruction carried no nonce: replayed, it was valid for its whole run, to its
+    node, any number of times, each replay a fresh release charged to the node's ledger. Now
+    each carries a signed nonce, and the node refuses one it served before; a nonce changed to
+    get past that breaks the signature."""
+    from flwr.app import ConfigRecord
+
+    from fedvlm.deploy.instruction_signing import Served
+
+    served = Served(tmp_path / "served")
+    genuine = signed(_message(_content()), keys["private"])
+    verify(_travelled(genuine), [keys["public"]], served)
+    with pytest.raises(UnsignedInstruction, match="served by this node before.*refused before the app ran"):
+        verify(_travelled(genuine), [keys["public"]], served)
+    again = signed(_message(_content()), keys["private"])  # the same instruction signed again: a new nonce
+    assert again.content[SIGNATURE]["nonce"] != genuine.content[SIGNATURE]["nonce"]
+    verify(_travelled(again), [keys["public"]], served)
+    record = dict(genuine.content[SIGNATURE].items())
+    renamed = RecordDict(dict(genuine.content.items()))
+    renamed[SIGNATURE] = ConfigRecord({**record, "nonce": "00" * 16})
+    with pytest.raises(UnsignedInstruction, match="or was changed after signing"):
+        verify(_travelled(_message(renamed)), [keys["public"]], served)
+    # the record is the node's, owner-only, one file per run; another run's messages are apart
+    assert stat.S_IMODE((tmp_path / "served").stat().st_mode) == 0o700
+    assert [p.name for p in (tmp_path / "served").glob("*.json")] == ["run-7.json"]
