@@ -128,3 +128,40 @@ def test_a_body_past_the_cap_is_refused_before_it_is_read():
         assert client.post("/v1/fleet/pull-object", content=chunks()).status_code == 413
     assert len(seen) == 1
     assert Limits().body == 5 * 2**20 + 2**20  # Flower's largest array chunk and 1 MiB of the rest
+
+
+def test_the_bodies_held_at_once_are_bounded_in_all_and_by_address():
+    """32 unauthenticated bodies just under the cap from one address were buffered whole (the
+    gateway from 79 to 622 MiB, the SuperLink behind it parsing each): now a request is counted
+    at its declared size before its body is read, and one past the budget is answered 503 at once."""
+    import asyncio
+
+    async def scenario() -> list[int]:
+        gate = asyncio.Event()
+
+        async def slow(request: Request) -> Response:  # the SuperLink, still busy with each body
+            await request.body()
+            await gate.wait()
+            return Response(b"ok")
+
+        upstream = httpx.ASGITransport(app=Starlette(routes=[Route("/{p:path}", slow, methods=["POST"])]))
+        limits = Limits(max_body=1000, max_inflight=3000, max_inflight_per_peer=2000)
+        app = make_app("127.0.0.1:9093", "", limits, transport=upstream)
+
+        def caller(address: str) -> httpx.AsyncClient:
+            return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(address, 1)), base_url="http://g")
+
+        a, b = caller("198.51.100.1"), caller("198.51.100.2")
+        post = "/v1/fleet/pull-object"
+        held = [asyncio.create_task(c.post(post, content=b"x" * 1000)) for c in (a, a, b)]
+        await asyncio.sleep(0.2)  # all three bodies are in, their answers awaited
+        refused = [
+            (await a.post(post, content=b"x" * 10)).status_code,
+            (await b.post(post, content=b"x" * 10)).status_code,
+        ]
+        gate.set()
+        answered = [(await t).status_code for t in held]
+        after = (await a.post(post, content=b"x" * 1000)).status_code  # given back: room again
+        return [*refused, *answered, after]
+
+    assert asyncio.run(scenario()) == [503, 503, 200, 200, 200, 200]
