@@ -20,6 +20,9 @@ What it holds a request to:
   SuperLink, that answers no message, or whose id is not the hash of the Message object those
   very fields make (the SuperLink checks every object's hash when it arrives, so the object it
   stores carries the fields checked here). ``push-object`` must name its push session.
+- **A node pulls only what it was sent.** ``pull-object`` is forwarded only for an object of a
+  message the gateway saw the SuperLink send that node (``Sent``): knowing an object's id is not
+  enough to read another organisation's replies, instructions or a run's model.
 - **Size.** A body is at most ``--max-body`` bytes (default: Flower's largest array chunk, 5 MiB,
   plus 1 MiB for the rest of a request: the largest thing a real SuperNode sends is one chunk of
   one array), refused with 413 from its Content-Length or as soon as it grows past it; headers at
@@ -263,6 +266,51 @@ def check_push_object(body: bytes) -> str | None:
 CHECKS = {"push-messages": check_push, "push-object": check_push_object}
 
 
+class Sent:
+    """The objects the SuperLink sent each node, learnt from the ``pull-messages`` answers the
+    gateway forwarded (each message's whole object tree): a node may ``pull-object`` only those.
+    Without this, an object's id was all it took: with ids read from the SuperLink's database one
+    organisation pulled another's handshake reply, its instructions and a run's final model after
+    it was excluded from that run. At most ``per_node`` ids are kept per node, the oldest dropped."""
+
+    def __init__(self, per_node: int = 1 << 16):
+        self.per_node = per_node
+        self.by_node: dict[int, dict[str, None]] = {}  # node id -> object ids, oldest first
+
+    def learn(self, request_body: bytes, answer: bytes) -> None:
+        from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse
+        from google.protobuf.message import DecodeError
+
+        try:
+            node, pulled = (
+                PullMessagesRequest.FromString(request_body).node.node_id,
+                PullMessagesResponse.FromString(answer),
+            )
+        except DecodeError:
+            return
+        ids = self.by_node.setdefault(node, {})
+        stack = list(pulled.message_object_trees)
+        while stack:
+            tree = stack.pop()
+            ids.pop(tree.object_id, None)
+            ids[tree.object_id] = None  # newest last
+            stack.extend(tree.children)
+        for old in list(ids)[: max(0, len(ids) - self.per_node)]:
+            del ids[old]
+
+    def check(self, body: bytes) -> str | None:
+        from flwr.proto.message_pb2 import PullObjectRequest
+        from google.protobuf.message import DecodeError
+
+        try:
+            req = PullObjectRequest.FromString(body)
+        except DecodeError:
+            return "not a PullObjectRequest"
+        if req.object_id not in self.by_node.get(req.node.node_id, {}):
+            return f"node {req.node.node_id} asked for object {req.object_id[:16]}..., which was not sent to it"
+        return None
+
+
 # ---- the app -------------------------------------------------------------------------------------
 class TooLarge(Exception):
     pass
@@ -293,7 +341,7 @@ def make_app(
         transport=transport,
     )
 
-    held = InFlight(limits)
+    held, sent = InFlight(limits), Sent()
 
     async def forward(request: Request) -> Response:
         declared = request.headers.get("content-length", "")
@@ -344,7 +392,7 @@ def make_app(
             )
         except ClientDisconnect:
             return Response(status_code=400)
-        check = CHECKS.get(call)
+        check = sent.check if call == "pull-object" else CHECKS.get(call)
         why = check(body) if check is not None else None
         if why is not None:
             log.warning("refused %s from %s: %s", call, peer, why)
@@ -364,6 +412,8 @@ def make_app(
             len(upstream.content),
             1000 * (time.monotonic() - t0),
         )
+        if call == "pull-messages" and upstream.status_code == 200:  # what this node may now pull
+            sent.learn(body, upstream.content)
         return Response(upstream.content, status_code=upstream.status_code, headers=_forwardable(upstream.headers))
 
     @contextlib.asynccontextmanager

@@ -117,15 +117,15 @@ def test_forged_pushes_never_reach_the_superlink_and_the_real_peer_is_told():
 def test_a_body_past_the_cap_is_refused_before_it_is_read():
     gateway, seen = _gateway(Limits(max_body=1000))
     with TestClient(gateway) as client:
-        assert client.post("/v1/fleet/pull-object", content=b"x" * 1000).status_code == 200
-        r = client.post("/v1/fleet/pull-object", content=b"x" * 1001)
+        assert client.post("/v1/fleet/pull-messages", content=b"x" * 1000).status_code == 200
+        r = client.post("/v1/fleet/pull-messages", content=b"x" * 1001)
         assert r.status_code == 413 and "at most 1000 bytes" in r.text
 
         def chunks():  # no Content-Length: refused once it has grown past the cap
             for _ in range(50):
                 yield b"y" * 100
 
-        assert client.post("/v1/fleet/pull-object", content=chunks()).status_code == 413
+        assert client.post("/v1/fleet/pull-messages", content=chunks()).status_code == 413
     assert len(seen) == 1
     assert Limits().body == 5 * 2**20 + 2**20  # Flower's largest array chunk and 1 MiB of the rest
 
@@ -152,7 +152,7 @@ def test_the_bodies_held_at_once_are_bounded_in_all_and_by_address():
             return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(address, 1)), base_url="http://g")
 
         a, b = caller("198.51.100.1"), caller("198.51.100.2")
-        post = "/v1/fleet/pull-object"
+        post = "/v1/fleet/pull-messages"
         held = [asyncio.create_task(c.post(post, content=b"x" * 1000)) for c in (a, a, b)]
         await asyncio.sleep(0.2)  # all three bodies are in, their answers awaited
         refused = [
@@ -165,3 +165,39 @@ def test_the_bodies_held_at_once_are_bounded_in_all_and_by_address():
         return [*refused, *answered, after]
 
     assert asyncio.run(scenario()) == [503, 503, 200, 200, 200, 200]
+
+
+def test_a_node_pulls_only_the_objects_it_was_sent():
+    """pull-object was limited only by knowing an object's id: with ids from the SuperLink's
+    database one organisation read another's handshake reply, its instructions and a run's final
+    model. Now the gateway learns each node's objects from the pull-messages answers it forwards
+    (a message's whole object tree) and forwards pull-object for those only."""
+    from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse
+    from flwr.proto.message_pb2 import ObjectTree, PullObjectRequest
+
+    leaf, content = ObjectTree(object_id="c" * 64), ObjectTree(object_id="b" * 64)
+    content.children.append(leaf)
+    tree = ObjectTree(object_id="a" * 64)
+    tree.children.append(content)
+    answer = PullMessagesResponse(message_object_trees=[tree]).SerializeToString()
+    seen: list = []
+
+    async def superlink(request: Request) -> Response:
+        seen.append(request.url.path)
+        return Response(answer if request.url.path.endswith("pull-messages") else b"the object")
+
+    upstream = httpx.ASGITransport(app=Starlette(routes=[Route("/{p:path}", superlink, methods=["POST"])]))
+    gateway = make_app("127.0.0.1:9093", "", Limits(), transport=upstream)
+
+    def pull(node: int, object_id: str):
+        body = PullObjectRequest(node=Node(node_id=node), run_id=1, object_id=object_id).SerializeToString()
+        return client.post("/v1/fleet/pull-object", content=body)
+
+    with TestClient(gateway) as client:
+        assert pull(A, "a" * 64).status_code == 403  # before it was sent anything
+        client.post("/v1/fleet/pull-messages", content=PullMessagesRequest(node=Node(node_id=A)).SerializeToString())
+        assert [pull(A, i * 64).status_code for i in "abc"] == [200, 200, 200]  # the message, its content, a leaf
+        refused = pull(B, "c" * 64)  # another organisation, knowing the id
+        assert refused.status_code == 403 and f"node {B} asked for object cccc" in refused.text
+        assert pull(A, "d" * 64).status_code == 403  # an id never sent to anyone
+    assert seen.count("/v1/fleet/pull-object") == 3
