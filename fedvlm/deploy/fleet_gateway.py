@@ -41,7 +41,11 @@ What it holds a request to:
 - **Connections.** At most ``--max-connections`` open at once and ``--max-per-peer`` from one
   address, counted from the moment a connection is accepted (before its TLS handshake, which
   costs the gateway memory); past either, a new connection is closed at once (and logged, at
-  most once a minute per address). The process's open-file limit is raised to its hard limit.
+  most once a minute per address). A connection that has not finished its TLS handshake has sent
+  nothing the gateway can check, so those are held apart: at most ``--max-handshakes-per-peer``
+  from one address (past it, refused) and ``--max-handshakes`` in all, the oldest giving way to a
+  new one, so silent TCP connections from many addresses cannot hold the slots honest clients need.
+  The process's open-file limit is raised to its hard limit.
 - **Who called.** Forwarding headers a client sends (``Forwarded``, ``X-Forwarded-*``,
   ``X-Real-IP``) are dropped and ``X-Forwarded-For`` is set to the caller's real address, so the
   SuperLink's log cannot be told another one; every forwarded call is logged with the real peer,
@@ -136,6 +140,8 @@ class Limits:
     keep_alive: int = 30
     max_connections: int = 1024
     max_per_peer: int = 64
+    max_handshakes: int = 256  # connections whose TLS handshake is not done, in all (the oldest gives way)
+    max_handshakes_per_peer: int = 8  # ... from one address (past it, refused)
     max_inflight: int = 0  # bytes of bodies held at once, in all; 0: 16 bodies at the cap
     max_inflight_per_peer: int = 0  # ... from one address; 0: 2 bodies at the cap
 
@@ -436,6 +442,24 @@ def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
 
     open_by_peer: Counter[str] = Counter()
     warned: dict[str, float] = {}
+    # connections before their TLS handshake is done (they have sent nothing the gateway can
+    # check): a few per address, and in all a pool whose oldest gives way to a new one, so silent
+    # TCP connections from many addresses cannot keep the gateway's slots from honest clients
+    shaking: dict[asyncio.Transport, str] = {}  # the raw transport -> its address, oldest first
+    shaking_by_peer: Counter[str] = Counter()
+
+    def _warn(peer: str, text: str, *args) -> None:  # at most once a minute per address
+        now = time.monotonic()
+        if now - warned.get(peer, -1e9) > 60:
+            warned[peer] = now
+            log.warning(text, *args)
+
+    def _shaken(raw) -> None:  # a pending handshake ended (done, failed or given way)
+        peer = shaking.pop(raw, None)
+        if peer is not None:
+            shaking_by_peer[peer] -= 1
+            if shaking_by_peer[peer] <= 0:
+                del shaking_by_peer[peer]
 
     class Guarded(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -463,17 +487,15 @@ def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
                 open_by_peer[peer] += 1
                 self._peer = peer
                 return True
-            now = time.monotonic()
-            if now - warned.get(peer, -1e9) > 60:
-                warned[peer] = now
-                log.warning(
-                    "refused connections from %s: %d open from it, %d in all (limits %d, %d)",
-                    peer,
-                    open_by_peer[peer],
-                    total,
-                    limits.max_per_peer,
-                    limits.max_connections,
-                )
+            _warn(
+                peer,
+                "refused connections from %s: %d open from it, %d in all (limits %d, %d)",
+                peer,
+                open_by_peer[peer],
+                total,
+                limits.max_per_peer,
+                limits.max_connections,
+            )
             return False
 
         def _release(self) -> None:
@@ -490,12 +512,41 @@ def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
                 return
             if tls is None:
                 self._serve(transport)
-            else:  # nothing is read until the TLS layer is in place to read it
-                transport.pause_reading()
-                self.loop.create_task(self._start_tls(transport))
+                return
+            if shaking_by_peer[self._peer] >= limits.max_handshakes_per_peer:
+                _warn(
+                    self._peer,
+                    "refused a connection from %s: %d TLS handshakes pending from it",
+                    self._peer,
+                    limits.max_handshakes_per_peer,
+                )
+                transport.abort()
+                self._release()
+                return
+            if len(shaking) >= limits.max_handshakes:  # the oldest pending handshake gives way
+                oldest, whose = next(iter(shaking.items()))
+                _warn(
+                    whose, "closed the oldest pending TLS handshake (from %s): %d pending in all", whose, len(shaking)
+                )
+                _shaken(oldest)
+                oldest.abort()
+            shaking[transport] = self._peer
+            shaking_by_peer[self._peer] += 1
+            transport.pause_reading()  # nothing is read until the TLS layer is in place to read it
+            self.loop.create_task(self._start_tls(transport))
 
         async def _start_tls(self, raw) -> None:
             assert tls is not None  # connection_made starts TLS only with a context
+            try:
+                secured = await self._handshake(raw)
+            finally:
+                _shaken(raw)
+            if secured is not None:
+                self._serve(secured)
+
+        async def _handshake(self, raw):
+            """The TLS transport over ``raw``, or None (the connection closed and released)."""
+            assert tls is not None
             try:
                 secured = await self.loop.start_tls(
                     raw, self, tls, server_side=True, ssl_handshake_timeout=limits.handshake_timeout
@@ -503,11 +554,10 @@ def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
             except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
                 raw.abort()
                 self._release()
-                return
+                return None
             if secured is None:  # the connection went away during the handshake
                 self._release()
-                return
-            self._serve(secured)
+            return secured
 
         def _serve(self, transport) -> None:
             super().connection_made(transport)
@@ -642,6 +692,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep-alive", type=int, default=d.keep_alive, help="seconds an idle connection stays open")
     p.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections in all")
     p.add_argument("--max-per-peer", type=int, default=d.max_per_peer, help="open connections from one address")
+    p.add_argument("--max-handshakes", type=int, default=d.max_handshakes, help="pending TLS handshakes in all")
+    p.add_argument(
+        "--max-handshakes-per-peer", type=int, default=d.max_handshakes_per_peer, help="... from one address"
+    )
     p.add_argument("--max-inflight", type=int, default=d.max_inflight, help="bytes of bodies held at once (0: 16 caps)")
     p.add_argument(
         "--max-inflight-per-peer", type=int, default=d.max_inflight_per_peer, help="... from one address (0: 2 caps)"
@@ -659,6 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.keep_alive,
         args.max_connections,
         args.max_per_peer,
+        args.max_handshakes,
+        args.max_handshakes_per_peer,
         args.max_inflight,
         args.max_inflight_per_peer,
     )

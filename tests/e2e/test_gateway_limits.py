@@ -21,9 +21,8 @@ from fedvlm.utils.processes import free_port, kill_tree
 pytestmark = pytest.mark.ci  # seconds, not minutes: kept in CI
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    work = tmp_path_factory.mktemp("gateway")
+def _start_gateway(work, *limits: str):
+    """A gateway process with ``limits`` (its flags): (port, client TLS context, log, process)."""
     generate(work / "creds", [], [], [])
     port = free_port()
     log = work / "gateway.log"
@@ -42,15 +41,9 @@ def gateway(tmp_path_factory):
             str(work / "creds" / "server.key"),
             "--ca",
             str(work / "creds" / "ca.crt"),
-            "--handshake-timeout=1",
-            "--header-timeout=1",
-            "--body-timeout=2",
-            "--max-per-peer=4",
-            "--max-header=4096",
             "--log-file",
             str(log),
-            "--log-max-mb=0.001",  # about 1 KB: rotated within the test
-            "--log-backups=2",
+            *limits,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
@@ -65,6 +58,21 @@ def gateway(tmp_path_factory):
             if proc.poll() is not None or time.time() > deadline:
                 raise AssertionError(f"the gateway did not start: {log.read_text() if log.exists() else ''}") from None
             time.sleep(0.2)
+    return port, context, log, proc
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    port, context, log, proc = _start_gateway(
+        tmp_path_factory.mktemp("gateway"),
+        "--handshake-timeout=1",
+        "--header-timeout=1",
+        "--body-timeout=2",
+        "--max-per-peer=4",
+        "--max-header=4096",
+        "--log-max-mb=0.001",  # about 1 KB: rotated within the test
+        "--log-backups=2",
+    )
     yield port, context, log
     kill_tree(proc.pid)
 
@@ -179,3 +187,29 @@ def test_connections_that_arrive_together_are_all_answered(gateway):
     for t in threads:
         t.join(timeout=120)
     assert answered == {False: [502] * 10, True: [502] * 10}
+
+
+def test_silent_connections_cannot_hold_the_slots_an_honest_client_needs(tmp_path):
+    """Plain TCP connections that never send a TLS byte, from 20 addresses, kept the gateway's
+    1024 slots full (a fresh client got 3 answers out of 17 in 40 s). Pending handshakes are held
+    apart now: a few per address, and a pool whose oldest gives way to a new connection."""
+    port, context, log, proc = _start_gateway(
+        tmp_path, "--handshake-timeout=30", "--max-handshakes=3", "--max-handshakes-per-peer=16"
+    )
+    try:
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        time.sleep(0.3)
+        assert _honest(port, context) == 502  # answered: the oldest silent connection gave way
+        assert _closed_within(silent[0], 2.0) < 2.0
+        _logged(log, "closed the oldest pending TLS handshake (from 127.0.0.1): 3 pending in all")
+    finally:
+        kill_tree(proc.pid)
+    port, context, log, proc = _start_gateway(
+        tmp_path / "per-peer", "--handshake-timeout=30", "--max-handshakes-per-peer=2"
+    )
+    try:
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        assert _closed_within(silent[2], 2.0) < 2.0  # the third from one address: refused at once
+        _logged(log, "refused a connection from 127.0.0.1: 2 TLS handshakes pending from it")
+    finally:
+        kill_tree(proc.pid)
