@@ -136,18 +136,28 @@ def _wait(port: int, timeout: float = 60) -> None:
 def honest(port: int, ca: Path, stop: threading.Event, interval: float, out: list, fresh: bool) -> None:
     """A SuperNode's calls: one pooled connection (httpx, as Flower's Fleet client), or a new
     connection for every call (``fresh``: a node that joins, or comes back after an idle spell)."""
-    import httpx
+    from base64 import b64encode
 
+    import httpx
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.supercore.date import now
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
+
+    key = ec.generate_private_key(ec.SECP384R1())  # its SuperNode key: the gateway checks the signature first
+    public = b64encode(public_key_to_bytes(key.public_key())).decode()
     context = ssl.create_default_context(cafile=str(ca))
     address = HONEST_FRESH if fresh else HONEST
     client = None
     while not stop.is_set():
+        stamp = now().isoformat()
+        signature = b64encode(sign_message(key, stamp.encode("ascii"))).decode()
+        head = {"flwr-public-key": public, "flwr-timestamp": stamp, "flwr-signature": signature}
         if client is None or fresh:
             transport = httpx.HTTPTransport(local_address=address, verify=context)
             client = httpx.Client(base_url=f"https://127.0.0.1:{port}", transport=transport, timeout=10)
         t0 = time.monotonic()
         try:
-            ok = client.post("/v1/fleet/send-node-heartbeat", content=b"\x08\x01").status_code == 200
+            ok = client.post("/v1/fleet/send-node-heartbeat", content=b"\x08\x01", headers=head).status_code == 200
         except httpx.HTTPError:
             ok = False
         out.append((ok, time.monotonic() - t0))

@@ -20,6 +20,11 @@ What it holds a request to:
   SuperLink, that answers no message, or whose id is not the hash of the Message object those
   very fields make (the SuperLink checks every object's hash when it arrives, so the object it
   stores carries the fields checked here). ``push-object`` must name its push session.
+- **Who may send a body.** A request's SuperNode authentication (Flower's signed timestamp and
+  the key it was signed with) is checked before a byte of its body is read, and with
+  ``--node-keys`` (the registered SuperNodes' ``.pub`` files) the key must be one of them: a
+  caller without a registered key reaches neither the body parser here nor the SuperLink's.
+  ``--no-node-auth`` forwards unauthenticated requests, for a SuperLink that asks for none.
 - **A node pulls only what it was sent.** ``pull-object`` is forwarded only for an object of a
   message the gateway saw the SuperLink send that node (``Sent``): knowing an object's id is not
   enough to read another organisation's replies, instructions or a run's model.
@@ -71,6 +76,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from starlette.applications import Starlette
@@ -272,6 +278,51 @@ def check_push_object(body: bytes) -> str | None:
 CHECKS = {"push-messages": check_push, "push-object": check_push_object}
 
 
+def node_key(path: Path) -> bytes:
+    """A SuperNode's registered public key (its ``.pub``, OpenSSH or PEM) as its requests carry it."""
+    from cryptography.hazmat.primitives import serialization
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+
+    data = Path(path).read_bytes()
+    key = (
+        serialization.load_pem_public_key(data)
+        if data.startswith(b"-----")
+        else serialization.load_ssh_public_key(data)
+    )
+    return public_key_to_bytes(key)  # type: ignore[arg-type]  # an EC key, as Flower's nodes use
+
+
+def node_auth_refusal(headers, known: frozenset[bytes] | None) -> str | None:
+    """Why a Fleet request's node-auth headers fail what the SuperLink will check (None: they
+    pass): present, a signature by the key they carry over a timestamp within Flower's window,
+    and, where the gateway was given the registered keys, one of those. Checked before a byte of
+    the body is read; the SuperLink still checks the node id the key is registered under."""
+    import binascii
+    import datetime
+    from base64 import b64decode
+
+    from flwr.common.constant import SYSTEM_TIME_TOLERANCE, TIMESTAMP_HEADER, TIMESTAMP_TOLERANCE
+    from flwr.supercore.constant import FLEET_HTTP_PUBLIC_KEY_HEADER, FLEET_HTTP_SIGNATURE_HEADER
+    from flwr.supercore.primitives.asymmetric import bytes_to_public_key, verify_signature
+
+    try:
+        public = b64decode(headers[FLEET_HTTP_PUBLIC_KEY_HEADER], validate=True)
+        signature = b64decode(headers[FLEET_HTTP_SIGNATURE_HEADER], validate=True)
+        stamp = headers[TIMESTAMP_HEADER]
+        age = (datetime.datetime.now(datetime.timezone.utc) - datetime.datetime.fromisoformat(stamp)).total_seconds()
+        if not -SYSTEM_TIME_TOLERANCE < age < TIMESTAMP_TOLERANCE + SYSTEM_TIME_TOLERANCE:
+            return f"its signed timestamp is {age:.0f} s old"
+        if not verify_signature(bytes_to_public_key(public), stamp.encode("ascii"), signature):
+            return "its signature does not verify"
+    except KeyError:
+        return "it carries no SuperNode authentication"
+    except (ValueError, TypeError, UnicodeError, binascii.Error) as err:
+        return f"its SuperNode authentication cannot be read ({type(err).__name__})"
+    if known is not None and public not in known:
+        return "its key is not one of the registered SuperNodes'"
+    return None
+
+
 class Sent:
     """The objects the SuperLink sent each node, learnt from the ``pull-messages`` answers the
     gateway forwarded (each message's whole object tree): a node may ``pull-object`` only those.
@@ -335,10 +386,17 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 def make_app(
-    superlink: str, ca: str, limits: Limits = Limits(), transport: httpx.AsyncBaseTransport | None = None
+    superlink: str,
+    ca: str,
+    limits: Limits = Limits(),
+    transport: httpx.AsyncBaseTransport | None = None,
+    node_auth: bool = False,
+    node_keys: frozenset[bytes] | None = None,
 ) -> Starlette:
     """The gateway for the SuperLink at ``superlink`` (host:port on this machine), whose
-    certificate ``ca`` verifies (``transport``: another way to reach it, for tests)."""
+    certificate ``ca`` verifies (``transport``: another way to reach it, for tests). With
+    ``node_auth`` a request's SuperNode authentication is checked before its body is read
+    (``node_auth_refusal``; against ``node_keys`` where given)."""
     check_message_ids()
     client = httpx.AsyncClient(
         base_url=f"https://{superlink}",
@@ -350,30 +408,7 @@ def make_app(
     held, sent = InFlight(limits), Sent()
 
     async def forward(request: Request) -> Response:
-        declared = request.headers.get("content-length", "")
-        size = int(declared) if declared.isdigit() and int(declared) <= limits.body else limits.body
-        peer = request.client.host if request.client else "?"
-        if fleet_call(request.method, request.url.path) is not None and not held.take(peer, size):
-            log.warning(
-                "refused a request from %s for now: %d bytes of bodies held in all, %d from it (limits %d, %d)",
-                peer,
-                held.total,
-                held.by_peer[peer],
-                limits.inflight,
-                limits.inflight_per_peer,
-            )
-            return PlainTextResponse(
-                "the gateway holds as many request bodies as it may: retry shortly\n",
-                status_code=503,
-                headers={"retry-after": "1", "connection": "close"},
-            )
-        try:
-            return await _forward(request)
-        finally:
-            if fleet_call(request.method, request.url.path) is not None:
-                held.give_back(peer, size)
-
-    async def _forward(request: Request) -> Response:
+        """What can be refused from the headers alone is, cheapest first, before the body is read."""
         t0 = time.monotonic()
         call = fleet_call(request.method, request.url.path)
         peer = request.client.host if request.client else "?"
@@ -389,6 +424,32 @@ def make_app(
                 status_code=431,
                 headers={"connection": "close"},
             )
+        why = node_auth_refusal(request.headers, node_keys) if node_auth else None
+        if why is not None:
+            log.warning("refused %s from %s before its body: %s", call, peer, why)
+            return PlainTextResponse(f"refused: {why}\n", status_code=401, headers={"connection": "close"})
+        declared = request.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() and int(declared) <= limits.body else limits.body
+        if not held.take(peer, size):
+            log.warning(
+                "refused a request from %s for now: %d bytes of bodies held in all, %d from it (limits %d, %d)",
+                peer,
+                held.total,
+                held.by_peer[peer],
+                limits.inflight,
+                limits.inflight_per_peer,
+            )
+            return PlainTextResponse(
+                "the gateway holds as many request bodies as it may: retry shortly\n",
+                status_code=503,
+                headers={"retry-after": "1", "connection": "close"},
+            )
+        try:
+            return await _forward(request, call, peer, t0)
+        finally:
+            held.give_back(peer, size)
+
+    async def _forward(request: Request, call: str, peer: str, t0: float) -> Response:
         try:
             body = await _body(request, limits.body)
         except TooLarge as size:
@@ -700,6 +761,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--max-inflight-per-peer", type=int, default=d.max_inflight_per_peer, help="... from one address (0: 2 caps)"
     )
+    p.add_argument(
+        "--node-keys",
+        nargs="*",
+        type=Path,
+        default=None,
+        help="the registered SuperNodes' public keys (.pub): one signed by another key is refused before its body",
+    )
+    p.add_argument(
+        "--no-node-auth",
+        action="store_true",
+        help="forward requests without SuperNode authentication (only for a SuperLink that does not ask for it)",
+    )
     p.add_argument("--log-file", help="log here, rotated (default: standard error)")
     p.add_argument("--log-max-mb", type=float, default=20.0, help="size at which the log file is rotated")
     p.add_argument("--log-backups", type=int, default=5, help="rotated log files kept")
@@ -729,7 +802,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits,
         files,
     )
-    serve(make_app(args.superlink, args.ca, limits), host, port, limits, args.certfile, args.keyfile)
+    try:
+        keys = None if args.node_keys is None else frozenset(node_key(k) for k in args.node_keys)
+    except (OSError, ValueError) as err:
+        p.error(f"--node-keys: {err}")
+    app = make_app(args.superlink, args.ca, limits, node_auth=not args.no_node_auth, node_keys=keys)
+    serve(app, host, port, limits, args.certfile, args.keyfile)
     return 0
 
 

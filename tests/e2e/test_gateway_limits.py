@@ -95,10 +95,26 @@ def _closed_within(sock, seconds: float) -> float:
     return time.monotonic() - t0
 
 
-def _honest(port: int, context: ssl.SSLContext) -> int:
+def _signed(key=None) -> bytes:
+    """A SuperNode's authentication headers, as Flower's interceptor writes them (a new key by default)."""
+    from base64 import b64encode
+
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.supercore.date import now
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
+
+    key = key or ec.generate_private_key(ec.SECP384R1())
+    stamp = now().isoformat()
+    public = b64encode(public_key_to_bytes(key.public_key())).decode()
+    signature = b64encode(sign_message(key, stamp.encode("ascii"))).decode()
+    return f"flwr-public-key: {public}\r\nflwr-timestamp: {stamp}\r\nflwr-signature: {signature}\r\n".encode()
+
+
+def _honest(port: int, context: ssl.SSLContext, key=None) -> int:
     """An honest Fleet call's status (502: the gateway answered; its SuperLink is not there)."""
     with _tls(port, context) as s:
-        s.sendall(b"POST /v1/fleet/send-node-heartbeat HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        head = b"POST /v1/fleet/send-node-heartbeat HTTP/1.1\r\nHost: x\r\n" + _signed(key)
+        s.sendall(head + b"Content-Length: 2\r\n\r\nhi")
         return int(s.recv(4096).split(b" ", 2)[1])
 
 
@@ -173,7 +189,10 @@ def test_connections_that_arrive_together_are_all_answered(gateway):
                 transport = httpx.HTTPTransport(verify=context, local_address="127.0.0.5" if fresh else "127.0.0.6")
                 client = httpx.Client(base_url=f"https://127.0.0.1:{port}", transport=transport, timeout=5)
             try:
-                answered[fresh].append(client.post("/v1/fleet/send-node-heartbeat", content=b"x").status_code)
+                head = dict(line.split(": ", 1) for line in _signed().decode().strip().split("\r\n"))
+                answered[fresh].append(
+                    client.post("/v1/fleet/send-node-heartbeat", content=b"x", headers=head).status_code
+                )
             except httpx.HTTPError as err:
                 answered[fresh].append(type(err).__name__)
             if fresh:
@@ -211,5 +230,27 @@ def test_silent_connections_cannot_hold_the_slots_an_honest_client_needs(tmp_pat
         silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
         assert _closed_within(silent[2], 2.0) < 2.0  # the third from one address: refused at once
         _logged(log, "refused a connection from 127.0.0.1: 2 TLS handshakes pending from it")
+    finally:
+        kill_tree(proc.pid)
+
+
+def test_a_body_without_a_registered_nodes_signature_is_refused_before_it_is_read(tmp_path):
+    """Unauthenticated bodies just under the cap were buffered whole and parsed by the SuperLink
+    before it authenticated them; the gateway now checks the SuperNode authentication first."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    registered = ec.generate_private_key(ec.SECP384R1())
+    pub = registered.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    (tmp_path / "org-0.pub").write_bytes(pub)
+    port, context, log, proc = _start_gateway(tmp_path, f"--node-keys={tmp_path / 'org-0.pub'}")
+    try:
+        with _tls(port, context) as s:  # 6 MB announced, none sent: answered at once, from the headers
+            s.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: 6000000\r\n\r\n")
+            assert int(s.recv(4096).split(b" ", 2)[1]) == 401
+        _logged(log, "refused push-object from 127.0.0.1 before its body: it carries no SuperNode authentication")
+        assert _honest(port, context) == 401  # signed, by a key nobody registered
+        _logged(log, "its key is not one of the registered SuperNodes'")
+        assert _honest(port, context, registered) == 502  # a registered node: forwarded
     finally:
         kill_tree(proc.pid)
