@@ -276,21 +276,12 @@ def test_what_each_size_catches():
 def test_the_servers_release_is_checked_before_it_leaves(monkeypatch):
     from fedvlm.methods.validation import validate
     from fedvlm.privacy import budget as budget_module
-    from fedvlm.privacy.ledger import PrivacyLedger
     from fedvlm.privacy.noise_check import MechanismError
     from fedvlm.privacy.planner import ClientShape
+    from tests.budgets import planned
 
     cfg = validate({"method": "dpfpl", "privacy.epsilon": 2.0, "num-server-rounds": 2})
-    spec, shapes = cfg.spec, {"a": ClientShape(200, 32, 1), "b": ClientShape(200, 32, 1)}
-    budget = budget_module.RunBudget.planned(
-        cfg.privacy,
-        PrivacyLedger(cfg.privacy, spec.name),
-        cfg.num_server_rounds,
-        spec.local_dp(cfg),
-        spec.global_dp(cfg, 2),
-        shapes,
-        {"a": "seeded", "b": "seeded"},
-    )
+    budget = planned(cfg, {"a": ClientShape(200, 32, 1), "b": ClientShape(200, 32, 1)})
     mean = torch.zeros(16, 64)
     released, sigma = budget.release_global(mean, [0, 1], {})
     assert sigma > 0 and float(released.std()) == pytest.approx(sigma, rel=0.1)

@@ -227,20 +227,10 @@ def test_a_delta_too_large_for_the_audits_canaries_names_the_canaries_first():
     federation's delta check fails, and the advice names the key that made it fail."""
     from fedvlm.methods.validation import validate
     from fedvlm.privacy.accounting import BudgetError
-    from fedvlm.privacy.budget import RunBudget
-    from fedvlm.privacy.ledger import PrivacyLedger
     from fedvlm.privacy.planner import ClientShape
+    from tests.budgets import planned
 
     cfg = validate({"method": "dpfpl", "privacy.epsilon": 2.0, "privacy.audit-canaries": 100_000})
-    spec = cfg.spec
     shapes = {"a": ClientShape(60_000, 32, 1), "b": ClientShape(200, 32, 1)}
     with pytest.raises(BudgetError, match=r"use fewer privacy.audit-canaries \(100000 now, each a record\) or lower"):
-        RunBudget.planned(
-            cfg.privacy,
-            PrivacyLedger(cfg.privacy, spec.name),
-            cfg.num_server_rounds,
-            spec.local_dp(cfg),
-            spec.global_dp(cfg, 2),
-            shapes,
-            {"a": "seeded", "b": "seeded"},
-        )
+        planned(cfg, shapes)
