@@ -212,9 +212,18 @@ def restore(state: RecordDict, where: Path | None, server_round: int, training: 
 
 def _load_snapshot(path: Path) -> dict:
     # No falling back to an older snapshot: its privacy ledger would forget what was released since.
-    return load_saved(
-        path, "this node's private state cannot be restored; restore the file from a backup, or start a new run"
-    )
+    fix = "this node's private state cannot be restored; restore the file from a backup, or start a new run"
+    saved = load_saved(path, fix)
+    records = saved.get("records") if isinstance(saved, dict) else None
+    if (
+        not isinstance(records, dict)
+        or not isinstance(saved.get("round"), int)
+        or not all(
+            isinstance(r, tuple | list) and len(r) == 2 and r[0] in ("arrays", "config") for r in records.values()
+        )
+    ):
+        raise UnreadableFile(f"{path} is not a snapshot of a node's state (its round and records): {fix}")
+    return saved
 
 
 def _records(saved: dict) -> dict:

@@ -137,6 +137,13 @@ def test_a_damaged_snapshot_is_refused_naming_the_file_not_replaced_by_an_older_
     newest.write_bytes(newest.read_bytes()[:64])
     with pytest.raises(UnreadableFile, match=r"round-0002\.pt cannot be read.*cannot be restored"):
         restore(RecordDict(), where, 3, training=True)
+    # a file torch reads but that is no snapshot (a bare TypeError/KeyError named neither)
+    import torch
+
+    for other in ([1, 2], {"round": 2}, {"round": 2, "records": {"x": ("weights", {})}}):
+        torch.save(other, newest)
+        with pytest.raises(UnreadableFile, match=r"round-0002\.pt is not a snapshot of a node's state"):
+            restore(RecordDict(), where, 3, training=True)
 
 
 def test_flipped_bytes_in_a_snapshot_are_refused_not_restored_as_other_numbers(tmp_path):
