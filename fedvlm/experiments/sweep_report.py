@@ -5,12 +5,14 @@ failed runs, the one-run audits, and the accuracy, MIA and audit plots."""
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 import numpy as np
 
 from fedvlm.experiments import stats
 from fedvlm.metrics import ACC, AUDIT_METRICS, CIDER, METRICS, PER_CLIENT, PROPORTION
+from fedvlm.utils.files import UnreadableFile, read_utf8
 
 LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
 UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
@@ -60,8 +62,17 @@ def read_summary(path: Path) -> list[dict]:
         except ValueError:
             return text
 
-    with open(path, newline="") as fh:
-        return [{k: cell(k, v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    fix = "run the sweep again with the same --out: it writes summary.csv afresh from its run folders"
+    reader = csv.DictReader(io.StringIO(read_utf8(path, fix), newline=""))
+    missing = [c for c in ("variant", "epsilon", "seed", "status") if c not in (reader.fieldnames or [])]
+    if missing:
+        raise UnreadableFile(f"{path} is not a sweep's summary (no column {', '.join(missing)}): {fix}")
+    rows = []
+    for r in reader:
+        if None in r:  # more cells than the header names
+            raise UnreadableFile(f"{path} line {reader.line_num} has more cells than columns: {fix}")
+        rows.append({k: cell(k, v) for k, v in r.items()})
+    return rows
 
 
 def write_failures(rows: list[dict], out: Path) -> None:

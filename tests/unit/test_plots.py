@@ -144,3 +144,18 @@ def test_the_plots_command_names_a_damaged_record_or_a_folder_it_cannot_write(tm
         assert "cannot write its pictures" in capsys.readouterr().err
     finally:
         locked.chmod(0o700)
+
+
+def test_a_damaged_sweep_summary_is_named_with_the_fix(tmp_path, capsys):
+    """summary.csv in binary, without its columns, or with a row longer than its header."""
+    from fedvlm.plots.__main__ import main
+
+    for body, words in (
+        (b"\xff\xfe\x00", "not UTF-8 text"),
+        (b"a,b\n1,2\n", "no column variant, epsilon, seed, status"),
+        (b"variant,epsilon,seed,status\np,none,0,finished,extra\n", "line 2 has more cells than columns"),
+    ):
+        (tmp_path / "summary.csv").write_bytes(body)
+        assert main([str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "summary.csv" in err and words in err and "run the sweep again with the same --out" in err
