@@ -15,7 +15,9 @@ them all SIGTERM, SIGKILL after a grace period, and checks that none is left. Th
 processes held (their ServerApps' ``run.lock``) and left saying "running" are then recorded as
 interrupted, with the ``resume`` that continues them: a simulation's ServerApp runs in a thread of
 ``flwr-simulation``, which a signal never reaches, so it cannot record that itself. Exit code 0 when
-everything stopped, 1 when something survived (listed), 0 with a note when nothing was running.
+everything stopped, 1 when something survived (listed), 0 with a note when nothing was running,
+and 1 when nothing of this account's runs but another account's local SuperLink holds Flower's
+local port (``flwr run .`` joins it: a run of this account may be running there).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fedvlm.status import RUN_LOCK, held
-from fedvlm.utils.processes import cmdline, descendants, pids_matching
+from fedvlm.utils.processes import cmdline, descendants, listener_uid, pids_matching
 
 _RAY_SESSION = re.compile(r"/tmp/ray/session_[\w.-]+|(?<=--session_dir=)\S+|(?<=--session-dir=)\S+")
 
@@ -128,6 +130,25 @@ def stop(roots: Iterable[int], grace: float = 15.0) -> list[int]:
     return sorted(p for p in victims if _alive(p))
 
 
+def _nothing_of_yours(home: Path) -> int:
+    """0 when no local SuperLink runs at all; 1 when another account's holds Flower's local port:
+    ``flwr run .`` joins whatever SuperLink answers there, so a run of yours may be running in it,
+    where this account can stop nothing."""
+    port = int(os.environ.get("FLWR_LOCAL_CONTROL_API_PORT", "39093"))  # flwr.cli.constant's default
+    owner = listener_uid(port)
+    if owner is None or owner == os.getuid():
+        print(f"no local SuperLink of {home} is running: nothing to stop")
+        return 0
+    print(
+        f"no local SuperLink of {home} is running, but another account's (uid {owner}) holds Flower's local port "
+        f"127.0.0.1:{port}: a `flwr run .` of yours joins it and runs there, where only that account can stop it "
+        "(`flwr stop <run-id>` stops one run). Give your runs a port of your own: FLWR_LOCAL_CONTROL_API_PORT "
+        "and FLWR_LOCAL_SUPERLINK_HTTP_API_PORT in your environment, before `flwr run .`",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.stop", description=__doc__.split("\n\n")[0])
     p.add_argument("--flwr-home", help="the FLWR_HOME of the flwr run to stop (default: $FLWR_HOME or ~/.flwr)")
@@ -136,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     home = flwr_home(args.flwr_home)
     roots = local_superlinks(home)
     if not roots:
-        print(f"no local SuperLink of {home} is running: nothing to stop")
-        return 0
+        return _nothing_of_yours(home)
     victims = everything_started_by(roots)
     run_dirs = run_dirs_held_by(victims)
     print(f"stopping the local SuperLink of {home} and the {len(victims) - len(roots)} processes it started")

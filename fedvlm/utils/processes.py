@@ -25,6 +25,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listener_uid(port: int) -> int | None:
+    """The account whose socket listens on TCP ``port`` of this machine (``/proc/net/tcp*``), or None."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 7 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                return int(fields[7])
+    return None
+
+
 def _children() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():

@@ -179,3 +179,43 @@ def test_a_full_disk_at_the_start_or_the_end_fails_the_run_with_the_reason(make_
     verdict = status.check(rec.dir)
     assert verdict.code == status.FAILED, verdict
     assert "every round finished, but results.json could not be written" in verdict.reason, verdict
+
+
+def test_stop_says_when_flowers_local_port_is_another_accounts(tmp_path, capsys, monkeypatch):
+    """`flwr run .` joins whatever local SuperLink answers on Flower's port: a second account's run
+    landed in the first account's SuperLink, and `python -m fedvlm.stop` said "nothing to stop"
+    and exited 0 while that run went on."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    from fedvlm import stop
+    from fedvlm.utils.processes import free_port, listener_uid
+
+    port = free_port()
+    monkeypatch.setenv("FLWR_LOCAL_CONTROL_API_PORT", str(port))
+    assert stop.main(["--flwr-home", str(tmp_path)]) == 0  # nothing listens: nothing to stop
+    assert "nothing to stop" in capsys.readouterr().out
+    with socket.socket() as mine:  # this account's own listener is not another's
+        mine.bind(("127.0.0.1", port))
+        mine.listen()
+        assert listener_uid(port) == os.getuid() and stop.main(["--flwr-home", str(tmp_path)]) == 0
+    if os.getuid() != 0:
+        return  # only root can start a listener as another account here
+    listen = f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); s.listen(); time.sleep(60)"
+    # a Python that account may run (this environment's may sit in a folder only its owner reads)
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    other = subprocess.Popen([python, "-c", listen], user=65534)
+    try:
+        deadline = time.time() + 20
+        while listener_uid(port) is None and time.time() < deadline:
+            time.sleep(0.1)
+        capsys.readouterr()
+        assert stop.main(["--flwr-home", str(tmp_path)]) == 1
+        said = capsys.readouterr().err
+        assert (
+            "another account's (uid 65534) holds Flower's local port" in said and "FLWR_LOCAL_CONTROL_API_PORT" in said
+        )
+    finally:
+        other.kill()
