@@ -105,13 +105,15 @@ def _record_ledger(parts: RunParts, recorder: RunRecorder) -> None:
         recorder.add_section("privacy", section)
 
 
-def _record_audit(parts: RunParts, recorder: RunRecorder) -> None:
-    """The one-run audit's section, beside the ledger, once the audited node reported one."""
+def _record_audit(parts: RunParts, recorder: RunRecorder, last_round: int | None = None) -> None:
+    """The one-run audit's section, beside the ledger, once the audited node reported one; its
+    verdict is ``last_round``'s (the run's planned last, or the round a budget stop ended it at)."""
     inputs = parts.budget.audit_inputs()
     if inputs is None or not parts.cfg.privacy.audit_canaries:
         return
     local, global_name = inputs
-    section = audit_section(recorder.data["rounds"], parts.budget.current(), local, global_name)
+    end = parts.cfg.num_server_rounds if last_round is None else last_round
+    section = audit_section(recorder.data["rounds"], parts.budget.current(), local, global_name, end)
     if section is None:
         return
     for name, node in section["nodes"].items():
@@ -284,6 +286,8 @@ def run_rounds(
             )
         else:
             parts.take_plan(rnd)
+    if status == "stopped":  # the budget ended the run here: this round's audit is its test
+        _record_audit(parts, recorder, last_round=rnd)
     if parts.arrays:
         recorder.save_arrays("final_shared.pt", parts.arrays, rnd)
     outputs = strategy.outputs(recorder.data["rounds"])

@@ -97,3 +97,32 @@ def test_impossible_counts_are_refused_with_the_wrong_one_named(args, match):
         epsilon_lower_bound(*args)
     with pytest.raises(AuditInputError, match="confidence"):
         epsilon_lower_bound(10, 5, 5, 0.0, confidence=1.0)
+
+
+def test_the_audit_is_judged_once_at_the_runs_last_round():
+    """Judged at every round, a DP-FPL run at epsilon 0.1 logged BROKEN from round 26 to 60 (a
+    bound of 0.078 against 0.048 accounted) and ended consistent: the 95% holds for one look.
+    Before the last round the status is interim; the last round's is the verdict."""
+    from types import SimpleNamespace
+
+    from fedvlm.privacy.audit import AUDIT_PREFIX, audit_section
+
+    def at(rnd: int, lower: float) -> dict:
+        figures = {
+            "canaries": 100,
+            "guesses": 25,
+            "correct": 19,
+            "guessed-in": 13,
+            "epsilon-lower": lower,
+            "steps": rnd,
+        }
+        return {"round": rnd, "clients": {"client-0": {AUDIT_PREFIX + k: v for k, v in figures.items()}}}
+
+    mechanism = SimpleNamespace(name="ldp-lowrank", where="client")
+    spent = {"spent": {"client-0": 0.06}, "spent_components": {"ldp-lowrank": {"client-0": 0.048}}}
+    interim = audit_section([at(26, 0.078)], spent, mechanism, "gdp-global", last_round=100)
+    assert interim is not None and interim["nodes"]["client-0"]["status"].startswith("interim (round 26 of 100)")
+    final = audit_section([at(26, 0.078), at(100, 0.078)], spent, mechanism, "gdp-global", last_round=100)
+    assert final is not None and final["nodes"]["client-0"]["status"].startswith("BROKEN")
+    kept = audit_section([at(100, 0.03)], spent, mechanism, "gdp-global", last_round=100)
+    assert kept is not None and kept["nodes"]["client-0"]["status"].startswith("consistent")
