@@ -126,3 +126,6 @@ def test_the_audit_is_judged_once_at_the_runs_last_round():
     assert final is not None and final["nodes"]["client-0"]["status"].startswith("BROKEN")
     kept = audit_section([at(100, 0.03)], spent, mechanism, "gdp-global", last_round=100)
     assert kept is not None and kept["nodes"]["client-0"]["status"].startswith("consistent")
+    # the audited node not sampled in the last rounds: its latest audit is its last, and judged
+    unsampled = audit_section([at(90, 0.03), {"round": 100, "clients": {}}], spent, mechanism, "x", last_round=100)
+    assert unsampled is not None and unsampled["nodes"]["client-0"]["status"].startswith("consistent")
