@@ -149,8 +149,11 @@ PROTOCOLS: dict[str, Protocol] = {
             (0, 1, 2),
             10,
             _DPFPL_SETS,
-            "estimated about 8 h of rounds for three seeds (FedOTP's 14 s a private round is most of it), from "
-            "the 2026-11-28 board's seconds per round; not yet measured",
+            "measured 2026-12-02 on the 2-core machine: a 100-round run of PromptFL or DP-FPL takes 140 to 200 s "
+            "alone (1.4 to 2 s a round, private or not; 300 to 1,100 s while another job shares the two cores), so "
+            "the headline rows at epsilon 0.1 (4 variants x 3 seeds) are about 40 min; FedOTP and FedPGP, the "
+            "other epsilons and the membership attacks are not yet measured under this protocol (the 2026-11-28 "
+            "board's FedOTP took 14 s a private round: about 25 min a run)",
             (
                 Headline(
                     "DP-FPL keeps more local accuracy than PromptFL under DP (epsilon 0.1, Caltech101: 92.71 vs 80.42)",
