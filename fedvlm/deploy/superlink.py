@@ -52,6 +52,7 @@ from typing import Any
 
 from fedvlm.deploy import log_beside_flower
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, load_private
+from fedvlm.utils.processes import tcp_sockets
 
 log = logging.getLogger("fedvlm.superlink")
 OWNED_BY_US = ("--isolation", "--superexec-auth-secret-file")  # flower-superlink flags this sets itself
@@ -79,18 +80,12 @@ def socket_owner(client: tuple[str, int], server: tuple[str, int], tables: Seque
     """The uid of the open socket at ``client`` connected to ``server`` on this machine (None: no
     such socket here, e.g. a caller on another machine)."""
     want = ((_normal(client[0]), client[1]), (_normal(server[0]), server[1]))
-    for table in tables or ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
+    for cols in tcp_sockets(tables):
+        # an open socket of a live process: established, with an inode (a closed one reads uid 0)
+        if len(cols) < 10 or cols[3] != ESTABLISHED or cols[9] == "0":
             continue
-        for line in lines:
-            cols = line.split()
-            # an open socket of a live process: established, with an inode (a closed one reads uid 0)
-            if len(cols) < 10 or cols[3] != ESTABLISHED or cols[9] == "0":
-                continue
-            if (_address(cols[1]), _address(cols[2])) == want:
-                return int(cols[7])
+        if (_address(cols[1]), _address(cols[2])) == want:
+            return int(cols[7])
     return None
 
 

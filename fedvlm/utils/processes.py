@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,17 +26,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def listener_uid(port: int) -> int | None:
-    """The account whose socket listens on TCP ``port`` of this machine (``/proc/net/tcp*``), or None."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+def tcp_sockets(tables: Sequence[str] = ()) -> Iterator[list[str]]:
+    """This machine's TCP sockets, one row of the kernel's table each (columns: sl, local and
+    remote address as hex ip:port, state, ..., uid at 7, ..., inode at 9)."""
+    for table in tables or TCP_TABLES:
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 7 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                return int(fields[7])
+        yield from (line.split() for line in lines)
+
+
+def listener_uid(port: int) -> int | None:
+    """The account whose socket listens on TCP ``port`` of this machine, or None."""
+    for cols in tcp_sockets():
+        if len(cols) > 7 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+            return int(cols[7])
     return None
 
 
