@@ -17,7 +17,7 @@ def test_a_protocol_judges_its_headlines_from_its_runs(tmp_path, cache_dir, pret
     saved = json.loads((tmp_path / "paper-dpfpl.json").read_text())
     rows = {(e["variant"], e["epsilon"]): e for e in saved["entries"]}
     assert set(rows) == {("promptfl", "0.1"), ("dpfpl-r8", "0.1")} and {e["seeds"] for e in rows.values()} == {2}
-    local, neighbour, fedpgp, residual = saved["headlines"]
+    local, neighbour, fast_local, fast_neighbour, fedpgp, residual = saved["headlines"]
     # the local-accuracy headline, recomputed from the runs' own results.json
     acc = {
         (v, s): json.loads((tmp_path / "paper-dpfpl" / "runs" / f"{v}-eps0.1-seed{s}" / "results.json").read_text())[
@@ -31,6 +31,10 @@ def test_a_protocol_judges_its_headlines_from_its_runs(tmp_path, cache_dir, pret
     assert local["difference"]["ci95"] == pytest.approx([expected.low, expected.high])
     assert local["outcome"] in ("reproduced", "reversed", "not measurable") and neighbour["outcome"]
     # rows the call did not make cannot settle a headline
-    assert fedpgp["outcome"] == residual["outcome"] == "not measurable" and "was not run" in fedpgp["why"]
+    unrun = (fedpgp, residual, fast_local, fast_neighbour)
+    assert {h["outcome"] for h in unrun} == {"not measurable"} and all("was not run" in h["why"] for h in unrun)
     page = (tmp_path / "paper-dpfpl.md").read_text()
     assert "## Headlines" in page and "CPU budget:" in page and f"**{local['outcome']}**" in page
+    # each headline's figure per row, the runs' own mean over the two seeds
+    mean = (acc["promptfl", 0] + acc["promptfl", 1]) / 2
+    assert "`local-acc-last10-mean` per row" in page and f"| promptfl | {100 * mean:.2f} ± " in page
