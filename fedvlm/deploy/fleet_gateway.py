@@ -345,15 +345,17 @@ class Sent:
             )
         except DecodeError:
             return
-        ids = self.by_node.setdefault(node, {})
         stack = list(pulled.message_object_trees)
+        if not stack:  # an idle node's poll: nothing to learn, nothing to copy
+            return
+        ids = self.by_node.setdefault(node, {})
         while stack:
             tree = stack.pop()
             ids.pop(tree.object_id, None)
             ids[tree.object_id] = None  # newest last
             stack.extend(tree.children)
-        for old in list(ids)[: max(0, len(ids) - self.per_node)]:
-            del ids[old]
+        while len(ids) > self.per_node:  # the oldest first, without copying the rest
+            del ids[next(iter(ids))]
 
     def check(self, body: bytes) -> str | None:
         from flwr.proto.message_pb2 import PullObjectRequest
