@@ -19,7 +19,8 @@ The SuperNode it runs is Flower's own, gated to the apps ``--pin`` names
 (``fedvlm.deploy.supernode_gate``: any other app, and any run that is not a ClientApp's, is
 refused before anything of it is stored or started), with its two hard-coded polling waits (3 s
 between empty pulls, 0.5 s between looks for a reply) set by ``--idle-poll`` and ``--reply-poll``
-(``fedvlm.deploy.supernode_polling``).
+(``fedvlm.deploy.supernode_polling``), and its wait for a ClientApp's reply bounded by
+``--reply-timeout``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def supervise(
     retry_every: float,
     idle_poll: float = 0.5,
     reply_poll: float = 0.1,
+    reply_timeout: float = 3600.0,
 ) -> int:
     command = [
         sys.executable,
@@ -55,6 +57,7 @@ def supervise(
         *(f"--pin={pin}" for pin in pins),
         f"--idle-poll={idle_poll}",
         f"--reply-poll={reply_poll}",
+        f"--reply-timeout={reply_timeout}",
         "--",
         *args,
     ]
@@ -95,7 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args
-    return supervise(rest, args.pin, args.retry_for, args.retry_every, args.idle_poll, args.reply_poll)
+    return supervise(
+        rest, args.pin, args.retry_for, args.retry_every, args.idle_poll, args.reply_poll, args.reply_timeout
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Flower's SuperNode with its two polling waits set by the operator instead of hard-coded.
 
-    python -m fedvlm.deploy.supernode_polling --pin <sha256> [--idle-poll 0.5] [--reply-poll 0.1] -- \\
-        <flower-supernode's arguments>
+    python -m fedvlm.deploy.supernode_polling --pin <sha256> [--idle-poll 0.5] [--reply-poll 0.1] \\
+        [--reply-timeout 3600] -- <flower-supernode's arguments>
 
 It also gates the SuperNode to the pinned apps (``deploy.supernode_gate``): a run of any other
 app, or of any task type but a ClientApp, is refused before anything of it is stored.
@@ -20,6 +20,17 @@ sleeps ``--reply-poll`` seconds; every other use of ``time`` there, and everythi
 module, is untouched. Nothing about what the node runs, accepts or sends changes, only how soon it
 looks again; the SuperLink sees one more cheap pull per node every ``--idle-poll`` seconds.
 
+The reply wait is also bounded. Flower's waits for the ClientApp's reply (and for the reply's
+parts) with no end: a task whose token another local account took (spawn mode puts it on the
+command line) and never answered kept the node out of the federation until it was restarted.
+After ``--reply-timeout`` seconds (default 3600, six times the server's default round-timeout:
+a reply later than the server's wait is one the round no longer takes) the node logs the loss and
+goes back to pulling; the server counts the node's reply as missing, as for any lost reply. The
+bound is raised out of the stand-in's reply wait as ``ReplyOverdue``, a ``BaseException`` so that
+Flower's ``except Exception`` around a send does not swallow it, and caught around Flower's
+``_push_messages`` (``bound_replies``). Nothing is sent and nothing is charged by giving up: a
+node's ledger is written by its ClientApp when it trains, never by this wait.
+
 The change is made only when Flower's module still reads as described (``check_flower``); any
 other Flower version runs unchanged, with a warning, so a Flower upgrade costs speed, never
 correctness. ``tests/unit/test_supernode_polling.py`` fails when the installed Flower no longer
@@ -29,11 +40,12 @@ matches, which is the signal to revisit this module.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from fedvlm.deploy import flower_patches, log_beside_flower, object_pulls, supernode_gate
@@ -46,9 +58,17 @@ IDLE_WAIT, REPLY_WAIT = 3, 0.5
 FLOWER_SLEEPS = {"time.sleep(3)": 1, "time.sleep(0.5)": 2}
 
 
+class ReplyOverdue(BaseException):
+    """The ClientApp's reply did not come within ``--reply-timeout`` (see the module's text)."""
+
+
 class PollingClock:
     """Stands in for the ``time`` module inside Flower's SuperNode loop only: its two fixed waits
-    become ``idle`` and ``reply`` seconds; every other attribute is the real ``time``'s."""
+    become ``idle`` and ``reply`` seconds; every other attribute is the real ``time``'s. While a
+    reply is awaited (``deadline`` set by ``bound_replies``), a reply wait past it raises
+    ``ReplyOverdue``."""
+
+    deadline: float | None = None
 
     def __init__(self, idle: float, reply: float):
         if not (0 < idle <= IDLE_WAIT and 0 < reply <= REPLY_WAIT):
@@ -59,6 +79,8 @@ class PollingClock:
         self.waits = {IDLE_WAIT: idle, REPLY_WAIT: reply}
 
     def sleep(self, seconds: float) -> None:
+        if seconds == REPLY_WAIT and self.deadline is not None and time.monotonic() >= self.deadline:
+            raise ReplyOverdue
         time.sleep(self.waits.get(seconds, seconds))
 
     def __getattr__(self, name: str):
@@ -75,12 +97,40 @@ def check_flower(module: ModuleType) -> str | None:
     for call, count in FLOWER_SLEEPS.items():
         if source.count(call) != count:
             return f"it has {source.count(call)} `{call}` (expected {count})"
+    if not callable(getattr(module, "_push_messages", None)):
+        return "it has no `_push_messages` (the reply wait this bounds)"
     return None
 
 
-def install(idle: float, reply: float) -> bool:
-    """Put the stand-in into Flower's SuperNode loop; False (with a warning) when Flower's module
-    is not the one this was written for, which then runs with its own waits."""
+def bound_replies(push: Callable[..., None], clock: PollingClock, timeout: float) -> Callable[..., None]:
+    """Flower's ``_push_messages`` (wait for the ClientApp's reply, then send it), given up after
+    ``timeout`` seconds with the loss logged, so that the node pulls its next message."""
+
+    @functools.wraps(push)
+    def bounded(*args, **kwargs) -> None:
+        clock.deadline = time.monotonic() + timeout
+        try:
+            push(*args, **kwargs)
+        except ReplyOverdue:
+            log.error(
+                "no reply from this node's ClientApp within --reply-timeout (%g s): the task was taken and not "
+                "answered (by another local account? docs/deployment.md, section 4) or its training outlasted the "
+                "bound (raise --reply-timeout). The server counts this node's reply as missing; the node goes back "
+                "to the federation",
+                timeout,
+            )
+        finally:
+            clock.deadline = None
+
+    return bounded
+
+
+def install(idle: float, reply: float, reply_timeout: float = 3600.0) -> bool:
+    """Put the stand-in into Flower's SuperNode loop, its reply wait bounded by ``reply_timeout``
+    seconds; False (with a warning) when Flower's module is not the one this was written for,
+    which then runs with its own waits, unbounded."""
+    if not reply_timeout > 0:
+        raise ValueError(f"--reply-timeout must be a positive number of seconds; got {reply_timeout}")
     import flwr
     import flwr.supernode.start_client_internal as loop
 
@@ -94,7 +144,9 @@ def install(idle: float, reply: float) -> bool:
         )
         return False
     flower_patches.note_version("supernode-waits")
-    loop.time = PollingClock(idle, reply)  # type: ignore[assignment]  # a stand-in for the module
+    clock = PollingClock(idle, reply)
+    loop.time = clock  # type: ignore[assignment]  # a stand-in for the module
+    loop._push_messages = bound_replies(loop._push_messages, clock, reply_timeout)
     return True
 
 
@@ -109,6 +161,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--idle-poll", type=float, default=0.5, help="seconds between empty pulls (Flower: 3)")
     p.add_argument("--reply-poll", type=float, default=0.1, help="seconds between looks for a reply (Flower: 0.5)")
+    p.add_argument(
+        "--reply-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds to wait for the ClientApp's reply to one message before giving it up (Flower: forever)",
+    )
 
 
 def warn_without_limit(supernode_args: Sequence[str]) -> bool:
@@ -141,11 +199,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_beside_flower()
     supernode_gate.install(args.pin)  # before Flower's SuperNode pulls anything
     try:
-        clock_ok = install(args.idle_poll, args.reply_poll)
+        clock_ok = install(args.idle_poll, args.reply_poll, args.reply_timeout)
     except ValueError as err:
         p.error(str(err))
     if clock_ok:
-        log.info("SuperNode polling: every %.2f s when idle, every %.2f s for a reply", args.idle_poll, args.reply_poll)
+        log.info(
+            "SuperNode polling: every %.2f s when idle, every %.2f s for a reply, given up after %g s",
+            args.idle_poll,
+            args.reply_poll,
+            args.reply_timeout,
+        )
     object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # a message's objects, the server may still be pushing
     from flwr.supernode.cli.flower_supernode import flower_supernode
 

@@ -22,6 +22,7 @@ def test_install_swaps_only_the_two_waits(monkeypatch):
     import flwr.supernode.start_client_internal as loop
 
     monkeypatch.setattr(loop, "time", time)  # undone after the test, like the install below
+    monkeypatch.setattr(loop, "_push_messages", loop._push_messages)
     assert polling.install(0.05, 0.01)
     clock = loop.time
     assert isinstance(clock, polling.PollingClock)
@@ -40,6 +41,10 @@ def test_a_flower_loop_that_changed_runs_unchanged(monkeypatch, caplog):
     exec(compile(source, "<changed>", "exec"), changed.__dict__)
     monkeypatch.setattr(polling.inspect, "getsource", lambda module: source)
     assert "time.sleep(3)" in polling.check_flower(changed)
+    waits = "import time\n\ndef loop():\n    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n"
+    exec(compile(waits, "<waits>", "exec"), changed.__dict__)
+    monkeypatch.setattr(polling.inspect, "getsource", lambda module: waits)
+    assert "no `_push_messages`" in polling.check_flower(changed)  # the reply wait it bounds moved
     import flwr.supernode.start_client_internal as loop
 
     monkeypatch.setattr(loop, "time", time)
@@ -68,3 +73,33 @@ def test_the_supernode_takes_no_run_without_a_pin(capsys):
     with pytest.raises(SystemExit):
         polling.main(["--", "--superlink", "x:1"])
     assert "--pin" in capsys.readouterr().err
+
+
+def test_a_reply_that_never_comes_is_given_up_and_the_node_pulls_again(monkeypatch, caplog):
+    """A task whose token another local account took, never answered: Flower's own reply wait,
+    on Flower's own node state, now ends after --reply-timeout with the loss logged, nothing sent."""
+    import flwr.supernode.start_client_internal as loop
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supernode.nodestate import NodeStateFactory
+
+    monkeypatch.setattr(loop, "time", time)  # both undone after the test
+    monkeypatch.setattr(loop, "_push_messages", loop._push_messages)
+    assert polling.install(0.05, 0.01, reply_timeout=0.3)
+    state = NodeStateFactory(ObjectStoreFactory()).state()  # holds no reply, and none will come
+    sent: list[object] = []
+    t0 = time.monotonic()
+    with caplog.at_level("ERROR", logger="fedvlm.supernode"):
+        loop._push_messages(state=state, object_store=None, send=lambda *a: sent.append(a), push_object=None)
+    assert 0.3 <= time.monotonic() - t0 < 3 and not sent
+    assert "no reply from this node's ClientApp within --reply-timeout (0.3 s)" in caplog.text
+    assert loop.time.deadline is None  # the next wait (an idle pull) is not bounded
+
+
+def test_a_reply_in_time_goes_out_unbounded_by_the_last_one(caplog):
+    clock = polling.PollingClock(0.5, 0.01)
+    calls: list[float | None] = []
+    bounded = polling.bound_replies(lambda **kw: calls.append(clock.deadline), clock, 5.0)
+    bounded(state=None)
+    assert calls[0] is not None and clock.deadline is None and not caplog.records
+    with pytest.raises(ValueError, match="--reply-timeout must be a positive"):
+        polling.install(0.5, 0.1, reply_timeout=0)
