@@ -107,6 +107,19 @@ PATCHES: tuple[Patch, ...] = (
         "docs/deployment.md, '4. Start a SuperNode'",
     ),
     Patch(
+        "task-claims",
+        "fedvlm.deploy.task_claims",
+        "flwr.supercore.corestate",
+        "InMemoryCoreState.claim_task and SqlCoreState.claim_task give a claimed task --task-start-window seconds "
+        "to start (Flower: the 30 s of a heartbeat) and finish a task claimed --task-starts times that never began "
+        "FAILED, with the reason",
+        ("fedvlm/deploy/superlink.py",),
+        "runs unchanged, with a warning (30 s to start, started again without bound)",
+        "a SuperLink option for the window a claimed task has to start, and a bound on its starts with the reason "
+        "recorded in the run's status",
+        "issue 63 item 7: six ServerApps refused in three minutes at load 35, the run never began",
+    ),
+    Patch(
         "simulation-polls",
         "fedvlm.deploy.simulation_polls",
         "flwr.server.superlink.linkstate.in_memory_linkstate",

@@ -8,7 +8,8 @@ SuperExec that takes ServerApp tasks with no secret: on the SuperLink host every
 was the researcher (it could start runs, and take a running ServerApp's task with its token, run
 config and FAB), and so was every container on a host network.
 
-    python -m fedvlm.deploy.superlink [--allow-uid UID ...] [--signing-key server-signing.key] -- \\
+    python -m fedvlm.deploy.superlink [--allow-uid UID ...] [--signing-key server-signing.key] \\
+        [--task-start-window 300] [--task-starts 3] -- \\
         <flower-superlink's arguments (--host 127.0.0.1 --port ... TLS ... --database ...)>
 
 runs Flower's own SuperLink in this process with two changes:
@@ -26,6 +27,10 @@ runs Flower's own SuperLink in this process with two changes:
   ``acquire-task`` needs the secret's HMAC. The SuperExec, and so every ServerApp, gets
   ``FEDVLM_SIGNING_KEY`` from ``--signing-key``: every instruction the ServerApp sends is signed
   (``deploy.instruction_signing``).
+
+It also gives a ServerApp ``--task-start-window`` seconds to start (Flower: 30) and fails its run,
+saying why, after ``--task-starts`` starts that never began (``deploy.task_claims``): on a busy host
+Flower's SuperExec otherwise starts one ServerApp after another and the run never begins.
 
 The ServerApp's task token is on its process's command line (Flower's executor puts it there):
 another account can read it with ``ps``, but cannot use it, since its requests are refused here.
@@ -50,7 +55,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import log_beside_flower
+from fedvlm.deploy import log_beside_flower, task_claims
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, load_private
 from fedvlm.utils.processes import tcp_sockets
 
@@ -210,6 +215,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--signing-key", type=Path, help="the ServerApp's signing key (server-signing.key)")
     p.add_argument("--superexec-secret", type=Path, help="the SuperExec's secret file (default: a new one each start)")
+    p.add_argument(
+        "--task-start-window",
+        type=float,
+        default=task_claims.START_WINDOW_S,
+        help="seconds a ServerApp has to start before it is started again (Flower: 30)",
+    )
+    p.add_argument(
+        "--task-starts",
+        type=int,
+        default=task_claims.MAX_STARTS,
+        help="starts of one ServerApp that never began before its run is failed, saying why (Flower: no bound)",
+    )
     p.add_argument("superlink_args", nargs=argparse.REMAINDER, help="-- then flower-superlink's arguments")
     args = p.parse_args(argv)
     rest = args.superlink_args[1:] if args.superlink_args[:1] == ["--"] else list(args.superlink_args)
@@ -234,6 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"Flower's SuperLink command is not the one fedvlm.deploy.superlink knows ({problem}): refusing to start a "
             "SuperLink every local account could use; install the Flower version in constraints.txt"
         )
+    try:
+        task_claims.install(args.task_start_window, args.task_starts)
+    except ValueError as err:
+        p.error(str(err))
     from flwr.supercore.exit import add_exit_handler
 
     secret = _secret(args.superexec_secret)
