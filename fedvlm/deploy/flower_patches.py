@@ -120,6 +120,17 @@ PATCHES: tuple[Patch, ...] = (
         "issue 63 item 7: six ServerApps refused in three minutes at load 35, the run never began",
     ),
     Patch(
+        "task-reaping",
+        "fedvlm.deploy.task_reaping",
+        "flwr.supercore.superexec.executor.subprocess_executor",
+        "SubprocessExecutor.reconcile, called on every pass of the SuperExec's task loop, also reaps the finished "
+        "tasks whose Popen handles the executor dropped (the standard library's subprocess._cleanup)",
+        ("fedvlm/deploy/pinned_app.py", "fedvlm/deploy/task_reaping.py"),
+        "runs unchanged, with a warning (a finished task stays a zombie until the next start)",
+        "a subprocess executor that keeps its tasks' handles and polls them in reconcile",
+        "issue 63 item 11: a zombie flwr-serverapp in the SuperLink's container 20 to 60 s after a run",
+    ),
+    Patch(
         "simulation-polls",
         "fedvlm.deploy.simulation_polls",
         "flwr.server.superlink.linkstate.in_memory_linkstate",

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import log_beside_flower, object_pulls
+from fedvlm.deploy import log_beside_flower, object_pulls, task_reaping
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 SERVER_KEYS_ENV = "FEDVLM_SERVER_KEYS"  # and the ServerApp keys whose signatures they accept
@@ -210,6 +210,8 @@ def _exec(
 
         # before the SuperExec opens a connection: the fork server starts single-threaded
         install(str(command), CLIENTAPP_ENTRY)
+    else:
+        task_reaping.install()  # a spawned ClientApp that finished is reaped at once
     sys.argv = ["flower-superexec", *superexec_args]
     flower_superexec()
 

@@ -23,6 +23,7 @@ runs Flower's own SuperLink in this process with two changes:
   on a loopback address, and SuperNodes reach it only through the gateway.
 - **Its own SuperExec, with a secret.** Flower's SuperLink is run with ``--isolation process``
   and ``--superexec-auth-secret-file``, and this process starts ``flower-superexec`` beside it
+  (``deploy.task_reaping``: a finished ServerApp is reaped at once, not left a zombie)
   with the same secret (made anew at every start, 0600 in a 0700 folder, unless given):
   ``acquire-task`` needs the secret's HMAC. The SuperExec, and so every ServerApp, gets
   ``FEDVLM_SIGNING_KEY`` from ``--signing-key``: every instruction the ServerApp sends is signed
@@ -188,7 +189,7 @@ def superexec_command(args: Sequence[str], secret: Path) -> list[str]:
     port = _flag(args, "--port") or "8000"
     ca = _flag(args, "--ssl-ca-certfile")
     tls = ["--root-certificates", ca] if ca else ["--insecure"]
-    command = [str(Path(sys.executable).parent / "flower-superexec"), *tls]
+    command = [sys.executable, "-m", "fedvlm.deploy.task_reaping", *tls]  # flower-superexec, reaping its tasks
     command += ["--runtime-api-address", f"{host}:{port}", "--parent-pid", str(os.getpid())]
     return [*command, "--superexec-auth-secret-file", str(secret)]
 

@@ -250,8 +250,9 @@ def test_the_image_builds_and_the_compose_federation_finishes_a_dp_run(stack):
     )
     # every container: an init as PID 1 that reaped the finished ServerApp and ClientApps, and a
     # read-only root (not even its own home is writable); no warning about a cache it cannot write
+    # (after 5 s: a finished ServerApp stayed a zombie for 20-60 s, a look right away missed it)
     probe = (
-        "import pathlib; p = pathlib.Path('/proc'); "
+        "import pathlib, time; time.sleep(5); p = pathlib.Path('/proc'); "
         "print(p.joinpath('1', 'cmdline').read_bytes().split(b'\\0')[0].decode()); "
         "print(sum(') Z ' in q.joinpath('stat').read_text() for q in p.iterdir() if q.name.isdigit())); "
         "import os; print(os.access(os.path.expanduser('~'), os.W_OK), os.access('/tmp', os.W_OK))"

@@ -67,3 +67,31 @@ def test_windows_and_bounds_outside_reason_are_refused():
         task_claims.install(start_window=0, max_starts=3)
     with pytest.raises(ValueError, match="--task-starts at least 1"):
         task_claims.install(start_window=10, max_starts=0)
+
+
+def test_a_finished_task_whose_handle_flower_dropped_is_reaped_on_the_next_pass(monkeypatch):
+    """Flower's executor drops each task's Popen: the child stayed a zombie until the next start.
+    The SuperExec's loop calls reconcile on every pass; with the patch that pass reaps it."""
+    import gc
+    import subprocess
+    from pathlib import Path
+
+    from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
+
+    from fedvlm.deploy import task_reaping
+
+    monkeypatch.setattr(SubprocessExecutor, "reconcile", SubprocessExecutor.reconcile)  # undone after
+    assert task_reaping.check_flower() is None and task_reaping.install()
+    child = subprocess.Popen(["sleep", "0.2"])  # as Flower's launch does: started, its handle dropped
+    pid = child.pid
+    del child
+    gc.collect()
+    time.sleep(0.6)
+
+    def state() -> str:
+        stat = Path(f"/proc/{pid}/stat")
+        return stat.read_text().rsplit(")", 1)[1].split()[0] if stat.exists() else "gone"
+
+    assert state() == "Z"  # finished, not reaped: what the SuperLink's container showed
+    SubprocessExecutor().reconcile()
+    assert state() == "gone"
