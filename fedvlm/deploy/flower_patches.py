@@ -46,6 +46,7 @@ class Patch:
     on_mismatch: str  # what a Flower its guard does not recognise gets
     upstream: str  # the Flower change it stands in for
     measured: str  # where its figures are
+    installers: tuple[str, ...] = ("install",)  # the module's functions whose calls make the change
 
     def guard(self) -> str | None:
         """Why the installed Flower is not the one this patch changes (None: it is)."""
@@ -141,6 +142,57 @@ PATCHES: tuple[Patch, ...] = (
         "a simulation engine that asks the LinkState once per poll for every node's messages, or an index of "
         "undelivered messages by destination",
         "docs/results/speed.md, 'Scale'",
+    ),
+    Patch(
+        "superlink-accounts",
+        "fedvlm.deploy.superlink",
+        "flwr.superlink.cli.flower_superlink",
+        "the SuperLink command's module-level uvicorn becomes GuardedUvicorn: every connection of an account not "
+        "allowed is answered 403 before its request is parsed, forwarding headers are not believed, and the "
+        "SuperExec with the secret starts first",
+        ("fedvlm/deploy/superlink.py",),
+        "refuses to start the SuperLink: every local account could use it",
+        "authentication of Control API and runtime users in the open-source SuperLink",
+        "docs/deployment.md, '2. Start the SuperLink and its Fleet gateway'",
+        ("main",),
+    ),
+    Patch(
+        "instruction-signing",
+        "fedvlm.deploy.instruction_signing",
+        "flwr.superlink.grid",
+        "the ServerApp's grid's push_messages (which send_and_receive and every sender use) signs each message "
+        "with the server's key and a fresh nonce first",
+        ("fedvlm/server_app/app.py",),
+        "the test of the guard fails (a ServerApp whose grid sent another way would send unsigned messages, "
+        "which signed nodes refuse)",
+        "signed instructions: a ServerApp key that SuperNodes pin",
+        "docs/deployment.md, '4. Start a SuperNode'",
+        ("sign_pushes",),
+    ),
+    Patch(
+        "pinned-exec",
+        "fedvlm.deploy.pinned_app",
+        "flwr.supernode.runtime.run_clientapp",
+        "the ClientApp runtime's pull_task_input keeps the message and its install_from_fab checks the FAB's pin "
+        "and the message's signature before unpacking; the node's SuperExec starts fedvlm-clientapp for "
+        "ClientApp tasks and takes no other task type",
+        ("fedvlm/deploy/pinned_app.py",),
+        "refuses to run any app (the pin fails closed)",
+        "app pinning and signed instructions in the SuperNode's runtime",
+        "docs/deployment.md, '4. Start a SuperNode'",
+        ("clientapp_main", "_exec"),
+    ),
+    Patch(
+        "inprocess-identity",
+        "fedvlm.utils.inprocess",
+        "flwr.supercore.task_identity",
+        "TaskIdentity's run, node and task ids, which Flower's runtime sets, are set for a federation run in one "
+        "process without a runtime (tests and benchmarks; never a run)",
+        ("fedvlm/utils/inprocess.py",),
+        "the test of the guard fails (Flower stamps new messages from elsewhere)",
+        "none: Flower's runtime sets them where it runs",
+        "-",
+        ("ensure_task_identity",),
     ),
 )
 BY_NAME = {p.name: p for p in PATCHES}

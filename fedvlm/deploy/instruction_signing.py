@@ -128,6 +128,20 @@ def signed(msg: Message, key: Ed25519PrivateKey) -> Message:
     return msg
 
 
+def check_flower() -> str | None:
+    """Why Flower's grids do not send through ``push_messages`` (None: they do): signing wraps
+    that one method, so a grid whose ``send_and_receive`` pushed another way would send unsigned."""
+    import inspect
+
+    from flwr.superlink.grid.http_grid import HttpGrid
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    for grid in (HttpGrid, InMemoryGrid):
+        if "self.push_messages(" not in inspect.getsource(grid.send_and_receive):
+            return f"{grid.__name__}.send_and_receive no longer sends through push_messages"
+    return None
+
+
 def sign_pushes(grid: Any, key: Ed25519PrivateKey) -> None:
     """Every message ``grid`` pushes from now on is signed first (Flower's ``send_and_receive``
     and every other sender go through the grid's ``push_messages``)."""

@@ -141,6 +141,42 @@ def server_keys_from_env() -> list:
     return [load_public(Path(p)) for p in os.environ.get(SERVER_KEYS_ENV, "").split(os.pathsep) if p]
 
 
+def check_flower() -> str | None:
+    """Why Flower's ClientApp runtime and SuperExec are not the ones the pin is checked in (None:
+    they are): the runtime must pull the task and unpack its FAB through its module-level
+    ``pull_task_input`` and ``install_from_fab`` (a pin check put anywhere else might never be
+    called), and the SuperExec must start ClientApps with the command its table names and take
+    the task types its plugin lists."""
+    import inspect
+
+    import flwr.supernode.runtime.run_clientapp as runtime
+    from flwr.supercore import constant
+    from flwr.supercore.superexec.plugin.base_exec_plugin import AutoExecPlugin, BaseExecPlugin
+
+    run = inspect.getsource(runtime.run_clientapp)
+    if "pull_task_input(client)" not in run or "install_from_fab(" not in run:
+        return "run_clientapp no longer pulls and unpacks through pull_task_input and install_from_fab"
+    if not all(callable(getattr(runtime, f, None)) for f in ("install_from_fab", "pull_task_input")):
+        return "run_clientapp's module has no install_from_fab or pull_task_input"
+    if constant.TaskType.CLIENT_APP not in constant.TASK_TYPE_TO_COMMAND:
+        return "the SuperExec's command table has no ClientApp"
+    if not issubclass(AutoExecPlugin, BaseExecPlugin) or "self.supported_task_types" not in inspect.getsource(
+        BaseExecPlugin
+    ):
+        return "the SuperExec's plugin no longer checks supported_task_types"
+    return None
+
+
+def _require_flower() -> None:
+    """The pin fails closed: a Flower whose runtime reads otherwise runs no ClientApp here."""
+    problem = check_flower()
+    if problem is not None:
+        raise SystemExit(
+            f"Flower's ClientApp runtime is not the one fedvlm pins apps in ({problem}): refusing to run any app; "
+            "install the Flower version in constraints.txt"
+        )
+
+
 def clientapp_main() -> None:
     """``fedvlm-clientapp``: Flower's ``flwr-clientapp``, with the run's FAB checked against the
     pins and the message's signature against the pinned ServerApp keys, after Flower pulled the
@@ -152,6 +188,7 @@ def clientapp_main() -> None:
 
     from fedvlm.deploy.instruction_signing import verify
 
+    _require_flower()
     install, pull = runtime.install_from_fab, runtime.pull_task_input
     from fedvlm.deploy.instruction_signing import Served
 
@@ -190,6 +227,7 @@ def _exec(
     from flwr.supercore import constant
     from flwr.supercore.cli.flower_superexec import flower_superexec
 
+    _require_flower()
     command = Path(sys.executable).parent / CLIENTAPP_COMMAND
     if not command.exists():
         raise SystemExit(f"{command} is missing: install this project (pip install -e .) in this environment")

@@ -17,13 +17,23 @@ from flwr.common.constant import ErrorCode
 
 from fedvlm.utils.runtime import in_process_node
 
+IDENTITY = ("_run_id", "_node_id", "_task_id")  # what Flower's runtime sets on TaskIdentity
+
+
+def check_flower() -> str | None:
+    """Why Flower's task identity is not the one set here (None: it is)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    missing = [a for a in IDENTITY if not hasattr(TaskIdentity, a)]
+    return f"TaskIdentity has no {', '.join(missing)}" if missing else None
+
 
 def ensure_task_identity(run_id: int = 1) -> None:
     """Flower stamps new messages with the identity of the running task, which its runtime
     sets; outside a Flower process we set a server identity ourselves."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    for attr, value in (("_run_id", run_id), ("_node_id", 0), ("_task_id", 0)):
+    for attr, value in zip(IDENTITY, (run_id, 0, 0), strict=True):
         if getattr(TaskIdentity, attr) is None:
             setattr(TaskIdentity, attr, value)
 
