@@ -337,3 +337,31 @@ def test_the_loop_calls_the_strategy_only_through_its_hooks():
 def test_the_hook_rule_sees_a_part(tmp_path):
     (tmp_path / "loop.py").write_text("strategy.configure_train(1)\nstrategy.budget.spend(x)\n")
     assert _strategy_members(tmp_path / "loop.py") == {"configure_train", "budget"}
+
+
+def test_the_loop_holds_the_strategy_only_as_its_hooks_whatever_the_name():
+    """The name rule above sees only a variable called ``strategy``; the type rule sees every
+    name: the loop imports no strategy class, types every strategy it holds as ``RoundHooks``,
+    whose methods are exactly ``HOOKS``, and mypy (run by CI) refuses any other member on it."""
+    import typing
+
+    from fedvlm.server_app.loop import HOOKS, RoundHooks
+
+    members = {m for m in vars(RoundHooks) if not m.startswith("_")} - set(typing.Protocol.__dict__)
+    assert members == set(HOOKS)
+    for name in ("loop.py", "resume.py"):
+        tree = ast.parse((PACKAGE / "server_app" / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert not {i for i in imported if i.endswith("Strategy")}, name
+        annotations = [
+            ast.unparse(n.annotation) if n.annotation is not None else "(none)"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.arg) and a_strategy(n)
+        ]
+        assert all(a == "RoundHooks" for a in annotations), (name, annotations)
+
+
+def a_strategy(arg: ast.arg) -> bool:
+    """A parameter that holds a strategy: by its name or by its type's."""
+    text = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+    return "strategy" in arg.arg.lower() or "Strategy" in text or "RoundHooks" in text
