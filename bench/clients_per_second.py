@@ -30,13 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from round_overhead import run_flwr, run_inprocess
+
+from fedvlm.methods.registry import FAMILIES, methods_of
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from round_overhead import run_flwr, run_inprocess  # noqa: E402
-
-from fedvlm.methods.registry import FAMILIES, methods_of  # noqa: E402
 
 MODELS = {"embedded": {}, "vit-b-16": {"clip.model": "ViT-B-16", "clip.pretrained": ""}}  # random weights: offline
 

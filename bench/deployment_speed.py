@@ -36,16 +36,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from fedvlm.deploy.local_federation import FLOWER_WAITS, OUR_WAITS, LocalFederation, NodeWaits
+from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching
 
-from fedvlm.deploy.local_federation import FLOWER_WAITS, OUR_WAITS, LocalFederation, NodeWaits  # noqa: E402
-from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rounds(results: Path) -> list[dict]:

@@ -41,11 +41,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from fedvlm.deploy.credentials import generate
+from fedvlm.utils.processes import free_port, kill_tree
 
-from fedvlm.deploy.credentials import generate  # noqa: E402
-from fedvlm.utils.processes import free_port, kill_tree  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HONEST, HONEST_FRESH, ATTACKER = "127.0.0.2", "127.0.0.4", "127.0.0.3"
 UPSTREAM = """

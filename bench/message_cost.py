@@ -29,11 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from fedvlm.deploy.node_worker import spawn
+from fedvlm.runconfig import parse_value
 
-from fedvlm.deploy.node_worker import spawn  # noqa: E402
-from fedvlm.runconfig import parse_value  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COLD = """
 import sys, time, json

@@ -3,7 +3,7 @@ releases on the embedded default (one real round in-process, the noise check obs
 runs; two rounds), its coordinates, and the noise scale factors that ``privacy.dpsgd.check_noise`` refuses
 with probability 0.99 in one step (``detectable_scale``: below the first, or above the second).
 
-    python bench/noise_check_power.py --json docs/results/noise_check_power.json \
+    python -m bench.noise_check_power --json docs/results/noise_check_power.json \
         --csv docs/results/noise_check_power.csv
 
 A prompt's tensor scales with the CLIP width (ViT-B/16: 16 x 512 = 8,192 coordinates; the
@@ -17,12 +17,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 import tempfile
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 # the private regression cases (tests/regression.py): the smallest config that shows each mechanism
 CASES = ("promptfl-dp", "dpfpl-dp", "fedotp-dp", "fedpgp-dp", "pfedmoap-dp", "fedrand-dp", "reprogram", "bl-pf")
@@ -31,9 +27,8 @@ CASES = ("promptfl-dp", "dpfpl-dp", "fedotp-dp", "fedpgp-dp", "pfedmoap-dp", "fe
 def observe(case: str, cache: Path, out: Path) -> dict[tuple[str, str], tuple[int, int]]:
     """{(where, tensor): (coordinates, tensors checked together)} over the case's rounds (two:
     pFedMoAP's gate trains from a node's second round, when it has experts)."""
-    from regression import run_case
-
     from fedvlm.privacy import budget, dpsgd
+    from tests.regression import run_case  # run from the checkout's root, as a module
 
     seen: dict[tuple[str, str], tuple[int, int]] = {}
     honest = dpsgd.check_noise

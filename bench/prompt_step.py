@@ -25,18 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fedvlm.models import tiny_clip  # noqa: E402
-from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context  # noqa: E402
-from fedvlm.privacy.dpsgd import DPStep, functional_per_sample, per_sample_chunk, privatize  # noqa: E402
+from fedvlm.models import tiny_clip
+from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context
+from fedvlm.privacy.dpsgd import DPStep, functional_per_sample, per_sample_chunk, privatize
 
 CLASSNAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 COLOURS = ["red", "green", "blue", "yellow", "black", "white", "grey", "pink", "brown", "purple"]

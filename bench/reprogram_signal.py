@@ -28,13 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fedvlm.client_app.reprogram_clients import resized  # noqa: E402
-from fedvlm.data.registry import load_dataset  # noqa: E402
-from fedvlm.models.reprogram import build_model, input_size, load_source, trainable_state  # noqa: E402
-from fedvlm.privacy.dpsgd import ModuleGradients, per_sample_clip  # noqa: E402
-from fedvlm.utils.paths import default_cache_dir  # noqa: E402
+from fedvlm.client_app.reprogram_clients import resized
+from fedvlm.data.registry import load_dataset
+from fedvlm.models.reprogram import build_model, input_size, load_source, trainable_state
+from fedvlm.privacy.dpsgd import ModuleGradients, per_sample_clip
+from fedvlm.utils.paths import default_cache_dir
 
 KINDS = {"mr": "reprogram", "pf": "bl-pf", "ff": "bl-ff", "ts": "bl-ts"}
 

@@ -26,10 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fedvlm.models.reprogram import build_model, input_size, load_source, trainable_state  # noqa: E402
-from fedvlm.privacy.dpsgd import DPStep, ModuleGradients, privatize  # noqa: E402
+from fedvlm.models.reprogram import build_model, input_size, load_source, trainable_state
+from fedvlm.privacy.dpsgd import DPStep, ModuleGradients, privatize
 
 
 def step_seconds(kind: str, source, batch: int, classes: int, image_size: int, steps: int, device: str) -> float:

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching
 
-from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def split(results: dict) -> dict:

@@ -20,10 +20,10 @@ consistency round's majority and without it: the rounds in which it could unmask
 (central) against the clients' distributed discrete Gaussian (secure aggregation), for several
 seeds: the final round's local and neighbour accuracy, and the sigma each drew on the mean.
 
-    python bench/secure_aggregation.py cost --nodes 4,10,20 --rounds 3 --neighbours 6
-    python bench/secure_aggregation.py protocol --nodes 4,10,20 --repeats 3
-    python bench/secure_aggregation.py accuracy --seeds 0,1,2 --rounds 20 --epsilon 8
-    python bench/secure_aggregation.py attack --configs 7:0,7:2,9:4,11:4,13:6 --rounds 12
+    python -m bench.secure_aggregation cost --nodes 4,10,20 --rounds 3 --neighbours 6
+    python -m bench.secure_aggregation protocol --nodes 4,10,20 --repeats 3
+    python -m bench.secure_aggregation accuracy --seeds 0,1,2 --rounds 20 --epsilon 8
+    python -m bench.secure_aggregation attack --configs 7:0,7:2,9:4,11:4,13:6 --rounds 12
 
 Prints one JSON line per measurement and a table; ``--out FILE`` writes the JSON list.
 """
@@ -34,13 +34,9 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def run(overrides: dict, nodes: int, work: Path, run_id: str) -> tuple[dict, float]:
@@ -196,7 +192,7 @@ def attack(args, work: Path) -> list[dict]:
     import numpy as np
 
     from fedvlm.secagg import node as node_module
-    from tests.secagg_harness import ATTACKS, unmaskable
+    from tests.secagg_harness import ATTACKS, unmaskable  # run from the checkout's root, as a module
 
     built = node_module.quorum
     out = []

@@ -29,11 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from fedvlm.runconfig import parse_value
+from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching
 
-from fedvlm.runconfig import parse_value  # noqa: E402
-from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def sampled_of(spec: str, clients: int) -> int:

@@ -24,7 +24,6 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def engine_state(num_nodes: int, run_id: int = 1):

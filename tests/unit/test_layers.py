@@ -57,3 +57,10 @@ def test_the_map_catches_an_upward_import_and_a_module_it_does_not_name():
     graph = {"p.low.a": {"p.high"}, "p.high": {"p.low.a"}, "p.low.__main__": {"p.high"}, "p.other": set()}
     assert upward(graph, rows) == ["p.low.a (0) -> p.high (1)"]
     assert level("p.other", rows) is None and level("p.low.__main__", rows) == 1
+
+
+def test_no_benchmark_edits_the_import_path():
+    """A benchmark imports the installed package (and, run as ``python -m bench.NAME`` from the
+    checkout, the test harnesses it measures with), never a path it put on ``sys.path`` itself."""
+    bench = DOC.parents[1] / "bench"
+    assert [p.name for p in sorted(bench.glob("*.py")) if "sys.path" in p.read_text()] == []
