@@ -10,6 +10,9 @@ which is DP-FPL's Algorithm 1 generalised to ``local-steps`` steps per round:
   gradient;
 - the reply is p_G's gradient (averaged over the round's steps and clipped to C); the server
   averages, adds global-DP noise and steps p_G.
+With ``dpfpl.global-update = local`` (FedOTP's and FedPGP's own FedAvg, without privacy) the
+client also steps p_G with its local optimiser every step and replies start minus end, which
+the server's step (server-lr 1, sgd) turns into the clients' mean prompt.
 
 Methods differ in ``local_leaves`` (what is trained locally and noised), ``score`` (how p_G
 and the local part make logits) and ``apply_local`` (how the local part is updated).
@@ -101,15 +104,25 @@ class GlobalLocalClient(PromptClient):
         opt = self.make_optimizer(self.local_opt_params(local))
         restore_optimizer(opt, {k: v.to(dev) for k, v in self.own.items()})
         factors = generator_for(node_key(self.cfg.seed, self.node.seed, NodeStream.POWER_ITERATION, self.round))
-        return GlobalLocalRound(self, p_global, local, opt, factors, feats, labels)
+        stepped = None
+        if self.cfg.dpfpl.global_update == "local":  # its own optimiser, fresh each round, as FedAvg's clients
+            stepped = torch.nn.Parameter(p_global.clone())
+            stepped_opt = self.make_optimizer([stepped])
+        session = GlobalLocalRound(self, p_global, local, opt, factors, feats, labels)
+        if stepped is not None:
+            session.step_global = (stepped, stepped_opt)
+        return session
 
     def finish_round(self, session, stats, shape, sigma, instruction):
-        g_global = session.g_global / shape.steps
-        if self.privacy.enabled:  # the average of clipped steps has norm <= C; clip again for safety
-            g_global, _ = clip_tensor(g_global, self.privacy.clip)
+        if session.step_global is not None:  # start minus end: the server's step with lr 1 lands on their mean
+            upload = session.p_start - session.p_global
+        else:
+            upload = session.g_global / shape.steps
+            if self.privacy.enabled:  # the average of clipped steps has norm <= C; clip again for safety
+                upload, _ = clip_tensor(upload, self.privacy.clip)
         self.store_local({k: v.detach() for k, v in session.local.items()})
         self.own.update({k: v.cpu() for k, v in optimizer_tensors(session.opt).items()})
-        return TrainReply({GLOBAL_GRAD: g_global.cpu()}, self.train_metrics(stats, session))
+        return TrainReply({GLOBAL_GRAD: upload.cpu()}, self.train_metrics(stats, session))
 
     def personal_prompts(self, arrays):
         p_global = arrays[GLOBAL_CTX].to(self.bundle.device)
@@ -138,7 +151,10 @@ class GlobalLocalRound(Learner):
         labels: torch.Tensor,
     ):
         self.client = client
-        self.p_global = p_global  # [M, d] the global prompt received; it does not change this round
+        self.p_global = p_global  # [M, d] the global prompt this step starts from (the received one
+        # all round, unless ``step_global``: dpfpl.global-update = local steps it on the node)
+        self.p_start = p_global
+        self.step_global: tuple[torch.nn.Parameter, torch.optim.Optimizer] | None = None
         self.local = local  # the private local part, trained (DP-FPL's p_L, FedPGP's u and v)
         self.opt = opt  # the local part's optimiser
         self.factors = factors  # DP-FPL's power iterations, keyed by the node and round
@@ -173,7 +189,14 @@ class GlobalLocalRound(Learner):
         return {k: g for k, g in zip(names, extra, strict=True) if g is not None}
 
     def apply(self, grads: dict[str, torch.Tensor]) -> None:
-        self.g_global += grads.pop("global")
+        g = grads.pop("global")
+        self.g_global += g
+        if self.step_global is not None:
+            param, opt = self.step_global
+            opt.zero_grad(set_to_none=True)
+            param.grad = g
+            opt.step()
+            self.p_global = param.detach().clone()
         self.client.apply_local(self.local, self.leaves, self.step_ctx, grads, self.opt)
 
 

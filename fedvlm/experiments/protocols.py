@@ -299,6 +299,13 @@ PROTOCOLS: dict[str, Protocol] = {
                 # global noise), 0.01 x the mean gradient; FedOTP's own FedAvg of 10 local SGD steps
                 # (lr 0.002, momentum 0.9) moves it about 0.08 x. The same method at that step:
                 ("fedotp-server-lr0.1", "fedotp", {"prompt.local-steps": 0, "dpfpl.server-lr": 0.1}),
+                # ... and FedOTP's own update: the global prompt trained on the node with the local
+                # one, the server averaging the clients' global prompts (FedAvg)
+                (
+                    "fedotp-fedavg",
+                    "fedotp",
+                    {"prompt.local-steps": 0, "dpfpl.global-update": "local", "dpfpl.server-lr": 1.0},
+                ),
             ),
             ("none",),
             (0, 1, 2),

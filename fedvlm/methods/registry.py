@@ -91,10 +91,19 @@ def _global_gradient_dp(cfg: RunConfig, per_round: int) -> GlobalDP:
 
 
 def _shared_context_check(cfg: RunConfig) -> None:
-    """The global/local methods average one shared context's gradient (``strategies.global_local``)."""
+    """The global/local methods average one shared context's gradient (``strategies.global_local``).
+    A global prompt stepped on the node (``dpfpl.global-update = local``) runs without privacy only:
+    the server's noise is planned for the mean of clipped gradients of the prompt it sent, and a
+    prompt stepped locally has no bound that plan covers (DP fails closed)."""
     if cfg.prompt.class_specific:
         raise ConfigError(
             f"run config 'method' = {cfg.method!r} needs a shared context: set prompt.class-specific=false"
+        )
+    if cfg.dpfpl.global_update == "local" and cfg.privacy.epsilon > 0:
+        raise ConfigError(
+            "run config dpfpl.global-update='local' (the global prompt stepped on the node) has no privacy "
+            "accounting: the server's noise is planned for the mean gradient of the prompt it sent. Set "
+            "dpfpl.global-update='server' for a private run, or privacy.epsilon=0"
         )
 
 

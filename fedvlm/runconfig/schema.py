@@ -195,6 +195,14 @@ class DPFPLConfig:
     server_lr: float = opt(
         0.01, "Server learning rate eta_G (paper, ViT-B/16: 1e-4 with sgd).", min=0.0, min_exclusive=True
     )
+    global_update: str = opt(
+        "server",
+        "How the global prompt learns. server: DP-FPL's, the client returns the mean gradient of the global prompt "
+        "it received and the server steps it. local: FedOTP's and FedPGP's own FedAvg, the client steps the global "
+        "prompt with its local optimiser every local step and returns start minus end, which the server averages "
+        "(server-lr 1 with sgd: their mean); without privacy only.",
+        choices=("server", "local"),
+    )
 
 
 @dataclass(frozen=True)

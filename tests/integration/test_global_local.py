@@ -72,3 +72,31 @@ def test_baselines_keep_their_local_parts_private(make_cfg, pretrained_clip, met
     assert set(mechs) == {"ldp-local" if method == "fedotp" else "ldp-lowrank"}
     published = torch.load(rec.dir / "published" / "client-0.pt", weights_only=False)["prompts"]
     assert set(published) == ({"global", "local"} if method == "fedotp" else {"ctx"})
+
+
+def test_a_global_prompt_stepped_on_the_node_averages_to_the_clients_prompts(make_cfg, pretrained_clip):
+    """dpfpl.global-update = local (FedOTP's own FedAvg): each client steps the global prompt with
+    its optimiser and returns start minus end; the server's sgd step at lr 1 lands on the mean of
+    the clients' end prompts. Refused under privacy: the server's noise has no plan for it."""
+    from fedvlm.methods.validation import validate
+    from fedvlm.runconfig import ConfigError
+
+    sets = {"dpfpl__global_update": "local", "dpfpl__server_lr": 1.0, "prompt__local_steps": 3}
+    cfg = make_cfg(method="fedotp", num_server_rounds=1, **sets)
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 2} for i in range(2)], cfg.as_dict())
+    rec = execute(cfg, grid, run_id="t")
+    sent = [m.content["arrays"]["global_ctx"].numpy() for m in grid.sent if m.metadata.message_type == "train"]
+    start = torch.from_numpy(sent[0]).flatten()
+    assert all((s == sent[0]).all() for s in sent)  # one global prompt, sent to both
+    ends = [
+        start - torch.from_numpy(m.content["arrays"]["global_grad"].numpy()).flatten()
+        for m in grid.replies
+        if m.metadata.message_type == "train"
+    ]
+    assert len(ends) == 2 and all(float((e - start).norm()) > 0 for e in ends)
+    final = torch.as_tensor(
+        torch.load(rec.dir / "final_shared.pt", weights_only=False)["arrays"]["global_ctx"]
+    ).flatten()
+    torch.testing.assert_close(final, torch.stack(ends).mean(0), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ConfigError, match="global-update='local'.*no privacy accounting"):
+        validate({**cfg.as_dict(), "privacy.epsilon": 1.0})
