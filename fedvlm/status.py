@@ -136,6 +136,37 @@ def _readable(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+def damage(data: dict) -> str | None:
+    """What in results.json's content is not what a run writes, in the fields a verdict reads
+    (None: nothing): a hand-edited or damaged file gets exit 2 naming the field, not a traceback."""
+    rounds, excluded = data.get("rounds"), (data.get("run") or {}).get("excluded_nodes") or {}
+    if not isinstance(data.get("run", {}), dict) or not isinstance(rounds, list):
+        return "'run' is not an object or 'rounds' not a list"
+    for i, record in enumerate(rounds):
+        if not isinstance(record, dict) or not isinstance(record.get("metrics", {}), dict):
+            return f"rounds[{i}] is not an object with an object of 'metrics'"
+        for key in ("round", "sampled"):
+            value = record.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"rounds[{i}].{key} = {value!r} is not a whole number"
+    if not isinstance(excluded, dict) or not all(isinstance(v, str) for v in excluded.values()):
+        return "run.excluded_nodes is not an object of node names to reasons"
+    if (data.get("run") or {}).get("status") == "finished" and not rounds:
+        return "it says the run finished but records no round"
+    return None
+
+
+def _refused_at(refused: dict) -> float:
+    """When a resume was refused (``resume-refused.json``'s 'at'); a value that is not a time
+    counts as the newest thing that happened to the folder, which the file's being there says."""
+    try:
+        at = float(refused.get("at", 0))
+        time.localtime(at)
+    except (TypeError, ValueError, OverflowError, OSError):
+        return float("inf")
+    return at
+
+
 def check(run_dir: Path, max_lost: float = MAX_LOST) -> Verdict:
     path = Path(run_dir) / RESULTS
     # the status file is written in place at the end even when results.json could not be (a full disk)
@@ -146,14 +177,18 @@ def check(run_dir: Path, max_lost: float = MAX_LOST) -> Verdict:
         if ended.get("status") == "failed":  # the run folder could not be written from the start
             return Verdict(FAILED, f"failed: {ended.get('note', '')}")
         return Verdict(UNREADABLE, str(err))
+    damaged = damage(data)
+    if damaged is not None:
+        return Verdict(UNREADABLE, f"{path}: {damaged}; restore it from a backup (a run writes no such file)")
     if data.get("run", {}).get("status") == "running" and ended.get("status") not in (None, "running"):
         data["run"] = {**data["run"], "status": ended["status"], "note": ended.get("note", "")}
     found = verdict(data, max_lost, time.time() - path.stat().st_mtime, held(run_dir))
     # a resume refused after the folder was last written is the newest thing that happened to it
     # (server_app.resume.REFUSED: the refusal leaves results.json as it was)
     refused = _readable(Path(run_dir) / "resume-refused.json")
-    if refused and float(refused.get("at", 0)) >= path.stat().st_mtime:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(refused["at"])))
+    if refused and _refused_at(refused) >= path.stat().st_mtime:
+        at = _refused_at(refused)
+        when = "an unreadable time" if at == float("inf") else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
         why = refused.get("reason", "?")
         return Verdict(FAILED, f"a resume was refused at {when}: {why} (the run itself: {found.reason})")
     return found

@@ -109,6 +109,42 @@ def test_a_run_that_is_not_there_or_unreadable_is_exit_2(tmp_path, capsys):
         assert "results.json" in said.out + said.err and words in said.out + said.err
 
 
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("rounds", [1, 2], "rounds[0] is not an object"),
+        ("sampled", "x", "rounds[0].sampled = 'x' is not a whole number"),
+        ("sampled", 1e400, "is not a whole number"),
+        ("metrics", None, "rounds[0] is not an object with an object of 'metrics'"),
+        ("excluded", ["a"], "run.excluded_nodes is not an object"),
+        ("excluded", {"1": {"x": 1}}, "run.excluded_nodes is not an object"),
+        ("rounds", [], "says the run finished but records no round"),
+    ],
+)
+def test_a_damaged_field_is_exit_2_naming_it(tmp_path, capsys, field, value, words):
+    """A hand-edited or damaged results.json ended in a traceback (exit 1, 'failed') or, with no
+    round at all, in 'finished 0 of 20 rounds' and exit 0 (found by a second attacker)."""
+    data = {"config": {"num-server-rounds": 2}, "run": {"status": "finished"}, "rounds": [{"round": 1, "sampled": 2}]}
+    if field == "rounds":
+        data["rounds"] = value
+    elif field == "excluded":
+        data["run"]["excluded_nodes"] = value
+    else:
+        data["rounds"][0][field] = value
+    (tmp_path / "results.json").write_text(json.dumps(data).replace("Infinity", "1e400"))
+    assert status.main([str(tmp_path)]) == status.UNREADABLE
+    assert words in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("at", ["soon", 1e300, None])
+def test_a_refusal_whose_time_is_unreadable_is_still_the_newest_word(tmp_path, capsys, at):
+    data = {"config": {"num-server-rounds": 1}, "run": {"status": "finished"}, "rounds": [{"round": 1}]}
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    (tmp_path / "resume-refused.json").write_text(json.dumps({"at": at, "reason": "the config differs"}))
+    assert status.main([str(tmp_path)]) == status.FAILED
+    assert "a resume was refused at" in capsys.readouterr().out
+
+
 def test_without_a_folder_it_reads_the_newest_run(tmp_path, capsys):
     old = _write(tmp_path / "old", {"status": "failed", "note": "x"}, [])
     _write(tmp_path / "new", {"status": "finished"}, [_round(2, 2)])
