@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from fedvlm.runconfig import KEYS, RunConfig
-from fedvlm.status import RUN_LOCK
+from fedvlm.status import RUN_LOCK, damage
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.records import complete
@@ -130,6 +130,9 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
         )
     fix = f"restore it from a backup, or start the run afresh ({run_dir.name} cannot be resumed)"
     data = read_results(run_dir, fix)
+    damaged = damage(data)
+    if damaged is not None:
+        raise ResumeError(f"{results}: {damaged}; {fix}")
     differ = config_differences(data["config"], cfg.as_dict())
     if differ:
         raise ResumeError(
@@ -155,10 +158,26 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
     # without it, a round cut off after its messages went out could not be charged to its trainees
     why_inflight = f"restore it from a backup, or start afresh ({run_dir.name} cannot be resumed without it)"
     inflight = load_json(run_dir / INFLIGHT, why_inflight) if (run_dir / INFLIGHT).is_file() else None
-    if inflight is not None and not (isinstance(inflight, dict) and "round" in inflight):
-        raise ResumeError(f"{run_dir / INFLIGHT} is not a round in flight (no 'round'): {why_inflight}")
+    if inflight is not None and not _a_round_in_flight(inflight):
+        raise ResumeError(
+            f"{run_dir / INFLIGHT} is not a round in flight (a whole-number 'round' and a list of node names, "
+            f"'trainees'): {why_inflight}"
+        )
     abandoned = inflight if inflight is not None and inflight["round"] > done else None
     return ResumePoint(run_dir, data, done, saved["state"], abandoned, owed)
+
+
+def _a_round_in_flight(inflight: object) -> bool:
+    """What ``save_inflight`` writes: {'round': int, 'trainees': [name, ...]}."""
+    if not isinstance(inflight, dict):
+        return False
+    number, trainees = inflight.get("round"), inflight.get("trainees")
+    return (
+        isinstance(number, int)
+        and not isinstance(number, bool)
+        and isinstance(trainees, list)
+        and all(isinstance(t, str) for t in trainees)
+    )
 
 
 def charge_abandoned(parts: RunParts, point: ResumePoint) -> dict:

@@ -249,6 +249,20 @@ def test_resuming_refuses_what_it_cannot_continue_exactly(make_cfg, pretrained_c
     refused = check(done)
     assert refused.code == FAILED and "a resume was refused" in refused.reason and "noise-multiplier" in refused.reason
     assert "(the run itself: finished 1 of 1 rounds" in refused.reason
+    # records a run does not write (a round in flight that is not one, a round that is not an
+    # object) are refused by name and noted, not a TypeError that left status saying 'finished'
+    original = (done / "results.json").read_text()
+    for body in ('{"round": "25", "trainees": []}', '{"round": 2, "trainees": [1]}', "[2]"):
+        (done / "inflight.json").write_text(body)
+        with pytest.raises(ResumeError, match=r"inflight\.json is not a round in flight"):
+            execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")
+        assert check(done).code == FAILED
+    (done / "inflight.json").unlink()
+    for rounds, words in (([1], r"rounds\[0\] is not an object"), ([{"round": "1"}], "is not a whole number")):
+        (done / "results.json").write_text(json.dumps({**json.loads(original), "rounds": rounds}))
+        with pytest.raises(ResumeError, match=words):
+            execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")
+    (done / "results.json").write_text(original)
     # a damaged checkpoint is named, with what to do, instead of torch's unpickling error
     checkpoint = done / "checkpoint.pt"
     checkpoint.write_bytes(checkpoint.read_bytes()[:200])
