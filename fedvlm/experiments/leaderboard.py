@@ -436,7 +436,10 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
 
 def write_outputs(entries: list[dict], out: Path, stem: str, lines: list[str], command: str, extra: dict) -> None:
     """``<stem>.json`` (the entries, with ``extra``), ``.csv``, ``.md`` (``lines`` and the plot)
-    and ``_pareto.png`` in ``out``, each written whole (a reader never sees half a file)."""
+    and ``_pareto.png`` in ``out``, each written whole (a reader never sees half a file); the plot
+    first, so that a board that cannot be drawn replaces none of the files of the one before."""
+    plot = f"{stem}_pareto.png"
+    plot_pareto(entries, out / plot)
     atomic_write_json(
         {"command": command, "machines": machines(entries), "entries": entries, **extra}, out / f"{stem}.json"
     )
@@ -445,11 +448,9 @@ def write_outputs(entries: list[dict], out: Path, stem: str, lines: list[str], c
     writer.writeheader()
     writer.writerows(entries)
     atomic_write_text(table.getvalue(), out / f"{stem}.csv")
-    plot = f"{stem}_pareto.png"
     atomic_write_text(
         "\n".join([*lines, "", f"![utility against accounted epsilon and the attack]({plot})", ""]), out / f"{stem}.md"
     )
-    plot_pareto(entries, out / plot)
 
 
 def copy_to_docs(out: Path, stem: str) -> None:
@@ -588,14 +589,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     scale = QUICK if args.quick else FULL
     if args.seeds:
-        scale = dataclasses.replace(scale, seeds=tuple(int(s) for s in args.seeds.split(",")))
+        try:
+            scale = dataclasses.replace(scale, seeds=tuple(int(s) for s in args.seeds.split(",")))
+        except ValueError:
+            p.error(f"--seeds: {args.seeds!r} is not a comma-separated list of whole numbers")
     chosen = set(args.methods.split(",")) - {""}
     for name in chosen:
-        get_method(name)  # an unknown method fails now, not hours in
-    # a quick board's runs are named like the full board's: apart by default, so neither meets the other's
-    out = (args.out or Path.home() / ("fedvlm-leaderboard-quick" if args.quick else "fedvlm-leaderboard")).expanduser()
-    out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+        try:
+            get_method(name)  # an unknown method fails now, not hours in
+        except ValueError as err:  # the table's own refusal (UnknownMethod), said as the argument's
+            p.error(f"--methods: {err}")
     plan = []
     for family in args.families.split(","):
         if family not in FAMILIES:
@@ -603,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
         methods = [m.name for m in methods_of(FAMILIES[family]) if not chosen or m.name in chosen]
         if methods:
             plan.append((family, methods))
+    if not plan:  # an empty board would replace the one in --out
+        p.error(f"--methods {args.methods} has no method of --families {args.families}: nothing to run")
+    # a quick board's runs are named like the full board's: apart by default, so neither meets the other's
+    out = (args.out or Path.home() / ("fedvlm-leaderboard-quick" if args.quick else "fedvlm-leaderboard")).expanduser()
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows: list[dict] = []
     made, made_seconds = 0, 0.0  # the runs this call trained (a reused one costs nothing), for the estimate

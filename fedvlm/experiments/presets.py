@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from fedvlm.runconfig import parse_value
+from fedvlm.runconfig import ConfigError, parse_value
 
 log = logging.getLogger("sweep")
 
@@ -144,7 +144,9 @@ def setup(preset: str | None, sets: list[str], clients: int | None) -> tuple[dic
     reference = base.pop("_reference", None)
     changed = []
     for item in sets:
-        key, _, value = item.partition("=")
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--set {item!r}: give KEY=VALUE, e.g. prompt.lr=0.01")
         value = parse_value(value)
         if (key in base and base[key] != value) or (key not in base and key in SETUP_KEYS):
             changed.append(f"{key}={value!r}")

@@ -487,13 +487,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--variants: {', '.join(sorted(unknown))} not among {', '.join(v[0] for v in protocol.variants)}")
     variants = [v for v in protocol.variants if not chosen or v[0] in chosen]
-    scale = scale_of(protocol, args.quick, args.seeds, not args.no_attacks)
-    epsilons = tuple(e for e in scale.epsilons if not args.epsilons or e in args.epsilons.split(","))
+    asked = set(args.epsilons.split(",")) - {""}
+    unknown_eps = sorted(asked - set(protocol.epsilons))
+    if unknown_eps:
+        p.error(f"--epsilons: {', '.join(unknown_eps)} not among {', '.join(protocol.epsilons)}")
+    try:
+        scale = scale_of(protocol, args.quick, args.seeds, not args.no_attacks)
+    except ValueError:
+        p.error(f"--seeds: {args.seeds!r} is not a comma-separated list of whole numbers")
+    epsilons = tuple(e for e in scale.epsilons if not asked or e in asked)
+    if not epsilons:
+        p.error(f"--epsilons: none of {args.epsilons} is run at this scale ({', '.join(scale.epsilons)})")
     out = args.out.expanduser().resolve()
     folder, t0 = out / protocol.name, time.time()
     labelled = [a for label, method, o in variants for a in ("--variant", label, method, *leaderboard.pairs(o))]
     sweep.main([*leaderboard.sweep_argv(folder, [], scale, epsilons), *labelled, "--set", *scale.sets])
     rows = [{**r, "family": protocol.family} for r in read_summary(folder / "summary.csv")]
+    if not any(r["variant"] in {v[0] for v in variants} and r["epsilon"] in epsilons for r in rows):
+        p.error(f"no run of these variants and epsilons in {folder / 'summary.csv'}: the report is left as it was")
     entries = leaderboard.board(rows)
     verdicts = [verdict(h, [r for r in rows if r["status"] != "failed"]) for h in protocol.headlines]
     command = "python -m fedvlm.experiments.protocols " + " ".join(argv if argv is not None else sys.argv[1:])

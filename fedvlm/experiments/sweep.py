@@ -47,6 +47,7 @@ import numpy as np
 from fedvlm.attacks import NoAttackApplies
 from fedvlm.attacks.reports import GLOBAL, MAXRENYI, MIA
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
+from fedvlm.errors import PublicError
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
 from fedvlm.experiments.sweep_report import (
@@ -352,27 +353,29 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("strategies", "server_app", "fedvlm", "models", "data", "alembic"):  # alembic: Flower's DB setup
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    base, clients, reference = setup(args.preset, args.set, args.clients)
-    out = args.out.expanduser().resolve()
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    epsilons = [e.strip() for e in args.epsilons.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    ranks = [int(r) for r in args.ranks.split(",")]
-    residuals = [x.strip() == "on" for x in args.residual.split(",")]
+    epsilons, seeds, ranks, residuals = _lists(p, args)
     if any(len(v) < 2 for v in args.variant):
         p.error("--variant needs LABEL METHOD [KEY=VALUE ...]")
-    variants = COMPARISONS.get(args.compare, []) + _labelled(args.variant)
-    if args.methods is not None or not variants:
-        methods = args.methods or ",".join(m.name for m in methods_of(PROMPT) if m.supports_dp)
-        variants = list(method_variants(methods.split(","), ranks, residuals)) + variants
-    # A method without a DP mechanism runs at 'none' only (zero-shot, CoOp in a comparison set).
-    plan = [
-        (v, m, extra, e, s)
-        for (v, m, extra) in variants
-        for e in epsilons
-        if e == "none" or get_method(m).supports_dp
-        for s in seeds
-    ]
+    try:
+        base, clients, reference = setup(args.preset, args.set, args.clients)
+        variants = COMPARISONS.get(args.compare, []) + _labelled(args.variant)
+        if args.methods is not None or not variants:
+            methods = args.methods or ",".join(m.name for m in methods_of(PROMPT) if m.supports_dp)
+            variants = list(method_variants(methods.split(","), ranks, residuals)) + variants
+        # A method without a DP mechanism runs at 'none' only (zero-shot, CoOp in a comparison set).
+        plan = [
+            (v, m, extra, e, s)
+            for (v, m, extra) in variants
+            for e in epsilons
+            if e == "none" or get_method(m).supports_dp
+            for s in seeds
+        ]
+    except (PublicError, ValueError) as err:  # an unknown method, a --set without '=': the arguments' fault
+        p.error(str(err))
+    if not plan:
+        p.error(f"nothing to run: no method here has a privacy mechanism for --epsilons {args.epsilons}")
+    out = args.out.expanduser().resolve()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
 
     def raw_of(variant: str, method: str, extra: dict, eps: str, seed: int) -> dict:
         raw = {
@@ -448,25 +451,14 @@ def main(argv: list[str] | None = None) -> int:
             log.error("[%d/%d] %s failed: %s", i, len(plan), name, rows[-1]["error"])
             report(rows)
             continue
-        row = {
-            "variant": variant,
-            "method": method,
-            "epsilon": eps,
-            "seed": seed,
-            "status": data["run"]["status"],
-        }
-        if row["status"] == "failed":  # the ServerApp stopped with an error and said why
-            row["error"] = str(data["run"].get("note") or "the run failed").splitlines()[0][:300]
-        spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
-        row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
-        settings = (data.get("privacy") or {}).get("settings") or {}
-        if row["epsilon-spent"] is not None:  # under which accountant, at which delta
-            row["accountant"], row["delta"] = settings.get("accountant"), settings.get("delta")
-        row["noise-multiplier"] = data["config"].get("privacy.noise-multiplier")  # a family's fixed noise (z)
-        row.update(cost_row(data))
-        final = data["final"]  # the family's headline figures: the last round's and the mean of the last 10
-        row.update({k: v for k, v in final.items() if k.endswith(LAST10) or k + LAST10 in final})
-        row.update(audit_row(data))
+        try:
+            row = result_row(variant, method, eps, seed, data)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as err:  # a damaged (reused) record
+            fault = UnreadableFile(f"{run_dir / RESULTS}: {type(err).__name__} {err} reading its figures; {DAMAGED}")
+            rows.append(failed_row(variant, method, eps, seed, fault))
+            log.error("[%d/%d] %s: %s", i, len(plan), name, fault)
+            report(rows)
+            continue
         if args.mia:
             spec = get_method(method)
             before = report_stamps(out / "runs" / name)
@@ -498,7 +490,48 @@ def main(argv: list[str] | None = None) -> int:
         if (out / f"table_{tag}.md").exists():
             print((out / f"table_{tag}.md").read_text())
     log.info("sweep of %d runs done in %.0fs: %s", len(plan), time.time() - t_all, out)
-    return 0
+    return 0 if done else 1  # not one run finished: the sweep failed, whatever the rows say
+
+
+def _lists(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[bool]]:
+    """--epsilons, --seeds, --ranks and --residual, read or refused before anything is made."""
+    epsilons = [e.strip() for e in args.epsilons.split(",")]
+    for e in epsilons:
+        try:
+            if e != "none" and not 0 < float(e) <= 100:
+                raise ValueError
+        except ValueError:
+            p.error(f"--epsilons: {e!r} is neither 'none' nor a target epsilon in (0, 100]")
+    numbers = {}
+    for flag, text in (("--seeds", args.seeds), ("--ranks", args.ranks)):
+        try:
+            numbers[flag] = [int(x) for x in text.split(",")]
+        except ValueError:
+            p.error(f"{flag}: {text!r} is not a comma-separated list of whole numbers")
+    residual = [x.strip() for x in args.residual.split(",")]
+    if set(residual) - {"on", "off"}:
+        p.error(f"--residual: {args.residual!r} must be on, off or on,off")
+    if args.clients is not None and args.clients < 1:
+        p.error(f"--clients: {args.clients} must be at least 1")
+    return epsilons, numbers["--seeds"], numbers["--ranks"], [x == "on" for x in residual]
+
+
+def result_row(variant: str, method: str, eps: str, seed: int, data: dict) -> dict:
+    """A run's row of summary.csv, from its results.json (``data``)."""
+    row = {"variant": variant, "method": method, "epsilon": eps, "seed": seed, "status": data["run"]["status"]}
+    if row["status"] == "failed":  # the ServerApp stopped with an error and said why
+        row["error"] = str(data["run"].get("note") or "the run failed").splitlines()[0][:300]
+    spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
+    row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
+    settings = (data.get("privacy") or {}).get("settings") or {}
+    if row["epsilon-spent"] is not None:  # under which accountant, at which delta
+        row["accountant"], row["delta"] = settings.get("accountant"), settings.get("delta")
+    row["noise-multiplier"] = data["config"].get("privacy.noise-multiplier")  # a family's fixed noise (z)
+    row.update(cost_row(data))
+    final = data["final"]  # the family's headline figures: the last round's and the mean of the last 10
+    row.update({k: v for k, v in final.items() if k.endswith(LAST10) or k + LAST10 in final})
+    row.update(audit_row(data))
+    return row
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""Sweeps, boards and protocols refuse bad arguments before they make or replace anything, and a
+damaged run a sweep reuses is a failed row naming its file (found by a second attacker: an empty
+board replaced the one in --out, a stale report was rewritten, one damaged record ended a sweep)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedvlm.experiments import leaderboard, protocols, sweep
+from fedvlm.experiments.sweep_report import read_summary
+
+
+def _refused(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_board_with_no_method_to_run_leaves_the_board_in_out(tmp_path, capsys):
+    (tmp_path / "leaderboard.md").write_text("PRECIOUS")
+    said = _refused(leaderboard.main, ["--out", str(tmp_path), "--methods", "fedrand", "--families", "prompt"], capsys)
+    assert "has no method of --families prompt" in said
+    for argv, words in ((["--methods", "nope"], "--methods: "), (["--seeds", "x"], "--seeds: 'x'")):
+        assert words in _refused(leaderboard.main, ["--out", str(tmp_path), *argv], capsys)
+    assert (tmp_path / "leaderboard.md").read_text() == "PRECIOUS" and not (tmp_path / "leaderboard.json").exists()
+
+
+def test_a_protocol_refuses_epsilons_it_does_not_run_and_keeps_its_report(tmp_path, capsys):
+    (tmp_path / "dirichlet-0.1.md").write_text("PRECIOUS")
+    out = ["--out", str(tmp_path), "--quick", "--no-attacks"]
+    said = _refused(protocols.main, ["dirichlet-0.1", *out, "--epsilons", "1"], capsys)
+    assert "--epsilons: 1 not among none" in said
+    assert "--seeds: 'x'" in _refused(protocols.main, ["paper-dpfpl", *out, "--seeds", "x"], capsys)
+    assert (tmp_path / "dirichlet-0.1.md").read_text() == "PRECIOUS" and not (tmp_path / "dirichlet-0.1").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--residual", "yes"], "--residual: 'yes' must be on, off or on,off"),
+        (["--clients", "-1"], "--clients: -1 must be at least 1"),
+        (["--clients", "0"], "--clients: 0 must be at least 1"),
+        (["--seeds", "x"], "--seeds: 'x'"),
+        (["--ranks", "x"], "--ranks: 'x'"),
+        (["--epsilons", "1,abc"], "--epsilons: 'abc' is neither 'none' nor a target epsilon"),
+        (["--epsilons", "0"], "--epsilons: '0'"),
+        (["--set", "foo"], "--set 'foo': give KEY=VALUE"),
+        (["--methods", "nope"], "nope"),
+        (["--methods", "coop", "--epsilons", "1"], "nothing to run"),
+    ],
+)
+def test_a_sweep_refuses_its_arguments_before_it_makes_a_folder(tmp_path, capsys, argv, words):
+    assert words in _refused(sweep.main, ["--out", str(tmp_path / "sweep"), *argv], capsys)
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_damaged_reused_run_is_a_failed_row_naming_its_file(tmp_path, monkeypatch):
+    """A finished run's record without its figures ('final') or with a list for 'privacy' ended
+    the whole sweep with a KeyError before its summary was written."""
+    out = tmp_path / "sweep"
+    folder = out / "runs" / sweep.run_name("zeroshot", "none", 0)
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps({"config": {}, "run": {"status": "finished"}, "rounds": []}))
+    monkeypatch.setattr(sweep, "other_run", lambda raw, reused: [])  # take the record as this run's
+    assert sweep.main(["--out", str(out), "--methods", "zeroshot", "--epsilons", "none"]) == 1  # nothing finished
+    (row,) = read_summary(out / "summary.csv")
+    assert row["status"] == "failed" and "results.json" in row["error"] and "KeyError" in row["error"]
