@@ -38,6 +38,7 @@ import torch
 
 from fedvlm.metrics import METRICS
 from fedvlm.privacy.ledger import round_changes
+from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.tracking import Trackers
 from fedvlm.strategies.records import TRAFFIC, TRAFFIC_KEYS
 from fedvlm.utils.files import (
@@ -73,9 +74,15 @@ def make_run_dir(output_dir: str, run_name: str, method: str, dataset: str, run_
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     name = run_name or f"{method}-{dataset}-{stamp}-{run_id}"
     path = Path(output_dir) / name
-    if path.exists() and any(path.iterdir()):
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):  # a used folder, or a file: a new one beside
         path = Path(output_dir) / f"{name}-{stamp}"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # output-dir (or a folder above it) is a file, or not writable
+        raise ConfigError(
+            f"run config 'output-dir' = {output_dir!r}: cannot make the run folder {path} ({err.strerror}); name a "
+            "folder this account can write (it is made if missing)"
+        ) from err
     return path.resolve()
 
 
