@@ -124,13 +124,25 @@ def installed_app(fab: bytes) -> Path | None:
 
 
 def build_hash(app: Path) -> tuple[str, str]:
-    """(sha256, name) of the FAB Flower builds from ``app`` (a directory), or of a .fab file."""
+    """(sha256, name) of the FAB Flower builds from ``app`` (a directory), or of a .fab file;
+    ValueError naming ``app`` where it is neither (a pin of a truncated download pins nothing)."""
+    from flwr.common.config import get_fab_config
+
     if app.is_file():
         fab = app.read_bytes()
-    else:
-        from flwr.cli.build import build_fab_from_disk
+        try:
+            get_fab_config(fab)  # a zip holding the app's pyproject.toml, as `flwr run` sends it
+        except Exception as err:  # noqa: BLE001 - Flower's own reader says what is wrong; named here
+            raise ValueError(f"{app} is not a Flower app (.fab) file: {err}; build it again") from err
+        return fab_hash(fab), fab_name(fab)
+    if not (app / "pyproject.toml").is_file():
+        raise ValueError(f"{app} is neither a .fab file nor an app folder with a pyproject.toml")
+    from flwr.cli.build import build_fab_from_disk
 
+    try:
         fab = build_fab_from_disk(app)
+    except Exception as err:  # noqa: BLE001 - Flower's build says why; named with the folder
+        raise ValueError(f"{app}: Flower cannot build the app: {type(err).__name__}: {err}") from err
     return fab_hash(fab), fab_name(fab)
 
 
@@ -290,7 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("superexec_args", nargs=argparse.REMAINDER, help="-- then flower-superexec's arguments")
     args = p.parse_args(argv)
     if args.command == "hash":
-        digest, name = build_hash(args.app)
+        try:
+            digest, name = build_hash(args.app)
+        except (ValueError, OSError) as err:
+            p.error(str(err))
         print(f"sha256:{digest}  {name}")
         return 0
     try:

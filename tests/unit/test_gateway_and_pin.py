@@ -139,3 +139,17 @@ def test_exec_without_a_server_key_is_refused_unless_said_in_words(capsys, monke
     assert "--server-key is required" in capsys.readouterr().err
     assert pinned_app.main(["exec", "--pin", pin, "--accept-unsigned-instructions", "--", "--insecure"]) == 0
     assert len(started) == 1 and started[0][1] == []  # it runs, with no key, only when the operator said so
+
+
+@pytest.mark.parametrize("body", [b"", b"\x00\x01random bytes", b"PK\x03\x04garbage"])
+def test_hash_refuses_a_file_that_is_not_an_app(tmp_path, capsys, body):
+    """An operator pinned the hash of a truncated download: `hash` printed it as '(unnamed app)'."""
+    from fedvlm.deploy import pinned_app
+
+    (tmp_path / "app.fab").write_bytes(body)
+    with pytest.raises(SystemExit):
+        pinned_app.main(["hash", str(tmp_path / "app.fab")])
+    assert "is not a Flower app (.fab) file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pinned_app.main(["hash", str(tmp_path / "nowhere")])
+    assert "neither a .fab file nor an app folder" in capsys.readouterr().err
