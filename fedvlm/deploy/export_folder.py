@@ -58,6 +58,17 @@ def export_vlm_partitions(cfg, out: Path, num_partitions: int) -> list[Path]:
 
 
 def export_partitions(out: Path, num_partitions: int, overrides: dict | None = None) -> list[Path]:
+    """One folder per partition, ``client-<i>`` under ``out``; refused where one holds anything
+    already (two exports into one folder mixed two partitions' records, and a node trained on both)."""
+    if num_partitions < 1:
+        raise ConfigError(f"--num-partitions {num_partitions}: export at least one partition")
+    used = [f for i in range(num_partitions) if (f := Path(out).expanduser() / f"client-{i}").exists()]
+    used = [f for f in used if not f.is_dir() or any(f.iterdir())]
+    if used:
+        raise ConfigError(
+            f"{used[0]} already holds files: export into an empty --out (or move the old export away); a folder "
+            "of two exports would hold two partitions' records"
+        )
     cfg = validate(dict(overrides or {}))
     if cfg.spec.family.image_text:
         return export_vlm_partitions(cfg, out, num_partitions)

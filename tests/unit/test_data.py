@@ -109,6 +109,7 @@ def test_exported_partitions_hold_exactly_the_simulated_partition(tmp_path):
     from fedvlm.client_app.node import node_data
     from fedvlm.deploy.export_folder import export_partitions
     from fedvlm.methods.validation import validate
+    from fedvlm.runconfig import ConfigError
 
     folders = export_partitions(tmp_path, 3, {"max-per-class": 6})
     cfg = validate({"max-per-class": 6})
@@ -123,6 +124,13 @@ def test_exported_partitions_hold_exactly_the_simulated_partition(tmp_path):
         label = sim.splits.classnames[sim.splits.train.labels[first]]
         saved = Image.open(folder / "train" / label / "000000.png")
         assert np.array_equal(np.asarray(saved), np.asarray(sim.splits.train.image(int(first)).convert("RGB")))
+    # a second export into the same folders (another seed) mixed two partitions' records in them
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=r"client-0 already holds files: export into an empty --out"):
+        export_partitions(tmp_path, 3, {"max-per-class": 6, "seed": 1})
+    with pytest.raises(ConfigError, match="--num-partitions 0: export at least one"):
+        export_partitions(tmp_path / "new", 0)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.parametrize("name", ["caltech101", "oxford-pets", "flowers102", "food101", "dtd", "cifar10", "cifar100"])
