@@ -124,10 +124,42 @@ def make_ca(out: Path, days: int) -> tuple[x509.Certificate, ec.EllipticCurvePri
 
 
 def load_ca(out: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    cert = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
-    key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), password=None)
-    assert isinstance(key, ec.EllipticCurvePrivateKey)  # make_ca writes an EC key
+    try:
+        cert = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+    except (OSError, ValueError) as err:
+        raise CredentialsError(f"{out / 'ca.crt'} cannot be read ({err}): restore it from a backup") from err
+    try:
+        key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as err:
+        raise CredentialsError(f"{out / 'ca.key'} cannot be read ({err}): restore it from a backup") from err
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise CredentialsError(f"{out / 'ca.key'} is not the EC key this command writes: restore the CA's own key")
     return cert, key
+
+
+MAX_DAYS = 3650  # ten years: far past any federation's life, well inside what a certificate's dates can hold
+
+
+def check_arguments(out: Path, names: list[str], ips: list[str], supernodes: list[str], days: int) -> None:
+    """Every argument checked before anything is written (a bad one used to stop the command after
+    the CA and the server's key were already in ``out``)."""
+    if out.exists() and not out.is_dir():
+        raise CredentialsError(f"--out {out} is a file: name a folder (it is made if missing)")
+    if not 1 <= days <= MAX_DAYS:
+        raise CredentialsError(f"--days {days}: certificates must be valid for 1 to {MAX_DAYS} days")
+    for name in names:
+        if not name or not all(NAME_RE.match(part) for part in name.split(".")):
+            raise CredentialsError(f"--server-name {name!r} is not a host name (letters, digits, '-', dots)")
+    for ip in ips:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError as e:
+            raise CredentialsError(
+                f"--server-ip {ip!r} is not an IP address ({e}); put host names in --server-name"
+            ) from e
+    for name in supernodes:
+        if not NAME_RE.match(name):
+            raise CredentialsError(f"SuperNode name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
 
 
 # The SuperLink talks to itself on loopback (its ServerApp process, the Fleet gateway, a
@@ -139,13 +171,7 @@ def make_server_cert(out: Path, ca_cert, ca_key, names: list[str], ips: list[str
     names = [*names, *(n for n in LOOPBACK_NAMES if n not in names)]
     ips = [*ips, *(i for i in LOOPBACK_IPS if i not in ips)]
     sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
-    for ip in ips:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(ip)))
-        except ValueError as e:
-            raise CredentialsError(
-                f"--server-ip {ip!r} is not an IP address ({e}); put host names in --server-name"
-            ) from e
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]  # checked (check_arguments)
     key = ec.generate_private_key(ec.SECP384R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, (names or ips)[0])])
     cert = (
@@ -194,6 +220,7 @@ def generate(
 ) -> dict[str, list[str]]:
     """Create what is missing under ``out``; returns what was created and what was kept."""
     out = Path(out).expanduser()
+    check_arguments(out, server_names, server_ips, supernodes, days)
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
     made, kept = [], []

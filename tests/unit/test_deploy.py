@@ -93,6 +93,24 @@ def test_credentials_refuse_bad_input(tmp_path):
     (tmp_path / "d" / "ca.key").unlink()
     with pytest.raises(CredentialsError, match="only one of ca.crt and ca.key"):
         generate(tmp_path / "d", ["localhost"], [], [])
+    # every argument is checked before anything is written (a bad one left a CA behind, a day of
+    # 0 made a CA valid for 5 minutes, a huge one an OverflowError)
+    for args, words in (
+        ((["localhost"], [], [], 0), "--days 0: certificates must be valid for 1 to"),
+        ((["localhost"], [], [], 99_999_999), "--days 99999999"),
+        (([""], [], [], 365), "--server-name '' is not a host name"),
+        ((["localhost"], [], ["ö-org"], 365), "must be 1-64 letters"),
+    ):
+        with pytest.raises(CredentialsError, match=words):
+            generate(tmp_path / "e", *args)
+        assert not (tmp_path / "e").exists()
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(CredentialsError, match="--out .* is a file"):
+        generate(tmp_path / "f", ["localhost"], [], [])
+    generate(tmp_path / "g", ["localhost"], [], [])
+    (tmp_path / "g" / "ca.key").write_bytes((tmp_path / "g" / "ca.key").read_bytes()[:60])
+    with pytest.raises(CredentialsError, match=r"ca\.key cannot be read .*restore it from a backup"):
+        generate(tmp_path / "g", ["localhost"], [], [], force=True)
 
 
 def test_no_credential_can_be_committed_or_baked_into_an_image(tmp_path):
