@@ -12,6 +12,7 @@ configuration"; `check` names the key and suggests the closest one.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -73,6 +74,41 @@ def toml_section() -> str:
     return "\n".join(lines)
 
 
+# one KEY=VALUE as Flower's parser takes it (``flwr.common.config.parse_config_args``); what no
+# pair covers, Flower drops without a word, so it is said here
+PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+
+
+def parse_overrides(given: list[str] | None) -> dict:
+    """``-c`` as ``flwr run --run-config`` reads it, with every way it goes wrong a ConfigError
+    that names the text or the file: a TOML file that cannot be read, text no KEY=VALUE covers
+    (``seed = 5`` gave seed 0, silently), a value TOML cannot read."""
+    given = [g for g in given or [] if g]
+    files = [g for g in given if g.endswith(".toml")]
+    if files and len(given) > 1:
+        raise ConfigError(f"{files[0]}: a .toml file cannot be passed alongside other -c values; pass one or the other")
+    if files:
+        try:
+            return parse_config_args(files)
+        except OSError as err:
+            raise ConfigError(f"{files[0]} cannot be read ({err.strerror or err}): name a readable .toml file") from err
+        except (UnicodeDecodeError, ValueError) as err:  # TOMLDecodeError is a ValueError
+            raise ConfigError(f"{files[0]} is not a TOML file of KEY = VALUE lines: {err}") from err
+    for text in given:
+        left = PAIR.sub("", text).strip()
+        if left:
+            raise ConfigError(
+                f"-c {text!r}: {left!r} is not KEY=VALUE (no spaces around '='; quote strings: key='text')"
+            )
+    try:
+        return parse_config_args(given)
+    except Exception as err:  # noqa: BLE001 - Flower's parser raises click's exception for TOML it cannot read
+        raise ConfigError(
+            f"-c {' '.join(given)!r} cannot be read as TOML: a key given twice, or a value that is not a bool, number "
+            "or quoted string (separate pairs by spaces, quote strings: key='text')"
+        ) from err
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedvlm.runconfig")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -104,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(toml_section())
         return 0
     try:
-        cfg = validate(parse_config_args(args.run_config))
+        cfg = validate(parse_overrides(args.run_config))
     except ConfigError as err:
         print(f"invalid run config: {err}", file=sys.stderr)
         return 2

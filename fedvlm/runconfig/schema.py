@@ -121,6 +121,14 @@ def _template(value: str) -> str | None:
     return None if value.count("{}") == 1 else "must contain exactly one '{}' where the class name goes"
 
 
+def _regex(value: str) -> str | None:
+    try:
+        re.compile(value)
+    except re.error as err:
+        return f"is not a regular expression ({err}): escape what should match itself"
+    return None
+
+
 @dataclass(frozen=True)
 class ClipConfig:
     """The CLIP backbone of the prompt methods."""
@@ -283,6 +291,7 @@ class VLMConfig:
         r"(?:language_model|text_model|llm)",
         "Regex naming the language model's "
         "module; LoRA goes on its layers only (vision tower and projector stay frozen).",
+        check=_regex,
     )
     max_new_tokens: int = opt(24, "Tokens generated per caption or answer at evaluation.", min=1)
     eval_batch_size: int = opt(32, "Batch size of evaluation.", min=1)

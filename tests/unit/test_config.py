@@ -116,6 +116,31 @@ def test_cli_check_names_the_bad_key(capsys):
     assert re.search(r"prompt.lr = 0.002", out)
 
 
+@pytest.mark.parametrize(
+    "given, words",
+    [
+        (["nope.toml"], "nope.toml cannot be read (No such file"),
+        (["folder.toml"], "folder.toml cannot be read (Is a directory"),
+        (["binary.toml"], "binary.toml is not a TOML file"),
+        (["list.toml"], "list.toml is not a TOML file"),
+        (["seed=1", "list.toml"], "cannot be passed alongside"),
+        (["seed = 5"], "'seed = 5' is not KEY=VALUE"),  # Flower dropped it: seed 0, exit 0
+        (["seed=1 junk"], "'junk' is not KEY=VALUE"),
+        (["method"], "'method' is not KEY=VALUE"),
+        (["method='coop' method='promptfl'"], "a key given twice"),
+        (["method='fedrand' vlm.language-model-pattern='(('"], "is not a regular expression"),
+    ],
+)
+def test_cli_check_names_what_it_cannot_read(tmp_path, monkeypatch, capsys, given, words):
+    """Each of these ended in a traceback, or was dropped without a word (found by a second attacker)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder.toml").mkdir()
+    (tmp_path / "binary.toml").write_bytes(b"\x80\xff")
+    (tmp_path / "list.toml").write_text("seed = [1, 2]\n")
+    assert runconfig_cli(["check", *(a for g in given for a in ("-c", g))]) == 2
+    assert words in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("method", ["dpfpl", "fedotp", "fedpgp"])
 def test_a_global_local_method_refuses_a_class_specific_context_at_validation(method):
     """Its server averages one shared context's gradient: refused by the method's own check, with
