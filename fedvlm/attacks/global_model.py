@@ -37,7 +37,7 @@ from fedvlm.attacks.likelihood import bootstrap
 from fedvlm.attacks.reports import ATTACKED, GLOBAL, global_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.strategies.records import TRAIN_ROW
-from fedvlm.utils.files import atomic_write_json, load_saved, read_results
+from fedvlm.utils.files import UnreadableFile, atomic_write_json, load_saved, read_results
 
 BATCH = 256
 
@@ -134,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedvlm.attacks.global_model", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
     args = p.parse_args(argv)
-    report = run_attack(args.run_dir)
+    try:
+        report = run_attack(args.run_dir)
+    except UnreadableFile as err:  # the run's own file: named, with what to do
+        p.error(str(err))
     for name, attack in report["attacks"].items():
         pooled = attack["pooled"]
         print(

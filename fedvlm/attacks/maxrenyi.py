@@ -55,7 +55,7 @@ from fedvlm.attacks.likelihood import bootstrap, rmia
 from fedvlm.attacks.reports import ATTACKED, HEADLINE, MAXRENYI, maxrenyi_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.server_app.observer import FOLDER as UPLOADS
-from fedvlm.utils.files import atomic_write_json, load_saved, read_results
+from fedvlm.utils.files import UnreadableFile, atomic_write_json, load_saved, read_results
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    report = run_maxrenyi(args.run_dir, args.samples, args.clients, args.seed)
+    try:
+        report = run_maxrenyi(args.run_dir, args.samples, args.clients, args.seed)
+    except UnreadableFile as err:  # the run's own file: named, with what to do
+        p.error(str(err))
     print(
         json.dumps(
             {t: (v.get("mean", v) if isinstance(v, dict) else v) for t, v in report["threats"].items()}, indent=1

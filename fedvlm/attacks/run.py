@@ -50,7 +50,7 @@ from fedvlm.methods.registry import get_method
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import datasets
 from fedvlm.server_app.observer import FOLDER as UPLOADS
-from fedvlm.utils.files import atomic_write_json, read_results
+from fedvlm.utils.files import UnreadableFile, atomic_write_json, read_results
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=300, help="VLM runs: members and non-members per attacked model")
     args = p.parse_args(argv)
+    if args.shadows < 1 or args.online < 0 or args.online % 2 or args.samples < 1:
+        p.error("--shadows and --samples must be at least 1, --online an even number of 0 or more")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    method = get_method(read_results(args.run_dir, ATTACKED)["run"]["method"])
+    try:
+        recorded = read_results(args.run_dir, ATTACKED)["run"].get("method")
+        method = get_method(recorded)
+    except UnreadableFile as err:
+        p.error(str(err))
+    except ValueError as err:  # no method, or one this fedvlm does not know
+        p.error(f"{args.run_dir / 'results.json'}: run.method = {recorded!r}: {err}; {ATTACKED}")
     if method.adapter:  # FedRand and its LoRA baselines: the MaxRényi-K% attack (attacks.maxrenyi)
         from fedvlm.attacks.maxrenyi import main as maxrenyi_main
 

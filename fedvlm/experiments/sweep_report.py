@@ -71,6 +71,8 @@ def read_summary(path: Path) -> list[dict]:
     for r in reader:
         if None in r:  # more cells than the header names
             raise UnreadableFile(f"{path} line {reader.line_num} has more cells than columns: {fix}")
+        if None in r.values():  # fewer (a row cut short)
+            raise UnreadableFile(f"{path} line {reader.line_num} has fewer cells than columns: {fix}")
         rows.append({k: cell(k, v) for k, v in r.items()})
     return rows
 

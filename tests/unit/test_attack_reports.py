@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fedvlm.attacks import run as attacks_run
 
 
@@ -43,3 +45,20 @@ def test_the_federations_an_attack_trains_are_new_runs_even_for_a_resumed_target
         attacks_run.reference_config(target, 0, tmp_path / "references", 7),
     ):
         assert cfg["resume"] == "" and validate(cfg).resume == ""
+
+
+@pytest.mark.parametrize("command", ["fedvlm.attacks.run", "fedvlm.attacks.maxrenyi", "fedvlm.attacks.global_model"])
+def test_an_attack_command_names_a_run_folder_it_cannot_read(tmp_path, capsys, command):
+    """A folder without results.json, or one whose record names no method, was a traceback."""
+    import importlib
+
+    main = importlib.import_module(command).main
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path)])
+    assert stop.value.code == 2 and "results.json cannot be read" in capsys.readouterr().err
+    if command == "fedvlm.attacks.run":
+        (tmp_path / "results.json").write_text('{"run": {}, "config": {}, "rounds": []}')
+        for argv, words in (([], "run.method = None"), (["--shadows", "0"], "--shadows and --samples must be")):
+            with pytest.raises(SystemExit):
+                main([str(tmp_path), *argv])
+            assert words in capsys.readouterr().err

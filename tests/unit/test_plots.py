@@ -154,6 +154,7 @@ def test_a_damaged_sweep_summary_is_named_with_the_fix(tmp_path, capsys):
         (b"\xff\xfe\x00", "not UTF-8 text"),
         (b"a,b\n1,2\n", "no column variant, epsilon, seed, status"),
         (b"variant,epsilon,seed,status\np,none,0,finished,extra\n", "line 2 has more cells than columns"),
+        (b"variant,epsilon,seed,status,local-acc\np,none,0\n", "line 2 has fewer cells than columns"),
     ):
         (tmp_path / "summary.csv").write_bytes(body)
         assert main([str(tmp_path)]) == 2
