@@ -43,8 +43,12 @@ def flwr_home(explicit: str | None) -> Path:
 
 def local_superlinks(home: Path) -> list[int]:
     """The local SuperLinks ``flwr run`` started for ``home`` (their command line names its log)."""
-    marker = str(home / "local-superlink")
-    return [pid for pid in pids_matching(marker) if "flower-superlink" in cmdline(pid)]
+    marker = str(home / "local-superlink") + os.sep  # a path inside it, not any path that ends so
+    return [
+        pid
+        for pid in pids_matching(marker)
+        if "flower-superlink" in cmdline(pid) and any(a.startswith(marker) for a in cmdline(pid).split())
+    ]
 
 
 def _ray_sessions(pids: Iterable[int]) -> set[str]:

@@ -169,7 +169,8 @@ def state_dir(node_config: dict, run_dir: str, partition_id: int, name: str) -> 
 def _snapshots(where: Path) -> dict[int, Path]:
     if not where.is_dir():
         return {}
-    return {int(p.stem.split("-")[1]): p for p in where.glob("round-*.pt") if p.stem.split("-")[1].isdigit()}
+    found = (re.fullmatch(r"round-(\d+)", p.stem) for p in where.glob("round-*.pt"))  # not round-0003-bak.pt
+    return {int(m.group(1)): where / f"{m.group(0)}.pt" for m in found if m}
 
 
 def restore(state: RecordDict, where: Path | None, server_round: int, training: bool) -> int | None:

@@ -62,6 +62,11 @@ def test_snapshots_are_owner_only_and_the_two_newest_are_kept(tmp_path):
         _train_round(state, where, r)
     assert sorted(p.name for p in where.iterdir()) == ["round-0004.pt", "round-0007.pt"]
     assert stat.S_IMODE(where.stat().st_mode) == 0o700
+    # a file the operator put beside them is not a round's snapshot: neither read nor pruned
+    (where / "round-0003-bak.pt").write_bytes(b"the operator's")
+    _train_round(state, where, 8)
+    assert sorted(p.name for p in where.iterdir()) == ["round-0003-bak.pt", "round-0007.pt", "round-0008.pt"]
+    (where / "round-0003-bak.pt").unlink()
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in where.iterdir())
 
 

@@ -229,6 +229,21 @@ def test_stop_says_when_flowers_local_port_is_another_accounts(tmp_path, capsys,
     from fedvlm import stop
     from fedvlm.utils.processes import free_port, listener_uid
 
+    # another home's SuperLink is not this one's, even where this home's path ends like it
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "flower-superlink", f"{tmp_path}/x/local-superlink/s.log"]
+    )
+    try:
+        from fedvlm.utils.processes import cmdline
+
+        deadline = time.time() + 10
+        while "flower-superlink" not in cmdline(other.pid) and time.time() < deadline:  # exec'd yet?
+            time.sleep(0.05)
+        assert other.pid not in stop.local_superlinks(Path("/"))
+        assert other.pid in stop.local_superlinks(tmp_path / "x")
+    finally:
+        other.kill()
+        other.wait()
     port = free_port()
     monkeypatch.setenv("FLWR_LOCAL_CONTROL_API_PORT", str(port))
     assert stop.main(["--flwr-home", str(tmp_path)]) == 0  # nothing listens: nothing to stop
