@@ -45,7 +45,7 @@ from fedvlm.privacy.accounting import (
 from fedvlm.privacy.distributed import DistributedGaussian, granularity
 from fedvlm.privacy.ledger import MechanismPlan, PrivacyLedger, plan_gaussian, valid_sensitivity
 from fedvlm.protocol import LOCAL_SIGMA, LOCAL_STEPS, NUM_TRAIN, TrainInstruction
-from fedvlm.runconfig.schema import PrivacyConfig
+from fedvlm.runconfig.schema import PrivacyConfig, RunConfig
 
 WRAP_PROBABILITY = 1e-9  # the most a round's distributed-noise sum may wrap around modulo 2^bits
 
@@ -487,7 +487,7 @@ class PrivacyPlanner:
         return max((r["planned_epsilon"] for r in self.ledger.records.values()), default=0.0)
 
 
-def client_plan(cfg, n_train: int, instruction: TrainInstruction) -> tuple[ClientShape, float]:
+def client_plan(cfg: RunConfig, n_train: int, instruction: TrainInstruction) -> tuple[ClientShape, float]:
     """What a client executes this round: the server's plan (steps, batch size) and the std of its
     local-DP noise (0 without privacy). Refused when the plan is missing, was made for another
     record count than this node holds, or carries less noise than the node's own plan for that
