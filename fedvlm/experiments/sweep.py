@@ -40,6 +40,7 @@ import logging
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -311,7 +312,7 @@ def failed_row(variant: str, method: str, eps: str, seed: int, err: BaseExceptio
     return {"variant": variant, "method": method, "epsilon": eps, "seed": seed, "status": "failed", "error": reason}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path.home() / "fedvlm-sweeps" / "sweep")
     p.add_argument(
@@ -348,11 +349,144 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--online", type=int, default=0, help="with --mia: online-LiRA reference federations per run (even; 0 = none)"
     )
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for name in ("strategies", "server_app", "fedvlm", "models", "data", "alembic"):  # alembic: Flower's DB setup
-        logging.getLogger(name).setLevel(logging.WARNING)
+    return p
 
+
+Entry = tuple[str, str, dict, str, int]  # a planned run: variant, method, its overrides, epsilon, seed
+
+
+@dataclass
+class Sweep:
+    """One invocation's plan and what it has made: every run's config, its row in summary.csv and
+    the tables, rewritten after each run (a failed one too)."""
+
+    args: argparse.Namespace
+    out: Path
+    base: dict
+    clients: int
+    reference: dict | None
+    epsilons: list[str]
+    plan: list[Entry]
+    refused: dict[str, ConfigError] = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)
+    ran: int = 0  # the runs this invocation trained (a reused one costs nothing), for the estimate
+    ran_seconds: float = 0.0
+
+    def raw(self, variant: str, method: str, extra: dict, eps: str, seed: int) -> dict:
+        raw = {
+            **self.base,
+            **extra,
+            "method": method,
+            "seed": seed,
+            "privacy.epsilon": 0.0 if eps == "none" else float(eps),
+            "output-dir": str(self.out / "runs"),
+            "run-name": run_name(variant, eps, seed),
+        }
+        if self.args.audit and (eps != "none" or get_method(method).family.noise_multiplier > 0):  # a private run
+            raw["privacy.audit-canaries"] = self.args.audit
+        return raw
+
+    def check(self) -> None:
+        """Every run's config checked before the first starts: an impossible pair (FedOTP on a
+        ResNet CLIP) is a failed row at once, not a crash hours in."""
+        for entry in self.plan:
+            raw = self.raw(*entry)
+            try:
+                validate(raw)
+            except ConfigError as err:
+                self.refused[raw["run-name"]] = err
+                log.error("%s cannot run: %s", raw["run-name"], err)
+
+    def report(self) -> None:
+        with open(self.out / "summary.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in self.rows for k in r)))
+            w.writeheader()
+            w.writerows(self.rows)
+        done = [r for r in self.rows if r["status"] != "failed"]
+        write_tables(self.rows, self.out, self.epsilons, self.reference)
+        write_failures(self.rows, self.out)
+        write_audit(done, self.out)
+        write_attack_table(
+            done,
+            self.out,
+            "the published personalised prompts (server-*: every upload the server saw, attack.observe-uploads)",
+        )
+
+    def fail(self, i: int, entry: Entry, err: BaseException) -> None:
+        variant, method, _, eps, seed = entry
+        self.rows.append(failed_row(variant, method, eps, seed, err))
+        log.error("[%d/%d] %s failed: %s", i, len(self.plan), run_name(variant, eps, seed), self.rows[-1]["error"])
+        self.report()
+
+    def run(self, i: int, entry: Entry) -> None:
+        """The ``i``-th planned run: reused where this folder finished it, else run (or resumed)."""
+        variant, method, _, eps, seed = entry
+        raw = self.raw(*entry)
+        name = raw["run-name"]
+        if name in self.refused:
+            self.rows.append(failed_row(variant, method, eps, seed, self.refused[name]))
+            return self.report()
+        run_dir, t0 = self.out / "runs" / name, time.time()
+        try:
+            prior = read_results(run_dir, DAMAGED) if (run_dir / RESULTS).exists() else None
+        except UnreadableFile as err:  # the user's file: said, left as it is, the sweep goes on
+            return self.fail(i, entry, err)
+        reused = prior if prior is not None and prior["run"].get("status") in REUSED else None
+        fresh = reused is None
+        try:
+            differ = other_run(raw, reused) if reused is not None else []
+            if differ:  # a finished run of another config under this name: not this run
+                log.warning("%s holds a run of another config (%s)", name, "; ".join(differ))
+                set_aside(run_dir, "other-config")
+                reused, prior, fresh = None, None, True
+            data = (
+                reused
+                if reused is not None
+                else run_one(continued(raw, run_dir, prior), self.clients, self.args.engine, self.out)
+            )
+        except Exception as err:  # noqa: BLE001 - a failed variant is a row of the table, not the sweep's end
+            return self.fail(i, entry, err)
+        try:
+            row = result_row(variant, method, eps, seed, data)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as err:  # a damaged (reused) record
+            return self.fail(i, entry, UnreadableFile(f"{run_dir / RESULTS}: {type(err).__name__} {err}; {DAMAGED}"))
+        if self.args.mia:
+            self.attack(run_dir, method, row)
+        self.rows.append(row)
+        if fresh:
+            self.ran, self.ran_seconds = self.ran + 1, self.ran_seconds + time.time() - t0
+        mia = f" MIA {100 * row['mia-shokri-acc']:.1f}%" if "mia-shokri-acc" in row else ""
+        left = time_left(self.ran, self.ran + len(self.plan) - i, self.ran_seconds)
+        progress = left or ("done" if i == len(self.plan) else "reused")
+        log.info(
+            "[%d/%d] %s: %s%s (%.0fs; %s)", i, len(self.plan), name, utility_line(row), mia, time.time() - t0, progress
+        )
+        return self.report()
+
+    def attack(self, run_dir: Path, method: str, row: dict) -> None:
+        spec = get_method(method)
+        before = report_stamps(run_dir)
+        row.update(attack_columns(run_dir, spec.family, self.args.shadows, self.args.online, spec.trains))
+        if report_stamps(run_dir) != before:  # attacked now: the privacy picture names the best
+            try:
+                redraw_run(run_dir)
+            except Exception as err:  # noqa: BLE001 - a picture must not end the sweep
+                log.warning("%s: could not redraw its pictures: %s: %s", run_dir.name, type(err).__name__, err)
+
+    def finish(self, started: float) -> int:
+        done = [r for r in self.rows if r["status"] != "failed"]
+        plot(done, self.out, self.epsilons)
+        plot_audit(done, self.out)
+        plot_attacks(done, self.out)
+        for tag in [*write_tables(self.rows, self.out, self.epsilons, self.reference), "attacks", "audit", "failures"]:
+            if (self.out / f"table_{tag}.md").exists():
+                print((self.out / f"table_{tag}.md").read_text())
+        log.info("sweep of %d runs done in %.0fs: %s", len(self.plan), time.time() - started, self.out)
+        return 0 if done else 1  # not one run finished: the sweep failed, whatever the rows say
+
+
+def _prepare(p: argparse.ArgumentParser, args: argparse.Namespace) -> Sweep:
+    """The sweep the arguments ask for, every argument checked before its folder is made."""
     epsilons, seeds, ranks, residuals = _lists(p, args)
     if any(len(v) < 2 for v in args.variant):
         p.error("--variant needs LABEL METHOD [KEY=VALUE ...]")
@@ -376,121 +510,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"nothing to run: no method here has a privacy mechanism for --epsilons {args.epsilons}")
     out = args.out.expanduser().resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    return Sweep(args, out, base, clients, reference, epsilons, plan)
 
-    def raw_of(variant: str, method: str, extra: dict, eps: str, seed: int) -> dict:
-        raw = {
-            **base,
-            **extra,
-            "method": method,
-            "seed": seed,
-            "privacy.epsilon": 0.0 if eps == "none" else float(eps),
-            "output-dir": str(out / "runs"),
-            "run-name": run_name(variant, eps, seed),
-        }
-        if args.audit and (eps != "none" or get_method(method).family.noise_multiplier > 0):  # a private run
-            raw["privacy.audit-canaries"] = args.audit
-        return raw
 
-    # every run's config is checked before the first starts: an impossible pair (FedOTP on a
-    # ResNet CLIP) is a failed row at once, not a crash hours in
-    refused: dict[str, ConfigError] = {}
-    for entry in plan:
-        raw = raw_of(*entry)
-        try:
-            validate(raw)
-        except ConfigError as err:
-            refused[raw["run-name"]] = err
-            log.error("%s cannot run: %s", raw["run-name"], err)
-
-    def report(rows: list[dict]) -> None:
-        """summary.csv and every table, rewritten after each run (a failed one too)."""
-        with open(out / "summary.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-            w.writeheader()
-            w.writerows(rows)
-        done = [r for r in rows if r["status"] != "failed"]
-        write_tables(rows, out, epsilons, reference)
-        write_failures(rows, out)
-        write_audit(done, out)
-        write_attack_table(
-            done,
-            out,
-            "the published personalised prompts (server-*: every upload the server saw, attack.observe-uploads)",
-        )
-
-    rows: list[dict] = []
-    t_all = time.time()
-    ran, ran_seconds = 0, 0.0  # the runs this invocation trained (a reused one costs nothing), for the estimate
-    for i, (variant, method, extra, eps, seed) in enumerate(each(plan, "sweep", "run"), 1):
-        raw = raw_of(variant, method, extra, eps, seed)
-        name = raw["run-name"]
-        if name in refused:
-            rows.append(failed_row(variant, method, eps, seed, refused[name]))
-            report(rows)
-            continue
-        run_dir = out / "runs" / name
-        t0 = time.time()
-        try:
-            prior = read_results(run_dir, DAMAGED) if (run_dir / RESULTS).exists() else None
-        except UnreadableFile as err:  # the user's file: said, left as it is, the sweep goes on
-            rows.append(failed_row(variant, method, eps, seed, err))
-            log.error("[%d/%d] %s: %s", i, len(plan), name, err)
-            report(rows)
-            continue
-        reused = prior if prior is not None and prior["run"].get("status") in REUSED else None
-        fresh = reused is None
-        try:
-            differ = other_run(raw, reused) if reused is not None else []
-            if differ:  # a finished run of another config under this name: not this run
-                log.warning("%s holds a run of another config (%s)", name, "; ".join(differ))
-                set_aside(run_dir, "other-config")
-                reused, prior, fresh = None, None, True
-            data = reused if reused is not None else run_one(continued(raw, run_dir, prior), clients, args.engine, out)
-        except Exception as err:  # noqa: BLE001 - a failed variant is a row of the table, not the sweep's end
-            rows.append(failed_row(variant, method, eps, seed, err))
-            log.error("[%d/%d] %s failed: %s", i, len(plan), name, rows[-1]["error"])
-            report(rows)
-            continue
-        try:
-            row = result_row(variant, method, eps, seed, data)
-        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as err:  # a damaged (reused) record
-            fault = UnreadableFile(f"{run_dir / RESULTS}: {type(err).__name__} {err} reading its figures; {DAMAGED}")
-            rows.append(failed_row(variant, method, eps, seed, fault))
-            log.error("[%d/%d] %s: %s", i, len(plan), name, fault)
-            report(rows)
-            continue
-        if args.mia:
-            spec = get_method(method)
-            before = report_stamps(out / "runs" / name)
-            row.update(attack_columns(out / "runs" / name, spec.family, args.shadows, args.online, spec.trains))
-            if report_stamps(out / "runs" / name) != before:  # attacked now: the privacy picture names the best
-                try:
-                    redraw_run(out / "runs" / name)
-                except Exception as err:  # noqa: BLE001 - a picture must not end the sweep
-                    log.warning("%s: could not redraw its pictures: %s: %s", name, type(err).__name__, err)
-        rows.append(row)
-        if fresh:
-            ran, ran_seconds = ran + 1, ran_seconds + time.time() - t0
-        log.info(
-            "[%d/%d] %s: %s%s (%.0fs; %s)",
-            i,
-            len(plan),
-            name,
-            utility_line(row),
-            f" MIA {100 * row['mia-shokri-acc']:.1f}%" if "mia-shokri-acc" in row else "",
-            time.time() - t0,
-            time_left(ran, ran + len(plan) - i, ran_seconds) or ("done" if i == len(plan) else "reused"),
-        )
-        report(rows)
-    done = [r for r in rows if r["status"] != "failed"]
-    plot(done, out, epsilons)
-    plot_audit(done, out)
-    plot_attacks(done, out)
-    for tag in [*write_tables(rows, out, epsilons, reference), "attacks", "audit", "failures"]:
-        if (out / f"table_{tag}.md").exists():
-            print((out / f"table_{tag}.md").read_text())
-    log.info("sweep of %d runs done in %.0fs: %s", len(plan), time.time() - t_all, out)
-    return 0 if done else 1  # not one run finished: the sweep failed, whatever the rows say
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for name in ("strategies", "server_app", "fedvlm", "models", "data", "alembic"):  # alembic: Flower's DB setup
+        logging.getLogger(name).setLevel(logging.WARNING)
+    sweep, started = _prepare(p, args), time.time()
+    sweep.check()
+    for i, entry in enumerate(each(sweep.plan, "sweep", "run"), 1):
+        sweep.run(i, entry)
+    return sweep.finish(started)
 
 
 def _lists(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[bool]]:
