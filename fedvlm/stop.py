@@ -42,12 +42,14 @@ def flwr_home(explicit: str | None) -> Path:
 
 
 def local_superlinks(home: Path) -> list[int]:
-    """The local SuperLinks ``flwr run`` started for ``home`` (their command line names its log)."""
+    """The local SuperLinks ``flwr run`` (or ``fedvlm.deploy.superlink --local``) started for
+    ``home`` (their command line names its log)."""
     marker = str(home / "local-superlink") + os.sep  # a path inside it, not any path that ends so
     return [
         pid
         for pid in pids_matching(marker)
-        if "flower-superlink" in cmdline(pid) and any(a.startswith(marker) for a in cmdline(pid).split())
+        if ("flower-superlink" in cmdline(pid) or "fedvlm.deploy.superlink" in cmdline(pid))
+        and any(a.startswith(marker) for a in cmdline(pid).split())
     ]
 
 
@@ -138,7 +140,9 @@ def _nothing_of_yours(home: Path) -> int:
     """0 when no local SuperLink runs at all; 1 when another account's holds Flower's local port:
     ``flwr run .`` joins whatever SuperLink answers there, so a run of yours may be running in it,
     where this account can stop nothing."""
-    port = int(os.environ.get("FLWR_LOCAL_CONTROL_API_PORT", "39093"))  # flwr.cli.constant's default
+    # the port `flwr run .` probes and joins (flwr.cli.local_superlink: /health on the HTTP API
+    # port; Flower 1.42 serves its Control API there too, and opens no control port of its own)
+    port = int(os.environ.get("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "39091"))  # flwr.cli.constant's default
     owner = listener_uid(port)
     if owner is None or owner == os.getuid():
         print(f"no local SuperLink of {home} is running: nothing to stop")
@@ -146,8 +150,9 @@ def _nothing_of_yours(home: Path) -> int:
     print(
         f"no local SuperLink of {home} is running, but another account's (uid {owner}) holds Flower's local port "
         f"127.0.0.1:{port}: a `flwr run .` of yours joins it and runs there, where only that account can stop it "
-        "(`flwr stop <run-id>` stops one run). Give your runs a port of your own: FLWR_LOCAL_CONTROL_API_PORT "
-        "and FLWR_LOCAL_SUPERLINK_HTTP_API_PORT in your environment, before `flwr run .`",
+        "(`flwr stop <run-id>` stops one run). Give your runs a port of your own (FLWR_LOCAL_SUPERLINK_HTTP_API_PORT "
+        "in your environment) and start your local SuperLink guarded, `python -m fedvlm.deploy.superlink --local`, "
+        "before `flwr run .`",
         file=sys.stderr,
     )
     return 1

@@ -194,6 +194,24 @@ def superexec_command(args: Sequence[str], secret: Path) -> list[str]:
     return [*command, "--superexec-auth-secret-file", str(secret)]
 
 
+def local_superlink_args() -> list[str]:
+    """flower-superlink's arguments for the local simulation SuperLink, as Flower 1.42's CLI
+    starts one (``flwr.cli.local_superlink._start_local_superlink``: its port, from
+    ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``, its log and database under ``$FLWR_HOME``) but
+    without ``--isolation``, which this command sets. `flwr run .` finds it answering on that port
+    and uses it instead of starting its own, which every local account could use: a second
+    account's run landed there and ran its code as the first account."""
+    from flwr.cli.constant import LOCAL_SUPERLINK_HTTP_API_PORT
+    from flwr.cli.local_superlink import _get_local_superlink_paths
+
+    database, log_file = _get_local_superlink_paths()
+    return [
+        *("--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(LOCAL_SUPERLINK_HTTP_API_PORT)),
+        *("--log-file", str(log_file), "--log-rotation-interval-hours", "24", "--log-rotation-backup-count", "7"),
+        *("--database", str(database)),
+    ]
+
+
 def _secret(given: Path | None) -> Path:
     if given is not None:
         return given
@@ -228,9 +246,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=task_claims.MAX_STARTS,
         help="starts of one ServerApp that never began before its run is failed, saying why (Flower: no bound)",
     )
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="the local SuperLink `flwr run .` uses for simulations, started as Flower's CLI starts it but serving "
+        "only the allowed accounts (on a machine shared with other accounts)",
+    )
     p.add_argument("superlink_args", nargs=argparse.REMAINDER, help="-- then flower-superlink's arguments")
     args = p.parse_args(argv)
     rest = args.superlink_args[1:] if args.superlink_args[:1] == ["--"] else list(args.superlink_args)
+    if args.local:
+        if rest:
+            p.error("--local sets flower-superlink's arguments itself (Flower's local simulation SuperLink); give none")
+        # started again with them on its command line, where `python -m fedvlm.stop` finds the SuperLink of an FLWR_HOME
+        ours = [f"--allow-uid={u}" for u in args.allow_uid]
+        ours += [f"--task-start-window={args.task_start_window}", f"--task-starts={args.task_starts}"]
+        ours += [f"--signing-key={args.signing_key}"] if args.signing_key else []
+        ours += [f"--superexec-secret={args.superexec_secret}"] if args.superexec_secret else []
+        again = [sys.executable, "-m", "fedvlm.deploy.superlink", *ours, "--", *local_superlink_args()]
+        os.execv(sys.executable, again)
     taken = [f for f in OWNED_BY_US if _flag(rest, f) is not None or f in rest]
     if taken:
         p.error(f"{', '.join(taken)}: set by this command (its own SuperExec, with a secret); leave them out")

@@ -245,7 +245,7 @@ def test_stop_says_when_flowers_local_port_is_another_accounts(tmp_path, capsys,
         other.kill()
         other.wait()
     port = free_port()
-    monkeypatch.setenv("FLWR_LOCAL_CONTROL_API_PORT", str(port))
+    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", str(port))
     assert stop.main(["--flwr-home", str(tmp_path)]) == 0  # nothing listens: nothing to stop
     assert "nothing to stop" in capsys.readouterr().out
     with socket.socket() as mine:  # this account's own listener is not another's
@@ -265,8 +265,6 @@ def test_stop_says_when_flowers_local_port_is_another_accounts(tmp_path, capsys,
         capsys.readouterr()
         assert stop.main(["--flwr-home", str(tmp_path)]) == 1
         said = capsys.readouterr().err
-        assert (
-            "another account's (uid 65534) holds Flower's local port" in said and "FLWR_LOCAL_CONTROL_API_PORT" in said
-        )
+        assert "another account's (uid 65534) holds Flower's local port" in said and "superlink --local" in said
     finally:
         other.kill()
