@@ -223,7 +223,7 @@ def _secret(given: Path | None) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.superlink", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--allow-uid",
@@ -253,27 +253,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         "only the allowed accounts (on a machine shared with other accounts)",
     )
     p.add_argument("superlink_args", nargs=argparse.REMAINDER, help="-- then flower-superlink's arguments")
+    return p
+
+
+def _start_local(p: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> None:
+    """``--local``: this command again, with Flower's local simulation SuperLink's arguments on its
+    command line, where ``python -m fedvlm.stop`` finds the SuperLink of an FLWR_HOME."""
+    if rest:
+        p.error("--local sets flower-superlink's arguments itself (Flower's local simulation SuperLink); give none")
+    ours = [f"--allow-uid={u}" for u in args.allow_uid]
+    ours += [f"--task-start-window={args.task_start_window}", f"--task-starts={args.task_starts}"]
+    ours += [f"--signing-key={args.signing_key}"] if args.signing_key else []
+    ours += [f"--superexec-secret={args.superexec_secret}"] if args.superexec_secret else []
+    again = [sys.executable, "-m", "fedvlm.deploy.superlink", *ours, "--", *local_superlink_args()]
+    os.execv(sys.executable, again)
+
+
+def _use_signing_key(p: argparse.ArgumentParser, key: Path) -> None:
+    try:
+        load_private(key)
+    except (OSError, ValueError) as err:
+        p.error(f"--signing-key: {err}")
+    os.environ[SIGNING_KEY_ENV] = str(key.resolve())  # the SuperExec's and ServerApps' environment
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     rest = args.superlink_args[1:] if args.superlink_args[:1] == ["--"] else list(args.superlink_args)
     if args.local:
-        if rest:
-            p.error("--local sets flower-superlink's arguments itself (Flower's local simulation SuperLink); give none")
-        # started again with them on its command line, where `python -m fedvlm.stop` finds the SuperLink of an FLWR_HOME
-        ours = [f"--allow-uid={u}" for u in args.allow_uid]
-        ours += [f"--task-start-window={args.task_start_window}", f"--task-starts={args.task_starts}"]
-        ours += [f"--signing-key={args.signing_key}"] if args.signing_key else []
-        ours += [f"--superexec-secret={args.superexec_secret}"] if args.superexec_secret else []
-        again = [sys.executable, "-m", "fedvlm.deploy.superlink", *ours, "--", *local_superlink_args()]
-        os.execv(sys.executable, again)
+        _start_local(p, args, rest)
     taken = [f for f in OWNED_BY_US if _flag(rest, f) is not None or f in rest]
     if taken:
         p.error(f"{', '.join(taken)}: set by this command (its own SuperExec, with a secret); leave them out")
     if args.signing_key is not None:
-        try:
-            load_private(args.signing_key)
-        except (OSError, ValueError) as err:
-            p.error(f"--signing-key: {err}")
-        os.environ[SIGNING_KEY_ENV] = str(args.signing_key.resolve())  # the SuperExec's and ServerApps' environment
+        _use_signing_key(p, args.signing_key)
     log_beside_flower()
     import importlib
 
