@@ -478,7 +478,8 @@ def target_label(target: str) -> str:
 
 
 def plot_pareto(entries: list[dict], path: Path) -> None:
-    """Utility against the epsilon accounted (left) and against the best attack's TPR (right).
+    """Utility against the epsilon accounted (left) and against the best attack's TPR (right), a
+    row of both per family; a board of failed runs only gets a figure that says so.
 
     A method is a colour and a privacy target a marker, both in legends, so no point carries a
     label that could cover another's.
@@ -487,88 +488,95 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
 
     families = [f for f in dict.fromkeys(e["family"] for e in entries if "failed" not in e)]
-    fig, axes = plt.subplots(len(families), 2, figsize=(12, 4.6 * len(families)), squeeze=False)
-    for (left, right), family in zip(axes, families, strict=True):
-        mine = [e for e in entries if e["family"] == family and "failed" not in e]
-        utility = utility_columns([{k + LAST10: v for k, v in e.items()} for e in mine])
-        if not utility:
-            continue
-        # the family's first utility every row has (FedPara has no server model, so no server CIDEr)
-        u = next((c for c in utility if all(e.get(c) is not None for e in mine)), utility[0])
-        scale = METRICS[u].kind.scale
-        colours = {m: f"C{k % 10}" for k, m in enumerate(dict.fromkeys(e["variant"] for e in mine))}
-        markers = {t: MARKERS[k % len(MARKERS)] for k, t in enumerate(dict.fromkeys(e["target"] for e in mine))}
-        finite = sorted({e["epsilon-accounted"] for e in mine if e.get("epsilon-accounted")})
-        none_x = 2 * finite[-1] if finite else 1.0  # where runs without noise sit: right of every private one
-        for ax, xkey in ((left, "epsilon-accounted"), (right, ATTACK_TPR)):
-            xscale = 1.0 if ax is left else 100.0
-            pts = []
-            for e in mine:
-                y, x = e.get(u), e.get(xkey)
-                if x is None and xkey == "epsilon-accounted":
-                    x = none_x
-                if y is None or x is None:
-                    continue
-                pts.append((x * xscale, y * scale))
-                spread = e.get(u + STD)  # a row over several seeds shows their spread, not only their mean
-                ax.errorbar(
-                    x * xscale,
-                    y * scale,
-                    yerr=None if spread is None else spread * scale,
-                    fmt=markers[e["target"]],
-                    color=colours[e["variant"]],
-                    ms=7,
-                    alpha=0.85,
-                    capsize=3,
-                )
-                if ax is right:  # each point's own chance level, at its height: below 1000 non-members it is not 0.1%
-                    ax.plot(e[ATTACK_TPR + CHANCE] * 100, y * scale, marker="|", ms=12, mew=2, color="gray")
-            if pts:
-                fx, fy = zip(*pareto_front(pts), strict=True)
-                ax.step(fx, fy, where="post", color="gray", ls="--", lw=1)
-            if ax is left:
-                ax.set_xscale("log")
-                unaccounted = any(not e.get("epsilon-accounted") for e in mine)  # a family with fixed noise has none
-                ticks = [*finite, none_x] if unaccounted else finite
-                ax.set_xticks(ticks, [f"{t:.3g}" for t in finite] + (["no DP"] if unaccounted else []))
-                ax.minorticks_off()
-                ax.set_xlabel("accounted epsilon (log scale)")
-                ax.set_title(f"{family} family: {u} against privacy spent")
-            else:
-                chances = [100 * e[ATTACK_TPR + CHANCE] for e in mine if e.get(ATTACK_TPR) is not None]
-                top = max([*(2.5 * c for c in chances), *(x for x, _ in pts), 0.1])
-                ax.set_xlim(-0.04 * top, 1.08 * top)  # a TPR of 0 (nothing found at that FPR) must show
-                ax.set_xlabel("the row's named attack: TPR at FPR <= 0.1% (%)")
-                ax.set_title(f"{family} family: {u} against privacy measured")
-            several = any(e.get(u + STD) is not None for e in mine)
-            ax.set_ylabel(f"{u} ({METRICS[u].kind.axis})" + (", mean ± std over seeds" if several else ""))
-            ax.grid(alpha=0.3)
-        methods = [Line2D([], [], color=c, marker="o", ls="", label=m) for m, c in colours.items()]
-        targets = [
-            Line2D([], [], color="dimgray", marker=mk, ls="", label=target_label(t)) for t, mk in markers.items()
-        ]
-        left.legend(
-            handles=[*methods, *targets, Line2D([], [], color="gray", ls="--", label="non-dominated")],
-            fontsize=7,
-            loc="best",
-            ncol=2,
-        )
-        right.legend(
-            handles=[
-                Line2D([], [], color="gray", ls="--", label="non-dominated"),
-                Line2D(
-                    [], [], color="gray", marker="|", ms=12, mew=2, ls="", label="its chance (from its non-members)"
-                ),
-            ],
-            fontsize=7,
-            loc="best",
-        )
+    fig, axes = plt.subplots(max(1, len(families)), 2, figsize=(12, 4.6 * max(1, len(families))), squeeze=False)
+    if not families:
+        axes[0][0].text(0.5, 0.5, "no finished run", ha="center", va="center", transform=axes[0][0].transAxes)
+    for (left, right), family in zip(axes, families, strict=False):
+        _family_panels(left, right, family, [e for e in entries if e["family"] == family and "failed" not in e])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _family_panels(left, right, family: str, mine: list[dict]) -> None:
+    """One family's two panels: its first utility every row has (FedPara has no server model, so
+    no server CIDEr) against the accounted epsilon and against the row's attack."""
+    utility = utility_columns([{k + LAST10: v for k, v in e.items()} for e in mine])
+    if not utility:
+        return
+    u = next((c for c in utility if all(e.get(c) is not None for e in mine)), utility[0])
+    colours = {m: f"C{k % 10}" for k, m in enumerate(dict.fromkeys(e["variant"] for e in mine))}
+    markers = {t: MARKERS[k % len(MARKERS)] for k, t in enumerate(dict.fromkeys(e["target"] for e in mine))}
+    finite = sorted({e["epsilon-accounted"] for e in mine if e.get("epsilon-accounted")})
+    none_x = 2 * finite[-1] if finite else 1.0  # where runs without noise sit: right of every private one
+    for ax, xkey in ((left, "epsilon-accounted"), (right, ATTACK_TPR)):
+        pts = _points(ax, mine, u, xkey, none_x, colours, markers, attack=ax is right)
+        if pts:
+            fx, fy = zip(*pareto_front(pts), strict=True)
+            ax.step(fx, fy, where="post", color="gray", ls="--", lw=1)
+        if ax is left:
+            _epsilon_axis(ax, mine, finite, none_x)
+            ax.set_title(f"{family} family: {u} against privacy spent")
+        else:
+            chances = [100 * e[ATTACK_TPR + CHANCE] for e in mine if e.get(ATTACK_TPR) is not None]
+            top = max([*(2.5 * c for c in chances), *(x for x, _ in pts), 0.1])
+            ax.set_xlim(-0.04 * top, 1.08 * top)  # a TPR of 0 (nothing found at that FPR) must show
+            ax.set_xlabel("the row's named attack: TPR at FPR <= 0.1% (%)")
+            ax.set_title(f"{family} family: {u} against privacy measured")
+        several = any(e.get(u + STD) is not None for e in mine)
+        ax.set_ylabel(f"{u} ({METRICS[u].kind.axis})" + (", mean ± std over seeds" if several else ""))
+        ax.grid(alpha=0.3)
+    _legends(left, right, colours, markers)
+
+
+def _points(ax, mine, u: str, xkey: str, none_x: float, colours, markers, attack: bool) -> list[tuple[float, float]]:
+    """Each row's point (its spread over seeds as an error bar) and, on the attack panel, its own
+    chance level at its height: below 1000 non-members it is not 0.1%."""
+    scale, xscale = METRICS[u].kind.scale, 100.0 if attack else 1.0
+    pts = []
+    for e in mine:
+        y, x = e.get(u), e.get(xkey)
+        if x is None and xkey == "epsilon-accounted":
+            x = none_x
+        if y is None or x is None:
+            continue
+        pts.append((x * xscale, y * scale))
+        spread = e.get(u + STD)
+        ax.errorbar(
+            x * xscale,
+            y * scale,
+            yerr=None if spread is None else spread * scale,
+            fmt=markers[e["target"]],
+            color=colours[e["variant"]],
+            ms=7,
+            alpha=0.85,
+            capsize=3,
+        )
+        if attack:
+            ax.plot(e[ATTACK_TPR + CHANCE] * 100, y * scale, marker="|", ms=12, mew=2, color="gray")
+    return pts
+
+
+def _epsilon_axis(ax, mine: list[dict], finite: list[float], none_x: float) -> None:
+    ax.set_xscale("log")
+    unaccounted = any(not e.get("epsilon-accounted") for e in mine)  # a family with fixed noise has none
+    ticks = [*finite, none_x] if unaccounted else finite
+    ax.set_xticks(ticks, [f"{t:.3g}" for t in finite] + (["no DP"] if unaccounted else []))
+    ax.minorticks_off()
+    ax.set_xlabel("accounted epsilon (log scale)")
+
+
+def _legends(left, right, colours: dict, markers: dict) -> None:
+    from matplotlib.lines import Line2D
+
+    front = Line2D([], [], color="gray", ls="--", label="non-dominated")
+    methods = [Line2D([], [], color=c, marker="o", ls="", label=m) for m, c in colours.items()]
+    targets = [Line2D([], [], color="dimgray", marker=mk, ls="", label=target_label(t)) for t, mk in markers.items()]
+    left.legend(handles=[*methods, *targets, front], fontsize=7, loc="best", ncol=2)
+    chance = Line2D([], [], color="gray", marker="|", ms=12, mew=2, ls="", label="its chance (from its non-members)")
+    right.legend(handles=[front, chance], fontsize=7, loc="best")
 
 
 def main(argv: list[str] | None = None) -> int:
