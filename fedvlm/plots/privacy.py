@@ -56,13 +56,26 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
     if not rounds:
         return {}
     import matplotlib.pyplot as plt
+
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 5.2), gridspec_kw={"width_ratios": [3, 2]})
+    shown = _spent_over_rounds(ax, data, ledger, rounds)
+    _per_node(right, ledger, rounds[-1]["round"])
+    shown += _attack_corner(right, data, Path(out_dir))
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / FILE, dpi=110)
+    plt.close(fig)
+    return {FILE: shown}
+
+
+def _spent_over_rounds(ax, data: dict, ledger: dict, rounds: list[dict]) -> list[str]:
+    """The epsilon spent round by round (band over nodes, max, mean), the target, the budget and
+    the one-run audit's bound; the figures drawn, as the round records name them."""
     from matplotlib.ticker import MaxNLocator
 
     settings = ledger.get("settings") or {}
     xs = [r["round"] for r in rounds]
     low, mean, high = zip(*(round_spread(r) for r in rounds), strict=True)
-    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 5.2), gridspec_kw={"width_ratios": [3, 2]})
-    shown = [EPSILON_SPENT, EPSILON_MEAN, "per-node band"]  # the ledger's figures, as the round records name them
+    shown = [EPSILON_SPENT, EPSILON_MEAN, "per-node band"]
     ax.fill_between(xs, low, high, alpha=0.2, label="band: least to most spent node")
     ax.plot(xs, high, "-", marker="o", ms=3, label="max over nodes")
     ax.plot(xs, mean, "--", label="mean over nodes")
@@ -70,22 +83,13 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
         ax.axhline(settings["epsilon"], color="gray", ls=":", label=f"target privacy.epsilon = {settings['epsilon']:g}")
         shown.append("target")
     if settings.get("max_epsilon"):
-        ax.axhline(
-            settings["max_epsilon"],
-            color="red",
-            ls="-.",
-            label=f"budget privacy.max-epsilon = {settings['max_epsilon']:g}",
-        )
+        budget = f"budget privacy.max-epsilon = {settings['max_epsilon']:g}"
+        ax.axhline(settings["max_epsilon"], color="red", ls="-.", label=budget)
         shown.append("budget")
     for name, node in sorted(((data.get("audit") or {}).get("nodes") or {}).items()):
-        ax.plot(
-            [node["round"]],
-            [node["epsilon_lower"]],
-            "v",
-            color="black",
-            ms=8,
-            label=f"audit lower bound, {name} ({node['canaries']} canaries)",
-        )
+        bound = f"audit lower bound, {name} ({node['canaries']} canaries)"
+        ax.plot([node["round"]], [node["epsilon_lower"]], "v", color="black", ms=8, label=bound)
+        accounted = "accounted epsilon of the audited mechanism"
         ax.plot(
             [node["round"]],
             [node["accounted_epsilon_audited_mechanism"]],
@@ -93,7 +97,7 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
             color="black",
             mfc="none",
             ms=8,
-            label="accounted epsilon of the audited mechanism",
+            label=accounted,
         )
         shown.append("audit")
     ax.set_xlabel("round")
@@ -103,7 +107,11 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
     ax.set_title(f"{title(data)}: accountant {settings.get('accountant', '?')}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: never over a curve
+    return shown
 
+
+def _per_node(right, ledger: dict, last_round: int) -> None:
+    """Each node's epsilon after the last round: bars, or a histogram past ``BARS`` nodes."""
     last = final_spent(ledger)
     names, values = list(last), list(last.values())
     if len(values) <= BARS:
@@ -114,28 +122,29 @@ def draw_privacy(data: dict, out_dir: Path) -> dict[str, list[str]]:
         right.hist(values, bins=30, color="tab:blue")
         right.set_xlabel("epsilon after the last round")
         right.set_ylabel("nodes")
-    right.set_title(f"per node, after round {xs[-1]}")
+    right.set_title(f"per node, after round {last_round}")
     right.grid(alpha=0.3, axis="y")
-    attack = None
+
+
+def _attack_corner(right, data: dict, out_dir: Path) -> list[str]:
+    """The best membership attack's figures in a corner, where the run has a report."""
     try:  # a report that cannot be read costs the picture its corner, not the picture
-        reported = _reported_attacks(data, Path(out_dir))
+        reported = _reported_attacks(data, out_dir)
         attack = best_attack(reported) if reported else None
     except Exception as err:  # noqa: BLE001
         log.warning("privacy.png drawn without the membership attack: its report could not be read: %s", err)
-    if attack is not None:
-        name, tpr, luck, auc = attack
-        right.text(
-            0.98,
-            0.97,
-            f"best membership attack: {name}\nTPR at FPR <= 0.1% {tpr:.3f} (chance {luck:.4f}), AUC {auc:.3f}",
-            transform=right.transAxes,
-            ha="right",
-            va="top",
-            fontsize=8,
-            bbox={"facecolor": "white", "alpha": 0.8},
-        )
-        shown.append("membership attack")
-    fig.tight_layout()
-    fig.savefig(Path(out_dir) / FILE, dpi=110)
-    plt.close(fig)
-    return {FILE: shown}
+        return []
+    if attack is None:
+        return []
+    name, tpr, luck, auc = attack
+    right.text(
+        0.98,
+        0.97,
+        f"best membership attack: {name}\nTPR at FPR <= 0.1% {tpr:.3f} (chance {luck:.4f}), AUC {auc:.3f}",
+        transform=right.transAxes,
+        ha="right",
+        va="top",
+        fontsize=8,
+        bbox={"facecolor": "white", "alpha": 0.8},
+    )
+    return ["membership attack"]
