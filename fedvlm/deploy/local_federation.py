@@ -433,7 +433,7 @@ def _rounds(stdout: str) -> tuple[str, list[dict]]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.local_federation", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, required=True, help="credentials, Flower state, logs")
     p.add_argument("--supernodes", type=int, default=2)
@@ -460,6 +460,51 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the SuperLink's state in its memory instead of an SQLite file (lost if the SuperLink restarts)",
     )
+    return p
+
+
+def _write_report(args: argparse.Namespace, proc, mem: TreeMemory, lost: int, t0: float, started: float) -> None:
+    """``--report``: the federation's peak memory per program and each round's time, as JSON and
+    in words."""
+    status, rounds = _rounds(proc.stdout)
+    report = {
+        "supernodes": args.supernodes,
+        "workers": args.workers,
+        "database": not args.no_database,
+        "run_config": args.run_config,
+        "status": status,
+        "setup_seconds": round(started - t0, 1),
+        "run_seconds": round(time.time() - started, 1),
+        "rounds": rounds,
+        "replies_lost_in_transit": lost,
+        "peak_rss_mib": round(mem.peak_rss_mib),
+        "peak_pss_mib": round(mem.peak_pss_mib),
+        "peak_by_program": mem.peak_by_program,
+        "cpus": os.cpu_count(),
+    }
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(json.dumps(report, indent=2))
+    print(
+        f"\n{args.supernodes} SuperNodes: {status}; peak memory {mem.peak_pss_mib / 1024:.1f} GiB PSS "
+        f"({mem.peak_rss_mib / 1024:.1f} GiB RSS); "
+        + ", ".join(
+            (
+                f"round {r['round']} {r['seconds']:.0f} s ({r[TRAIN_CLIENTS]} trained, "
+                f"{r['asked-again']} asked again, {r['missing']} missing)"
+            )
+            for r in rounds
+        )
+        + f"; {lost} replies lost in transit; report: {args.report}"
+    )
+    for name, row in mem.peak_by_program.items():
+        print(
+            f"  {name:<20} {row['processes']:>3.0f} processes  {row['pss_mib']:>8.0f} MiB PSS  "
+            f"{row['rss_mib']:>8.0f} MiB RSS"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     names = [f"org-{i}" for i in range(args.supernodes)]
     configs = {
@@ -486,41 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = fed.run_app(args.run_config, echo=True)
         lost = fed.lost_replies()
     if args.report:
-        status, rounds = _rounds(proc.stdout)
-        report = {
-            "supernodes": args.supernodes,
-            "workers": args.workers,
-            "database": not args.no_database,
-            "run_config": args.run_config,
-            "status": status,
-            "setup_seconds": round(started - t0, 1),
-            "run_seconds": round(time.time() - started, 1),
-            "rounds": rounds,
-            "replies_lost_in_transit": lost,
-            "peak_rss_mib": round(mem.peak_rss_mib),
-            "peak_pss_mib": round(mem.peak_pss_mib),
-            "peak_by_program": mem.peak_by_program,
-            "cpus": os.cpu_count(),
-        }
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=2))
-        print(
-            f"\n{args.supernodes} SuperNodes: {status}; peak memory {mem.peak_pss_mib / 1024:.1f} GiB PSS "
-            f"({mem.peak_rss_mib / 1024:.1f} GiB RSS); "
-            + ", ".join(
-                (
-                    f"round {r['round']} {r['seconds']:.0f} s ({r[TRAIN_CLIENTS]} trained, "
-                    f"{r['asked-again']} asked again, {r['missing']} missing)"
-                )
-                for r in rounds
-            )
-            + f"; {lost} replies lost in transit; report: {args.report}"
-        )
-        for name, row in mem.peak_by_program.items():
-            print(
-                f"  {name:<20} {row['processes']:>3.0f} processes  {row['pss_mib']:>8.0f} MiB PSS  "
-                f"{row['rss_mib']:>8.0f} MiB RSS"
-            )
+        _write_report(args, proc, mem, lost, t0, started)
     return proc.returncode
 
 
