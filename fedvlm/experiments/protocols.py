@@ -313,7 +313,8 @@ PROTOCOLS: dict[str, Protocol] = {
             _MOAP_SETS,
             "measured 2026-12-02 on the 2-core machine, alone: 25 min for the 35 runs of the paper's variants at 5 "
             "seeds (0.4 h of rounds; FedOTP's runs 83 to 240 s each, the others 13 to 31 s), 8 min more for the "
-            "FedOTP server-step experiment's 5 runs",
+            "FedOTP server-step experiment's 5 runs, 15 min for the fedotp-fedavg row's 5 (other jobs sharing "
+            "the cores)",
             (
                 Headline(
                     "pFedMoAP above FedOTP on local accuracy (Flowers102: 98.41 vs 96.23)",
