@@ -739,7 +739,7 @@ def _logging(path: str | None, max_mb: float, backups: int) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.fleet_gateway", description=__doc__.split("\n\n")[0])
     p.add_argument("--listen", type=_host_port, required=True, help="HOST:PORT SuperNodes connect to")
     p.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink on this machine (127.0.0.1:...)")
@@ -778,6 +778,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--log-file", help="log here, rotated (default: standard error)")
     p.add_argument("--log-max-mb", type=float, default=20.0, help="size at which the log file is rotated")
     p.add_argument("--log-backups", type=int, default=5, help="rotated log files kept")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     limits = Limits(
         args.max_body,

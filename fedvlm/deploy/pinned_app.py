@@ -266,7 +266,7 @@ def _exec(
     flower_superexec()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedvlm.deploy.pinned_app", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hash", help="the SHA-256 of the app `flwr run APP` sends (or of a .fab file)")
@@ -300,6 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"default {DEFAULT_SERVED})",
     )
     e.add_argument("superexec_args", nargs=argparse.REMAINDER, help="-- then flower-superexec's arguments")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.command == "hash":
         try:

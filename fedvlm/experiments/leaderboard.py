@@ -579,7 +579,7 @@ def _legends(left, right, colours: dict, markers: dict) -> None:
     right.legend(handles=[front, chance], fontsize=7, loc="best")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.leaderboard", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--out", type=Path, default=None, help="default: ~/fedvlm-leaderboard (~/fedvlm-leaderboard-quick with --quick)"
@@ -591,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="", help="comma-separated methods (default: every method of each family)")
     p.add_argument("--seeds", default="", help="override the scale's seeds, e.g. 0,1")
     p.add_argument("--docs", action="store_true", help="also write docs/results/leaderboard.md and its plot")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.docs and not DOCS.is_dir():  # checked now, not after hours of runs
         p.error(f"--docs writes into a checkout's docs/results ({DOCS} does not exist): run it from a git checkout")

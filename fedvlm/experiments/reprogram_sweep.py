@@ -76,7 +76,7 @@ def plot(curves: dict[tuple, list[dict]], out: Path, every: int) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fedvlm.experiments.reprogram_sweep", description=__doc__.split("\n\n")[0]
     )
@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=10, help="plot a point every this many rounds")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides for every run")
     p.add_argument("--engine", choices=("inprocess", "flwr"), default="inprocess")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     out = args.out.expanduser()
