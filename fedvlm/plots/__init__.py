@@ -42,5 +42,5 @@ def redraw_run(folder: Path) -> dict[str, list[str]]:
     drawn = draw_run(data, folder)
     if data["run"].get("status") != "running":  # a running run rewrites results.json itself
         data["run"]["plots"] = drawn
-        atomic_write_json(data, folder / RESULTS)
+        atomic_write_json(data, (folder / RESULTS).resolve())  # a symlinked results.json stays one
     return drawn
