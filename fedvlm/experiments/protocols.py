@@ -224,7 +224,8 @@ PROTOCOLS: dict[str, Protocol] = {
                 "lora.local-epochs=1",
                 "lora.batch-size=8",
             ),
-            "estimated about 1.5 h of rounds for three seeds, from the board's 9 to 12 s a round; not yet measured",
+            "one run measured 2026-12-02 on the 2-core machine: 204 s with its attacks, so about 41 min for the 12 "
+            "runs; the protocol's page not yet made",
             (
                 Headline(
                     "FedRand's server model within 1% of FedAvg-LoRA's (COCO CIDEr 110.27 vs 111.08)",
@@ -383,7 +384,7 @@ PROTOCOLS.update(
                 10,
                 ("class-split=base-to-novel",),
                 "measured 2026-12-02 on the 2-core machine: 8 min for the 21 runs of the seven methods at three seeds "
-                "(0.1 h of rounds)",
+                "(0.1 h of rounds), 2 min for the DP-FPL and FedPGP -matched rows; FedOTP's -matched not yet run",
             ),
             *(
                 _standard(
@@ -392,7 +393,8 @@ PROTOCOLS.update(
                     10,
                     ("partitioner=dirichlet", f"dirichlet-alpha={alpha:g}"),
                     f"measured 2026-12-02 on the 2-core machine: {minutes} min for the 21 runs of the seven methods at "
-                    "three seeds (pFedMoAP's the longest, 2 to 6 min each; other jobs shared the cores at times)",
+                    "three seeds (pFedMoAP's the longest, 2 to 6 min each; other jobs shared the cores at times), 4 to "
+                    "11 min for the DP-FPL and FedPGP -matched rows; FedOTP's -matched not yet run",
                 )
                 for alpha, minutes in ((0.1, 25), (0.5, 18), (1.0, 13))
             ),
