@@ -160,3 +160,17 @@ def test_a_damaged_sweep_summary_is_named_with_the_fix(tmp_path, capsys):
         assert main([str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert "summary.csv" in err and words in err and "run the sweep again with the same --out" in err
+
+
+def test_a_redraw_keeps_a_symlinked_results_json_a_link(tmp_path):
+    """The run's record updated where the link points; the link replaced by a file was a change
+    to what the user handed the tool."""
+    from fedvlm.plots import redraw_run
+
+    kept = tmp_path / "elsewhere.json"
+    kept.write_text(json.dumps({"config": {}, "run": {"status": "finished"}, "rounds": []}))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").symlink_to(kept)
+    redraw_run(tmp_path / "run")
+    assert (tmp_path / "run" / "results.json").is_symlink()
+    assert "plots" in json.loads(kept.read_text())["run"]
