@@ -137,6 +137,11 @@ def load_ca(out: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     return cert, key
 
 
+def _check_node_name(name: str) -> None:
+    if not NAME_RE.match(name):
+        raise CredentialsError(f"SuperNode name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+
+
 MAX_DAYS = 3650  # ten years: far past any federation's life, well inside what a certificate's dates can hold
 
 
@@ -158,8 +163,7 @@ def check_arguments(out: Path, names: list[str], ips: list[str], supernodes: lis
                 f"--server-ip {ip!r} is not an IP address ({e}); put host names in --server-name"
             ) from e
     for name in supernodes:
-        if not NAME_RE.match(name):
-            raise CredentialsError(f"SuperNode name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        _check_node_name(name)
 
 
 # The SuperLink talks to itself on loopback (its ServerApp process, the Fleet gateway, a
@@ -195,8 +199,7 @@ def make_server_cert(out: Path, ca_cert, ca_key, names: list[str], ips: list[str
 
 def make_supernode_key(out: Path, name: str) -> Path:
     """An EC P-384 key pair in OpenSSH format (what flower-supernode and `flwr supernode register` read)."""
-    if not NAME_RE.match(name):
-        raise CredentialsError(f"SuperNode name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+    _check_node_name(name)
     key = ec.generate_private_key(ec.SECP384R1())
     priv = out / "supernodes" / name
     _write_private(
