@@ -27,7 +27,7 @@ The stages (``secagg.stages``):
   so start fast in a ClientApp process of their own. The masked vector is the one tensor that
   leaves (``send_guard.secure_reply``).
 
-A message asked again (``server_app.messages.ask_again``) gets the answer the node gave the
+A message asked again (``server_app.post``) gets the answer the node gave the
 first copy, if it asks the same; one that asks something else is judged afresh by
 ``NodeRound``, which refuses what contradicts what the node already did (a second story).
 """

@@ -1,5 +1,5 @@
 """One exchange on the grid (a round's train messages, and the previous round's evaluation,
-``server_app.messages.bundle``): push the messages, pull the replies as they come, and decide when
+``server_app.post``): push the messages, pull the replies as they come, and decide when
 a reply is late.
 
 Flower's ``Grid.send_and_receive`` waits for every reply or for ``round-timeout`` (600 s by
@@ -12,7 +12,7 @@ push with an error, a node that crashed) then costs the whole round-timeout. Her
   and the node's own in earlier rounds) if that is longer, so a node with more data or a slower
   machine is not taken for lost; a node that has never answered yet (its first round) is waited
   for until round-timeout, as there is nothing to judge it by;
-- a late message is asked again once (``server_app.messages.ask_again`` makes the copies and decides
+- a late message is asked again once (``server_app.post`` makes the copies and decides
   what the copy costs in privacy); whichever of the two
   replies comes first is the node's, the other is never pulled;
 - after one more grace period the round goes on without it, never later than round-timeout.

@@ -5,7 +5,7 @@ A round, as Flower's ``Strategy.start`` runs one, using only what the hooks retu
 nodes that joined (``admit``); build the train messages from the global arrays
 (``configure_train``); stop here if they would take a record past ``privacy.max-epsilon``; build
 the previous round's evaluate messages (``configure_evaluate``) and send both in one exchange
-(``server_app.messages.bundle``); send the training's further stages while the strategy has
+(``server_app.post``, the one owner of a round's messages); send the training's further stages while the strategy has
 any (``next_stage``: secure aggregation's shares, masked sum and unmasking); complete the
 previous round's record with its evaluation (``aggregate_evaluate``); aggregate the training
 (``aggregate_train`` returns the new global arrays and the round's training figures); then the
@@ -30,8 +30,8 @@ from fedvlm.metrics import EPSILON_MEAN, EPSILON_SPENT, undeclared
 from fedvlm.privacy.audit import audit_section
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR
 from fedvlm.server_app.exchange import Exchanger
-from fedvlm.server_app.messages import ask_again, bundle
 from fedvlm.server_app.observer import record_round
+from fedvlm.server_app.post import Post
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
 from fedvlm.strategies.parts import RunParts
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 # stages of training (``next_stage``: secure aggregation's), the run's start and the handshake
 # of nodes that join (``begin``, ``admit``), the checkpoint's state, the number of rounds and the
 # run's outputs. Everything else is the run's parts (``RunParts``); the messages
-# between the hooks and the grid are ``server_app.messages``'.
+# between the hooks and the grid are the post's (``server_app.post``).
 HOOKS = (
     "begin",
     "admit",
@@ -153,24 +153,24 @@ def _evaluation(
 
 def _evaluate_alone(
     strategy: RoundHooks,
-    parts: RunParts,
     server_round: int,
     arrays: ArrayRecord,
     recorder: RunRecorder,
     grid: Grid,
-    exchange: Exchanger,
+    post: Post,
     final: bool,
 ) -> list[Message]:
     """Round ``server_round``'s evaluation sent in an exchange of its own (no train messages to
     travel with), to the nodes connected now; its replies."""
     strategy.admit(grid)
     messages = _evaluation(strategy, server_round, arrays, recorder, grid, final=final)
-    return exchange.run(messages, lambda late: ask_again(parts, late))
+    return post.send(None, [], server_round, messages)
 
 
 def _settle(
     strategy: RoundHooks,
     parts: RunParts,
+    post: Post,
     recorder: RunRecorder,
     server_round: int,
     replies: list[Message],
@@ -180,7 +180,7 @@ def _settle(
     """Round ``server_round``'s evaluation is back (in ``replies``, among an exchange's others):
     its figures complete the round's record, which the run folder then holds."""
     figures = _figures(strategy.aggregate_evaluate(server_round, replies))
-    evaluation = RoundRecord.of(parts.take_plan(server_round), figures)
+    evaluation = RoundRecord.of(post.take(server_round), figures)
     rounds = recorder.data["rounds"]
     at = next(i for i, r in enumerate(rounds) if r["round"] == server_round)
     rounds[at] = with_evaluation(rounds[at], evaluation, seconds)
@@ -203,7 +203,7 @@ def run_rounds(
     reads and records from) on ``grid`` (after ``resume``'s round, if given); returns the
     finished results. The strategy is called only through its hooks (``HOOKS``).
 
-    A round's evaluation travels with the next round's train messages (``server_app.messages.bundle``):
+    A round's evaluation travels with the next round's train messages (``server_app.post``):
     one exchange per round instead of two, each a round trip through the SuperLink on a real
     deployment. Its record is written when the round's training is done (``evaluated``: false)
     and completed when the evaluation comes back; the last round's evaluation, and any round's
@@ -217,7 +217,7 @@ def run_rounds(
         recorder.data["run"]["resumed"][-1].update(charge_abandoned(parts, resume))
     _record_nodes(parts, recorder)
     _record_ledger(parts, recorder)
-    exchange = Exchanger(grid, cfg.round_timeout, cfg.reply_grace)
+    post = Post(parts, Exchanger(grid, cfg.round_timeout, cfg.reply_grace))
     total = strategy.num_rounds()
     arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in parts.arrays.items()})
     owed = resume.round if resume is not None and resume.evaluation_owed else None  # the round whose evaluation is due
@@ -232,7 +232,7 @@ def run_rounds(
             trainees = [parts.registry.nodes[m.metadata.dst_node_id].name for m in train]
             over = parts.budget.charge_round(trainees)
             if over is not None:
-                parts.take_plan(rnd)  # never sent: it leaves no trace
+                post.take(rnd)  # never sent: it leaves no trace
                 status = "stopped"
                 note = (
                     f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
@@ -243,10 +243,10 @@ def run_rounds(
                 break
             save_inflight(recorder.dir, rnd, trainees)
         evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
-        replies = exchange.run(bundle(parts, train, evaluation), lambda late: ask_again(parts, late))
+        replies = post.send(rnd, train, owed, evaluation)
         stage = replies
         while train and (more := list(strategy.next_stage(rnd, stage))):  # a secure round's later stages
-            stage = exchange.run(more, lambda late: ask_again(parts, late))
+            stage = post.send_stage(rnd, more)
             replies = replies + stage
         metrics: dict[str, float] = {}
         if train:  # while both phases' plans are held, so that each knows the other's replies
@@ -256,11 +256,13 @@ def run_rounds(
             arrays = new_arrays if new_arrays is not None else arrays
             metrics.update(_figures(train_metrics))
         if owed is not None:
-            _settle(strategy, parts, recorder, owed, replies, t0 - started[owed] if owed in started else None, total)
+            _settle(
+                strategy, parts, post, recorder, owed, replies, t0 - started[owed] if owed in started else None, total
+            )
             owed = None
         with recorder.one_write():
             metrics.update(_record_privacy(parts, rnd, recorder))
-            plan = parts.take_plan(rnd)  # none for a method that does not train
+            plan = post.take(rnd)  # none for a method that does not train
             evaluates = rnd == total or rnd % cfg.evaluate_every == 0
             record = RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False if evaluates else None)
             recorder.add_round(record)
@@ -271,21 +273,28 @@ def run_rounds(
         save_checkpoint(recorder.dir, strategy.state_dict(), parts.arrays, rnd)
         owed = rnd if evaluates else None
         if evaluates and (not train or rnd == total):  # nothing to travel with: evaluated on its own
-            replies = _evaluate_alone(strategy, parts, rnd, arrays, recorder, grid, exchange, final=rnd == total)
-            _settle(strategy, parts, recorder, rnd, replies, time.time() - t0, total)
+            replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, post, final=rnd == total)
+            _settle(strategy, parts, post, recorder, rnd, replies, time.time() - t0, total)
             owed = None
     if status == "stopped" or owed is not None:
         # the run's last evaluation, of the state reached, so that the nodes publish it (after
         # the budget's stop, or in a resumed run that was cut off in it); it completes that
         # round's record where it was still owed
-        replies = _evaluate_alone(strategy, parts, rnd, arrays, recorder, grid, exchange, final=True)
+        replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, post, final=True)
         last = next((r for r in recorder.data["rounds"] if r["round"] == rnd), None)
         if owed == rnd or (last is not None and last["evaluated"] is None):  # the state published: its figures
             _settle(
-                strategy, parts, recorder, rnd, replies, time.time() - started[rnd] if rnd in started else None, total
+                strategy,
+                parts,
+                post,
+                recorder,
+                rnd,
+                replies,
+                time.time() - started[rnd] if rnd in started else None,
+                total,
             )
         else:
-            parts.take_plan(rnd)
+            post.take(rnd)
     if status == "stopped":  # the budget ended the run here: this round's audit is its test
         _record_audit(parts, recorder, last_round=rnd)
     if parts.arrays:

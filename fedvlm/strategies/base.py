@@ -315,8 +315,8 @@ class FederatedStrategy(Strategy):
     def _phase(
         self, phase: str, server_round: int, arrays: ArrayRecord, config: ConfigRecord, fraction: float
     ) -> list[Message]:
-        """Sample ``fraction`` of the connected nodes, build each one's message, and keep what
-        was sent in the round's plan."""
+        """Sample ``fraction`` of the connected nodes and build each one's message; the round's
+        plan keeps what each node is sent (its payload, for judging its reply)."""
         stream = ServerStream.TRAIN_SAMPLE if phase == "train" else ServerStream.EVALUATE_SAMPLE
         nodes = self.registry.choose(self.registry.connected, server_round, fraction, stream)
         global_arrays = {k: v.numpy() for k, v in arrays.items()}
@@ -325,6 +325,7 @@ class FederatedStrategy(Strategy):
         setattr(plan, phase, kept)
         run_dir = str(config.get(RUN_DIR, ""))
         kind = MessageType.TRAIN if phase == "train" else MessageType.EVALUATE
+        messages = []
         for node in nodes:
             if phase == "train":
                 payload = self.train_payload(node, server_round, global_arrays)
@@ -352,8 +353,8 @@ class FederatedStrategy(Strategy):
                     CONFIG_RECORD: ConfigRecord(instruction),
                 }
             )
-            kept.messages.append(Message(content, dst_node_id=node.node_id, message_type=kind))
-        return kept.messages
+            messages.append(Message(content, dst_node_id=node.node_id, message_type=kind))
+        return messages  # the post records them as it sends them (server_app.post)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -427,7 +428,7 @@ class FederatedStrategy(Strategy):
         return ""
 
     def validate(self, replies: Iterable[Message], kept: PhasePlan) -> list[ClientUpdate]:
-        """The replies that concern ``kept`` (an exchange may carry two phases, ``server_app.messages.bundle``),
+        """The replies that concern ``kept`` (an exchange may carry two phases, ``server_app.post``),
         checked; what was dropped, and who did not answer, recorded in ``kept``. A reply concerns
         the phase whose message it answers; one that answers no message of a phase in progress
         (forged, or mangled on the way) is judged, and recorded, by the training's phase where

@@ -4,7 +4,8 @@
 shared arrays and the plans of the rounds in flight. The ServerApp makes it (``of``) and builds the
 method's strategy on it; the loop (``server_app.loop``) reads and records from it and calls the
 strategy only through its hooks, and the hooks read and update it. There is one copy of each:
-the arrays the loop sends are the ones the strategy aggregates into.
+the arrays the loop sends are the ones the strategy aggregates into. A round's messages are the
+post's (``server_app.post``), to which this is the desk (``phase``, ``node_name``, ``charge_replay``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import Distributed
 from fedvlm.runconfig import RunConfig
 from fedvlm.strategies.nodes import NodeRegistry
-from fedvlm.strategies.plan import RoundPlan
+from fedvlm.strategies.plan import PhasePlan, RoundPlan
 
 
 @dataclass
@@ -42,6 +43,19 @@ class RunParts:
     def of(cls, cfg: RunConfig) -> RunParts:
         ledger = PrivacyLedger(cfg.privacy, cfg.spec.name)
         return cls(cfg, ledger, NodeRegistry(cfg, ledger))
+
+    def phase(self, server_round: int, phase: str) -> PhasePlan:
+        """Round ``server_round``'s plan of ``phase``, as ``configure_*`` made it."""
+        return self.plans[server_round].phase(phase)
+
+    def node_name(self, node_id: int) -> str | None:
+        node = self.registry.nodes.get(node_id)
+        return node.name if node is not None else None
+
+    def charge_replay(self, name: str, server_round: int) -> tuple[bool, float | None]:
+        """``RunBudget.charge_replay`` of asking ``name`` again for round ``server_round``'s training,
+        with the noise sources of the nodes known now (some may have joined since the round was sent)."""
+        return self.budget.charge_replay(name, server_round, self.registry.noise_sources())
 
     def take_plan(self, server_round: int) -> RoundPlan:
         """Round ``server_round``'s plan, forgotten here (an empty one for a round nothing was

@@ -3,10 +3,12 @@ what validation found in the replies.
 
 A strategy keeps one ``RoundPlan`` per round it is running (``FederatedStrategy.plans``, keyed by
 round, as Flower's DP wrappers keep their per-round state): ``configure_train`` and
-``configure_evaluate`` fill a phase, ``ask_again`` adds its copies, ``aggregate_*`` add what
-validation found, and the loop builds the round's record from the plan and what the
-aggregation returned (``RoundRecord.of``). Nothing of a round lives anywhere else, so a round
-that is planned and not sent (the budget's stop) leaves no trace once its plan is dropped.
+``configure_evaluate`` fill a phase with what each node is sent, the post records the messages
+as it sends them (``messages``, ``stage_messages``, the copies it asks again: ``server_app.post``,
+their one writer), ``aggregate_*`` add what validation found, and the loop builds the round's
+record from the plan and what the aggregation returned (``RoundRecord.of``). Nothing of a round
+lives anywhere else, so a round that is planned and not sent (the budget's stop) leaves no trace
+once its plan is dropped.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class PhasePlan:
     dropped: list[dict] = field(default_factory=list)  # rejected replies and why
     refused_metrics: list[dict] = field(default_factory=list)  # metrics left out of kept replies, and why
     bounded: list[dict] = field(default_factory=list)  # updates past their norm bound
-    asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.exchange)
+    asked_again: list[dict] = field(default_factory=list)  # late replies asked again (server_app.post)
     missing: list[dict] = field(default_factory=list)  # nodes whose reply never came
     # a layer around the strategy may carry the replies' tensors elsewhere (secure aggregation:
     # under masks, in later stages): then the replies carry figures only

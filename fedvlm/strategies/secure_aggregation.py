@@ -62,10 +62,10 @@ class SecureAggregation:
         noise = parts.budget.distributed_noise()
         bound = parts.cfg.privacy.clip if noise is not None else parts.cfg.replies.max_norm
         try:
-            self.sums.plan(server_round, kept, noise, bound)
+            self.sums.plan(server_round, kept, messages, noise, bound)
         except SecAggError as why:
             log.error("round %d is skipped: %s", server_round, why)
-            kept.secure, kept.messages, kept.outgoing = {"failed": str(why)}, [], {}
+            kept.secure, kept.outgoing = {"failed": str(why)}, {}
             return []
         kept.tensors_in_replies = False
         return messages

@@ -93,10 +93,15 @@ class SecureSum:
         return None
 
     def plan(
-        self, server_round: int, kept: PhasePlan, noise: DistributedGaussian | None, norm_bound: float
+        self,
+        server_round: int,
+        kept: PhasePlan,
+        messages: list[Message],
+        noise: DistributedGaussian | None,
+        norm_bound: float,
     ) -> stages.SumPlan:
-        """Round ``server_round``'s plan over its train messages (in ``kept``), added to each of
-        them (``SecAggError``: the round cannot be summed securely)."""
+        """Round ``server_round``'s plan over its train ``messages`` (to the nodes ``kept`` planned),
+        added to each of them (``SecAggError``: the round cannot be summed securely)."""
         nodes = sorted(kept.outgoing)
         layout: dict[str, int] = {}
         for out in kept.outgoing.values():
@@ -129,7 +134,7 @@ class SecureSum:
             n_min,
             roster.digest if roster is not None else "",
         )
-        for msg in kept.messages:
+        for msg in messages:
             msg.content[SECURE_SUM] = ConfigRecord(plan.to_config())
         kept.secure = _plan_report(plan)
         return plan
@@ -170,7 +175,6 @@ class SecureSum:
             )
             secure.bytes_down += _nbytes(record)
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
-        kept.stage_messages.extend(messages)
         secure.mark = time.perf_counter()
         return messages
 

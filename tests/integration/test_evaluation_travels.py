@@ -1,5 +1,5 @@
 """A round's evaluation travels with the next round's train messages (``server_app.loop``,
-``server_app.messages.bundle``): one message per node and round; a node sampled for the
+``server_app.post``): one message per node and round; a node sampled for the
 evaluation and not for the next round's training gets an evaluate message of its own in the
 same exchange; the last round's evaluation goes alone. That the figures are those separate
 messages gave is the regression fixture's check (``test_regression.py``, recorded before)."""

@@ -68,6 +68,54 @@ def test_the_rule_sees_a_configure_hook_that_uses_the_grid(tmp_path):
     assert _functions_loading("grid", tmp_path, tmp_path) == {("s.py", "configure_train")}
 
 
+SENT = ("messages", "stage_messages")  # what a round's plan records it sent (strategies.plan.PhasePlan)
+CHANGES = {"append", "extend", "insert", "remove", "pop", "clear"}  # the list methods that change one
+
+
+def _writers_of_what_was_sent(root: Path) -> set[str]:
+    """Files that change a plan's sent messages: assign them, or call a list method on them."""
+    writers = set()
+    for path in root.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+            for t in targets:
+                while isinstance(t, ast.Subscript):  # kept.messages[:] = ...
+                    t = t.value
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr in SENT
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
+                    writers.add(str(path.relative_to(root)))
+            func = n.func if isinstance(n, ast.Call) else None
+            if isinstance(func, ast.Attribute) and func.attr in CHANGES:
+                if isinstance(func.value, ast.Attribute) and func.value.attr in SENT:
+                    writers.add(str(path.relative_to(root)))
+    return writers
+
+
+def test_the_post_is_the_one_writer_of_what_a_round_sent():
+    """Issue 65, item 1: what a round sent had three writers (the strategy base, the messages
+    module, the secure sum). The strategy's hooks now return messages; the post
+    (``server_app.post``) records them as it sends them, with its own map from message to round,
+    and needs nothing of the run but its ``Desk``: it imports neither the strategy base nor
+    ``RunParts``."""
+    assert _writers_of_what_was_sent(PACKAGE) == {"server_app/post.py"}
+    tree = ast.parse((PACKAGE / "server_app" / "post.py").read_text())
+    imported = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not {m for m, _ in imported if m in {"fedvlm.strategies.base", "fedvlm.strategies.parts"}}
+    assert "type: ignore" not in (PACKAGE / "server_app" / "post.py").read_text()
+
+
+def test_the_writer_rule_sees_each_kind_of_write(tmp_path):
+    for i, line in enumerate(
+        ["kept.messages.append(m)", "plan.stage_messages.extend(ms)", "kept.messages = []", "kept.messages[:] = x"]
+    ):
+        (tmp_path / f"w{i}.py").write_text(line + "\n")
+    (tmp_path / "reads.py").write_text("sent = {m for m in kept.messages}\nself.messages = []\n")
+    assert _writers_of_what_was_sent(tmp_path) == {"w0.py", "w1.py", "w2.py", "w3.py"}
+
+
 def test_only_the_loop_builds_a_round_record():
     users = set()
     for path in PACKAGE.rglob("*.py"):
