@@ -81,7 +81,7 @@ from pathlib import Path
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 log = logging.getLogger("fedvlm.fleet_gateway")
@@ -319,8 +319,33 @@ def node_auth_refusal(headers, known: frozenset[bytes] | None) -> str | None:
     except (ValueError, TypeError, UnicodeError, binascii.Error) as err:
         return f"its SuperNode authentication cannot be read ({type(err).__name__})"
     if known is not None and public not in known:
-        return "its key is not one of the registered SuperNodes'"
+        return UNREGISTERED
     return None
+
+
+UNREGISTERED = "its key is not one of the registered SuperNodes'"
+
+
+def auth_refusal(why: str) -> Response:
+    """A request refused for its SuperNode authentication, answered as the SuperLink answers the
+    same: a key nobody registered as Flower's failed activation (412 and Flower's error, whose
+    details name the fix: Flower's SuperNode prints them and exits 1); a missing or bad signature,
+    or a stale timestamp, 401 (on which Flower's SuperNode stops itself, as it does for the
+    SuperLink's own 401). A 401 for an unregistered key made the SuperNode exit 0, saying only
+    that it 'terminated gracefully'."""
+    from flwr.supercore.error import ApiErrorCode, FlowerError
+    from flwr.supercore.error.catalog import API_ERROR_MAP
+
+    close = {"connection": "close"}
+    if why != UNREGISTERED:
+        return PlainTextResponse(f"refused: {why}\n", status_code=401, headers=close)
+    details = (
+        f"the Fleet gateway refused it: {why}. Register its public key (flwr supernode register <key>.pub "
+        "<federation>) and give the gateway that .pub among --node-keys (restart it)"
+    )
+    err = FlowerError(ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED, why, public_details=details)
+    spec = API_ERROR_MAP[err.code]
+    return JSONResponse(err.to_json(spec.public_message), status_code=spec.http_status_code, headers=close)
 
 
 class Sent:
@@ -429,7 +454,7 @@ def make_app(
         why = node_auth_refusal(request.headers, node_keys) if node_auth else None
         if why is not None:
             log.warning("refused %s from %s before its body: %s", call, peer, why)
-            return PlainTextResponse(f"refused: {why}\n", status_code=401, headers={"connection": "close"})
+            return auth_refusal(why)
         declared = request.headers.get("content-length", "")
         size = int(declared) if declared.isdigit() and int(declared) <= limits.body else limits.body
         if not held.take(peer, size):

@@ -323,7 +323,7 @@ def test_an_unregistered_supernode_is_refused(stack):
         text=True,
         timeout=300,
     )
-    assert intruder.returncode != 0
+    assert intruder.returncode != 0, (intruder.stdout + intruder.stderr)[-3000:]
     assert "Failed to activate SuperNode" in intruder.stdout + intruder.stderr, intruder.stderr[-3000:]
 
 

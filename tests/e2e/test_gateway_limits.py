@@ -249,7 +249,7 @@ def test_a_body_without_a_registered_nodes_signature_is_refused_before_it_is_rea
             s.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: 6000000\r\n\r\n")
             assert int(s.recv(4096).split(b" ", 2)[1]) == 401
         _logged(log, "refused push-object from 127.0.0.1 before its body: it carries no SuperNode authentication")
-        assert _honest(port, context) == 401  # signed, by a key nobody registered
+        assert _honest(port, context) == 412  # signed, by a key nobody registered: Flower's failed activation
         _logged(log, "its key is not one of the registered SuperNodes'")
         assert _honest(port, context, registered) == 502  # a registered node: forwarded
     finally:

@@ -201,3 +201,20 @@ def test_a_node_pulls_only_the_objects_it_was_sent():
         assert refused.status_code == 403 and f"node {B} asked for object cccc" in refused.text
         assert pull(A, "d" * 64).status_code == 403  # an id never sent to anyone
     assert seen.count("/v1/fleet/pull-object") == 3
+
+
+def test_an_unregistered_key_is_answered_as_flowers_failed_activation_and_names_the_fix():
+    """A 401 for an unregistered key made Flower's SuperNode signal itself and exit 0, saying only
+    that it 'terminated gracefully' (found by tests/e2e/test_docker.py). The gateway now answers as
+    the SuperLink does for a key it does not know: 412 with Flower's error, which Flower's
+    SuperNode reads (``FlowerError.from_json``), prints and exits 1 on; a bad signature stays 401."""
+    from flwr.supercore.error import ApiErrorCode, FlowerError
+
+    from fedvlm.deploy.fleet_gateway import UNREGISTERED, auth_refusal
+
+    answer = auth_refusal(UNREGISTERED)
+    err = FlowerError.from_json(bytes(answer.body).decode())
+    assert answer.status_code == 412 and err is not None
+    assert err.code == ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED and err.message == "Failed to activate SuperNode."
+    assert "flwr supernode register" in (err.public_details or "") and "--node-keys" in (err.public_details or "")
+    assert auth_refusal("its signature does not verify").status_code == 401
