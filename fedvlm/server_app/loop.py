@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -144,43 +145,43 @@ def _phase_config(recorder: RunRecorder, final: bool | None = None) -> ConfigRec
     return config
 
 
-def _evaluation(
-    strategy: RoundHooks, server_round: int, arrays: ArrayRecord, recorder: RunRecorder, grid: Grid, final: bool
-) -> list[Message]:
+@dataclass
+class _Run:
+    """What every step of the loop works with besides the strategy."""
+
+    parts: RunParts
+    post: Post
+    recorder: RunRecorder
+    grid: Grid
+    total: int  # the run's rounds
+    started: dict[int, float] = field(default_factory=dict)  # round -> when it began (its seconds run to the next's)
+
+    def since(self, server_round: int, now: float | None = None) -> float | None:
+        """Seconds from round ``server_round``'s start to ``now`` (None: not started in this process)."""
+        start = self.started.get(server_round)
+        return None if start is None else (time.time() if now is None else now) - start
+
+
+def _evaluation(strategy: RoundHooks, run: _Run, server_round: int, arrays: ArrayRecord, final: bool) -> list[Message]:
     """Round ``server_round``'s evaluate messages (a fresh plan of its evaluation)."""
-    return list(strategy.configure_evaluate(server_round, arrays, _phase_config(recorder, final=final), grid))
+    return list(strategy.configure_evaluate(server_round, arrays, _phase_config(run.recorder, final=final), run.grid))
 
 
 def _evaluate_alone(
-    strategy: RoundHooks,
-    server_round: int,
-    arrays: ArrayRecord,
-    recorder: RunRecorder,
-    grid: Grid,
-    post: Post,
-    final: bool,
+    strategy: RoundHooks, run: _Run, server_round: int, arrays: ArrayRecord, final: bool
 ) -> list[Message]:
     """Round ``server_round``'s evaluation sent in an exchange of its own (no train messages to
     travel with), to the nodes connected now; its replies."""
-    strategy.admit(grid)
-    messages = _evaluation(strategy, server_round, arrays, recorder, grid, final=final)
-    return post.send(None, [], server_round, messages)
+    strategy.admit(run.grid)
+    return run.post.send(None, [], server_round, _evaluation(strategy, run, server_round, arrays, final))
 
 
-def _settle(
-    strategy: RoundHooks,
-    parts: RunParts,
-    post: Post,
-    recorder: RunRecorder,
-    server_round: int,
-    replies: list[Message],
-    seconds: float | None,
-    total: int,
-) -> None:
+def _settle(strategy: RoundHooks, run: _Run, server_round: int, replies: list[Message], seconds: float | None) -> None:
     """Round ``server_round``'s evaluation is back (in ``replies``, among an exchange's others):
     its figures complete the round's record, which the run folder then holds."""
     figures = _figures(strategy.aggregate_evaluate(server_round, replies))
-    evaluation = RoundRecord.of(post.take(server_round), figures)
+    evaluation = RoundRecord.of(run.post.take(server_round), figures)
+    parts, recorder = run.parts, run.recorder
     rounds = recorder.data["rounds"]
     at = next(i for i, r in enumerate(rounds) if r["round"] == server_round)
     rounds[at] = with_evaluation(rounds[at], evaluation, seconds)
@@ -189,7 +190,98 @@ def _settle(
         _record_audit(parts, recorder)
         _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
         recorder.write()
-    log.info(progress_line(rounds[at], total))
+    log.info(progress_line(rounds[at], run.total))
+
+
+def _begin(strategy: RoundHooks, run: _Run, resume: ResumePoint | None) -> None:
+    """The run's start (or its resumption from ``resume``'s checkpoint), recorded."""
+    strategy.begin(run.grid, resume.state if resume is not None else None)
+    if resume is not None:
+        strategy.load_state_dict(resume.state)
+        run.recorder.data["run"]["resumed"][-1].update(charge_abandoned(run.parts, resume))
+    _record_nodes(run.parts, run.recorder)
+    _record_ledger(run.parts, run.recorder)
+
+
+def _train_messages(strategy: RoundHooks, run: _Run, rnd: int, arrays: ArrayRecord) -> tuple[list[Message], str]:
+    """Round ``rnd``'s train messages, their privacy charged; or none and why the budget stops
+    the run here (the round is then dropped unsent: it leaves no trace)."""
+    parts = run.parts
+    train = list(strategy.configure_train(rnd, arrays, _phase_config(run.recorder), run.grid))
+    trainees = [parts.registry.nodes[m.metadata.dst_node_id].name for m in train]
+    over = parts.budget.charge_round(trainees)
+    if over is not None:
+        run.post.take(rnd)
+        note = (
+            f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
+            f"privacy.max-epsilon = {parts.cfg.privacy.max_epsilon}; stopped after round {rnd - 1}"
+        )
+        log.warning(note)
+        return [], note
+    save_inflight(run.recorder.dir, rnd, trainees)
+    return train, ""
+
+
+def _exchange(
+    strategy: RoundHooks, run: _Run, rnd: int, train: list[Message], owed: int | None, arrays: ArrayRecord
+) -> list[Message]:
+    """Round ``rnd``'s exchange (its train messages with round ``owed``'s evaluation), then its
+    later stages while the strategy has any (secure aggregation's); every reply."""
+    evaluation = _evaluation(strategy, run, owed, arrays, final=False) if owed is not None else []
+    replies = stage = run.post.send(rnd, train, owed, evaluation)
+    while train and (more := list(strategy.next_stage(rnd, stage))):
+        stage = run.post.send_stage(rnd, more)
+        replies = replies + stage
+    return replies
+
+
+def _aggregate(
+    strategy: RoundHooks, run: _Run, rnd: int, train: list[Message], replies: list[Message]
+) -> tuple[ArrayRecord | None, dict[str, float]]:
+    """Round ``rnd``'s training aggregated (the new global arrays, None if unchanged; its figures),
+    while both phases' plans are held, so that each knows the other's replies."""
+    if run.parts.cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
+        record_round(run.recorder.dir, rnd, train, replies, run.parts.registry.nodes)
+    new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
+    return new_arrays, _figures(train_metrics)
+
+
+def _write_round(run: _Run, rnd: int, metrics: dict[str, float], t0: float, evaluates: bool) -> None:
+    """Round ``rnd``'s record, from its plan and ``metrics``, with the ledger, into the run folder."""
+    parts, recorder = run.parts, run.recorder
+    with recorder.one_write():
+        metrics.update(_record_privacy(parts, rnd, recorder))
+        plan = run.post.take(rnd)  # none for a method that does not train
+        record = RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False if evaluates else None)
+        recorder.add_round(record)
+        if not evaluates:  # complete as written: no evaluation will add to it
+            log.info(progress_line(record, run.total))
+        _record_audit(parts, recorder)
+        _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
+
+
+def _finish(strategy: RoundHooks, run: _Run, rnd: int, owed: int | None, arrays: ArrayRecord, stopped: bool) -> None:
+    """After the last round ``rnd``: the run's last evaluation, of the state reached, where one is
+    still due (after the budget's stop, or in a resumed run that was cut off in it), so that the
+    nodes publish it; it completes that round's record where it was still owed. Then the run's
+    final arrays and the strategy's outputs."""
+    recorder = run.recorder
+    if stopped or owed is not None:
+        replies = _evaluate_alone(strategy, run, rnd, arrays, final=True)
+        last = next((r for r in recorder.data["rounds"] if r["round"] == rnd), None)
+        if owed == rnd or (last is not None and last["evaluated"] is None):  # the state published: its figures
+            _settle(strategy, run, rnd, replies, run.since(rnd))
+        else:
+            run.post.take(rnd)
+    if stopped:  # the budget ended the run here: this round's audit is its test
+        _record_audit(run.parts, recorder, last_round=rnd)
+    if run.parts.arrays:
+        recorder.save_arrays("final_shared.pt", run.parts.arrays, rnd)
+    outputs = strategy.outputs(recorder.data["rounds"])
+    for name, saved in outputs.arrays.items():
+        recorder.save_arrays(name, saved, rnd)
+    for key, section in outputs.sections.items():
+        recorder.add_section(key, section)
 
 
 def run_rounds(
@@ -211,97 +303,32 @@ def run_rounds(
     k-th round and the last are evaluated; the others' records are complete when written
     (``evaluated`` None: ``strategies.records.complete``)."""
     cfg = parts.cfg
-    strategy.begin(grid, resume.state if resume is not None else None)
-    if resume is not None:
-        strategy.load_state_dict(resume.state)
-        recorder.data["run"]["resumed"][-1].update(charge_abandoned(parts, resume))
-    _record_nodes(parts, recorder)
-    _record_ledger(parts, recorder)
-    post = Post(parts, Exchanger(grid, cfg.round_timeout, cfg.reply_grace))
-    total = strategy.num_rounds()
+    run = _Run(parts, Post(parts, Exchanger(grid, cfg.round_timeout, cfg.reply_grace)), recorder, grid, 0)
+    _begin(strategy, run, resume)
+    run.total = total = strategy.num_rounds()
     arrays = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in parts.arrays.items()})
     owed = resume.round if resume is not None and resume.evaluation_owed else None  # the round whose evaluation is due
-    started: dict[int, float] = {}  # round -> when it began (its record's seconds run to the next's start)
-    status, note, rnd = "finished", "", resume.round if resume is not None else 0
+    note, rnd = "", resume.round if resume is not None else 0
     for rnd in range(resume.round + 1 if resume else 1, total + 1):
-        started[rnd] = t0 = time.time()
+        run.started[rnd] = t0 = time.time()
         strategy.admit(grid)
-        train: list[Message] = []
-        if cfg.spec.trains:
-            train = list(strategy.configure_train(rnd, arrays, _phase_config(recorder), grid))
-            trainees = [parts.registry.nodes[m.metadata.dst_node_id].name for m in train]
-            over = parts.budget.charge_round(trainees)
-            if over is not None:
-                post.take(rnd)  # never sent: it leaves no trace
-                status = "stopped"
-                note = (
-                    f"privacy budget reached: round {rnd} would bring epsilon to {over:.4g}, above "
-                    f"privacy.max-epsilon = {cfg.privacy.max_epsilon}; stopped after round {rnd - 1}"
-                )
-                log.warning(note)
-                rnd -= 1
-                break
-            save_inflight(recorder.dir, rnd, trainees)
-        evaluation = _evaluation(strategy, owed, arrays, recorder, grid, final=False) if owed is not None else []
-        replies = post.send(rnd, train, owed, evaluation)
-        stage = replies
-        while train and (more := list(strategy.next_stage(rnd, stage))):  # a secure round's later stages
-            stage = post.send_stage(rnd, more)
-            replies = replies + stage
+        train, note = _train_messages(strategy, run, rnd, arrays) if cfg.spec.trains else ([], "")
+        if note:  # the budget's stop
+            rnd -= 1
+            break
+        replies = _exchange(strategy, run, rnd, train, owed, arrays)
         metrics: dict[str, float] = {}
-        if train:  # while both phases' plans are held, so that each knows the other's replies
-            if cfg.attack.observe_uploads:  # the honest-but-curious server keeps what it saw
-                record_round(recorder.dir, rnd, train, replies, parts.registry.nodes)
-            new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
+        if train:
+            new_arrays, metrics = _aggregate(strategy, run, rnd, train, replies)
             arrays = new_arrays if new_arrays is not None else arrays
-            metrics.update(_figures(train_metrics))
         if owed is not None:
-            _settle(
-                strategy, parts, post, recorder, owed, replies, t0 - started[owed] if owed in started else None, total
-            )
-            owed = None
-        with recorder.one_write():
-            metrics.update(_record_privacy(parts, rnd, recorder))
-            plan = post.take(rnd)  # none for a method that does not train
-            evaluates = rnd == total or rnd % cfg.evaluate_every == 0
-            record = RoundRecord.of(plan, metrics).as_dict(time.time() - t0, evaluated=False if evaluates else None)
-            recorder.add_round(record)
-            if not evaluates:  # complete as written: no evaluation will add to it
-                log.info(progress_line(record, total))
-            _record_audit(parts, recorder)
-            _record_nodes(parts, recorder)  # nodes may have joined or been excluded since
+            _settle(strategy, run, owed, replies, run.since(owed, t0))
+        evaluates = rnd == total or rnd % cfg.evaluate_every == 0
+        _write_round(run, rnd, metrics, t0, evaluates)
         save_checkpoint(recorder.dir, strategy.state_dict(), parts.arrays, rnd)
         owed = rnd if evaluates else None
         if evaluates and (not train or rnd == total):  # nothing to travel with: evaluated on its own
-            replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, post, final=rnd == total)
-            _settle(strategy, parts, post, recorder, rnd, replies, time.time() - t0, total)
+            _settle(strategy, run, rnd, _evaluate_alone(strategy, run, rnd, arrays, final=rnd == total), run.since(rnd))
             owed = None
-    if status == "stopped" or owed is not None:
-        # the run's last evaluation, of the state reached, so that the nodes publish it (after
-        # the budget's stop, or in a resumed run that was cut off in it); it completes that
-        # round's record where it was still owed
-        replies = _evaluate_alone(strategy, rnd, arrays, recorder, grid, post, final=True)
-        last = next((r for r in recorder.data["rounds"] if r["round"] == rnd), None)
-        if owed == rnd or (last is not None and last["evaluated"] is None):  # the state published: its figures
-            _settle(
-                strategy,
-                parts,
-                post,
-                recorder,
-                rnd,
-                replies,
-                time.time() - started[rnd] if rnd in started else None,
-                total,
-            )
-        else:
-            post.take(rnd)
-    if status == "stopped":  # the budget ended the run here: this round's audit is its test
-        _record_audit(parts, recorder, last_round=rnd)
-    if parts.arrays:
-        recorder.save_arrays("final_shared.pt", parts.arrays, rnd)
-    outputs = strategy.outputs(recorder.data["rounds"])
-    for name, saved in outputs.arrays.items():
-        recorder.save_arrays(name, saved, rnd)
-    for key, section in outputs.sections.items():
-        recorder.add_section(key, section)
-    return recorder.finish(status, note)
+    _finish(strategy, run, rnd, owed, arrays, stopped=bool(note))
+    return recorder.finish("stopped" if note else "finished", note)
