@@ -43,3 +43,16 @@ def test_a_verdict_follows_the_paired_interval():
     close = Headline("a within 1% of b", "cider", "a", "b", "0.1", within=0.01)
     assert verdict(close, _rows([100.2, 99.9, 100.1], [100.0, 100.2, 99.8], "cider")).outcome == "reproduced"
     assert verdict(close, _rows([85.0, 84.0, 86.0], [100.0, 100.2, 99.8], "cider")).outcome == "reversed"
+
+
+def test_an_attack_at_chance_in_every_run_settles_nothing():
+    """Two rows whose attack figures all sit at chance (each run's interval covers it) differ by
+    noise: the verdict says there is no leak to compare, even when the paired interval excludes 0."""
+    h = Headline("a leaks less", "auc", "a", "b", "0.1", higher=False)
+    rows = _rows([0.470, 0.472, 0.471], [0.500, 0.502, 0.501], "auc")
+    for r in rows:
+        r.update({"auc-lo": r["auc"] - 0.04, "auc-hi": r["auc"] + 0.04, "auc-chance": 0.5})
+    judged = verdict(h, rows)
+    assert judged.outcome == "not measurable" and "chance level in every run" in judged.why
+    rows[3].update({"auc": 0.62, "auc-lo": 0.58, "auc-hi": 0.66})  # b leaks in one run: a real figure to compare
+    assert "chance" not in verdict(h, rows).why
