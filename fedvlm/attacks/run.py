@@ -25,7 +25,7 @@ import logging
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +48,7 @@ from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.data.membership import reference_inclusion
 from fedvlm.methods.registry import get_method
 from fedvlm.methods.validation import validate
-from fedvlm.runconfig import datasets
+from fedvlm.runconfig import RunConfig, datasets
 from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.utils.files import UnreadableFile, atomic_write_json, read_results
 
@@ -144,6 +144,65 @@ class ServerView:
         return interval_summary(scores, member, seed)
 
 
+@dataclass
+class _Attacker:
+    """What the attacks on one run gather as they train their federations: each shadow
+    federation's client records, each target client's records under the reference models, and the
+    server's view where the run kept its uploads (``server``)."""
+
+    cfg: RunConfig
+    sim: dict[str, dict]  # the target's simulated clients' published prompts, by name
+    n: int  # the target's clients
+    seed: int
+    tmp: Path
+    server: ServerAttack | None
+    seen: ServerView
+    references: dict[str, References] = field(default_factory=dict)
+    shadow_records: list = field(default_factory=list)
+
+    def shadow(self, s: int, data_root: str | None) -> None:
+        """Shadow federation ``s``: its clients' records, and the offline references (the same
+        partition, on disjoint shadow data: it never saw the target's records)."""
+        scfg = validate(shadow_config(self.cfg.as_dict(), s, self.tmp, data_root))
+        pubs, folder = _train(scfg.as_dict(), self.n, f"shadow-{s}")
+        if self.server is not None:
+            self.seen.offline.append(self.server.scores(folder))
+        self.shadow_records += [client_records(scfg, pub, self.n, self.seed + 1 + s) for pub in pubs.values()]
+        for pub in self.sim.values():
+            if pub["partition_id"] in pubs:
+                under = pubs[pub["partition_id"]]
+                self.references[pub["node"]].offline.append(
+                    client_records(self.cfg, pub, self.n, self.seed, under=under)
+                )
+
+    def online(self, j: int) -> None:
+        """Online reference federation ``j``, trained on a half of each target client's candidates."""
+        pubs, folder = _train(reference_config(self.cfg.as_dict(), j, self.tmp, self.seed), self.n, f"reference-{j}")
+        if self.server is not None:
+            self.seen.online.append(self.server.scores(folder))
+        for pub in self.sim.values():
+            pid = pub["partition_id"]
+            if pid in pubs:
+                part = node_data(self.cfg, {PARTITION_ID: pid, NUM_PARTITIONS: self.n}).part
+                refs = self.references[pub["node"]]
+                refs.online.append(client_records(self.cfg, pub, self.n, self.seed, under=pubs[pid]))
+                refs.inside.append(reference_inclusion(part, self.seed, pid, j))
+                self.seen.inside.setdefault(pid, []).append(refs.inside[-1])
+
+    def evaluate(self, targets: list, per_class: bool) -> dict:
+        """Every attack's figures: the shadow-model attack's, the reference attacks', the server's."""
+        result = ShadowAttack(self.shadow_records, per_class, len(targets[0].probs[0]), self.seed).evaluate(targets)
+        found = [evaluate_reference_attacks(targets, self.references, self.seed)]
+        if self.server is not None:
+            by_partition = {pub["partition_id"]: pub["node"] for pub in self.sim.values()}
+            found.append(self.seen.evaluate(self.server, by_partition, self.seed))
+        for more in found:
+            result["summary"].update(more["summary"])
+            for client, figures in more["per_client"].items():
+                result["per_client"].setdefault(client, {}).update(figures)
+        return result
+
+
 def run_attacks(
     run_dir: Path,
     shadows: int = 2,
@@ -170,45 +229,16 @@ def run_attacks(
     # shadow and reference federations inherit the key, so they keep theirs too
     server = ServerAttack(cfg, n, seed) if (run_dir / UPLOADS).is_dir() else None
     seen = ServerView(server.scores(run_dir) if server else {}, [], [], {})
-    shadow_records = []
-    references = {pub["node"]: References([], [], []) for pub in sim.values()}
     with tempfile.TemporaryDirectory() as tmp:
+        attacker = _Attacker(cfg, sim, n, seed, Path(tmp), server, seen)
+        attacker.references = {pub["node"]: References([], [], []) for pub in sim.values()}
         for s in range(shadows):
             log.info("training shadow federation %d/%d", s + 1, shadows)
-            scfg = validate(shadow_config(cfg.as_dict(), s, Path(tmp), shadow_data_root))
-            shadow_pubs, shadow_dir = _train(scfg.as_dict(), n, f"shadow-{s}")
-            if server is not None:
-                seen.offline.append(server.scores(shadow_dir))
-            for pub in shadow_pubs.values():
-                shadow_records.append(client_records(scfg, pub, n, seed + 1 + s))
-            for pub in sim.values():  # offline references: the same partition, never saw these records
-                if pub["partition_id"] in shadow_pubs:
-                    references[pub["node"]].offline.append(
-                        client_records(cfg, pub, n, seed, under=shadow_pubs[pub["partition_id"]])
-                    )
+            attacker.shadow(s, shadow_data_root)
         for j in range(online):
             log.info("training online reference federation %d/%d", j + 1, online)
-            ref_pubs, ref_dir = _train(reference_config(cfg.as_dict(), j, Path(tmp), seed), n, f"reference-{j}")
-            if server is not None:
-                seen.online.append(server.scores(ref_dir))
-            for pub in sim.values():
-                pid = pub["partition_id"]
-                if pid in ref_pubs:
-                    part = node_data(cfg, {PARTITION_ID: pid, NUM_PARTITIONS: n}).part
-                    references[pub["node"]].online.append(client_records(cfg, pub, n, seed, under=ref_pubs[pid]))
-                    references[pub["node"]].inside.append(reference_inclusion(part, seed, pid, j))
-                    seen.inside.setdefault(pid, []).append(references[pub["node"]].inside[-1])
-    attack = ShadowAttack(shadow_records, per_class, len(targets[0].probs[0]), seed)
-    result = attack.evaluate(targets)
-    likelihood = evaluate_reference_attacks(targets, references, seed)
-    result["summary"].update(likelihood["summary"])
-    for client, figures in likelihood["per_client"].items():
-        result["per_client"][client].update(figures)
-    if server is not None:
-        by_partition = seen.evaluate(server, {pub["partition_id"]: pub["node"] for pub in sim.values()}, seed)
-        result["summary"].update(by_partition["summary"])
-        for client, figures in by_partition["per_client"].items():
-            result["per_client"].setdefault(client, {}).update(figures)
+            attacker.online(j)
+    result = attacker.evaluate(targets, per_class)
     result.update(
         {
             "target_run": str(run_dir),
@@ -217,7 +247,7 @@ def run_attacks(
             "epsilon_spent": (data.get("privacy", {}).get("rounds") or [{}])[-1],
             "shadows": {
                 "federations": shadows,
-                "clients": len(shadow_records),
+                "clients": len(attacker.shadow_records),
                 "dataset": "image-folder" if shadow_data_root else f"{cfg.dataset}-shadow",
             },
             "online_references": online,

@@ -150,6 +150,54 @@ class RoundStats:
         return out
 
 
+@dataclass
+class _PrivateSteps:
+    """What each DP-SGD step of a round needs besides its batch (``local_round``)."""
+
+    learner: Learner
+    shape: ClientShape
+    privacy: PrivacyConfig
+    sigma: float
+    noise: torch.Generator | OsNoise
+    canaries: Canaries | None
+    module_grads: ModuleGradients | None
+
+    def gradients(
+        self, leaves: Mapping[str, torch.Tensor], batch: np.ndarray, sampled: np.ndarray, out, objective
+    ) -> tuple[dict, float]:
+        """The step's privatised gradients (clipped, noised) and the fraction of records clipped."""
+        privacy, canaries, learner = self.privacy, self.canaries, self.learner
+        step = DPStep(
+            privacy.clip,
+            self.shape.expected_batch,
+            self.sigma,
+            learner.clip_groups(list(leaves)),
+            learner.noised(list(leaves)),
+        )
+        shapes = {k: v.shape for k, v in leaves.items()}
+        if canaries is not None:
+            canaries.place(shapes, step.groups, step.noised)
+        if privacy.clipping == "per-sample":
+            samples = self._per_sample(leaves, batch, out)
+            if canaries is not None:
+                samples = canaries.with_canaries(samples, sampled, shapes, privacy.clip)
+            return privatize(samples, step, self.noise, shapes)
+        batch_grads = (
+            _gradients(objective, leaves) if len(batch) else {k: torch.zeros_like(v) for k, v in leaves.items()}
+        )
+        if canaries is not None:
+            batch_grads = canaries.into_batch(batch_grads, len(batch), sampled, privacy.clip)
+        return privatize_batch(batch_grads, step, self.noise)
+
+    def _per_sample(self, leaves: Mapping[str, torch.Tensor], batch: np.ndarray, out) -> dict:
+        if len(batch) == 0:
+            return {k: torch.zeros((0, *v.shape), device=v.device) for k, v in leaves.items()}
+        if self.module_grads is not None:
+            forward = self.learner.forward
+            return self.module_grads.per_sample(leaves, lambda idx: forward(idx).losses, batch, out.losses)
+        return functional_per_sample(out.losses, leaves, out.via, direct=out.direct)
+
+
 def local_round(
     learner: Learner,
     shape: ClientShape,
@@ -173,6 +221,7 @@ def local_round(
     if learner.module is not None:
         learner.net = module_grads.attach() if module_grads else learner.module
     stats.backend = module_grads.backend if module_grads else ("functional" if per_sample else "")
+    private = _PrivateSteps(learner, shape, privacy, sigma, noise, canaries, module_grads)
     try:
         for slots in batches(shape.n_train, shape.batch_size, shape.steps, privacy, sampling):
             batch, sampled = canaries.split(slots, n_real) if canaries is not None else (slots, no_canary)
@@ -183,37 +232,7 @@ def local_round(
             if not privacy.enabled:
                 grads = _gradients(objective, leaves)
             else:
-                step = DPStep(
-                    privacy.clip,
-                    shape.expected_batch,
-                    sigma,
-                    learner.clip_groups(list(leaves)),
-                    learner.noised(list(leaves)),
-                )
-                shapes = {k: v.shape for k, v in leaves.items()}
-                if canaries is not None:
-                    canaries.place(shapes, step.groups, step.noised)
-                if per_sample:
-                    if len(batch) == 0:
-                        samples = {k: torch.zeros((0, *v.shape), device=v.device) for k, v in leaves.items()}
-                    elif module_grads is not None:
-                        samples = module_grads.per_sample(
-                            leaves, lambda idx: learner.forward(idx).losses, batch, out.losses
-                        )
-                    else:
-                        samples = functional_per_sample(out.losses, leaves, out.via, direct=out.direct)
-                    if canaries is not None:
-                        samples = canaries.with_canaries(samples, sampled, shapes, privacy.clip)
-                    grads, frac = privatize(samples, step, noise, shapes)
-                else:
-                    batch_grads = (
-                        _gradients(objective, leaves)
-                        if len(batch)
-                        else {k: torch.zeros_like(v) for k, v in leaves.items()}
-                    )
-                    if canaries is not None:
-                        batch_grads = canaries.into_batch(batch_grads, len(batch), sampled, privacy.clip)
-                    grads, frac = privatize_batch(batch_grads, step, noise)
+                grads, frac = private.gradients(leaves, batch, sampled, out, objective)
                 stats.clipped.append(frac)
                 if canaries is not None:
                     canaries.observe(grads)  # before any data-independent term: the mechanism's output

@@ -178,9 +178,7 @@ CALTECH_RENAMED = {"airplanes": "airplane", "Faces": "face", "Leopards": "leopar
 
 
 def load_torchvision(request: catalogue.Request) -> DatasetSplits:
-    import torchvision.datasets as tvd
-
-    name, root, download, test_fraction = request.name, Path(request.data_root), request.download, request.test_fraction
+    name, root, download = request.name, Path(request.data_root), request.download
     if not download and not root.is_dir():
         raise DataSetupError(
             f"data-root {str(root)!r} does not exist; create it with the {name} files or set download=true"
@@ -188,40 +186,59 @@ def load_torchvision(request: catalogue.Request) -> DatasetSplits:
     coop = _find_coop_split(name, root)
     if coop:
         return _load_coop_split(name, *coop)
+    loader = {"cifar10": _cifar, "cifar100": _cifar, "caltech101": _caltech}.get(name, _official)
+    return loader(name, root, download, request.test_fraction)
+
+
+def _cifar(name: str, root: Path, download: bool, test_fraction: float) -> DatasetSplits:
+    import torchvision.datasets as tvd
+
     r = str(root)
-    if name in ("cifar10", "cifar100"):
-        cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
-        folder = "cifar-10-batches-py" if name == "cifar10" else "cifar-100-python"
-        train = _open(name, lambda download: cls(r, train=True, download=download), root, download, f"{r}/{folder}/")
-        test = _open(name, lambda download: cls(r, train=False, download=download), root, download, f"{r}/{folder}/")
-        return DatasetSplits(
-            name,
-            [_clean(c) for c in train.classes],
-            DatasetSource(train, _labels_of(train), f"{name}/train"),
-            DatasetSource(test, _labels_of(test), f"{name}/test"),
-        )
-    if name == "caltech101":
-        ds = _open(
-            name,
-            lambda download: tvd.Caltech101(r, target_type="category", download=download),
-            root,
-            download,
-            f"{r}/caltech101/101_ObjectCategories/<class>/*.jpg",
-        )
-        keep_classes = [c for c in ds.categories if c not in CALTECH_IGNORED]
-        old_to_new = {ds.categories.index(c): i for i, c in enumerate(keep_classes)}
-        labels = _labels_of(ds)
-        keep = np.flatnonzero(np.isin(labels, list(old_to_new)))
-        new_labels = np.array([old_to_new[int(labels[i])] for i in keep])
-        base = DatasetSource(ds, labels, "caltech101/all")
-        tr, te = stratified_split(new_labels, test_fraction, seed=0)
-        names = [_clean(CALTECH_RENAMED.get(c, c)).lower() for c in keep_classes]
-        return DatasetSplits(
-            name,
-            names,
-            SubsetSource(base, keep[tr], new_labels[tr], f"caltech101/tf{test_fraction}/train"),
-            SubsetSource(base, keep[te], new_labels[te], f"caltech101/tf{test_fraction}/test"),
-        )
+    cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
+    folder = "cifar-10-batches-py" if name == "cifar10" else "cifar-100-python"
+    train = _open(name, lambda download: cls(r, train=True, download=download), root, download, f"{r}/{folder}/")
+    test = _open(name, lambda download: cls(r, train=False, download=download), root, download, f"{r}/{folder}/")
+    return DatasetSplits(
+        name,
+        [_clean(c) for c in train.classes],
+        DatasetSource(train, _labels_of(train), f"{name}/train"),
+        DatasetSource(test, _labels_of(test), f"{name}/test"),
+    )
+
+
+def _caltech(name: str, root: Path, download: bool, test_fraction: float) -> DatasetSplits:
+    """Caltech-101 without its background classes, split per class (it has no official split)."""
+    import torchvision.datasets as tvd
+
+    r = str(root)
+    ds = _open(
+        name,
+        lambda download: tvd.Caltech101(r, target_type="category", download=download),
+        root,
+        download,
+        f"{r}/caltech101/101_ObjectCategories/<class>/*.jpg",
+    )
+    keep_classes = [c for c in ds.categories if c not in CALTECH_IGNORED]
+    old_to_new = {ds.categories.index(c): i for i, c in enumerate(keep_classes)}
+    labels = _labels_of(ds)
+    keep = np.flatnonzero(np.isin(labels, list(old_to_new)))
+    new_labels = np.array([old_to_new[int(labels[i])] for i in keep])
+    base = DatasetSource(ds, labels, "caltech101/all")
+    tr, te = stratified_split(new_labels, test_fraction, seed=0)
+    names = [_clean(CALTECH_RENAMED.get(c, c)).lower() for c in keep_classes]
+    return DatasetSplits(
+        name,
+        names,
+        SubsetSource(base, keep[tr], new_labels[tr], f"caltech101/tf{test_fraction}/train"),
+        SubsetSource(base, keep[te], new_labels[te], f"caltech101/tf{test_fraction}/test"),
+    )
+
+
+def _official(name: str, root: Path, download: bool, test_fraction: float) -> DatasetSplits:
+    """A torchvision dataset with its official train and test splits."""
+    import torchvision.datasets as tvd
+
+    r = str(root)
     official = {
         "oxford-pets": (
             lambda s, d: tvd.OxfordIIITPet(r, split=s, target_types="category", download=d),

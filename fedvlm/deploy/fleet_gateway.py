@@ -78,11 +78,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import h11
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("fedvlm.fleet_gateway")
 
@@ -412,6 +414,116 @@ async def _body(request: Request, limit: int) -> bytes:
     return bytes(out)
 
 
+class Gateway:
+    """One gateway: its SuperLink client, the request bodies it holds, the objects it forwarded."""
+
+    def __init__(
+        self,
+        superlink: str,
+        ca: str,
+        limits: Limits,
+        transport: httpx.AsyncBaseTransport | None,
+        node_auth: bool,
+        node_keys: frozenset[bytes] | None,
+    ):
+        check_message_ids()
+        self.superlink, self.limits, self.node_auth, self.node_keys = superlink, limits, node_auth, node_keys
+        self.client = httpx.AsyncClient(
+            base_url=f"https://{superlink}",
+            verify=ssl.create_default_context(cafile=ca) if transport is None else True,
+            timeout=UPSTREAM_TIMEOUT,
+            transport=transport,
+        )
+        self.held, self.sent = InFlight(limits), Sent()
+
+    def app(self) -> Starlette:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            yield
+            await self.client.aclose()
+
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+        return Starlette(routes=[Route("/{path:path}", self.forward, methods=methods)], lifespan=lifespan)
+
+    def refusal(self, request: Request, call: str | None, peer: str) -> Response | None:
+        """The answer to a request refused from its headers alone (None: it passes), cheapest first."""
+        if call is None:
+            log.warning("refused %s %s from %s", request.method, request.url.path[:200], peer)
+            return PlainTextResponse(REFUSED, status_code=403)
+        # h11 bounds headers still arriving (max_header); these arrived whole, in one read
+        header_bytes, most = sum(len(k) + len(v) + 4 for k, v in request.headers.raw), self.limits.max_header
+        if header_bytes > most:
+            log.warning("refused %s from %s: %d bytes of headers, over %d", call, peer, header_bytes, most)
+            text = f"request headers may be at most {most} bytes\n"
+            return PlainTextResponse(text, status_code=431, headers={"connection": "close"})
+        why = node_auth_refusal(request.headers, self.node_keys) if self.node_auth else None
+        if why is not None:
+            log.warning("refused %s from %s before its body: %s", call, peer, why)
+            return auth_refusal(why)
+        return None
+
+    async def forward(self, request: Request) -> Response:
+        """A request refused from its headers if it can be, before its body is read; else its body
+        held within the in-flight budget while it is checked and forwarded."""
+        t0 = time.monotonic()
+        call = fleet_call(request.method, request.url.path)
+        peer = request.client.host if request.client else "?"
+        refused = self.refusal(request, call, peer)
+        if refused is not None:
+            return refused
+        assert call is not None  # refusal() answers a call the Fleet API does not have
+        declared, limits = request.headers.get("content-length", ""), self.limits
+        size = int(declared) if declared.isdigit() and int(declared) <= limits.body else limits.body
+        if not self.held.take(peer, size):
+            log.warning(
+                "refused a request from %s for now: %d bytes of bodies held in all, %d from it (limits %d, %d)",
+                peer,
+                self.held.total,
+                self.held.by_peer[peer],
+                limits.inflight,
+                limits.inflight_per_peer,
+            )
+            return PlainTextResponse(
+                "the gateway holds as many request bodies as it may: retry shortly\n",
+                status_code=503,
+                headers={"retry-after": "1", "connection": "close"},
+            )
+        try:
+            return await self._forward(request, call, peer, t0)
+        finally:
+            self.held.give_back(peer, size)
+
+    async def _forward(self, request: Request, call: str, peer: str, t0: float) -> Response:
+        """The body read within its cap and checked, then sent on to the SuperLink."""
+        try:
+            body = await _body(request, self.limits.body)
+        except TooLarge as size:
+            log.warning("refused %s from %s: a body of %s bytes, over %d", call, peer, size, self.limits.body)
+            text = f"a request body may be at most {self.limits.body} bytes\n"
+            return PlainTextResponse(text, status_code=413, headers={"connection": "close"})
+        except ClientDisconnect:
+            return Response(status_code=400)
+        check = self.sent.check if call == "pull-object" else CHECKS.get(call)
+        why = check(body) if check is not None else None
+        if why is not None:
+            log.warning("refused %s from %s: %s", call, peer, why)
+            return PlainTextResponse(f"refused: {why}\n", status_code=403)
+        return await self._upstream(request, call, peer, body, t0)
+
+    async def _upstream(self, request: Request, call: str, peer: str, body: bytes, t0: float) -> Response:
+        headers = {**_forwardable(request.headers), "x-forwarded-for": peer}
+        try:
+            upstream = await self.client.post(FLEET_PREFIX + call, content=body, headers=headers)
+        except httpx.HTTPError as err:
+            log.error("the SuperLink at %s did not answer %s from %s: %s", self.superlink, call, peer, err)
+            return PlainTextResponse(f"the SuperLink did not answer: {type(err).__name__}\n", status_code=502)
+        status, took = upstream.status_code, 1000 * (time.monotonic() - t0)
+        log.info("%s %s %d in %d out %d %.0f ms", peer, call, status, len(body), len(upstream.content), took)
+        if call == "pull-messages" and status == 200:  # what this node may now pull
+            self.sent.learn(body, upstream.content)
+        return Response(upstream.content, status_code=status, headers=_forwardable(upstream.headers))
+
+
 def make_app(
     superlink: str,
     ca: str,
@@ -424,289 +536,219 @@ def make_app(
     certificate ``ca`` verifies (``transport``: another way to reach it, for tests). With
     ``node_auth`` a request's SuperNode authentication is checked before its body is read
     (``node_auth_refusal``; against ``node_keys`` where given)."""
-    check_message_ids()
-    client = httpx.AsyncClient(
-        base_url=f"https://{superlink}",
-        verify=ssl.create_default_context(cafile=ca) if transport is None else True,
-        timeout=UPSTREAM_TIMEOUT,
-        transport=transport,
-    )
-
-    held, sent = InFlight(limits), Sent()
-
-    async def forward(request: Request) -> Response:
-        """What can be refused from the headers alone is, cheapest first, before the body is read."""
-        t0 = time.monotonic()
-        call = fleet_call(request.method, request.url.path)
-        peer = request.client.host if request.client else "?"
-        if call is None:
-            log.warning("refused %s %s from %s", request.method, request.url.path[:200], peer)
-            return PlainTextResponse(REFUSED, status_code=403)
-        # h11 bounds headers still arriving (max_header); these arrived whole, in one read
-        header_bytes = sum(len(k) + len(v) + 4 for k, v in request.headers.raw)
-        if header_bytes > limits.max_header:
-            log.warning("refused %s from %s: %d bytes of headers, over %d", call, peer, header_bytes, limits.max_header)
-            return PlainTextResponse(
-                f"request headers may be at most {limits.max_header} bytes\n",
-                status_code=431,
-                headers={"connection": "close"},
-            )
-        why = node_auth_refusal(request.headers, node_keys) if node_auth else None
-        if why is not None:
-            log.warning("refused %s from %s before its body: %s", call, peer, why)
-            return auth_refusal(why)
-        declared = request.headers.get("content-length", "")
-        size = int(declared) if declared.isdigit() and int(declared) <= limits.body else limits.body
-        if not held.take(peer, size):
-            log.warning(
-                "refused a request from %s for now: %d bytes of bodies held in all, %d from it (limits %d, %d)",
-                peer,
-                held.total,
-                held.by_peer[peer],
-                limits.inflight,
-                limits.inflight_per_peer,
-            )
-            return PlainTextResponse(
-                "the gateway holds as many request bodies as it may: retry shortly\n",
-                status_code=503,
-                headers={"retry-after": "1", "connection": "close"},
-            )
-        try:
-            return await _forward(request, call, peer, t0)
-        finally:
-            held.give_back(peer, size)
-
-    async def _forward(request: Request, call: str, peer: str, t0: float) -> Response:
-        try:
-            body = await _body(request, limits.body)
-        except TooLarge as size:
-            log.warning("refused %s from %s: a body of %s bytes, over %d", call, peer, size, limits.body)
-            return PlainTextResponse(
-                f"a request body may be at most {limits.body} bytes\n", status_code=413, headers={"connection": "close"}
-            )
-        except ClientDisconnect:
-            return Response(status_code=400)
-        check = sent.check if call == "pull-object" else CHECKS.get(call)
-        why = check(body) if check is not None else None
-        if why is not None:
-            log.warning("refused %s from %s: %s", call, peer, why)
-            return PlainTextResponse(f"refused: {why}\n", status_code=403)
-        headers = {**_forwardable(request.headers), "x-forwarded-for": peer}
-        try:
-            upstream = await client.post(FLEET_PREFIX + call, content=body, headers=headers)
-        except httpx.HTTPError as err:
-            log.error("the SuperLink at %s did not answer %s from %s: %s", superlink, call, peer, err)
-            return PlainTextResponse(f"the SuperLink did not answer: {type(err).__name__}\n", status_code=502)
-        log.info(
-            "%s %s %d in %d out %d %.0f ms",
-            peer,
-            call,
-            upstream.status_code,
-            len(body),
-            len(upstream.content),
-            1000 * (time.monotonic() - t0),
-        )
-        if call == "pull-messages" and upstream.status_code == 200:  # what this node may now pull
-            sent.learn(body, upstream.content)
-        return Response(upstream.content, status_code=upstream.status_code, headers=_forwardable(upstream.headers))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        await client.aclose()
-
-    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
+    return Gateway(superlink, ca, limits, transport, node_auth, node_keys).app()
 
 
 # ---- the server: connections and their time ------------------------------------------------------
-def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None):
+class Connections:
+    """The connection books every connection's protocol shares: open connections by address, and
+    connections before their TLS handshake is done (they have sent nothing the gateway can check):
+    a few per address, and in all a pool whose oldest gives way to a new one, so silent TCP
+    connections from many addresses cannot keep the gateway's slots from honest clients."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.open_by_peer: Counter[str] = Counter()
+        self.warned: dict[str, float] = {}
+        self.shaking: dict[asyncio.Transport, str] = {}  # the raw transport -> its address, oldest first
+        self.shaking_by_peer: Counter[str] = Counter()
+
+    def warn(self, peer: str, text: str, *args) -> None:
+        """A warning about ``peer``, at most once a minute per address."""
+        now = time.monotonic()
+        if now - self.warned.get(peer, -1e9) > 60:
+            self.warned[peer] = now
+            log.warning(text, *args)
+
+    def admit(self, peer: str) -> bool:
+        """Whether a new connection from ``peer`` is within the connection limits (counted if so)."""
+        total, limits = sum(self.open_by_peer.values()), self.limits
+        if total < limits.max_connections and self.open_by_peer[peer] < limits.max_per_peer:
+            self.open_by_peer[peer] += 1
+            return True
+        self.warn(
+            peer,
+            "refused connections from %s: %d open from it, %d in all (limits %d, %d)",
+            peer,
+            self.open_by_peer[peer],
+            total,
+            limits.max_per_peer,
+            limits.max_connections,
+        )
+        return False
+
+    def release(self, peer: str) -> None:
+        self.open_by_peer[peer] -= 1
+        if self.open_by_peer[peer] <= 0:
+            del self.open_by_peer[peer]
+
+    def shake(self, raw: asyncio.Transport, peer: str) -> bool:
+        """Whether ``peer``'s connection may start its TLS handshake (counted as pending if so);
+        a full pool closes its oldest pending handshake to make room."""
+        if self.shaking_by_peer[peer] >= self.limits.max_handshakes_per_peer:
+            self.warn(
+                peer,
+                "refused a connection from %s: %d TLS handshakes pending from it",
+                peer,
+                self.limits.max_handshakes_per_peer,
+            )
+            return False
+        if len(self.shaking) >= self.limits.max_handshakes:
+            oldest, whose = next(iter(self.shaking.items()))
+            self.warn(
+                whose, "closed the oldest pending TLS handshake (from %s): %d pending in all", whose, len(self.shaking)
+            )
+            self.shaken(oldest)
+            oldest.abort()
+        self.shaking[raw] = peer
+        self.shaking_by_peer[peer] += 1
+        return True
+
+    def shaken(self, raw: asyncio.Transport) -> None:
+        """A pending handshake ended (done, failed or given way)."""
+        peer = self.shaking.pop(raw, None)
+        if peer is not None:
+            self.shaking_by_peer[peer] -= 1
+            if self.shaking_by_peer[peer] <= 0:
+                del self.shaking_by_peer[peer]
+
+
+class Guarded(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with the connection and time limits (the module docstring).
     The server listens on plain TCP and each connection starts its TLS here (``tls``), after its
     address passed the connection limits: a client that never finishes its handshake holds one
-    counted connection for ``handshake_timeout`` seconds, no more."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    counted connection for ``handshake_timeout`` seconds, no more. ``guarded_protocol`` makes the
+    class a server uses, with its limits, TLS context and books."""
 
-    open_by_peer: Counter[str] = Counter()
-    warned: dict[str, float] = {}
-    # connections before their TLS handshake is done (they have sent nothing the gateway can
-    # check): a few per address, and in all a pool whose oldest gives way to a new one, so silent
-    # TCP connections from many addresses cannot keep the gateway's slots from honest clients
-    shaking: dict[asyncio.Transport, str] = {}  # the raw transport -> its address, oldest first
-    shaking_by_peer: Counter[str] = Counter()
+    limits: Limits
+    tls: ssl.SSLContext | None
+    books: Connections
+    _deadline: asyncio.TimerHandle | None = None
+    _peer = ""
+    _cycle_seen: object = None
+    _early: list[bytes] = []  # replaced, never appended to in place
+    _hint = 0  # the status h11 suggested for the request it could not parse (0: none)
 
-    def _warn(peer: str, text: str, *args) -> None:  # at most once a minute per address
-        now = time.monotonic()
-        if now - warned.get(peer, -1e9) > 60:
-            warned[peer] = now
-            log.warning(text, *args)
+    def _arm(self, seconds: float, what: str) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._expire, what)
 
-    def _shaken(raw) -> None:  # a pending handshake ended (done, failed or given way)
-        peer = shaking.pop(raw, None)
-        if peer is not None:
-            shaking_by_peer[peer] -= 1
-            if shaking_by_peer[peer] <= 0:
-                del shaking_by_peer[peer]
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
-    class Guarded(H11Protocol):
-        _deadline: asyncio.TimerHandle | None = None
-        _peer = ""
-        _cycle_seen: object = None
-        _early: list[bytes] = []  # replaced, never appended to in place
-        _hint = 0  # the status h11 suggested for the request it could not parse (0: none)
+    def _expire(self, what: str) -> None:
+        log.warning("closed a connection from %s: %s took longer than allowed", self._peer, what)
+        self.transport.abort()
 
-        def _arm(self, seconds: float, what: str) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(seconds, self._expire, what)
+    def _release(self) -> None:
+        if self._peer:
+            self.books.release(self._peer)
+            self._peer = ""
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _expire(self, what: str) -> None:
-            log.warning("closed a connection from %s: %s took longer than allowed", self._peer, what)
-            self.transport.abort()
-
-        def _admit(self, peer: str) -> bool:
-            total = sum(open_by_peer.values())
-            if total < limits.max_connections and open_by_peer[peer] < limits.max_per_peer:
-                open_by_peer[peer] += 1
-                self._peer = peer
-                return True
-            _warn(
-                peer,
-                "refused connections from %s: %d open from it, %d in all (limits %d, %d)",
-                peer,
-                open_by_peer[peer],
-                total,
-                limits.max_per_peer,
-                limits.max_connections,
-            )
-            return False
-
-        def _release(self) -> None:
-            if self._peer:
-                open_by_peer[self._peer] -= 1
-                if open_by_peer[self._peer] <= 0:
-                    del open_by_peer[self._peer]
-                self._peer = ""
-
-        def connection_made(self, transport) -> None:
-            peername = transport.get_extra_info("peername")
-            if not self._admit(str(peername[0]) if peername else "?"):
-                transport.abort()
-                return
-            if tls is None:
-                self._serve(transport)
-                return
-            if shaking_by_peer[self._peer] >= limits.max_handshakes_per_peer:
-                _warn(
-                    self._peer,
-                    "refused a connection from %s: %d TLS handshakes pending from it",
-                    self._peer,
-                    limits.max_handshakes_per_peer,
-                )
-                transport.abort()
-                self._release()
-                return
-            if len(shaking) >= limits.max_handshakes:  # the oldest pending handshake gives way
-                oldest, whose = next(iter(shaking.items()))
-                _warn(
-                    whose, "closed the oldest pending TLS handshake (from %s): %d pending in all", whose, len(shaking)
-                )
-                _shaken(oldest)
-                oldest.abort()
-            shaking[transport] = self._peer
-            shaking_by_peer[self._peer] += 1
-            transport.pause_reading()  # nothing is read until the TLS layer is in place to read it
-            self.loop.create_task(self._start_tls(transport))
-
-        async def _start_tls(self, raw) -> None:
-            assert tls is not None  # connection_made starts TLS only with a context
-            try:
-                secured = await self._handshake(raw)
-            finally:
-                _shaken(raw)
-            if secured is not None:
-                self._serve(secured)
-
-        async def _handshake(self, raw):
-            """The TLS transport over ``raw``, or None (the connection closed and released)."""
-            assert tls is not None
-            try:
-                secured = await self.loop.start_tls(
-                    raw, self, tls, server_side=True, ssl_handshake_timeout=limits.handshake_timeout
-                )
-            except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
-                raw.abort()
-                self._release()
-                return None
-            if secured is None:  # the connection went away during the handshake
-                self._release()
-            return secured
-
-        def _serve(self, transport) -> None:
-            super().connection_made(transport)
-            self._hint = 0
-            receive = self.conn.next_event
-
-            def next_event():  # keeps the status h11 suggests for a request it cannot parse
-                try:
-                    return receive()
-                except h11.RemoteProtocolError as err:
-                    self._hint = err.error_status_hint
-                    raise
-
-            self.conn.next_event = next_event  # type: ignore[method-assign]
-            self._arm(limits.header_timeout, "the request's headers")
-            early, self._early = self._early, []
-            for data in early:
-                self.data_received(data)
-
-        def data_received(self, data: bytes) -> None:
-            if self.transport is None:
-                # the TLS layer may hand over a request's first bytes before start_tls returns
-                self._early = [*self._early, data]
-                return
-            super().data_received(data)
-            cycle = self.cycle
-            if cycle is not None and cycle is not self._cycle_seen:  # a new request's headers are in
-                self._cycle_seen = cycle
-                self._arm(limits.body_timeout, "the request's body")
-            if cycle is not None and not cycle.more_body:  # its body is in: the app's turn
-                self._disarm()
-
-        def send_400_response(self, msg: str) -> None:
-            """uvicorn answers every request h11 cannot parse with 400; headers still arriving
-            past ``max_header`` get the documented 431, and every such refusal a log line."""
-            if self._hint != 431:
-                log.warning("refused a request from %s that is not HTTP/1.1 h11 can parse", self._peer)
-                return super().send_400_response(msg)
-            log.warning("refused a request from %s: its headers ran past %d bytes", self._peer, limits.max_header)
-            event = h11.Response(
-                status_code=431, headers=[(b"connection", b"close")], reason=b"Request Header Fields Too Large"
-            )
-            self.transport.write(self.conn.send(event))
-            self.transport.write(
-                self.conn.send(h11.Data(data=f"request headers may be at most {limits.max_header} bytes\n".encode()))
-            )
-            self.transport.write(self.conn.send(h11.EndOfMessage()))
-            self.transport.close()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm(limits.header_timeout + limits.keep_alive, "the next request's headers")
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+    def connection_made(self, transport) -> None:
+        peername = transport.get_extra_info("peername")
+        peer = str(peername[0]) if peername else "?"
+        if not self.books.admit(peer):
+            transport.abort()
+            return
+        self._peer = peer
+        if self.tls is None:
+            self._serve(transport)
+            return
+        if not self.books.shake(transport, peer):
+            transport.abort()
             self._release()
-            if self.transport is not None:  # served: uvicorn's own bookkeeping
-                super().connection_lost(exc)
+            return
+        transport.pause_reading()  # nothing is read until the TLS layer is in place to read it
+        self.loop.create_task(self._start_tls(transport))
 
-    return Guarded
+    async def _start_tls(self, raw) -> None:
+        try:
+            secured = await self._handshake(raw)
+        finally:
+            self.books.shaken(raw)
+        if secured is not None:
+            self._serve(secured)
+
+    async def _handshake(self, raw):
+        """The TLS transport over ``raw``, or None (the connection closed and released)."""
+        assert self.tls is not None  # connection_made starts TLS only with a context
+        try:
+            secured = await self.loop.start_tls(
+                raw, self, self.tls, server_side=True, ssl_handshake_timeout=self.limits.handshake_timeout
+            )
+        except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
+            raw.abort()
+            self._release()
+            return None
+        if secured is None:  # the connection went away during the handshake
+            self._release()
+        return secured
+
+    def _serve(self, transport) -> None:
+        super().connection_made(transport)
+        self._hint = 0
+        receive = self.conn.next_event
+
+        def next_event():  # keeps the status h11 suggests for a request it cannot parse
+            try:
+                return receive()
+            except h11.RemoteProtocolError as err:
+                self._hint = err.error_status_hint
+                raise
+
+        self.conn.next_event = next_event  # type: ignore[method-assign]
+        self._arm(self.limits.header_timeout, "the request's headers")
+        early, self._early = self._early, []
+        for data in early:
+            self.data_received(data)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is None:
+            # the TLS layer may hand over a request's first bytes before start_tls returns
+            self._early = [*self._early, data]
+            return
+        super().data_received(data)
+        cycle = self.cycle
+        if cycle is not None and cycle is not self._cycle_seen:  # a new request's headers are in
+            self._cycle_seen = cycle
+            self._arm(self.limits.body_timeout, "the request's body")
+        if cycle is not None and not cycle.more_body:  # its body is in: the app's turn
+            self._disarm()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn answers every request h11 cannot parse with 400; headers still arriving
+        past ``max_header`` get the documented 431, and every such refusal a log line."""
+        if self._hint != 431:
+            log.warning("refused a request from %s that is not HTTP/1.1 h11 can parse", self._peer)
+            return super().send_400_response(msg)
+        most = self.limits.max_header
+        log.warning("refused a request from %s: its headers ran past %d bytes", self._peer, most)
+        event = h11.Response(
+            status_code=431, headers=[(b"connection", b"close")], reason=b"Request Header Fields Too Large"
+        )
+        self.transport.write(self.conn.send(event))
+        self.transport.write(self.conn.send(h11.Data(data=f"request headers may be at most {most} bytes\n".encode())))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm(self.limits.header_timeout + self.limits.keep_alive, "the next request's headers")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._release()
+        if self.transport is not None:  # served: uvicorn's own bookkeeping
+            super().connection_lost(exc)
+
+
+def guarded_protocol(limits: Limits, tls: ssl.SSLContext | None) -> type[Guarded]:
+    """The protocol class one gateway server uses: ``Guarded`` with its limits, TLS context and books."""
+    return type("Guarded", (Guarded,), {"limits": limits, "tls": tls, "books": Connections(limits)})
 
 
 def raise_open_files() -> int:

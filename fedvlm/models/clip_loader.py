@@ -218,34 +218,49 @@ def _load_open_clip(name: str, pretrained: str, cache_dir: Path, load_weights: b
         return model, preprocess, tokenizer, act
     path = weights_path(pretrained)
     if path is not None:
-        if not path.is_absolute():
-            raise BackboneError(
-                f"run config 'clip.pretrained' = {pretrained!r} is a relative path: Flower runs the apps in whatever "
-                "directory its processes started in; give an absolute path"
-            )
-        if not path.is_file():
-            raise BackboneError(
-                f"run config 'clip.pretrained' = {pretrained!r} looks like a file path but no such "
-                "file exists on this machine"
-            )
-        try:
-            if is_torchscript(path):
-                model, preprocess = _load_torchscript(name, path)
-                return model, preprocess, tokenizer, QUICK_GELU
-            act = activation_of(name, pretrained, path)
-            model, _, preprocess = open_clip.create_model_and_transforms(
-                name, pretrained=str(path), force_quick_gelu=act == QUICK_GELU
-            )
-        except BackboneError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a damaged file fails in zip, pickle or state-dict code
-            first = (str(err).strip().splitlines() or [""])[0][:200]
-            raise BackboneError(
-                f"run config 'clip.pretrained' = {pretrained!r} cannot be loaded as {name} weights "
-                f"({type(err).__name__}: {first}): check that the file is complete (its size and checksum against "
-                f"the source) and that clip.model names its architecture"
-            ) from err
-        return model, preprocess, tokenizer, act
+        return _from_file(name, pretrained, path, tokenizer)
+    return _from_tag(name, pretrained, cache_dir, load_weights, tokenizer)
+
+
+def _from_file(name: str, pretrained: str, path: Path, tokenizer):
+    """``_load_open_clip`` of weights in a local file (an open_clip checkpoint or OpenAI's TorchScript)."""
+    import open_clip
+
+    if not path.is_absolute():
+        raise BackboneError(
+            f"run config 'clip.pretrained' = {pretrained!r} is a relative path: Flower runs the apps in whatever "
+            "directory its processes started in; give an absolute path"
+        )
+    if not path.is_file():
+        raise BackboneError(
+            f"run config 'clip.pretrained' = {pretrained!r} looks like a file path but no such "
+            "file exists on this machine"
+        )
+    try:
+        if is_torchscript(path):
+            model, preprocess = _load_torchscript(name, path)
+            return model, preprocess, tokenizer, QUICK_GELU
+        act = activation_of(name, pretrained, path)
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            name, pretrained=str(path), force_quick_gelu=act == QUICK_GELU
+        )
+    except BackboneError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged file fails in zip, pickle or state-dict code
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise BackboneError(
+            f"run config 'clip.pretrained' = {pretrained!r} cannot be loaded as {name} weights "
+            f"({type(err).__name__}: {first}): check that the file is complete (its size and checksum against "
+            f"the source) and that clip.model names its architecture"
+        ) from err
+    return model, preprocess, tokenizer, act
+
+
+def _from_tag(name: str, pretrained: str, cache_dir: Path, load_weights: bool, tokenizer):
+    """``_load_open_clip`` of an open_clip pretrained tag: from the Hugging Face cache, ours, or
+    OpenAI's legacy file."""
+    import open_clip
+
     tags = open_clip.list_pretrained_tags_by_model(name)
     if pretrained not in tags:
         raise BackboneError(

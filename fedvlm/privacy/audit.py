@@ -139,6 +139,40 @@ def audit_guesses(scores: np.ndarray, included: np.ndarray, delta: float, confid
 AUDIT_PREFIX = "train/audit-"
 
 
+def _node_audit(name: str, rnd: int, found: dict, spent: dict, mechanism: LocalDP, end: tuple[int, bool]) -> dict:
+    """Node ``name``'s audit of round ``rnd`` (its figures ``found``) beside the epsilon ``spent``
+    accounts for it; ``end``: the run's last round, and whether the rounds reached it."""
+    last_round, ended = end
+    lower = float(found["epsilon-lower"])
+    composed = spent.get("spent", {}).get(name)
+    alone = spent.get("spent_components", {}).get(mechanism.name, {}).get(name)
+    claimed = alone if alone is not None else composed
+    if not ended:
+        status = (
+            f"interim (round {rnd} of {last_round}): a lower bound of {lower:.4g}; the audit's test is the last "
+            "round's, a bound read at every round crosses the accounted epsilon by chance"
+        )
+    elif claimed is not None and lower > claimed * (1 + 1e-9):
+        status = (
+            f"BROKEN: the audit proves epsilon >= {lower:.4g}, above the {claimed:.4g} accounted for the audited "
+            "mechanism: the mechanism or its accounting is wrong"
+        )
+    else:
+        status = "consistent: the audited lower bound does not exceed the accounted epsilon"
+    return {
+        "round": rnd,
+        "canaries": int(found["canaries"]),
+        "guesses": int(found["guesses"]),
+        "correct": int(found["correct"]),
+        "guessed_in": int(found["guessed-in"]),
+        "private_steps": int(found["steps"]),
+        "epsilon_lower": lower,
+        "accounted_epsilon": composed,
+        "accounted_epsilon_audited_mechanism": alone,
+        "status": status,
+    }
+
+
 def audit_section(
     rounds: list[dict], spent: dict, mechanism: LocalDP, global_mechanism: str | None, last_round: int
 ) -> dict | None:
@@ -160,37 +194,10 @@ def audit_section(
     if not latest:
         return None
     ended = max(r["round"] for r in rounds) >= last_round  # the node's latest audit is then its last
-    nodes = {}
-    for name, (rnd, found) in latest.items():
-        lower = float(found["epsilon-lower"])
-        composed = spent.get("spent", {}).get(name)
-        alone = spent.get("spent_components", {}).get(mechanism.name, {}).get(name)
-        claimed = alone if alone is not None else composed
-        broken = claimed is not None and lower > claimed * (1 + 1e-9)
-        if not ended:
-            status = (
-                f"interim (round {rnd} of {last_round}): a lower bound of {lower:.4g}; the audit's test is the last "
-                "round's, a bound read at every round crosses the accounted epsilon by chance"
-            )
-        elif broken:
-            status = (
-                f"BROKEN: the audit proves epsilon >= {lower:.4g}, above the {claimed:.4g} accounted for the audited "
-                "mechanism: the mechanism or its accounting is wrong"
-            )
-        else:
-            status = "consistent: the audited lower bound does not exceed the accounted epsilon"
-        nodes[name] = {
-            "round": rnd,
-            "canaries": int(found["canaries"]),
-            "guesses": int(found["guesses"]),
-            "correct": int(found["correct"]),
-            "guessed_in": int(found["guessed-in"]),
-            "private_steps": int(found["steps"]),
-            "epsilon_lower": lower,
-            "accounted_epsilon": composed,
-            "accounted_epsilon_audited_mechanism": alone,
-            "status": status,
-        }
+    nodes = {
+        name: _node_audit(name, rnd, found, spent, mechanism, (last_round, ended))
+        for name, (rnd, found) in latest.items()
+    }
     reach = (
         f"the canaries' gradient on the tensors the server noises ({global_mechanism}) is zero: the audit bounds the "
         "node's local mechanism alone, whose accounted epsilon is accounted_epsilon_audited_mechanism"

@@ -112,6 +112,40 @@ def valid_sensitivity(settings: PrivacyConfig, sensitivity: float, per_batch_sen
     return sensitivity
 
 
+def _sigma(
+    s: PrivacyConfig, sensitivity: float, releases: int, q: float, paper_sensitivity: float | None
+) -> tuple[float, list[str]]:
+    """A mechanism's noise std under ``s``'s calibration, and the notes its plan carries about it."""
+    notes: list[str] = []
+    if s.sampling != "poisson":
+        notes.append("fixed-size minibatches: the accountant claims no subsampling amplification")
+    if s.fixed_noise:
+        sigma = s.noise_multiplier * sensitivity
+        notes.append("fixed noise multiplier (privacy.noise-multiplier): epsilon is reported, not targeted")
+    elif s.calibration == "paper":
+        sigma = paper_sigma(
+            paper_sensitivity if paper_sensitivity is not None else sensitivity, releases, s.delta, s.epsilon
+        )
+        notes.append(
+            "sigma from DP-FPL's closed form sigma = S*sqrt(T*ln(1/delta))/epsilon (constant 1); "
+            "planned_epsilon is what an accountant gives for that sigma"
+        )
+    else:
+        sigma = calibrate_noise_multiplier(s.epsilon, s.delta, releases, q, s.accountant) * sensitivity
+    if s.clipping == "per-batch":
+        # the public code's behaviour: the guarantee computed from C/B does not hold
+        notes.append(
+            "per-batch clipping: one record can move the clipped batch gradient by up to 2C, "
+            "so the stated epsilon does NOT hold; planned_epsilon uses the true sensitivity"
+        )
+    elif s.sampling == "uniform":
+        notes.append(
+            "fixed-size batches: a record added to the data displaces another from its batch, so the "
+            "valid sensitivity is twice the one sigma was calibrated for; planned_epsilon uses it"
+        )
+    return sigma, notes
+
+
 def plan_gaussian(
     settings: PrivacyConfig,
     name: str,
@@ -132,35 +166,8 @@ def plan_gaussian(
     to ``sensitivity``.
     """
     s = settings
-    notes: list[str] = []
     q = sampling_rate if s.sampling == "poisson" else 1.0
-    if s.sampling != "poisson":
-        notes.append("fixed-size minibatches: the accountant claims no subsampling amplification")
-    if s.fixed_noise:
-        sigma = s.noise_multiplier * sensitivity
-        notes.append("fixed noise multiplier (privacy.noise-multiplier): epsilon is reported, not targeted")
-    elif s.calibration == "paper":
-        sigma = paper_sigma(
-            paper_sensitivity if paper_sensitivity is not None else sensitivity, releases, s.delta, s.epsilon
-        )
-        notes.append(
-            "sigma from DP-FPL's closed form sigma = S*sqrt(T*ln(1/delta))/epsilon (constant 1); "
-            "planned_epsilon is what an accountant gives for that sigma"
-        )
-    else:
-        z = calibrate_noise_multiplier(s.epsilon, s.delta, releases, q, s.accountant)
-        sigma = z * sensitivity
-    if s.clipping == "per-batch":
-        # the public code's behaviour: the guarantee computed from C/B does not hold
-        notes.append(
-            "per-batch clipping: one record can move the clipped batch gradient by up to 2C, "
-            "so the stated epsilon does NOT hold; planned_epsilon uses the true sensitivity"
-        )
-    elif s.sampling == "uniform":
-        notes.append(
-            "fixed-size batches: a record added to the data displaces another from its batch, so the "
-            "valid sensitivity is twice the one sigma was calibrated for; planned_epsilon uses it"
-        )
+    sigma, notes = _sigma(s, sensitivity, releases, q, paper_sensitivity)
     plan = MechanismPlan(
         name=name,
         where=where,
