@@ -83,7 +83,7 @@ def _trained(data: dict, client: str) -> list[tuple[int, int]]:
     ]
 
 
-@pytest.mark.ci
+# out of CI (60 s): the TLS deployment test keeps a real SuperLink/SuperNode run there; `pytest -m slow` runs it
 def test_a_restarted_supernode_rejoins_with_its_private_state(federation, tmp_path, cache_dir):
     out = tmp_path / "runs"
     run = _start_run(

@@ -50,7 +50,7 @@ def test_flwr_run_rejects_a_bad_config_with_its_reason(flwr_env, tmp_path, cache
         ("fedpgp", 0.0),
         ("dpfpl", 0.5),
         ("pfedmoap", 0.0),
-        pytest.param("pfedmoap", 0.5, marks=pytest.mark.ci),
+        ("pfedmoap", 0.5),  # out of CI since 2026-12-02: flwr run under DP stays there with DP-FPL's secure run
     ],
 )
 def test_flwr_run_dp_methods_with_and_without_noise(flwr_env, tmp_path, cache_dir, method, epsilon):

@@ -116,7 +116,7 @@ def _check_audited(data: dict, cfg) -> None:
 
 
 # over about 20 s each on two cores: out of the default selection (pytest -m slow runs them)
-SLOW_AUDITS = ("promptfl-dp", "dpfpl-dp", "fedotp-dp")
+SLOW_AUDITS = ("promptfl-dp", "dpfpl-dp", "fedotp-dp", "reprogram")  # out of CI for its time; `-m slow`
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_AUDITS else n for n in DP_CASES])

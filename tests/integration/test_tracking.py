@@ -402,6 +402,7 @@ def test_a_run_whose_nodes_bring_their_own_data_draws_no_partition():
     assert draw_partition(data, Path("/nonexistent")) == {}
 
 
+@pytest.mark.slow  # 22 s: a second real MLflow server; the first test keeps one in CI
 def test_a_run_fedvlm_status_rejects_is_not_finished_in_mlflow(make_cfg, pretrained_clip):
     """A run that finished its rounds but heard from one of three sampled nodes in its last
     round: ``python -m fedvlm.status`` rejects it (code 4), and MLflow says FAILED with the reason,
