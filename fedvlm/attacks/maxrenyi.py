@@ -199,6 +199,23 @@ def _client_threat(
     return per_client, pooled
 
 
+def _client_section(per_client: dict[str, dict], pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> dict:
+    """The rebuilt client models' threat: the mean over clients of each score's figures, every
+    client's members and non-members together in one ROC (bootstrap 95% intervals), each client's."""
+    keys = [k for k in next(iter(per_client.values())) if k.startswith("alpha=")]
+    return {
+        "mean": {
+            k: {
+                "auroc": float(np.mean([c[k]["auroc"] for c in per_client.values()])),
+                "tpr@5%fpr": float(np.mean([c[k]["tpr@5%fpr"] for c in per_client.values()])),
+            }
+            for k in keys
+        },
+        "pooled": {key: _pooled(v) for key, v in pooled.items()},
+        "per_client": per_client,
+    }
+
+
 def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
     from fedvlm.client_app.vlm_node import vlm_node_data
     from fedvlm.methods.validation import validate
@@ -251,19 +268,7 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
         log.info("server model: %s", _headline(report["threats"]["server"]))
         per_client, pooled = _client_threat(vlm, run_dir, parts, initial, shared, test, samples, clients, seed)
     if per_client:
-        keys = [k for k in next(iter(per_client.values())) if k.startswith("alpha=")]
-        report["threats"]["client"] = {
-            "mean": {
-                k: {
-                    "auroc": float(np.mean([c[k]["auroc"] for c in per_client.values()])),
-                    "tpr@5%fpr": float(np.mean([c[k]["tpr@5%fpr"] for c in per_client.values()])),
-                }
-                for k in keys
-            },
-            # every client's members and non-members together, one ROC (bootstrap 95% intervals)
-            "pooled": {key: _pooled(v) for key, v in pooled.items()},
-            "per_client": per_client,
-        }
+        report["threats"]["client"] = _client_section(per_client, pooled)
     if (run_dir / UPLOADS).is_dir():  # every upload of every round, where the run kept them
         uploads = report["threats"]["uploads"] = upload_attacks(cfg, run_dir, nodes, samples, seed)
         log.info("uploads, pooled AUC: %s", {k: v["pooled"]["auc"]["value"] for k, v in uploads["summary"].items()})

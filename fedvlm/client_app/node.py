@@ -79,29 +79,7 @@ def _dataset(cfg: RunConfig) -> DatasetSplits:
 def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
     """This node's data, from its node config (see the module docstring)."""
     if node_config.get("data-dir"):
-        if cfg.attack.reference >= 0:
-            raise ConfigError(
-                "attack.reference (an online-LiRA reference federation) needs simulated partitions: this node "
-                "trains on its own data-dir; run reference federations with python -m fedvlm.attacks --online"
-            )
-        data_dir = Path(str(node_config["data-dir"])).expanduser()
-        key = ("own", str(data_dir), cfg.test_fraction, cfg.max_per_class, cfg.seed)
-        if key not in _SPLITS:
-            splits = load_image_folder(data_dir, cfg.test_fraction)
-            splits.train = limit_per_class(
-                splits.train, cfg.max_per_class, cfg.seed, lambda i: f"{i}/max{cfg.max_per_class}"
-            )
-            _SPLITS[key] = splits
-        splits = _SPLITS[key]
-        part = Partition(
-            train=np.arange(len(splits.train)),
-            test=np.arange(len(splits.test)),
-            neighbor=None,
-            classes=tuple(int(c) for c in np.unique(splits.train.labels)),
-        )
-        name = str(node_config.get("name") or data_dir.name)
-        return NodeData(name, -1, splits, part, dict(node_config), noise_source(cfg, node_config, own_data=True))
-
+        return _own_data(cfg, node_config)
     if PARTITION_ID not in node_config or NUM_PARTITIONS not in node_config:
         raise ConfigError(
             "this SuperNode has neither 'data-dir' nor 'partition-id'/'num-partitions' in its node "
@@ -112,7 +90,42 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
     if not 0 <= pid < n:
         raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
     splits = _dataset(cfg)
-    part_key = (
+    part = _partitions(cfg, splits, n)[pid]
+    if cfg.attack.reference >= 0:  # an online-LiRA reference federation (python -m fedvlm.attacks --online)
+        splits, part = reference_node_data(splits, part, cfg.attack.candidate_seed, pid, cfg.attack.reference)
+    name = str(node_config.get("name") or f"client-{pid}")
+    return NodeData(name, pid, splits, part, dict(node_config), noise_source(cfg, node_config, own_data=False))
+
+
+def _own_data(cfg: RunConfig, node_config: dict) -> NodeData:
+    """A deployed node's own image folder (``data-dir``), all of it its own partition."""
+    if cfg.attack.reference >= 0:
+        raise ConfigError(
+            "attack.reference (an online-LiRA reference federation) needs simulated partitions: this node "
+            "trains on its own data-dir; run reference federations with python -m fedvlm.attacks --online"
+        )
+    data_dir = Path(str(node_config["data-dir"])).expanduser()
+    key = ("own", str(data_dir), cfg.test_fraction, cfg.max_per_class, cfg.seed)
+    if key not in _SPLITS:
+        splits = load_image_folder(data_dir, cfg.test_fraction)
+        splits.train = limit_per_class(
+            splits.train, cfg.max_per_class, cfg.seed, lambda i: f"{i}/max{cfg.max_per_class}"
+        )
+        _SPLITS[key] = splits
+    splits = _SPLITS[key]
+    part = Partition(
+        train=np.arange(len(splits.train)),
+        test=np.arange(len(splits.test)),
+        neighbor=None,
+        classes=tuple(int(c) for c in np.unique(splits.train.labels)),
+    )
+    name = str(node_config.get("name") or data_dir.name)
+    return NodeData(name, -1, splits, part, dict(node_config), noise_source(cfg, node_config, own_data=True))
+
+
+def _partitions(cfg: RunConfig, splits: DatasetSplits, n: int) -> list[Partition]:
+    """The run's dataset split into ``n`` partitions (made once per process and key)."""
+    key = (
         cfg.dataset,
         cfg.data_root,
         cfg.test_fraction,
@@ -125,8 +138,8 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
         cfg.quantity_ratios,
         cfg.class_split,
     )
-    if part_key not in _PARTS:
-        _PARTS[part_key] = make_partitions(
+    if key not in _PARTS:
+        _PARTS[key] = make_partitions(
             cfg.partitioner,
             splits.train.labels,
             splits.test.labels,
@@ -137,11 +150,7 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
             ratios=cfg.quantity_ratios,
             class_split=cfg.class_split,
         )
-    part = _PARTS[part_key][pid]
-    if cfg.attack.reference >= 0:  # an online-LiRA reference federation (python -m fedvlm.attacks --online)
-        splits, part = reference_node_data(splits, part, cfg.attack.candidate_seed, pid, cfg.attack.reference)
-    name = str(node_config.get("name") or f"client-{pid}")
-    return NodeData(name, pid, splits, part, dict(node_config), noise_source(cfg, node_config, own_data=False))
+    return _PARTS[key]
 
 
 def noise_source(cfg: RunConfig, node_config: dict, own_data: bool) -> str:

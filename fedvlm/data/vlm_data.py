@@ -265,6 +265,39 @@ def _answer_letter(record: dict, where: str) -> str:
     raise VLMDataError(f"{where}: 'answer' {answer!r} is neither one of its choices, their index, nor their letter")
 
 
+def _folder_row(line: str, where: str, root: Path, dataset: str) -> tuple:
+    """One record of an own folder (``where``: its file and line) as (image, prompt, target,
+    references, label, split), checked against the task ``dataset`` trains."""
+    task, caption_prompt, vqa_prompt = FOLDER_PROMPTS[dataset]
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise VLMDataError(f"{where} is not JSON: {err}") from err
+    if not isinstance(record, dict) or not isinstance(record.get("image"), str):
+        raise VLMDataError(f"{where}: each record needs an 'image' path (relative to {root})")
+    image = root / record["image"]
+    if not image.is_file():
+        raise VLMDataError(f"{where}: image {image} does not exist")
+    if task == "caption":
+        refs = record.get("captions") or ([record["caption"]] if record.get("caption") else [])
+        if not refs or not all(isinstance(r, str) and r.strip() for r in refs):
+            raise VLMDataError(f"{where}: the run trains captioning ({dataset}); give 'caption' or 'captions'")
+        prompt, target, refs = caption_prompt, refs[0].strip(), [r.strip() for r in refs]
+    else:
+        if not {"question", "choices", "answer"} <= set(record) or not record["choices"]:
+            raise VLMDataError(
+                f"{where}: the run trains multiple-choice answering ({dataset}); give 'question', 'choices' "
+                "and 'answer'"
+            )
+        prompt = vqa_prompt(record["question"], record["choices"], record.get("hint", ""))
+        target = _answer_letter(record, where)
+        refs = [target]
+    split = record.get("split", "")
+    if split not in ("", "train", "test"):
+        raise VLMDataError(f"{where}: 'split' is {split!r}; use 'train' or 'test' (or leave it out)")
+    return image, prompt, target, refs, str(record.get("label", UNLABELLED)), split
+
+
 def load_vlm_folder(root: Path, dataset: str, test_fraction: float, seed: int) -> VLMDataset:
     """An organisation's own folder (the module docstring) for a run on ``dataset``."""
     root = Path(root).expanduser()
@@ -275,39 +308,11 @@ def load_vlm_folder(root: Path, dataset: str, test_fraction: float, seed: int) -
             '{"image": ..., "caption": ...} (or "question"/"choices"/"answer") record per line; '
             "python -m fedvlm.deploy.export_folder --set method=fedrand writes examples"
         )
-    task, caption_prompt, vqa_prompt = FOLDER_PROMPTS[dataset]
+    task = FOLDER_PROMPTS[dataset][0]
     rows = []
     for n, line in enumerate(read_utf8(records_path, f"save {FOLDER_FILE} as UTF-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{records_path} line {n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise VLMDataError(f"{where} is not JSON: {err}") from err
-        if not isinstance(record, dict) or not isinstance(record.get("image"), str):
-            raise VLMDataError(f"{where}: each record needs an 'image' path (relative to {root})")
-        image = root / record["image"]
-        if not image.is_file():
-            raise VLMDataError(f"{where}: image {image} does not exist")
-        if task == "caption":
-            refs = record.get("captions") or ([record["caption"]] if record.get("caption") else [])
-            if not refs or not all(isinstance(r, str) and r.strip() for r in refs):
-                raise VLMDataError(f"{where}: the run trains captioning ({dataset}); give 'caption' or 'captions'")
-            prompt, target, refs = caption_prompt, refs[0].strip(), [r.strip() for r in refs]
-        else:
-            if not {"question", "choices", "answer"} <= set(record) or not record["choices"]:
-                raise VLMDataError(
-                    f"{where}: the run trains multiple-choice answering ({dataset}); give 'question', 'choices' "
-                    "and 'answer'"
-                )
-            prompt = vqa_prompt(record["question"], record["choices"], record.get("hint", ""))
-            target = _answer_letter(record, where)
-            refs = [target]
-        split = record.get("split", "")
-        if split not in ("", "train", "test"):
-            raise VLMDataError(f"{where}: 'split' is {split!r}; use 'train' or 'test' (or leave it out)")
-        rows.append((image, prompt, target, refs, str(record.get("label", UNLABELLED)), split))
+        if line.strip():
+            rows.append(_folder_row(line, f"{records_path} line {n}", root, dataset))
     if not rows:
         raise VLMDataError(f"{records_path} holds no records")
     names_file = root / FOLDER_LABELS

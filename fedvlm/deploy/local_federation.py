@@ -264,12 +264,7 @@ class LocalFederation:
             cfg = f"{cfg} {SECURE_ROSTER}='{self.creds / 'roster.json'}' {SECURE_IDENTITY}='{identity}'"
         if name in self.workers:
             cfg = f"{cfg} node-worker='{self.start_worker(name)}'"
-        secret = self.dir / "secrets" / name
-        if not secret.exists():
-            secret.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(os.urandom(32))
+        secret = self._secret(name)
         runtime_port = free_port()
         node = self._start(
             name,
@@ -303,6 +298,21 @@ class LocalFederation:
             ],
             self.org_env(name),
         )
+        self._start_exec(name, runtime_port, secret)
+        return node
+
+    def _secret(self, name: str) -> Path:
+        """The secret ``name``'s SuperNode and SuperExec share (made once, owner-only)."""
+        secret = self.dir / "secrets" / name
+        if not secret.exists():
+            secret.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(32))
+        return secret
+
+    def _start_exec(self, name: str, runtime_port: int, secret: Path) -> None:
+        """``name``'s pinned SuperExec on its SuperNode's runtime API."""
         self._start(
             f"{name}{EXEC}",
             [
@@ -324,7 +334,6 @@ class LocalFederation:
             ],
             self.org_env(name),
         )
-        return node
 
     def start_worker(self, name: str) -> Path:
         """The organisation's warm node worker, as its own user beside its SuperNode; its socket

@@ -91,6 +91,19 @@ def target_points(rows: list[dict], key: str, no_dp_x: float) -> list[tuple[floa
     return sorted(pts)
 
 
+def _draw_points(ax, pts: list, no_dp_x: float, look: tuple[str, str], colour: str) -> None:
+    """One attack's points of one series (``target_points``) with their bars and chance ticks."""
+    if not pts:
+        return
+    x, y, lo, hi, luck = (np.array(v) for v in zip(*pts, strict=True))
+    ax.plot(x, 100 * luck, ls="none", marker="_", ms=14, mew=2, color="gray")
+    bars = 100 * np.vstack([y - lo, hi - y])
+    private = x != no_dp_x  # joined by a line; runs without noise: a marker on their own
+    style, mark = look
+    for keep, ls in ((private, style), (~private, "none")):
+        ax.errorbar(x[keep], 100 * y[keep], yerr=bars[:, keep], marker=mark, ls=ls, capsize=3, color=colour, alpha=0.85)
+
+
 def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
     """``attack_tpr_vs_epsilon.png``: TPR at 1% and at 0.1% FPR against the accounted epsilon, a
     colour per ``series`` (the method or variant) and a line style and marker per attack. A point
@@ -118,24 +131,7 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
         for group in groups:
             for name in names:
                 pts = target_points([r for r in rows if r.get(series) == group], f"mia-{name}-{metric}", no_dp_x)
-                if not pts:
-                    continue
-                x, y, lo, hi, luck = (np.array(v) for v in zip(*pts, strict=True))
-                ax.plot(x, 100 * luck, ls="none", marker="_", ms=14, mew=2, color="gray")
-                bars = 100 * np.vstack([y - lo, hi - y])
-                private = x != no_dp_x  # joined by a line; runs without noise: a marker on their own
-                style, mark = looks[name]
-                for keep, ls in ((private, style), (~private, "none")):
-                    ax.errorbar(
-                        x[keep],
-                        100 * y[keep],
-                        yerr=bars[:, keep],
-                        marker=mark,
-                        ls=ls,
-                        capsize=3,
-                        color=colours[group],
-                        alpha=0.85,
-                    )
+                _draw_points(ax, pts, no_dp_x, looks[name], colours[group])
         if spent:
             ax.axvline(no_dp_x / 2, color="gray", ls=":", lw=1)
             ax.text(no_dp_x, ax.get_ylim()[1], "no DP", ha="center", va="top", fontsize=8)

@@ -24,21 +24,14 @@ from fedvlm.runconfig import (
     finish,
     resolve_derived,
 )
-from fedvlm.spec import shares_nothing
+from fedvlm.spec import Family, shares_nothing
 
 # what 'auto' means for a key no method decided: full local epochs (PromptFL's and CoOp's setting)
 _UNDECIDED = {"prompt.local-steps": 0}
 
 
-def validate(raw: Mapping[str, Any]) -> RunConfig:
-    """Check every key of ``raw`` (missing keys take their defaults), resolve what the family
-    and the method decide, and run their checks; a ``ConfigError`` names the key and the fix."""
-    values = check_keys(raw)
-    try:
-        method = get_method(values["method"])
-    except UnknownMethod as err:
-        raise ConfigError(str(err)) from None
-    family = method.family
+def _family_decides(values: dict, family: Family) -> None:
+    """The keys left to the family (``auto``) set from it; its evaluations and noise checked."""
     family_decides = {
         "dataset": family.default_dataset,
         "partitioner": family.default_partitioner,
@@ -63,6 +56,18 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
             f"'privacy.noise-multiplier' = {values['privacy.noise-multiplier']} (fixed noise, epsilon only reported); "
             "set one of them, the other to 0"
         )
+
+
+def validate(raw: Mapping[str, Any]) -> RunConfig:
+    """Check every key of ``raw`` (missing keys take their defaults), resolve what the family
+    and the method decide, and run their checks; a ``ConfigError`` names the key and the fix."""
+    values = check_keys(raw)
+    try:
+        method = get_method(values["method"])
+    except UnknownMethod as err:
+        raise ConfigError(str(err)) from None
+    family = method.family
+    _family_decides(values, family)
     resolve_derived(values)
     if (values["dataset"] in VLM_DATASETS) != family.image_text:
         fitting = (

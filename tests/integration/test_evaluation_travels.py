@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from fedvlm.client_app.app import app as client_app
@@ -64,6 +65,7 @@ def test_each_round_is_one_exchange_carrying_the_previous_evaluation(make_cfg, p
         assert len(zero) == 2 and r["bytes"]["evaluate_down"] * 2 == rounds[2]["bytes"]["evaluate_down"]
 
 
+@pytest.mark.slow  # 18 s: three runs; the other evaluation tests stay in CI
 def test_evaluate_every_skips_the_rounds_between_and_trains_the_same(make_cfg, pretrained_clip):
     """``evaluate-every``: the rounds between evaluations send train messages only and are
     recorded complete without evaluation figures; the evaluated rounds' figures, and the prompts

@@ -15,6 +15,7 @@ from fedvlm.plots.__main__ import main as plots_main
 from fedvlm.plots.privacy import best_attack
 
 
+@pytest.mark.slow  # 19 s: a whole quick board; the protocol test stays in CI
 def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pretrained_clip, monkeypatch):
     monkeypatch.setenv("FEDVLM_CACHE", str(cache_dir))
     out = tmp_path / "board"

@@ -174,3 +174,19 @@ def test_a_redraw_keeps_a_symlinked_results_json_a_link(tmp_path):
     redraw_run(tmp_path / "run")
     assert (tmp_path / "run" / "results.json").is_symlink()
     assert "plots" in json.loads(kept.read_text())["run"]
+
+
+def test_a_curve_leaves_out_a_value_that_is_not_a_number_and_says_which(tmp_path, caplog):
+    """A hand-edited or damaged results.json with a string, list or dict where a round figure
+    should be: the curves are drawn from the numbers, the others named in a warning (the whole
+    picture used to fail with a TypeError)."""
+    from fedvlm.plots.curves import draw_curves
+
+    rounds = [
+        {"round": i, "metrics": {"train-loss": v}} for i, v in enumerate([2.0, "n/a", [1], {"x": 1}, 1.5, True], 1)
+    ]
+    data = {"config": {"method": "promptfl", "dataset": "embedded"}, "rounds": rounds}
+    with caplog.at_level("WARNING"):
+        drawn = draw_curves(data, tmp_path)
+    assert drawn == {"loss.png": ["train-loss"]} and (tmp_path / "loss.png").is_file()
+    assert "train-loss is not a number in round(s) 2, 3, 4, 6" in caplog.text

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fedvlm.utils.progress import time_left
@@ -32,6 +33,7 @@ def test_time_left_is_the_mean_time_per_unit_times_the_units_left():
     assert time_left(0, 10, 5.0) == "" and time_left(10, 10, 5.0) == ""
 
 
+@pytest.mark.slow  # 13 s: loads the tiny VLM in a subprocess
 def test_a_client_loading_the_vlm_in_a_log_prints_nothing(vlm_cache):
     """Every client of a VLM run loads the model and wraps it: no transformers bar, no peft warning
     about transformers' deprecated alias, in a log; a forced bar still shows the load."""
