@@ -66,11 +66,10 @@ def verdict(headline: Headline, rows: list[dict]) -> Verdict:
         for label, eps in ((headline.better, headline.epsilon), (headline.worse, headline.epsilon))
     }
     a, b = pick[headline.better], pick[headline.worse]
-    if headline.within:
-        base = stats.spread(b.values())
-        if base is None or not base.mean:
+    if headline.within:  # each seed's share of its own base row, so that both rows' spread counts
+        if not any(b.values()):
             return Verdict(headline, "not measurable", None, f"no {headline.worse} rows at epsilon {headline.epsilon}")
-        a = {s: None if v is None else v / base.mean - 1 for s, v in a.items()}
+        a = {s: None if v is None or not b.get(s) else v / b[s] - 1 for s, v in a.items()}
         b = {s: 0.0 for s in b}
     diff = stats.difference(a, b)
     if diff is None:

@@ -56,3 +56,17 @@ def test_an_attack_at_chance_in_every_run_settles_nothing():
     assert judged.outcome == "not measurable" and "chance level in every run" in judged.why
     rows[3].update({"auc": 0.62, "auc-lo": 0.58, "auc-hi": 0.66})  # b leaks in one run: a real figure to compare
     assert "chance" not in verdict(h, rows).why
+
+
+def test_a_within_claim_pairs_each_seed_with_its_own_base():
+    """A 'within' claim is judged on each seed's ratio to the same seed's base row. Dividing by the
+    base row's mean instead dropped that row's spread across seeds from the interval: FedRand's
+    5-seed server model read as reversed (-22.7% [-35.0%, -10.3%]) where the paired ratios are not
+    measurable."""
+    close = Headline("a within 1% of b", "cider", "a", "b", "0.1", within=0.01)
+    steady = [100.0, 100.0, 100.0, 100.0]
+    wild = [100.0, 160.0, 70.0, 130.0]  # the base row alone swings from seed to seed
+    judged = verdict(close, _rows(steady, wild, "cider"))
+    assert judged.outcome == "not measurable" and judged.difference is not None
+    ratios = [a / b - 1 for a, b in zip(steady, wild, strict=True)]
+    assert abs(judged.difference.mean - sum(ratios) / len(ratios)) < 1e-12
