@@ -521,6 +521,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--variants: {', '.join(sorted(unknown))} not among {', '.join(v[0] for v in protocol.variants)}")
     variants = [v for v in protocol.variants if not chosen or v[0] in chosen]
     asked = set(args.epsilons.split(",")) - {""}
+    part = chosen and len(variants) < len(protocol.variants) or asked and asked < set(protocol.epsilons)
+    if args.docs and part:  # the page is made from the runs asked for: a part would replace the whole
+        p.error(
+            "--docs with part of the protocol (--variants or --epsilons) would publish a page of that part only: "
+            "run the part without --docs, then the whole protocol with --docs (its finished runs are reused)"
+        )
     unknown_eps = sorted(asked - set(protocol.epsilons))
     if unknown_eps:
         p.error(f"--epsilons: {', '.join(unknown_eps)} not among {', '.join(protocol.epsilons)}")

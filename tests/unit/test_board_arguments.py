@@ -37,6 +37,14 @@ def test_a_protocol_refuses_epsilons_it_does_not_run_and_keeps_its_report(tmp_pa
     assert (tmp_path / "dirichlet-0.1.md").read_text() == "PRECIOUS" and not (tmp_path / "dirichlet-0.1").exists()
 
 
+def test_a_protocol_publishes_no_page_of_a_part_of_it(tmp_path, capsys):
+    """`--variants` with `--docs` rewrote the published page from that part's runs only (FedRand's
+    page lost its FedPer and FedPara rows this way); a part runs without --docs."""
+    out = ["--out", str(tmp_path), "--quick", "--no-attacks", "--docs"]
+    said = _refused(protocols.main, ["paper-fedrand", *out, "--variants", "fedrand,fedavg-lora"], capsys)
+    assert "would publish a page of that part only" in said and not (tmp_path / "paper-fedrand").exists()
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
