@@ -493,15 +493,9 @@ def _figures(protocol: Protocol, rows: list[dict]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
     import argparse
-    import logging
-    import sys
-    import time
     from pathlib import Path
-
-    from fedvlm.experiments import leaderboard, sweep
-    from fedvlm.experiments.sweep_report import read_summary
 
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.protocols", description=__doc__.split("\n\n")[0])
     p.add_argument("protocol", choices=sorted(PROTOCOLS))
@@ -512,6 +506,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epsilons", default="", help="comma-separated: only these of the protocol's privacy levels")
     p.add_argument("--no-attacks", action="store_true", help="skip the membership attacks (utility headlines only)")
     p.add_argument("--docs", action="store_true", help="also write docs/results/<protocol>.md, its plot and JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+    import sys
+    import time
+
+    from fedvlm.experiments import leaderboard, sweep
+    from fedvlm.experiments.sweep_report import read_summary
+
+    p = _parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     protocol = PROTOCOLS[args.protocol]
