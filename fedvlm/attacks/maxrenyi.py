@@ -219,7 +219,7 @@ def _client_section(per_client: dict[str, dict], pooled: dict[str, list[tuple[np
 def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int = 0) -> dict:
     from fedvlm.client_app.vlm_node import vlm_node_data
     from fedvlm.methods.validation import validate
-    from fedvlm.models.vlm import AdapterSpec, load_vlm
+    from fedvlm.models.vlm import load_vlm
 
     run_dir = Path(run_dir)
     data = read_results(run_dir, ATTACKED)
@@ -229,15 +229,7 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
         raise ValueError(
             f"MaxRényi attacks the VLM methods; run {run_dir} used {spec.name!r} (use `python -m fedvlm.attacks`)"
         )
-    vlm, initial, _ = load_vlm(
-        cfg.vlm.model,
-        cfg.cache_path,
-        AdapterSpec.from_config(cfg),
-        cfg.seed,
-        cfg.device,
-        cfg.vlm.trust_remote_code,
-        cfg.vlm.dtype,
-    )
+    vlm, initial, _ = load_vlm(cfg)
     shared = dict(load_saved(run_dir / "final_shared.pt", "run the attack on a finished run")["arrays"])
     nodes = [n for n in data["run"]["nodes"] if n["partition_id"] >= 0]
     num = len(nodes)

@@ -130,19 +130,11 @@ class AdapterModel:
 
     def __init__(self, cfg: RunConfig, num_partitions: int, seed: int, samples: int):
         from fedvlm.client_app.vlm_node import vlm_node_data
-        from fedvlm.models.vlm import AdapterSpec, load_vlm
+        from fedvlm.models.vlm import load_vlm
 
         self.cfg, self.n, self.seed, self.samples = cfg, num_partitions, seed, samples
         self.node_data = vlm_node_data
-        self.vlm, self.initial, _ = load_vlm(
-            cfg.vlm.model,
-            cfg.cache_path,
-            AdapterSpec.from_config(cfg),
-            cfg.seed,
-            cfg.device,
-            cfg.vlm.trust_remote_code,
-            cfg.vlm.dtype,
-        )
+        self.vlm, self.initial, _ = load_vlm(cfg)
         self.vlm.model.eval()  # no adapter dropout: the server's gradients are deterministic
         self._records: dict[int, list[tuple]] = {}
         self._member: dict[int, np.ndarray] = {}

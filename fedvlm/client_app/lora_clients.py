@@ -34,7 +34,7 @@ from fedvlm.client_app.trainer import Learner, StepOutput
 from fedvlm.client_app.vlm_node import VLMNodeData
 from fedvlm.metrics import CLIENT_MODEL, NUM_EXAMPLES, OOD, OOD_EXAMPLES, SERVER_MODEL, TRAIN_SECONDS, vlm_score
 from fedvlm.models import adapter_parts
-from fedvlm.models.vlm import AdapterSpec, load_adapter_state, load_vlm, trainable
+from fedvlm.models.vlm import load_adapter_state, load_vlm, trainable
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
@@ -50,15 +50,7 @@ class LoRAClient(Client):
 
     def __init__(self, cfg: RunConfig, node: VLMNodeData, state, server_round: int, canaries: Canaries | None = None):
         super().__init__(cfg, node, state, server_round, canaries)
-        self.vlm, self.initial, self.backbone = load_vlm(
-            cfg.vlm.model,
-            cfg.cache_path,
-            AdapterSpec.from_config(cfg),
-            cfg.seed,
-            cfg.device,
-            cfg.vlm.trust_remote_code,
-            cfg.vlm.dtype,
-        )
+        self.vlm, self.initial, self.backbone = load_vlm(cfg)
         self.shareable = sorted(cfg.spec.shares(cfg, self.initial))  # every tensor it may ever send
 
     # --- what is shared ------------------------------------------------------------------------

@@ -80,21 +80,29 @@ def node_data(cfg: RunConfig, node_config: dict) -> NodeData:
     """This node's data, from its node config (see the module docstring)."""
     if node_config.get("data-dir"):
         return _own_data(cfg, node_config)
-    if PARTITION_ID not in node_config or NUM_PARTITIONS not in node_config:
-        raise ConfigError(
-            "this SuperNode has neither 'data-dir' nor 'partition-id'/'num-partitions' in its node "
-            "config: start it with --node-config \"data-dir='/path/to/images'\" (its own image folder) "
-            'or "partition-id=0 num-partitions=N" (a partition of the run\'s dataset)'
-        )
-    pid, n = int(node_config[PARTITION_ID]), int(node_config[NUM_PARTITIONS])
-    if not 0 <= pid < n:
-        raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
+    pid, n = partition_of(node_config, "its own image folder")
     splits = _dataset(cfg)
     part = _partitions(cfg, splits, n)[pid]
     if cfg.attack.reference >= 0:  # an online-LiRA reference federation (python -m fedvlm.attacks --online)
         splits, part = reference_node_data(splits, part, cfg.attack.candidate_seed, pid, cfg.attack.reference)
     name = str(node_config.get("name") or f"client-{pid}")
     return NodeData(name, pid, splits, part, dict(node_config), noise_source(cfg, node_config, own_data=False))
+
+
+def partition_of(node_config: dict, own_data: str) -> tuple[int, int]:
+    """(partition id, number of partitions) of a node simulated on a partition of the run's
+    dataset, refused with the fix where its node config names none (``own_data``: what its
+    ``data-dir`` would hold instead)."""
+    if PARTITION_ID not in node_config or NUM_PARTITIONS not in node_config:
+        raise ConfigError(
+            "this SuperNode has neither 'data-dir' nor 'partition-id'/'num-partitions' in its node config: start it "
+            f"with --node-config \"data-dir='/path/to/folder'\" ({own_data}) or "
+            '"partition-id=0 num-partitions=N" (a partition of the run\'s dataset)'
+        )
+    pid, n = int(node_config[PARTITION_ID]), int(node_config[NUM_PARTITIONS])
+    if not 0 <= pid < n:
+        raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
+    return pid, n
 
 
 def _own_data(cfg: RunConfig, node_config: dict) -> NodeData:

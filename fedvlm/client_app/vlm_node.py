@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedvlm.client_app.node import noise_source
-from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
+from fedvlm.client_app.node import noise_source, partition_of
 from fedvlm.data.partitioners import make_partitions
 from fedvlm.data.sources import LabelCounts
 from fedvlm.data.vlm_data import VLMDataError, VLMDataset, VLMSplit, load_vlm_dataset, load_vlm_folder
@@ -69,15 +68,7 @@ def vlm_node_data(cfg: RunConfig, node_config: dict, shadow: bool = False) -> VL
         ds = _DATASETS[own]
         name = str(node_config.get("name") or root.name)
         return VLMNodeData(name, -1, ds, ds.train, ds.test, dict(node_config), noise_source(cfg, node_config, True))
-    if PARTITION_ID not in node_config or NUM_PARTITIONS not in node_config:
-        raise ConfigError(
-            "this SuperNode has neither 'data-dir' nor 'partition-id'/'num-partitions' in its node config: start it "
-            "with --node-config \"data-dir='/path/to/folder'\" (its own images and data.jsonl) or "
-            '"partition-id=0 num-partitions=N" (a partition of the run\'s dataset)'
-        )
-    pid, n = int(node_config[PARTITION_ID]), int(node_config[NUM_PARTITIONS])
-    if not 0 <= pid < n:
-        raise ConfigError(f"node config partition-id={pid} is outside 0..num-partitions-1 ({n})")
+    pid, n = partition_of(node_config, "its own images and data.jsonl")
     ds = vlm_dataset(cfg, shadow)
     key = (id(ds), cfg.partitioner, n, pid, cfg.seed, cfg.dirichlet_alpha, cfg.quantity_ratios)
     if key not in _NODES:

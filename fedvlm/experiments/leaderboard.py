@@ -44,7 +44,7 @@ import numpy as np
 
 from fedvlm.experiments import stats, sweep
 from fedvlm.experiments.attack_report import ENDS
-from fedvlm.experiments.sweep import MB
+from fedvlm.experiments.sweep import MB, whole_numbers
 from fedvlm.experiments.sweep_report import LAST10, read_summary, utility_columns
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
 from fedvlm.metrics import AUDIT_METRICS, METRICS, per_client
@@ -589,7 +589,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families (default: all)")
     p.add_argument("--methods", default="", help="comma-separated methods (default: every method of each family)")
-    p.add_argument("--seeds", default="", help="override the scale's seeds, e.g. 0,1")
+    p.add_argument("--seeds", type=whole_numbers, default="", help="override the scale's seeds, e.g. 0,1")
     p.add_argument("--docs", action="store_true", help="also write docs/results/leaderboard.md and its plot")
     return p
 
@@ -602,10 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     scale = QUICK if args.quick else FULL
     if args.seeds:
-        try:
-            scale = dataclasses.replace(scale, seeds=tuple(int(s) for s in args.seeds.split(",")))
-        except ValueError:
-            p.error(f"--seeds: {args.seeds!r} is not a comma-separated list of whole numbers")
+        scale = dataclasses.replace(scale, seeds=args.seeds)
     chosen = set(args.methods.split(",")) - {""}
     for name in chosen:
         try:

@@ -439,13 +439,13 @@ PROTOCOLS.update(
 )
 
 
-def scale_of(protocol: Protocol, quick: bool, seeds: str, attacks: bool):
+def scale_of(protocol: Protocol, quick: bool, seeds: tuple[int, ...], attacks: bool):
     """The leaderboard's ``Scale`` of a protocol (``--quick``: the CI-sized rounds and data)."""
     from fedvlm.experiments.leaderboard import FULL, QUICK, QUICK_FAMILY, Scale
 
     size = QUICK if quick else FULL
     sets = (*protocol.sets, *(size.sets + QUICK_FAMILY.get(protocol.family, ()) if quick else ()))
-    chosen = tuple(int(s) for s in seeds.split(",")) if seeds else (size.seeds if quick else protocol.seeds)
+    chosen = seeds or (size.seeds if quick else protocol.seeds)
     clients = size.clients if quick else protocol.clients
     return Scale(protocol.epsilons, chosen, clients, size.audit, size.shadows if attacks else 0, sets)
 
@@ -497,11 +497,13 @@ def _parser():
     import argparse
     from pathlib import Path
 
+    from fedvlm.experiments.sweep import whole_numbers
+
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.protocols", description=__doc__.split("\n\n")[0])
     p.add_argument("protocol", choices=sorted(PROTOCOLS))
     p.add_argument("--out", type=Path, default=Path.home() / "fedvlm-protocols")
     p.add_argument("--quick", action="store_true", help="CI-sized: 2 rounds, 3 clients, one seed")
-    p.add_argument("--seeds", default="", help="override the protocol's seeds, e.g. 0,1,2,3,4")
+    p.add_argument("--seeds", type=whole_numbers, default="", help="override the protocol's seeds, e.g. 0,1,2,3,4")
     p.add_argument("--variants", default="", help="comma-separated labels: run only these of the protocol's")
     p.add_argument("--epsilons", default="", help="comma-separated: only these of the protocol's privacy levels")
     p.add_argument("--no-attacks", action="store_true", help="skip the membership attacks (utility headlines only)")
@@ -536,10 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown_eps = sorted(asked - set(protocol.epsilons))
     if unknown_eps:
         p.error(f"--epsilons: {', '.join(unknown_eps)} not among {', '.join(protocol.epsilons)}")
-    try:
-        scale = scale_of(protocol, args.quick, args.seeds, not args.no_attacks)
-    except ValueError:
-        p.error(f"--seeds: {args.seeds!r} is not a comma-separated list of whole numbers")
+    scale = scale_of(protocol, args.quick, args.seeds, not args.no_attacks)
     epsilons = tuple(e for e in scale.epsilons if not asked or e in asked)
     if not epsilons:
         p.error(f"--epsilons: none of {args.epsilons} is run at this scale ({', '.join(scale.epsilons)})")

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from fedvlm.experiments import stats
-from fedvlm.experiments.sweep import DAMAGED, run_one
+from fedvlm.experiments.sweep import DAMAGED, run_one, whole_numbers
 from fedvlm.methods.registry import REPROGRAM, methods_of
 from fedvlm.metrics import ACC, ACC_WEIGHTED
 from fedvlm.runconfig import parse_value
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sources", default="auto", help="comma-separated reprogram.source-model values")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--clients", type=int, default=3)
-    p.add_argument("--seeds", default="0")
+    p.add_argument("--seeds", type=whole_numbers, default="0")
     p.add_argument(
         "--epsilon",
         type=float,
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     curves: dict[tuple, list[dict]] = {}
     for source in args.sources.split(","):
         for method in args.methods.split(","):
-            for seed in [int(s) for s in args.seeds.split(",")]:
+            for seed in args.seeds:
                 name = f"{method}-{source}-seed{seed}"
                 raw = {**base, "method": method, "reprogram.source-model": source, "seed": seed, "run-name": name}
                 found = (out / "runs" / name / RESULTS).exists()

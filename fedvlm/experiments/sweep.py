@@ -330,8 +330,8 @@ def _parser() -> argparse.ArgumentParser:
         help="a labelled variant: LABEL METHOD KEY=VALUE... (repeatable)",
     )
     p.add_argument("--epsilons", default=",".join(EPSILONS), help="'none' = no noise")
-    p.add_argument("--seeds", default="0")
-    p.add_argument("--ranks", default=RANK)
+    p.add_argument("--seeds", type=whole_numbers, default="0")
+    p.add_argument("--ranks", type=whole_numbers, default=RANK)
     p.add_argument("--residual", default="on", help="on, off or on,off (DP-FPL's ablation)")
     p.add_argument("--clients", type=int, default=None, help="clients per run (default: the preset's, else 10)")
     p.add_argument("--preset", choices=sorted(PRESETS))
@@ -526,8 +526,18 @@ def main(argv: list[str] | None = None) -> int:
     return sweep.finish(started)
 
 
+def whole_numbers(text: str) -> tuple[int, ...]:
+    """An argparse type, for every experiment command's --seeds: a comma-separated list of whole
+    numbers ('' for none, where a command's default then applies)."""
+    try:
+        return tuple(int(x) for x in text.split(",")) if text.strip() else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+
+
 def _lists(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[bool]]:
-    """--epsilons, --seeds, --ranks and --residual, read or refused before anything is made."""
+    """--epsilons, --seeds, --ranks and --residual, read or refused before anything is made (the
+    seeds and ranks by their type, ``whole_numbers``)."""
     epsilons = [e.strip() for e in args.epsilons.split(",")]
     for e in epsilons:
         try:
@@ -535,18 +545,12 @@ def _lists(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[s
                 raise ValueError
         except ValueError:
             p.error(f"--epsilons: {e!r} is neither 'none' nor a target epsilon in (0, 100]")
-    numbers = {}
-    for flag, text in (("--seeds", args.seeds), ("--ranks", args.ranks)):
-        try:
-            numbers[flag] = [int(x) for x in text.split(",")]
-        except ValueError:
-            p.error(f"{flag}: {text!r} is not a comma-separated list of whole numbers")
     residual = [x.strip() for x in args.residual.split(",")]
     if set(residual) - {"on", "off"}:
         p.error(f"--residual: {args.residual!r} must be on, off or on,off")
     if args.clients is not None and args.clients < 1:
         p.error(f"--clients: {args.clients} must be at least 1")
-    return epsilons, numbers["--seeds"], numbers["--ranks"], [x == "on" for x in residual]
+    return epsilons, list(args.seeds), list(args.ranks), [x == "on" for x in residual]
 
 
 def result_row(variant: str, method: str, eps: str, seed: int, data: dict) -> dict:

@@ -26,6 +26,7 @@ import torch
 from fedvlm.models import tiny_vlm
 from fedvlm.models.tiny_vlm import EMBEDDED_VLM_NAME
 from fedvlm.models.vlm_batching import VLM
+from fedvlm.runconfig import RunConfig
 from fedvlm.utils.progress import interactive
 
 log = logging.getLogger(__name__)
@@ -251,24 +252,18 @@ def resolve_device(name: str) -> torch.device:
     return clip_device(name)
 
 
-def load_vlm(
-    name: str,
-    cache_dir: Path,
-    adapter: AdapterSpec,
-    seed: int,
-    device: str = "auto",
-    trust_remote_code: bool = False,
-    dtype: str = "auto",
-) -> tuple[VLM, dict[str, torch.Tensor], str]:
-    """The frozen VLM with its adapter, the adapter's initial values (seeded: every process
-    gets the same) and the base model's fingerprint. Cached per process: simulated nodes that
+def load_vlm(cfg: RunConfig, device: str = "") -> tuple[VLM, dict[str, torch.Tensor], str]:
+    """The run's frozen VLM with its adapter (``vlm.*``, ``AdapterSpec.from_config``), the
+    adapter's initial values (seeded: every process gets the same) and the base model's
+    fingerprint, on ``device`` (default: the run's). Cached per process: simulated nodes that
     share a worker share the model and load their own adapter values before each use."""
-    dev = resolve_device(device)
-    key = (name, str(cache_dir), adapter, seed, str(dev), trust_remote_code, dtype)
+    adapter, name = AdapterSpec.from_config(cfg), cfg.vlm.model
+    dev = resolve_device(device or cfg.device)
+    key = (name, str(cfg.cache_path), adapter, cfg.seed, str(dev), cfg.vlm.trust_remote_code, cfg.vlm.dtype)
     if key not in _LOADED:
-        model, processor = load_model_and_processor(name, cache_dir, trust_remote_code, dtype)
+        model, processor = load_model_and_processor(name, cfg.cache_path, cfg.vlm.trust_remote_code, cfg.vlm.dtype)
         fp = fingerprint(model, name)
-        wrapped = add_adapter(model, adapter, seed)
+        wrapped = add_adapter(model, adapter, cfg.seed)
         initial = adapter_state(wrapped)
         _LOADED[key] = (VLM(wrapped, processor, name, dev), initial, fp)
     return _LOADED[key]

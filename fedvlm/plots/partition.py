@@ -2,11 +2,12 @@
 
 Counted by the family's own node loader (``Family.node_data``, the function every simulated node
 runs on its partition id), so the picture is the split the nodes trained on, not a second
-computation of it. Only a simulation has a split the server can know: a deployed node with its
-own ``data-dir`` reports no label counts (they would tell the server its label mix), and the run
-draws no partition plot. ``partition.json`` keeps the counts, so the plot is redrawn from the run
-folder alone (``python -m fedvlm.plots``); the bars are drawn by flwr-datasets' own
-``plot_label_distributions``.
+computation of it; drawn by ``python -m fedvlm.plots RUN_DIR`` in the researcher's process,
+never by a ServerApp (which would load every node's data). Only a simulation has a split to
+draw: a deployed node with its own ``data-dir`` reports no label counts (they would tell the
+server its label mix), and the run draws no partition plot. ``partition.json`` keeps the
+counts, so the plot is redrawn from the run folder alone; the bars are drawn by flwr-datasets'
+own ``plot_label_distributions``.
 """
 
 from __future__ import annotations

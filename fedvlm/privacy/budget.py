@@ -35,22 +35,13 @@ SEEDED_NOTE = (
 class RunBudget:
     """A run's privacy on the server (the module docstring); built by ``planned``."""
 
-    def __init__(
-        self,
-        settings: PrivacyConfig,
-        ledger: PrivacyLedger,
-        rounds: int,
-        local: LocalDP | None,
-        global_dp: GlobalDP | None,
-        noise_choice: str,
-    ):
+    def __init__(self, planner: PrivacyPlanner):
+        noise_choice = planner.settings.noise_source  # the run config's privacy.noise-source
         if noise_choice not in (*NOISE_SOURCES, "auto"):
             raise ValueError(f"privacy.noise-source = {noise_choice!r} is not one of auto, {', '.join(NOISE_SOURCES)}")
-        self.settings = settings
-        self.ledger = ledger
-        self.rounds = rounds
-        self.noise_choice = noise_choice  # the run config's privacy.noise-source
-        self.planner = PrivacyPlanner(settings, ledger, rounds, local, global_dp)
+        self.planner = planner
+        self.settings, self.ledger, self.rounds = planner.settings, planner.ledger, planner.rounds
+        self.noise_choice = noise_choice
         self.rounds_trained: dict[str, int] = {}  # node name -> rounds it was sent a train message
         # node name -> its own latest account of its records' epsilon, by accountant (the figures a
         # reprogramming node reports from its ledger with Opacus), set beside the server's figures
@@ -85,7 +76,7 @@ class RunBudget:
             sources = {**saved["sources"], **{k: v for k, v in sources.items() if k in shapes}}
             if global_dp is not None:
                 global_dp = dataclasses.replace(global_dp, denominator=int(saved["denominator"]))
-        budget = cls(settings, ledger, rounds, local, global_dp, settings.noise_source)
+        budget = cls(PrivacyPlanner(settings, ledger, rounds, local, global_dp))
         budget.plan(shapes, sources)
         return budget
 
@@ -297,7 +288,7 @@ class RunBudget:
 
     def noised_tensors(self) -> tuple[str, ...]:
         """The reply tensors the server noises (its mechanism's), whose bound must not depend on
-        the data (``strategies.validation.reply_bounds``)."""
+        the data (``strategies.reply_bound.reply_bounds``)."""
         return self.planner.global_dp.tensors if self.planner.global_dp is not None else ()
 
     def global_denominator(self) -> int | None:

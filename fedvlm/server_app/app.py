@@ -20,8 +20,8 @@ from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 from fedvlm.server_app.resume import clear_refused, hold_run_dir, note_refused, resume_point
 from fedvlm.server_app.tracking import Trackers
 from fedvlm.strategies.base import ResumeError
+from fedvlm.strategies.layers import wrap
 from fedvlm.strategies.parts import RunParts
-from fedvlm.strategies.secure_aggregation import SecureAggregation
 from fedvlm.utils.files import UnreadableFile
 from fedvlm.utils.runtime import simulated_grid
 
@@ -67,7 +67,7 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     parts = RunParts.of(cfg)  # the run's parts: the loop owns them, the strategy's hooks use them
     method = spec.strategy(parts)
     # a cross-cutting feature is a layer around the method's strategy, as Flower's wrappers are
-    strategy: RoundHooks = SecureAggregation(method) if cfg.secure_aggregation.enabled else method
+    strategy: RoundHooks = wrap(method)
     if point is not None:
         assert held is not None  # held above, with the resume point
         log.info("resuming %s after its round %d", point.run_dir, point.round)

@@ -62,7 +62,7 @@ HOOKS = (
 
 class RoundHooks(Protocol):
     """What the loop calls (``HOOKS``): a method's strategy (``strategies.base``), or a layer
-    around one (``strategies.secure_aggregation``)."""
+    around one (``strategies.layers``)."""
 
     def begin(self, grid: Grid, resumed: dict | None = None) -> None: ...
     def admit(self, grid: Grid) -> None: ...

@@ -9,9 +9,12 @@ It implements Flower's hooks (``configure_train``, ``aggregate_train``, ``config
   the plan for the node's local training travels with it (``protocol.TrainInstruction``);
 - reply validation (``strategies.validation``): a reply with an error, wrong tensors or shapes,
   another dtype than float32, non-finite values, malformed metrics or more examples than the
-  node's handshake reported is dropped with a logged, recorded reason; an update past its norm
-  bound (``reply_bounds``: fixed at the clip norm for what the server noises, ``replies.*``
-  for the rest) is clipped or dropped, and recorded.
+  node's handshake reported is dropped with a logged, recorded reason.
+
+What cuts across methods wraps the strategy (``strategies.layers``): the reply bound, the
+server's global noise and secure aggregation each reach it only through its hooks and the
+steps of a round's training it makes public (``validate``, ``aggregate_updates``,
+``aggregate_sums``, ``train_result``).
 
 The loop (``server_app.loop``) owns the round, as Flower's ``Strategy.start`` does: it admits the
 nodes that joined before each phase, passes the global arrays and the phase's config to
@@ -62,7 +65,6 @@ from fedvlm.protocol import (
     RUN_DIR,
     EvaluateInstruction,
     TrainInstruction,
-    TrainReply,
 )
 from fedvlm.runconfig import ConfigError
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
@@ -71,14 +73,11 @@ from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import EVAL_ROW, TRAIN_ROW, ClientUpdate, RunOutputs
 from fedvlm.strategies.validation import (
     NAMES_SHOWN,
-    ReplyBound,
     ReplyRejected,
-    bound_round,
     bounded,
     check_evaluate_reply,
     check_train_reply,
     record_nbytes,
-    reply_bounds,
 )
 from fedvlm.utils.rng import ServerStream
 
@@ -109,9 +108,6 @@ class FederatedStrategy(Strategy):
         self.cfg = parts.cfg
         self.spec = parts.cfg.spec
         self.privacy = parts.cfg.privacy
-        # how each part of an update is bounded (strategies.validation.reply_bounds): what the
-        # server noises at the fixed clip, once its mechanism is planned; the rest by replies.*
-        self.bounds: list[ReplyBound] = reply_bounds((), self.privacy.clip)
 
     # the run's parts, as the hooks read them
     @property
@@ -281,8 +277,6 @@ class FederatedStrategy(Strategy):
             self.registry.noise_sources(),
             ((resumed or {}).get("budget") or {}).get("plan"),
         )
-        self.bounds = reply_bounds(self.budget.noised_tensors(), self.privacy.clip)
-        self.ledger.reply_bounds = [b.as_dict(self.cfg.replies) for b in self.bounds]
 
     def _global_dp(self) -> GlobalDP | None:
         """The method's server-side mechanism, or, where the run has the clients draw it in shares
@@ -477,40 +471,17 @@ class FederatedStrategy(Strategy):
             kept.missing.append({"client": node.name if node else str(nid), "phase": kept.phase})
         return good
 
-    def _bound_norms(self, updates: list[ClientUpdate], kept: PhasePlan) -> list[ClientUpdate]:
-        """Clip or drop the updates past their bounds (``bounds``), recording each."""
-        sent = [kept.outgoing[u.node.node_id].payload.arrays for u in updates]  # validated: each was sent one
-        results = bound_round(sent, [u.reply.arrays for u in updates], self.cfg.replies, self.bounds)
-        kept_updates = []
-        for u, (arrays, entries) in zip(updates, results, strict=True):
-            for e in entries:
-                kept.bounded.append({"client": u.node.name, **e})
-                if arrays is not None:
-                    log.warning(
-                        "round %s: clipped the update of %s from norm %.4g to %.4g (%s)",
-                        kept.round,
-                        u.node.name,
-                        e["norm"],
-                        e["bound"],
-                        e["rule"],
-                    )
-            if arrays is None:
-                e = entries[0]
-                kept.drop(
-                    u.node.name,
-                    f"update norm {e['norm']:.4g} exceeds the round's bound {e['bound']:.4g} ({e['rule']})",
-                )
-                continue
-            kept_updates.append(ClientUpdate(u.node, TrainReply(arrays, u.reply.metrics)) if entries else u)
-        return kept_updates
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The new global arrays and the round's training figures, from the validated, bounded
-        replies to this round's train messages."""
+        """The new global arrays and the round's training figures, from the validated replies to this
+        round's train messages (a layer around the strategy may bound them first:
+        ``strategies.reply_bound``)."""
+        return self.aggregate_updates(server_round, self.validate(replies, self.plans[server_round].phase("train")))
+
+    def aggregate_updates(self, server_round: int, updates: list[ClientUpdate]) -> tuple[ArrayRecord, MetricRecord]:
+        """``updates`` (the replies that count) folded in (``aggregate``), and the round's outcome."""
         kept = self.plans[server_round].phase("train")
-        updates = self._bound_norms(self.validate(replies, kept), kept)
         return self.train_result(kept, updates, self.aggregate(server_round, updates) if updates else {})
 
     def train_result(

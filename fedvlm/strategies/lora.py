@@ -23,7 +23,7 @@ import numpy as np
 
 from fedvlm.metrics import FEDRAND_CLIENTS, TRAIN_CLIENTS
 from fedvlm.models import adapter_parts
-from fedvlm.models.vlm import AdapterSpec, load_vlm
+from fedvlm.models.vlm import load_vlm
 from fedvlm.strategies.aggregation import per_group_average, weighted_average
 from fedvlm.strategies.base import FederatedStrategy, to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
@@ -42,15 +42,7 @@ class LoRAStrategy(FederatedStrategy):
     def __init__(self, parts: RunParts):
         super().__init__(parts)
         cfg = parts.cfg
-        _, initial, fp = load_vlm(
-            cfg.vlm.model,
-            cfg.cache_path,
-            AdapterSpec.from_config(cfg),
-            cfg.seed,
-            "cpu",
-            cfg.vlm.trust_remote_code,
-            cfg.vlm.dtype,
-        )
+        _, initial, fp = load_vlm(cfg, "cpu")
         self.registry.server_fingerprint = fp
         self.adapter_initial = {k: v.numpy() for k, v in initial.items()}
         self.shared_names = sorted(self.spec.shares(cfg, initial))
@@ -145,9 +137,11 @@ class FedRandStrategy(LoRAStrategy):
             {"fedrand/half": half, "fedrand/first": first},
         )
 
-    def aggregate_train(self, server_round, replies):
-        self.participated.update(o.node.name for o in self.plans[server_round].phase("train").outgoing.values())
-        return super().aggregate_train(server_round, replies)
+    def train_result(self, kept, updates, metrics):
+        """Every node sent this round's training has now had the shared arrays once, whether its
+        update came in the clear or inside a secure sum."""
+        self.participated.update(o.node.name for o in kept.outgoing.values())
+        return super().train_result(kept, updates, metrics)
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, float]:
         for u in updates:

@@ -16,7 +16,7 @@ What the layer does to the round (``loop.HOOKS``, the same hooks the strategy ha
 - the run's global noise is drawn by the clients in shares (``RunParts.shares``: the distributed
   discrete Gaussian, ``privacy.distributed``), planned for as many survivors as the protocol's
   threshold guarantees.
-Every other hook is the strategy's.
+Every other hook is the strategy's (``strategies.layer``).
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from flwr.serverapp import Grid
 from fedvlm.privacy.planner import Distributed
 from fedvlm.secagg.server import SecAggError
 from fedvlm.strategies.base import FederatedStrategy
-from fedvlm.strategies.records import RunOutputs
+from fedvlm.strategies.layer import Layer
 from fedvlm.strategies.secure_sum import SecureSum, threshold
 
 log = logging.getLogger(__name__)
 
 
-class SecureAggregation:
+class SecureAggregation(Layer):
     """``strategy`` under secure aggregation (the module docstring)."""
 
-    def __init__(self, strategy: FederatedStrategy):
-        self.strategy = strategy
+    def __init__(self, strategy: FederatedStrategy | Layer):
+        super().__init__(strategy)
         parts = strategy.parts
         settings = parts.cfg.secure_aggregation
         self.sums = SecureSum(settings, parts.cfg.seed, strategy.sum_weighted)
@@ -50,15 +50,14 @@ class SecureAggregation:
 
         parts.shares = shares
 
-    # ---- the layer's hooks ----------------------------------------------------------------------
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         if not messages:
             return []
-        parts = self.strategy.parts
-        kept = parts.plans[server_round].phase("train")
+        parts = self.parts
+        kept = parts.phase(server_round, "train")
         noise = parts.budget.distributed_noise()
         bound = parts.cfg.privacy.clip if noise is not None else parts.cfg.replies.max_norm
         try:
@@ -71,45 +70,18 @@ class SecureAggregation:
         return messages
 
     def next_stage(self, server_round: int, replies: Iterable[Message]) -> Iterable[Message]:
-        kept = self.strategy.plans[server_round].phase("train")
-        return self.sums.advance(server_round, list(replies), kept, self.strategy.validate)
+        kept = self.parts.phase(server_round, "train")
+        return self.sums.advance(server_round, list(replies), kept, self.validate)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The survivors' sum folded in; ``replies`` were validated as the protocol began."""
-        kept = self.strategy.plans[server_round].phase("train")
+        kept = self.parts.phase(server_round, "train")
         updates, left_out = self.sums.in_sum(server_round)
         for name, why in left_out.items():
             kept.drop(name, why)
         total = self.sums.total(server_round)
-        metrics = self.strategy.aggregate_sums(server_round, *total, updates) if total is not None else {}
+        metrics = self.aggregate_sums(server_round, *total, updates) if total is not None else {}
         self.sums.finish(server_round)
-        return self.strategy.train_result(kept, updates, metrics)
-
-    # ---- the strategy's -------------------------------------------------------------------------
-    def begin(self, grid: Grid, resumed: dict | None = None) -> None:
-        self.strategy.begin(grid, resumed)
-
-    def admit(self, grid: Grid) -> None:
-        self.strategy.admit(grid)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
-    def state_dict(self) -> dict:
-        return self.strategy.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.strategy.load_state_dict(state)
-
-    def num_rounds(self) -> int:
-        return self.strategy.num_rounds()
-
-    def outputs(self, rounds: list[dict]) -> RunOutputs:
-        return self.strategy.outputs(rounds)
+        return self.train_result(kept, updates, metrics)

@@ -54,6 +54,7 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     strategy = spec.strategy(RunParts.of(cfg))
     from fedvlm.metrics import NUM_EXAMPLES
     from fedvlm.protocol import TrainReply
+    from fedvlm.strategies.global_noise import GlobalNoise
     from fedvlm.strategies.nodes import NodeInfo
     from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
     from fedvlm.strategies.records import ClientUpdate
@@ -69,7 +70,9 @@ def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     ]
     sent = {n.node_id: Outgoing(n, Payload({})) for n in strategy.nodes.values()}  # all 4 sampled
     strategy.plans[1] = RoundPlan(1, train=PhasePlan("train", 1, outgoing=sent))
-    strategy.aggregate(1, zero)
+    assert not strategy.aggregate(1, zero) and np.array_equal(strategy.global_arrays["global_ctx"], before)
+    _, metrics = GlobalNoise(strategy).aggregate_updates(1, zero)  # the layer the run puts around it
+    assert metrics is not None and metrics["gdp-denominator"] == 4
     step = before - strategy.global_arrays["global_ctx"]  # sgd, lr 1: exactly the noise
     sigma = strategy.ledger.plans["gdp-global"].sigma
     assert float(step.std()) == pytest.approx(sigma, rel=0.05)  # 1536 draws

@@ -223,12 +223,12 @@ def test_no_attack_is_scored_on_a_fedpara_model_the_server_cannot_rebuild(vlm_ca
     from fedvlm.experiments.sweep import attack_columns
     from fedvlm.methods.registry import get_method
     from fedvlm.methods.validation import validate
-    from fedvlm.models.vlm import AdapterSpec, load_vlm
+    from fedvlm.models.vlm import load_vlm
     from fedvlm.utils.files import load_saved
 
     _, recorder = _run(_raw(vlm_cache, tmp_path, "fedpara-lora", **{"num-server-rounds": 2}))
     cfg = validate(recorder.data["config"])
-    _, initial, _ = load_vlm(cfg.vlm.model, cfg.cache_path, AdapterSpec.from_config(cfg), cfg.seed, cfg.device)
+    _, initial, _ = load_vlm(cfg)
     w2_b = {k: v for k, v in initial.items() if ".hada_w2_b" in k}
     assert w2_b and all(not torch.as_tensor(v).any() for v in w2_b.values())  # the product's zero factor
     rebuilt = dict(load_saved(recorder.dir / "final_shared.pt", "test")["arrays"])
@@ -431,14 +431,19 @@ def test_a_run_stopped_by_its_budget_counts_only_the_train_messages_it_sent(vlm_
 def test_fedrand_under_secure_aggregation_averages_each_half_as_the_clear_run(vlm_cache, tmp_path):
     """FedRand's per-half average from the survivors' masked sum alone: the same adapter as the
     clear run of the same seed (every client's half weighted by its examples), the same per-half
-    counts, and nothing of a client's adapter in clear on the way up."""
-    extra = {"num-server-rounds": 1, "fraction-train": 1.0, "replies.max-norm": 100.0}
+    counts, and nothing of a client's adapter in clear on the way up. In round 2 each client is
+    sent only its half, as in the clear run (the layer used to skip FedRand's note of who had
+    trained, so every secure round sent both halves)."""
+    extra = {"num-server-rounds": 2, "fraction-train": 1.0, "replies.max-norm": 100.0}
     _, clear = _run(_raw(vlm_cache, tmp_path / "clear", "fedrand", **extra))
     _, secure = _run(_raw(vlm_cache, tmp_path / "secure", "fedrand", **extra, **{"secure-aggregation.enabled": True}))
-    (a,), (b,) = clear.data["rounds"], secure.data["rounds"]
-    assert b["secure_aggregation"]["masked"] == N_CLIENTS and b["bytes"]["train_up"] == 0
     counts = list(FEDRAND_CLIENTS.values())
-    assert [b["metrics"][c] for c in counts] == [a["metrics"][c] for c in counts]
+    for a, b in zip(clear.data["rounds"], secure.data["rounds"], strict=True):
+        assert b["secure_aggregation"]["masked"] == N_CLIENTS and b["bytes"]["train_up"] == 0
+        assert [b["metrics"][c] for c in counts] == [a["metrics"][c] for c in counts]
+        down = {name: (c["fedrand/first"], c["train/bytes_down"]) for name, c in a["clients"].items()}
+        assert {name: (c["fedrand/first"], c["train/bytes_down"]) for name, c in b["clients"].items()} == down
+    assert not any(c["fedrand/first"] for c in secure.data["rounds"][1]["clients"].values())
     before = torch.load(clear.dir / "final_shared.pt", weights_only=True)["arrays"]
     after = torch.load(secure.dir / "final_shared.pt", weights_only=True)["arrays"]
     assert before.keys() == after.keys()

@@ -20,6 +20,7 @@ from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
 from fedvlm.strategies.records import ClientUpdate
+from fedvlm.strategies.reply_bound import BoundedReplies
 from fedvlm.tensor_names import GLOBAL_GRAD
 
 C, B, N = 10.0, 32, 3
@@ -64,7 +65,7 @@ def _average(strategy, uploads: list[np.ndarray]) -> np.ndarray:
     updates = [
         ClientUpdate(n, TrainReply({GLOBAL_GRAD: u}, {NUM_EXAMPLES: 32})) for n, u in zip(nodes, uploads, strict=True)
     ]
-    return strategy.pre_noise_mean(1, strategy._bound_norms(updates, _sent(strategy)))
+    return strategy.mean(1, BoundedReplies(strategy).bound(updates, _sent(strategy)))
 
 
 # (client 0's norm, client 1's norm without the record, client 2's norm): the audit's table and
@@ -93,6 +94,8 @@ def test_one_record_moves_the_pre_noise_average_by_at_most_c_over_nb(make_cfg, p
 
 def test_the_server_noised_tensor_is_bounded_at_the_clip_norm_and_the_ledger_says_why(make_cfg, pretrained_clip):
     strategy = _strategy(make_cfg, **{"replies.norm-ratio": 2.0, "replies.max-norm": 1.0})
+    layer = BoundedReplies(strategy)
+    layer.note_bounds()  # as the layer does once the run has begun
     bounds = strategy.ledger.as_dict()["reply_bounds"]
     fixed = next(b for b in bounds if b["tensors"] == ["global_grad"])
     assert fixed["bound"] == C and fixed["rule"] == "fixed at privacy.clip" and "C/(N*B)" in fixed["why"]
@@ -106,7 +109,7 @@ def test_the_server_noised_tensor_is_bounded_at_the_clip_norm_and_the_ledger_say
         for n, u in zip(nodes, [small, honest, forged], strict=True)
     ]
     phase = _sent(strategy)
-    kept = strategy._bound_norms(updates, phase)
+    kept = layer.bound(updates, phase)
     assert [np.linalg.norm(u.reply.arrays[GLOBAL_GRAD]) for u in kept] == pytest.approx(
         [np.linalg.norm(small), C, C], rel=1e-5
     )
@@ -118,4 +121,6 @@ def test_without_server_noise_the_relative_rule_still_applies(make_cfg, pretrain
     strategy = cfg.spec.strategy(RunParts.of(cfg))
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(N)}
     strategy.prepare()
-    assert [b.tensors for b in strategy.bounds] == [None]  # PromptFL's uploads are noised by their sender
+    assert [b.tensors for b in BoundedReplies(strategy).bounds()] == [
+        None
+    ]  # PromptFL's uploads are noised by their sender

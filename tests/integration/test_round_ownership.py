@@ -12,6 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from fedvlm.client_app.app import app as client_app
 from fedvlm.methods.validation import validate
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR, SECURE_SUM
+from fedvlm.strategies.layers import wrap
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.secure_aggregation import SecureAggregation
 from fedvlm.utils.inprocess import InProcessGrid
@@ -66,7 +67,7 @@ def test_configure_builds_messages_from_its_inputs_and_changes_nothing(method, v
     cfg = validate(raw)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N} for i in range(N)], raw)
     method_strategy = cfg.spec.strategy(RunParts.of(cfg))
-    hooks = SecureAggregation(method_strategy) if secure else method_strategy
+    hooks = wrap(method_strategy)  # the layers the run's config calls for, as the ServerApp wraps it
     strategy = method_strategy  # the parts the test reads; the hooks go through the layer
     hooks.begin(grid)
     if method == "pfedmoap":  # every node in the pool: its messages carry experts
@@ -95,3 +96,37 @@ def test_configure_builds_messages_from_its_inputs_and_changes_nothing(method, v
     # what was sent is the global arrays it was given, not the strategy's own copy
     given = {k: v.numpy().tobytes() for k, v in arrays.items()}
     assert any(sent.get(k) == given[k] for _, sent, _, _ in train for k in given)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "stack"),
+    [
+        ({"method": "promptfl"}, ["BoundedReplies"]),
+        ({"method": "dpfpl"}, ["BoundedReplies"]),  # no privacy: the server adds no noise
+        ({"method": "dpfpl", "privacy__epsilon": 1.0}, ["BoundedReplies", "GlobalNoise"]),
+        (
+            {"method": "dpfpl", "privacy__epsilon": 1.0, "secure_aggregation__enabled": True},
+            ["SecureAggregation", "BoundedReplies", "GlobalNoise"],
+        ),
+        ({"method": "promptfl", "privacy__epsilon": 1.0}, ["BoundedReplies"]),  # its noise is the nodes'
+    ],
+)
+def test_the_run_config_decides_the_layers_around_a_method(make_cfg, pretrained_clip, overrides, stack):
+    """Outermost first; the method's strategy itself is the same class under any of them."""
+    from fedvlm.strategies.layer import Layer
+
+    cfg = make_cfg(**overrides)
+    method = cfg.spec.strategy(RunParts.of(cfg))
+    hooks, found = wrap(method), []
+    while isinstance(hooks, Layer):
+        found.append(type(hooks).__name__)
+        hooks = hooks.inner
+    assert found == stack and hooks is method
+
+
+def test_global_noise_wraps_only_a_strategy_that_steps_along_an_average(make_cfg, pretrained_clip):
+    from fedvlm.strategies.global_noise import GlobalNoise
+
+    cfg = make_cfg(method="promptfl")
+    with pytest.raises(TypeError, match="no global noise can go on it"):
+        GlobalNoise(cfg.spec.strategy(RunParts.of(cfg)))

@@ -118,7 +118,7 @@ def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_f
     )
     assert _mlflow_history(client, info["run_id"], names) == pytest.approx(_flat(expected))
     artifacts = {a.path for a in client.list_artifacts(info["run_id"])}
-    assert {"results.json", "rounds.csv", "privacy.png", "accuracy.png", "partition.png", "status.json"} <= artifacts
+    assert {"results.json", "rounds.csv", "privacy.png", "accuracy.png", "status.json"} <= artifacts
     # what a researcher sorts runs by: the run's summary, under names of its own, in both trackers
     summary = run_figures(data)
     assert summary[RUN_FIGURE + "local-acc-last10-mean"] == pytest.approx(data["final"]["local-acc-last10-mean"])
@@ -367,8 +367,24 @@ def test_rounds_csv_has_a_row_per_node_with_its_ledger_epsilon_and_the_plots_red
         assert float(r["eval/local-acc"]) == pytest.approx(record["clients"][r["client"]]["eval/local-acc"])
         assert r["local-acc"] == ""
 
-    # the split the plot counts is the one the nodes trained on (their handshakes' record counts;
-    # the audited node's include its canaries)
+    drawn = data["run"]["plots"]
+    assert {"privacy.png", "accuracy.png"} <= set(drawn)
+    assert "audit" in drawn["privacy.png"] and "target" in drawn["privacy.png"]
+    # the ServerApp draws only what the run recorded: the split needs every node's data loaded
+    assert "partition.png" not in drawn and not (folder / "partition.json").exists()
+
+    for name in drawn:
+        (folder / name).unlink()
+    out = subprocess.run(
+        [sys.executable, "-m", "fedvlm.plots", str(folder)], capture_output=True, text=True, check=True
+    ).stdout
+    redrawn = json.loads((folder / "results.json").read_text())["run"]["plots"]
+    assert set(redrawn) == {*drawn, "partition.png"}
+    for name in redrawn:
+        assert (folder / name).stat().st_size > 10_000, name
+        assert f"{folder / name}: " in out
+    # the split the command counts is the one the nodes trained on (their handshakes' record
+    # counts; the audited node's include its canaries)
     counts = json.loads((folder / "partition.json").read_text())
     audited = data["audit"]["nodes"]
     for node in data["run"]["nodes"]:
@@ -376,19 +392,6 @@ def test_rounds_csv_has_a_row_per_node_with_its_ledger_epsilon_and_the_plots_red
         assert sum(counts["nodes"][node["name"]]["train"]) + canaries == node["num_train"]
         assert sum(counts["nodes"][node["name"]]["test"]) == node["num_test"]
     assert len(counts["names"]) == 40
-    drawn = data["run"]["plots"]
-    assert {"privacy.png", "partition.png", "accuracy.png"} <= set(drawn)
-    assert "audit" in drawn["privacy.png"] and "target" in drawn["privacy.png"]
-
-    for name in drawn:
-        (folder / name).unlink()
-    out = subprocess.run(
-        [sys.executable, "-m", "fedvlm.plots", str(folder)], capture_output=True, text=True, check=True
-    ).stdout
-    for name in drawn:
-        assert (folder / name).stat().st_size > 10_000, name
-        assert f"{folder / name}: " in out
-    assert json.loads((folder / "results.json").read_text())["run"]["plots"] == drawn
 
 
 def test_a_run_whose_nodes_bring_their_own_data_draws_no_partition():

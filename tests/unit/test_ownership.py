@@ -46,11 +46,10 @@ def _functions_loading(name: str, folder: Path, root: Path = PACKAGE) -> set[tup
 
 def test_only_the_setup_the_admission_and_the_registry_talk_to_the_grid():
     users = _functions_loading("grid", PACKAGE / "strategies")
-    # a layer around the strategy hands the grid to the same hook of the strategy it wraps, where
-    # the rule holds again (``secure_aggregation``'s four, each one line)
-    passed_on = {
-        ("strategies/secure_aggregation.py", h) for h in ("begin", "admit", "configure_train", "configure_evaluate")
-    }
+    # a layer around the strategy hands the grid to the same hook of what it wraps, where the
+    # rule holds again (each of these passes it on, and does nothing else with it)
+    layers = {"strategies/layer.py", "strategies/secure_aggregation.py", "strategies/reply_bound.py"}
+    passed_on = {(f, fn) for f, fn in users if f in layers}
     assert users - passed_on == {
         ("strategies/base.py", "begin"),
         ("strategies/base.py", "admit"),
@@ -58,9 +57,17 @@ def test_only_the_setup_the_admission_and_the_registry_talk_to_the_grid():
         ("strategies/nodes.py", "wait"),
         ("strategies/nodes.py", "refresh"),
     }
-    layer = (PACKAGE / "strategies" / "secure_aggregation.py").read_text()
-    for hook in ("begin", "admit", "configure_train", "configure_evaluate"):
-        assert f"self.strategy.{hook}(" in layer  # passed on, not used
+    for path, fn in passed_on:
+        tree = ast.parse((PACKAGE / path).read_text())
+        func = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == fn)
+        calls = [
+            c
+            for c in ast.walk(func)
+            if isinstance(c, ast.Call) and any(isinstance(a, ast.Name) and a.id == "grid" for a in c.args)
+        ]
+        uses = [n for n in ast.walk(func) if isinstance(n, ast.Name) and n.id == "grid" and isinstance(n.ctx, ast.Load)]
+        assert len(calls) == len(uses) == 1, (path, fn)  # the grid goes to one call, and nowhere else
+        assert ast.unparse(calls[0].func) == f"self.inner.{fn}", (path, fn)  # the same hook, one layer in
 
 
 def test_the_rule_sees_a_configure_hook_that_uses_the_grid(tmp_path):
@@ -413,3 +420,38 @@ def a_strategy(arg: ast.arg) -> bool:
     """A parameter that holds a strategy: by its name or by its type's."""
     text = ast.unparse(arg.annotation) if arg.annotation is not None else ""
     return "strategy" in arg.arg.lower() or "Strategy" in text or "RoundHooks" in text
+
+
+METHOD_STRATEGIES = ("base.py", "prompt.py", "global_local.py", "lora.py", "pfedmoap.py", "reprogram.py")
+# what only a layer around the strategy may touch: the server's release of the global noise, the
+# noise the clients draw in shares, the reply bound's rules, the secure sum's protocol
+LAYER_NAMES = {"release_global", "distributed_noise", "bound_round", "reply_bounds", "SecureSum", "GDP_SIGMA"}
+
+
+def test_a_method_strategy_does_not_know_the_layers_it_runs_in():
+    """Issue 65: secure aggregation, the global noise and the reply bound wrap the method's strategy
+    (``strategies.layers``); none of the strategies names what those layers do, and none replaces
+    the round's training pipeline (``aggregate_train``), which each layer builds from its steps."""
+    for name in METHOD_STRATEGIES:
+        tree = ast.parse((PACKAGE / "strategies" / name).read_text())
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        used |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert not used & LAYER_NAMES, (name, used & LAYER_NAMES)
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name == "base.py" or "aggregate_train" not in defined, name
+
+
+def test_every_layer_is_listed_once_and_wraps_through_the_layer_base():
+    from fedvlm.strategies.layer import Layer
+    from fedvlm.strategies.layers import LAYERS
+
+    kinds = [layer for _, layer in LAYERS]
+    assert len(set(kinds)) == len(kinds) and all(issubclass(k, Layer) for k in kinds)
+    defined = {
+        n.name
+        for path in (PACKAGE / "strategies").glob("*.py")
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.ClassDef) and any(ast.unparse(b) == "Layer" for b in n.bases)
+    }
+    assert defined == {k.__name__ for k in kinds}  # a layer that no run gets is dead code

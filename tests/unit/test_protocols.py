@@ -13,7 +13,7 @@ from fedvlm.runconfig import parse_value
 @pytest.mark.parametrize("name", sorted(PROTOCOLS))
 def test_every_run_of_a_protocol_is_a_valid_config_of_its_family(name):
     protocol = PROTOCOLS[name]
-    sets = dict(item.split("=", 1) for item in scale_of(protocol, False, "", True).sets)
+    sets = dict(item.split("=", 1) for item in scale_of(protocol, False, (), True).sets)
     labels = [label for label, _, _ in protocol.variants]
     assert len(set(labels)) == len(labels)
     for label, method, overrides in protocol.variants:
@@ -70,3 +70,13 @@ def test_a_within_claim_pairs_each_seed_with_its_own_base():
     assert judged.outcome == "not measurable" and judged.difference is not None
     ratios = [a / b - 1 for a, b in zip(steady, wild, strict=True)]
     assert abs(judged.difference.mean - sum(ratios) / len(ratios)) < 1e-12
+
+
+@pytest.mark.parametrize("command", ["sweep", "leaderboard", "protocols", "reprogram_sweep"])
+def test_every_experiment_command_reads_its_seeds_one_way(command, capsys):
+    import importlib
+
+    main = importlib.import_module(f"fedvlm.experiments.{command}").main
+    with pytest.raises(SystemExit):
+        main(["--seeds", "1,x", *(["paper-dpfpl"] if command == "protocols" else [])])
+    assert "argument --seeds: '1,x' is not a comma-separated list of whole numbers" in capsys.readouterr().err

@@ -7,14 +7,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedvlm.protocol import EVALUATION, FAILED, SERVER_ROUND, EvaluateReply, TrainReply
-from fedvlm.strategies.validation import (
-    ReplyRejected,
-    check_evaluate_reply,
-    check_train_reply,
-    clipped,
-    norm_bound,
-    update_norm,
-)
+from fedvlm.strategies.reply_bound import clipped, norm_bound, update_norm
+from fedvlm.strategies.validation import ReplyRejected, check_evaluate_reply, check_train_reply
 
 
 def _request():
