@@ -233,11 +233,10 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def fingerprint(model: torch.nn.Module, name: str) -> str:
-    """A short hash of the frozen base weights (every node must hold the same model)."""
+    """A short hash of the frozen base weights (every node must hold the same model), taken
+    before the adapter is added (``load_vlm``), so that no adapter weight enters it."""
     h = hashlib.sha256(name.encode())
     for k, p in sorted(model.state_dict().items())[:64]:
-        if "lora_" in k or "hada_" in k:
-            continue
         h.update(k.encode())
         h.update(p.detach().float().cpu().flatten()[:256].numpy().tobytes())
     return h.hexdigest()[:16]
