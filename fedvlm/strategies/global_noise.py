@@ -62,14 +62,7 @@ class GlobalNoise(Layer):
         metrics = {GDP_SIGMA: sigma, GDP_DENOMINATOR: self.method.denominator(server_round, len(updates))}
         return self.train_result(parts.phase(server_round, "train"), updates, metrics)
 
-    def aggregate_sums(
-        self,
-        server_round: int,
-        sums: dict[str, np.ndarray],
-        weights: dict[str, float],
-        survivors: list[int],
-        updates: list[ClientUpdate],
-    ) -> dict[str, float]:
+    def aggregate_sums(self, server_round, sums, weights, survivors, updates):
         metrics = self.inner.aggregate_sums(server_round, sums, weights, survivors, updates)
         noise = self.parts.budget.distributed_noise()
         if noise is not None:  # what the survivors' shares add up to, on the mean
