@@ -28,6 +28,7 @@ import numpy as np
 
 from fedvlm.privacy.accounting import GaussianReleases, epsilon_spent
 from fedvlm.privacy.audit import audit_guesses
+from fedvlm.utils.processes import bench_report
 
 
 def main() -> int:
@@ -80,7 +81,7 @@ def main() -> int:
         f"last step in {100 * at_end / args.runs:.1f}% (a 95% bound allows 5% for one look)"
     )
     if args.out:
-        args.out.write_text(json.dumps(found, indent=1))
+        args.out.write_text(json.dumps(bench_report(found), indent=1))
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from round_overhead import run_flwr, run_inprocess
 
 from fedvlm.methods.registry import FAMILIES, methods_of
+from fedvlm.utils.processes import DEFAULT_SHARE, ClientShare, bench_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,18 +66,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu, or cuda")
     p.add_argument("--gpus-per-client", type=float, default=0.0, help="client-resources-num-gpus (cuda)")
-    p.add_argument("--cpus-per-client", type=int, default=0, help="client-resources-num-cpus (0: Flower's 2)")
+    p.add_argument(
+        "--cpus-per-client", type=int, default=0, help="client-resources-num-cpus, so its threads (0: ClientShare's)"
+    )
+    p.add_argument("--niceness", type=int, default=0, help="the simulated clients' niceness (Ray's default: 15)")
     p.add_argument("--engines", default="inprocess,flwr")
     p.add_argument("--out", type=Path, default=Path("clients_per_second.json"))
     p.add_argument("--cache-dir", default=os.environ.get("FEDVLM_CACHE", str(Path.home() / ".cache" / "fedvlm")))
     args = p.parse_args()
     if args.gpus_per_client and args.device != "cuda":
         p.error("--gpus-per-client shares a GPU: give --device cuda")
-    federation = " ".join(
-        f"client-resources-num-{kind}={share}"
-        for kind, share in (("cpus", args.cpus_per_client), ("gpus", args.gpus_per_client))
-        if share
-    )
+    share = ClientShare(args.cpus_per_client or DEFAULT_SHARE.threads, args.niceness)
+    federation = f"client-resources-num-gpus={args.gpus_per_client}" if args.gpus_per_client else ""
     rows = []
     for name in args.families.split(","):
         method = methods_of(FAMILIES[name])[0].name
@@ -92,7 +92,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 if engine == "flwr":
                     data, wall = run_flwr(
-                        method, args.rounds, Path(tmp), args.cache_dir, extra, args.clients, federation, memory
+                        method, args.rounds, Path(tmp), args.cache_dir, extra, args.clients, federation, memory, share
                     )
                 else:
                     if args.device == "cuda":
@@ -106,7 +106,8 @@ def main() -> None:
                 "model": args.model if name == "prompt" else "embedded",
                 "engine": engine,
                 "device": args.device,
-                "federation": federation,
+                "federation": f"{share.federation()} {federation}".strip(),
+                **share.record(),
                 **throughput(data),
                 "run_wall_s": round(wall, 1),
                 **{f"peak_{k}": round(v) for k, v in memory.items()},
@@ -120,8 +121,7 @@ def main() -> None:
                 + "".join(f", peak {k.removeprefix('peak_')} {v}" for k, v in row.items() if k.startswith("peak_")),
                 flush=True,
             )
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    args.out.write_text(json.dumps({"argv": sys.argv[1:], "machine": machine, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps(bench_report({"argv": sys.argv[1:], "rows": rows}), indent=2))
 
 
 if __name__ == "__main__":

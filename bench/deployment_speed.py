@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from fedvlm.deploy.local_federation import FLOWER_WAITS, OUR_WAITS, LocalFederation, NodeWaits
-from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching
+from fedvlm.utils.processes import TreeMemory, bench_report, flwr_env, flwr_run, kill_tree, pids_matching
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,6 @@ def main() -> None:
     report = {
         "config": args.run_config,
         "supernodes": args.supernodes,
-        "machine": {"cpus": os.cpu_count(), "load_1min_at_end": os.getloadavg()[0]},
         "runs": rows,
         "later_round_mean_s": means,
         "later_round_median_s": medians,
@@ -181,7 +180,7 @@ def main() -> None:
         report["ratio_to_simulation"] = {m: v / means["simulation"] for m, v in means.items()}
         report["median_ratio_to_simulation"] = {m: v / medians["simulation"] for m, v in medians.items()}
         report["run_ratio_to_simulation"] = {m: v / walls["simulation"] for m, v in walls.items()}
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    Path(args.out).write_text(json.dumps(bench_report(report), indent=2, default=str))
     print(f"\n{args.supernodes} nodes, {args.method}, {args.rounds} rounds, {os.cpu_count()} CPUs")
     for mode, runs in rows.items():
         ratio = report.get("ratio_to_simulation", {}).get(mode)

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from fedvlm.deploy.credentials import generate
-from fedvlm.utils.processes import free_port, kill_tree
+from fedvlm.utils.processes import bench_report, free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -325,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(bench_report({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}), indent=2)
+        )
     return 0
 
 

@@ -28,6 +28,7 @@ from fedvlm.methods.validation import validate
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape
+from fedvlm.utils.processes import bench_report
 
 # what this fedvlm writes results.json with; an earlier one encoded the whole file every write
 _files = importlib.import_module("fedvlm.utils.files")
@@ -130,7 +131,7 @@ def main() -> None:
             f"{kept}",
             flush=True,
         )
-    args.out.write_text(json.dumps({"clients": args.clients, "results": results}, indent=1))
+    args.out.write_text(json.dumps(bench_report({"clients": args.clients, "results": results}), indent=1))
 
 
 if __name__ == "__main__":

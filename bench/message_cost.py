@@ -31,6 +31,7 @@ from pathlib import Path
 
 from fedvlm.deploy.node_worker import spawn
 from fedvlm.runconfig import parse_value
+from fedvlm.utils.processes import bench_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,7 +161,7 @@ def main() -> None:
         "warm_overhead_s": mean(warm, "overhead"),
         "ratio_cold_to_warm_per_message": mean(cold, "process_wall") / mean(warm, "process_wall"),
     }
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    Path(args.out).write_text(json.dumps(bench_report(report), indent=2))
     print(f"{args.method} {overrides}: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     print("cold message (a fresh process per message, as Flower runs a ClientApp), mean of", args.repeats)
     for key in ("import", "data", "model", "features", "message", "process_wall"):

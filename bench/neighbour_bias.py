@@ -29,6 +29,7 @@ from fedvlm.methods.validation import validate
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.tensor_names import CTX, GLOBAL_CTX
 from fedvlm.utils.files import load_saved
+from fedvlm.utils.processes import bench_report
 
 
 def shares(logits: torch.Tensor, labels: np.ndarray, own: tuple[int, ...]) -> tuple[float, float]:
@@ -95,7 +96,7 @@ def main() -> int:
             flush=True,
         )
     if args.out:
-        args.out.write_text(json.dumps({"runs": found}, indent=1))
+        args.out.write_text(json.dumps(bench_report({"runs": found}), indent=1))
     return 0
 
 

@@ -20,6 +20,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from fedvlm.utils.processes import bench_report
+
 # the private regression cases (tests/regression.py): the smallest config that shows each mechanism
 CASES = ("promptfl-dp", "dpfpl-dp", "fedotp-dp", "fedpgp-dp", "pfedmoap-dp", "fedrand-dp", "reprogram", "bl-pf")
 
@@ -80,7 +82,9 @@ def main() -> None:
             f"{r['refused-at-or-below']:>7.3f} {r['refused-at-or-above']:>8.3f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"significance": NOISE_SIGNIFICANCE, "power": 0.99, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(bench_report({"significance": NOISE_SIGNIFICANCE, "power": 0.99, "rows": rows}), indent=1)
+        )
     if args.csv:
         with args.csv.open("w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=list(rows[0]))

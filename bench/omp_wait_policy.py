@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedvlm.utils.processes import bench_report
+
 POLICIES = ("default", "ACTIVE", "PASSIVE")
 RUN = (
     "import dataclasses, time; from fedvlm.models import embedded_resnet as er; "
@@ -79,7 +81,7 @@ def main() -> int:
     }
     print(json.dumps(summary, indent=2))
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "runs": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps(bench_report({"summary": summary, "runs": rows}), indent=2) + "\n")
     if args.csv:
         with args.csv.open("w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from fedvlm.models import tiny_clip
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context
 from fedvlm.privacy.dpsgd import DPStep, functional_per_sample, per_sample_chunk, privatize
+from fedvlm.utils.processes import bench_report
 
 CLASSNAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 COLOURS = ["red", "green", "blue", "yellow", "black", "white", "grey", "pink", "brown", "purple"]
@@ -191,7 +192,7 @@ def main() -> None:
             flush=True,
         )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps(bench_report(rows), indent=2))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching
+from fedvlm.utils.processes import DEFAULT_SHARE, ClientShare, TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,10 +53,12 @@ def run_flwr(
     clients: int = 10,
     federation: str = "",
     memory: dict | None = None,
+    share: ClientShare = DEFAULT_SHARE,
 ) -> tuple[dict, float]:
     """One ``flwr run`` (``extra``: further run-config keys; ``federation``: further
-    ``--federation-config`` options); its results and wall time. ``memory``, if given, receives
-    the process tree's peaks (``TreeMemory``: RSS, PSS, GPU)."""
+    ``--federation-config`` options; ``share``: each simulated client's threads and niceness);
+    its results and wall time. ``memory``, if given, receives the process tree's peaks
+    (``TreeMemory``: RSS, PSS, GPU)."""
     home = work / "flwr-home"
     out = work / "runs"
     raw = {
@@ -70,7 +72,8 @@ def run_flwr(
     t0 = time.time()
     try:
         with TreeMemory(str(home)) as mem:
-            proc = flwr_run(flwr_env(home), raw, clients, timeout=3600, federation=federation)
+            federation = f"{share.federation()} {federation}"
+            proc = flwr_run(flwr_env(home, share), raw, clients, timeout=3600, federation=federation)
     finally:
         for pid in pids_matching(str(home)):
             kill_tree(pid)

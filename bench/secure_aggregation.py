@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedvlm.utils.processes import bench_report
+
 
 def run(overrides: dict, nodes: int, work: Path, run_id: str) -> tuple[dict, float]:
     from fedvlm.client_app.app import app as client_app
@@ -245,7 +247,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = {"cost": cost, "accuracy": accuracy, "protocol": protocol, "attack": attack}[args.what](args, Path(tmp))
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+        args.out.write_text(json.dumps(bench_report(rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from fedvlm.utils.processes import bench_report
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -117,7 +119,7 @@ def main() -> None:
                 f"{r['nodes']:6d} nodes {r['messages']:4d} messages: Flower's sweep / patched = "
                 f"{f['sweep_ms'] / r['sweep_ms']:.1f}x"
             )
-    Path(args.out).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(bench_report({"rows": rows}), indent=1) + "\n")
 
 
 if __name__ == "__main__":

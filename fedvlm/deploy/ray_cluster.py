@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedvlm.utils.processes import cmdline, flwr_env, free_port, kill_tree, pids_matching
+from fedvlm.utils.processes import cmdline, flwr_env, free_port, kill_tree, pids_matching, start_local_superlink
 
 HOST = "127.0.0.2"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -164,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Ray cluster at {cluster.address}: {len(cluster.nodes)} nodes, CPUs {args.cpus}", flush=True)
         home = cluster.temp / "flwr-home"  # its own local SuperLink, started with the cluster's address
         started = time.time()
+        env = dict(flwr_env(home), **cluster.env())
         try:
-            rc = subprocess.run(command, env=dict(flwr_env(home), **cluster.env())).returncode
+            start_local_superlink(env)  # with a bound of its own, not Flower's CLI's 15 s
+            rc = subprocess.run(command, env=env).returncode
         finally:
             for pid in pids_matching(str(home)):
                 kill_tree(pid)

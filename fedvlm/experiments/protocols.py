@@ -494,6 +494,47 @@ def _figures(protocol: Protocol, rows: list[dict]) -> list[str]:
     return out
 
 
+def headline_rows(protocol: Protocol) -> tuple[set[str], set[str]]:
+    """The variants and privacy levels the protocol's headlines compare: the least a verdict needs."""
+    labels = {label for h in protocol.headlines for label in (h.better, h.worse)}
+    return labels, {h.epsilon for h in protocol.headlines}
+
+
+def left_out(protocol: Protocol) -> str:
+    """The page's note on a run of the headline rows only: which of the protocol's cells it has not run."""
+    labels, epsilons = headline_rows(protocol)
+    rest = [f"{label} (all)" for label, _, _ in protocol.variants if label not in labels]
+    rest += [f"epsilon {e} (all)" for e in protocol.epsilons if e not in epsilons]
+    return (
+        f"**Headline rows only**: {', '.join(sorted(labels))} at epsilon {', '.join(sorted(epsilons))}. "
+        f"Not run for this page: {', '.join(rest) or 'nothing'}."
+    )
+
+
+def _selection(p, args, protocol: Protocol) -> tuple[list, set[str]]:
+    """The variants and epsilons asked for; a page (--docs) is the whole protocol or its headline rows."""
+    chosen = set(args.variants.split(",")) - {""}
+    asked = set(args.epsilons.split(",")) - {""}
+    if args.headline_rows:
+        if chosen or asked:
+            p.error("--headline-rows chooses the variants and epsilons itself: drop --variants and --epsilons")
+        chosen, asked = headline_rows(protocol)
+    unknown = chosen - {label for label, _, _ in protocol.variants}
+    if unknown:
+        p.error(f"--variants: {', '.join(sorted(unknown))} not among {', '.join(v[0] for v in protocol.variants)}")
+    unknown_eps = sorted(asked - set(protocol.epsilons))
+    if unknown_eps:
+        p.error(f"--epsilons: {', '.join(unknown_eps)} not among {', '.join(protocol.epsilons)}")
+    variants = [v for v in protocol.variants if not chosen or v[0] in chosen]
+    part = chosen and len(variants) < len(protocol.variants) or asked and asked < set(protocol.epsilons)
+    if args.docs and part and not args.headline_rows:  # a page of a part would replace the whole's
+        p.error(
+            "--docs with part of the protocol (--variants or --epsilons) would publish a page of that part only: "
+            "run the part without --docs, then the whole protocol (or --headline-rows) with --docs"
+        )
+    return variants, asked
+
+
 def _parser():
     import argparse
     from pathlib import Path
@@ -508,6 +549,11 @@ def _parser():
     p.add_argument("--variants", default="", help="comma-separated labels: run only these of the protocol's")
     p.add_argument("--epsilons", default="", help="comma-separated: only these of the protocol's privacy levels")
     p.add_argument("--no-attacks", action="store_true", help="skip the membership attacks (utility headlines only)")
+    p.add_argument(
+        "--headline-rows",
+        action="store_true",
+        help="only the variants and epsilons the headlines compare; with --docs the page names the cells left out",
+    )
     p.add_argument("--docs", action="store_true", help="also write docs/results/<protocol>.md, its plot and JSON")
     return p
 
@@ -524,21 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     protocol = PROTOCOLS[args.protocol]
-    chosen = set(args.variants.split(",")) - {""}
-    unknown = chosen - {label for label, _, _ in protocol.variants}
-    if unknown:
-        p.error(f"--variants: {', '.join(sorted(unknown))} not among {', '.join(v[0] for v in protocol.variants)}")
-    variants = [v for v in protocol.variants if not chosen or v[0] in chosen]
-    asked = set(args.epsilons.split(",")) - {""}
-    part = chosen and len(variants) < len(protocol.variants) or asked and asked < set(protocol.epsilons)
-    if args.docs and part:  # the page is made from the runs asked for: a part would replace the whole
-        p.error(
-            "--docs with part of the protocol (--variants or --epsilons) would publish a page of that part only: "
-            "run the part without --docs, then the whole protocol with --docs (its finished runs are reused)"
-        )
-    unknown_eps = sorted(asked - set(protocol.epsilons))
-    if unknown_eps:
-        p.error(f"--epsilons: {', '.join(unknown_eps)} not among {', '.join(protocol.epsilons)}")
+    variants, asked = _selection(p, args, protocol)
     scale = scale_of(protocol, args.quick, args.seeds, not args.no_attacks)
     epsilons = tuple(e for e in scale.epsilons if not asked or e in asked)
     if not epsilons:
@@ -556,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     title = f"Protocol {protocol.name}: the paper's setup on the embedded default"
     board = leaderboard.board_markdown(entries, command.strip(), time.time() - t0, title)
     lines = markdown(protocol, verdicts, board, [r for r in rows if r["status"] != "failed"])
+    if args.headline_rows:
+        lines[1:1] = ["", left_out(protocol)]
     found = [{"claim": v.headline.claim, "outcome": v.outcome, "why": v.why} | _difference(v) for v in verdicts]
     leaderboard.write_outputs(entries, out, protocol.name, lines, command, {"headlines": found})
     if args.docs:

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,12 +109,75 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def flwr_env(home: Path) -> dict[str, str]:
+# Where a machine has at most this many cores, a simulated client gets one OpenMP thread.
+FEW_CORES = 4
+
+
+@dataclass(frozen=True)
+class ClientShare:
+    """What each simulated client (a Ray actor of Flower's simulation engine) gets of the machine.
+
+    Ray gives an actor as many OpenMP threads as its ``client-resources-num-cpus`` (Flower's
+    default: 2) and starts its workers at nice ``RAY_worker_niceness`` (Ray's default: 15). Beside
+    other work that collapsed a 10-client round from 2.8 s to 110 s: threads spinning at a barrier
+    while a sibling waits for a core, at a priority below every other job. By default a client
+    here gets one thread where cores are few, two elsewhere (Flower's), and the host's own
+    priority; the operator sets either (``--federation-config``, ``RAY_worker_niceness``)."""
+
+    threads: int = 1 if (os.cpu_count() or 1) <= FEW_CORES else 2
+    niceness: int = 0
+
+    def federation(self) -> str:
+        return f"client-resources-num-cpus={self.threads}"
+
+    def env(self) -> dict[str, str]:
+        """Read by Ray's raylet when it starts: the SuperLink's environment, which the simulation inherits."""
+        return {"RAY_worker_niceness": str(self.niceness)}
+
+    def record(self) -> dict:
+        """The settings and the machine's load, beside a bench's figures."""
+        return {
+            "client_threads": self.threads,
+            "client_niceness": self.niceness,
+            "cpus": os.cpu_count(),
+            "load_1min": round(os.getloadavg()[0], 2),
+        }
+
+
+DEFAULT_SHARE = ClientShare()
+
+
+def machine() -> dict:
+    """What a bench's figures were measured on: the machine, its load, this process's threads and
+    niceness, and what simulated clients get by default (``DEFAULT_SHARE``)."""
+    import platform
+
+    torch = sys.modules.get("torch")  # its threads only where the bench uses it
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_1_5_15min": [round(x, 2) for x in os.getloadavg()],
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
+        "simulated_client": {"threads": DEFAULT_SHARE.threads, "niceness": DEFAULT_SHARE.niceness},
+    }
+
+
+def bench_report(payload: dict | list) -> dict:
+    """A bench's JSON: its figures beside ``machine()`` as it was when they were taken."""
+    return {"machine": machine(), **(payload if isinstance(payload, dict) else {"rows": payload})}
+
+
+def flwr_env(home: Path, share: ClientShare = DEFAULT_SHARE) -> dict[str, str]:
     """Environment for ``flwr run`` with its own FLWR_HOME and a local simulation SuperLink on
     free ports, so that a SuperLink already running on this machine is never reused; stop what it
-    started with ``kill_tree`` on ``pids_matching(str(home))``."""
+    started with ``kill_tree`` on ``pids_matching(str(home))``. Simulated clients run at the
+    niceness of ``share``."""
     return dict(
         os.environ,
+        **share.env(),
         FLWR_HOME=str(home),
         FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
         FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
@@ -134,12 +198,61 @@ def run_config_arg(raw: dict) -> str:
     )
 
 
+# How long a local SuperLink may take to answer. Flower's CLI gives the one it starts 15 s, which a
+# busy host (load 20) overran: every `flwr run` of a bench then failed before its first round.
+SUPERLINK_START_S = 300.0
+
+
+def _answers(port: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).is_success
+    except httpx.HTTPError:
+        return False
+
+
+def start_local_superlink(env: dict[str, str], bound: float = SUPERLINK_START_S) -> None:
+    """Start the guarded local SuperLink (``fedvlm.deploy.superlink --local``) that ``flwr run`` with
+    ``env`` uses, unless one answers already, and wait for it ``bound`` seconds at most; ``flwr
+    run`` then finds it answering and starts none of its own. It runs detached, with its command
+    line under ``$FLWR_HOME``: stop it with ``kill_tree`` on ``pids_matching(FLWR_HOME)``."""
+    port = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+    if _answers(port):
+        return
+    log = Path(env["FLWR_HOME"]) / "local-superlink" / "start.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedvlm.deploy.superlink", "--local"],
+            env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the local SuperLink exited with code {proc.returncode} before answering: see {log}")
+        if _answers(port):
+            return
+        time.sleep(0.2)
+    kill_tree(proc.pid)
+    raise TimeoutError(
+        f"the local SuperLink did not answer on 127.0.0.1:{port} within {bound:.0f} s (load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs): wait for the machine to calm down, or give a "
+        f"longer bound; its log: {log}"
+    )
+
+
 def flwr_run(
     env: dict[str, str], run_config: dict | str, supernodes: int = 10, timeout: float = 900, federation: str = ""
 ) -> subprocess.CompletedProcess:
     """``flwr run`` of this app in simulation with ``supernodes`` virtual nodes (and the further
-    ``--federation-config`` options in ``federation``, e.g. ``client-resources-num-cpus=1``);
-    output captured."""
+    ``--federation-config`` options in ``federation``; each client's CPUs, and so its threads,
+    are ``ClientShare``'s unless it names ``client-resources-num-cpus``); output captured. It
+    starts the local SuperLink itself first, with this module's bound on its start-up instead of
+    Flower's 15 s."""
+    start_local_superlink(env)
+    if "client-resources-num-cpus" not in federation:
+        federation = f"{DEFAULT_SHARE.federation()} {federation}"
     return subprocess.run(
         [
             FLWR,

@@ -8,11 +8,14 @@ Messages differ by family and by whether DP is on, so one or two methods per fam
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from fedvlm import status
 from fedvlm.metrics import STEPS
+from fedvlm.stop import local_superlinks
+from fedvlm.utils.processes import cmdline
 from fedvlm.utils.processes import flwr_run as _flwr_run
 
 
@@ -29,6 +32,9 @@ def test_flwr_run_embedded_default_learns(flwr_env, tmp_path, cache_dir):
     acc = [r["metrics"]["local-acc"] for r in data["rounds"]]
     assert len(acc) == 5 and acc[-1] > acc[0], acc
     assert "[round 5/5]" in log and "local-acc (mean of last 10)" in log  # progress and summary
+    # the guarded local SuperLink flwr_run started, with its own bound, not Flower's 15 s one
+    assert "Starting local SuperLink" not in log
+    assert [p for p in local_superlinks(Path(flwr_env["FLWR_HOME"])) if "fedvlm.deploy.superlink" in cmdline(p)]
     assert (out / "e2e" / "accuracy.png").exists()
     # flwr run exits 0 whatever the ServerApp did; the status command is what a script tests
     assert status.main(["--runs", str(out)]) == status.OK

@@ -63,3 +63,15 @@ def test_the_guarded_local_superlink_serves_only_its_account_and_stops(tmp_path)
         assert not _alive(link.pid)
     finally:
         kill_tree(link.pid)
+
+
+@pytest.mark.ci
+def test_a_local_superlink_that_does_not_answer_in_time_is_stopped_and_named(tmp_path):
+    """flwr_run starts the local SuperLink itself, with a bound it sets (Flower's CLI gives it 15 s,
+    which a busy host overran); past the bound it is stopped, and the error says the load."""
+    from fedvlm.utils.processes import pids_matching, start_local_superlink
+
+    env = flwr_env(tmp_path / "flwr-home")
+    with pytest.raises(TimeoutError, match=r"did not answer .* within 0 s \(load average [0-9.]+ on \d+ CPUs\)"):
+        start_local_superlink(env, bound=0.01)
+    assert not pids_matching(str(tmp_path / "flwr-home"))

@@ -80,3 +80,22 @@ def test_every_experiment_command_reads_its_seeds_one_way(command, capsys):
     with pytest.raises(SystemExit):
         main(["--seeds", "1,x", *(["paper-dpfpl"] if command == "protocols" else [])])
     assert "argument --seeds: '1,x' is not a comma-separated list of whole numbers" in capsys.readouterr().err
+
+
+def test_a_page_is_the_whole_protocol_or_its_headline_rows(capsys):
+    """--docs refuses an arbitrary part (its page would stand for the whole); --headline-rows picks
+    exactly the cells the verdicts read, and the page names every cell it left out."""
+    from fedvlm.experiments.protocols import headline_rows, left_out, main
+
+    with pytest.raises(SystemExit):
+        main(["paper-dpfpl", "--variants", "fedotp", "--docs"])
+    assert "--docs with part of the protocol" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["paper-dpfpl", "--headline-rows", "--epsilons", "0.1"])
+    assert "drop --variants and --epsilons" in capsys.readouterr().err
+    protocol = PROTOCOLS["paper-dpfpl"]
+    labels, epsilons = headline_rows(protocol)
+    assert labels == {"promptfl", "dpfpl-r8", "dpfpl-r8-nores", "fedpgp", "promptfl-lr0.01", "dpfpl-r8-lr0.01"}
+    assert epsilons == {"0.1"}
+    note = left_out(protocol)
+    assert "fedotp (all)" in note and all(f"epsilon {e} (all)" in note for e in ("none", "0.4", "0.01"))
