@@ -22,8 +22,10 @@ Prints seconds per round (round 1 apart: it loads models and features everywhere
 time runs from its start to the next's, and the last round's includes its evaluation, which goes
 alone), their mean and median over every run of a mode, the ratio of each deployment to the
 simulation, a whole run's time (``flwr run`` to its end, the federation already up) and its
-ratio, lost replies, rounds that waited out round-timeout, and the federation's peak memory per
-program; writes all of it as JSON.
+ratio, lost replies, rounds that waited out round-timeout, the federation's peak memory per
+program, and its CPU seconds per program and later round (``utils.processes.TreeCpu``: by CPU
+time, so a busy machine does not distort it; the profile every change to the message path is
+measured with); writes all of it as JSON.
 
     python bench/deployment_speed.py --supernodes 4 --rounds 4
     python bench/deployment_speed.py --supernodes 20 --rounds 3 --modes warm
@@ -41,7 +43,8 @@ import time
 from pathlib import Path
 
 from fedvlm.deploy.local_federation import FLOWER_WAITS, OUR_WAITS, LocalFederation, NodeWaits
-from fedvlm.utils.processes import TreeMemory, bench_report, flwr_env, flwr_run, kill_tree, pids_matching
+from fedvlm.server_app.results import ROUNDS_CSV
+from fedvlm.utils.processes import TreeCpu, TreeMemory, bench_report, flwr_env, flwr_run, kill_tree, pids_matching
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,15 +57,27 @@ def simulation(args, work: Path) -> dict:
     home = work / "flwr-home"
     config = f"{args.run_config} output-dir='{work / 'runs'}' run-name='sim'"
     t0 = time.time()
-    with TreeMemory(str(home), 1.0) as mem:
+    with TreeMemory(str(home), 1.0) as mem, _profile(str(home), work / "runs" / "sim") as cpu:
         try:
             proc = flwr_run(flwr_env(home), config, supernodes=args.supernodes, timeout=3600)
+            by_program = cpu.by_program()
         finally:
             for pid in pids_matching(str(home)):
                 kill_tree(pid)
     if proc.returncode:
         raise SystemExit(f"flwr run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return {"rounds": _rounds(work / "runs" / "sim" / "results.json"), "wall_s": time.time() - t0, "memory": mem}
+    rounds = _rounds(work / "runs" / "sim" / "results.json")
+    return {"rounds": rounds, "wall_s": time.time() - t0, "memory": mem, "cpu": by_program}
+
+
+def _profile(fragment: str, run_dir: Path) -> TreeCpu:
+    """CPU seconds per program from the end of the run's first round (its set-up: models, features)."""
+    csv = run_dir / ROUNDS_CSV
+
+    def first_round_done() -> bool:
+        return csv.exists() and len(csv.read_text().splitlines()) > 1
+
+    return TreeCpu(fragment, start=first_round_done)
 
 
 def deployed(
@@ -74,12 +89,13 @@ def deployed(
     fed_ = LocalFederation(
         work / "fed", names, configs, workers=names if warm else (), waits=waits, fork=fork, database=database
     )
-    with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem:
+    with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem, _profile(str(fed.dir), work / "runs" / "dep") as cpu:
         _wait_online(fed, args.supernodes)
         t0 = time.time()
         proc = fed.run_app(config, timeout=3600)
         wall = time.time() - t0
         lost = fed.lost_replies()
+        by_program = cpu.by_program()
     results = work / "runs" / "dep" / "results.json"
     # flwr run exits 0 when the ServerApp fails
     if proc.returncode or not results.exists() or len(_rounds(results)) < args.rounds:
@@ -88,7 +104,7 @@ def deployed(
             f"the deployed run failed ({run.get('status')}: {run.get('note')}; "
             f"excluded: {run.get('excluded_nodes')}):\n{(proc.stdout + proc.stderr)[-3000:]}"
         )
-    return {"rounds": _rounds(results), "wall_s": wall, "lost": lost, "memory": mem}
+    return {"rounds": _rounds(results), "wall_s": wall, "lost": lost, "memory": mem, "cpu": by_program}
 
 
 def _wait_online(fed: LocalFederation, n: int, timeout: float = 600) -> None:
@@ -116,6 +132,12 @@ def summary(run: dict, round_timeout: float) -> dict:
         "wall_s": run["wall_s"],
         "peak_pss_mib": round(mem.peak_pss_mib),
         "peak_by_program": mem.peak_by_program,
+        # CPU seconds per program and later round (TreeCpu: own, children it reaped, total)
+        "cpu_s_per_round": {
+            name: {k: round(v / max(len(later), 1), 3) for k, v in row.items() if k != "processes"}
+            for name, row in run["cpu"].items()
+        },
+        "cpu_s_per_round_total": round(sum(r["total"] for r in run["cpu"].values()) / max(len(later), 1), 3),
         # a secure round's later stages, each from sending its messages to taking its replies
         "secure_stage_s": _stage_means([r.get("secure_aggregation") or {} for r in run["rounds"][1:]]),
     }
@@ -162,7 +184,8 @@ def main() -> None:
         for mode in chosen:
             with tempfile.TemporaryDirectory(prefix=f"fedvlm-bench-{mode}-") as tmp:
                 rows[mode].append(summary(modes[mode](Path(tmp)), args.round_timeout))
-                print(f"{mode}: {json.dumps({k: v for k, v in rows[mode][-1].items() if k != 'peak_by_program'})}")
+                shown = {k: v for k, v in rows[mode][-1].items() if k not in ("peak_by_program", "cpu_s_per_round")}
+                print(f"{mode}: {json.dumps(shown)}")
     means = {m: statistics.mean(r["later_round_mean_s"] for r in runs) for m, runs in rows.items()}
     # a round's median over every run of the mode: one slow round (a noisy neighbour, the last
     # round's evaluation going alone) moves it less than the mean
@@ -198,7 +221,21 @@ def main() -> None:
             + f", asked again {sum(r['asked_again'] for r in runs)}, timed out rounds "
             f"{sum(r['rounds_waiting_out_round_timeout'] for r in runs)}"
         )
+    print_cpu(rows, args.supernodes)
     print(f"report: {args.out}")
+
+
+def print_cpu(rows: dict[str, list[dict]], nodes: int) -> None:
+    """CPU seconds per later round, per program (mean over a mode's runs), most first; by CPU time,
+    not wall time, so machine load does not distort it."""
+    for mode, runs in rows.items():
+        names = sorted({n for r in runs for n in r["cpu_s_per_round"]})
+        per = {n: statistics.mean(r["cpu_s_per_round"].get(n, {}).get("total", 0.0) for r in runs) for n in names}
+        total = statistics.mean(r["cpu_s_per_round_total"] for r in runs)
+        print(f"  {mode}: {total:.2f} CPU s a round ({total / nodes:.3f} per node)")
+        for name, cpu in sorted(per.items(), key=lambda kv: -kv[1]):
+            if cpu >= 0.005:
+                print(f"    {name:<40} {cpu:7.3f} s  {100 * cpu / total if total else 0:5.1f}%")
 
 
 if __name__ == "__main__":

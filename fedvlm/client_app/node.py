@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,25 +55,17 @@ _PARTS: dict[tuple, list[Partition]] = {}
 
 
 def _dataset(cfg: RunConfig) -> DatasetSplits:
-    key = (
-        cfg.dataset,
-        cfg.data_root,
-        cfg.download,
-        cfg.test_fraction,
-        cfg.max_per_class,
-        cfg.seed,
-        cfg.embedded_per_class,
+    how: dict[str, Any] = dict(
+        data_root=cfg.data_root,
+        download=cfg.download,
+        test_fraction=cfg.test_fraction,
+        max_per_class=cfg.max_per_class,
+        seed=cfg.seed,
+        embedded_per_class=cfg.embedded_per_class,
     )
+    key = (cfg.dataset, *how.values())
     if key not in _SPLITS:
-        _SPLITS[key] = load_dataset(
-            cfg.dataset,
-            data_root=cfg.data_root,
-            download=cfg.download,
-            test_fraction=cfg.test_fraction,
-            max_per_class=cfg.max_per_class,
-            seed=cfg.seed,
-            embedded_per_class=cfg.embedded_per_class,
-        )
+        _SPLITS[key] = load_dataset(cfg.dataset, **how)
     return _SPLITS[key]
 
 
@@ -132,32 +125,13 @@ def _own_data(cfg: RunConfig, node_config: dict) -> NodeData:
 
 
 def _partitions(cfg: RunConfig, splits: DatasetSplits, n: int) -> list[Partition]:
-    """The run's dataset split into ``n`` partitions (made once per process and key)."""
-    key = (
-        cfg.dataset,
-        cfg.data_root,
-        cfg.test_fraction,
-        cfg.max_per_class,
-        cfg.embedded_per_class,
-        cfg.partitioner,
-        n,
-        cfg.seed,
-        cfg.dirichlet_alpha,
-        cfg.quantity_ratios,
-        cfg.class_split,
-    )
+    """The run's dataset split into ``n`` partitions (made once per process, dataset and split;
+    ``splits`` is one of ``_SPLITS``, kept for the process, so its id names it)."""
+    how: dict[str, Any] = dict(alpha=cfg.dirichlet_alpha, ratios=cfg.quantity_ratios, class_split=cfg.class_split)
+    key = (id(splits), cfg.partitioner, n, cfg.seed, *how.values())
     if key not in _PARTS:
-        _PARTS[key] = make_partitions(
-            cfg.partitioner,
-            splits.train.labels,
-            splits.test.labels,
-            splits.n_classes,
-            n,
-            cfg.seed,
-            alpha=cfg.dirichlet_alpha,
-            ratios=cfg.quantity_ratios,
-            class_split=cfg.class_split,
-        )
+        labels = (splits.train.labels, splits.test.labels, splits.n_classes)
+        _PARTS[key] = make_partitions(cfg.partitioner, *labels, n, cfg.seed, **how)
     return _PARTS[key]
 
 

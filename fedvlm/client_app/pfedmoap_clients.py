@@ -97,9 +97,6 @@ class PFedMoAPClient(PromptClient):
         restore_optimizer(opt, {k: v.to(self.bundle.device) for k, v in self.own.items()}, prefix=GATE_OPT)
         return opt
 
-    def gate_private(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.own.items() if k.startswith((GATE, GATE_OPT))}
-
     # ---- a round ------------------------------------------------------------------------------
     def begin_round(self, arrays, instruction) -> PromptRound:
         """A round from the received aggregate; with experts, the gate trains beside the prompt."""

@@ -37,7 +37,6 @@ import torch
 
 from fedvlm.privacy.audit import AuditResult, audit_guesses
 
-KIND = "dirac-gradient"
 _INCLUDED, _SCORES, _STEPS, _COORD = "included", "scores", "steps", "coord."
 
 

@@ -18,7 +18,6 @@ import re
 import numpy as np
 import torch
 
-CAPTION_METRICS = ("bleu-1", "bleu-2", "bleu-3", "bleu-4", "rouge-l", "cider")
 _PUNCT = re.compile(r"[^\w\s]")
 _LETTER = re.compile(r"^\W*([A-E])\b")
 
