@@ -3,8 +3,8 @@ default) with Flower's and Ray's defaults for its clients (two OpenMP threads ea
 with the project's (``utils.processes.ClientShare``: one thread where cores are few, the host's
 niceness), on a quiet machine and beside ``--busy`` processes that spin at nice 0, side by side.
 
-What the clients ran with is read from /proc while they run (the niceness and OMP_NUM_THREADS of
-every ``ClientAppActor``), beside the load. A round's seconds are the run's own (results.json),
+What the clients ran with is what each said in its handshake (its torch threads and niceness, the
+``compute`` of results.json's nodes), beside the load. A round's seconds are the run's own (results.json),
 after its first round.
 
     python bench/busy_host.py --rounds 3 --busy 4 --out docs/results/busy_host.json
@@ -23,38 +23,24 @@ from pathlib import Path
 
 from round_overhead import run_flwr
 
-from fedvlm.utils.processes import DEFAULT_SHARE, ClientShare, bench_report, kill_tree, pids_matching
+from fedvlm.utils.processes import DEFAULT_SHARE, ClientShare, bench_report, kill_tree
 
 SHARES = {"flower-defaults": ClientShare(threads=2, niceness=15), "project-defaults": DEFAULT_SHARE}
-ACTOR = "ClientAppActor"  # in the title of a Ray worker that holds Flower's ClientApp actor
 
 
-def _actor(pid: int) -> tuple[int, str] | None:
-    """(niceness, OMP_NUM_THREADS) of a process, or None once it is gone."""
-    try:
-        nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except (OSError, IndexError, ValueError):
-        return None
-    threads = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"OMP_NUM_THREADS=")), "unset")
-    return nice, threads
-
-
-class ActorWatch:
-    """Notes every (niceness, threads) pair a ClientApp actor runs with, twice a second."""
+class LoadWatch:
+    """The machine's 1-minute load, twice a second, while a run lasts."""
 
     def __init__(self) -> None:
-        self.seen: set[tuple[int, str]] = set()
         self.loads: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
         while not self._stop.wait(0.5):
-            self.seen.update(a for a in map(_actor, pids_matching(ACTOR)) if a is not None)
             self.loads.append(os.getloadavg()[0])
 
-    def __enter__(self) -> ActorWatch:
+    def __enter__(self) -> LoadWatch:
         self._thread.start()
         return self
 
@@ -66,7 +52,7 @@ class ActorWatch:
 def case(share: ClientShare, busy: int, rounds: int, cache: str) -> dict:
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
-        with tempfile.TemporaryDirectory() as tmp, ActorWatch() as watch:
+        with tempfile.TemporaryDirectory() as tmp, LoadWatch() as watch:
             data, wall = run_flwr("promptfl", rounds, Path(tmp), cache, share=share)
     finally:
         for s in spinners:
@@ -76,7 +62,7 @@ def case(share: ClientShare, busy: int, rounds: int, cache: str) -> dict:
         **share.record(),
         "busy_processes": busy,
         "load_1min_max": round(max(watch.loads, default=0.0), 2),
-        "actors_ran_with": sorted([{"niceness": n, "omp_threads": t} for n, t in watch.seen], key=str),
+        "clients_ran_with": sorted({node["info"].get("compute", "?") for node in data["run"]["nodes"]}),
         "round_s": round(sum(seconds) / len(seconds), 2),
         "rounds_timed": f"2-{rounds}",
         "run_wall_s": round(wall, 1),

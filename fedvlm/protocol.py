@@ -183,6 +183,7 @@ HELLO_WORDS = {
     "device": "device",
     "class_list": "class-list",
     "source_weights": "source-weights",
+    "compute": "compute",
 }
 
 
@@ -205,6 +206,7 @@ class HelloReport:
     source_weights: str = ""  # reprogramming: the source model's weights
     num_partitions: int = 0  # a partition node's num-partitions (0: its own data): all must agree
     num_novel: int = 0  # its test records of novel classes (class-split base-to-novel)
+    compute: str = ""  # the threads and niceness its process trains with (a bench's reader needs them)
 
     def to_records(self) -> tuple[dict, dict]:
         """(info, metrics): the two records of the reply; an empty word is left out."""

@@ -21,6 +21,7 @@ node's private state is restored before a part and persisted after it through
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -87,7 +88,10 @@ class NodeMessage:
         # a run the node's own limit cannot take is refused before it starts, not at its first round
         privacy_floor.hello_check(self.node, self.context.state, self.cfg, records)
         partitions = int(self.node.config.get(NUM_PARTITIONS, 0) or 0) if report.partition_id >= 0 else 0
-        return replace(report, num_train=records, num_partitions=partitions)
+        import torch  # loaded with the node's model by now
+
+        compute = f"{torch.get_num_threads()} threads, nice {os.getpriority(os.PRIO_PROCESS, 0)}"
+        return replace(report, num_train=records, num_partitions=partitions, compute=compute)
 
     def evaluate(self, config: Mapping[str, Any], arrays: dict[str, torch.Tensor]) -> EvaluateReply:
         t0 = time.time()
