@@ -108,6 +108,18 @@ PATCHES: tuple[Patch, ...] = (
         "docs/deployment.md, '4. Start a SuperNode'",
     ),
     Patch(
+        "long-pulls",
+        "fedvlm.deploy.long_pulls",
+        "flwr.superlink.routers.fleet.router",
+        "the Fleet route /pull-messages becomes a coroutine that calls Flower's handler again each time an "
+        "instruction is stored (InMemoryLinkState and SqlLinkState.store_message_ins wake it) and answers when it "
+        "has a message or after --pull-hold seconds",
+        ("fedvlm/deploy/superlink.py",),
+        "runs unchanged, with a warning (every pull answered at once)",
+        "a SuperLink that holds an empty pull (long polling) until work for the node arrives or a bound passes",
+        "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
+    ),
+    Patch(
         "task-claims",
         "fedvlm.deploy.task_claims",
         "flwr.supercore.corestate",

@@ -31,7 +31,9 @@ runs Flower's own SuperLink in this process with two changes:
 
 It also gives a ServerApp ``--task-start-window`` seconds to start (Flower: 30) and fails its run,
 saying why, after ``--task-starts`` starts that never began (``deploy.task_claims``): on a busy host
-Flower's SuperExec otherwise starts one ServerApp after another and the run never begins.
+Flower's SuperExec otherwise starts one ServerApp after another and the run never begins. And it
+holds a SuperNode's empty pull up to ``--pull-hold`` seconds, answering as soon as work for the node
+is stored (``deploy.long_pulls``), instead of answering empty and being asked again.
 
 The ServerApp's task token is on its process's command line (Flower's executor puts it there):
 another account can read it with ``ps``, but cannot use it, since its requests are refused here.
@@ -56,7 +58,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import log_beside_flower, task_claims
+from fedvlm.deploy import log_beside_flower, long_pulls, task_claims
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, load_private
 from fedvlm.utils.processes import tcp_sockets
 
@@ -247,6 +249,12 @@ def _parser() -> argparse.ArgumentParser:
         help="starts of one ServerApp that never began before its run is failed, saying why (Flower: no bound)",
     )
     p.add_argument(
+        "--pull-hold",
+        type=float,
+        default=long_pulls.HOLD_S,
+        help="seconds an empty SuperNode pull is held until work for it is stored (0: answered at once, as Flower)",
+    )
+    p.add_argument(
         "--local",
         action="store_true",
         help="the local SuperLink `flwr run .` uses for simulations, started as Flower's CLI starts it but serving "
@@ -263,6 +271,7 @@ def _start_local(p: argparse.ArgumentParser, args: argparse.Namespace, rest: lis
         p.error("--local sets flower-superlink's arguments itself (Flower's local simulation SuperLink); give none")
     ours = [f"--allow-uid={u}" for u in args.allow_uid]
     ours += [f"--task-start-window={args.task_start_window}", f"--task-starts={args.task_starts}"]
+    ours += [f"--pull-hold={args.pull_hold}"]
     ours += [f"--signing-key={args.signing_key}"] if args.signing_key else []
     ours += [f"--superexec-secret={args.superexec_secret}"] if args.superexec_secret else []
     again = [sys.executable, "-m", "fedvlm.deploy.superlink", *ours, "--", *local_superlink_args()]
@@ -302,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         task_claims.install(args.task_start_window, args.task_starts)
+        long_pulls.install(args.pull_hold)
     except ValueError as err:
         p.error(str(err))
     from flwr.supercore.exit import add_exit_handler
