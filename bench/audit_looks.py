@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.measure import bench_report
 from fedvlm.privacy.accounting import GaussianReleases, epsilon_spent
 from fedvlm.privacy.audit import audit_guesses
-from fedvlm.utils.processes import bench_report
 
 
 def main() -> int:

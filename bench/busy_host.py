@@ -23,7 +23,8 @@ from pathlib import Path
 
 from round_overhead import run_flwr
 
-from fedvlm.utils.processes import DEFAULT_SHARE, ClientShare, bench_report, kill_tree
+from bench.measure import bench_report
+from fedvlm.utils.processes import DEFAULT_SHARE, ClientShare, kill_tree
 
 SHARES = {"flower-defaults": ClientShare(threads=2, niceness=15), "project-defaults": DEFAULT_SHARE}
 

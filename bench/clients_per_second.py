@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from round_overhead import run_flwr, run_inprocess
 
+from bench.measure import bench_report
 from fedvlm.methods.registry import FAMILIES, methods_of
-from fedvlm.utils.processes import DEFAULT_SHARE, ClientShare, bench_report
+from fedvlm.utils.processes import DEFAULT_SHARE, ClientShare
 
 ROOT = Path(__file__).resolve().parents[1]
 

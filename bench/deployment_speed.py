@@ -42,9 +42,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.measure import TreeCpu, bench_report
 from fedvlm.deploy.local_federation import FLOWER_WAITS, OUR_WAITS, LocalFederation, NodeWaits
 from fedvlm.server_app.results import ROUNDS_CSV
-from fedvlm.utils.processes import TreeCpu, TreeMemory, bench_report, flwr_env, flwr_run, kill_tree, pids_matching
+from fedvlm.utils.processes import TreeMemory, flwr_env, flwr_run, kill_tree, pids_matching
 
 ROOT = Path(__file__).resolve().parents[1]
 

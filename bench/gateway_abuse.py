@@ -41,8 +41,9 @@ import threading
 import time
 from pathlib import Path
 
+from bench.measure import bench_report
 from fedvlm.deploy.credentials import generate
-from fedvlm.utils.processes import bench_report, free_port, kill_tree
+from fedvlm.utils.processes import free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 

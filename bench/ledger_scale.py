@@ -24,11 +24,11 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.measure import bench_report
 from fedvlm.methods.validation import validate
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape
-from fedvlm.utils.processes import bench_report
 
 # what this fedvlm writes results.json with; an earlier one encoded the whole file every write
 _files = importlib.import_module("fedvlm.utils.files")

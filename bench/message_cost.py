@@ -29,9 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.measure import bench_report
 from fedvlm.deploy.node_worker import spawn
 from fedvlm.runconfig import parse_value
-from fedvlm.utils.processes import bench_report
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.measure import bench_report
 from fedvlm.attacks.global_model import trained_nodes
 from fedvlm.client_app.node import NUM_PARTITIONS, PARTITION_ID, node_data
 from fedvlm.client_app.scoring import PromptScorer
@@ -29,7 +30,6 @@ from fedvlm.methods.validation import validate
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.tensor_names import CTX, GLOBAL_CTX
 from fedvlm.utils.files import load_saved
-from fedvlm.utils.processes import bench_report
 
 
 def shares(logits: torch.Tensor, labels: np.ndarray, own: tuple[int, ...]) -> tuple[float, float]:

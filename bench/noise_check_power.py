@@ -20,7 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from fedvlm.utils.processes import bench_report
+from bench.measure import bench_report
 
 # the private regression cases (tests/regression.py): the smallest config that shows each mechanism
 CASES = ("promptfl-dp", "dpfpl-dp", "fedotp-dp", "fedpgp-dp", "pfedmoap-dp", "fedrand-dp", "reprogram", "bl-pf")

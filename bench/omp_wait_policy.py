@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedvlm.utils.processes import bench_report
+from bench.measure import bench_report
 
 POLICIES = ("default", "ACTIVE", "PASSIVE")
 RUN = (

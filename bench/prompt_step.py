@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.measure import bench_report
 from fedvlm.models import tiny_clip
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits, init_context
 from fedvlm.privacy.dpsgd import DPStep, functional_per_sample, per_sample_chunk, privatize
-from fedvlm.utils.processes import bench_report
 
 CLASSNAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 COLOURS = ["red", "green", "blue", "yellow", "black", "white", "grey", "pink", "brown", "purple"]

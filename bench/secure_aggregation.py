@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedvlm.utils.processes import bench_report
+from bench.measure import bench_report
 
 
 def run(overrides: dict, nodes: int, work: Path, run_id: str) -> tuple[dict, float]:

@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fedvlm.utils.processes import bench_report
+from bench.measure import bench_report
 
 ROOT = Path(__file__).resolve().parents[1]
 

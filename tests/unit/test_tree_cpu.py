@@ -10,7 +10,8 @@ import sys
 import time
 import uuid
 
-from fedvlm.utils.processes import TreeCpu, kill_tree
+from bench.measure import TreeCpu
+from fedvlm.utils.processes import kill_tree
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 PARENT = (
