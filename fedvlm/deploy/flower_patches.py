@@ -120,6 +120,18 @@ PATCHES: tuple[Patch, ...] = (
         "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
     ),
     Patch(
+        "link-lookups",
+        "fedvlm.deploy.link_lookups",
+        "flwr.server.superlink.linkstate.sql_linkstate",
+        "SqlLinkState.get_node_id_by_public_key keeps found nodes per database and key, forgotten by every "
+        "create_node and delete_node; SqlCoreState._cleanup_expired_task_tokens sweeps at most once a second",
+        ("fedvlm/deploy/superlink.py",),
+        "runs unchanged, with a warning (both paid on every request)",
+        "node authentication that does not query the node table on every request, and a token sweep on an "
+        "interval rather than on every token check",
+        "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
+    ),
+    Patch(
         "task-claims",
         "fedvlm.deploy.task_claims",
         "flwr.supercore.corestate",

@@ -33,7 +33,9 @@ It also gives a ServerApp ``--task-start-window`` seconds to start (Flower: 30) 
 saying why, after ``--task-starts`` starts that never began (``deploy.task_claims``): on a busy host
 Flower's SuperExec otherwise starts one ServerApp after another and the run never begins. And it
 holds a SuperNode's empty pull up to ``--pull-hold`` seconds, answering as soon as work for the node
-is stored (``deploy.long_pulls``), instead of answering empty and being asked again.
+is stored (``deploy.long_pulls``), instead of answering empty and being asked again; and reads a
+node's key and sweeps expired task tokens when they change, not on every request
+(``deploy.link_lookups``).
 
 The ServerApp's task token is on its process's command line (Flower's executor puts it there):
 another account can read it with ``ps``, but cannot use it, since its requests are refused here.
@@ -58,7 +60,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import log_beside_flower, long_pulls, task_claims
+from fedvlm.deploy import link_lookups, log_beside_flower, long_pulls, task_claims
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, load_private
 from fedvlm.utils.processes import tcp_sockets
 
@@ -312,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         task_claims.install(args.task_start_window, args.task_starts)
         long_pulls.install(args.pull_hold)
+        link_lookups.install()
     except ValueError as err:
         p.error(str(err))
     from flwr.supercore.exit import add_exit_handler
