@@ -49,7 +49,8 @@ def _cpu(pid: int) -> tuple[int, float, float] | None:
 
 def _program_of(pid: int) -> str:
     name = program(pid)
-    return "ray worker" if name.startswith("ray::") else name  # its title changes with its task
+    # a Ray worker starts as setup_worker.py, then default_worker.py, and titles itself by its task
+    return "ray worker" if name.startswith("ray::") or name in ("setup_worker.py", "default_worker.py") else name
 
 
 class TreeCpu:
@@ -67,7 +68,7 @@ class TreeCpu:
         self.fragment, self.interval, self._start = fragment, interval, start
         self.seen: dict[int, tuple[str, int, float, float]] = {}  # pid -> program, parent, own, children
         self.alive: set[int] = set()
-        self.zero: dict[str, dict[str, float]] = {}
+        self.zero: dict[int, tuple[str, float, float]] = {}  # counted() at the zero
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -80,35 +81,47 @@ class TreeCpu:
                 name = self.seen[pid][0] if pid in self.seen else _program_of(pid)
                 self.seen[pid] = (name, *got)
 
-    def totals(self) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for pid, (name, parent, own, children) in self.seen.items():
-            if pid not in self.alive and parent in self.alive:
-                continue  # reaped by a parent still here: in its children's time
+    def counted(self) -> dict[int, tuple[str, float, float]]:
+        """pid -> (program, own, children) of every process whose time is its own to count: not
+        one that ended with its parent still here (its time is in the parent's children's)."""
+        return {
+            pid: (name, own, children)
+            for pid, (name, parent, own, children) in self.seen.items()
+            if pid in self.alive or parent not in self.alive
+        }
+
+    def by_program(self) -> dict[str, dict[str, float]]:
+        """CPU seconds per program since the zero (``processes``: every one it ever had). A
+        process counted at the zero and reaped since is in its parent's children's time whole,
+        its time before the zero too: that part comes off the parent's program."""
+        self.sample()
+        now, out = self.counted(), {}
+        for name, own, children in now.values():
             row = out.setdefault(name, {"processes": 0, "own": 0.0, "children": 0.0})
             row["processes"] += 1
             row["own"] += own
             row["children"] += children
-            row["total"] = row["own"] + row["children"]
-        return out
-
-    def by_program(self) -> dict[str, dict[str, float]]:
-        """CPU seconds per program since the zero (a program's processes: all it ever had)."""
-        self.sample()
-        now = self.totals()
+        for pid, (name, own, children) in self.zero.items():
+            if pid in now:
+                out[name]["own"] -= own
+                out[name]["children"] -= children
+            else:
+                parent = self.seen[pid][1]
+                out[self.seen[parent][0]]["children"] -= own + children
         return {
             name: {
                 "processes": row["processes"],
-                **{k: round(row[k] - self.zero.get(name, {}).get(k, 0.0), 2) for k in ("own", "children", "total")},
+                **{k: round(v, 2) for k, v in (("own", row["own"]), ("children", row["children"]))},
+                "total": round(row["own"] + row["children"], 2),
             }
-            for name, row in sorted(now.items())
+            for name, row in sorted(out.items())
         }
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self.sample()
             if self._start is not None and self._start():
-                self.zero, self._start = self.totals(), None
+                self.zero, self._start = self.counted(), None
 
     def __enter__(self) -> TreeCpu:
         self._thread.start()
