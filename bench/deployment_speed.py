@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -92,11 +93,13 @@ def deployed(
     )
     with fed_ as fed, TreeMemory(str(fed.dir), 1.0) as mem, _profile(str(fed.dir), work / "runs" / "dep") as cpu:
         _wait_online(fed, args.supernodes)
+        seen = len(fed.log_text("gateway"))
         t0 = time.time()
         proc = fed.run_app(config, timeout=3600)
         wall = time.time() - t0
         lost = fed.lost_replies()
         by_program = cpu.by_program()
+        calls = fleet_calls(fed.log_text("gateway")[seen:], args.supernodes * args.rounds)
     results = work / "runs" / "dep" / "results.json"
     # flwr run exits 0 when the ServerApp fails
     if proc.returncode or not results.exists() or len(_rounds(results)) < args.rounds:
@@ -105,7 +108,19 @@ def deployed(
             f"the deployed run failed ({run.get('status')}: {run.get('note')}; "
             f"excluded: {run.get('excluded_nodes')}):\n{(proc.stdout + proc.stderr)[-3000:]}"
         )
-    return {"rounds": _rounds(results), "wall_s": wall, "lost": lost, "memory": mem, "cpu": by_program}
+    return {"rounds": _rounds(results), "wall_s": wall, "lost": lost, "memory": mem, "cpu": by_program, "calls": calls}
+
+
+def fleet_calls(gateway_log: str, node_rounds: int) -> dict[str, float]:
+    """Fleet calls per node and round, by kind, from the gateway's log of a whole run (its hello and
+    first round included); ``pull-object not stored yet``: the pulls answered 'ask again'."""
+    calls: dict[str, float] = {}
+    for m in re.finditer(r" ([a-z-]+) (\d{3}) in (\d+) out (\d+) ", gateway_log):
+        calls[m.group(1)] = calls.get(m.group(1), 0) + 1
+        if m.group(1) == "pull-object" and int(m.group(4)) < 16:  # object_found, not available: no content
+            calls["pull-object not stored yet"] = calls.get("pull-object not stored yet", 0) + 1
+    per = {k: round(v / node_rounds, 2) for k, v in sorted(calls.items(), key=lambda kv: -kv[1])}
+    return {**per, "all": round(sum(v for k, v in per.items() if "not stored" not in k), 2)}
 
 
 def _wait_online(fed: LocalFederation, n: int, timeout: float = 600) -> None:
@@ -139,6 +154,7 @@ def summary(run: dict, round_timeout: float) -> dict:
             for name, row in run["cpu"].items()
         },
         "cpu_s_per_round_total": round(sum(r["total"] for r in run["cpu"].values()) / max(len(later), 1), 3),
+        "fleet_calls_per_node_round": run.get("calls", {}),  # a deployment's only
         # a secure round's later stages, each from sending its messages to taking its replies
         "secure_stage_s": _stage_means([r.get("secure_aggregation") or {} for r in run["rounds"][1:]]),
     }
