@@ -174,11 +174,11 @@ PROTOCOLS: dict[str, Protocol] = {
             (0, 1, 2),
             10,
             _DPFPL_SETS,
-            "measured 2026-12-02 on the 2-core machine: a 100-round run of PromptFL or DP-FPL takes 140 to 200 s "
-            "alone (1.4 to 2 s a round, private or not; 300 to 1,100 s while another job shares the two cores), so "
-            "the headline rows at epsilon 0.1 (4 variants x 3 seeds) are about 40 min; FedOTP and FedPGP, the "
-            "other epsilons and the membership attacks are not yet measured under this protocol (the 2026-11-28 "
-            "board's FedOTP took 14 s a private round: about 25 min a run)",
+            "measured 2026-12-02 on the 2-core machine, a 100-round run's rounds: PromptFL or DP-FPL 140 to 200 s "
+            "alone (1.4 to 2 s a round, private or not; 300 to 1,100 s while another job shares the two cores), "
+            "DP-FPL without its residual 216 to 238 s, FedPGP 270 s (437 to 465 s beside a loopback deployment), "
+            "FedOTP 759 s; so the headline rows at epsilon 0.1 (6 variants) are about 25 min a seed; the other "
+            "epsilons, FedOTP's other seeds and the membership attacks are not yet run under this protocol",
             (
                 Headline(
                     "DP-FPL keeps more local accuracy than PromptFL under DP (epsilon 0.1, Caltech101: 92.71 vs 80.42)",
