@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedvlm.runconfig import RunConfig
 from fedvlm.status import MAX_LOST, OK, verdict
 from fedvlm.strategies.records import TRAFFIC_KEYS, complete
 
@@ -216,7 +217,7 @@ class Trackers:
         self.settled = 0  # the rounds before this index are evaluated and logged: never looked at again
 
     @classmethod
-    def of(cls, cfg: Any, run_dir: Path) -> Trackers:
+    def of(cls, cfg: RunConfig, run_dir: Path) -> Trackers:
         """The trackers a run config asks for (``cfg.tracking``)."""
         t = cfg.tracking
         make: list[tuple[str, Any]] = []
