@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedvlm.deploy.credentials import generate
+from fedvlm.deploy.long_pulls import HOLD_S
 from fedvlm.deploy.pinned_app import build_hash
 from fedvlm.metrics import EVAL_CLIENTS, TRAIN_CLIENTS
 from fedvlm.protocol import SECURE_IDENTITY, SECURE_ROSTER
@@ -97,6 +98,7 @@ class LocalFederation:
         fork: bool = True,
         database: bool = True,
         cache_dir: Path | None = None,
+        pull_hold: float = HOLD_S,
     ):
         self.dir = Path(workdir).resolve()
         self.names = list(supernodes)
@@ -114,6 +116,7 @@ class LocalFederation:
         # where the organisations' nodes cache (a real node's cache is its own, never the run
         # config's: client_app.node_policy); None: each node's default
         self.cache_dir = cache_dir
+        self.pull_hold = pull_hold  # how long the SuperLink holds an empty pull (deploy.long_pulls)
         self.creds = self.dir / "credentials"
         self.home = self.dir / "flwr-home"
         self.env = flower_env(self.home)
@@ -192,6 +195,7 @@ class LocalFederation:
                 "fedvlm.deploy.superlink",
                 "--signing-key",
                 str(c / "server-signing.key"),
+                f"--pull-hold={self.pull_hold}",
                 "--",
                 "--host",
                 HOST,
