@@ -233,3 +233,16 @@ def note_version(patch: str) -> None:
             TESTED_WITH,
             flwr.__version__,
         )
+
+
+def applies(name: str) -> bool:
+    """Whether patch ``name`` may change the installed Flower: its guard passes (otherwise a warning
+    says why and what the process gets instead, the patch's ``on_mismatch``); a Flower other than
+    the one it was tested with is noted (``note_version``)."""
+    patch = BY_NAME[name]
+    problem = patch.guard()
+    if problem is not None:
+        log.warning("fedvlm's %s patch leaves Flower as it is (%s): %s", name, problem, patch.on_mismatch)
+        return False
+    note_version(name)
+    return True

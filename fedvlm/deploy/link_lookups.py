@@ -114,13 +114,10 @@ def swept_at_most_every(every: float, sweep: Callable) -> Callable:
 def install(every: float = SWEEP_EVERY_S) -> bool:
     """Keep node lookups and pace token sweeps in this process's SuperLink; False, with a warning,
     when Flower's SQL state is not the one this was written for."""
-    problem = check_flower()
-    if problem is not None:
-        log.warning("Flower's SQL state is not the one fedvlm reads less often (%s): every request pays", problem)
-        return False
     from fedvlm.deploy import flower_patches
 
-    flower_patches.note_version("link-lookups")
+    if not flower_patches.applies("link-lookups"):
+        return False
     link, core = _states()
     keys = NodeKeys()
     link.get_node_id_by_public_key = keys.lookup(link.get_node_id_by_public_key)

@@ -137,15 +137,12 @@ def install(hold: float = HOLD_S) -> bool:
         raise ValueError(f"--pull-hold must be 0 (answer at once) or more seconds; got {hold}")
     if hold == 0:
         return False
-    problem = check_flower()
-    if problem is not None:
-        log.warning("Flower's pulls are not the ones fedvlm holds (%s): pulls are answered at once", problem)
-        return False
     from starlette.concurrency import run_in_threadpool
 
     from fedvlm.deploy import flower_patches
 
-    flower_patches.note_version("long-pulls")
+    if not flower_patches.applies("long-pulls"):
+        return False
     router, states = _parts()
     waker = Waker()
     route = _route(router)

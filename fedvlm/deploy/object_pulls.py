@@ -99,11 +99,8 @@ def install(cap: float, first: float = FIRST_RETRY_S) -> bool:
     warning, for a Flower this module does not know)."""
     if not 0 < first <= cap:
         raise ValueError(f"object pulls: need 0 < first retry <= longest wait; got {first} and {cap} s")
-    why = check_flower()
-    if why is not None:
-        log.warning("Flower's object pulls are not the ones fedvlm knows (%s): leaving them as they are", why)
+    if not flower_patches.applies("object-pulls"):
         return False
-    flower_patches.note_version("object-pulls")
     for fn in _pulls():
         flower = fn.__dict__.setdefault("flower_defaults", dict(fn.__kwdefaults__ or {}))  # before any install here
         cap_ = min(cap, flower["backoff_cap"])

@@ -126,13 +126,10 @@ def install(start_window: float = START_WINDOW_S, max_starts: int = MAX_STARTS) 
         raise ValueError(
             f"--task-start-window must be positive and --task-starts at least 1; got {start_window} and {max_starts}"
         )
-    problem = check_flower()
-    if problem is not None:
-        log.warning("Flower's task claims are not the ones fedvlm bounds (%s): Flower's 30 s and no bound", problem)
-        return False
     from fedvlm.deploy import flower_patches
 
-    flower_patches.note_version("task-claims")
+    if not flower_patches.applies("task-claims"):
+        return False
     memory, sql = _states()
     for cls, extend in ((memory, _extend_in_memory), (sql, _extend_sql)):
         cls.claim_task = bounded_claims(cls.claim_task, extend, start_window, max_starts)

@@ -51,13 +51,10 @@ def reaping(reconcile: Callable[..., None]) -> Callable[..., None]:
 
 
 def install() -> bool:
-    problem = check_flower()
-    if problem is not None:
-        log.warning("fedvlm cannot reap finished tasks in this SuperExec (%s): they wait for the next start", problem)
+    if not flower_patches.applies("task-reaping"):
         return False
     from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 
-    flower_patches.note_version("task-reaping")
     SubprocessExecutor.reconcile = reaping(SubprocessExecutor.reconcile)  # type: ignore[method-assign]
     return True
 

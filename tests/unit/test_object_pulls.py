@@ -125,7 +125,7 @@ def test_a_flower_it_does_not_know_is_left_alone(flower_defaults, monkeypatch, c
     assert "initial_backoff" in object_pulls.check_flower()
     assert not object_pulls.install(object_pulls.SUPERLINK_CAP_S)
     assert utils.pull_objects.__kwdefaults__ == {"max_time": 7200}
-    assert "leaving them as they are" in caplog.text
+    assert "object-pulls patch leaves Flower as it is (" in caplog.text and "runs unchanged" in caplog.text
 
 
 @pytest.mark.parametrize("first, cap", [(0, 1), (-1, 1), (0.5, 0.1), (float("nan"), 1)])
