@@ -288,6 +288,16 @@ def _use_signing_key(p: argparse.ArgumentParser, key: Path) -> None:
     os.environ[SIGNING_KEY_ENV] = str(key.resolve())  # the SuperExec's and ServerApps' environment
 
 
+def _install_patches(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """This SuperLink's changes to Flower (``deploy.flower_patches``), before it builds its app."""
+    try:
+        task_claims.install(args.task_start_window, args.task_starts)
+        long_pulls.install(args.pull_hold)
+        link_lookups.install()
+    except ValueError as err:
+        p.error(str(err))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
@@ -311,12 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"Flower's SuperLink command is not the one fedvlm.deploy.superlink knows ({problem}): refusing to start a "
             "SuperLink every local account could use; install the Flower version in constraints.txt"
         )
-    try:
-        task_claims.install(args.task_start_window, args.task_starts)
-        long_pulls.install(args.pull_hold)
-        link_lookups.install()
-    except ValueError as err:
-        p.error(str(err))
+    _install_patches(p, args)
     from flwr.supercore.exit import add_exit_handler
 
     secret = _secret(args.superexec_secret)
