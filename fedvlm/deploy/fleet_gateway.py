@@ -26,7 +26,9 @@ What it holds a request to:
   caller without a registered key reaches neither the body parser here nor the SuperLink's.
   ``--no-node-auth`` forwards unauthenticated requests, for a SuperLink that asks for none.
 - **A node pulls only what it was sent.** ``pull-object`` is forwarded only for an object of a
-  message the gateway saw the SuperLink send that node (``Sent``): knowing an object's id is not
+  message the gateway saw the SuperLink send that node (``Sent``), and ``pull-objects`` only when
+  every object it lists is one (``push-objects``: every item in a push session; both: every item
+  for the node the request is signed as): knowing an object's id is not
   enough to read another organisation's replies, instructions or a run's model.
 - **Size.** A body is at most ``--max-body`` bytes (default: Flower's largest array chunk, 5 MiB,
   plus 1 MiB for the rest of a request: the largest thing a real SuperNode sends is one chunk of
@@ -102,6 +104,8 @@ FLEET_CALLS = frozenset(
         "get-fab",
         "push-object",
         "pull-object",
+        "push-objects",  # a message's objects in one request (deploy.object_batches), checked item by item
+        "pull-objects",
         "confirm-message-received",
     }
 )
@@ -277,7 +281,28 @@ def check_push_object(body: bytes) -> str | None:
     return None if req.session_id else f"node {req.node.node_id} pushed an object outside a push session"
 
 
-CHECKS = {"push-messages": check_push, "push-object": check_push_object}
+def _batch(body: bytes, pushed: bool):
+    """A ``push-objects`` or ``pull-objects`` body parsed, with why it may not pass whole (or None)."""
+    from google.protobuf.message import DecodeError
+
+    from fedvlm.deploy.object_batches import batch_problem, requests
+
+    try:
+        req = requests()[pushed].FromString(body)
+    except DecodeError:
+        return None, f"not a {requests()[pushed].__name__}"
+    return req, batch_problem(req)
+
+
+def check_push_objects(body: bytes) -> str | None:
+    """Each pushed object names its push session, and every item the node the request is signed as."""
+    req, why = _batch(body, pushed=True)
+    if why is None and not all(item.session_id for item in req.items):
+        why = f"node {req.node.node_id} pushed an object outside a push session"
+    return why
+
+
+CHECKS = {"push-messages": check_push, "push-object": check_push_object, "push-objects": check_push_objects}
 
 
 def node_key(path: Path) -> bytes:
@@ -392,8 +417,17 @@ class Sent:
             req = PullObjectRequest.FromString(body)
         except DecodeError:
             return "not a PullObjectRequest"
-        if req.object_id not in self.by_node.get(req.node.node_id, {}):
-            return f"node {req.node.node_id} asked for object {req.object_id[:16]}..., which was not sent to it"
+        return self.unsent(req.node.node_id, [req.object_id])
+
+    def check_batch(self, body: bytes) -> str | None:
+        req, why = _batch(body, pushed=False)
+        return why or self.unsent(req.node.node_id, [item.object_id for item in req.items])
+
+    def unsent(self, node: int, object_ids: list[str]) -> str | None:
+        known = self.by_node.get(node, {})
+        for object_id in object_ids:
+            if object_id not in known:
+                return f"node {node} asked for object {object_id[:16]}..., which was not sent to it"
         return None
 
 
@@ -503,7 +537,7 @@ class Gateway:
             return PlainTextResponse(text, status_code=413, headers={"connection": "close"})
         except ClientDisconnect:
             return Response(status_code=400)
-        check = self.sent.check if call == "pull-object" else CHECKS.get(call)
+        check = {"pull-object": self.sent.check, "pull-objects": self.sent.check_batch}.get(call) or CHECKS.get(call)
         why = check(body) if check is not None else None
         if why is not None:
             log.warning("refused %s from %s: %s", call, peer, why)

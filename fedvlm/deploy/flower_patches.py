@@ -120,6 +120,43 @@ PATCHES: tuple[Patch, ...] = (
         "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
     ),
     Patch(
+        "object-batches-served",
+        "fedvlm.deploy.object_batches",
+        "flwr.superlink.routers.fleet.router",
+        "the Fleet router (SuperLink) and the Runtime router (SuperLink, SuperNode) gain /pull-objects and "
+        "/push-objects, each a list of Flower's own per-object requests answered in order by Flower's own "
+        "handlers, and both enter Flower's table of protobuf routes (which its node and task authentication read)",
+        ("fedvlm/deploy/superlink.py", "fedvlm/deploy/supernode_polling.py"),
+        "runs unchanged, with a warning (SuperNodes fall back to one request per object)",
+        "Fleet calls that pull and push a message's objects in one request",
+        "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
+        ("serve",),
+    ),
+    Patch(
+        "object-batches-sent",
+        "fedvlm.deploy.object_batches",
+        "flwr.supernode.start_client_internal",
+        "the SuperNode's http_request_response, pull_objects and push_object_contents_from_iterable send a "
+        "message's objects as batches (pull-objects, push-objects), falling back to Flower's one request per "
+        "object on a SuperLink without them",
+        ("fedvlm/deploy/supernode_polling.py",),
+        "runs unchanged, with a warning (one request per object)",
+        "Fleet calls that pull and push a message's objects in one request",
+        "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
+    ),
+    Patch(
+        "object-batches-runtime",
+        "fedvlm.deploy.object_batches",
+        "flwr.superlink.grid.http_grid",
+        "the ServerApp's grid and the ClientApp's runtime (flwr.supernode.runtime.run_clientapp) pull and push a "
+        "message's objects through the Runtime API's batched calls, falling back to one request per object",
+        ("fedvlm/deploy/pinned_app.py", "fedvlm/server_app/app.py"),
+        "runs unchanged, with a warning (one request per object)",
+        "Runtime API calls that pull and push a message's objects in one request",
+        "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
+        ("install_clients",),
+    ),
+    Patch(
         "link-lookups",
         "fedvlm.deploy.link_lookups",
         "flwr.server.superlink.linkstate.sql_linkstate",

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from fedvlm.deploy import flower_patches, log_beside_flower, object_pulls, supernode_gate
+from fedvlm.deploy import flower_patches, log_beside_flower, object_batches, object_pulls, supernode_gate
 from fedvlm.deploy.pinned_app import parse_pin
 
 log = logging.getLogger("fedvlm.supernode")
@@ -210,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.reply_timeout,
         )
     object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # a message's objects, the server may still be pushing
+    object_batches.install()  # and all of them in one request
+    object_batches.serve(fleet_api=False)  # as its ClientApps ask for theirs
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args

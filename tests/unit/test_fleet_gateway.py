@@ -203,6 +203,61 @@ def test_a_node_pulls_only_the_objects_it_was_sent():
     assert seen.count("/v1/fleet/pull-object") == 3
 
 
+def test_a_batch_of_objects_passes_only_when_every_item_would_pass_alone():
+    """pull-objects and push-objects (deploy.object_batches) carry many per-object requests: the
+    gateway holds each item to what it holds a single call to, and every item to the node the
+    request is signed as, so a batch cannot smuggle one object another node was sent, one pushed
+    outside a push session, or an item in another node's name."""
+    from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse
+    from flwr.proto.message_pb2 import ObjectTree, PullObjectRequest
+
+    from fedvlm.deploy.object_batches import MAX_ITEMS, requests
+
+    pulls, pushes = requests()
+    tree = ObjectTree(object_id="a" * 64)
+    tree.children.append(ObjectTree(object_id="b" * 64))
+    answer = PullMessagesResponse(message_object_trees=[tree]).SerializeToString()
+    seen: list = []
+
+    async def superlink(request: Request) -> Response:
+        seen.append(request.url.path)
+        return Response(answer if request.url.path.endswith("pull-messages") else b"")
+
+    upstream = httpx.ASGITransport(app=Starlette(routes=[Route("/{p:path}", superlink, methods=["POST"])]))
+    gateway = make_app("127.0.0.1:9093", "", Limits(), transport=upstream)
+
+    def pull(node: int, *ids: str, item_node: int | None = None):
+        items = [PullObjectRequest(node=Node(node_id=item_node or node), run_id=1, object_id=i) for i in ids]
+        body = pulls(node=Node(node_id=node), items=items).SerializeToString()
+        return client.post("/v1/fleet/pull-objects", content=body)
+
+    def push(node: int, session: str, item_node: int | None = None, ids: str = "ef"):
+        items = [
+            PushObjectRequest(node=Node(node_id=item_node or node), run_id=1, object_id=i * 64, session_id=session)
+            for i in ids
+        ]
+        body = pushes(node=Node(node_id=node), items=items).SerializeToString()
+        return client.post("/v1/fleet/push-objects", content=body)
+
+    with TestClient(gateway) as client:
+        client.post("/v1/fleet/pull-messages", content=PullMessagesRequest(node=Node(node_id=A)).SerializeToString())
+        assert pull(A, "a" * 64, "b" * 64).status_code == 200
+        unsent = pull(A, "a" * 64, "d" * 64)  # one object never sent, behind one that was
+        assert unsent.status_code == 403 and f"node {A} asked for object dddd" in unsent.text
+        assert pull(B, "b" * 64).status_code == 403  # sent to A, asked by B
+        smuggled = pull(B, "b" * 64, item_node=A)  # signed as B, the item in A's name
+        assert smuggled.status_code == 403 and f"item for node {A}" in smuggled.text
+        assert push(A, "s").status_code == 200
+        assert "outside a push session" in push(A, "").text
+        assert push(B, "s", item_node=A).status_code == 403
+        twice = push(A, "s", ids="ee")  # one object named twice: one request costing two lookups of it
+        assert twice.status_code == 403 and "naming an object twice" in twice.text
+        many = pull(A, *(f"{i:064x}" for i in range(MAX_ITEMS + 1)))  # more items than a request may cost
+        assert many.status_code == 403 and f"at most {MAX_ITEMS}" in many.text
+        assert client.post("/v1/fleet/pull-objects", content=b"\xff\xff").status_code == 403
+    assert seen.count("/v1/fleet/pull-objects") == 1 and seen.count("/v1/fleet/push-objects") == 1
+
+
 def test_an_unregistered_key_is_answered_as_flowers_failed_activation_and_names_the_fix():
     """A 401 for an unregistered key made Flower's SuperNode signal itself and exit 0, saying only
     that it 'terminated gracefully' (found by tests/e2e/test_docker.py). The gateway now answers as

@@ -26,9 +26,9 @@ def test_the_patches_were_written_for_the_pinned_flower():
     assert pinned and pinned.group(1).startswith(TESTED_WITH + ".") and flwr.__version__ == pinned.group(1)
 
 
-def _installers(root: Path, modules: dict[str, tuple[str, tuple[str, ...]]]) -> dict[str, set[str]]:
+def _installers(root: Path, modules: dict[str, dict[str, str]]) -> dict[str, set[str]]:
     """Patch name -> the files under ``root`` that call one of its installers (``modules``: the
-    patch modules by dotted name -> the patch name and its installer functions)."""
+    patch modules by dotted name -> each installer function's patch; a module may hold two)."""
     found: dict[str, set[str]] = {}
     for path in root.rglob("*.py"):
         tree = ast.parse(path.read_text())
@@ -36,21 +36,20 @@ def _installers(root: Path, modules: dict[str, tuple[str, tuple[str, ...]]]) -> 
         held: dict[str, str] = {}  # a local name of a patch module -> its dotted name
         own = ".".join(path.relative_to(root.parent).with_suffix("").parts)
         if own in modules:  # a patch module calling its own installer
-            calls |= {f: modules[own][0] for f in modules[own][1]}
+            calls |= modules[own]
         for n in ast.walk(tree):
             if isinstance(n, ast.ImportFrom) and n.module:
                 for a in n.names:
                     if f"{n.module}.{a.name}" in modules:
                         held[a.asname or a.name] = f"{n.module}.{a.name}"
-                    elif n.module in modules and a.name in modules[n.module][1]:
-                        calls[a.asname or a.name] = modules[n.module][0]
+                    elif n.module in modules and a.name in modules[n.module]:
+                        calls[a.asname or a.name] = modules[n.module][a.name]
         for n in ast.walk(tree):
             if not isinstance(n, ast.Call):
                 continue
             f, patch = n.func, None
             if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in held:
-                name, installers = modules[held[f.value.id]]
-                patch = name if f.attr in installers else None
+                patch = modules[held[f.value.id]].get(f.attr)
             elif isinstance(f, ast.Name):
                 patch = calls.get(f.id)
             if patch is not None:
@@ -59,7 +58,9 @@ def _installers(root: Path, modules: dict[str, tuple[str, tuple[str, ...]]]) -> 
 
 
 def test_only_the_processes_that_need_a_patch_install_it():
-    modules = {p.module: (p.name, p.installers) for p in PATCHES}
+    modules: dict[str, dict[str, str]] = {}
+    for p in PATCHES:
+        modules.setdefault(p.module, {}).update(dict.fromkeys(p.installers, p.name))
     found = _installers(PACKAGE, modules)
     for p in PATCHES:  # a patch's own module may install another (the SuperNode's command installs three)
         assert found.get(p.name, set()) == set(p.installed_by), p.name
@@ -71,11 +72,14 @@ def test_the_installer_rule_sees_a_call(tmp_path):
     (pkg / "a.py").write_text("from fedvlm.deploy import object_pulls\nobject_pulls.install(1.0)\n")
     lazy = "def f():\n    from fedvlm.deploy.clientapp_forks import install\n    install('x', 'y')\n"
     (pkg / "b.py").write_text(lazy)
+    (pkg / "c.py").write_text("from fedvlm.deploy import object_batches\nobject_batches.serve()\n")
     modules = {
-        "fedvlm.deploy.object_pulls": ("object-pulls", ("install",)),
-        "fedvlm.deploy.clientapp_forks": ("clientapp-forks", ("install",)),
+        "fedvlm.deploy.object_pulls": {"install": "object-pulls"},
+        "fedvlm.deploy.clientapp_forks": {"install": "clientapp-forks"},
+        "fedvlm.deploy.object_batches": {"serve": "batches-served", "install": "batches-sent"},
     }
-    assert _installers(pkg, modules) == {"object-pulls": {"pkg/a.py"}, "clientapp-forks": {"pkg/b.py"}}
+    found = {"object-pulls": {"pkg/a.py"}, "clientapp-forks": {"pkg/b.py"}, "batches-served": {"pkg/c.py"}}
+    assert _installers(pkg, modules) == found
 
 
 def test_every_patch_is_documented_where_an_operator_reads():

@@ -1,0 +1,596 @@
+"""A message's objects in one Fleet request instead of one request each.
+
+Flower 1.42 moves a message as a tree of objects (the message, its record dict, each record, each
+array chunk), and a SuperNode pulls each object of an instruction and pushes each object of its
+reply with a Fleet call of its own (``pull-object``, ``push-object``). In a warm 4-node deployment
+20 of a node's 26 Fleet calls a round were objects (docs/results/deployment.md, 'The message path,
+by CPU seconds per program'), each paying TLS, the gateway, the node's signature check and the
+SuperLink's HTTP stack, which is most of the SuperLink's CPU.
+
+Two more Fleet calls take a list of Flower's own per-object requests and answer with Flower's own
+per-object responses, in order (a framed stream, as Flower's Control API streams):
+
+- ``pull-objects``: ``PullObjectsRequest {node, items: [PullObjectRequest]}``; the answer stops
+  once it holds ``BATCH_BYTES`` of content (always after at least one object), and the node asks
+  again for the rest, so no answer is much larger than a few array chunks.
+- ``push-objects``: ``PushObjectsRequest {node, items: [PushObjectRequest]}``; the node packs a
+  request up to ``BATCH_BYTES`` of content (an object larger than that goes alone), so a body stays
+  within the gateway's cap of one chunk plus 1 MiB.
+
+Each item is answered by Flower's own handler (``fleet_handlers.pull_object`` and ``push_object``),
+so what a pull or push checks, stores and counts is Flower's. What changes is who may ask: the outer
+request names the node, which the SuperLink's node authentication checks against the signing key
+as for every Fleet call (the two routes are entered in Flower's table of protobuf routes, which is
+what its authentication reads), and every item must name that same node or the whole request is
+refused (403). The gateway holds each item to what it holds a single call to: a node pulls only
+objects sent to it, pushes only inside a push session (``fleet_gateway``).
+
+The SuperNode (``install``, in ``deploy.supernode_polling``) sends its pulls and pushes this way:
+its connection's ``pull_object`` and ``push_object`` also take a whole ``Batch``, which Flower's own
+call sites hand on with the run and push session they bind (``pull_objects`` and
+``push_object_contents_from_iterable`` in ``start_client_internal`` pass one ``Batch`` instead of
+each id). A SuperLink without the routes (403 or 404) gets Flower's one call per object from then
+on, as does a node with no authentication keys.
+
+Nothing a node stores or sends changes, only how many requests carry it. Guarded per side by
+``check_flower``; a Flower that reads otherwise gets one request per object, with a warning.
+"""
+
+import contextlib
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Annotated, Any
+
+import httpx
+
+log = logging.getLogger("fedvlm.deploy")
+
+BATCH_BYTES = 4 << 20  # content per request: a pull's answer stops past it, a push request is packed up to it
+MAX_ITEMS = 512  # objects per request (a message of Flower's 5 MiB chunks: 2.5 GiB in one pull request)
+PREFIX, RUNTIME = "/v1/fleet", "/v1/runtime"
+PULL, PUSH = "/pull-objects", "/push-objects"
+ABSENT = (403, 404)  # a SuperLink (or gateway) without the routes
+FIRST_WAIT_S, LONGEST_WAIT_S = 0.05, 1.0  # objects not stored yet: asked again after these, doubling
+GIVE_UP_S = 600.0  # as Flower's PULL_MAX_TIME: a message whose objects never all arrive is dropped
+
+
+@functools.cache
+def requests() -> tuple[Any, Any]:
+    """``PullObjectsRequest`` and ``PushObjectsRequest``: a node and a list of Flower's own per-object
+    requests, built from a descriptor at first use (no generated code to keep in step)."""
+    from flwr.proto import message_pb2, node_pb2  # noqa: F401  (their files must be in the pool first)
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    field = descriptor_pb2.FieldDescriptorProto
+    spec = descriptor_pb2.FileDescriptorProto(
+        name="fedvlm/object_batches.proto",
+        package="fedvlm.fleet",
+        syntax="proto3",
+        dependency=["flwr/proto/message.proto", "flwr/proto/node.proto"],
+    )
+    for name, item in (("PullObjectsRequest", "PullObjectRequest"), ("PushObjectsRequest", "PushObjectRequest")):
+        kind = spec.message_type.add(name=name)
+        kind.field.add(name="node", number=1, type=field.TYPE_MESSAGE, type_name=".flwr.proto.Node")
+        kind.field.add(
+            name="items", number=2, type=field.TYPE_MESSAGE, type_name=f".flwr.proto.{item}", label=field.LABEL_REPEATED
+        )
+    pool = descriptor_pool.Default()
+    try:
+        found = pool.FindFileByName(spec.name)
+    except KeyError:
+        found = pool.AddSerializedFile(spec.SerializeToString())
+    kinds = found.message_types_by_name
+    return (
+        message_factory.GetMessageClass(kinds["PullObjectsRequest"]),
+        message_factory.GetMessageClass(kinds["PushObjectsRequest"]),
+    )
+
+
+def batch_problem(request) -> str | None:
+    """Why a batch may not be served (None: it may): every item must name the node the request is
+    signed as, name an object once, and the items be at most ``MAX_ITEMS``, so that one request
+    costs the SuperLink at most what ``MAX_ITEMS`` single calls, each checked, would."""
+    node, count = request.node.node_id, len(request.items)
+    if count > MAX_ITEMS:
+        return f"node {node} sent a batch of {count} objects; at most {MAX_ITEMS}"
+    for item in request.items:
+        if item.node.node_id != node:
+            return f"node {node} sent a batch with an item for node {item.node.node_id}"
+    if len({item.object_id for item in request.items}) != count:
+        return f"node {node} sent a batch naming an object twice"
+    return None
+
+
+# ---- the SuperLink -------------------------------------------------------------------------------
+def pulled(request, pull_one: Callable) -> list:
+    """Flower's answer to each item, in order, up to ``BATCH_BYTES`` of content."""
+    answers: list[Any] = []
+    size = 0
+    for item in request.items:
+        if answers and size >= BATCH_BYTES:
+            break
+        answers.append(pull_one(item))
+        size += len(answers[-1].object_content)
+    return answers
+
+
+def _refuse(request) -> None:
+    from fastapi import HTTPException
+
+    why = batch_problem(request)
+    if why is not None:
+        raise HTTPException(status_code=403, detail=why)
+
+
+def _fleet_endpoints(router_module, handlers) -> dict[str, Callable]:
+    """The Fleet API's two handlers (a SuperNode's calls to the SuperLink)."""
+
+    def fleet_pull_objects(request, state):
+        _refuse(request)
+        return iter(pulled(request, lambda item: handlers.pull_object(request=item, state=state)))
+
+    def fleet_push_objects(request, state):
+        _refuse(request)
+        return iter([handlers.push_object(request=item, state=state) for item in request.items])
+
+    return _annotated(fleet_pull_objects, fleet_push_objects, state=router_module.LinkStateDependency)
+
+
+def _runtime_endpoints() -> dict[str, Callable]:
+    """The Runtime API's two handlers (a ServerApp's calls to the SuperLink, a ClientApp's to its
+    SuperNode), each item answered by the component's own handler for the authenticated task."""
+    from flwr.supercore.dependencies import runtime
+
+    def runtime_pull_objects(request, state, handlers, task):
+        _refuse(request)
+        return iter(pulled(request, lambda item: handlers.pull_object(item, state, task)))
+
+    def runtime_push_objects(request, state, handlers, task):
+        _refuse(request)
+        return iter([handlers.push_object(item, state, task) for item in request.items])
+
+    depends = {"handlers": runtime.RuntimeHandlersDependency, "task": runtime.TaskDependency}
+    return _annotated(runtime_pull_objects, runtime_push_objects, state=runtime.RuntimeStateDependency, **depends)
+
+
+def _annotated(pull: Callable, push: Callable, **depends) -> dict[str, Callable]:
+    """The handlers annotated as Flower's own protobuf routes are (FastAPI and ProtobufRoute read them)."""
+    from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
+    from flwr.supercore.protobuf.translation import PROTOBUF_REQUEST_DEPENDENCY
+
+    answers = (Iterator[PullObjectResponse], Iterator[PushObjectResponse])
+    for endpoint, kind, answer in zip((pull, push), requests(), answers, strict=True):
+        request = Annotated[kind, PROTOBUF_REQUEST_DEPENDENCY]  # type: ignore[valid-type]  # a class made at run time
+        endpoint.__annotations__ = {"request": request, **depends, "return": answer}
+    return {PULL: pull, PUSH: push}
+
+
+def _server_parts():
+    import importlib
+
+    from flwr.supercore.protobuf import translation
+    from flwr.superlink.servicer.fleet import fleet_handlers
+
+    fleet, runtime = (
+        importlib.import_module(f"flwr.{m}.router") for m in ("superlink.routers.fleet", "supercore.routers.runtime")
+    )
+    return fleet, fleet_handlers, runtime, translation
+
+
+def check_server() -> str | None:
+    """Why the installed Flower's Fleet and Runtime routers are not the ones ``serve`` extends."""
+    try:
+        fleet, handlers, runtime, translation = _server_parts()
+        from flwr.supercore.dependencies import runtime as depends
+    except ImportError as err:
+        return f"it does not have {err.name}"
+    if fleet.router.prefix != PREFIX or not hasattr(fleet, "LinkStateDependency"):
+        return f"its Fleet router is not at {PREFIX} with a LinkStateDependency"
+    if runtime.router.prefix != RUNTIME:
+        return f"its Runtime router is not at {RUNTIME}"
+    if not all(callable(getattr(handlers, f, None)) for f in ("pull_object", "push_object")):
+        return "its Fleet handlers have no pull_object and push_object"
+    if not all(hasattr(depends, d) for d in ("RuntimeHandlersDependency", "RuntimeStateDependency", "TaskDependency")):
+        return "its Runtime API has other dependencies than a state, its handlers and the task"
+    if not isinstance(getattr(translation, "PROTOBUF_REQUEST_TYPES", None), dict):
+        return "it has no table of protobuf routes (which its node and task authentication read)"
+    return None
+
+
+def _route(router, prefix: str, endpoints: dict[str, Callable], table: dict) -> None:
+    if any(r.path == prefix + PULL for r in router.routes):  # served already in this process
+        return
+    for path, endpoint in endpoints.items():
+        router.add_api_route(path, endpoint, methods=["POST"], name=endpoint.__name__)
+    table[("POST", prefix + PULL)], table[("POST", prefix + PUSH)] = requests()
+
+
+def serve(fleet_api: bool = True) -> bool:
+    """Serve ``pull-objects`` and ``push-objects`` in this process (the SuperLink: on its Fleet and
+    Runtime APIs; a SuperNode, ``fleet_api=False``: on its Runtime API, for its ClientApps), before
+    it builds its app; False, with a warning, where Flower's routers are not the ones this extends."""
+    from fedvlm.deploy import flower_patches
+
+    if not flower_patches.applies("object-batches-served"):
+        return False
+    fleet, handlers, runtime, translation = _server_parts()
+    table = translation.PROTOBUF_REQUEST_TYPES
+    if fleet_api:
+        _route(fleet.router, PREFIX, _fleet_endpoints(fleet, handlers), table)
+    _route(runtime.router, RUNTIME, _runtime_endpoints(), table)
+    return True
+
+
+# ---- the SuperNode -------------------------------------------------------------------------------
+class Batch:
+    """Every object of one message, handed through Flower's call sites in place of one object id:
+    the ids to pull (and what was pulled), or the contents to push."""
+
+    def __init__(self, ids: Iterable[str] = (), contents: Iterable[tuple[str, bytes]] = ()):
+        self.ids, self.contents = list(ids), contents
+        self.pulled: dict[str, bytes] = {}
+
+
+def _flower_errors():
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPushError
+
+    return ObjectPullError, ObjectPushError
+
+
+def packed(contents: Iterable[tuple[str, bytes]], most: int = BATCH_BYTES) -> Iterator[list[tuple[str, bytes]]]:
+    """``contents`` in lists of at most ``most`` bytes of content (a larger object alone) and at
+    most ``MAX_ITEMS`` objects."""
+    group: list[tuple[str, bytes]] = []
+    size = 0
+    for item in contents:
+        if group and (size + len(item[1]) > most or len(group) == MAX_ITEMS):
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += len(item[1])
+    if group:
+        yield group
+
+
+class Link:
+    """Batch calls to one API (``prefix``) through a Flower protobuf client that authenticates as
+    the caller's own calls do: a SuperNode's to the Fleet API, a ServerApp's or ClientApp's to the
+    Runtime API."""
+
+    def __init__(self, client, node_id: int, prefix: str = PREFIX):
+        from flwr.proto.node_pb2 import Node
+
+        self.client, self.node, self.prefix, self.served = client, Node(node_id=node_id), prefix, True
+
+    def call(self, path: str, items: list) -> list | None:
+        """Flower's answers to ``items``, in order (None: the SuperLink has no such call, from now on)."""
+        from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
+
+        if not self.served:
+            return None
+        kind, answer = (requests()[1], PushObjectResponse) if path == PUSH else (requests()[0], PullObjectResponse)
+        request = kind(node=self.node, items=items)
+        try:
+            stream = self.client._unary_stream(
+                path=self.prefix + path, rpc_method=f"/fedvlm{self.prefix}{path}", request=request, response_type=answer
+            )
+            return list(stream)
+        except httpx.HTTPStatusError as err:
+            if err.response.status_code not in ABSENT:
+                raise
+            status = err.response.status_code
+            log.warning("%s%s answered HTTP %d: one request per object from now on", self.prefix, path, status)
+            self.served = False
+            return None
+
+    def pull(self, run_id: int, batch: Batch, one: Callable[[int, str], bytes]) -> None:
+        """Every object of ``batch``; those not stored yet asked for again, as Flower's pulls do."""
+        from flwr.proto.message_pb2 import PullObjectRequest
+
+        pull_error = _flower_errors()[0]
+        left, wait, start = list(batch.ids), FIRST_WAIT_S, time.monotonic()
+        while left:
+            asked = [PullObjectRequest(node=self.node, run_id=run_id, object_id=i) for i in left[:MAX_ITEMS]]
+            answers = self.call(PULL, asked)
+            if answers is None:
+                batch.pulled.update(FLOWER["pull_objects"](left, lambda object_id: one(run_id, object_id)))
+                return
+            if not answers or len(answers) > len(asked):
+                raise pull_error(left[0], f"the SuperLink answered {len(answers)} of {len(asked)} objects")
+            waiting = []
+            for object_id, answer in zip(left, answers, strict=False):  # an answer may stop early
+                if not answer.object_found:
+                    raise pull_error(object_id, "the object could not be found.")
+                if answer.object_available:
+                    batch.pulled[object_id] = answer.object_content
+                else:
+                    waiting.append(object_id)
+            left = left[len(answers) :] + waiting
+            if len(waiting) == len(answers):  # nothing asked is there yet: wait, then ask again
+                if time.monotonic() - start > GIVE_UP_S:
+                    raise pull_error(waiting[0], "timeout or retry limit reached")
+                time.sleep(wait)
+                wait = min(2 * wait, LONGEST_WAIT_S)
+
+    def push(self, run_id: int, session_id: str, batch: Batch, one: Callable[[int, str, str, bytes], None]) -> None:
+        from flwr.proto.message_pb2 import PushObjectRequest
+
+        push_error = _flower_errors()[1]
+        for group in packed(batch.contents):
+            items = [
+                PushObjectRequest(node=self.node, run_id=run_id, object_id=i, object_content=c, session_id=session_id)
+                for i, c in group
+            ]
+            answers = self.call(PUSH, items)
+            if answers is None:
+                for object_id, content in group:
+                    one(run_id, session_id, object_id, content)
+                continue
+            if len(answers) != len(group) or not all(a.stored for a in answers):
+                refused = next((i for (i, _), a in zip(group, answers, strict=False) if not a.stored), group[-1][0])
+                raise push_error(refused, run_id, session_id)
+
+    def wrap(self, pull_one: Callable, push_one: Callable) -> tuple[Callable, Callable]:
+        """The connection's ``pull_object`` and ``push_object``, which also take a whole ``Batch``."""
+
+        def pull_object(run_id: int, object_id: Any) -> Any:
+            if isinstance(object_id, Batch):
+                return self.pull(run_id, object_id, pull_one)
+            return pull_one(run_id, object_id)
+
+        def push_object(run_id: int, session_id: str, object_id: Any, content: bytes) -> None:
+            if isinstance(object_id, Batch):
+                return self.push(run_id, session_id, object_id, push_one)
+            return push_one(run_id, session_id, object_id, content)
+
+        return pull_object, push_object
+
+
+FLOWER: dict[str, Callable] = {}  # start_client_internal's own functions, as found before install
+ACTIVE: list[Link] = []  # the SuperNode's connection that batches (one per process), while it is open
+
+
+def batching(connect: Callable) -> Callable:
+    """Flower's ``http_request_response``, whose ``pull_object`` and ``push_object`` take batches."""
+
+    @contextlib.contextmanager
+    def connection(server_address, insecure, root_certificates=None, authentication_keys=None, *rest, **kwargs):
+        with connect(server_address, insecure, root_certificates, authentication_keys, *rest, **kwargs) as parts:
+            if authentication_keys is None:  # a node that signs nothing: Flower's calls
+                yield parts
+                return
+            with _client(server_address, insecure, root_certificates, authentication_keys) as client:
+                link = Link(client, parts[0])
+                ACTIVE.append(link)
+                try:
+                    yield (*parts[:5], *link.wrap(parts[5], parts[6]), *parts[7:])
+                finally:
+                    ACTIVE.remove(link)
+
+    return connection
+
+
+def _client(server_address, insecure, root_certificates, keys):
+    from pathlib import Path
+
+    from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supernode.fleet_http_client import FleetHttpClient
+    from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
+
+    if isinstance(root_certificates, str):
+        root_certificates = str(Path(root_certificates).expanduser())
+    interceptors = [RuntimeVersionHttpInterceptor(component_name="SuperNode"), NodeAuthHttpInterceptor(*keys)]
+    retries = make_simple_http_retry_invoker()
+    return FleetHttpClient.from_server_address(
+        server_address, insecure, root_certificates, interceptors=interceptors, retry_invoker=retries
+    )
+
+
+def pull_objects(object_ids: list[str], pull_object_fn: Callable, **kwargs) -> dict[str, bytes]:
+    """Flower's ``pull_objects`` as one batch through the node's connection (Flower's where it has none)."""
+    if not ACTIVE:
+        return FLOWER["pull_objects"](object_ids, pull_object_fn, **kwargs)
+    batch = Batch(ids=object_ids)
+    pull_object_fn(batch)  # Flower's call site binds the run: pull_object(run_id, batch)
+    return batch.pulled
+
+
+def push_object_contents_from_iterable(
+    object_contents: Iterable[tuple[str, bytes]], push_object_fn: Callable, **kwargs
+) -> None:
+    """Flower's pushes of a reply's objects as batches through the node's connection."""
+    if not ACTIVE:
+        return FLOWER["push_object_contents_from_iterable"](object_contents, push_object_fn, **kwargs)
+    push_object_fn(Batch(contents=object_contents), b"")  # binds run and session: push_object(run, session, batch, b"")
+    return None
+
+
+NODE_NAMES = ("http_request_response", "pull_objects", "push_object_contents_from_iterable")
+
+
+def check_supernode() -> str | None:
+    """Why the installed Flower's SuperNode does not call what ``install`` replaces (None: it does)."""
+    import inspect
+
+    try:
+        from flwr.supernode import start_client_internal as sci
+    except ImportError as err:
+        return f"it does not have {err.name}"
+    missing = [n for n in NODE_NAMES if not callable(getattr(sci, n, None))]
+    if missing:
+        return f"its SuperNode has no {', '.join(missing)}"
+    source = inspect.getsource(sci)
+    if "pull_object_fn=lambda obj_id: pull_object(run_id, obj_id)" not in source:
+        return "its SuperNode no longer pulls a message's objects through pull_object(run_id, obj_id)"
+    if "push_object_fn=partial(push_object, run_id, session_id)" not in source:
+        return "its SuperNode no longer pushes a reply's objects through partial(push_object, run_id, session_id)"
+    return None
+
+
+def check_flower(module) -> str | None:
+    """The guard of whichever patch changes ``module`` (``flower_patches``' rows name it)."""
+    guards = {
+        "flwr.supernode.start_client_internal": check_supernode,
+        "flwr.superlink.grid.http_grid": check_runtime_clients,
+    }
+    return guards.get(module.__name__, check_server)()
+
+
+def install() -> bool:
+    """This SuperNode process sends a message's objects in batches; False, with a warning, where
+    Flower's SuperNode does not read as this expects."""
+    from fedvlm.deploy import flower_patches
+
+    if not flower_patches.applies("object-batches-sent"):
+        return False
+    from flwr.supernode import start_client_internal as sci
+
+    FLOWER.update({n: getattr(sci, n) for n in NODE_NAMES})
+    sci.http_request_response = batching(FLOWER["http_request_response"])
+    sci.pull_objects = pull_objects
+    sci.push_object_contents_from_iterable = push_object_contents_from_iterable
+    return True
+
+
+# ---- the Runtime API's callers: a deployed ServerApp (to the SuperLink), a ClientApp (to its SuperNode)
+class Remote:
+    """Flower's per-object function of a Runtime API client (what ``make_pull_object_fn_protobuf``
+    and ``make_push_object_fn_protobuf`` return), which also takes a whole ``Batch``: sent as one
+    request through the client that ``stub`` (its bound ``PullObject`` or ``PushObject``) belongs to."""
+
+    def __init__(self, one: Callable, stub: Any, node, run_id: int, session_id: str = ""):
+        self.one, self.client, self.node_id = one, stub.__self__, node.node_id
+        self.run_id, self.session_id = run_id, session_id
+
+    def link(self) -> Link:
+        found = LINKS.get(self.client)  # one per client: a Runtime API without batches is asked once
+        if found is None:
+            found = LINKS[self.client] = Link(self.client, self.node_id, RUNTIME)
+        return found
+
+    def __call__(self, object_id, *content):
+        if not isinstance(object_id, Batch):
+            return self.one(object_id, *content)
+        if object_id.ids:
+            return self.link().pull(self.run_id, object_id, lambda _run, i: self.one(i))
+        return self.link().push(self.run_id, self.session_id, object_id, lambda _r, _s, i, c: self.one(i, c))
+
+
+def make_pull_object_fn_protobuf(pull_object_protobuf: Callable, node, run_id: int) -> Callable:
+    flower = FLOWER_RUNTIME["make_pull_object_fn_protobuf"](pull_object_protobuf, node, run_id)
+    return Remote(flower, pull_object_protobuf, node, run_id) if _batchable(pull_object_protobuf) else flower
+
+
+def make_push_object_fn_protobuf(push_object_protobuf: Callable, node, run_id: int, session_id: str) -> Callable:
+    flower = FLOWER_RUNTIME["make_push_object_fn_protobuf"](push_object_protobuf, node, run_id, session_id)
+    if not _batchable(push_object_protobuf):
+        return flower
+    return Remote(flower, push_object_protobuf, node, run_id, session_id)
+
+
+def _batchable(stub: Callable) -> bool:
+    """A bound call of a Flower protobuf client (the Runtime API's), whose client can send a batch."""
+    return hasattr(getattr(stub, "__self__", None), "_unary_stream")
+
+
+def runtime_pull_objects(object_ids: list[str], pull_object_fn: Callable, **kwargs) -> dict[str, bytes]:
+    """Flower's ``pull_objects``, one batch where ``pull_object_fn`` can send one."""
+    if not isinstance(pull_object_fn, Remote):
+        return FLOWER_RUNTIME["pull_objects"](object_ids, pull_object_fn, **kwargs)
+    batch = Batch(ids=object_ids)
+    pull_object_fn(batch)
+    return batch.pulled
+
+
+def runtime_push_objects(objects: dict, push_object_fn: Callable, *, object_ids_to_push=None, **kwargs) -> None:
+    """Flower's ``push_objects``, in batches where ``push_object_fn`` can send them."""
+    if not isinstance(push_object_fn, Remote):
+        return FLOWER_RUNTIME["push_objects"](objects, push_object_fn, object_ids_to_push=object_ids_to_push, **kwargs)
+    wanted = [i for i in objects if object_ids_to_push is None or i in object_ids_to_push]
+    push_object_fn(Batch(contents=((i, objects[i].deflate()) for i in wanted)))
+    return None
+
+
+def pull_and_inflate_object_from_tree(object_tree, pull_object_fn: Callable, confirm_object_received_fn, **kwargs):
+    """Flower's, its objects pulled in one batch where ``pull_object_fn`` can send one."""
+    if not isinstance(pull_object_fn, Remote):
+        return FLOWER_RUNTIME["pull_and_inflate_object_from_tree"](
+            object_tree, pull_object_fn, confirm_object_received_fn, **kwargs
+        )
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents, iterate_object_tree
+
+    contents = runtime_pull_objects([t.object_id for t in iterate_object_tree(object_tree)], pull_object_fn)
+    confirm_object_received_fn(object_tree.object_id)
+    inflated = inflate_object_from_contents(object_tree.object_id, contents, keep_object_contents=False)
+    kind = kwargs.get("return_type", object)
+    if not isinstance(inflated, kind):
+        raise TypeError(f"Expected object of type {kind.__name__}, but got {type(inflated).__name__}.")
+    return inflated
+
+
+LINKS: "weakref.WeakKeyDictionary[Any, Link]" = weakref.WeakKeyDictionary()
+FLOWER_RUNTIME: dict[str, Callable] = {}  # Flower's own, as found before install_clients
+CLIENT_MODULES = {  # the Runtime API's callers and the names each imports that this replaces
+    "flwr.superlink.grid.http_grid": (
+        "make_pull_object_fn_protobuf",
+        "make_push_object_fn_protobuf",
+        "pull_objects",
+        "push_objects",
+    ),
+    "flwr.supernode.runtime.run_clientapp": (
+        "make_pull_object_fn_protobuf",
+        "make_push_object_fn_protobuf",
+        "pull_and_inflate_object_from_tree",
+        "push_objects",
+    ),
+}
+OURS = {
+    "make_pull_object_fn_protobuf": make_pull_object_fn_protobuf,
+    "make_push_object_fn_protobuf": make_push_object_fn_protobuf,
+    "pull_objects": runtime_pull_objects,
+    "push_objects": runtime_push_objects,
+    "pull_and_inflate_object_from_tree": pull_and_inflate_object_from_tree,
+}
+
+
+def check_runtime_clients() -> str | None:
+    """Why the installed Flower's ServerApp grid or ClientApp runtime does not call what
+    ``install_clients`` replaces (None: both do)."""
+    import importlib
+
+    from flwr.supercore.inflatable import inflatable_protobuf_utils, inflatable_utils
+
+    for name, names in CLIENT_MODULES.items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError as err:
+            return f"it does not have {err.name}"
+        for n in names:
+            source = inflatable_protobuf_utils if n.startswith("make_") else inflatable_utils
+            if getattr(module, n, None) is not getattr(source, n, None):
+                return f"{name}.{n} is not Flower's {source.__name__}.{n}"
+    return None
+
+
+def install_clients() -> bool:
+    """This process's Runtime API calls (a deployed ServerApp's grid, a ClientApp's runtime) send
+    a message's objects in batches; False, with a warning, where Flower's do not read as expected."""
+    import importlib
+
+    from fedvlm.deploy import flower_patches
+
+    if not flower_patches.applies("object-batches-runtime"):
+        return False
+    from flwr.supercore.inflatable import inflatable_protobuf_utils, inflatable_utils
+
+    for n in OURS:
+        FLOWER_RUNTIME[n] = getattr(inflatable_protobuf_utils if n.startswith("make_") else inflatable_utils, n)
+    for name, names in CLIENT_MODULES.items():
+        module = importlib.import_module(name)
+        for n in names:
+            setattr(module, n, OURS[n])
+    return True
