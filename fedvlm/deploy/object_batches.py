@@ -1,39 +1,41 @@
-"""A message's objects in one Fleet request instead of one request each.
+"""A message's objects in one request instead of one request each.
 
 Flower 1.42 moves a message as a tree of objects (the message, its record dict, each record, each
-array chunk), and a SuperNode pulls each object of an instruction and pushes each object of its
-reply with a Fleet call of its own (``pull-object``, ``push-object``). In a warm 4-node deployment
-20 of a node's 26 Fleet calls a round were objects (docs/results/deployment.md, 'The message path,
-by CPU seconds per program'), each paying TLS, the gateway, the node's signature check and the
-SuperLink's HTTP stack, which is most of the SuperLink's CPU.
+array chunk), and whoever sends or receives it makes one call per object (``pull-object``,
+``push-object``): a SuperNode to the SuperLink's Fleet API, the ServerApp to the SuperLink's
+Runtime API, a ClientApp to its SuperNode's Runtime API. In a warm 4-node deployment 20 of a node's
+26 Fleet calls a round were objects (docs/results/deployment.md, 'The message path, by CPU seconds
+per program'), each paying TLS, the gateway, the caller's authentication and an HTTP stack.
 
-Two more Fleet calls take a list of Flower's own per-object requests and answer with Flower's own
-per-object responses, in order (a framed stream, as Flower's Control API streams):
+Both APIs get two more calls, which take a list of Flower's own per-object requests and answer
+with Flower's own per-object responses, in order (a framed stream, as Flower's Control API streams):
 
 - ``pull-objects``: ``PullObjectsRequest {node, items: [PullObjectRequest]}``; the answer stops
-  once it holds ``BATCH_BYTES`` of content (always after at least one object), and the node asks
+  once it holds ``BATCH_BYTES`` of content (always after at least one object) and the caller asks
   again for the rest, so no answer is much larger than a few array chunks.
-- ``push-objects``: ``PushObjectsRequest {node, items: [PushObjectRequest]}``; the node packs a
+- ``push-objects``: ``PushObjectsRequest {node, items: [PushObjectRequest]}``; the caller packs a
   request up to ``BATCH_BYTES`` of content (an object larger than that goes alone), so a body stays
   within the gateway's cap of one chunk plus 1 MiB.
 
-Each item is answered by Flower's own handler (``fleet_handlers.pull_object`` and ``push_object``),
-so what a pull or push checks, stores and counts is Flower's. What changes is who may ask: the outer
-request names the node, which the SuperLink's node authentication checks against the signing key
-as for every Fleet call (the two routes are entered in Flower's table of protobuf routes, which is
-what its authentication reads), and every item must name that same node or the whole request is
-refused (403). The gateway holds each item to what it holds a single call to: a node pulls only
-objects sent to it, pushes only inside a push session (``fleet_gateway``).
+Each item is answered by Flower's own handler (the Fleet API's, or the component's Runtime API
+handler for the authenticated task), so what a pull or push checks, stores and counts is Flower's.
+The two routes enter Flower's table of protobuf routes, which its node and task authentication
+read, so a batch is authenticated as a single call is; every item must name the node the request
+names, an object at most once, and at most ``MAX_ITEMS`` of them (``batch_problem``), or the whole
+request is refused (403): one request never costs more than that many checked single calls. The
+gateway holds each item to what it holds a single call to: a node pulls only objects sent to it,
+pushes only inside a push session (``fleet_gateway``).
 
-The SuperNode (``install``, in ``deploy.supernode_polling``) sends its pulls and pushes this way:
-its connection's ``pull_object`` and ``push_object`` also take a whole ``Batch``, which Flower's own
-call sites hand on with the run and push session they bind (``pull_objects`` and
-``push_object_contents_from_iterable`` in ``start_client_internal`` pass one ``Batch`` instead of
-each id). A SuperLink without the routes (403 or 404) gets Flower's one call per object from then
-on, as does a node with no authentication keys.
+Callers (each falls back to Flower's one call per object, for good, on a 403 or 404):
+- a SuperNode (``install``): its connection's ``pull_object`` and ``push_object`` also take a whole
+  ``Batch``, which Flower's own call sites in ``start_client_internal`` hand on with the run and
+  push session they bind; a node without authentication keys keeps Flower's calls;
+- the ServerApp's grid and a ClientApp's runtime (``install_clients``): Flower's
+  ``make_*_object_fn_protobuf`` return a ``Remote``, which sends a ``Batch`` through the Runtime API
+  client its bound ``PullObject`` or ``PushObject`` belongs to.
 
-Nothing a node stores or sends changes, only how many requests carry it. Guarded per side by
-``check_flower``; a Flower that reads otherwise gets one request per object, with a warning.
+Nothing anyone stores or sends changes, only how many requests carry it. Each side is guarded
+(``check_flower``); a Flower that reads otherwise gets one request per object, with a warning.
 """
 
 import contextlib
@@ -46,6 +48,8 @@ from typing import Annotated, Any
 
 import httpx
 
+from fedvlm.deploy import object_pulls
+
 log = logging.getLogger("fedvlm.deploy")
 
 BATCH_BYTES = 4 << 20  # content per request: a pull's answer stops past it, a push request is packed up to it
@@ -53,8 +57,6 @@ MAX_ITEMS = 512  # objects per request (a message of Flower's 5 MiB chunks: 2.5 
 PREFIX, RUNTIME = "/v1/fleet", "/v1/runtime"
 PULL, PUSH = "/pull-objects", "/push-objects"
 ABSENT = (403, 404)  # a SuperLink (or gateway) without the routes
-FIRST_WAIT_S, LONGEST_WAIT_S = 0.05, 1.0  # objects not stored yet: asked again after these, doubling
-GIVE_UP_S = 600.0  # as Flower's PULL_MAX_TIME: a message whose objects never all arrive is dropped
 
 
 @functools.cache
@@ -286,17 +288,19 @@ class Link:
             self.served = False
             return None
 
-    def pull(self, run_id: int, batch: Batch, one: Callable[[int, str], bytes]) -> None:
-        """Every object of ``batch``; those not stored yet asked for again, as Flower's pulls do."""
+    def pull(self, run_id: int, batch: Batch, one: Callable[[str], bytes], flower_pulls: Callable) -> None:
+        """Every object of ``batch``; those not stored yet asked for again, as Flower's pulls do, for
+        as long (``PULL_MAX_TIME``). Without batches: ``flower_pulls`` with ``one`` per object."""
         from flwr.proto.message_pb2 import PullObjectRequest
+        from flwr.supercore.constant import PULL_MAX_TIME
 
         pull_error = _flower_errors()[0]
-        left, wait, start = list(batch.ids), FIRST_WAIT_S, time.monotonic()
+        left, wait, start = list(batch.ids), object_pulls.FIRST_RETRY_S, time.monotonic()
         while left:
             asked = [PullObjectRequest(node=self.node, run_id=run_id, object_id=i) for i in left[:MAX_ITEMS]]
             answers = self.call(PULL, asked)
             if answers is None:
-                batch.pulled.update(FLOWER["pull_objects"](left, lambda object_id: one(run_id, object_id)))
+                batch.pulled.update(flower_pulls(left, one))
                 return
             if not answers or len(answers) > len(asked):
                 raise pull_error(left[0], f"the SuperLink answered {len(answers)} of {len(asked)} objects")
@@ -310,10 +314,10 @@ class Link:
                     waiting.append(object_id)
             left = left[len(answers) :] + waiting
             if len(waiting) == len(answers):  # nothing asked is there yet: wait, then ask again
-                if time.monotonic() - start > GIVE_UP_S:
+                if time.monotonic() - start > PULL_MAX_TIME:
                     raise pull_error(waiting[0], "timeout or retry limit reached")
                 time.sleep(wait)
-                wait = min(2 * wait, LONGEST_WAIT_S)
+                wait = min(2 * wait, object_pulls.SUPERLINK_CAP_S)  # asked again as object_pulls asks
 
     def push(self, run_id: int, session_id: str, batch: Batch, one: Callable[[int, str, str, bytes], None]) -> None:
         from flwr.proto.message_pb2 import PushObjectRequest
@@ -338,7 +342,7 @@ class Link:
 
         def pull_object(run_id: int, object_id: Any) -> Any:
             if isinstance(object_id, Batch):
-                return self.pull(run_id, object_id, pull_one)
+                return self.pull(run_id, object_id, functools.partial(pull_one, run_id), FLOWER["pull_objects"])
             return pull_one(run_id, object_id)
 
         def push_object(run_id: int, session_id: str, object_id: Any, content: bytes) -> None:
@@ -476,7 +480,7 @@ class Remote:
         if not isinstance(object_id, Batch):
             return self.one(object_id, *content)
         if object_id.ids:
-            return self.link().pull(self.run_id, object_id, lambda _run, i: self.one(i))
+            return self.link().pull(self.run_id, object_id, self.one, FLOWER_RUNTIME["pull_objects"])
         return self.link().push(self.run_id, self.session_id, object_id, lambda _r, _s, i, c: self.one(i, c))
 
 

@@ -35,6 +35,7 @@ depends only on the dealer's public key, so the server's sum stays consistent.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -44,33 +45,27 @@ from dataclasses import dataclass, field
 import numpy as np
 from cryptography.fernet import InvalidToken
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from flwr.common.secure_aggregation.crypto.shamir import create_shares
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt
 from flwr.common.secure_aggregation.secaggplus_utils import (
     share_keys_plaintext_concat,
     share_keys_plaintext_separate,
 )
-from flwr.supercore.primitives.asymmetric import (
-    bytes_to_private_key,
-    bytes_to_public_key,
-    generate_key_pairs,
-    private_key_to_bytes,
-    public_key_to_bytes,
-)
 
 from fedvlm.errors import PublicError
+from fedvlm.secagg import shamir
 from fedvlm.secagg.graph import connected, degree, neighbours
 from fedvlm.secagg.masks import SEED_BYTES, expand, modulus, reduce
 from fedvlm.secagg.roster import Identity, Roster, verify
 from fedvlm.secagg.stages import Advert, SumPlan
 
-SCALAR_BYTES = 48  # a P-384 private scalar
-ADVERT_DOMAIN = b"fedvlm secure aggregation advert v2"
-SESSION_DOMAIN = b"fedvlm secure aggregation session v2"
-STORY_DOMAIN = b"fedvlm secure aggregation story v2"
-PAIR_DOMAIN = b"fedvlm secure aggregation pairwise mask v2"
+DH_BYTES = 32  # an X25519 key, private or public, raw
+ADVERT_DOMAIN = b"fedvlm secure aggregation advert v3"
+SESSION_DOMAIN = b"fedvlm secure aggregation session v3"
+STORY_DOMAIN = b"fedvlm secure aggregation story v3"
+PAIR_DOMAIN = b"fedvlm secure aggregation pairwise mask v3"
+SHARE_DOMAIN = b"fedvlm secure aggregation share encryption v3"
 
 
 class SecAggRefused(PublicError, RuntimeError):
@@ -120,22 +115,54 @@ def seed_commitment(seed: bytes) -> bytes:
     return hashlib.sha256(b"fedvlm secure aggregation seed" + seed).digest()
 
 
-def key_scalar(private_pem: bytes) -> bytes:
-    """A P-384 private key as its 48-byte scalar: what a node shares of its mask key (the PEM
-    form is six times longer, and Shamir sharing costs per 16 bytes)."""
-    key = bytes_to_private_key(private_pem)
-    return key.private_numbers().private_value.to_bytes(SCALAR_BYTES, "big")
+def new_key() -> tuple[bytes, bytes]:
+    """A fresh X25519 key pair, raw: (private, public). X25519 rather than Flower's P-384: the
+    protocol makes two agreements per pair of neighbours, and at 20 nodes P-384's were most of a
+    round's protocol cost once Shamir sharing was cheap (``bench.secure_aggregation protocol``)."""
+    private = X25519PrivateKey.generate()
+    return private.private_bytes_raw(), private.public_key().public_bytes_raw()
+
+
+def public_of(private: bytes) -> bytes:
+    """The public key of a raw private key (``ValueError`` if it is not one)."""
+    return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes_raw()
+
+
+def agree(own_private: bytes, peer_public: bytes) -> bytes:
+    """The X25519 shared secret; ``ValueError`` for a peer key that is not 32 bytes or of small
+    order (the secret would be all zeros, known to anyone)."""
+    return X25519PrivateKey.from_private_bytes(own_private).exchange(X25519PublicKey.from_public_bytes(peer_public))
+
+
+def usable_key(key: object) -> bool:
+    """Whether ``key`` is an X25519 public key a node can agree a secret with."""
+    if not isinstance(key, bytes) or len(key) != DH_BYTES:
+        return False
+    try:
+        agree(X25519PrivateKey.generate().private_bytes_raw(), key)
+    except ValueError:
+        return False
+    return True
+
+
+def key_scalar(private: bytes) -> bytes:
+    """What a node shares of its mask key: the raw private key itself (32 bytes)."""
+    return private
 
 
 def key_from_scalar(scalar: bytes) -> bytes:
-    """The private key (PEM) a 48-byte scalar stands for (``ValueError`` if it is none)."""
-    return private_key_to_bytes(ec.derive_private_key(int.from_bytes(scalar, "big"), ec.SECP384R1()))
+    """The private key a shared scalar stands for (``ValueError`` if it is none)."""
+    public_of(scalar)
+    return scalar
+
+
+def _derived(secret: bytes, info: bytes, length: int) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(secret)
 
 
 def pair_seed(own_mask_key: bytes, peer_mask_public: bytes, session_id: bytes) -> bytes:
-    """The seed two nodes share for their pairwise mask in ``session_id`` (ECDH, then HKDF)."""
-    shared = bytes_to_private_key(own_mask_key).exchange(ec.ECDH(), bytes_to_public_key(peer_mask_public))
-    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None, info=PAIR_DOMAIN + session_id).derive(shared)
+    """The seed two nodes share for their pairwise mask in ``session_id`` (X25519, then HKDF)."""
+    return _derived(agree(own_mask_key, peer_mask_public), PAIR_DOMAIN + session_id, SEED_BYTES)
 
 
 def pair_sign(node: int, peer: int) -> int:
@@ -193,7 +220,7 @@ class NodeRound:
 
     node_id: int
     plan: SumPlan
-    encryption_key: bytes = b""  # private keys, PEM
+    encryption_key: bytes = b""  # private keys, raw X25519
     mask_key: bytes = b""
     adverts: dict[int, Advert] = field(default_factory=dict)  # U1: node -> its signed advert
     session: bytes = b""
@@ -217,10 +244,8 @@ class NodeRound:
         check_plan(plan, node_id, roster, floor)
         if roster.member(identity.public) is None:
             raise SecAggRefused("this node's identity key is not on the roster it pins: fix its node config")
-        enc_sk, enc_pk = generate_key_pairs()
-        mask_sk, mask_pk = generate_key_pairs()
-        node = cls(node_id, plan, private_key_to_bytes(enc_sk), private_key_to_bytes(mask_sk))
-        enc, mask = public_key_to_bytes(enc_pk), public_key_to_bytes(mask_pk)
+        (enc_sk, enc), (mask_sk, mask) = new_key(), new_key()
+        node = cls(node_id, plan, enc_sk, mask_sk)
         advert = Advert(enc, mask, identity.public, identity.sign(advert_message(plan.digest, node_id, enc, mask)))
         node.adverts[node_id] = advert
         return node, advert
@@ -246,8 +271,8 @@ class NodeRound:
         check_threshold(self.plan.threshold, len(mine) + 1)
         self.seed = os.urandom(SEED_BYTES)
         holders = sorted([self.node_id, *mine])
-        seed_shares = create_shares(self.seed, self.plan.threshold, len(holders))
-        key_shares = create_shares(key_scalar(self.mask_key), self.plan.threshold, len(holders))
+        seed_shares = shamir.split(self.seed, self.plan.threshold, len(holders))
+        key_shares = shamir.split(key_scalar(self.mask_key), self.plan.threshold, len(holders))
         out = {}
         for holder, s_share, k_share in zip(holders, seed_shares, key_shares, strict=True):
             if holder == self.node_id:
@@ -272,13 +297,8 @@ class NodeRound:
             if not verify(advert.identity, advert_message(self.plan.digest, node, advert.encryption, advert.mask),
                           advert.signature):  # fmt: skip
                 raise SecAggRefused(f"node {node}'s keys do not carry its member's signature over this round's plan")
-            for key in (advert.encryption, advert.mask):
-                try:
-                    public = bytes_to_public_key(key)
-                except (ValueError, TypeError):
-                    raise SecAggRefused(f"node {node}'s advertised key is not a public key") from None
-                if not isinstance(public, ec.EllipticCurvePublicKey) or not isinstance(public.curve, ec.SECP384R1):
-                    raise SecAggRefused(f"node {node}'s advertised key is not a P-384 key")
+            if not (usable_key(advert.encryption) and usable_key(advert.mask)):
+                raise SecAggRefused(f"node {node}'s advertised key is not an X25519 public key of full order")
         keys = [k for a in adverts.values() for k in (a.encryption, a.mask)]
         if len(set(keys)) != len(keys):
             raise SecAggRefused("two advertised public keys are equal: one node impersonates another")
@@ -395,8 +415,10 @@ class NodeRound:
         return seeds, keys
 
     def _agreed(self, peer_public: bytes) -> bytes:
-        """The encryption key this node shares with a peer (ECDH, then HKDF)."""
-        return generate_shared_key(bytes_to_private_key(self.encryption_key), bytes_to_public_key(peer_public))
+        """The key (Fernet's form) this node encrypts shares with, to and from a peer, in this
+        round's session (X25519, then HKDF)."""
+        secret = agree(self.encryption_key, peer_public)
+        return base64.urlsafe_b64encode(_derived(secret, SHARE_DOMAIN + self.session, 32))
 
     def _expect(self, *stages: str) -> None:
         if self.stage not in stages:

@@ -27,27 +27,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric import ec
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key, public_key_to_bytes
 
+from fedvlm.secagg import shamir
 from fedvlm.secagg.graph import neighbours, reach
 from fedvlm.secagg.masks import expand, modulus, reduce
 from fedvlm.secagg.node import (
+    DH_BYTES,
     advert_message,
     key_from_scalar,
     pair_seed,
     pair_sign,
+    public_of,
     quorum,
     seed_commitment,
     session,
     story_message,
+    usable_key,
 )
 from fedvlm.secagg.roster import KEY_BYTES, SIGNATURE_BYTES, Roster, verify
 from fedvlm.secagg.stages import Advert, SumPlan
 
-MAX_KEY_BYTES = 1024  # a PEM public key on P-384 is about 215 bytes
-MAX_CIPHERTEXT_BYTES = 8192  # two shares of a few hundred bytes, encrypted
+MAX_CIPHERTEXT_BYTES = 8192  # two shares of 68 bytes and their framing, encrypted (about 300 bytes)
 SEED, MASK_KEY = "seed", "mask key"  # the two secrets a node deals shares of
 SUBSETS_TRIED = 64  # t-subsets of a secret's shares tried when the full set was forged
 
@@ -276,7 +276,7 @@ class ServerRound:
     def _recover(self, owner: int, shares: dict[int, bytes], what: str) -> bytes:
         """``owner``'s secret ``what`` from the ``shares`` returned (holder -> share), checked
         against what it published. Threshold-many shares rebuild it (the first such set that
-        fits; each try costs a Lagrange interpolation in GF(2^128)); once one set failed, the
+        fits; each try costs a Lagrange interpolation, ``secagg.shamir``); once one set failed, the
         holders whose shares do not fit the secret a later set rebuilt are recorded as forgers.
         A forged share outside the first set is never used, so it is left out unnamed."""
         if len(shares) < self.plan.threshold:
@@ -329,15 +329,8 @@ def _advert_problem(node: int, advert: object, plan: SumPlan, digest: bytes, ros
         return f"its signature is not {SIGNATURE_BYTES} bytes"
     if roster is not None and roster.member(advert.identity) is None:
         return "its identity key is not on the roster"
-    for key in (advert.encryption, advert.mask):
-        if not isinstance(key, bytes) or len(key) > MAX_KEY_BYTES:
-            return f"an advertised key is not bytes of at most {MAX_KEY_BYTES}"
-        try:
-            public = bytes_to_public_key(key)
-        except (ValueError, TypeError):
-            return "an advertised key is not a PEM public key"
-        if not isinstance(public, ec.EllipticCurvePublicKey) or not isinstance(public.curve, ec.SECP384R1):
-            return "an advertised key is not a P-384 elliptic-curve key"
+    if not (usable_key(advert.encryption) and usable_key(advert.mask)):
+        return f"an advertised key is not an X25519 public key ({DH_BYTES} bytes) of full order"
     if not verify(advert.identity, advert_message(digest, node, advert.encryption, advert.mask), advert.signature):
         return "its keys do not carry its identity key's signature over the round's plan"
     return ""
@@ -345,14 +338,14 @@ def _advert_problem(node: int, advert: object, plan: SumPlan, digest: bytes, ros
 
 def _combine(shares: list[bytes]) -> bytes | None:
     try:
-        return combine_shares(shares)
-    except (ValueError, IndexError, TypeError):
+        return shamir.combine(shares)
+    except ValueError:
         return None
 
 
 def _public(scalar: bytes) -> bytes | None:
     """The public key of the private key ``scalar`` stands for (None: it stands for none)."""
     try:
-        return public_key_to_bytes(bytes_to_private_key(key_from_scalar(scalar)).public_key())
+        return public_of(key_from_scalar(scalar))
     except (ValueError, TypeError):
         return None

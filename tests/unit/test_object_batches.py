@@ -98,16 +98,16 @@ class _Client:
 
 
 def test_a_node_asks_again_only_for_what_is_on_its_way_or_did_not_fit(monkeypatch):
-    monkeypatch.setattr(object_batches, "FIRST_WAIT_S", 0.001)
+    monkeypatch.setattr(object_batches.object_pulls, "FIRST_RETRY_S", 0.001)
     client = _Client([[(1, 1, b"x"), (1, 0, b"")], [(1, 1, b"z"), (1, 1, b"y")]])  # z did not fit the first answer
     batch = Batch(ids=["x", "y", "z"])
-    Link(client, 5).pull(3, batch, one=lambda *a: pytest.fail("no single pulls"))
+    Link(client, 5).pull(3, batch, lambda *a: pytest.fail("no single pulls"), flower_pulls=None)
     assert batch.pulled == {"x": b"x", "y": b"y", "z": b"z"}
     assert client.asked == [("/v1/fleet/pull-objects", ["x", "y", "z"]), ("/v1/fleet/pull-objects", ["z", "y"])]
     from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
 
     with pytest.raises(ObjectPullError, match="could not be found"):
-        Link(_Client([[(0, 0, b"")]]), 5).pull(3, Batch(ids=["q"]), one=lambda *a: b"")
+        Link(_Client([[(0, 0, b"")]]), 5).pull(3, Batch(ids=["q"]), lambda *a: b"", flower_pulls=None)
 
 
 def test_pushes_are_packed_under_the_cap_and_a_refused_object_fails_the_reply():
@@ -124,9 +124,9 @@ def test_pushes_are_packed_under_the_cap_and_a_refused_object_fails_the_reply():
 def test_a_superlink_without_batches_gets_one_request_per_object(monkeypatch):
     client = _Client([404])
     link = Link(client, 5)
-    monkeypatch.setitem(object_batches.FLOWER, "pull_objects", lambda ids, fn: {i: fn(i) for i in ids})
+    flower_pulls = lambda ids, fn: {i: fn(i) for i in ids}  # noqa: E731  (Flower's pull_objects, one call each)
     batch = Batch(ids=["x", "y"])
-    link.pull(3, batch, one=lambda run, object_id: f"{run}:{object_id}".encode())
+    link.pull(3, batch, lambda object_id: f"3:{object_id}".encode(), flower_pulls)
     assert batch.pulled == {"x": b"3:x", "y": b"3:y"} and not link.served
     pushed: list = []
     link.push(3, "s", Batch(contents=[("a", b"1")]), one=lambda *a: pushed.append(a))
@@ -182,3 +182,34 @@ def test_a_runtime_caller_moves_a_whole_message_in_one_request_each_way(monkeypa
     push = object_batches.make_push_object_fn_protobuf(client.PushObject, Node(node_id=7), 3, "session")
     object_batches.runtime_push_objects(dict(objects), push, object_ids_to_push=set(list(objects)[1:]))
     assert client.asked[1:] == ["/v1/runtime/push-objects"] and client.stored.keys() == set(list(objects)[1:])
+
+
+def test_a_runtime_api_without_batches_is_asked_one_object_at_a_time(monkeypatch):
+    """A SuperNode or SuperLink that lacks the calls (HTTP 404) gets Flower's per-object pulls,
+    from the process's own copy of Flower's functions (the ServerApp and ClientApp have no node's)."""
+    from flwr.supercore.inflatable import inflatable_protobuf_utils, inflatable_utils
+
+    monkeypatch.setitem(object_batches.FLOWER_RUNTIME, "pull_objects", inflatable_utils.pull_objects)
+    monkeypatch.setitem(
+        object_batches.FLOWER_RUNTIME,
+        "make_pull_object_fn_protobuf",
+        inflatable_protobuf_utils.make_pull_object_fn_protobuf,
+    )
+    monkeypatch.setattr(object_batches, "FLOWER", {})  # a ClientApp's process: no SuperNode was patched
+
+    class Old(_Runtime):
+        def _unary_stream(self, **kw):
+            self.asked.append(kw["path"])
+            raise httpx.HTTPStatusError("no", request=None, response=SimpleNamespace(status_code=404))  # type: ignore[arg-type]
+
+        def PullObject(self, request):  # noqa: N802
+            self.asked.append(request.object_id)
+            return PullObjectResponse(
+                object_found=True, object_available=True, object_content=b"c" + request.object_id.encode()
+            )
+
+    client = Old({})
+    pull = object_batches.make_pull_object_fn_protobuf(client.PullObject, Node(node_id=7), 3)
+    assert object_batches.runtime_pull_objects(["a", "b"], pull) == {"a": b"ca", "b": b"cb"}
+    assert object_batches.runtime_pull_objects(["c"], pull) == {"c": b"cc"}
+    assert client.asked[0] == "/v1/runtime/pull-objects" and sorted(client.asked[1:]) == ["a", "b", "c"]  # asked once

@@ -14,7 +14,7 @@ import pytest
 from fedvlm.secagg.masks import decode, encode, expand
 from fedvlm.secagg.server import SecAggError
 from fedvlm.secagg.stages import Advert
-from tests.secagg_harness import BITS, run_honest
+from tests.secagg_harness import BITS, make_round, run_honest
 
 
 @pytest.mark.parametrize("n,k", [(5, 0), (12, 6)])
@@ -82,8 +82,33 @@ def test_malformed_keys_vectors_and_signatures_exclude_their_sender_with_the_rea
 
     got, expected, server, _ = run_honest(7, tamper=forge)
     np.testing.assert_array_equal(got, expected)
-    assert "PEM" in server.excluded[108] and "uint64" in server.excluded[115]
+    assert "X25519" in server.excluded[108] and "uint64" in server.excluded[115]
     assert "does not verify" in server.excluded[129]
+
+
+def test_a_key_of_small_order_is_refused_by_the_server_and_by_every_node():
+    """X25519 agrees an all-zero secret with a point of small order, which anyone knows: such a
+    key would make a pairwise mask public. The server excludes its sender, and a node shown one
+    by a server that relays it anyway refuses the round."""
+    from fedvlm.secagg.node import SecAggRefused
+
+    def forge(stage, u, reply):
+        if stage == "keys" and u == 108:
+            return Advert(reply.encryption, bytes(32), reply.identity, reply.signature)
+        return reply
+
+    got, expected, server, _ = run_honest(7, tamper=forge)
+    np.testing.assert_array_equal(got, expected)
+    assert "of full order" in server.excluded[108]
+    from fedvlm.secagg.node import advert_message
+
+    r = make_round(5)
+    r.start(r.ids)
+    shown, bad = dict(r.adverts), r.ids[1]  # a member signs a key of small order (a colluding member)
+    signed = r.identities[bad].sign(advert_message(r.plan.digest, bad, bytes(32), shown[bad].mask))
+    shown[bad] = Advert(bytes(32), shown[bad].mask, shown[bad].identity, signed)
+    with pytest.raises(SecAggRefused, match="full order"):
+        r.nodes[r.ids[0]].share(shown, r.roster)
 
 
 def test_a_node_copying_anothers_key_or_advert_is_excluded_and_the_rest_go_on():
