@@ -36,6 +36,7 @@ depends only on the dealer's public key, so the server's sum stays consistent.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -136,8 +137,13 @@ def agree(own_private: bytes, peer_public: bytes) -> bytes:
 
 def usable_key(key: object) -> bool:
     """Whether ``key`` is an X25519 public key a node can agree a secret with."""
-    if not isinstance(key, bytes) or len(key) != DH_BYTES:
-        return False
+    return isinstance(key, bytes) and len(key) == DH_BYTES and _full_order(key)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _full_order(key: bytes) -> bool:
+    """Whether agreeing with ``key`` gives a secret that is not all zeros (once per key in a
+    process: in a simulation every node checks every advert)."""
     try:
         agree(X25519PrivateKey.generate().private_bytes_raw(), key)
     except ValueError:

@@ -21,6 +21,7 @@ the roster it relays for, and a node pinned to another refuses the round with bo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -50,6 +51,14 @@ def verify(public: bytes, message: bytes, signature: bytes) -> bool:
     """Whether ``signature`` is the signature of ``message`` by the raw Ed25519 key ``public``."""
     if not (isinstance(public, bytes) and len(public) == KEY_BYTES and isinstance(signature, bytes)):
         return False
+    return _verified(public, bytes(message), signature)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _verified(public: bytes, message: bytes, signature: bytes) -> bool:
+    """Ed25519's check, once per (key, message, signature) in a process: in a simulation every
+    node checks the same adverts and stories (a pure function of its arguments, so a cached
+    answer is the answer)."""
     try:
         Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
     except (InvalidSignature, ValueError):
@@ -187,6 +196,7 @@ def _simulated_name(index: int) -> str:
     return f"{SIMULATED_PREFIX}{index}"
 
 
+@functools.cache  # a simulation's ClientApp builds its roster for every message
 def _simulated_key(seed: int, index: int) -> Ed25519PrivateKey:
     raw = hashlib.sha256(f"fedvlm simulated member {int(seed)} {int(index)}".encode()).digest()
     return Ed25519PrivateKey.from_private_bytes(raw)
