@@ -167,18 +167,11 @@ def test_the_bodies_held_at_once_are_bounded_in_all_and_by_address():
     assert asyncio.run(scenario()) == [503, 503, 200, 200, 200, 200]
 
 
-def test_a_node_pulls_only_the_objects_it_was_sent():
-    """pull-object was limited only by knowing an object's id: with ids from the SuperLink's
-    database one organisation read another's handshake reply, its instructions and a run's final
-    model. Now the gateway learns each node's objects from the pull-messages answers it forwards
-    (a message's whole object tree) and forwards pull-object for those only."""
-    from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse
-    from flwr.proto.message_pb2 import ObjectTree, PullObjectRequest
+def _sending(tree) -> tuple:
+    """A gateway in front of a SuperLink that sends ``tree`` (a message's object tree) to whoever
+    pulls messages and answers anything else with a stand-in object; and the paths it heard."""
+    from flwr.proto.fleet_pb2 import PullMessagesResponse
 
-    leaf, content = ObjectTree(object_id="c" * 64), ObjectTree(object_id="b" * 64)
-    content.children.append(leaf)
-    tree = ObjectTree(object_id="a" * 64)
-    tree.children.append(content)
     answer = PullMessagesResponse(message_object_trees=[tree]).SerializeToString()
     seen: list = []
 
@@ -187,7 +180,22 @@ def test_a_node_pulls_only_the_objects_it_was_sent():
         return Response(answer if request.url.path.endswith("pull-messages") else b"the object")
 
     upstream = httpx.ASGITransport(app=Starlette(routes=[Route("/{p:path}", superlink, methods=["POST"])]))
-    gateway = make_app("127.0.0.1:9093", "", Limits(), transport=upstream)
+    return make_app("127.0.0.1:9093", "", Limits(), transport=upstream), seen
+
+
+def test_a_node_pulls_only_the_objects_it_was_sent():
+    """pull-object was limited only by knowing an object's id: with ids from the SuperLink's
+    database one organisation read another's handshake reply, its instructions and a run's final
+    model. Now the gateway learns each node's objects from the pull-messages answers it forwards
+    (a message's whole object tree) and forwards pull-object for those only."""
+    from flwr.proto.fleet_pb2 import PullMessagesRequest
+    from flwr.proto.message_pb2 import ObjectTree, PullObjectRequest
+
+    leaf, content = ObjectTree(object_id="c" * 64), ObjectTree(object_id="b" * 64)
+    content.children.append(leaf)
+    tree = ObjectTree(object_id="a" * 64)
+    tree.children.append(content)
+    gateway, seen = _sending(tree)
 
     def pull(node: int, object_id: str):
         body = PullObjectRequest(node=Node(node_id=node), run_id=1, object_id=object_id).SerializeToString()
@@ -208,7 +216,7 @@ def test_a_batch_of_objects_passes_only_when_every_item_would_pass_alone():
     gateway holds each item to what it holds a single call to, and every item to the node the
     request is signed as, so a batch cannot smuggle one object another node was sent, one pushed
     outside a push session, or an item in another node's name."""
-    from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse
+    from flwr.proto.fleet_pb2 import PullMessagesRequest
     from flwr.proto.message_pb2 import ObjectTree, PullObjectRequest
 
     from fedvlm.deploy.object_batches import MAX_ITEMS, requests
@@ -216,15 +224,7 @@ def test_a_batch_of_objects_passes_only_when_every_item_would_pass_alone():
     pulls, pushes = requests()
     tree = ObjectTree(object_id="a" * 64)
     tree.children.append(ObjectTree(object_id="b" * 64))
-    answer = PullMessagesResponse(message_object_trees=[tree]).SerializeToString()
-    seen: list = []
-
-    async def superlink(request: Request) -> Response:
-        seen.append(request.url.path)
-        return Response(answer if request.url.path.endswith("pull-messages") else b"")
-
-    upstream = httpx.ASGITransport(app=Starlette(routes=[Route("/{p:path}", superlink, methods=["POST"])]))
-    gateway = make_app("127.0.0.1:9093", "", Limits(), transport=upstream)
+    gateway, seen = _sending(tree)
 
     def pull(node: int, *ids: str, item_node: int | None = None):
         items = [PullObjectRequest(node=Node(node_id=item_node or node), run_id=1, object_id=i) for i in ids]
