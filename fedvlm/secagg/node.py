@@ -62,6 +62,7 @@ from fedvlm.secagg.roster import Identity, Roster, verify
 from fedvlm.secagg.stages import Advert, SumPlan
 
 DH_BYTES = 32  # an X25519 key, private or public, raw
+X25519_P = 2**255 - 19  # a public key's canonical encoding is below it (top bit clear)
 ADVERT_DOMAIN = b"fedvlm secure aggregation advert v3"
 SESSION_DOMAIN = b"fedvlm secure aggregation session v3"
 STORY_DOMAIN = b"fedvlm secure aggregation story v3"
@@ -136,8 +137,16 @@ def agree(own_private: bytes, peer_public: bytes) -> bytes:
 
 
 def usable_key(key: object) -> bool:
-    """Whether ``key`` is an X25519 public key a node can agree a secret with."""
-    return isinstance(key, bytes) and len(key) == DH_BYTES and _full_order(key)
+    """Whether ``key`` is an X25519 public key a node can agree a secret with, in the one encoding
+    of its point: X25519 ignores the top bit and reduces values of p = 2^255 - 19 and above, so
+    without this a member could advertise another's key under other bytes, past the check that
+    no two advertised keys are equal."""
+    return (
+        isinstance(key, bytes)
+        and len(key) == DH_BYTES
+        and int.from_bytes(key, "little") < X25519_P
+        and _full_order(key)
+    )
 
 
 @functools.lru_cache(maxsize=1 << 12)

@@ -111,6 +111,19 @@ def test_a_key_of_small_order_is_refused_by_the_server_and_by_every_node():
         r.nodes[r.ids[0]].share(shown, r.roster)
 
 
+def test_a_key_is_accepted_in_its_one_encoding_only():
+    """X25519 reads the top bit as zero and u + p as u: the same point under other bytes would
+    pass the check that no two advertised keys are equal."""
+    from fedvlm.secagg.node import X25519_P, agree, new_key, usable_key
+
+    mine, theirs = new_key(), new_key()
+    flipped = theirs[1][:31] + bytes([theirs[1][31] | 0x80])
+    assert agree(mine[0], flipped) == agree(mine[0], theirs[1])  # what the check stops
+    assert usable_key(theirs[1]) and not usable_key(flipped)
+    assert not usable_key((X25519_P + 9).to_bytes(32, "little"))  # 9, the base point, written as 9 + p
+    assert not usable_key(theirs[1][:31]) and not usable_key("text")
+
+
 def test_a_node_copying_anothers_key_or_advert_is_excluded_and_the_rest_go_on():
     stolen = {}
 
