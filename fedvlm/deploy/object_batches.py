@@ -231,8 +231,11 @@ class Batch:
     """Every object of one message, handed through Flower's call sites in place of one object id:
     the ids to pull (and what was pulled), or the contents to push."""
 
-    def __init__(self, ids: Iterable[str] = (), contents: Iterable[tuple[str, bytes]] = ()):
-        self.ids, self.contents = list(ids), contents
+    def __init__(self, ids: Iterable[str] | None = None, contents: Iterable[tuple[str, bytes]] | None = None):
+        if (ids is None) == (contents is None):
+            raise ValueError("a batch is either ids to pull or contents to push")
+        self.pulls = ids is not None
+        self.ids, self.contents = list(ids or ()), contents or ()
         self.pulled: dict[str, bytes] = {}
 
 
@@ -479,7 +482,7 @@ class Remote:
     def __call__(self, object_id, *content):
         if not isinstance(object_id, Batch):
             return self.one(object_id, *content)
-        if object_id.ids:
+        if object_id.pulls:
             return self.link().pull(self.run_id, object_id, self.one, FLOWER_RUNTIME["pull_objects"])
         return self.link().push(self.run_id, self.session_id, object_id, lambda _r, _s, i, c: self.one(i, c))
 
