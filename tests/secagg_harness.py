@@ -25,7 +25,6 @@ from fedvlm.secagg.node import (
     NodeRound,
     SecAggRefused,
     key_from_scalar,
-    key_scalar,
     majority_threshold,
     pair_seed,
     pair_sign,
@@ -137,7 +136,7 @@ def rebuilt(r: Round, revealed: dict[int, tuple[dict[int, bytes], dict[int, byte
         for u, s in seeds.items()
         if _opens(s, r.t, lambda x, u=u: seed_commitment(x) == seed_commitment(r.nodes[u].seed))
     }
-    got_keys = {u for u, s in keys.items() if _opens(s, r.t, lambda x, u=u: x == key_scalar(r.nodes[u].mask_key))}
+    got_keys = {u for u, s in keys.items() if _opens(s, r.t, lambda x, u=u: x == r.nodes[u].mask_key)}
     return got_seeds, got_keys
 
 
@@ -202,7 +201,7 @@ def unmask_numerically(r: Round, members: frozenset[int], masked: dict[int, np.n
             if key is not None:
                 m = expand(pair_seed(key, node.adverts[j].mask, node.session), SIZE, BITS)
             else:
-                other = key_from_scalar(key_scalar(r.nodes[j].mask_key))
+                other = key_from_scalar(r.nodes[j].mask_key)
                 m = expand(pair_seed(other, node.adverts[u].mask, node.session), SIZE, BITS)
             total = reduce(total - m if pair_sign(u, j) > 0 else total + m, BITS)
     return decode(total, BITS)

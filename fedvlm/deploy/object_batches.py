@@ -356,7 +356,7 @@ class Link:
         return pull_object, push_object
 
 
-FLOWER: dict[str, Callable] = {}  # start_client_internal's own functions, as found before install
+FLOWER: dict[str, Callable] = {}  # Flower's own functions, as found before install or install_clients
 ACTIVE: list[Link] = []  # the SuperNode's connection that batches (one per process), while it is open
 
 
@@ -456,7 +456,8 @@ def install() -> bool:
         return False
     from flwr.supernode import start_client_internal as sci
 
-    FLOWER.update({n: getattr(sci, n) for n in NODE_NAMES})
+    for n in NODE_NAMES:
+        FLOWER.setdefault(n, getattr(sci, n))
     sci.http_request_response = batching(FLOWER["http_request_response"])
     sci.pull_objects = pull_objects
     sci.push_object_contents_from_iterable = push_object_contents_from_iterable
@@ -483,17 +484,17 @@ class Remote:
         if not isinstance(object_id, Batch):
             return self.one(object_id, *content)
         if object_id.pulls:
-            return self.link().pull(self.run_id, object_id, self.one, FLOWER_RUNTIME["pull_objects"])
+            return self.link().pull(self.run_id, object_id, self.one, FLOWER["pull_objects"])
         return self.link().push(self.run_id, self.session_id, object_id, lambda _r, _s, i, c: self.one(i, c))
 
 
 def make_pull_object_fn_protobuf(pull_object_protobuf: Callable, node, run_id: int) -> Callable:
-    flower = FLOWER_RUNTIME["make_pull_object_fn_protobuf"](pull_object_protobuf, node, run_id)
+    flower = FLOWER["make_pull_object_fn_protobuf"](pull_object_protobuf, node, run_id)
     return Remote(flower, pull_object_protobuf, node, run_id) if _batchable(pull_object_protobuf) else flower
 
 
 def make_push_object_fn_protobuf(push_object_protobuf: Callable, node, run_id: int, session_id: str) -> Callable:
-    flower = FLOWER_RUNTIME["make_push_object_fn_protobuf"](push_object_protobuf, node, run_id, session_id)
+    flower = FLOWER["make_push_object_fn_protobuf"](push_object_protobuf, node, run_id, session_id)
     if not _batchable(push_object_protobuf):
         return flower
     return Remote(flower, push_object_protobuf, node, run_id, session_id)
@@ -507,7 +508,7 @@ def _batchable(stub: Callable) -> bool:
 def runtime_pull_objects(object_ids: list[str], pull_object_fn: Callable, **kwargs) -> dict[str, bytes]:
     """Flower's ``pull_objects``, one batch where ``pull_object_fn`` can send one."""
     if not isinstance(pull_object_fn, Remote):
-        return FLOWER_RUNTIME["pull_objects"](object_ids, pull_object_fn, **kwargs)
+        return FLOWER["pull_objects"](object_ids, pull_object_fn, **kwargs)
     batch = Batch(ids=object_ids)
     pull_object_fn(batch)
     return batch.pulled
@@ -516,7 +517,7 @@ def runtime_pull_objects(object_ids: list[str], pull_object_fn: Callable, **kwar
 def runtime_push_objects(objects: dict, push_object_fn: Callable, *, object_ids_to_push=None, **kwargs) -> None:
     """Flower's ``push_objects``, in batches where ``push_object_fn`` can send them."""
     if not isinstance(push_object_fn, Remote):
-        return FLOWER_RUNTIME["push_objects"](objects, push_object_fn, object_ids_to_push=object_ids_to_push, **kwargs)
+        return FLOWER["push_objects"](objects, push_object_fn, object_ids_to_push=object_ids_to_push, **kwargs)
     wanted = [i for i in objects if object_ids_to_push is None or i in object_ids_to_push]
     push_object_fn(Batch(contents=((i, objects[i].deflate()) for i in wanted)))
     return None
@@ -525,7 +526,7 @@ def runtime_push_objects(objects: dict, push_object_fn: Callable, *, object_ids_
 def pull_and_inflate_object_from_tree(object_tree, pull_object_fn: Callable, confirm_object_received_fn, **kwargs):
     """Flower's, its objects pulled in one batch where ``pull_object_fn`` can send one."""
     if not isinstance(pull_object_fn, Remote):
-        return FLOWER_RUNTIME["pull_and_inflate_object_from_tree"](
+        return FLOWER["pull_and_inflate_object_from_tree"](
             object_tree, pull_object_fn, confirm_object_received_fn, **kwargs
         )
     from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents, iterate_object_tree
@@ -540,7 +541,6 @@ def pull_and_inflate_object_from_tree(object_tree, pull_object_fn: Callable, con
 
 
 LINKS: "weakref.WeakKeyDictionary[Any, Link]" = weakref.WeakKeyDictionary()
-FLOWER_RUNTIME: dict[str, Callable] = {}  # Flower's own, as found before install_clients
 CLIENT_MODULES = {  # the Runtime API's callers and the names each imports that this replaces
     "flwr.superlink.grid.http_grid": (
         "make_pull_object_fn_protobuf",
@@ -595,7 +595,7 @@ def install_clients() -> bool:
     from flwr.supercore.inflatable import inflatable_protobuf_utils, inflatable_utils
 
     for n in OURS:
-        FLOWER_RUNTIME[n] = getattr(inflatable_protobuf_utils if n.startswith("make_") else inflatable_utils, n)
+        FLOWER.setdefault(n, getattr(inflatable_protobuf_utils if n.startswith("make_") else inflatable_utils, n))
     for name, names in CLIENT_MODULES.items():
         module = importlib.import_module(name)
         for n in names:

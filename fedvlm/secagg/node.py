@@ -160,13 +160,8 @@ def _full_order(key: bytes) -> bool:
     return True
 
 
-def key_scalar(private: bytes) -> bytes:
-    """What a node shares of its mask key: the raw private key itself (32 bytes)."""
-    return private
-
-
 def key_from_scalar(scalar: bytes) -> bytes:
-    """The private key a shared scalar stands for (``ValueError`` if it is none)."""
+    """The private key a node shared (its raw 32 bytes), checked to be one (``ValueError`` if it is none)."""
     public_of(scalar)
     return scalar
 
@@ -287,7 +282,7 @@ class NodeRound:
         self.seed = os.urandom(SEED_BYTES)
         holders = sorted([self.node_id, *mine])
         seed_shares = shamir.split(self.seed, self.plan.threshold, len(holders))
-        key_shares = shamir.split(key_scalar(self.mask_key), self.plan.threshold, len(holders))
+        key_shares = shamir.split(self.mask_key, self.plan.threshold, len(holders))
         out = {}
         for holder, s_share, k_share in zip(holders, seed_shares, key_shares, strict=True):
             if holder == self.node_id:

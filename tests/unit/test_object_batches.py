@@ -164,9 +164,9 @@ def test_a_runtime_caller_moves_a_whole_message_in_one_request_each_way(monkeypa
     from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
 
     for name in ("pull_objects", "push_objects", "pull_and_inflate_object_from_tree"):
-        monkeypatch.setitem(object_batches.FLOWER_RUNTIME, name, getattr(inflatable_utils, name))
+        monkeypatch.setitem(object_batches.FLOWER, name, getattr(inflatable_utils, name))
     for name in ("make_pull_object_fn_protobuf", "make_push_object_fn_protobuf"):
-        monkeypatch.setitem(object_batches.FLOWER_RUNTIME, name, getattr(inflatable_protobuf_utils, name))
+        monkeypatch.setitem(object_batches.FLOWER, name, getattr(inflatable_protobuf_utils, name))
     content = RecordDict({"w": ArrayRecord([np.arange(6.0)]), "config": ConfigRecord({"lr": 0.1})})
     message = Message(content, dst_node_id=7, message_type="train")
     message.metadata.__dict__["_message_id"] = message.object_id
@@ -189,13 +189,12 @@ def test_a_runtime_api_without_batches_is_asked_one_object_at_a_time(monkeypatch
     from the process's own copy of Flower's functions (the ServerApp and ClientApp have no node's)."""
     from flwr.supercore.inflatable import inflatable_protobuf_utils, inflatable_utils
 
-    monkeypatch.setitem(object_batches.FLOWER_RUNTIME, "pull_objects", inflatable_utils.pull_objects)
+    monkeypatch.setitem(object_batches.FLOWER, "pull_objects", inflatable_utils.pull_objects)
     monkeypatch.setitem(
-        object_batches.FLOWER_RUNTIME,
+        object_batches.FLOWER,
         "make_pull_object_fn_protobuf",
         inflatable_protobuf_utils.make_pull_object_fn_protobuf,
     )
-    monkeypatch.setattr(object_batches, "FLOWER", {})  # a ClientApp's process: no SuperNode was patched
 
     class Old(_Runtime):
         def _unary_stream(self, **kw):
