@@ -30,6 +30,12 @@ What it holds a request to:
   every object it lists is one (``push-objects``: every item in a push session; both: every item
   for the node the request is signed as): knowing an object's id is not
   enough to read another organisation's replies, instructions or a run's model.
+  ``confirm-message-received`` is forwarded only for a message sent to that node: the SuperLink
+  deletes a confirmed message's objects, so another organisation's confirmation would take an
+  instruction away before its node pulled it. ``pull-message`` and ``push-message``
+  (``deploy.whole_messages``) are held part by part to the same: every confirmation one of the
+  node's messages, the pushed reply checked as ``push-messages`` is, every pushed object one of
+  that reply's tree; what a ``pull-message`` answer sent is learnt as a ``pull-messages`` one.
 - **Size.** A body is at most ``--max-body`` bytes (default: Flower's largest array chunk, 5 MiB,
   plus 1 MiB for the rest of a request: the largest thing a real SuperNode sends is one chunk of
   one array), refused with 413 from its Content-Length or as soon as it grows past it; headers at
@@ -68,6 +74,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import logging.handlers
@@ -76,7 +83,7 @@ import ssl
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +113,8 @@ FLEET_CALLS = frozenset(
         "pull-object",
         "push-objects",  # a message's objects in one request (deploy.object_batches), checked item by item
         "pull-objects",
+        "pull-message",  # a message with its objects, and confirmations (deploy.whole_messages), checked part by part
+        "push-message",
         "confirm-message-received",
     }
 )
@@ -247,14 +256,19 @@ def check_message_ids() -> None:
 
 def check_push(body: bytes) -> str | None:
     """Why a ``push-messages`` body must not reach the SuperLink (None: it may)."""
-    from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.proto.fleet_pb2 import PushMessagesRequest
     from google.protobuf.message import DecodeError
 
     try:
-        req = PushMessagesRequest.FromString(body)
+        return push_problem(PushMessagesRequest.FromString(body))
     except DecodeError:
         return "not a PushMessagesRequest"
+
+
+def push_problem(req) -> str | None:
+    """Why a ``PushMessagesRequest`` must not reach the SuperLink (None: it may)."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
     if len(req.messages_list) != 1 or len(req.message_object_trees) != 1:
         return f"{len(req.messages_list)} messages and {len(req.message_object_trees)} trees, not one of each"
     node, md, tree = req.node.node_id, req.messages_list[0].metadata, req.message_object_trees[0]
@@ -300,6 +314,39 @@ def check_push_objects(body: bytes) -> str | None:
     if why is None and not all(item.session_id for item in req.items):
         why = f"node {req.node.node_id} pushed an object outside a push session"
     return why
+
+
+def tree_ids(tree) -> set[str]:
+    """Every object id of a message's object tree."""
+    ids, stack = set(), [tree]
+    while stack:
+        node = stack.pop()
+        ids.add(node.object_id)
+        stack.extend(node.children)
+    return ids
+
+
+def _whole(body: bytes, pushed: bool):
+    """A ``pull-message`` or ``push-message`` body parsed, with why it may not pass whole (or None):
+    each part as its single call is checked, an item an object of the pushed message."""
+    from google.protobuf.message import DecodeError
+
+    from fedvlm.deploy.object_batches import kinds
+    from fedvlm.deploy.whole_messages import message_problem
+
+    kind = kinds()["PushMessageRequest" if pushed else "PullMessageRequest"]
+    try:
+        req = kind.FromString(body)
+    except DecodeError:
+        return None, f"not a {kind.__name__}"
+    why = message_problem(req, pushed)
+    if why is None and pushed:
+        why = push_problem(req.push)
+    if why is None and pushed:
+        tree = tree_ids(req.push.message_object_trees[0])
+        stray = next((item.object_id for item in req.items if item.object_id not in tree), None)
+        why = None if stray is None else f"node {req.node.node_id} pushed object {stray[:16]}... of another message"
+    return req, why
 
 
 CHECKS = {"push-messages": check_push, "push-object": check_push_object, "push-objects": check_push_objects}
@@ -386,15 +433,20 @@ class Sent:
         self.per_node = per_node
         self.by_node: dict[int, dict[str, None]] = {}  # node id -> object ids, oldest first
 
-    def learn(self, request_body: bytes, answer: bytes) -> None:
+    def learn(self, call: str, request_body: bytes, answer: bytes) -> None:
+        """What a ``pull-messages`` or ``pull-message`` answer sent the node."""
         from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse
         from google.protobuf.message import DecodeError
 
+        from fedvlm.deploy.object_batches import kinds
+
         try:
-            node, pulled = (
-                PullMessagesRequest.FromString(request_body).node.node_id,
-                PullMessagesResponse.FromString(answer),
-            )
+            if call == "pull-message":
+                node = kinds()["PullMessageRequest"].FromString(request_body).node.node_id
+                pulled = kinds()["PulledMessage"].FromString(answer).pulled
+            else:
+                node = PullMessagesRequest.FromString(request_body).node.node_id
+                pulled = PullMessagesResponse.FromString(answer)
         except DecodeError:
             return
         stack = list(pulled.message_object_trees)
@@ -422,6 +474,32 @@ class Sent:
     def check_batch(self, body: bytes) -> str | None:
         req, why = _batch(body, pushed=False)
         return why or self.unsent(req.node.node_id, [item.object_id for item in req.items])
+
+    def check_confirm(self, body: bytes) -> str | None:
+        """A node confirms only a message sent to it (a confirmation deletes the message's objects)."""
+        from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest
+        from google.protobuf.message import DecodeError
+
+        try:
+            req = ConfirmMessageReceivedRequest.FromString(body)
+        except DecodeError:
+            return "not a ConfirmMessageReceivedRequest"
+        return self.unsent(req.node.node_id, [req.message_object_id])
+
+    def check_whole(self, body: bytes, pushed: bool) -> str | None:
+        req, why = _whole(body, pushed)
+        return why or self.unsent(req.node.node_id, [c.message_object_id for c in req.confirms])
+
+    def checks(self) -> dict[str, Callable[[bytes], str | None]]:
+        """The calls whose checks read what was sent, with the rest (``CHECKS``)."""
+        return {
+            **CHECKS,
+            "pull-object": self.check,
+            "pull-objects": self.check_batch,
+            "confirm-message-received": self.check_confirm,
+            "pull-message": functools.partial(self.check_whole, pushed=False),
+            "push-message": functools.partial(self.check_whole, pushed=True),
+        }
 
     def unsent(self, node: int, object_ids: list[str]) -> str | None:
         known = self.by_node.get(node, {})
@@ -469,6 +547,7 @@ class Gateway:
             transport=transport,
         )
         self.held, self.sent = InFlight(limits), Sent()
+        self.checks = self.sent.checks()
 
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
@@ -537,7 +616,7 @@ class Gateway:
             return PlainTextResponse(text, status_code=413, headers={"connection": "close"})
         except ClientDisconnect:
             return Response(status_code=400)
-        check = {"pull-object": self.sent.check, "pull-objects": self.sent.check_batch}.get(call) or CHECKS.get(call)
+        check = self.checks.get(call)
         why = check(body) if check is not None else None
         if why is not None:
             log.warning("refused %s from %s: %s", call, peer, why)
@@ -553,8 +632,8 @@ class Gateway:
             return PlainTextResponse(f"the SuperLink did not answer: {type(err).__name__}\n", status_code=502)
         status, took = upstream.status_code, 1000 * (time.monotonic() - t0)
         log.info("%s %s %d in %d out %d %.0f ms", peer, call, status, len(body), len(upstream.content), took)
-        if call == "pull-messages" and status == 200:  # what this node may now pull
-            self.sent.learn(body, upstream.content)
+        if call in ("pull-messages", "pull-message") and status == 200:  # what this node may now pull
+            self.sent.learn(call, body, upstream.content)
         return Response(upstream.content, status_code=status, headers=_forwardable(upstream.headers))
 
 

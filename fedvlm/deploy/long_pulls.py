@@ -28,6 +28,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("fedvlm.deploy")
 
@@ -70,21 +71,44 @@ class Waker:
             pass
 
 
-def held(pull: Callable, waker: Waker, hold: float, run_sync: Callable) -> Callable:
-    """Flower's pull endpoint as a coroutine that answers once it has a message or after ``hold``
-    seconds; ``run_sync`` runs the sync handler off the event loop (Starlette's threadpool)."""
+class Hold:
+    """Calls a pull again each time an instruction is stored, until it finds something or ``seconds``
+    pass; ``run_sync`` runs the sync pull off the event loop (Starlette's threadpool)."""
+
+    def __init__(self, waker: Waker, seconds: float, run_sync: Callable):
+        self.waker, self.seconds, self.run_sync = waker, seconds, run_sync
+
+    async def __call__(self, pull: Callable[[], Any], found: Callable[[Any], bool]) -> Any:
+        self.waker.bind()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.seconds
+        while True:
+            seen = self.waker.stored
+            response = await self.run_sync(pull)
+            left = deadline - loop.time()
+            if found(response) or left <= 0:
+                return response
+            await self.waker.wait(seen, left)
+
+
+HOLDS: list[Hold] = []  # this SuperLink's, once installed: other pull routes hold through it too
+
+
+async def answer(pull: Callable[[], Any], found: Callable[[Any], bool]) -> Any:
+    """``pull()``'s answer, held as this SuperLink holds ``/pull-messages`` (at once without holds)."""
+    if not HOLDS:
+        from starlette.concurrency import run_in_threadpool
+
+        return await run_in_threadpool(pull)
+    return await HOLDS[0](pull, found)
+
+
+def held(pull: Callable, hold: Hold) -> Callable:
+    """Flower's pull endpoint as a coroutine that answers once it has a message or when ``hold`` ends."""
 
     @functools.wraps(pull)
     async def endpoint(**kwargs):
-        waker.bind()
-        deadline = asyncio.get_running_loop().time() + hold
-        while True:
-            seen = waker.stored
-            response = await run_sync(functools.partial(pull, **kwargs))
-            left = deadline - asyncio.get_running_loop().time()
-            if len(response.messages_list) or left <= 0:
-                return response
-            await waker.wait(seen, left)
+        return await hold(functools.partial(pull, **kwargs), lambda response: len(response.messages_list) > 0)
 
     # FastAPI reads the parameters (their annotations resolved: it would look them up in this module)
     endpoint.__signature__ = inspect.signature(pull, eval_str=True)  # type: ignore[attr-defined]
@@ -145,10 +169,11 @@ def install(hold: float = HOLD_S) -> bool:
         return False
     router, states = _parts()
     waker = Waker()
+    HOLDS[:] = [Hold(waker, hold, run_in_threadpool)]
     route = _route(router)
     # a route is built around its endpoint when made: the held one replaces it, made the same way
     router.routes.remove(route)
-    endpoint = held(inspect.unwrap(route.endpoint), waker, hold, run_in_threadpool)
+    endpoint = held(inspect.unwrap(route.endpoint), HOLDS[0])
     router.add_api_route(ROUTE, endpoint, methods=["POST"], name=route.name)
     for cls in states:
         cls.store_message_ins = _notifying(cls.store_message_ins, waker)

@@ -59,11 +59,27 @@ PULL, PUSH = "/pull-objects", "/push-objects"
 ABSENT = (403, 404)  # a SuperLink (or gateway) without the routes
 
 
+KINDS = {  # the messages these calls add: name -> (field, Flower's message type, repeated)
+    "PullObjectsRequest": (("node", "Node", False), ("items", "PullObjectRequest", True)),
+    "PushObjectsRequest": (("node", "Node", False), ("items", "PushObjectRequest", True)),
+    # deploy.whole_messages: a message with its objects, and the confirmations of those received
+    "PullMessageRequest": (("node", "Node", False), ("confirms", "ConfirmMessageReceivedRequest", True)),
+    "PulledMessage": (("pulled", "PullMessagesResponse", False), ("objects", "PullObjectResponse", True)),
+    "PushMessageRequest": (
+        ("node", "Node", False),
+        ("push", "PushMessagesRequest", False),
+        ("items", "PushObjectRequest", True),
+        ("confirms", "ConfirmMessageReceivedRequest", True),
+    ),
+    "PushedMessage": (("pushed", "PushMessagesResponse", False), ("objects", "PushObjectResponse", True)),
+}
+
+
 @functools.cache
-def requests() -> tuple[Any, Any]:
-    """``PullObjectsRequest`` and ``PushObjectsRequest``: a node and a list of Flower's own per-object
-    requests, built from a descriptor at first use (no generated code to keep in step)."""
-    from flwr.proto import message_pb2, node_pb2  # noqa: F401  (their files must be in the pool first)
+def kinds() -> dict[str, Any]:
+    """The classes of ``KINDS``, built from a descriptor at first use (no generated code to keep in
+    step): each holds Flower's own requests and responses."""
+    from flwr.proto import fleet_pb2, message_pb2, node_pb2  # noqa: F401  (their files must be in the pool first)
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
     field = descriptor_pb2.FieldDescriptorProto
@@ -71,24 +87,24 @@ def requests() -> tuple[Any, Any]:
         name="fedvlm/object_batches.proto",
         package="fedvlm.fleet",
         syntax="proto3",
-        dependency=["flwr/proto/message.proto", "flwr/proto/node.proto"],
+        dependency=["flwr/proto/fleet.proto", "flwr/proto/message.proto", "flwr/proto/node.proto"],
     )
-    for name, item in (("PullObjectsRequest", "PullObjectRequest"), ("PushObjectsRequest", "PushObjectRequest")):
+    for name, fields in KINDS.items():
         kind = spec.message_type.add(name=name)
-        kind.field.add(name="node", number=1, type=field.TYPE_MESSAGE, type_name=".flwr.proto.Node")
-        kind.field.add(
-            name="items", number=2, type=field.TYPE_MESSAGE, type_name=f".flwr.proto.{item}", label=field.LABEL_REPEATED
-        )
+        for number, (f, of, repeated) in enumerate(fields, 1):
+            label = field.LABEL_REPEATED if repeated else field.LABEL_OPTIONAL
+            kind.field.add(name=f, number=number, type=field.TYPE_MESSAGE, type_name=f".flwr.proto.{of}", label=label)
     pool = descriptor_pool.Default()
     try:
         found = pool.FindFileByName(spec.name)
     except KeyError:
         found = pool.AddSerializedFile(spec.SerializeToString())
-    kinds = found.message_types_by_name
-    return (
-        message_factory.GetMessageClass(kinds["PullObjectsRequest"]),
-        message_factory.GetMessageClass(kinds["PushObjectsRequest"]),
-    )
+    return {name: message_factory.GetMessageClass(found.message_types_by_name[name]) for name in KINDS}
+
+
+def requests() -> tuple[Any, Any]:
+    """``PullObjectsRequest`` and ``PushObjectsRequest``: a node and a list of Flower's own per-object requests."""
+    return kinds()["PullObjectsRequest"], kinds()["PushObjectsRequest"]
 
 
 def batch_problem(request) -> str | None:
@@ -127,8 +143,11 @@ def _refuse(request) -> None:
         raise HTTPException(status_code=403, detail=why)
 
 
-def _fleet_endpoints(router_module, handlers) -> dict[str, Callable]:
-    """The Fleet API's two handlers (a SuperNode's calls to the SuperLink)."""
+def _fleet_endpoints(router_module, handlers) -> dict[str, tuple[Callable, Any, Any]]:
+    """The Fleet API's handlers (a SuperNode's calls to the SuperLink): path -> (endpoint, request, answer)."""
+    from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
+
+    from fedvlm.deploy import whole_messages
 
     def fleet_pull_objects(request, state):
         _refuse(request)
@@ -138,13 +157,18 @@ def _fleet_endpoints(router_module, handlers) -> dict[str, Callable]:
         _refuse(request)
         return iter([handlers.push_object(request=item, state=state) for item in request.items])
 
-    return _annotated(fleet_pull_objects, fleet_push_objects, state=router_module.LinkStateDependency)
+    pull, push = requests()
+    return {
+        PULL: (fleet_pull_objects, pull, Iterator[PullObjectResponse]),
+        PUSH: (fleet_push_objects, push, Iterator[PushObjectResponse]),
+        **whole_messages.fleet_endpoints(handlers),
+    }
 
 
-def _runtime_endpoints() -> dict[str, Callable]:
+def _runtime_endpoints() -> dict[str, tuple[Callable, Any, Any]]:
     """The Runtime API's two handlers (a ServerApp's calls to the SuperLink, a ClientApp's to its
     SuperNode), each item answered by the component's own handler for the authenticated task."""
-    from flwr.supercore.dependencies import runtime
+    from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
 
     def runtime_pull_objects(request, state, handlers, task):
         _refuse(request)
@@ -154,20 +178,20 @@ def _runtime_endpoints() -> dict[str, Callable]:
         _refuse(request)
         return iter([handlers.push_object(item, state, task) for item in request.items])
 
-    depends = {"handlers": runtime.RuntimeHandlersDependency, "task": runtime.TaskDependency}
-    return _annotated(runtime_pull_objects, runtime_push_objects, state=runtime.RuntimeStateDependency, **depends)
+    pull, push = requests()
+    return {
+        PULL: (runtime_pull_objects, pull, Iterator[PullObjectResponse]),
+        PUSH: (runtime_push_objects, push, Iterator[PushObjectResponse]),
+    }
 
 
-def _annotated(pull: Callable, push: Callable, **depends) -> dict[str, Callable]:
-    """The handlers annotated as Flower's own protobuf routes are (FastAPI and ProtobufRoute read them)."""
-    from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
+def _annotate(endpoint: Callable, kind: Any, answer: Any, depends: dict[str, Any]) -> Callable:
+    """The handler annotated as Flower's own protobuf routes are (FastAPI and ProtobufRoute read them)."""
     from flwr.supercore.protobuf.translation import PROTOBUF_REQUEST_DEPENDENCY
 
-    answers = (Iterator[PullObjectResponse], Iterator[PushObjectResponse])
-    for endpoint, kind, answer in zip((pull, push), requests(), answers, strict=True):
-        request = Annotated[kind, PROTOBUF_REQUEST_DEPENDENCY]  # type: ignore[valid-type]  # a class made at run time
-        endpoint.__annotations__ = {"request": request, **depends, "return": answer}
-    return {PULL: pull, PUSH: push}
+    request = Annotated[kind, PROTOBUF_REQUEST_DEPENDENCY]  # a class made at run time
+    endpoint.__annotations__ = {"request": request, **depends, "return": answer}
+    return endpoint
 
 
 def _server_parts():
@@ -193,8 +217,9 @@ def check_server() -> str | None:
         return f"its Fleet router is not at {PREFIX} with a LinkStateDependency"
     if runtime.router.prefix != RUNTIME:
         return f"its Runtime router is not at {RUNTIME}"
-    if not all(callable(getattr(handlers, f, None)) for f in ("pull_object", "push_object")):
-        return "its Fleet handlers have no pull_object and push_object"
+    wanted = ("pull_object", "push_object", "pull_messages", "push_messages", "confirm_message_received")
+    if not all(callable(getattr(handlers, f, None)) for f in wanted):
+        return f"its Fleet handlers are not all of {', '.join(wanted)}"
     if not all(hasattr(depends, d) for d in ("RuntimeHandlersDependency", "RuntimeStateDependency", "TaskDependency")):
         return "its Runtime API has other dependencies than a state, its handlers and the task"
     if not isinstance(getattr(translation, "PROTOBUF_REQUEST_TYPES", None), dict):
@@ -202,18 +227,21 @@ def check_server() -> str | None:
     return None
 
 
-def _route(router, prefix: str, endpoints: dict[str, Callable], table: dict) -> None:
+def _route(router, prefix: str, endpoints: dict[str, tuple[Callable, Any, Any]], depends: dict, table: dict) -> None:
     if any(r.path == prefix + PULL for r in router.routes):  # served already in this process
         return
-    for path, endpoint in endpoints.items():
-        router.add_api_route(path, endpoint, methods=["POST"], name=endpoint.__name__)
-    table[("POST", prefix + PULL)], table[("POST", prefix + PUSH)] = requests()
+    for path, (endpoint, kind, answer) in endpoints.items():
+        router.add_api_route(path, _annotate(endpoint, kind, answer, depends), methods=["POST"], name=endpoint.__name__)
+        table[("POST", prefix + path)] = kind
 
 
 def serve(fleet_api: bool = True) -> bool:
     """Serve ``pull-objects`` and ``push-objects`` in this process (the SuperLink: on its Fleet and
-    Runtime APIs; a SuperNode, ``fleet_api=False``: on its Runtime API, for its ClientApps), before
-    it builds its app; False, with a warning, where Flower's routers are not the ones this extends."""
+    Runtime APIs, and ``deploy.whole_messages``' two calls on its Fleet API; a SuperNode,
+    ``fleet_api=False``: on its Runtime API, for its ClientApps), before it builds its app; False,
+    with a warning, where Flower's routers are not the ones this extends."""
+    from flwr.supercore.dependencies import runtime as depends
+
     from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("object-batches-served"):
@@ -221,8 +249,13 @@ def serve(fleet_api: bool = True) -> bool:
     fleet, handlers, runtime, translation = _server_parts()
     table = translation.PROTOBUF_REQUEST_TYPES
     if fleet_api:
-        _route(fleet.router, PREFIX, _fleet_endpoints(fleet, handlers), table)
-    _route(runtime.router, RUNTIME, _runtime_endpoints(), table)
+        _route(fleet.router, PREFIX, _fleet_endpoints(fleet, handlers), {"state": fleet.LinkStateDependency}, table)
+    runtime_depends = {
+        "state": depends.RuntimeStateDependency,
+        "handlers": depends.RuntimeHandlersDependency,
+        "task": depends.TaskDependency,
+    }
+    _route(runtime.router, RUNTIME, _runtime_endpoints(), runtime_depends, table)
     return True
 
 
@@ -269,6 +302,8 @@ class Link:
         from flwr.proto.node_pb2 import Node
 
         self.client, self.node, self.prefix, self.served = client, Node(node_id=node_id), prefix, True
+        self.ready: dict[str, bytes] = {}  # contents that came with the message just pulled (whole_messages)
+        self.messages: Any = None  # the connection's whole_messages.Messages, on a SuperNode
 
     def call(self, path: str, items: list) -> list | None:
         """Flower's answers to ``items``, in order (None: the SuperLink has no such call, from now on)."""
@@ -298,7 +333,9 @@ class Link:
         from flwr.supercore.constant import PULL_MAX_TIME
 
         pull_error = _flower_errors()[0]
-        left, wait, start = list(batch.ids), object_pulls.FIRST_RETRY_S, time.monotonic()
+        ready, self.ready = self.ready, {}
+        batch.pulled.update((i, ready[i]) for i in batch.ids if i in ready)
+        left, wait, start = [i for i in batch.ids if i not in ready], object_pulls.FIRST_RETRY_S, time.monotonic()
         while left:
             asked = [PullObjectRequest(node=self.node, run_id=run_id, object_id=i) for i in left[:MAX_ITEMS]]
             answers = self.call(PULL, asked)
@@ -349,6 +386,8 @@ class Link:
             return pull_one(run_id, object_id)
 
         def push_object(run_id: int, session_id: str, object_id: Any, content: bytes) -> None:
+            if isinstance(object_id, Batch) and self.messages is not None and self.messages.pending:
+                return self.messages.push(run_id, object_id, push_one)  # the reply with its objects
             if isinstance(object_id, Batch):
                 return self.push(run_id, session_id, object_id, push_one)
             return push_one(run_id, session_id, object_id, content)
@@ -361,7 +400,9 @@ ACTIVE: list[Link] = []  # the SuperNode's connection that batches (one per proc
 
 
 def batching(connect: Callable) -> Callable:
-    """Flower's ``http_request_response``, whose ``pull_object`` and ``push_object`` take batches."""
+    """Flower's ``http_request_response``, whose ``pull_object`` and ``push_object`` take batches and
+    whose ``receive``, ``send`` and ``confirm_message_received`` go by ``deploy.whole_messages``."""
+    from fedvlm.deploy.whole_messages import Messages
 
     @contextlib.contextmanager
     def connection(server_address, insecure, root_certificates=None, authentication_keys=None, *rest, **kwargs):
@@ -371,11 +412,15 @@ def batching(connect: Callable) -> Callable:
                 return
             with _client(server_address, insecure, root_certificates, authentication_keys) as client:
                 link = Link(client, parts[0])
+                messages = link.messages = Messages(link, (parts[1], parts[2], parts[7]))
                 ACTIVE.append(link)
                 try:
-                    yield (*parts[:5], *link.wrap(parts[5], parts[6]), *parts[7:])
+                    node, _, _, get_run, get_fab = parts[:5]
+                    pull, push = link.wrap(parts[5], parts[6])
+                    yield (node, messages.receive, messages.send, get_run, get_fab, pull, push, messages.confirm)
                 finally:
                     ACTIVE.remove(link)
+                    messages.flush()
 
     return connection
 
@@ -435,7 +480,9 @@ def check_supernode() -> str | None:
         return "its SuperNode no longer pulls a message's objects through pull_object(run_id, obj_id)"
     if "push_object_fn=partial(push_object, run_id, session_id)" not in source:
         return "its SuperNode no longer pushes a reply's objects through partial(push_object, run_id, session_id)"
-    return None
+    from fedvlm.deploy import whole_messages
+
+    return whole_messages.check_supernode(source)
 
 
 def check_flower(module) -> str | None:

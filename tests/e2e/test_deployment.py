@@ -83,10 +83,11 @@ def test_deployment_with_tls_and_auth_matches_the_simulation(federation, flwr_en
     for org in ("org-0", "org-1"):  # every ClientApp was forked from its SuperExec's fork server
         exec_log = federation.log_text(f"{org}-exec")
         assert "forked from a warm fork server" in exec_log and "fork server is gone" not in exec_log, exec_log[-3000:]
-    # every message's objects travelled in batches (deploy.object_batches), none one request each
+    # every message travelled with its objects and confirmations (deploy.whole_messages, object_batches)
     calls = re.findall(r" ([a-z-]+) (\d{3}) in ", federation.log_text("gateway"))
-    assert ("pull-objects", "200") in calls and ("push-objects", "200") in calls, calls[-40:]
-    assert not {c for c, _ in calls} & {"pull-object", "push-object"}, calls[-40:]
+    assert ("pull-message", "200") in calls and ("push-message", "200") in calls, calls[-40:]
+    singles = {"pull-messages", "push-messages", "confirm-message-received", "pull-object", "push-object"}
+    assert not {c for c, _ in calls} & singles, calls[-40:]
 
     sim = subprocess.run(
         [

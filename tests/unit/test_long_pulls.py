@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from starlette.concurrency import run_in_threadpool
 
-from fedvlm.deploy.long_pulls import Waker, held
+from fedvlm.deploy.long_pulls import Hold, Waker, held
 
 
 def _pulls(answers: list[list[str]]):
@@ -28,7 +28,7 @@ def test_a_held_pull_answers_when_work_is_stored_and_empty_after_the_hold():
     async def scenario():
         waker = Waker()
         pull, calls = _pulls([[], ["msg"]])
-        endpoint = held(pull, waker, hold=5.0, run_sync=run_in_threadpool)
+        endpoint = held(pull, Hold(waker, 5.0, run_in_threadpool))
         t0 = time.monotonic()
         # an instruction is stored 0.3 s later, by another thread (a request thread of the ServerApp)
         threading.Timer(0.3, waker.notify).start()
@@ -39,7 +39,7 @@ def test_a_held_pull_answers_when_work_is_stored_and_empty_after_the_hold():
 
         empty, _ = _pulls([])
         t0 = time.monotonic()
-        got = await held(empty, waker, hold=0.4, run_sync=run_in_threadpool)(request="r", state="s")
+        got = await held(empty, Hold(waker, 0.4, run_in_threadpool))(request="r", state="s")
         assert got.messages_list == [] and 0.35 < time.monotonic() - t0 < 2.0
 
     asyncio.run(scenario())
@@ -59,7 +59,7 @@ def test_work_stored_between_a_look_and_the_wait_is_not_missed():
             return SimpleNamespace(messages_list=answers.pop(0))
 
         t0 = time.monotonic()
-        got = await held(pull, waker, hold=5.0, run_sync=run_in_threadpool)(request="r", state="s")
+        got = await held(pull, Hold(waker, 5.0, run_in_threadpool))(request="r", state="s")
         assert got.messages_list == ["msg"] and time.monotonic() - t0 < 1.0
 
     asyncio.run(scenario())
