@@ -157,6 +157,32 @@ PATCHES: tuple[Patch, ...] = (
         ("install_clients",),
     ),
     Patch(
+        "whole-messages-served",
+        "fedvlm.deploy.whole_messages",
+        "flwr.superlink.routers.fleet.router",
+        "the Fleet router gains /pull-message (Flower's pull-messages answer, held, with its objects' pull-object "
+        "answers) and /push-message (Flower's push-messages answer with the push-object answers of the objects it "
+        "asked for), each also carrying the node's confirm-message-received requests, every part answered by "
+        "Flower's own handler, both in Flower's table of protobuf routes",
+        ("fedvlm/deploy/superlink.py",),
+        "runs unchanged, with a warning (SuperNodes fall back to Flower's calls)",
+        "Fleet calls that move a message with its objects, and confirmations with the next call",
+        "docs/results/deployment.md, 'A message with its objects'",
+        ("serve",),
+    ),
+    Patch(
+        "whole-messages-sent",
+        "fedvlm.deploy.whole_messages",
+        "flwr.supernode.start_client_internal",
+        "the SuperNode's connection (object-batches-sent's) receives a message with its objects, sends a reply with "
+        "its objects and sends each confirmation with its next call (pull-message, push-message), falling back to "
+        "Flower's calls on a SuperLink without them",
+        ("fedvlm/deploy/supernode_polling.py",),
+        "runs unchanged, with a warning (Flower's calls)",
+        "Fleet calls that move a message with its objects, and confirmations with the next call",
+        "docs/results/deployment.md, 'A message with its objects'",
+    ),
+    Patch(
         "link-lookups",
         "fedvlm.deploy.link_lookups",
         "flwr.server.superlink.linkstate.sql_linkstate",

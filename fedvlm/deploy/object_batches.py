@@ -147,8 +147,6 @@ def _fleet_endpoints(router_module, handlers) -> dict[str, tuple[Callable, Any, 
     """The Fleet API's handlers (a SuperNode's calls to the SuperLink): path -> (endpoint, request, answer)."""
     from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
 
-    from fedvlm.deploy import whole_messages
-
     def fleet_pull_objects(request, state):
         _refuse(request)
         return iter(pulled(request, lambda item: handlers.pull_object(request=item, state=state)))
@@ -161,7 +159,6 @@ def _fleet_endpoints(router_module, handlers) -> dict[str, tuple[Callable, Any, 
     return {
         PULL: (fleet_pull_objects, pull, Iterator[PullObjectResponse]),
         PUSH: (fleet_push_objects, push, Iterator[PushObjectResponse]),
-        **whole_messages.fleet_endpoints(handlers),
     }
 
 
@@ -194,7 +191,7 @@ def _annotate(endpoint: Callable, kind: Any, answer: Any, depends: dict[str, Any
     return endpoint
 
 
-def _server_parts():
+def server_parts():
     import importlib
 
     from flwr.supercore.protobuf import translation
@@ -209,7 +206,7 @@ def _server_parts():
 def check_server() -> str | None:
     """Why the installed Flower's Fleet and Runtime routers are not the ones ``serve`` extends."""
     try:
-        fleet, handlers, runtime, translation = _server_parts()
+        fleet, handlers, runtime, translation = server_parts()
         from flwr.supercore.dependencies import runtime as depends
     except ImportError as err:
         return f"it does not have {err.name}"
@@ -217,9 +214,8 @@ def check_server() -> str | None:
         return f"its Fleet router is not at {PREFIX} with a LinkStateDependency"
     if runtime.router.prefix != RUNTIME:
         return f"its Runtime router is not at {RUNTIME}"
-    wanted = ("pull_object", "push_object", "pull_messages", "push_messages", "confirm_message_received")
-    if not all(callable(getattr(handlers, f, None)) for f in wanted):
-        return f"its Fleet handlers are not all of {', '.join(wanted)}"
+    if not all(callable(getattr(handlers, f, None)) for f in ("pull_object", "push_object")):
+        return "its Fleet handlers have no pull_object and push_object"
     if not all(hasattr(depends, d) for d in ("RuntimeHandlersDependency", "RuntimeStateDependency", "TaskDependency")):
         return "its Runtime API has other dependencies than a state, its handlers and the task"
     if not isinstance(getattr(translation, "PROTOBUF_REQUEST_TYPES", None), dict):
@@ -227,8 +223,10 @@ def check_server() -> str | None:
     return None
 
 
-def _route(router, prefix: str, endpoints: dict[str, tuple[Callable, Any, Any]], depends: dict, table: dict) -> None:
-    if any(r.path == prefix + PULL for r in router.routes):  # served already in this process
+def route(router, prefix: str, endpoints: dict[str, tuple[Callable, Any, Any]], depends: dict, table: dict) -> None:
+    """Each of ``endpoints`` (path -> endpoint, request kind, answer kind) as a protobuf route of
+    ``router``, in Flower's table of protobuf routes (which its node and task authentication read)."""
+    if any(r.path == prefix + next(iter(endpoints)) for r in router.routes):  # served already in this process
         return
     for path, (endpoint, kind, answer) in endpoints.items():
         router.add_api_route(path, _annotate(endpoint, kind, answer, depends), methods=["POST"], name=endpoint.__name__)
@@ -237,25 +235,24 @@ def _route(router, prefix: str, endpoints: dict[str, tuple[Callable, Any, Any]],
 
 def serve(fleet_api: bool = True) -> bool:
     """Serve ``pull-objects`` and ``push-objects`` in this process (the SuperLink: on its Fleet and
-    Runtime APIs, and ``deploy.whole_messages``' two calls on its Fleet API; a SuperNode,
-    ``fleet_api=False``: on its Runtime API, for its ClientApps), before it builds its app; False,
-    with a warning, where Flower's routers are not the ones this extends."""
+    Runtime APIs; a SuperNode, ``fleet_api=False``: on its Runtime API, for its ClientApps), before
+    it builds its app; False, with a warning, where Flower's routers are not the ones this extends."""
     from flwr.supercore.dependencies import runtime as depends
 
     from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("object-batches-served"):
         return False
-    fleet, handlers, runtime, translation = _server_parts()
+    fleet, handlers, runtime, translation = server_parts()
     table = translation.PROTOBUF_REQUEST_TYPES
     if fleet_api:
-        _route(fleet.router, PREFIX, _fleet_endpoints(fleet, handlers), {"state": fleet.LinkStateDependency}, table)
+        route(fleet.router, PREFIX, _fleet_endpoints(fleet, handlers), {"state": fleet.LinkStateDependency}, table)
     runtime_depends = {
         "state": depends.RuntimeStateDependency,
         "handlers": depends.RuntimeHandlersDependency,
         "task": depends.TaskDependency,
     }
-    _route(runtime.router, RUNTIME, _runtime_endpoints(), runtime_depends, table)
+    route(runtime.router, RUNTIME, _runtime_endpoints(), runtime_depends, table)
     return True
 
 
@@ -303,7 +300,7 @@ class Link:
 
         self.client, self.node, self.prefix, self.served = client, Node(node_id=node_id), prefix, True
         self.ready: dict[str, bytes] = {}  # contents that came with the message just pulled (whole_messages)
-        self.messages: Any = None  # the connection's whole_messages.Messages, on a SuperNode
+        self.whole: Any = None  # the connection's whole-message calls (deploy.whole_messages), on a SuperNode
 
     def call(self, path: str, items: list) -> list | None:
         """Flower's answers to ``items``, in order (None: the SuperLink has no such call, from now on)."""
@@ -386,8 +383,8 @@ class Link:
             return pull_one(run_id, object_id)
 
         def push_object(run_id: int, session_id: str, object_id: Any, content: bytes) -> None:
-            if isinstance(object_id, Batch) and self.messages is not None and self.messages.pending:
-                return self.messages.push(run_id, object_id, push_one)  # the reply with its objects
+            if isinstance(object_id, Batch) and self.whole is not None and self.whole.pending:
+                return self.whole.push(run_id, object_id, push_one)  # the reply with its objects
             if isinstance(object_id, Batch):
                 return self.push(run_id, session_id, object_id, push_one)
             return push_one(run_id, session_id, object_id, content)
@@ -400,9 +397,7 @@ ACTIVE: list[Link] = []  # the SuperNode's connection that batches (one per proc
 
 
 def batching(connect: Callable) -> Callable:
-    """Flower's ``http_request_response``, whose ``pull_object`` and ``push_object`` take batches and
-    whose ``receive``, ``send`` and ``confirm_message_received`` go by ``deploy.whole_messages``."""
-    from fedvlm.deploy.whole_messages import Messages
+    """Flower's ``http_request_response``, whose ``pull_object`` and ``push_object`` take batches."""
 
     @contextlib.contextmanager
     def connection(server_address, insecure, root_certificates=None, authentication_keys=None, *rest, **kwargs):
@@ -412,15 +407,11 @@ def batching(connect: Callable) -> Callable:
                 return
             with _client(server_address, insecure, root_certificates, authentication_keys) as client:
                 link = Link(client, parts[0])
-                messages = link.messages = Messages(link, (parts[1], parts[2], parts[7]))
                 ACTIVE.append(link)
                 try:
-                    node, _, _, get_run, get_fab = parts[:5]
-                    pull, push = link.wrap(parts[5], parts[6])
-                    yield (node, messages.receive, messages.send, get_run, get_fab, pull, push, messages.confirm)
+                    yield (*parts[:5], *link.wrap(parts[5], parts[6]), *parts[7:])
                 finally:
                     ACTIVE.remove(link)
-                    messages.flush()
 
     return connection
 
@@ -480,9 +471,7 @@ def check_supernode() -> str | None:
         return "its SuperNode no longer pulls a message's objects through pull_object(run_id, obj_id)"
     if "push_object_fn=partial(push_object, run_id, session_id)" not in source:
         return "its SuperNode no longer pushes a reply's objects through partial(push_object, run_id, session_id)"
-    from fedvlm.deploy import whole_messages
-
-    return whole_messages.check_supernode(source)
+    return None
 
 
 def check_flower(module) -> str | None:

@@ -60,7 +60,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import link_lookups, log_beside_flower, long_pulls, object_batches, task_claims
+from fedvlm.deploy import link_lookups, log_beside_flower, long_pulls, object_batches, task_claims, whole_messages
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, load_private
 from fedvlm.utils.processes import tcp_sockets
 
@@ -294,6 +294,7 @@ def _install_patches(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         task_claims.install(args.task_start_window, args.task_starts)
         long_pulls.install(args.pull_hold)
         object_batches.serve()
+        whole_messages.serve()
         link_lookups.install()
     except ValueError as err:
         p.error(str(err))

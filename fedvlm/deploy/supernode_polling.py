@@ -48,7 +48,14 @@ import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from fedvlm.deploy import flower_patches, log_beside_flower, object_batches, object_pulls, supernode_gate
+from fedvlm.deploy import (
+    flower_patches,
+    log_beside_flower,
+    object_batches,
+    object_pulls,
+    supernode_gate,
+    whole_messages,
+)
 from fedvlm.deploy.pinned_app import parse_pin
 
 log = logging.getLogger("fedvlm.supernode")
@@ -211,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # a message's objects, the server may still be pushing
     object_batches.install()  # and all of them in one request
+    whole_messages.install()  # with the message itself, the reply with its objects
     object_batches.serve(fleet_api=False)  # as its ClientApps ask for theirs
     from flwr.supernode.cli.flower_supernode import flower_supernode
 

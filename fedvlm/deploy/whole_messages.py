@@ -210,7 +210,6 @@ class Messages:
                 raise
             log.warning("%s%s answered HTTP %d: Flower's calls from now on", PREFIX, path, err.response.status_code)
             self.served = False
-            self.flush()
             return None
 
     def flush(self) -> None:
@@ -220,13 +219,18 @@ class Messages:
             self.flower_confirm(c.run_id, c.message_object_id)
 
     def with_confirms(self, send: Callable[[list], Any]) -> Any:
-        """``send(confirms)``; the confirmations kept for the next call if it fails."""
+        """``send(confirms)``; the confirmations kept for the next call if it fails, and sent by
+        Flower's calls if it is not served."""
         confirms, self.confirms = self.confirms[:MAX_CONFIRMS], self.confirms[MAX_CONFIRMS:]
         try:
-            return send(confirms)
+            answer = send(confirms)
         except BaseException:
             self.confirms[:0] = confirms
             raise
+        if answer is None:
+            self.confirms[:0] = confirms
+            self.flush()
+        return answer
 
     def receive(self):
         from flwr.common.serde import message_from_proto
@@ -291,13 +295,75 @@ class Messages:
         return self.link.push(run_id, session, Batch(contents=rest), push_one)
 
 
-def check_supernode(source: str) -> str | None:
-    """Why Flower's SuperNode (``start_client_internal``'s source) does not call ``receive``, ``send``
-    and ``confirm_message_received`` as ``Messages`` expects (None: it does)."""
+def connection(connect: Callable) -> Callable:
+    """A SuperNode connection (``object_batches.batching``'s, which batches its objects) whose
+    ``receive``, ``send`` and ``confirm_message_received`` go by ``Messages``; Flower's where the
+    connection does not batch (a node that signs nothing)."""
+    import contextlib
+
+    from fedvlm.deploy import object_batches
+
+    @contextlib.contextmanager
+    def connected(*args, **kwargs):
+        with connect(*args, **kwargs) as parts:
+            link = object_batches.ACTIVE[-1] if object_batches.ACTIVE else None
+            if link is None:
+                yield parts
+                return
+            whole = link.whole = Messages(link, (parts[1], parts[2], parts[7]))
+            try:
+                yield (parts[0], whole.receive, whole.send, *parts[3:7], whole.confirm)
+            finally:
+                whole.flush()
+
+    return connected
+
+
+def check_flower(module) -> str | None:
+    """The guard of ``whole-messages-served`` (the SuperLink's Fleet handlers) and
+    ``whole-messages-sent`` (the SuperNode's calls to its connection)."""
+    import inspect
+
+    from fedvlm.deploy import object_batches
+
+    if module.__name__ != "flwr.supernode.start_client_internal":
+        why = object_batches.check_server()
+        handlers = ("pull_messages", "push_messages", "confirm_message_received")
+        if why is None and not all(callable(getattr(object_batches.server_parts()[1], h, None)) for h in handlers):
+            why = f"its Fleet handlers are not all of {', '.join(handlers)}"
+        return why
+    why = object_batches.check_supernode()
     needed = (
         "(recv := receive()) is None",
         "ids_obj_to_send, session_id = send(message, object_tree, clientapp_runtime)",
         "confirm_message_received(run_id, message.metadata.message_id)",
     )
-    missing = next((n for n in needed if n not in source), None)
-    return None if missing is None else f"its SuperNode no longer calls {missing}"
+    missing = next((n for n in needed if n not in inspect.getsource(module)), None)
+    return why or (None if missing is None else f"its SuperNode no longer calls {missing}")
+
+
+def serve() -> bool:
+    """Serve ``pull-message`` and ``push-message`` on this SuperLink's Fleet API (before it builds
+    its app); False, with a warning, where Flower's Fleet API is not the one this extends."""
+    from fedvlm.deploy import flower_patches, object_batches
+
+    if not flower_patches.applies("whole-messages-served"):
+        return False
+    fleet, handlers, _, translation = object_batches.server_parts()
+    depends = {"state": fleet.LinkStateDependency}
+    object_batches.route(fleet.router, PREFIX, fleet_endpoints(handlers), depends, translation.PROTOBUF_REQUEST_TYPES)
+    return True
+
+
+def install() -> bool:
+    """This SuperNode's connection sends a message with its objects (after
+    ``object_batches.install``, whose connection it extends); False, with a warning, where Flower's
+    SuperNode does not read as this expects."""
+    from fedvlm.deploy import flower_patches
+
+    if not flower_patches.applies("whole-messages-sent"):
+        return False
+    from flwr.supernode import start_client_internal as sci
+
+    sci.http_request_response = connection(sci.http_request_response)
+    return True

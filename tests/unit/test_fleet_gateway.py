@@ -172,12 +172,16 @@ def _sending(tree) -> tuple:
     pulls messages and answers anything else with a stand-in object; and the paths it heard."""
     from flwr.proto.fleet_pb2 import PullMessagesResponse
 
-    answer = PullMessagesResponse(message_object_trees=[tree]).SerializeToString()
+    from fedvlm.deploy.object_batches import kinds
+
+    pulled = PullMessagesResponse(message_object_trees=[tree])
+    answers = {"pull-messages": pulled.SerializeToString(), "pull-message": kinds()["PulledMessage"](pulled=pulled)}
     seen: list = []
 
     async def superlink(request: Request) -> Response:
         seen.append(request.url.path)
-        return Response(answer if request.url.path.endswith("pull-messages") else b"the object")
+        answer = answers.get(request.url.path.rsplit("/", 1)[-1], b"the object")
+        return Response(answer if isinstance(answer, bytes) else answer.SerializeToString())
 
     upstream = httpx.ASGITransport(app=Starlette(routes=[Route("/{p:path}", superlink, methods=["POST"])]))
     return make_app("127.0.0.1:9093", "", Limits(), transport=upstream), seen
@@ -273,3 +277,67 @@ def test_an_unregistered_key_is_answered_as_flowers_failed_activation_and_names_
     assert err.code == ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED and err.message == "Failed to activate SuperNode."
     assert "flwr supernode register" in (err.public_details or "") and "--node-keys" in (err.public_details or "")
     assert auth_refusal("its signature does not verify").status_code == 401
+
+
+def test_a_whole_message_passes_part_by_part_and_a_node_confirms_only_its_own():
+    """pull-message and push-message (deploy.whole_messages) carry a message, its objects and the
+    node's confirmations: each part is held to its single call's check. A confirmation deletes a
+    message's objects on the SuperLink, so confirm-message-received, alone or carried, must name a
+    message sent to that node (before, any organisation could take another's instruction away)."""
+    from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest, ObjectTree, PullObjectRequest
+
+    from fedvlm.deploy.object_batches import kinds
+    from fedvlm.deploy.whole_messages import MAX_CONFIRMS
+
+    tree = ObjectTree(object_id="a" * 64)
+    tree.children.append(ObjectTree(object_id="b" * 64))
+    gateway, seen = _sending(tree)
+    pull, push = kinds()["PullMessageRequest"], kinds()["PushMessageRequest"]
+
+    def confirm(node: int, object_id: str = "a" * 64):
+        return ConfirmMessageReceivedRequest(node=Node(node_id=node), run_id=5, message_object_id=object_id)
+
+    def post(path: str, request) -> httpx.Response:
+        return client.post(f"/v1/fleet/{path}", content=request.SerializeToString())
+
+    reply = _reply(_instruction(A))
+    request = _push(reply, A)
+    reply_ids = [
+        request.message_object_trees[0].object_id,
+        *(c.object_id for c in request.message_object_trees[0].children),
+    ]
+
+    def pushed(node: int = A, ids=reply_ids, confirms=(), of=request):
+        items = [PushObjectRequest(node=Node(node_id=node), run_id=5, object_id=i) for i in ids]
+        return post("push-message", push(node=Node(node_id=node), push=of, items=items, confirms=list(confirms)))
+
+    with TestClient(gateway) as client:
+        early = post("confirm-message-received", confirm(A))
+        assert early.status_code == 403 and "was not sent to it" in early.text  # nothing was sent to A yet
+        assert post("pull-message", pull(node=Node(node_id=A), confirms=[confirm(A)])).status_code == 403
+        assert post("pull-message", pull(node=Node(node_id=A))).status_code == 200  # learnt as pull-messages is
+        assert (
+            post(
+                "pull-objects",
+                kinds()["PullObjectsRequest"](
+                    node=Node(node_id=A), items=[PullObjectRequest(node=Node(node_id=A), run_id=5, object_id="b" * 64)]
+                ),
+            ).status_code
+            == 200
+        )
+        assert post("confirm-message-received", confirm(B)).status_code == 403  # A's message, confirmed by B
+        assert post("confirm-message-received", confirm(A)).status_code == 200
+        assert post("pull-message", pull(node=Node(node_id=A), confirms=[confirm(A)])).status_code == 200
+        assert pushed().status_code == 200 and pushed(confirms=[confirm(A)]).status_code == 200
+        stray = pushed(ids=[*reply_ids, "e" * 64])  # an object of no part of this reply
+        assert stray.status_code == 403 and "of another message" in stray.text
+        assert pushed(confirms=[confirm(A, "f" * 64)]).status_code == 403  # a message never sent to A
+        forged = _push(_reply(_instruction(A)), A)
+        forged.messages_list[0].metadata.src_node_id = B
+        assert "pushed a message from node" in pushed(of=forged).text  # checked as push-messages is
+        assert pushed(node=B).status_code == 403  # A's reply in a request of B's
+        many = [confirm(A, f"{i:064x}") for i in range(MAX_CONFIRMS + 1)]
+        assert post("pull-message", pull(node=Node(node_id=A), confirms=many)).status_code == 403
+        assert client.post("/v1/fleet/push-message", content=b"\xff\xff").status_code == 403
+    assert seen.count("/v1/fleet/pull-message") == 2 and seen.count("/v1/fleet/push-message") == 2
+    assert seen.count("/v1/fleet/confirm-message-received") == 1
