@@ -111,13 +111,28 @@ PATCHES: tuple[Patch, ...] = (
         "long-pulls",
         "fedvlm.deploy.long_pulls",
         "flwr.superlink.routers.fleet.router",
-        "the Fleet route /pull-messages becomes a coroutine that calls Flower's handler again each time an "
-        "instruction is stored (InMemoryLinkState and SqlLinkState.store_message_ins wake it) and answers when it "
-        "has a message or after --pull-hold seconds",
+        "the Fleet route /pull-messages (a SuperNode's look for work) and the Runtime route /pull-messages (a "
+        "deployed ServerApp's look for replies) become coroutines that call Flower's handler again each time an "
+        "instruction, or a reply, is stored (InMemoryLinkState and SqlLinkState.store_message_and_object_tree wake "
+        "them) and answer when it has a message or after --pull-hold seconds",
         ("fedvlm/deploy/superlink.py",),
         "runs unchanged, with a warning (every pull answered at once)",
-        "a SuperLink that holds an empty pull (long polling) until work for the node arrives or a bound passes",
+        "a SuperLink that holds an empty pull (long polling) until work for the node, or a reply, arrives or a "
+        "bound passes",
         "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
+    ),
+    Patch(
+        "held-task-looks",
+        "fedvlm.deploy.long_pulls",
+        "flwr.supercore.routers.runtime.router",
+        "the SuperNode's Runtime route /acquire-task (its SuperExec's look for a ClientApp to start) becomes a "
+        "coroutine that calls Flower's handler again each time the SuperNode stores a message "
+        "(InMemoryNodeState.store_message) and answers when it has a task or after 2 s",
+        ("fedvlm/deploy/supernode_polling.py",),
+        "runs unchanged, with a warning (every look answered at once)",
+        "a SuperNode that holds a SuperExec's empty look for a task until a task arrives or a bound passes",
+        "docs/results/deployment.md, 'Held looks for replies and tasks'",
+        ("install_tasks",),
     ),
     Patch(
         "object-batches-served",

@@ -1,24 +1,33 @@
-"""A SuperNode's pull for work, held by the SuperLink until there is work or ``hold`` seconds pass.
+"""Looks for work that the server holds until there is work or ``hold`` seconds pass.
 
-Flower 1.42's SuperLink answers a SuperNode's ``pull-messages`` at once, empty when nothing waits;
-the SuperNode asks again after its idle wait (Flower: 3 s; ``deploy.supernode_polling``: 0.5 s).
-Every empty pull is a request through the gateway, TLS, the node's signature check and a database
-transaction: in a warm 4-node deployment 14 of a node's 38 Fleet calls a round were pulls, most of
-them empty (``bench/deployment_speed.py``'s CPU profile; docs/results/deployment.md). Here the
-SuperLink holds an empty pull: it looks again each time an instruction is stored for any node
-(``store_message_ins`` of Flower's in-memory and SQL state wakes every held pull) and answers as
-soon as one is there for this node, or empty after ``hold`` seconds. A node idle for a minute
-makes about ``60 / (hold + its idle wait)`` pulls instead of 120, and work reaches it when it is
-stored instead of up to one idle wait later.
+Flower 1.42 answers a look for work at once, empty when nothing waits, and the caller asks again
+after a fixed wait. Three such looks sit on the path of every exchange of a deployed round:
 
-Nothing a pull returns changes: it is Flower's own handler, called as before, once per wake; the
-node's signature and the gateway's checks are made once per request as before. A held pull holds
-no worker thread (it waits on the SuperLink's event loop) and no database session. Stopping the
-SuperLink waits for a held pull at most ``hold`` seconds.
+- ``fleet-pull``: a SuperNode's ``pull-messages`` on the SuperLink (the SuperNode asks again after
+  its idle wait; Flower: 3 s, ``deploy.supernode_polling``: 0.5 s). In a warm 4-node deployment
+  14 of a node's 38 Fleet calls a round were such pulls, most of them empty
+  (``bench/deployment_speed.py``'s CPU profile; docs/results/deployment.md).
+- ``replies``: a deployed ServerApp's Runtime API ``pull-messages`` on the SuperLink, its look
+  for replies (``server_app.exchange`` looks every 0.2 s; Flower's grid every 3 s).
+- ``tasks``: a SuperExec's ``acquire-task`` on its SuperNode, its look for a ClientApp to start
+  (every ``--task-poll`` seconds, 0.2 s here; Flower: 1 s).
 
-The guard (``check_flower``) finds Flower's Fleet route ``/pull-messages`` with the endpoint and
-parameters this wraps, and ``store_message_ins`` on both states; a Flower that reads otherwise
-answers pulls at once, as before, with a warning (speed lost, nothing else).
+Each costs a request whether or not there is anything, and each adds up to one wait to every
+exchange: a secure round has five exchanges. Here the server holds an empty look: it calls
+Flower's handler again each time what the look waits for is stored (``Look.stores`` on Flower's
+states: an instruction, a reply, a message for a ClientApp) and answers as soon as the handler
+finds something, or empty after ``hold`` seconds. A look for work reaches it when it is stored,
+not up to one wait later, and an idle caller asks ``hold`` times less often.
+
+Nothing a look returns changes: it is Flower's own handler, called as before, once per wake; the
+caller's authentication and the gateway's checks are made once per request as before. A held look
+holds no worker thread (it waits on the server's event loop) and no database session; the wake
+comes after the store returned, so what it stored is committed. Stopping a server waits for a held
+look at most ``hold`` seconds.
+
+The guard (``check_flower``) finds each route with the sync endpoint and the
+parameters this wraps, and the storing method on every state; a Flower that reads otherwise
+answers at once, as before, with a warning (speed lost, nothing else).
 """
 
 from __future__ import annotations
@@ -28,11 +37,13 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("fedvlm.deploy")
 
 HOLD_S = 5.0  # how long an empty pull is held (a stopping SuperLink waits for one at most this)
+TASK_HOLD_S = 2.0  # a SuperExec's look for a task: it reconciles its ClientApps between looks
 ROUTE = "/pull-messages"
 
 
@@ -91,90 +102,175 @@ class Hold:
             await self.waker.wait(seen, left)
 
 
-HOLDS: list[Hold] = []  # this SuperLink's, once installed: other pull routes hold through it too
+HOLDS: dict[str, Hold] = {}  # this process's, by look (``LOOKS``), once installed
 
 
 async def answer(pull: Callable[[], Any], found: Callable[[Any], bool]) -> Any:
     """``pull()``'s answer, held as this SuperLink holds ``/pull-messages`` (at once without holds)."""
-    if not HOLDS:
+    if "fleet-pull" not in HOLDS:
         from starlette.concurrency import run_in_threadpool
 
         return await run_in_threadpool(pull)
-    return await HOLDS[0](pull, found)
+    return await HOLDS["fleet-pull"](pull, found)
 
 
-def held(pull: Callable, hold: Hold) -> Callable:
-    """Flower's pull endpoint as a coroutine that answers once it has a message or when ``hold`` ends."""
+def held(pull: Callable, hold: Hold, found: Callable[[Any], bool]) -> Callable:
+    """Flower's endpoint ``pull`` as a coroutine that answers once ``found`` holds of its answer or
+    when ``hold`` ends."""
 
     @functools.wraps(pull)
     async def endpoint(**kwargs):
-        return await hold(functools.partial(pull, **kwargs), lambda response: len(response.messages_list) > 0)
+        return await hold(functools.partial(pull, **kwargs), found)
 
     # FastAPI reads the parameters (their annotations resolved: it would look them up in this module)
     endpoint.__signature__ = inspect.signature(pull, eval_str=True)  # type: ignore[attr-defined]
     return endpoint
 
 
-def _parts():
-    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
-    from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
-    from flwr.superlink.routers.fleet import router
+@dataclass(frozen=True)
+class Look:
+    """One of Flower's looks for something that a server may hold: the route (``router``'s module,
+    ``path``, the handler's parameters), the state method whose calls may bring it (``stores`` on
+    each of ``states``, a call that ``wakes`` returns True for), and when an answer has it (``found``)."""
 
-    return router.router, (InMemoryLinkState, SqlLinkState)
+    router: str
+    path: str
+    params: tuple[str, ...]
+    states: tuple[str, ...]
+    stores: str
+    wakes: Callable[[Any], bool]  # of the stored message
+    found: Callable[[Any], bool]
 
 
-def _route(router):
-    return next((r for r in router.routes if getattr(r, "path", None) == router.prefix + ROUTE), None)
+LINK_STATES = (
+    "flwr.server.superlink.linkstate.in_memory_linkstate:InMemoryLinkState",
+    "flwr.server.superlink.linkstate.sql_linkstate:SqlLinkState",
+)
+LOOKS = {
+    # a SuperNode's look for work on the SuperLink: an instruction stored (with its object tree)
+    "fleet-pull": Look(
+        "flwr.superlink.routers.fleet.router",
+        ROUTE,
+        ("request", "state"),
+        LINK_STATES,
+        "store_message_and_object_tree",
+        lambda message: not message.metadata.reply_to_message_id,
+        lambda answer: len(answer.messages_list) > 0,
+    ),
+    # a deployed ServerApp's look for replies on the SuperLink: a reply stored
+    "replies": Look(
+        "flwr.supercore.routers.runtime.router",
+        "/pull-messages",
+        ("request", "state", "handlers", "task"),
+        LINK_STATES,
+        "store_message_and_object_tree",
+        lambda message: bool(message.metadata.reply_to_message_id),
+        lambda answer: len(answer.messages_list) > 0,
+    ),
+    # a SuperExec's look for a task on its SuperNode: a message stored (after its task was made)
+    "tasks": Look(
+        "flwr.supercore.routers.runtime.router",
+        "/acquire-task",
+        ("request", "state", "handlers", "_auth"),
+        ("flwr.supernode.nodestate.in_memory_nodestate:InMemoryNodeState",),
+        "store_message",
+        lambda _message: True,
+        lambda answer: answer.HasField("task"),
+    ),
+}
 
 
-def check_flower() -> str | None:
-    """Why the installed Flower's pulls are not the ones this holds (None: they are)."""
+def _load(name: str):
+    import importlib
+
+    module, _, attr = name.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, attr) if attr else found
+
+
+def _route(look: Look):
+    router = _load(look.router).router
+    return router, next((r for r in router.routes if getattr(r, "path", None) == router.prefix + look.path), None)
+
+
+def check_look(name: str) -> str | None:
+    """Why the installed Flower's look ``name`` is not the one this holds (None: it is)."""
+    look = LOOKS[name]
     try:
-        router, states = _parts()
-    except ImportError as err:
-        return f"it does not have {err.name}"
-    route = _route(router)
+        router, route = _route(look)
+        states = [_load(s) for s in look.states]
+    except (ImportError, AttributeError) as err:
+        return f"it does not have {getattr(err, 'name', None) or err}"
     handler = inspect.unwrap(route.endpoint) if route is not None else None  # under ProtobufRoute's wrapper
     if handler is None or inspect.iscoroutinefunction(handler) or list(route.methods) != ["POST"]:
-        return f"its Fleet router has no sync POST {ROUTE} handler"
-    if list(inspect.signature(handler).parameters) != ["request", "state"]:
-        return f"its {ROUTE} handler takes other parameters than (request, state)"
-    if any(not callable(getattr(cls, "store_message_ins", None)) for cls in states):
-        return "a link state has no store_message_ins"
+        return f"its router has no sync POST {look.path} handler"
+    if tuple(inspect.signature(handler).parameters) != look.params:
+        return f"its {look.path} handler takes other parameters than {look.params}"
+    if any(not callable(getattr(cls, look.stores, None)) for cls in states):
+        return f"a state has no {look.stores}"
     return None
 
 
-def _notifying(store: Callable, waker: Waker) -> Callable:
+def check_flower(module) -> str | None:
+    """The guard of ``long-pulls`` (Fleet router: a SuperNode's pulls for work and a ServerApp's
+    for replies) and of ``held-task-looks`` (Runtime router: a SuperExec's looks for a task)."""
+    if module.__name__ == LOOKS["tasks"].router:
+        return check_look("tasks")
+    return check_look("fleet-pull") or check_look("replies")
+
+
+def _notifying(store: Callable, waker: Waker, wakes: Callable[[Any], bool]) -> Callable:
     @functools.wraps(store)
-    def stored(self, message):
-        found = store(self, message)
-        waker.notify()
+    def stored(self, *args, **kwargs):
+        found = store(self, *args, **kwargs)
+        if wakes(kwargs["message"] if "message" in kwargs else args[0]):
+            waker.notify()  # after the store returned: what it stored is committed
         return found
 
     return stored
 
 
+def hold_look(name: str, seconds: float) -> Hold:
+    """Hold the look ``name`` in this process (before it builds its app)."""
+    from starlette.concurrency import run_in_threadpool
+
+    look = LOOKS[name]
+    waker = Waker()
+    hold = HOLDS[name] = Hold(waker, seconds, run_in_threadpool)
+    router, route = _route(look)
+    # a route is built around its endpoint when made: the held one replaces it, made the same way
+    router.routes.remove(route)
+    router.add_api_route(
+        look.path, held(inspect.unwrap(route.endpoint), hold, look.found), methods=["POST"], name=route.name
+    )
+    for cls in map(_load, look.states):
+        setattr(cls, look.stores, _notifying(getattr(cls, look.stores), waker, look.wakes))
+    return hold
+
+
 def install(hold: float = HOLD_S) -> bool:
-    """Hold empty pulls in this process's SuperLink (before it builds its app); False, with a
-    warning, when Flower's pulls are not the ones this was written for; ``hold`` 0: Flower's."""
+    """Hold a SuperNode's empty pulls and a ServerApp's looks for replies in this process's
+    SuperLink (before it builds its app); False, with a warning, when Flower's pulls are not the
+    ones this was written for; ``hold`` 0: Flower's."""
     if hold < 0:
         raise ValueError(f"--pull-hold must be 0 (answer at once) or more seconds; got {hold}")
     if hold == 0:
         return False
-    from starlette.concurrency import run_in_threadpool
-
     from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("long-pulls"):
         return False
-    router, states = _parts()
-    waker = Waker()
-    HOLDS[:] = [Hold(waker, hold, run_in_threadpool)]
-    route = _route(router)
-    # a route is built around its endpoint when made: the held one replaces it, made the same way
-    router.routes.remove(route)
-    endpoint = held(inspect.unwrap(route.endpoint), HOLDS[0])
-    router.add_api_route(ROUTE, endpoint, methods=["POST"], name=route.name)
-    for cls in states:
-        cls.store_message_ins = _notifying(cls.store_message_ins, waker)
+    hold_look("fleet-pull", hold)
+    hold_look("replies", hold)
+    return True
+
+
+def install_tasks(hold: float = TASK_HOLD_S) -> bool:
+    """Hold a SuperExec's empty looks for a task in this process's SuperNode (before it builds its
+    Runtime API); False, with a warning, when Flower's look is not the one this holds."""
+    from fedvlm.deploy import flower_patches
+
+    if not flower_patches.applies("held-task-looks"):
+        return False
+    hold_look("tasks", hold)
     return True

@@ -51,6 +51,7 @@ from types import ModuleType
 from fedvlm.deploy import (
     flower_patches,
     log_beside_flower,
+    long_pulls,
     object_batches,
     object_pulls,
     supernode_gate,
@@ -219,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # a message's objects, the server may still be pushing
     object_batches.install()  # and all of them in one request
     whole_messages.install()  # with the message itself, the reply with its objects
+    long_pulls.install_tasks()  # its SuperExec's look for a ClientApp to start, held until one is there
     object_batches.serve(fleet_api=False)  # as its ClientApps ask for theirs
     from flwr.supernode.cli.flower_supernode import flower_supernode
 

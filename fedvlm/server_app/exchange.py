@@ -6,7 +6,9 @@ Flower's ``Grid.send_and_receive`` waits for every reply or for ``round-timeout`
 default), polling every 3 s. A reply lost on the way (a SuperLink that answered the SuperNode's
 push with an error, a node that crashed) then costs the whole round-timeout. Here:
 
-- replies are pulled every ``POLL_S`` seconds;
+- replies are pulled as they come: at once after a pull that brought some, otherwise at most every
+  ``POLL_S`` seconds (a SuperLink that holds the look, ``deploy.long_pulls``, answers an empty one
+  only after its hold);
 - once no other reply of the exchange is still coming in, the ones missing get a grace period:
   ``reply-grace`` seconds, or ``GRACE_FACTOR`` times the slowest reply time seen (this round's,
   and the node's own in earlier rounds) if that is longer, so a node with more data or a slower
@@ -74,7 +76,8 @@ class Exchanger:
         slowest, last_arrival = 0.0, start
         while pending and time.time() < deadline:
             now = time.time()
-            for reply in self.grid.pull_messages(list(pending)):
+            pulled = list(self.grid.pull_messages(list(pending)))
+            for reply in pulled:
                 replies.append(reply)  # every one: the strategy judges where it comes from
                 answers = reply.metadata.reply_to_message_id
                 if answers not in pending:
@@ -106,5 +109,6 @@ class Exchanger:
                 )
                 last_arrival = time.time()
                 continue
-            time.sleep(POLL_S)
+            if not pulled:  # a SuperLink that holds the look (deploy.long_pulls) answered after its hold
+                time.sleep(max(0.0, POLL_S - (time.time() - now)))
         return replies

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 from starlette.concurrency import run_in_threadpool
 
-from fedvlm.deploy.long_pulls import Hold, Waker, held
+from fedvlm.deploy.long_pulls import LOOKS, Hold, Waker, held
+
+FOUND = LOOKS["fleet-pull"].found
 
 
 def _pulls(answers: list[list[str]]):
@@ -28,7 +30,7 @@ def test_a_held_pull_answers_when_work_is_stored_and_empty_after_the_hold():
     async def scenario():
         waker = Waker()
         pull, calls = _pulls([[], ["msg"]])
-        endpoint = held(pull, Hold(waker, 5.0, run_in_threadpool))
+        endpoint = held(pull, Hold(waker, 5.0, run_in_threadpool), FOUND)
         t0 = time.monotonic()
         # an instruction is stored 0.3 s later, by another thread (a request thread of the ServerApp)
         threading.Timer(0.3, waker.notify).start()
@@ -39,7 +41,7 @@ def test_a_held_pull_answers_when_work_is_stored_and_empty_after_the_hold():
 
         empty, _ = _pulls([])
         t0 = time.monotonic()
-        got = await held(empty, Hold(waker, 0.4, run_in_threadpool))(request="r", state="s")
+        got = await held(empty, Hold(waker, 0.4, run_in_threadpool), FOUND)(request="r", state="s")
         assert got.messages_list == [] and 0.35 < time.monotonic() - t0 < 2.0
 
     asyncio.run(scenario())
@@ -59,36 +61,59 @@ def test_work_stored_between_a_look_and_the_wait_is_not_missed():
             return SimpleNamespace(messages_list=answers.pop(0))
 
         t0 = time.monotonic()
-        got = await held(pull, Hold(waker, 5.0, run_in_threadpool))(request="r", state="s")
+        got = await held(pull, Hold(waker, 5.0, run_in_threadpool), FOUND)(request="r", state="s")
         assert got.messages_list == ["msg"] and time.monotonic() - t0 < 1.0
 
     asyncio.run(scenario())
 
 
-def test_the_installed_route_is_flowers_with_the_held_handler():
-    """Installed, Flower's Fleet router serves /pull-messages once, built by Flower's own route
-    class around the held handler, with the router's dependencies."""
+def test_each_installed_look_is_flowers_route_with_the_held_handler_and_its_store_wakes_it():
+    """Installed, each look (a SuperNode's pull for work, a ServerApp's for replies, a SuperExec's
+    for a task) is served once, built by Flower's own route class around the held handler with
+    Flower's parameters and the router's dependencies, and the state method that stores what it
+    waits for wakes it after the store returned, for the messages it waits for only."""
     import inspect
-
-    from flwr.superlink.routers.fleet import router
 
     from fedvlm.deploy import long_pulls
 
-    before = {r.path for r in router.router.routes}
-    saved = list(router.router.routes)
-    states = long_pulls._parts()[1]
-    stores = [cls.store_message_ins for cls in states]
+    routers = {look.router: long_pulls._route(look)[0] for look in LOOKS.values()}
+    saved = {name: list(router.routes) for name, router in routers.items()}
+    states = {(s, look.stores): long_pulls._load(s) for look in LOOKS.values() for s in look.states}
+    stores = {key: cls.__dict__.get(key[1]) for key, cls in states.items()}
     try:
-        assert long_pulls.install(2.0)
-        routes = [r for r in router.router.routes if r.path.endswith("/pull-messages")]
-        assert {r.path for r in router.router.routes} == before and len(routes) == 1
-        handler = routes[0].endpoint.__wrapped__  # under Flower's ProtobufRoute wrapper
-        assert inspect.iscoroutinefunction(handler) and list(inspect.signature(handler).parameters) == [
-            "request",
-            "state",
-        ]
-        assert routes[0].dependencies == saved[0].dependencies
+        assert long_pulls.install(2.0) and long_pulls.install_tasks()
+        for name, look in LOOKS.items():
+            router, route = long_pulls._route(look)
+            assert sum(r.path == route.path for r in router.routes) == 1, name
+            handler = route.endpoint.__wrapped__  # under Flower's ProtobufRoute wrapper
+            assert inspect.iscoroutinefunction(handler), name
+            assert tuple(inspect.signature(handler).parameters) == look.params, name
+            before = next(r for r in saved[look.router] if r.path == route.path)
+            assert route.dependencies == before.dependencies, name
+            for state in look.states:  # Flower's own method, wrapped
+                assert getattr(long_pulls._load(state), look.stores).__wrapped__ is not None, (name, state)
     finally:
-        router.router.routes[:] = saved
-        for cls, store in zip(states, stores, strict=True):
-            cls.store_message_ins = store
+        for name, router in routers.items():
+            router.routes[:] = saved[name]
+        for (_, method), cls in states.items():
+            if stores[(_, method)] is None:  # inherited: the wrapper set on the class goes
+                delattr(cls, method)
+            else:
+                setattr(cls, method, stores[(_, method)])
+        long_pulls.HOLDS.clear()
+
+
+def test_a_store_wakes_only_the_looks_waiting_for_what_it_stored_after_it_returned():
+    from fedvlm.deploy.long_pulls import _notifying
+
+    stored: list = []
+    for name, expected in (("replies", [2, 3]), ("fleet-pull", [1]), ("tasks", [1, 2, 3])):
+        stored.clear()
+        waker, woken = Waker(), []
+        waker.notify = lambda woken=woken: woken.append(len(stored))  # type: ignore[method-assign]
+        store = _notifying(lambda _self, message, *_, **__: stored.append(message), waker, LOOKS[name].wakes)
+        instruction, reply = (SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=r)) for r in ("", "m"))
+        store(None, instruction, None, "s")
+        store(None, reply, None, "s")
+        store(None, message=reply, object_tree=None, session_id="s")  # Flower may name them
+        assert woken == expected, name  # counted after each store: a woken look finds it committed
