@@ -131,7 +131,7 @@ PATCHES: tuple[Patch, ...] = (
         ("fedvlm/deploy/supernode_polling.py",),
         "runs unchanged, with a warning (every look answered at once)",
         "a SuperNode that holds a SuperExec's empty look for a task until a task arrives or a bound passes",
-        "docs/results/deployment.md, 'Held looks for replies and tasks'",
+        "docs/results/deployment.md, 'A message with its objects, and held looks'",
         ("install_tasks",),
     ),
     Patch(
@@ -182,7 +182,7 @@ PATCHES: tuple[Patch, ...] = (
         ("fedvlm/deploy/superlink.py",),
         "runs unchanged, with a warning (SuperNodes fall back to Flower's calls)",
         "Fleet calls that move a message with its objects, and confirmations with the next call",
-        "docs/results/deployment.md, 'A message with its objects'",
+        "docs/results/deployment.md, 'A message with its objects, and held looks'",
         ("serve",),
     ),
     Patch(
@@ -195,7 +195,7 @@ PATCHES: tuple[Patch, ...] = (
         ("fedvlm/deploy/supernode_polling.py",),
         "runs unchanged, with a warning (Flower's calls)",
         "Fleet calls that move a message with its objects, and confirmations with the next call",
-        "docs/results/deployment.md, 'A message with its objects'",
+        "docs/results/deployment.md, 'A message with its objects, and held looks'",
     ),
     Patch(
         "link-lookups",

@@ -143,7 +143,7 @@ def _refuse(request) -> None:
         raise HTTPException(status_code=403, detail=why)
 
 
-def _fleet_endpoints(router_module, handlers) -> dict[str, tuple[Callable, Any, Any]]:
+def _fleet_endpoints(handlers) -> dict[str, tuple[Callable, Any, Any]]:
     """The Fleet API's handlers (a SuperNode's calls to the SuperLink): path -> (endpoint, request, answer)."""
     from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
 
@@ -246,7 +246,7 @@ def serve(fleet_api: bool = True) -> bool:
     fleet, handlers, runtime, translation = server_parts()
     table = translation.PROTOBUF_REQUEST_TYPES
     if fleet_api:
-        route(fleet.router, PREFIX, _fleet_endpoints(fleet, handlers), {"state": fleet.LinkStateDependency}, table)
+        route(fleet.router, PREFIX, _fleet_endpoints(handlers), {"state": fleet.LinkStateDependency}, table)
     runtime_depends = {
         "state": depends.RuntimeStateDependency,
         "handlers": depends.RuntimeHandlersDependency,
