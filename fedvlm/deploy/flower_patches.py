@@ -70,22 +70,6 @@ PATCHES: tuple[Patch, ...] = (
         "docs/results/deployment.md, 'Deployment speed: a warm node worker'",
     ),
     Patch(
-        "object-pulls",
-        "fedvlm.deploy.object_pulls",
-        "flwr.supercore.inflatable.inflatable_utils",
-        "pull_objects and pull_and_inflate_object_from_tree ask again for an object not stored yet after 0.05 s, "
-        "doubling up to a cap, giving up when Flower's defaults would",
-        (
-            "fedvlm/deploy/pinned_app.py",
-            "fedvlm/deploy/supernode_polling.py",
-            "fedvlm/server_app/app.py",
-        ),
-        "runs unchanged, with a warning",
-        "a configurable first wait for pulls, or a SuperNode that stores a message's objects before it creates "
-        "the ClientApp's task (the 1 s first retry is what nearly every message paid)",
-        "docs/results/deployment.md, 'A message's parts, asked for again sooner'",
-    ),
-    Patch(
         "clientapp-forks",
         "fedvlm.deploy.clientapp_forks",
         "flwr.supercore.superexec.executor.subprocess_executor",

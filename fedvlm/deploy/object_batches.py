@@ -48,8 +48,6 @@ from typing import Annotated, Any
 
 import httpx
 
-from fedvlm.deploy import object_pulls
-
 log = logging.getLogger("fedvlm.deploy")
 
 BATCH_BYTES = 4 << 20  # content per request: a pull's answer stops past it, a push request is packed up to it
@@ -57,6 +55,11 @@ MAX_ITEMS = 512  # objects per request (a message of Flower's 5 MiB chunks: 2.5 
 PREFIX, RUNTIME = "/v1/fleet", "/v1/runtime"
 PULL, PUSH = "/pull-objects", "/push-objects"
 ABSENT = (403, 404)  # a SuperLink (or gateway) without the routes
+# an object not stored yet (its sender is still pushing it) is asked for again after FIRST_RETRY_S,
+# doubling up to MOST_RETRY_S, where Flower asks after 1, 2, 4 and 8 s: nearly every message of a
+# deployment would wait that first second (docs/results/deployment.md, 'A message's parts, asked for
+# again sooner')
+FIRST_RETRY_S, MOST_RETRY_S = 0.05, 1.0
 
 
 KINDS = {  # the messages these calls add: name -> (field, Flower's message type, repeated)
@@ -332,7 +335,7 @@ class Link:
         pull_error = _flower_errors()[0]
         ready, self.ready = self.ready, {}
         batch.pulled.update((i, ready[i]) for i in batch.ids if i in ready)
-        left, wait, start = [i for i in batch.ids if i not in ready], object_pulls.FIRST_RETRY_S, time.monotonic()
+        left, wait, start = [i for i in batch.ids if i not in ready], FIRST_RETRY_S, time.monotonic()
         while left:
             asked = [PullObjectRequest(node=self.node, run_id=run_id, object_id=i) for i in left[:MAX_ITEMS]]
             answers = self.call(PULL, asked)
@@ -354,7 +357,7 @@ class Link:
                 if time.monotonic() - start > PULL_MAX_TIME:
                     raise pull_error(waiting[0], "timeout or retry limit reached")
                 time.sleep(wait)
-                wait = min(2 * wait, object_pulls.SUPERLINK_CAP_S)  # asked again as object_pulls asks
+                wait = min(2 * wait, MOST_RETRY_S)
 
     def push(self, run_id: int, session_id: str, batch: Batch, one: Callable[[int, str, str, bytes], None]) -> None:
         from flwr.proto.message_pb2 import PushObjectRequest

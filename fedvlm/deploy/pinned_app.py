@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import log_beside_flower, object_batches, object_pulls, task_reaping
+from fedvlm.deploy import log_beside_flower, object_batches, task_reaping
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 SERVER_KEYS_ENV = "FEDVLM_SERVER_KEYS"  # and the ServerApp keys whose signatures they accept
@@ -222,8 +222,6 @@ def clientapp_main() -> None:
 
     runtime.pull_task_input = pull_kept
     runtime.install_from_fab = install_pinned
-    # the message's objects, which its SuperNode may still be pulling from the SuperLink
-    object_pulls.install(object_pulls.CLIENTAPP_CAP_S)
     object_batches.install_clients()  # a message's objects in one request to the SuperNode
     flwr_clientapp()
 

@@ -53,7 +53,6 @@ from fedvlm.deploy import (
     log_beside_flower,
     long_pulls,
     object_batches,
-    object_pulls,
     supernode_gate,
     whole_messages,
 )
@@ -217,8 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.reply_poll,
             args.reply_timeout,
         )
-    object_pulls.install(object_pulls.SUPERLINK_CAP_S)  # a message's objects, the server may still be pushing
-    object_batches.install()  # and all of them in one request
+    object_batches.install()  # a message's objects in one request
     whole_messages.install()  # with the message itself, the reply with its objects
     long_pulls.install_tasks()  # its SuperExec's look for a ClientApp to start, held until one is there
     object_batches.serve(fleet_api=False)  # as its ClientApps ask for theirs

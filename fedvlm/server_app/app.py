@@ -11,7 +11,7 @@ import flwr
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedvlm.deploy import object_batches, object_pulls, simulation_polls
+from fedvlm.deploy import object_batches, simulation_polls
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, key_id, sign_pushes, signing_key_from_env
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, RunConfig
@@ -137,8 +137,7 @@ def main(grid: Grid, context: Context) -> None:
     _setup_logging()
     if simulated_grid(grid):  # the engine that hands out the messages shares this process
         simulation_polls.install()
-    else:  # a deployed ServerApp pulls its replies' objects; a simulation none
-        object_pulls.install(object_pulls.SUPERLINK_CAP_S)
-        object_batches.install_clients()  # and a message's objects in one request
+    else:  # a deployed ServerApp pulls its replies' objects (in one request each); a simulation none
+        object_batches.install_clients()
     sign_instructions(grid)
     run(dict(context.run_config), grid, context.run_id)

@@ -69,16 +69,16 @@ def test_only_the_processes_that_need_a_patch_install_it():
 def test_the_installer_rule_sees_a_call(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    (pkg / "a.py").write_text("from fedvlm.deploy import object_pulls\nobject_pulls.install(1.0)\n")
+    (pkg / "a.py").write_text("from fedvlm.deploy import task_claims\ntask_claims.install(1.0)\n")
     lazy = "def f():\n    from fedvlm.deploy.clientapp_forks import install\n    install('x', 'y')\n"
     (pkg / "b.py").write_text(lazy)
     (pkg / "c.py").write_text("from fedvlm.deploy import object_batches\nobject_batches.serve()\n")
     modules = {
-        "fedvlm.deploy.object_pulls": {"install": "object-pulls"},
+        "fedvlm.deploy.task_claims": {"install": "task-claims"},
         "fedvlm.deploy.clientapp_forks": {"install": "clientapp-forks"},
         "fedvlm.deploy.object_batches": {"serve": "batches-served", "install": "batches-sent"},
     }
-    found = {"object-pulls": {"pkg/a.py"}, "clientapp-forks": {"pkg/b.py"}, "batches-served": {"pkg/c.py"}}
+    found = {"task-claims": {"pkg/a.py"}, "clientapp-forks": {"pkg/b.py"}, "batches-served": {"pkg/c.py"}}
     assert _installers(pkg, modules) == found
 
 

@@ -98,7 +98,7 @@ class _Client:
 
 
 def test_a_node_asks_again_only_for_what_is_on_its_way_or_did_not_fit(monkeypatch):
-    monkeypatch.setattr(object_batches.object_pulls, "FIRST_RETRY_S", 0.001)
+    monkeypatch.setattr(object_batches, "FIRST_RETRY_S", 0.001)
     client = _Client([[(1, 1, b"x"), (1, 0, b"")], [(1, 1, b"z"), (1, 1, b"y")]])  # z did not fit the first answer
     batch = Batch(ids=["x", "y", "z"])
     Link(client, 5).pull(3, batch, lambda *a: pytest.fail("no single pulls"), flower_pulls=None)
