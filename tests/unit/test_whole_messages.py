@@ -203,3 +203,35 @@ def test_the_installed_superlink_serves_both_calls_as_flowers_protobuf_routes(se
     from flwr.superlink.routers.fleet import router
 
     assert whole_messages.check_flower(sci) is None and whole_messages.check_flower(router) is None
+
+
+def test_the_superlink_answers_a_messages_objects_in_tree_order_up_to_the_cap_waiting_for_late_ones(monkeypatch):
+    """``pull-message``'s objects: Flower's pull_object answers in the tree's order, an object the
+    ServerApp has not stored yet waited for (briefly), and nothing past ``BATCH_BYTES`` of content."""
+    import asyncio
+
+    from fedvlm.deploy import whole_messages as wm
+
+    monkeypatch.setattr(wm, "FIRST_WAIT_S", 0.001)
+    arrays = ArrayRecord([np.full(BATCH_BYTES // 8 // 3 + 1024, float(k)) for k in range(3)])  # over the cap in all
+    message = Message(RecordDict({"w": arrays}), dst_node_id=7, message_type="train")
+    message.metadata.__dict__["_run_id"] = 3
+    message.metadata.__dict__["_message_id"] = message.object_id
+    tree = get_object_tree(message)
+    contents = {i: o.deflate() for i, o in get_all_nested_objects(message).items()}
+    ids = [t.object_id for t in iterate_object_tree(tree)]
+    late, asked = ids[1], []  # stored only once asked twice
+
+    def pull_object(request, state):
+        asked.append(request.object_id)
+        if request.object_id == late and asked.count(late) < 2:
+            return PullObjectResponse(object_found=True, object_available=False)
+        return PullObjectResponse(object_found=True, object_available=True, object_content=contents[request.object_id])
+
+    pulled = PullMessagesResponse(messages_list=[message_to_proto(message)], message_object_trees=[tree])
+    handlers = SimpleNamespace(pull_object=pull_object)
+    answers = asyncio.run(wm._objects(handlers, Node(node_id=7), pulled, state=None))
+    got = [a.object_content for a in answers]
+    assert got == [contents[i] for i in ids[: len(got)]] and asked.count(late) == 2  # in order, the late one too
+    assert 0 < len(got) < len(ids) and sum(map(len, got[:-1])) < BATCH_BYTES <= sum(map(len, got))  # stops past the cap
+    assert not asyncio.run(wm._objects(handlers, Node(node_id=7), PullMessagesResponse(), state=None))
