@@ -362,12 +362,17 @@ class LocalFederation:
             [str(BIN / "flwr"), *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
 
+    def run_config(self, run_config: str) -> str:
+        """``run_config`` with the roster the ServerApp relays for, on its host (unless it names one):
+        every run of this federation, so a run resumed from another has the same config."""
+        if "secure-aggregation.roster" in run_config:
+            return run_config
+        return f"{run_config} secure-aggregation.roster='{self.creds / 'roster.json'}'"
+
     def run_app(self, run_config: str, timeout: float = 1800, echo: bool = False) -> subprocess.CompletedProcess:
         """`flwr run . loopback --stream`: the researcher's command against this federation;
         with ``echo`` its output is also printed as it comes (rounds, epsilon, accuracy)."""
-        if "secure-aggregation.roster" not in run_config:  # the roster the ServerApp relays for, on its host
-            run_config = f"{run_config} secure-aggregation.roster='{self.creds / 'roster.json'}'"
-        cmd = [str(BIN / "flwr"), "run", str(ROOT), CONNECTION, "--stream", "--run-config", run_config]
+        cmd = [str(BIN / "flwr"), "run", str(ROOT), CONNECTION, "--stream", "--run-config", self.run_config(run_config)]
         if not echo:
             return self.flwr(*cmd[1:], timeout=timeout)
         lines = []

@@ -15,7 +15,9 @@ check and the SuperLink's HTTP stack. Two calls on the Fleet API carry the same 
 - ``push-message``: ``PushMessageRequest {node, push, items, confirms}`` answered ``PushedMessage
   {pushed, objects}``: Flower's ``push_messages`` answer, then Flower's ``push_object`` answer for
   each item the SuperLink asked for, pushed in the session it opened (an item it did not ask for
-  is answered ``stored: false`` and not stored). Items past ``BATCH_BYTES`` go by ``push-objects``.
+  is answered ``stored: false`` and not stored). The request holds the objects that fit
+  ``BATCH_BYTES`` beside the message itself (an error reply carries its reason in the message), so
+  its body stays within the gateway's cap; the rest go by ``push-objects``.
 - ``confirms``: the node's ``confirm-message-received`` requests, each answered by Flower's handler
   before the rest, sent with the node's next call instead of a call each. The SuperLink frees a
   received instruction's objects when its reply is pushed rather than when it is received.
@@ -33,8 +35,8 @@ The node's side (``Messages``): its connection's ``receive``, ``send`` and
 ``confirm_message_received``, handed on through Flower's own call sites in
 ``start_client_internal``. ``send`` keeps the reply and answers "every object, no session yet";
 Flower's next step hands it the reply's objects (``object_batches.Link.push``), and they leave
-together. The cost of not knowing beforehand which objects the SuperLink already holds: the first
-``BATCH_BYTES`` of a reply travel even when it holds some (a node's reply holds what it trained;
+together. The cost of not knowing beforehand which objects the SuperLink already holds: what fits
+the first request travels even when it holds some (a node's reply holds what it trained;
 nothing of it is on the SuperLink before). A SuperLink without the routes (403 or 404) gets
 Flower's calls from then on.
 """
@@ -44,13 +46,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import httpx
 
 from fedvlm.deploy import long_pulls
-from fedvlm.deploy.object_batches import ABSENT, BATCH_BYTES, PREFIX, Batch, batch_problem, kinds, packed
+from fedvlm.deploy.object_batches import ABSENT, BATCH_BYTES, MAX_ITEMS, PREFIX, Batch, batch_problem, kinds
 
 log = logging.getLogger("fedvlm.deploy")
 
@@ -173,6 +175,22 @@ def fleet_endpoints(handlers) -> dict[str, tuple[Callable, Any, Any]]:
 
 
 # ---- the SuperNode -------------------------------------------------------------------------------
+def within(
+    contents: Iterable[tuple[str, bytes]], budget: int
+) -> tuple[list[tuple[str, bytes]], Iterator[tuple[str, bytes]]]:
+    """The first of ``contents`` whose bytes fit ``budget`` (at most ``MAX_ITEMS`` of them), and
+    the rest: a request stays within the gateway's cap even when its message is large itself (an
+    error reply's reason travels in the message)."""
+    items, size = iter(contents), 0
+    first: list[tuple[str, bytes]] = []
+    for item in items:
+        if size + len(item[1]) > budget or len(first) == MAX_ITEMS:
+            return first, itertools.chain([item], items)
+        first.append(item)
+        size += len(item[1])
+    return first, iter(())
+
+
 def _push_request(node, message, tree, runtime: float):
     """The ``PushMessagesRequest`` Flower's connection sends for a reply (its ``send``)."""
     from flwr.app.message import remove_content_from_message
@@ -266,24 +284,23 @@ class Messages:
         return None
 
     def push(self, run_id: int, batch: Batch, push_one: Callable) -> None:
-        """The kept reply with the first ``BATCH_BYTES`` of its objects; the rest the SuperLink asks
-        for by ``push-objects`` in the session it opened."""
+        """The kept reply with the first of its objects that fit ``BATCH_BYTES`` beside it; the rest
+        the SuperLink asks for by ``push-objects`` in the session it opened."""
         from flwr.proto.message_pb2 import PushObjectRequest
         from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
 
         assert self.pending is not None  # Link.push hands a batch here only while a reply waits
         (message, tree, runtime), self.pending = self.pending, None
-        groups = packed(batch.contents)
-        first = next(groups, [])
-        items = [PushObjectRequest(node=self.link.node, run_id=run_id, object_id=i, object_content=c) for i, c in first]
         push = _push_request(self.link.node, message, tree, runtime)
+        first, later = within(batch.contents, BATCH_BYTES - push.ByteSize())  # the message counts against the cap
+        items = [PushObjectRequest(node=self.link.node, run_id=run_id, object_id=i, object_content=c) for i, c in first]
         ask, node = kinds()["PushMessageRequest"], self.link.node
         answer = self.with_confirms(
             lambda c: self.call(PUSH, ask(node=node, push=push, items=items, confirms=c), kinds()["PushedMessage"])
         )
         if answer is None:  # Flower's push-messages, then the objects it asks for
             wanted, session = self.flower_send(message, tree, runtime)
-            rest = ((i, c) for i, c in itertools.chain(first, *groups) if i in wanted)
+            rest = ((i, c) for i, c in itertools.chain(first, later) if i in wanted)
             return self.link.push(run_id, session, Batch(contents=rest), push_one)
         wanted, session = set(answer.pushed.objects_to_push), answer.pushed.session_id
         if len(answer.objects) != len(first):
@@ -291,7 +308,7 @@ class Messages:
         for (object_id, _), stored in zip(first, answer.objects, strict=True):
             if object_id in wanted and not stored.stored:
                 raise ObjectPushError(object_id, run_id, session)
-        rest = ((i, c) for group in groups for i, c in group if i in wanted)
+        rest = ((i, c) for i, c in later if i in wanted)
         return self.link.push(run_id, session, Batch(contents=rest), push_one)
 
 

@@ -56,7 +56,7 @@ def _wait_online(fed, n: int, timeout: float = 180) -> None:
 
 def _start_run(fed, run_config: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--stream", "--run-config", run_config],
+        [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--stream", "--run-config", fed.run_config(run_config)],
         env=fed.env,
         cwd=ROOT,
         stdout=subprocess.PIPE,

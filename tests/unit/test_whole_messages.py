@@ -148,7 +148,9 @@ def test_a_message_arrives_with_its_contents_and_only_what_did_not_fit_is_pulled
 
 
 def test_a_reply_leaves_with_its_objects_and_the_superlink_decides_which_it_keeps():
-    reply = _message(size=(BATCH_BYTES // 8) + 4096)  # one array past the cap: two chunks, the second its own push
+    reply = _message(size=0)  # three arrays of 1.5 MiB: two fit the first request, the rest go by push-objects
+    reply.content["w"] = ArrayRecord([np.full(BATCH_BYTES // 8 // 3 + 1024, float(k)) for k in range(3)])
+    reply.metadata.__dict__["_message_id"] = reply.object_id
     tree = get_object_tree(reply)
     objects = {i: o.deflate() for i, o in get_all_nested_objects(reply).items()}
     ids = [t.object_id for t in iterate_object_tree(tree)]
@@ -172,8 +174,10 @@ def test_a_reply_leaves_with_its_objects_and_the_superlink_decides_which_it_keep
     rest = [r for p, r in client.asked[1:]]
     assert all(p == "/v1/fleet/push-objects" for p, _ in client.asked[1:]) and rest
     assert all(item.session_id == "s1" for r in rest for item in r.items)  # in the session the push opened
-    sent_first = {item.object_id for item in first.items}
-    assert sent_first | client.stored.keys() == set(ids) and unwanted not in client.stored
+    sent_first = [item.object_id for item in first.items]
+    assert sent_first == ids[: len(sent_first)] and 0 < len(sent_first) < len(ids)  # in order, within the cap
+    assert first.ByteSize() <= BATCH_BYTES + 1024 and unwanted in sent_first and unwanted not in client.stored
+    assert set(sent_first) | client.stored.keys() == set(ids)  # every other object pushed once
 
 
 def test_a_failed_call_keeps_the_confirmations_and_a_superlink_without_the_calls_gets_flowers():
@@ -235,3 +239,34 @@ def test_the_superlink_answers_a_messages_objects_in_tree_order_up_to_the_cap_wa
     assert got == [contents[i] for i in ids[: len(got)]] and asked.count(late) == 2  # in order, the late one too
     assert 0 < len(got) < len(ids) and sum(map(len, got[:-1])) < BATCH_BYTES <= sum(map(len, got))  # stops past the cap
     assert not asyncio.run(wm._objects(handlers, Node(node_id=7), PullMessagesResponse(), state=None))
+
+
+def test_a_reply_whose_message_is_large_itself_stays_within_the_gateways_cap():
+    """An error reply carries its reason in the message (the hostile node's 5 MB reason): the
+    objects beside it in push-message fit what the message leaves of ``BATCH_BYTES``, so the body
+    stays within the gateway's cap (a chunk plus 1 MiB), and the rest go by push-objects."""
+    from flwr.app import Error
+
+    from fedvlm.deploy.fleet_gateway import Limits
+    from fedvlm.deploy.whole_messages import within
+
+    reply = Message(Error(code=0, reason="RuntimeError: " + "a 5 MB reason " * 380_000), reply_to=_message())
+    reply.metadata.__dict__["_message_id"] = reply.object_id
+    tree = get_object_tree(reply)
+    objects = {i: o.deflate() for i, o in get_all_nested_objects(reply).items()}
+    ids = [t.object_id for t in iterate_object_tree(tree)]
+
+    def pushed(request):
+        answer = PushMessagesResponse(objects_to_push=ids, session_id="s1")
+        return kinds()["PushedMessage"](pushed=answer, objects=[Stored(stored=True) for _ in request.items])
+
+    client = _Client({"/v1/fleet/push-message": [pushed]})
+    link = Link(client, 7)
+    messages = link.whole = Messages(link, _flower([]))
+    _, push = link.wrap(lambda *a: pytest.fail("single pull"), lambda *a: pytest.fail("single push"))
+    push(3, messages.send(reply, tree, 0.5)[1], Batch(contents=((i, objects[i]) for i in ids)), b"")
+    first = client.asked[0][1]
+    assert first.ByteSize() <= Limits().body and not first.items  # the 5.3 MB message leaves no room beside it
+    assert client.stored.keys() == set(ids) and client.asked[1][0] == "/v1/fleet/push-objects"
+    fits, rest = within([("a", b"1" * 10), ("b", b"2" * 10), ("c", b"3")], 15)
+    assert fits == [("a", b"1" * 10)] and list(rest) == [("b", b"2" * 10), ("c", b"3")]  # in order, nothing lost
