@@ -462,14 +462,8 @@ class Sent:
             del ids[next(iter(ids))]
 
     def check(self, body: bytes) -> str | None:
-        from flwr.proto.message_pb2 import PullObjectRequest
-        from google.protobuf.message import DecodeError
-
-        try:
-            req = PullObjectRequest.FromString(body)
-        except DecodeError:
-            return "not a PullObjectRequest"
-        return self.unsent(req.node.node_id, [req.object_id])
+        """A node pulls only an object sent to it."""
+        return self._sent_to(body, "PullObjectRequest", "object_id")
 
     def check_batch(self, body: bytes) -> str | None:
         req, why = _batch(body, pushed=False)
@@ -477,14 +471,19 @@ class Sent:
 
     def check_confirm(self, body: bytes) -> str | None:
         """A node confirms only a message sent to it (a confirmation deletes the message's objects)."""
-        from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest
+        return self._sent_to(body, "ConfirmMessageReceivedRequest", "message_object_id")
+
+    def _sent_to(self, body: bytes, kind: str, field: str) -> str | None:
+        """Why a ``kind`` request (of Flower's message.proto) names, in ``field``, what was not sent
+        to its node (None: it was)."""
+        from flwr.proto import message_pb2
         from google.protobuf.message import DecodeError
 
         try:
-            req = ConfirmMessageReceivedRequest.FromString(body)
+            req = getattr(message_pb2, kind).FromString(body)
         except DecodeError:
-            return "not a ConfirmMessageReceivedRequest"
-        return self.unsent(req.node.node_id, [req.message_object_id])
+            return f"not a {kind}"
+        return self.unsent(req.node.node_id, [getattr(req, field)])
 
     def check_whole(self, body: bytes, pushed: bool) -> str | None:
         req, why = _whole(body, pushed)
