@@ -55,6 +55,7 @@ MAX_ITEMS = 512  # objects per request (a message of Flower's 5 MiB chunks: 2.5 
 PREFIX, RUNTIME = "/v1/fleet", "/v1/runtime"
 PULL, PUSH = "/pull-objects", "/push-objects"
 ABSENT = (403, 404)  # a SuperLink (or gateway) without the routes
+STORED: list[Callable[[], None]] = []  # called after a Runtime push-objects (deploy.long_pulls wakes pulls)
 # an object not stored yet (its sender is still pushing it) is asked for again after FIRST_RETRY_S,
 # doubling up to MOST_RETRY_S, where Flower asks after 1, 2, 4 and 8 s: nearly every message of a
 # deployment would wait that first second (docs/results/deployment.md, 'A message's parts, asked for
@@ -176,7 +177,10 @@ def _runtime_endpoints() -> dict[str, tuple[Callable, Any, Any]]:
 
     def runtime_push_objects(request, state, handlers, task):
         _refuse(request)
-        return iter([handlers.push_object(item, state, task) for item in request.items])
+        answers = [handlers.push_object(item, state, task) for item in request.items]
+        for stored in STORED:  # after the store: what it stored is committed
+            stored()
+        return iter(answers)
 
     pull, push = requests()
     return {

@@ -74,7 +74,7 @@ def test_each_installed_look_is_flowers_route_with_the_held_handler_and_its_stor
     waits for wakes it after the store returned, for the messages it waits for only."""
     import inspect
 
-    from fedvlm.deploy import long_pulls
+    from fedvlm.deploy import long_pulls, object_batches
 
     routers = {look.router: long_pulls._route(look)[0] for look in LOOKS.values()}
     saved = {name: list(router.routes) for name, router in routers.items()}
@@ -101,19 +101,61 @@ def test_each_installed_look_is_flowers_route_with_the_held_handler_and_its_stor
             else:
                 setattr(cls, method, stores[(_, method)])
         long_pulls.HOLDS.clear()
+        object_batches.STORED.clear()
 
 
 def test_a_store_wakes_only_the_looks_waiting_for_what_it_stored_after_it_returned():
-    from fedvlm.deploy.long_pulls import _notifying
+    """A reply wakes the ServerApp's look, any message a SuperExec's; an instruction wakes the nodes'
+    pulls at once when its objects are all stored, and only later (the ServerApp's push of them
+    wakes them sooner) when some are still to come."""
+    from fedvlm.deploy.long_pulls import OBJECTS_LATE_S, _notifying
 
     stored: list = []
-    for name, expected in (("replies", [2, 3]), ("fleet-pull", [1]), ("tasks", [1, 2, 3])):
+    cases = {
+        "replies": [(2, 0.0), (3, 0.0)],
+        "fleet-pull": [(1, 0.0), (4, OBJECTS_LATE_S)],
+        "tasks": [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0)],
+    }
+    for name, expected in cases.items():
         stored.clear()
         waker, woken = Waker(), []
-        waker.notify = lambda woken=woken: woken.append(len(stored))  # type: ignore[method-assign]
-        store = _notifying(lambda _self, message, *_, **__: stored.append(message), waker, LOOKS[name].wakes)
-        instruction, reply = (SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=r)) for r in ("", "m"))
-        store(None, instruction, None, "s")
-        store(None, reply, None, "s")
-        store(None, message=reply, object_tree=None, session_id="s")  # Flower may name them
+        waker.notify = lambda after=0.0, woken=woken: woken.append((len(stored), after))  # type: ignore[method-assign]
+
+        def store(_self, message, *_, **__):
+            stored.append(message)
+            return True, list(message.missing)
+
+        wrapped = _notifying(store, waker, LOOKS[name].wakes)
+        instruction, reply, late = (
+            SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=r), missing=m)
+            for r, m in (("", ()), ("m", ()), ("", ("an-array",)))
+        )
+        wrapped(None, instruction, None, "s")
+        wrapped(None, reply, None, "s")
+        wrapped(None, message=reply, object_tree=None, session_id="s")  # Flower may name them
+        wrapped(None, late, None, "s")
         assert woken == expected, name  # counted after each store: a woken look finds it committed
+
+
+def test_the_servers_push_of_an_instructions_objects_wakes_the_nodes_pulls():
+    """The ServerApp's Runtime push-objects calls ``object_batches.STORED`` once its items are
+    stored, which the SuperLink's long pulls hook their waker to."""
+    from flwr.proto.message_pb2 import PushObjectRequest, PushObjectResponse
+    from flwr.proto.node_pb2 import Node
+
+    from fedvlm.deploy import object_batches
+
+    calls: list[str] = []
+    handlers = SimpleNamespace(
+        push_object=lambda item, state, task: calls.append(item.object_id) or PushObjectResponse(stored=True)
+    )
+    endpoint = object_batches._runtime_endpoints()[object_batches.PUSH][0]
+    request = object_batches.requests()[1](
+        node=Node(node_id=7), items=[PushObjectRequest(node=Node(node_id=7), object_id=i) for i in "ab"]
+    )
+    object_batches.STORED.append(lambda: calls.append("woken"))
+    try:
+        assert [a.stored for a in endpoint(request, None, handlers, None)] == [True, True]
+    finally:
+        object_batches.STORED.clear()
+    assert calls == ["a", "b", "woken"]  # after the store
