@@ -85,7 +85,7 @@ def test_every_experiment_command_reads_its_seeds_one_way(command, capsys):
 def test_a_page_is_the_whole_protocol_or_its_headline_rows(capsys):
     """--docs refuses an arbitrary part (its page would stand for the whole); --headline-rows picks
     exactly the cells the verdicts read, and the page names every cell it left out."""
-    from fedvlm.experiments.protocols import headline_rows, left_out, main
+    from fedvlm.experiments.protocols import headline_cells, left_out, main
 
     with pytest.raises(SystemExit):
         main(["paper-dpfpl", "--variants", "fedotp", "--docs"])
@@ -94,8 +94,38 @@ def test_a_page_is_the_whole_protocol_or_its_headline_rows(capsys):
         main(["paper-dpfpl", "--headline-rows", "--epsilons", "0.1"])
     assert "drop --variants and --epsilons" in capsys.readouterr().err
     protocol = PROTOCOLS["paper-dpfpl"]
-    labels, epsilons = headline_rows(protocol)
-    assert labels == {"promptfl", "dpfpl-r8", "dpfpl-r8-nores", "fedpgp", "promptfl-lr0.01", "dpfpl-r8-lr0.01"}
-    assert epsilons == {"0.1"}
+    cells = headline_cells(protocol)
+    assert list(cells) == ["0.1", "0.01"]  # the protocol's order, and only the levels a headline reads
+    assert cells["0.1"] == {
+        "promptfl",
+        "dpfpl-r8",
+        "dpfpl-r8-nores",
+        "fedpgp",
+        "fedotp",
+        "promptfl-lr0.01",
+        "dpfpl-r8-lr0.01",
+    }
+    assert cells["0.01"] == {"promptfl", "dpfpl-r8", "dpfpl-r8-nores"}  # not every row at every level
     note = left_out(protocol)
-    assert "fedotp (all)" in note and all(f"epsilon {e} (all)" in note for e in ("none", "0.4", "0.01"))
+    assert all(f"epsilon {e} (all)" in note for e in ("none", "0.4"))
+    assert "fedotp, fedpgp, promptfl-lr0.01, dpfpl-r8-lr0.01 at epsilon 0.01" in note
+
+
+def test_a_part_of_the_protocol_keeps_the_rows_its_earlier_parts_made(tmp_path):
+    """Each sweep writes summary.csv with its own runs only: a call of FedOTP's seeds 3-4 once
+    left the folder's other 32 rows out of it, and with them out of the next page."""
+    from fedvlm.experiments.protocols import _calls, _keep_earlier, _summary_rows
+
+    protocol = PROTOCOLS["paper-dpfpl"]
+    path = tmp_path / "summary.csv"
+    header = "variant,method,epsilon,seed,status,local-acc\n"
+    path.write_text(header + "fedotp,fedotp,0.1,0,ok,20\npromptfl,promptfl,0.1,0,ok,23\n")
+    earlier = _summary_rows(path)
+    path.write_text("variant,method,epsilon,seed,status,local-acc,extra\nfedotp,fedotp,0.1,0,ok,21,x\n")
+    _keep_earlier(path, earlier, protocol)
+    rows = _summary_rows(path)
+    assert [(r["variant"], r["local-acc"], r["extra"]) for r in rows] == [("promptfl", "23", ""), ("fedotp", "21", "x")]
+    assert _calls({"0.1": ["a", "b"], "0.4": ["a", "b"], "0.01": ["a"]}) == [
+        (("0.1", "0.4"), ["a", "b"]),
+        (("0.01",), ["a"]),
+    ]
