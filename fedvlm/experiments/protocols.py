@@ -681,10 +681,10 @@ def main(argv: list[str] | None = None) -> int:
 def _calls(cells: dict[str, list]) -> list[tuple[tuple[str, ...], list]]:
     """One sweep per set of variants, over the privacy levels that run exactly that set (a sweep
     runs every variant at every level it is given)."""
-    calls: dict[tuple, list[str]] = {}
+    calls: dict[tuple[str, ...], tuple[list, list[str]]] = {}
     for eps, variants in cells.items():
-        calls.setdefault(tuple(variants), []).append(eps)
-    return [(tuple(epsilons), list(variants)) for variants, epsilons in calls.items()]
+        calls.setdefault(tuple(v[0] for v in variants), (variants, []))[1].append(eps)
+    return [(tuple(epsilons), variants) for variants, epsilons in calls.values()]
 
 
 def _difference(v: Verdict) -> dict:
