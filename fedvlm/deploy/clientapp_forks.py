@@ -8,8 +8,9 @@ twice per node per round (docs/results/deployment.md, 'Deployment speed: a warm 
 this patch's row in ``deploy.flower_patches``).
 
 ``pinned_app exec`` therefore starts, before Flower's SuperExec opens any connection, one fork
-server: a process that imports what a ClientApp process imports (Flower's ClientApp runtime and
-the pin check, no app code) and then waits on a pipe. The SuperExec's ``Popen`` of the ClientApp
+server: a process that imports what a ClientApp process imports (Flower's ClientApp runtime, the
+pin check, and the modules the entry's module names in its ``WARM``: this package's own ClientApp
+module, installed on the node, never a FAB's code) and then waits on a pipe. The SuperExec's ``Popen`` of the ClientApp
 command is replaced, in that one module, by a stand-in that writes the arguments to the pipe;
 the server forks, and the child runs exactly what ``fedvlm-clientapp`` runs with those arguments
 (``pinned_app.clientapp_main``, named to the server as ``module:function``) and exits with its
@@ -20,7 +21,9 @@ Why every guarantee still holds: the child runs the same code with the same argu
 process it replaces, so the pin is checked in the child against the run's FAB before any of it
 is unpacked, and the token, addresses and parent monitor are the SuperExec's own. It skips only
 the imports. The server runs no task itself and holds nothing of a run: every child starts from
-the same state, which no earlier message has touched, and shares no memory with another child
+the same state, which no earlier message has touched (a warm module's import ran no run's code:
+the FAB's copy of it is never imported, as a child's ``fedvlm.*`` import resolves through the
+node's installed ``fedvlm`` either way), and shares no memory with another child
 that either can change (fork copies on write). The server is single-threaded when it forks
 (checked before it serves: fork in a process with other threads could copy a lock held by one),
 and it is the SuperExec's child, so stopping the SuperExec's process tree stops it and the
@@ -112,8 +115,11 @@ def serve(target: str, requests: Iterable[str] | None = None) -> int:
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     import flwr.supernode.cli.flwr_clientapp  # noqa: F401 - what every ClientApp process imports
     import flwr.supernode.runtime.run_clientapp  # noqa: F401
+    import httpcore  # noqa: F401 - httpx imports it with the Runtime API client's first transport
 
     entry = _entry(target)
+    for module in getattr(sys.modules[entry.__module__], "WARM", ()):  # what every child would import again
+        importlib.import_module(module)
     del os.environ["OPENBLAS_NUM_THREADS"]
     if blas is not None:
         os.environ["OPENBLAS_NUM_THREADS"] = blas

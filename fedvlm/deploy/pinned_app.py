@@ -52,6 +52,12 @@ SERVED_ENV = "FEDVLM_SERVED_DIR"  # and where they keep the signed messages the 
 DEFAULT_SERVED = "~/.local/state/fedvlm/served"
 CLIENTAPP_COMMAND = "fedvlm-clientapp"  # pyproject [project.scripts]
 CLIENTAPP_ENTRY = "fedvlm.deploy.pinned_app:clientapp_main"  # what that script runs
+# The module of this package's ClientApp (pyproject [tool.flwr.app.components]), which every
+# ClientApp process of a pinned run loads: the fork server imports it once (clientapp_forks'
+# ``WARM``) instead of every ClientApp importing it again (0.4 s of each secure stage's 0.6 s on a
+# node here). The code that runs is the same: a child's ``fedvlm.*`` import resolves through the
+# ``fedvlm`` package the fork server imported already (this module is in it), never the FAB's copy.
+WARM = ("fedvlm.client_app.app",)
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads it (seconds, default 1)
 _SHA256 = re.compile(r"^(sha256:)?([0-9a-f]{64})$")
 
