@@ -62,11 +62,12 @@ PATCHES: tuple[Patch, ...] = (
         "fedvlm.deploy.supernode_polling",
         "flwr.supernode.start_client_internal",
         "the SuperNode loop's `time` becomes a stand-in whose sleep(3) (no message) and sleep(0.5) (a reply not "
-        "ready) sleep --idle-poll and --reply-poll seconds; its _push_messages gives a reply up after --reply-timeout",
+        "ready) sleep --idle-poll and --reply-poll seconds, the latter ended early when InMemoryNodeState."
+        "store_message stores a reply; its _push_messages gives a reply up after --reply-timeout",
         ("fedvlm/deploy/supernode_polling.py",),
         "runs unchanged, with a warning",
-        "flower-supernode options for its two waits (today 3 s and 0.5 s, hard-coded) and a bound on the wait for "
-        "a ClientApp's reply (today none)",
+        "flower-supernode options for its two waits (today 3 s and 0.5 s, hard-coded), a reply wait woken by the "
+        "reply's store, and a bound on the wait for a ClientApp's reply (today none)",
         "docs/results/deployment.md, 'Deployment speed: a warm node worker'",
     ),
     Patch(

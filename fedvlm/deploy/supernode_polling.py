@@ -18,7 +18,11 @@ This runs Flower's own SuperNode command in this process with one change: inside
 ``time`` is a stand-in whose ``sleep(3)`` sleeps ``--idle-poll`` seconds and whose ``sleep(0.5)``
 sleeps ``--reply-poll`` seconds; every other use of ``time`` there, and everything outside that
 module, is untouched. Nothing about what the node runs, accepts or sends changes, only how soon it
-looks again; the SuperLink sees one more cheap pull per node every ``--idle-poll`` seconds.
+looks again; the SuperLink sees one more cheap pull per node every ``--idle-poll`` seconds. The
+reply wait also ends as soon as a reply is stored in the node's state (``InMemoryNodeState.
+store_message``, which the ClientApp's push reaches): it looks again at once instead of up to
+``--reply-poll`` seconds later (50 ms a message on average at 0.1 s), and every ``--reply-poll``
+seconds still, whatever wakes it.
 
 The reply wait is also bounded. Flower's waits for the ClientApp's reply (and for the reply's
 parts) with no end: a task whose token another local account took (spawn mode puts it on the
@@ -44,6 +48,7 @@ import functools
 import inspect
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -77,17 +82,24 @@ class PollingClock:
 
     deadline: float | None = None
 
-    def __init__(self, idle: float, reply: float):
+    def __init__(self, idle: float, reply: float, replied: threading.Event | None = None):
         if not (0 < idle <= IDLE_WAIT and 0 < reply <= REPLY_WAIT):
             raise ValueError(
                 f"--idle-poll must be in (0, {IDLE_WAIT}] and --reply-poll in (0, {REPLY_WAIT}] seconds "
                 f"(Flower's own waits are the upper ends); got {idle} and {reply}"
             )
         self.waits = {IDLE_WAIT: idle, REPLY_WAIT: reply}
+        self.replied = replied  # set when a reply is stored (``noting_replies``)
 
     def sleep(self, seconds: float) -> None:
         if seconds == REPLY_WAIT and self.deadline is not None and time.monotonic() >= self.deadline:
             raise ReplyOverdue
+        if seconds == REPLY_WAIT and self.replied is not None:
+            # cleared after the wait and before the loop looks again: a reply stored in between is
+            # one that look finds, so no wake is lost
+            self.replied.wait(self.waits[REPLY_WAIT])
+            self.replied.clear()
+            return
         time.sleep(self.waits.get(seconds, seconds))
 
     def __getattr__(self, name: str):
@@ -106,7 +118,26 @@ def check_flower(module: ModuleType) -> str | None:
             return f"it has {source.count(call)} `{call}` (expected {count})"
     if not callable(getattr(module, "_push_messages", None)):
         return "it has no `_push_messages` (the reply wait this bounds)"
+    if "state.get_messages_legacy(is_reply=True)" not in inspect.getsource(module._push_messages):
+        return "its `_push_messages` does not look for a reply in the node's state"
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
+
+    if not callable(getattr(InMemoryNodeState, "store_message", None)):
+        return "InMemoryNodeState has no store_message (where a reply is stored)"
     return None
+
+
+def noting_replies(store: Callable, replied: threading.Event) -> Callable:
+    """``InMemoryNodeState.store_message``, setting ``replied`` after it stored a reply."""
+
+    @functools.wraps(store)
+    def stored(self, message, *args, **kwargs):
+        found = store(self, message, *args, **kwargs)
+        if message.metadata.reply_to_message_id:
+            replied.set()
+        return found
+
+    return stored
 
 
 def bound_replies(push: Callable[..., None], clock: PollingClock, timeout: float) -> Callable[..., None]:
@@ -151,7 +182,11 @@ def install(idle: float, reply: float, reply_timeout: float = 3600.0) -> bool:
         )
         return False
     flower_patches.note_version("supernode-waits")
-    clock = PollingClock(idle, reply)
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
+
+    replied = threading.Event()
+    clock = PollingClock(idle, reply, replied)
+    InMemoryNodeState.store_message = noting_replies(InMemoryNodeState.store_message, replied)  # type: ignore[method-assign]
     loop.time = clock  # type: ignore[assignment]  # a stand-in for the module
     loop._push_messages = bound_replies(loop._push_messages, clock, reply_timeout)
     return True

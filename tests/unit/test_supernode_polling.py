@@ -18,21 +18,68 @@ def test_installed_flower_is_the_loop_the_shim_knows():
     assert polling.check_flower(loop) is None
 
 
-def test_install_swaps_only_the_two_waits(monkeypatch):
+def _undone_after(monkeypatch):
+    """What ``install`` changes in Flower, put back after the test."""
     import flwr.supernode.start_client_internal as loop
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
-    monkeypatch.setattr(loop, "time", time)  # undone after the test, like the install below
+    monkeypatch.setattr(loop, "time", time)
     monkeypatch.setattr(loop, "_push_messages", loop._push_messages)
+    monkeypatch.setattr(InMemoryNodeState, "store_message", InMemoryNodeState.store_message)
+    return loop
+
+
+def test_install_swaps_only_the_two_waits(monkeypatch):
+    loop = _undone_after(monkeypatch)
     assert polling.install(0.05, 0.01)
     clock = loop.time
     assert isinstance(clock, polling.PollingClock)
     slept: list[float] = []
     monkeypatch.setattr(polling.time, "sleep", slept.append)
     clock.sleep(3)
-    clock.sleep(0.5)
+    t0 = time.monotonic()
+    clock.sleep(0.5)  # the reply wait: until a reply is stored, or --reply-poll
+    assert 0.01 <= time.monotonic() - t0 < 0.4
     clock.sleep(0.2)  # any other wait is Flower's own
-    assert slept == [0.05, 0.01, 0.2]
+    assert slept == [0.05, 0.2]
     assert clock.monotonic is time.monotonic and clock.time is time.time
+
+
+def _message(reply_to=None):
+    from flwr.app import Message, RecordDict
+
+    from fedvlm.utils.inprocess import ensure_task_identity
+
+    ensure_task_identity()
+    message = Message(RecordDict(), reply_to=reply_to) if reply_to else Message(RecordDict(), 1, "train")
+    message.metadata.__dict__["_message_id"] = message.object_id  # as Flower sets it when it sends one
+    return message
+
+
+def test_a_stored_reply_ends_the_reply_wait_at_once(monkeypatch):
+    """The ClientApp's reply, stored in Flower's own node state from another thread (the Runtime
+    API's), wakes the node's reply wait: it looks again at once, not --reply-poll later. An
+    instruction stored does not wake it."""
+    import threading
+
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supernode.nodestate import NodeStateFactory
+
+    loop = _undone_after(monkeypatch)
+    assert polling.install(0.5, 0.5)
+    state = NodeStateFactory(ObjectStoreFactory()).state()
+    instruction = _message()
+    state.store_message(instruction)
+    t0 = time.monotonic()
+    loop.time.sleep(0.5)  # an instruction stored before the wait woke nothing
+    assert time.monotonic() - t0 >= 0.45
+    threading.Timer(0.05, state.store_message, [_message(reply_to=instruction)]).start()
+    t0 = time.monotonic()
+    loop.time.sleep(0.5)
+    assert 0.04 <= time.monotonic() - t0 < 0.3
+    assert [m.metadata.reply_to_message_id for m in state.get_messages_legacy(is_reply=True)] == [
+        instruction.metadata.message_id
+    ]
 
 
 def test_a_flower_loop_that_changed_runs_unchanged(monkeypatch, caplog):
@@ -82,8 +129,7 @@ def test_a_reply_that_never_comes_is_given_up_and_the_node_pulls_again(monkeypat
     from flwr.supercore.object_store import ObjectStoreFactory
     from flwr.supernode.nodestate import NodeStateFactory
 
-    monkeypatch.setattr(loop, "time", time)  # both undone after the test
-    monkeypatch.setattr(loop, "_push_messages", loop._push_messages)
+    _undone_after(monkeypatch)
     assert polling.install(0.05, 0.01, reply_timeout=0.3)
     state = NodeStateFactory(ObjectStoreFactory()).state()  # holds no reply, and none will come
     sent: list[object] = []
