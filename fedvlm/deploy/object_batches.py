@@ -34,6 +34,10 @@ Callers (each falls back to Flower's one call per object, for good, on a 403 or 
   ``make_*_object_fn_protobuf`` return a ``Remote``, which sends a ``Batch`` through the Runtime API
   client its bound ``PullObject`` or ``PushObject`` belongs to.
 
+Flower's Fleet handler reads the run's status for every object (``check_abort``) and stores every
+object's bytes as traffic, a SQLite transaction each: the items of one request are handed a
+``RequestState``, which reads the status once per request and stores the summed traffic once.
+
 Nothing anyone stores or sends changes, only how many requests carry it. Each side is guarded
 (``check_flower``); a Flower that reads otherwise gets one request per object, with a warning.
 """
@@ -127,6 +131,49 @@ def batch_problem(request) -> str | None:
 
 
 # ---- the SuperLink -------------------------------------------------------------------------------
+class RequestState:
+    """The SuperLink's state as the Fleet handlers see it for the items of one request: a run's
+    status (``get_run_status``, which Flower's ``check_abort`` reads for every object) read once,
+    and the traffic each item records (``store_traffic``) summed and stored once, by ``flush``;
+    every other call is the state's own. What a handler decides is unchanged: the status read at
+    the request's first item is the one Flower would read a few milliseconds later at its last
+    (a run that ends during a request is refused from the next request on, as a single call after
+    the end would be), and the traffic stored is the same sum. Never used across a held pull."""
+
+    def __init__(self, state: Any):
+        self._state = state
+        self._status: dict[int, Any] = {}
+        self._traffic: dict[int, tuple[int, int]] = {}
+
+    def get_run_status(self, run_ids: set[int]) -> dict[int, Any]:
+        missing = set(run_ids) - set(self._status)
+        if missing:
+            self._status.update(self._state.get_run_status(missing))
+        return {run_id: self._status[run_id] for run_id in run_ids if run_id in self._status}
+
+    def store_traffic(self, run_id: int, *, bytes_sent: int, bytes_recv: int) -> None:
+        sent, received = self._traffic.get(run_id, (0, 0))
+        self._traffic[run_id] = (sent + bytes_sent, received + bytes_recv)
+
+    def flush(self) -> None:
+        for run_id, (sent, received) in self._traffic.items():
+            self._state.store_traffic(run_id, bytes_sent=sent, bytes_recv=received)
+        self._traffic.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+@contextlib.contextmanager
+def one_request(state: Any) -> Iterator[RequestState]:
+    """``state`` for the items of one request; their traffic stored when they are done, or fail."""
+    items = RequestState(state)
+    try:
+        yield items
+    finally:
+        items.flush()
+
+
 def pulled(request, pull_one: Callable) -> list:
     """Flower's answer to each item, in order, up to ``BATCH_BYTES`` of content."""
     answers: list[Any] = []
@@ -153,11 +200,13 @@ def _fleet_endpoints(handlers) -> dict[str, tuple[Callable, Any, Any]]:
 
     def fleet_pull_objects(request, state):
         _refuse(request)
-        return iter(pulled(request, lambda item: handlers.pull_object(request=item, state=state)))
+        with one_request(state) as items:
+            return iter(pulled(request, lambda item: handlers.pull_object(request=item, state=items)))
 
     def fleet_push_objects(request, state):
         _refuse(request)
-        return iter([handlers.push_object(request=item, state=state) for item in request.items])
+        with one_request(state) as items:
+            return iter([handlers.push_object(request=item, state=items) for item in request.items])
 
     pull, push = requests()
     return {

@@ -52,7 +52,16 @@ from typing import Any
 import httpx
 
 from fedvlm.deploy import long_pulls
-from fedvlm.deploy.object_batches import ABSENT, BATCH_BYTES, MAX_ITEMS, PREFIX, Batch, batch_problem, kinds
+from fedvlm.deploy.object_batches import (
+    ABSENT,
+    BATCH_BYTES,
+    MAX_ITEMS,
+    PREFIX,
+    Batch,
+    batch_problem,
+    kinds,
+    one_request,
+)
 
 log = logging.getLogger("fedvlm.deploy")
 
@@ -120,14 +129,17 @@ async def _objects(handlers, node, pulled, state) -> list:
     run_id = pulled.messages_list[0].metadata.run_id
     ids = [tree.object_id for tree in iterate_object_tree(pulled.message_object_trees[0])]
 
-    def pull_one(object_id: str):
-        ask = PullObjectRequest(node=node, run_id=run_id, object_id=object_id)
-        return handlers.pull_object(request=ask, state=state)
+    def walk() -> bool:  # each walk its own request's state: the run's status read afresh
+        with one_request(state) as items:
+            return _walk(ids, have, lambda object_id: handlers.pull_object(request=ask(object_id), state=items))
+
+    def ask(object_id: str):
+        return PullObjectRequest(node=node, run_id=run_id, object_id=object_id)
 
     have: dict[str, Any] = {}
     loop, wait = asyncio.get_running_loop(), FIRST_WAIT_S
     deadline = loop.time() + OBJECT_WAIT_S
-    while not await run_in_threadpool(_walk, ids, have, pull_one) and loop.time() < deadline:
+    while not await run_in_threadpool(walk) and loop.time() < deadline:
         await asyncio.sleep(wait)
         wait = min(2 * wait, MOST_WAIT_S)
     answers: list[Any] = []
@@ -154,17 +166,19 @@ def fleet_endpoints(handlers) -> dict[str, tuple[Callable, Any, Any]]:
             lambda: handlers.pull_messages(request=ask, state=state, store=state.object_store),
             lambda answer: len(answer.messages_list) > 0,
         )
-        return kinds()["PulledMessage"](pulled=pulled, objects=await _objects(handlers, request.node, pulled, state))
+        objects = await _objects(handlers, request.node, pulled, state)
+        return kinds()["PulledMessage"](pulled=pulled, objects=objects)
 
     def fleet_push_message(request, state):
         _refuse(request, pushed=True)
-        _confirm(handlers, request, state)
-        pushed = handlers.push_messages(request=request.push, state=state)
-        wanted, stored = set(pushed.objects_to_push), []
-        for item in request.items:
-            item.session_id = pushed.session_id
-            wants = item.object_id in wanted
-            stored.append(handlers.push_object(request=item, state=state) if wants else PushObjectResponse())
+        with one_request(state) as items:
+            _confirm(handlers, request, items)
+            pushed = handlers.push_messages(request=request.push, state=items)
+            wanted, stored = set(pushed.objects_to_push), []
+            for item in request.items:
+                item.session_id = pushed.session_id
+                wants = item.object_id in wanted
+                stored.append(handlers.push_object(request=item, state=items) if wants else PushObjectResponse())
         return kinds()["PushedMessage"](pushed=pushed, objects=stored)
 
     k = kinds()

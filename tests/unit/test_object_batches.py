@@ -212,3 +212,50 @@ def test_a_runtime_api_without_batches_is_asked_one_object_at_a_time(monkeypatch
     assert object_batches.runtime_pull_objects(["a", "b"], pull) == {"a": b"ca", "b": b"cb"}
     assert object_batches.runtime_pull_objects(["c"], pull) == {"c": b"cc"}
     assert client.asked[0] == "/v1/runtime/pull-objects" and sorted(client.asked[1:]) == ["a", "b", "c"]  # asked once
+
+
+class _CountingState:
+    """A LinkState's calls that Flower's Fleet object handlers make, counted."""
+
+    def __init__(self, status: str):
+        self.status, self.status_reads, self.traffic, self.stored = status, 0, [], []
+
+    def get_run_status(self, run_ids):
+        from flwr.supercore.run import RunStatus
+
+        self.status_reads += 1
+        return {run_id: RunStatus(self.status, "", "") for run_id in run_ids}
+
+    def store_object(self, run_id, session_id, object_id, content):
+        self.stored.append(object_id)
+        return True
+
+    def store_traffic(self, run_id, *, bytes_sent, bytes_recv):
+        self.traffic.append((run_id, bytes_sent, bytes_recv))
+
+
+def test_the_items_of_one_request_read_the_run_status_once_and_store_the_same_traffic():
+    """Flower's handler read the run's status and stored the traffic for every object (two SQLite
+    transactions each): through one request's state, once each, and the sums are Flower's."""
+    import flwr.superlink.servicer.fleet.fleet_handlers as handlers
+    from flwr.common.constant import Status
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from flwr.supercore.error import FlowerError
+
+    def push(state, i):
+        item = PushObjectRequest(node=Node(node_id=3), run_id=7, object_id=f"{i}", object_content=b"x" * (i + 1))
+        return handlers.push_object(request=item, state=state)
+
+    alone, batched = _CountingState(Status.RUNNING), _CountingState(Status.RUNNING)
+    for i in range(5):
+        push(alone, i)
+    with object_batches.one_request(batched) as items:
+        for i in range(5):
+            push(items, i)
+    assert (alone.status_reads, batched.status_reads) == (5, 1)
+    assert sum(t[2] for t in alone.traffic) == 15 and batched.traffic == [(7, 0, 15)]
+    assert alone.stored == batched.stored
+    finished = _CountingState(Status.PENDING)  # a run that may not take objects: refused as before
+    with pytest.raises(FlowerError), object_batches.one_request(finished) as items:
+        push(items, 0)
+    assert finished.stored == [] and finished.traffic == []
