@@ -178,11 +178,12 @@ PROTOCOLS: dict[str, Protocol] = {
             (0, 1, 2),
             10,
             _DPFPL_SETS,
-            "measured 2026-12-02 on the 2-core machine, a 100-round run's rounds: PromptFL or DP-FPL 140 to 200 s "
-            "alone (1.4 to 2 s a round, private or not; 300 to 1,100 s while another job shares the two cores), "
-            "DP-FPL without its residual 216 to 238 s, FedPGP 270 s (437 to 465 s beside a loopback deployment), "
-            "FedOTP 759 s; so the headline rows at epsilon 0.1 (6 variants) are about 25 min a seed; the other "
-            "epsilons, FedOTP's other seeds and the membership attacks are not yet run under this protocol",
+            "measured 2026-12-02 and 03 on the 2-core machine, a 100-round run's rounds: PromptFL or DP-FPL 140 to "
+            "230 s alone (1.4 to 2.3 s a round, private or not; 300 to 1,100 s while another job shares the two "
+            "cores), DP-FPL without its residual 170 to 238 s, FedPGP 270 s (437 to 465 s beside a loopback "
+            "deployment), FedOTP 620 to 760 s; so the headline rows (7 variants at epsilon 0.1, 3 at 0.01) are "
+            "about 40 min a seed, 3.2 h for five; epsilons none and 0.4 and the membership attacks are not run "
+            "under this protocol",
             (
                 Headline(
                     "DP-FPL keeps more local accuracy than PromptFL under DP (epsilon 0.1, Caltech101: 92.71 vs 80.42)",
@@ -635,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
     import time
 
-    from fedvlm.experiments import leaderboard, sweep
+    from fedvlm.experiments import leaderboard
     from fedvlm.experiments.sweep_report import read_summary
 
     p = _parser()
@@ -649,11 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--epsilons: none of {args.epsilons} is run at this scale ({', '.join(scale.epsilons)})")
     out = args.out.expanduser().resolve()
     folder, t0 = out / protocol.name, time.time()
-    earlier = _summary_rows(folder / "summary.csv")
-    for epsilons, variants in _calls(cells):
-        labelled = [a for label, method, o in variants for a in ("--variant", label, method, *leaderboard.pairs(o))]
-        sweep.main([*leaderboard.sweep_argv(folder, [], scale, epsilons), *labelled, "--set", *scale.sets])
-    _keep_earlier(folder / "summary.csv", earlier, protocol)
+    _run(protocol, cells, scale, folder)
     wanted = {(v[0], e) for e, variants in cells.items() for v in variants}
     rows = [
         {**r, "family": protocol.family}
@@ -676,6 +673,18 @@ def main(argv: list[str] | None = None) -> int:
         leaderboard.copy_to_docs(out, protocol.name)
     print((out / f"{protocol.name}.md").read_text())
     return 0
+
+
+def _run(protocol: Protocol, cells: dict[str, list], scale, folder: Path) -> None:
+    """Every cell through the sweep, one call per set of variants (finished runs reused), and
+    summary.csv left with every row of the folder's calls, these and the earlier ones."""
+    from fedvlm.experiments import leaderboard, sweep
+
+    for epsilons, variants in _calls(cells):
+        earlier = _summary_rows(folder / "summary.csv")
+        labelled = [a for label, method, o in variants for a in ("--variant", label, method, *leaderboard.pairs(o))]
+        sweep.main([*leaderboard.sweep_argv(folder, [], scale, epsilons), *labelled, "--set", *scale.sets])
+        _keep_earlier(folder / "summary.csv", earlier, protocol)
 
 
 def _calls(cells: dict[str, list]) -> list[tuple[tuple[str, ...], list]]:

@@ -129,3 +129,26 @@ def test_a_part_of_the_protocol_keeps_the_rows_its_earlier_parts_made(tmp_path):
         (("0.1", "0.4"), ["a", "b"]),
         (("0.01",), ["a"]),
     ]
+
+
+def test_every_call_of_a_headline_page_keeps_the_rows_of_the_calls_before_it(tmp_path, monkeypatch):
+    """A page's cells run as one sweep per set of variants, each writing summary.csv with its own
+    runs: the first call's rows (FedOTP's seed 0, reused there) once vanished when the second
+    call's were merged with the rows from before the first."""
+    from fedvlm.experiments import protocols, sweep
+    from fedvlm.experiments.protocols import headline_cells
+
+    def fake_sweep(argv):  # a sweep writes its own runs' rows only
+        epsilons = argv[argv.index("--epsilons") + 1].split(",")
+        labels = [argv[i + 1] for i, a in enumerate(argv) if a == "--variant"]
+        rows = [f"{v},m,{e},0,finished" for v in labels for e in epsilons]
+        (tmp_path / "summary.csv").write_text("variant,method,epsilon,seed,status\n" + "\n".join(rows) + "\n")
+        return 0
+
+    monkeypatch.setattr(sweep, "main", fake_sweep)
+    (tmp_path / "summary.csv").write_text("variant,method,epsilon,seed,status\npromptfl,m,none,0,finished\n")
+    protocol = PROTOCOLS["paper-dpfpl"]
+    cells = {e: [v for v in protocol.variants if v[0] in labels] for e, labels in headline_cells(protocol).items()}
+    protocols._run(protocol, cells, protocols.scale_of(protocol, True, (0,), False), tmp_path)
+    got = {(r["variant"], r["epsilon"]) for r in protocols._summary_rows(tmp_path / "summary.csv")}
+    assert got == {("promptfl", "none")} | {(v[0], e) for e, variants in cells.items() for v in variants}
