@@ -85,7 +85,7 @@ def _run_child(entry: Callable[[], object], argv: list[str], quiet: bool, server
     """In the forked child: ``entry`` with ``argv`` as the command line; never returns."""
     code = 1
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores its children; the app may wait on its own
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server reaps its children; the app may wait on its own
         die_with_parent(server)
         if quiet:
             null = os.open(os.devnull, os.O_WRONLY)
@@ -102,6 +102,17 @@ def _run_child(entry: Callable[[], object], argv: list[str], quiet: bool, server
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _reap(_signum: int, _frame: object) -> None:
+    """Wait for every ClientApp that has finished: none stays a zombie, and its CPU is added to
+    this server's children's, where a per-program CPU profile (bench/measure.py's ``TreeCpu``)
+    reads it; reaped by the kernel instead (SIGCHLD ignored), it was counted nowhere once gone."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:  # no child left
+        pass
 
 
 def serve(target: str, requests: Iterable[str] | None = None) -> int:
@@ -130,7 +141,7 @@ def serve(target: str, requests: Iterable[str] | None = None) -> int:
         return 3
     die_with_parent(superexec)  # and its children with it (die_with_parent in each)
     server = os.getpid()
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    signal.signal(signal.SIGCHLD, _reap)
     for line in requests if requests is not None else sys.stdin:
         request = json.loads(line)
         if os.fork() == 0:

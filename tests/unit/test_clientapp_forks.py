@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +154,39 @@ def test_the_fork_server_holds_the_clientapp_module_its_children_load():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"warm: {list(WARM)!r}"
+
+
+def test_the_server_reaps_its_children_so_their_cpu_is_counted():
+    """A finished child leaves no zombie, and its CPU time is added to the server's children's
+    (the per-program profile reads it there; ignored SIGCHLD left it counted nowhere)."""
+    import os
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fedvlm.deploy.clientapp_forks", "timeit:main"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(json.dumps({"argv": ["timeit", "-n", "5000000", "x = 1"], "quiet": False}) + "\n")
+    server.stdin.flush()
+    assert "loops" in server.stdout.readline()  # the child ran and printed its timing
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        stat = Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == server.pid]
+        if not children and int(stat[13]) + int(stat[14]) > 0:
+            break
+        time.sleep(0.1)
+    assert not children, "a finished child is still there (a zombie)"
+    assert int(stat[13]) + int(stat[14]) > 0, "the child's CPU is not among the server's children's"
+    server.stdin.close()
+    assert server.wait(timeout=60) == 0
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        return None
