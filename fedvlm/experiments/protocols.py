@@ -512,7 +512,10 @@ def _figures(protocol: Protocol, rows: list[dict]) -> list[str]:
     for figure in dict.fromkeys(h.figure for h in protocol.headlines):
         name = figure.removesuffix(LAST10)
         scale = METRICS[name].kind.scale if name in METRICS else 1.0
-        epsilons = sorted({h.epsilon for h in protocol.headlines if h.figure == figure})
+        read = {h.epsilon for h in protocol.headlines if h.figure == figure}
+        epsilons = [e for e in protocol.epsilons if e in read and any(r["epsilon"] == e for r in rows)]
+        if not epsilons:  # no row of this call at a level the figure is read at
+            continue
         out += [
             "",
             f"`{figure}` per row (mean ± std over seeds):",
