@@ -70,7 +70,7 @@ from fedvlm.runconfig import ConfigError
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
-from fedvlm.strategies.records import EVAL_ROW, TRAIN_ROW, ClientUpdate, RunOutputs
+from fedvlm.strategies.records import EVAL_ROW, TRAIN_ROW, ClientUpdate, RoundSum, RunOutputs
 from fedvlm.strategies.validation import (
     NAMES_SHOWN,
     ReplyRejected,
@@ -165,26 +165,17 @@ class FederatedStrategy(Strategy):
         adds to its record."""
         return {}
 
-    def aggregate_sums(
-        self,
-        server_round: int,
-        sums: dict[str, np.ndarray],
-        weights: dict[str, float],
-        survivors: list[int],
-        updates: list[ClientUpdate],
-    ) -> dict[str, float]:
+    def aggregate_sums(self, server_round: int, total: RoundSum, updates: list[ClientUpdate]) -> dict[str, float]:
         """``aggregate`` from a sum, where a layer around the strategy gives it one in place of the
-        updates (``strategies.secure_aggregation``: what the server learns): the sum over the
-        round's ``survivors`` (node ids) of each tensor's weighted update (returned minus sent) and
-        of its weights; ``updates``: the validated replies, metrics only. A per-tensor weighted
-        average of the returned tensors, as ``aggregate`` computes for every summing method: each
-        tensor moves by its average update; a tensor no survivor returned stays as it is."""
-        for name, total in sums.items():
-            if weights[name] > 0 and name in self.global_arrays:
+        updates (``strategies.secure_aggregation``: what the server learns); ``updates``: the
+        validated replies, metrics only. A per-tensor weighted average of the returned tensors, as
+        ``aggregate`` computes for every summing method: each tensor moves by its average update; a
+        tensor no survivor returned stays as it is."""
+        for name, summed in total.sums.items():
+            weight = total.weights[name]
+            if weight > 0 and name in self.global_arrays:
                 current = self.global_arrays[name]
-                self.global_arrays[name] = (current + total.reshape(current.shape) / weights[name]).astype(
-                    current.dtype
-                )
+                self.global_arrays[name] = (current + summed.reshape(current.shape) / weight).astype(current.dtype)
         return {}
 
     def outputs(self, rounds: list[dict]) -> RunOutputs:

@@ -24,7 +24,7 @@ import torch
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Payload
 from fedvlm.strategies.prompt import PromptStrategy
-from fedvlm.strategies.records import ClientUpdate
+from fedvlm.strategies.records import ClientUpdate, RoundSum
 from fedvlm.tensor_names import GLOBAL_CTX, GLOBAL_GRAD
 
 log = logging.getLogger(__name__)
@@ -64,13 +64,12 @@ class GlobalGradientStrategy(PromptStrategy):
         self.step(torch.from_numpy(self.mean(server_round, updates).astype(np.float32)))
         return {}
 
-    def aggregate_sums(self, server_round, sums, weights, survivors, updates):
+    def aggregate_sums(self, server_round: int, total: RoundSum, updates: list[ClientUpdate]) -> dict[str, float]:
         """``aggregate`` from the survivors' summed gradients (secure aggregation), over the same
         denominator."""
-        n = self.denominator(server_round, len(survivors))
-        self.step(
-            torch.from_numpy((sums[GLOBAL_GRAD] / n).reshape(self.global_arrays[GLOBAL_CTX].shape).astype(np.float32))
-        )
+        n = self.denominator(server_round, len(total.survivors))
+        grad = (total.sums[GLOBAL_GRAD] / n).reshape(self.global_arrays[GLOBAL_CTX].shape)
+        self.step(torch.from_numpy(grad.astype(np.float32)))
         return {}
 
     def _optimizer(self) -> torch.optim.Optimizer:

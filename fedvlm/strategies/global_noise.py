@@ -24,7 +24,7 @@ from fedvlm.metrics import GDP_DENOMINATOR, GDP_SIGMA
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.layer import Layer
-from fedvlm.strategies.records import ClientUpdate
+from fedvlm.strategies.records import ClientUpdate, RoundSum
 from fedvlm.utils.rng import ServerStream, server_key
 
 
@@ -62,11 +62,11 @@ class GlobalNoise(Layer):
         metrics = {GDP_SIGMA: sigma, GDP_DENOMINATOR: self.method.denominator(server_round, len(updates))}
         return self.train_result(parts.phase(server_round, "train"), updates, metrics)
 
-    def aggregate_sums(self, server_round, sums, weights, survivors, updates):
-        metrics = self.inner.aggregate_sums(server_round, sums, weights, survivors, updates)
+    def aggregate_sums(self, server_round: int, total: RoundSum, updates: list[ClientUpdate]) -> dict[str, float]:
+        metrics = self.inner.aggregate_sums(server_round, total, updates)
         noise = self.parts.budget.distributed_noise()
         if noise is not None:  # what the survivors' shares add up to, on the mean
-            n = self.method.denominator(server_round, len(survivors))
-            metrics = {**metrics, GDP_SIGMA: noise.gamma * noise.client_sigma * len(survivors) ** 0.5 / n}
+            n = self.method.denominator(server_round, len(total.survivors))
+            metrics = {**metrics, GDP_SIGMA: noise.gamma * noise.client_sigma * len(total.survivors) ** 0.5 / n}
             metrics[GDP_DENOMINATOR] = n
         return metrics

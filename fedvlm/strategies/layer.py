@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import PhasePlan
-from fedvlm.strategies.records import ClientUpdate, RunOutputs
+from fedvlm.strategies.records import ClientUpdate, RoundSum, RunOutputs
 
 
 class Layer:
@@ -86,15 +85,8 @@ class Layer:
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         return self.inner.aggregate_updates(server_round, updates)
 
-    def aggregate_sums(
-        self,
-        server_round: int,
-        sums: dict[str, np.ndarray],
-        weights: dict[str, float],
-        survivors: list[int],
-        updates: list[ClientUpdate],
-    ) -> dict[str, float]:
-        return self.inner.aggregate_sums(server_round, sums, weights, survivors, updates)
+    def aggregate_sums(self, server_round: int, total: RoundSum, updates: list[ClientUpdate]) -> dict[str, float]:
+        return self.inner.aggregate_sums(server_round, total, updates)
 
     def train_result(
         self, kept: PhasePlan, updates: list[ClientUpdate], metrics: dict[str, float]

@@ -29,7 +29,7 @@ from fedvlm.strategies.base import FederatedStrategy, to_arrays, to_tensors
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Payload
-from fedvlm.strategies.records import ClientUpdate, RunOutputs
+from fedvlm.strategies.records import ClientUpdate, RoundSum, RunOutputs
 from fedvlm.utils.rng import ServerStream, node_seed, numpy_rng, server_key
 
 log = logging.getLogger(__name__)
@@ -162,9 +162,9 @@ class FedRandStrategy(LoRAStrategy):
             for half in FEDRAND_CLIENTS
         }
 
-    def aggregate_sums(self, server_round, sums, weights, survivors, updates):
+    def aggregate_sums(self, server_round: int, total: RoundSum, updates: list[ClientUpdate]) -> dict[str, float]:
         """The per-tensor weighted average is the per-half one (paper eqs. 8-10); the survivors'
         halves, which the server drew, give the round's counts."""
-        super().aggregate_sums(server_round, sums, weights, survivors, updates)
-        chosen = [self.draws[server_round][self.nodes[n].name] for n in survivors if n in self.nodes]
+        super().aggregate_sums(server_round, total, updates)
+        chosen = [self.draws[server_round][self.nodes[n].name] for n in total.survivors if n in self.nodes]
         return {FEDRAND_CLIENTS[half]: chosen.count(half) for half in FEDRAND_CLIENTS}

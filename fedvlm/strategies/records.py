@@ -1,4 +1,5 @@
-"""What a round and a run leave behind: a validated reply (``ClientUpdate``), a round's record
+"""What a round and a run leave behind: a validated reply (``ClientUpdate``), the sum a layer
+gives in its place (``RoundSum``), a round's record
 (built by the loop from the round's plan, ``strategies.plan``) and what a strategy adds to the
 run folder at the end (``RunOutputs``)."""
 
@@ -40,6 +41,17 @@ class ClientUpdate:
 
     node: NodeInfo
     reply: TrainReply | EvaluateReply
+
+
+@dataclass(frozen=True)
+class RoundSum:
+    """What a layer around the strategy (``strategies.secure_aggregation``) gives it in place of a
+    round's updates: the sum over the round's ``survivors`` (node ids) of each tensor's weighted
+    update (returned minus sent), flat, and of its weights."""
+
+    sums: dict[str, np.ndarray]
+    weights: dict[str, float]
+    survivors: list[int]
 
 
 @dataclass

@@ -22,7 +22,7 @@ from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Payload
-from fedvlm.strategies.records import ClientUpdate
+from fedvlm.strategies.records import ClientUpdate, RoundSum
 
 
 class ReprogramStrategy(FederatedStrategy):
@@ -56,6 +56,6 @@ class ReprogramStrategy(FederatedStrategy):
         )
         return {}
 
-    def aggregate_sums(self, server_round, sums, weights, survivors, updates):
+    def aggregate_sums(self, server_round: int, total: RoundSum, updates: list[ClientUpdate]) -> dict[str, float]:
         self._note_accounts(updates)  # the nodes' own accounts travel as figures, beside the masked sum
-        return super().aggregate_sums(server_round, sums, weights, survivors, updates)
+        return super().aggregate_sums(server_round, total, updates)

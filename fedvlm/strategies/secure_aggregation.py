@@ -82,6 +82,6 @@ class SecureAggregation(Layer):
         for name, why in left_out.items():
             kept.drop(name, why)
         total = self.sums.total(server_round)
-        metrics = self.aggregate_sums(server_round, *total, updates) if total is not None else {}
+        metrics = self.aggregate_sums(server_round, total, updates) if total is not None else {}
         self.sums.finish(server_round)
         return self.train_result(kept, updates, metrics)

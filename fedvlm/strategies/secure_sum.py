@@ -43,7 +43,7 @@ from fedvlm.secagg.server import SecAggError, ServerRound
 from fedvlm.secagg.summand import Summand, plain_gamma
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.plan import PhasePlan
-from fedvlm.strategies.records import ClientUpdate
+from fedvlm.strategies.records import ClientUpdate, RoundSum
 
 log = logging.getLogger(__name__)
 
@@ -212,13 +212,13 @@ class SecureSum:
         secure.total = secure.summand.decode(total)
         return {}
 
-    def total(self, server_round: int) -> tuple[dict[str, np.ndarray], dict[str, float], list[int]] | None:
-        """The round's (sums, weights, by tensor, flat; the survivors' node ids), or None if it failed."""
+    def total(self, server_round: int) -> RoundSum | None:
+        """The round's sum over its survivors, or None if it failed."""
         secure = self.rounds.get(server_round)
         if secure is None or secure.total is None:
             return None
         sums, weights = secure.total
-        return sums, weights, sorted(secure.server.masked)
+        return RoundSum(sums, weights, sorted(secure.server.masked))
 
     def in_sum(self, server_round: int) -> tuple[list[ClientUpdate], dict[str, str]]:
         """The accepted train replies of the nodes whose updates are in the round's released sum
