@@ -10,7 +10,8 @@ this patch's row in ``deploy.flower_patches``).
 ``pinned_app exec`` therefore starts, before Flower's SuperExec opens any connection, one fork
 server: a process that imports what a ClientApp process imports (Flower's ClientApp runtime, the
 pin check, and the modules the entry's module names in its ``WARM``: this package's own ClientApp
-module, installed on the node, never a FAB's code) and then waits on a pipe. The SuperExec's ``Popen`` of the ClientApp
+module, installed on the node, never a FAB's code), runs its ``prepare`` (what each child would
+compute again with the same answer) and then waits on a pipe. The SuperExec's ``Popen`` of the ClientApp
 command is replaced, in that one module, by a stand-in that writes the arguments to the pipe;
 the server forks, and the child runs exactly what ``fedvlm-clientapp`` runs with those arguments
 (``pinned_app.clientapp_main``, named to the server as ``module:function``) and exits with its
@@ -129,8 +130,10 @@ def serve(target: str, requests: Iterable[str] | None = None) -> int:
     import httpcore  # noqa: F401 - httpx imports it with the Runtime API client's first transport
 
     entry = _entry(target)
-    for module in getattr(sys.modules[entry.__module__], "WARM", ()):  # what every child would import again
+    home = sys.modules[entry.__module__]
+    for module in getattr(home, "WARM", ()):  # what every child would import again
         importlib.import_module(module)
+    getattr(home, "prepare", lambda: None)()  # what every child would compute again
     del os.environ["OPENBLAS_NUM_THREADS"]
     if blas is not None:
         os.environ["OPENBLAS_NUM_THREADS"] = blas

@@ -137,7 +137,9 @@ def test_a_forked_child_dies_with_its_fork_server():
 def test_the_fork_server_holds_the_clientapp_module_its_children_load():
     """Flower's ``load_app`` imports the ClientApp's module in every child unless it is in
     ``sys.modules`` already: 0.4 s of a 0.6 s secure stage on a node before the server imported it.
-    The server imports it (and stays single-threaded: it serves), so every child starts with it."""
+    The server imports it (and stays single-threaded: it serves), so every child starts with it;
+    it also answers the pin's check of Flower and the source digest once, for every child
+    (``pinned_app.prepare``: a third of a child's CPU before)."""
     from pathlib import Path
 
     import tomllib
@@ -149,11 +151,13 @@ def test_the_fork_server_holds_the_clientapp_module_its_children_load():
     code = (
         "import sys; from fedvlm.deploy import clientapp_forks as f; "
         f"assert f.serve({CLIENTAPP_ENTRY!r}, []) == 0; "
-        f"print('warm:', [m for m in {WARM!r} if m in sys.modules])"
+        f"print('warm:', [m for m in {WARM!r} if m in sys.modules]); "
+        "from fedvlm.deploy.pinned_app import check_flower; from fedvlm.client_app import worker; "
+        "print('prepared:', check_flower.cache_info().currsize, len(worker._DIGEST))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"warm: {list(WARM)!r}"
+    assert done.stdout.strip().splitlines() == [f"warm: {list(WARM)!r}", "prepared: 1 1"]
 
 
 def test_the_server_reaps_its_children_so_their_cpu_is_counted():
