@@ -27,6 +27,7 @@ as it would be proposed; when Flower ships one, the patch goes and its row with 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ class Patch:
     def guard(self) -> str | None:
         """Why the installed Flower is not the one this patch changes (None: it is)."""
         check: Callable[..., str | None] = importlib.import_module(self.module).check_flower
-        if check.__code__.co_argcount == 0:
+        if inspect.unwrap(check).__code__.co_argcount == 0:  # unwrapped: a guard may keep its answer (functools.cache)
             return check()
         return check(importlib.import_module(self.flower))
 
@@ -296,6 +297,13 @@ def note_version(patch: str) -> None:
             TESTED_WITH,
             flwr.__version__,
         )
+
+
+def lacking(owner: object, *names: str) -> str | None:
+    """A guard's first question: which of ``names`` ``owner`` (a Flower module or class) does not
+    have as a callable, said as "<owner> has no <names>" (None: it has them all)."""
+    missing = [n for n in names if not callable(getattr(owner, n, None))]
+    return f"{getattr(owner, '__name__', owner)} has no {', '.join(missing)}" if missing else None
 
 
 def applies(name: str) -> bool:

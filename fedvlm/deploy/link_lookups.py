@@ -29,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from fedvlm.deploy.flower_patches import lacking
+
 log = logging.getLogger("fedvlm.deploy")
 
 SWEEP_EVERY_S = 1.0
@@ -47,12 +49,9 @@ def check_flower() -> str | None:
         link, core = _states()
     except ImportError as err:
         return f"it does not have {err.name}"
-    for cls, name in ((link, "get_node_id_by_public_key"), (link, "create_node"), (link, "delete_node")):
-        if not callable(getattr(cls, name, None)):
-            return f"{cls.__name__} has no {name}"
-    if not callable(getattr(core, "_cleanup_expired_task_tokens", None)) or not issubclass(link, core):
-        return "SqlCoreState has no _cleanup_expired_task_tokens under SqlLinkState"
-    return None
+    why = lacking(link, "get_node_id_by_public_key", "create_node", "delete_node")
+    why = why or lacking(core, "_cleanup_expired_task_tokens")
+    return why or (None if issubclass(link, core) else "SqlLinkState is no longer a SqlCoreState")
 
 
 def _database(state) -> str:

@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fedvlm.deploy import flower_patches
+
 log = logging.getLogger("fedvlm.deploy")
 
 HOLD_S = 5.0  # how long an empty pull is held (a stopping SuperLink waits for one at most this)
@@ -226,9 +228,7 @@ def check_look(name: str) -> str | None:
         return f"its router has no sync POST {look.path} handler"
     if tuple(inspect.signature(handler).parameters) != look.params:
         return f"its {look.path} handler takes other parameters than {look.params}"
-    if any(not callable(getattr(cls, look.stores, None)) for cls in states):
-        return f"a state has no {look.stores}"
-    return None
+    return next(filter(None, (flower_patches.lacking(cls, look.stores) for cls in states)), None)
 
 
 def check_flower(module) -> str | None:
@@ -277,7 +277,6 @@ def install(hold: float = HOLD_S) -> bool:
         raise ValueError(f"--pull-hold must be 0 (answer at once) or more seconds; got {hold}")
     if hold == 0:
         return False
-    from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("long-pulls"):
         return False
@@ -292,7 +291,6 @@ def install(hold: float = HOLD_S) -> bool:
 def install_tasks(hold: float = TASK_HOLD_S) -> bool:
     """Hold a SuperExec's empty looks for a task in this process's SuperNode (before it builds its
     Runtime API); False, with a warning, when Flower's look is not the one this holds."""
-    from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("held-task-looks"):
         return False

@@ -52,6 +52,8 @@ from typing import Annotated, Any
 
 import httpx
 
+from fedvlm.deploy import flower_patches
+
 log = logging.getLogger("fedvlm.deploy")
 
 BATCH_BYTES = 4 << 20  # content per request: a pull's answer stops past it, a push request is packed up to it
@@ -270,8 +272,8 @@ def check_server() -> str | None:
         return f"its Fleet router is not at {PREFIX} with a LinkStateDependency"
     if runtime.router.prefix != RUNTIME:
         return f"its Runtime router is not at {RUNTIME}"
-    if not all(callable(getattr(handlers, f, None)) for f in ("pull_object", "push_object")):
-        return "its Fleet handlers have no pull_object and push_object"
+    if why := flower_patches.lacking(handlers, "pull_object", "push_object"):
+        return why
     if not all(hasattr(depends, d) for d in ("RuntimeHandlersDependency", "RuntimeStateDependency", "TaskDependency")):
         return "its Runtime API has other dependencies than a state, its handlers and the task"
     if not isinstance(getattr(translation, "PROTOBUF_REQUEST_TYPES", None), dict):
@@ -294,8 +296,6 @@ def serve(fleet_api: bool = True) -> bool:
     Runtime APIs; a SuperNode, ``fleet_api=False``: on its Runtime API, for its ClientApps), before
     it builds its app; False, with a warning, where Flower's routers are not the ones this extends."""
     from flwr.supercore.dependencies import runtime as depends
-
-    from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("object-batches-served"):
         return False
@@ -519,9 +519,8 @@ def check_supernode() -> str | None:
         from flwr.supernode import start_client_internal as sci
     except ImportError as err:
         return f"it does not have {err.name}"
-    missing = [n for n in NODE_NAMES if not callable(getattr(sci, n, None))]
-    if missing:
-        return f"its SuperNode has no {', '.join(missing)}"
+    if why := flower_patches.lacking(sci, *NODE_NAMES):
+        return why
     source = inspect.getsource(sci)
     if "pull_object_fn=lambda obj_id: pull_object(run_id, obj_id)" not in source:
         return "its SuperNode no longer pulls a message's objects through pull_object(run_id, obj_id)"
@@ -542,7 +541,6 @@ def check_flower(module) -> str | None:
 def install() -> bool:
     """This SuperNode process sends a message's objects in batches; False, with a warning, where
     Flower's SuperNode does not read as this expects."""
-    from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("object-batches-sent"):
         return False
@@ -679,8 +677,6 @@ def install_clients() -> bool:
     """This process's Runtime API calls (a deployed ServerApp's grid, a ClientApp's runtime) send
     a message's objects in batches; False, with a warning, where Flower's do not read as expected."""
     import importlib
-
-    from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("object-batches-runtime"):
         return False

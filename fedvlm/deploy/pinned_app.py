@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import log_beside_flower, object_batches, task_reaping
+from fedvlm.deploy import flower_patches, log_beside_flower, object_batches, task_reaping
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 SERVER_KEYS_ENV = "FEDVLM_SERVER_KEYS"  # and the ServerApp keys whose signatures they accept
@@ -178,8 +178,8 @@ def check_flower() -> str | None:
     run = inspect.getsource(runtime.run_clientapp)
     if "pull_task_input(client)" not in run or "install_from_fab(" not in run:
         return "run_clientapp no longer pulls and unpacks through pull_task_input and install_from_fab"
-    if not all(callable(getattr(runtime, f, None)) for f in ("install_from_fab", "pull_task_input")):
-        return "run_clientapp's module has no install_from_fab or pull_task_input"
+    if why := flower_patches.lacking(runtime, "install_from_fab", "pull_task_input"):
+        return why
     if constant.TaskType.CLIENT_APP not in constant.TASK_TYPE_TO_COMMAND:
         return "the SuperExec's command table has no ClientApp"
     if not issubclass(AutoExecPlugin, BaseExecPlugin) or "self.supported_task_types" not in inspect.getsource(

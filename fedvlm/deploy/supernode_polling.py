@@ -116,15 +116,13 @@ def check_flower(module: ModuleType) -> str | None:
     for call, count in FLOWER_SLEEPS.items():
         if source.count(call) != count:
             return f"it has {source.count(call)} `{call}` (expected {count})"
-    if not callable(getattr(module, "_push_messages", None)):
-        return "it has no `_push_messages` (the reply wait this bounds)"
+    if why := flower_patches.lacking(module, "_push_messages"):  # the reply wait this bounds
+        return why
     if "state.get_messages_legacy(is_reply=True)" not in inspect.getsource(module._push_messages):
         return "its `_push_messages` does not look for a reply in the node's state"
     from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
-    if not callable(getattr(InMemoryNodeState, "store_message", None)):
-        return "InMemoryNodeState has no store_message (where a reply is stored)"
-    return None
+    return flower_patches.lacking(InMemoryNodeState, "store_message")  # where a reply is stored
 
 
 def noting_replies(store: Callable, replied: threading.Event) -> Callable:

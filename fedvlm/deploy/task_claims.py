@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
+from fedvlm.deploy.flower_patches import lacking
+
 log = logging.getLogger("fedvlm.deploy")
 
 START_WINDOW_S, MAX_STARTS = 300.0, 3
@@ -50,9 +52,8 @@ def check_flower() -> str | None:
         from flwr.supercore.state.schema.corestate_models import Task as TaskModel
     except ImportError as err:
         return f"it does not have {err.name}"
-    for cls in (memory, sql):
-        if not callable(getattr(cls, "claim_task", None)) or not callable(getattr(cls, "finish_task", None)):
-            return f"{cls.__name__} has no claim_task/finish_task"
+    if why := lacking(memory, "claim_task", "finish_task") or lacking(sql, "claim_task", "finish_task"):
+        return why
     if not hasattr(TaskModel, "active_until") or not hasattr(TaskModel, "token") or not hasattr(SubStatus, "FAILED"):
         return "its task table has no active_until/token"
     return None

@@ -33,13 +33,11 @@ def check_flower() -> str | None:
     from flwr.supercore.superexec import run_superexec
     from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 
-    if not callable(getattr(subprocess, "_cleanup", None)):
-        return "this Python's subprocess has no _cleanup"
+    if why := flower_patches.lacking(subprocess, "_cleanup"):
+        return why
     if "executor.reconcile()" not in inspect.getsource(run_superexec.run_superexec):
         return "the SuperExec's task loop no longer calls its executor's reconcile"
-    if not callable(getattr(SubprocessExecutor, "reconcile", None)):
-        return "its subprocess executor has no reconcile"
-    return None
+    return flower_patches.lacking(SubprocessExecutor, "reconcile")
 
 
 def reaping(reconcile: Callable[..., None]) -> Callable[..., None]:

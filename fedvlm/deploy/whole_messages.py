@@ -51,7 +51,7 @@ from typing import Any
 
 import httpx
 
-from fedvlm.deploy import long_pulls
+from fedvlm.deploy import flower_patches, long_pulls
 from fedvlm.deploy.object_batches import (
     ABSENT,
     BATCH_BYTES,
@@ -360,9 +360,7 @@ def check_flower(module) -> str | None:
     if module.__name__ != "flwr.supernode.start_client_internal":
         why = object_batches.check_server()
         handlers = ("pull_messages", "push_messages", "confirm_message_received")
-        if why is None and not all(callable(getattr(object_batches.server_parts()[1], h, None)) for h in handlers):
-            why = f"its Fleet handlers are not all of {', '.join(handlers)}"
-        return why
+        return why or flower_patches.lacking(object_batches.server_parts()[1], *handlers)
     why = object_batches.check_supernode()
     needed = (
         "(recv := receive()) is None",
@@ -390,7 +388,6 @@ def install() -> bool:
     """This SuperNode's connection sends a message with its objects (after
     ``object_batches.install``, whose connection it extends); False, with a warning, where Flower's
     SuperNode does not read as this expects."""
-    from fedvlm.deploy import flower_patches
 
     if not flower_patches.applies("whole-messages-sent"):
         return False
