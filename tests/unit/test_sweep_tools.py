@@ -120,6 +120,9 @@ def test_attacks_with_intervals_get_their_table_and_tpr_plot(tmp_path):
     plot_attacks(rows, tmp_path)
     assert (tmp_path / "attack_tpr_vs_epsilon.png").stat().st_size > 0
     assert attack_row({"shokri": {"auc": 0.6}}) == {}  # point estimates without intervals are not rows
+    stale = {"auc": {"value": 0.49, "ci95": [0.47, 0.52]}}  # a report from before figures had their chance
+    with pytest.raises(ValueError, match="before each attack figure carried its chance level: run it again"):
+        attack_row({"lira-offline": stale})
 
 
 def test_an_attack_point_is_the_mean_over_its_targets_seeds():
