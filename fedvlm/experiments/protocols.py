@@ -445,7 +445,8 @@ PROTOCOLS.update(
                 10,
                 ("class-split=base-to-novel",),
                 "measured 2026-12-02 on the 2-core machine: 8 min for the 21 runs of the seven methods at three seeds "
-                "(0.1 h of rounds), 2 min for the DP-FPL and FedPGP -matched rows; FedOTP's -matched not yet run",
+                "(0.1 h of rounds), 2 min for the DP-FPL and FedPGP -matched rows; FedOTP's -matched rows 1 to 8 min "
+                "each on 2026-12-03 (most of it other jobs' load)",
             ),
             *(
                 _standard(
@@ -455,7 +456,8 @@ PROTOCOLS.update(
                     ("partitioner=dirichlet", f"dirichlet-alpha={alpha:g}"),
                     f"measured 2026-12-02 on the 2-core machine: {minutes} min for the 21 runs of the seven methods at "
                     "three seeds (pFedMoAP's the longest, 2 to 6 min each; other jobs shared the cores at times), 4 to "
-                    "11 min for the DP-FPL and FedPGP -matched rows; FedOTP's -matched not yet run",
+                    "11 min for the DP-FPL and FedPGP -matched rows; FedOTP's -matched rows 1 to 7 min each on "
+                    "2026-12-03 (most of it other jobs' load)",
                 )
                 for alpha, minutes in ((0.1, 25), (0.5, 18), (1.0, 13))
             ),
