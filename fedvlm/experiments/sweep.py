@@ -49,7 +49,7 @@ from fedvlm.attacks import NoAttackApplies
 from fedvlm.attacks.reports import GLOBAL, MAXRENYI, MIA
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.errors import PublicError
-from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
+from fedvlm.experiments.attack_report import attack_row, plot_attacks, predates_chance, write_attack_table
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
 from fedvlm.experiments.sweep_report import (
     LAST10,
@@ -439,6 +439,9 @@ class Sweep:
                 log.warning("%s holds a run of another config (%s)", name, "; ".join(differ))
                 set_aside(run_dir, "other-config")
                 reused, prior, fresh = None, None, True
+            elif reused is not None and self.args.mia and self.old_attacks(method, run_dir):
+                set_aside(run_dir, "old-attacks")  # its attacks need the run again: kept beside it, run afresh
+                reused, prior, fresh = None, None, True
             data = (
                 reused
                 if reused is not None
@@ -462,6 +465,12 @@ class Sweep:
             "[%d/%d] %s: %s%s (%.0fs; %s)", i, len(self.plan), name, utility_line(row), mia, time.time() - t0, progress
         )
         return self.report()
+
+    @staticmethod
+    def old_attacks(method: str, run_dir: Path) -> bool:
+        """Whether the finished run's attack report predates the figures' chance levels."""
+        read = get_method(method).family.reported_attacks
+        return read is not None and predates_chance(read(run_dir))
 
     def attack(self, run_dir: Path, method: str, row: dict) -> None:
         spec = get_method(method)

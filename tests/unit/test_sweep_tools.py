@@ -3,6 +3,8 @@ tests/integration/test_sweep.py for one)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -166,3 +168,22 @@ def test_the_utility_plot_leaves_out_a_seed_that_finished_no_round(tmp_path):
     ]
     plot(rows, tmp_path, ["none", "1"])
     assert (tmp_path / "accuracy_vs_epsilon.png").stat().st_size > 0
+
+
+def test_a_finished_run_whose_attack_report_predates_chance_levels_is_run_again(tmp_path):
+    """The board's published runs keep no prompts, so a report written before each figure carried
+    its chance level cannot be attacked afresh: the sweep runs such a run again (``Sweep.old_attacks``
+    decides; the run is then set aside like a run of another config), and keeps a current one."""
+    from fedvlm.attacks.likelihood import bootstrap
+    from fedvlm.attacks.reports import MIA
+    from fedvlm.experiments.sweep import Sweep
+
+    member = np.r_[np.ones(100, bool), np.zeros(100, bool)]
+    current = bootstrap(np.random.default_rng(0).normal(0, 1, 200), member)
+    old = {m: {k: v for k, v in f.items() if k != "chance"} if isinstance(f, dict) else f for m, f in current.items()}
+    for name, pooled in (("current", current), ("old", old)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / MIA).write_text(json.dumps({"summary": {"lira-offline": {"auc": 0.5, "pooled": pooled}}}))
+    assert Sweep.old_attacks("promptfl", tmp_path / "old")
+    assert not Sweep.old_attacks("promptfl", tmp_path / "current")
+    assert not Sweep.old_attacks("promptfl", tmp_path / "never-attacked")  # no report: attacked as usual
