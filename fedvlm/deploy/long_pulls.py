@@ -277,7 +277,6 @@ def install(hold: float = HOLD_S) -> bool:
         raise ValueError(f"--pull-hold must be 0 (answer at once) or more seconds; got {hold}")
     if hold == 0:
         return False
-
     if not flower_patches.applies("long-pulls"):
         return False
     from fedvlm.deploy import object_batches
@@ -291,7 +290,6 @@ def install(hold: float = HOLD_S) -> bool:
 def install_tasks(hold: float = TASK_HOLD_S) -> bool:
     """Hold a SuperExec's empty looks for a task in this process's SuperNode (before it builds its
     Runtime API); False, with a warning, when Flower's look is not the one this holds."""
-
     if not flower_patches.applies("held-task-looks"):
         return False
     hold_look("tasks", hold)

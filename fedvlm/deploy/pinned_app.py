@@ -194,7 +194,9 @@ def prepare() -> None:
     the fork server before it forks (``clientapp_forks``): the check of Flower's runtime (it reads
     Flower's source, and imports the SuperExec's plugins) and the digest of this package's source
     the node worker compares (it reads every file). A child runs the code the server holds, so
-    both answers are the child's own; they cost a third of a forked ClientApp's CPU."""
+    both answers are the child's own; they cost a third of a forked ClientApp's CPU. The pin still
+    fails closed: a server whose Flower fails the check exits before its first fork, and the
+    SuperExec's ClientApps then start as new processes, each of which checks and refuses."""
     from fedvlm.client_app.worker import code_digest
 
     _require_flower()

@@ -33,14 +33,14 @@ def attack_row(pooled_by_attack: dict[str, dict]) -> dict:
     """Flat row fields of every attack whose pooled metrics carry intervals."""
     row: dict = {}
     for name, pooled in pooled_by_attack.items():
+        if predates_chance({name: pooled}):
+            raise ValueError(
+                f"its {name} report was written before each attack figure carried its chance level: run it "
+                "again to attack it under this code (move its folder away; a finished run is reused)"
+            )
         for metric in METRICS:
             if metric in pooled and isinstance(pooled[metric], dict):
                 figure = pooled[metric]
-                if predates_chance({name: {metric: figure}}):
-                    raise ValueError(
-                        f"its {name} report was written before each attack figure carried its chance level: run it "
-                        "again to attack it under this code (move its folder away; a finished run is reused)"
-                    )
                 low, high = figure["ci95"]
                 found = {"value": figure["value"], "low": low, "high": high, "chance": figure["chance"]}
                 row.update({f"mia-{name}-{metric}{ENDS[k]}": v for k, v in found.items()})
