@@ -29,6 +29,7 @@ from fedvlm.methods.validation import validate
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import ClientShape
+from fedvlm.spec import spec_of
 
 # what this fedvlm writes results.json with; an earlier one encoded the whole file every write
 _files = importlib.import_module("fedvlm.utils.files")
@@ -71,10 +72,10 @@ def measure(n: int, rounds: int) -> dict:
     t = time.perf_counter()
     budget = RunBudget.planned(
         cfg.privacy,
-        PrivacyLedger(cfg.privacy, cfg.spec.name),
+        PrivacyLedger(cfg.privacy, spec_of(cfg).name),
         cfg.num_server_rounds,
-        cfg.spec.local_dp(cfg),
-        cfg.spec.global_dp(cfg, charged),
+        spec_of(cfg).local_dp(cfg),
+        spec_of(cfg).global_dp(cfg, charged),
         shapes,
         dict.fromkeys(shapes, "os"),
     )

@@ -43,14 +43,16 @@ from flwr.common.serde import message_from_proto, context_from_proto
 from flwr.proto.message_pb2 import Message as M, Context as C
 from fedvlm.client_app.handlers import handle
 from fedvlm.methods.validation import validate
+from fedvlm.spec import spec_of
 t_import = time.perf_counter()
 m, c = M(), C()
 m.ParseFromString(open(sys.argv[1], "rb").read()); c.ParseFromString(open(sys.argv[2], "rb").read())
 msg, ctx = message_from_proto(m), context_from_proto(c)
 cfg = validate(ctx.run_config)
-node = cfg.spec.family.node_data(cfg, dict(ctx.node_config))
+spec = spec_of(cfg)
+node = spec.family.node_data(cfg, dict(ctx.node_config))
 t_data = time.perf_counter()
-client = cfg.spec.client(cfg, node, ctx.state, 1)  # loads the backbone
+client = spec.client(cfg, node, ctx.state, 1)  # loads the backbone
 t_model = time.perf_counter()
 client.hello()  # the node's image features, from the disk cache
 t_features = time.perf_counter()

@@ -187,3 +187,15 @@ class MethodSpec:
     @property
     def supports_dp(self) -> bool:
         return self.local_dp is not None
+
+
+def spec_of(cfg: RunConfig) -> MethodSpec:
+    """The run's method (``RunConfig.spec``), typed. The config holds it opaque because it sits
+    below this module; a config carrying anything else is refused here, not read blind."""
+    spec = cfg.spec
+    if not isinstance(spec, MethodSpec):
+        raise TypeError(
+            f"this run config carries a {type(spec).__name__} where its method's MethodSpec belongs; "
+            "build run configs with fedvlm.methods.validation.validate"
+        )
+    return spec

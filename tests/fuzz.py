@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fedvlm.protocol import EVALUATE_CONFIG, EVALUATION, REPLY_KEYS  # noqa: E402
+from fedvlm.spec import spec_of  # noqa: E402
 from fedvlm.utils.runtime import in_process_node  # noqa: E402
 from tests.regression import CASES  # noqa: E402
 
@@ -310,11 +311,11 @@ def fuzz(method: str, cache_dir: Path, out_dir: Path, **overrides) -> dict[str, 
     corruptions = {
         f"z-{c}": c
         for c, (_, needs_tensor, _) in TRAIN.items()
-        if cfg.spec.trains and (replies_tensors or not needs_tensor)
+        if spec_of(cfg).trains and (replies_tensors or not needs_tensor)
     }
     corruptions.update({f"z-{c}": c for c in EVALUATE})
     # a late joiner joins in a later round: a method that does not train runs one round
-    corruptions.update({f"z-{c}": c for c in HELLO if cfg.spec.trains or not c.startswith("late-")})
+    corruptions.update({f"z-{c}": c for c in HELLO if spec_of(cfg).trains or not c.startswith("late-")})
     names = ["a0", "a1", *corruptions]
     forger = Forger(corruptions)
     nodes = [{"partition-id": i, "num-partitions": len(names), "name": n} for i, n in enumerate(names)]

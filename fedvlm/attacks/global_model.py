@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from fedvlm.attacks.likelihood import bootstrap
 from fedvlm.attacks.reports import ATTACKED, GLOBAL, global_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
+from fedvlm.spec import spec_of
 from fedvlm.strategies.records import TRAIN_ROW
 from fedvlm.utils.files import UnreadableFile, atomic_write_json, load_saved, read_results
 
@@ -80,7 +81,8 @@ def run_attack(run_dir: Path) -> dict:
     if not nodes:
         raise ValueError(f"{run_dir}: no simulated node trained in this run, so there is no member to look for")
     shared = dict(load_saved(run_dir / "final_shared.pt", "run the attack on a finished run")["arrays"])
-    family = cfg.spec.family
+    spec = spec_of(cfg)
+    family = spec.family
     datas = [
         family.node_data(cfg, {PARTITION_ID: int(n["partition_id"]), NUM_PARTITIONS: int(n["num_partitions"])})
         for n in nodes
@@ -88,13 +90,13 @@ def run_attack(run_dir: Path) -> dict:
     splits = datas[0].splits  # one dataset split over the simulated nodes
     members = np.unique(np.concatenate([d.part.train for d in datas]))
     nonmembers = np.arange(len(splits.test))
-    initial = initial_model(cfg, splits.n_classes)
-    final = initial_model(cfg, splits.n_classes)
+    initial = initial_model(cfg, spec.model_kind, splits.n_classes)
+    final = initial_model(cfg, spec.model_kind, splits.n_classes)
     params = dict(final.named_parameters())
     with torch.no_grad():
         for k, v in shared.items():
             params[k].copy_(torch.as_tensor(v, dtype=params[k].dtype))
-    size = input_size(cfg.spec.model_kind, source_model(cfg), cfg.reprogram.image_size)
+    size = input_size(spec.model_kind, source_model(cfg), cfg.reprogram.image_size)
     loss = {
         (split, which): record_losses(model, source, rows, size)
         for split, source, rows in (("in", splits.train, members), ("out", splits.test, nonmembers))

@@ -55,6 +55,7 @@ from fedvlm.attacks.likelihood import bootstrap, rmia
 from fedvlm.attacks.reports import ATTACKED, HEADLINE, MAXRENYI, maxrenyi_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.server_app.observer import FOLDER as UPLOADS
+from fedvlm.spec import spec_of
 from fedvlm.utils.files import UnreadableFile, atomic_write_json, load_saved, read_results
 
 log = logging.getLogger(__name__)
@@ -224,12 +225,12 @@ def run_maxrenyi(run_dir: Path, samples: int = 300, clients: int = 0, seed: int 
     run_dir = Path(run_dir)
     data = read_results(run_dir, ATTACKED)
     cfg = validate(data["config"])
-    spec = cfg.spec
+    spec = spec_of(cfg)
     if not spec.adapter:
         raise ValueError(
             f"MaxRényi attacks the VLM methods; run {run_dir} used {spec.name!r} (use `python -m fedvlm.attacks`)"
         )
-    vlm, initial, _ = load_vlm(cfg)
+    vlm, initial, _ = load_vlm(cfg, spec.adapter)
     shared = dict(load_saved(run_dir / "final_shared.pt", "run the attack on a finished run")["arrays"])
     nodes = [n for n in data["run"]["nodes"] if n["partition_id"] >= 0]
     num = len(nodes)

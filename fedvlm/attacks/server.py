@@ -55,6 +55,7 @@ from fedvlm.models.clip_loader import load_clip
 from fedvlm.protocol import SECAGG_MASKED
 from fedvlm.runconfig import RunConfig
 from fedvlm.server_app.observer import load_rounds
+from fedvlm.spec import spec_of
 
 ATTACKS = ("server-alignment", "server-decomposition", "server-lira-offline", "server-lira-online")
 
@@ -101,7 +102,7 @@ class PromptModel:
         if pid not in self._candidates:
             node = node_data(self.cfg, {PARTITION_ID: pid, NUM_PARTITIONS: self.n})
             if self.scorer is None:
-                client = self.cfg.spec.client
+                client = spec_of(self.cfg).client
                 assert issubclass(client, PromptClient)  # a prompt method's run (ServerAttack picks this model)
                 self.scorer = client.scorer_class(self.bundle, node.splits.classnames, self.cfg)
             members, non_members = membership_candidates(node.part, self.seed, pid)
@@ -134,7 +135,7 @@ class AdapterModel:
 
         self.cfg, self.n, self.seed, self.samples = cfg, num_partitions, seed, samples
         self.node_data = vlm_node_data
-        self.vlm, self.initial, _ = load_vlm(cfg)
+        self.vlm, self.initial, _ = load_vlm(cfg, spec_of(cfg).adapter)
         self.vlm.model.eval()  # no adapter dropout: the server's gradients are deterministic
         self._records: dict[int, list[tuple]] = {}
         self._member: dict[int, np.ndarray] = {}
@@ -181,17 +182,15 @@ class ServerAttack:
     """Scores a run's candidates (the target's, whichever federation's uploads are read)."""
 
     def __init__(self, cfg: RunConfig, num_partitions: int, seed: int, samples: int = 100):
-        self.cfg = cfg
-        client = cfg.spec.client
+        self.cfg, spec = cfg, spec_of(cfg)
+        client = spec.client
         if not isinstance(client, Observed):
             raise ValueError(
-                f"the server's attack reads prompt and LoRA uploads; {cfg.spec.name}'s client says no view of them"
+                f"the server's attack reads prompt and LoRA uploads; {spec.name}'s client says no view of them"
             )
         self.client: Observed = client
         self.model: PromptModel | AdapterModel = (
-            AdapterModel(cfg, num_partitions, seed, samples)
-            if cfg.spec.adapter
-            else PromptModel(cfg, num_partitions, seed)
+            AdapterModel(cfg, num_partitions, seed, samples) if spec.adapter else PromptModel(cfg, num_partitions, seed)
         )
 
     def member(self, pid: int) -> np.ndarray:

@@ -35,7 +35,7 @@ from fedvlm.privacy.planner import ClientShape, client_plan
 from fedvlm.protocol import TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
-from fedvlm.spec import NodeClient
+from fedvlm.spec import NodeClient, spec_of
 from fedvlm.utils.rng import NodeStream, node_key
 
 
@@ -68,7 +68,7 @@ class Client(NodeClient):
         the node (``finish_round``), and the node's state committed."""
         n = self.training_records()
         self.check_request(arrays, instruction)
-        shape, sigma = client_plan(self.cfg, self.records(n), instruction)
+        shape, sigma = client_plan(self.cfg, spec_of(self.cfg).local_dp, self.records(n), instruction)
         session = self.begin_round(arrays, instruction)
         with self.loop_context():
             stats = local_round(session, shape, self.step_privacy(), sigma, self.rng(), self.noise(), self.canaries)

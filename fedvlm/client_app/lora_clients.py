@@ -38,6 +38,7 @@ from fedvlm.models.vlm import load_adapter_state, load_vlm, trainable
 from fedvlm.privacy.canaries import Canaries
 from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
+from fedvlm.spec import spec_of
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 from fedvlm.utils.vlm_metrics import score_split
 
@@ -50,8 +51,9 @@ class LoRAClient(Client):
 
     def __init__(self, cfg: RunConfig, node: VLMNodeData, state, server_round: int, canaries: Canaries | None = None):
         super().__init__(cfg, node, state, server_round, canaries)
-        self.vlm, self.initial, self.backbone = load_vlm(cfg)
-        self.shareable = sorted(cfg.spec.shares(cfg, self.initial))  # every tensor it may ever send
+        spec = spec_of(cfg)
+        self.vlm, self.initial, self.backbone = load_vlm(cfg, spec.adapter)
+        self.shareable = sorted(spec.shares(cfg, self.initial))  # every tensor it may ever send
 
     # --- what is shared ------------------------------------------------------------------------
     @property

@@ -48,7 +48,7 @@ from fedvlm.protocol import (
     TrainInstruction,
 )
 from fedvlm.runconfig import RunConfig
-from fedvlm.spec import MethodSpec, NodeClient
+from fedvlm.spec import MethodSpec, NodeClient, spec_of
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +68,8 @@ class NodeMessage:
         check_node_config(context.node_config)  # the node's own settings, before anything of the run
         # a real node decides for itself what it loads and where it writes (client_app.node_policy)
         cfg = for_node(validate(context.run_config), dict(context.node_config))
-        return cls(context, cfg, cfg.spec, cfg.spec.family.node_data(cfg, dict(context.node_config)))
+        spec = spec_of(cfg)
+        return cls(context, cfg, spec, spec.family.node_data(cfg, dict(context.node_config)))
 
     def _client(self, config: Mapping[str, Any], training: bool) -> tuple[NodeClient, Path | None]:
         """The method's client for the round ``config`` names, on the node's state as that round

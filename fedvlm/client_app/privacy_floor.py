@@ -71,6 +71,7 @@ from fedvlm.privacy.mechanisms import NOISE_SOURCE
 from fedvlm.privacy.planner import ClientShape, LocalDP, NoiseRefused, local_plan
 from fedvlm.protocol import TrainInstruction
 from fedvlm.runconfig import ConfigError, RunConfig
+from fedvlm.spec import spec_of
 from fedvlm.utils.files import atomic_write_json, file_lock
 
 
@@ -279,7 +280,7 @@ def check_source(floor: NodeFloor | None, noise_source: str) -> None:
 def _covered(floor: NodeFloor, cfg: RunConfig) -> LocalDP:
     """The run's local mechanism; refused where its noise bounds nothing the server sees (the
     module docstring)."""
-    settings, spec = cfg.privacy, cfg.spec
+    settings, spec = cfg.privacy, spec_of(cfg)
     if not settings.enabled or spec.local_dp is None:
         raise NoiseRefused(f"this run trains without privacy (no local noise), which {_limit(floor)} does not allow")
     local = spec.local_dp(cfg)
@@ -296,7 +297,7 @@ def local_release(cfg: RunConfig, shape: ClientShape, sigma: float | None) -> tu
     """What a round at ``sigma`` releases under the node's local noise, as the accountant reads it,
     and in words; None where that noise covers nothing that leaves the node (no privacy, no local
     mechanism, an upload the local noise does not cover, no noise level)."""
-    settings, spec = cfg.privacy, cfg.spec
+    settings, spec = cfg.privacy, spec_of(cfg)
     if not settings.enabled or spec.local_dp is None:
         return None
     local = spec.local_dp(cfg)
@@ -327,7 +328,7 @@ def hello_check(node: NodeData, state: RecordDict, cfg: RunConfig, num_train: in
         return
     check_source(floor, node.noise_source)
     local = _covered(floor, cfg)
-    shape = cfg.spec.family.local_shape(cfg, num_train)
+    shape = spec_of(cfg).family.local_shape(cfg, num_train)
     try:
         check_delta(floor.delta, num_train, "this node's", f"lower its node config {DELTA}")
         sigma = local_plan(cfg.privacy, local, shape, cfg.num_server_rounds).sigma

@@ -36,6 +36,7 @@ from fedvlm.privacy.dpsgd import DPStep, privatize_batch
 from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
 from fedvlm.runconfig.schema import PrivacyConfig
+from fedvlm.spec import spec_of
 from fedvlm.tensor_names import CTX
 from fedvlm.utils.runtime import simulated
 
@@ -180,7 +181,7 @@ class PromptClient(Client):
     def noised_once(self) -> bool:
         """Whether the method's local mechanism is placed on the round's whole update rather than
         on every step (``LocalDP.per_participation``, e.g. pFedMoAP's ``dp-placement='upload'``)."""
-        local = self.cfg.spec.local_dp
+        local = spec_of(self.cfg).local_dp
         return self.privacy.enabled and local is not None and local(self.cfg).per_participation
 
     def step_privacy(self) -> PrivacyConfig:

@@ -45,6 +45,7 @@ from fedvlm.privacy.canaries import Canaries
 from fedvlm.privacy.dpsgd import NodeAccountant
 from fedvlm.protocol import EvaluateInstruction, EvaluateReply, HelloReport, TrainInstruction, TrainReply
 from fedvlm.runconfig import RunConfig
+from fedvlm.spec import spec_of
 
 _IMAGES: dict[tuple, torch.Tensor] = {}
 CACHE_LIMIT_BYTES = 512 * 2**20  # keep a split's resized images in memory below this size
@@ -65,8 +66,8 @@ class ReprogramClient(Client):
         super().__init__(cfg, node, state, server_round, canaries)
         self.device = resolve_device(cfg.device)
         self.source = source_model(cfg)
-        self.kind = cfg.spec.model_kind
-        self.model = initial_model(cfg, node.splits.n_classes).to(self.device)
+        self.kind = spec_of(cfg).model_kind
+        self.model = initial_model(cfg, self.kind, node.splits.n_classes).to(self.device)
         self.size = input_size(self.kind, self.source, cfg.reprogram.image_size)
         self.settings = cfg.privacy
 

@@ -73,6 +73,7 @@ from fedvlm.secagg import stages
 from fedvlm.secagg.masks import wire_dtype
 from fedvlm.secagg.node import NodeRound, SecAggRefused
 from fedvlm.secagg.roster import Identity, Roster, RosterError
+from fedvlm.spec import spec_of
 
 if TYPE_CHECKING:
     from fedvlm.privacy.distributed import Uniforms
@@ -259,7 +260,7 @@ def check_share(cfg: RunConfig, instruction: TrainInstruction, plan: stages.SumP
     from fedvlm.privacy.planner import ClientShape, NoiseRefused, record_account
     from fedvlm.secagg.summand import Summand
 
-    settings, spec = cfg.privacy, cfg.spec
+    settings, spec = cfg.privacy, spec_of(cfg)
     if not (settings.enabled and spec.global_dp):
         return
     noise = Summand(plan).noise

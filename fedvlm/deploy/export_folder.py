@@ -28,6 +28,7 @@ from fedvlm.client_app.vlm_node import vlm_node_data
 from fedvlm.data.vlm_data import FOLDER_FILE, FOLDER_LABELS
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError, parse_value
+from fedvlm.spec import spec_of
 
 
 def export_vlm_partitions(cfg, out: Path, num_partitions: int) -> list[Path]:
@@ -70,7 +71,7 @@ def export_partitions(out: Path, num_partitions: int, overrides: dict | None = N
             "of two exports would hold two partitions' records"
         )
     cfg = validate(dict(overrides or {}))
-    if cfg.spec.family.image_text:
+    if spec_of(cfg).family.image_text:
         return export_vlm_partitions(cfg, out, num_partitions)
     written = []
     for pid in range(num_partitions):

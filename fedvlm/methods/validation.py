@@ -24,7 +24,7 @@ from fedvlm.runconfig import (
     finish,
     resolve_derived,
 )
-from fedvlm.spec import Family, shares_nothing
+from fedvlm.spec import Family, shares_nothing, spec_of
 
 # what 'auto' means for a key no method decided: full local epochs (PromptFL's and CoOp's setting)
 _UNDECIDED = {"prompt.local-steps": 0}
@@ -108,8 +108,9 @@ def _check_audit(cfg: RunConfig) -> None:
             f"run config 'privacy.audit-canaries' = {m} audits a DP mechanism but privacy is off; set "
             "privacy.epsilon or privacy.noise-multiplier, or privacy.audit-canaries=0"
         )
-    assert cfg.spec.local_dp is not None  # privacy on: validate refused methods without a mechanism
-    local = cfg.spec.local_dp(cfg)
+    mechanism = spec_of(cfg).local_dp
+    assert mechanism is not None  # privacy on: validate refused methods without a mechanism
+    local = mechanism(cfg)
     if local.per_participation:
         raise ConfigError(
             f"run config 'privacy.audit-canaries' = {m}: the {local.name} mechanism noises each round's whole "
@@ -122,7 +123,7 @@ def _check_secure(cfg: RunConfig) -> None:
     """Secure aggregation needs a method whose server aggregates sums of uploads, a bound each node
     clips its own update to where no DP clip bounds it, and, with distributed noise, an accountant
     that composes its zCDP bound (``privacy.distributed``)."""
-    settings, spec = cfg.secure_aggregation, cfg.spec
+    settings, spec = cfg.secure_aggregation, spec_of(cfg)
     if not settings.enabled:
         return
     why = spec.individual_uploads or (
@@ -161,7 +162,7 @@ def _check_rank(cfg: RunConfig) -> None:
     """A low-rank prompt's rank (the method's ``rank_key``) is at most its M context tokens (with a
     ``prompt.ctx-init`` phrase M is its token count, known once tokenised:
     ``models.lowrank.factorize`` checks)."""
-    key = cfg.spec.rank_key
+    key = spec_of(cfg).rank_key
     rank = cfg.as_dict()[key]
     if not cfg.prompt.ctx_init and rank > cfg.prompt.n_ctx:
         raise ConfigError(

@@ -39,6 +39,7 @@ from torch import nn
 
 from fedvlm.models import embedded_resnet
 from fedvlm.models.clip_loader import _hub_reachable
+from fedvlm.runconfig import RunConfig
 from fedvlm.utils.files import UnreadableFile, load_saved
 
 log = logging.getLogger(__name__)
@@ -289,7 +290,8 @@ def source_model(cfg) -> SourceModel:
     return cached_source(cfg.reprogram.source_model, cfg.reprogram.source_weights, cfg.cache_path)
 
 
-def initial_model(cfg, num_classes: int) -> nn.Module:
-    """The run's method's model (its ``model_kind``), with the run's seeded initial values: the
-    server sends these to every client in round 1, so every process builds the same ones."""
-    return build_model(cfg.spec.model_kind, source_model(cfg), num_classes, cfg.reprogram.image_size, cfg.seed)
+def initial_model(cfg: RunConfig, kind: str, num_classes: int) -> nn.Module:
+    """The run's model of ``kind`` (its method's ``MethodSpec.model_kind``), with the run's seeded
+    initial values: the server sends these to every client in round 1, so every process builds
+    the same ones."""
+    return build_model(kind, source_model(cfg), num_classes, cfg.reprogram.image_size, cfg.seed)

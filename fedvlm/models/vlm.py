@@ -151,12 +151,10 @@ class AdapterSpec:
     lm_pattern: str = DEFAULT_LM_PATTERN
 
     @classmethod
-    def from_config(cls, cfg) -> AdapterSpec:
-        """The run's adapter: the method's kind, the ``lora.*`` keys."""
+    def from_config(cls, cfg: RunConfig, kind: str) -> AdapterSpec:
+        """The run's adapter: its method's kind (``MethodSpec.adapter``), the ``lora.*`` keys."""
         targets = tuple(t.strip() for t in cfg.lora.target_modules.split(",") if t.strip())
-        return cls(
-            cfg.spec.adapter, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, targets, cfg.vlm.language_model_pattern
-        )
+        return cls(kind, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, targets, cfg.vlm.language_model_pattern)
 
 
 def add_adapter(model: torch.nn.Module, spec: AdapterSpec, seed: int) -> torch.nn.Module:
@@ -251,12 +249,12 @@ def resolve_device(name: str) -> torch.device:
     return clip_device(name)
 
 
-def load_vlm(cfg: RunConfig, device: str = "") -> tuple[VLM, dict[str, torch.Tensor], str]:
-    """The run's frozen VLM with its adapter (``vlm.*``, ``AdapterSpec.from_config``), the
+def load_vlm(cfg: RunConfig, adapter_kind: str, device: str = "") -> tuple[VLM, dict[str, torch.Tensor], str]:
+    """The run's frozen VLM with its method's adapter (``vlm.*``, ``AdapterSpec.from_config``), the
     adapter's initial values (seeded: every process gets the same) and the base model's
     fingerprint, on ``device`` (default: the run's). Cached per process: simulated nodes that
     share a worker share the model and load their own adapter values before each use."""
-    adapter, name = AdapterSpec.from_config(cfg), cfg.vlm.model
+    adapter, name = AdapterSpec.from_config(cfg, adapter_kind), cfg.vlm.model
     dev = resolve_device(device or cfg.device)
     key = (name, str(cfg.cache_path), adapter, cfg.seed, str(dev), cfg.vlm.trust_remote_code, cfg.vlm.dtype)
     if key not in _LOADED:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fedvlm.plots.curves import title
+from fedvlm.spec import spec_of
 
 FILE, COUNTS = "partition.png", "partition.json"
 LEGEND_UP_TO = 20  # labels: stacked bars with a legend up to this many, beyond it the matrix (rows named)
@@ -48,7 +49,7 @@ def count_labels(data: dict) -> dict | None:
     n, nodes = found
     out: dict = {"names": [], "nodes": {}}
     for name, pid in nodes:
-        counts = cfg.spec.family.node_data(cfg, {PARTITION_ID: pid, NUM_PARTITIONS: n}).label_counts()
+        counts = spec_of(cfg).family.node_data(cfg, {PARTITION_ID: pid, NUM_PARTITIONS: n}).label_counts()
         out["names"] = counts.names
         out["nodes"][name] = {"partition_id": pid, "train": counts.train.tolist(), "test": counts.test.tolist()}
     return out

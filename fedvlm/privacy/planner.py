@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedvlm.errors import PublicError
@@ -487,11 +488,14 @@ class PrivacyPlanner:
         return max((r["planned_epsilon"] for r in self.ledger.records.values()), default=0.0)
 
 
-def client_plan(cfg: RunConfig, n_train: int, instruction: TrainInstruction) -> tuple[ClientShape, float]:
+def client_plan(
+    cfg: RunConfig, local_dp: Callable[[RunConfig], LocalDP] | None, n_train: int, instruction: TrainInstruction
+) -> tuple[ClientShape, float]:
     """What a client executes this round: the server's plan (steps, batch size) and the std of its
-    local-DP noise (0 without privacy). Refused when the plan is missing, was made for another
-    record count than this node holds, or carries less noise than the node's own plan for that
-    shape needs (``required_local_sigma``)."""
+    local-DP noise (0 without privacy) under its method's mechanism (``MethodSpec.local_dp``).
+    Refused when the plan is missing, was made for another record count than this node holds, or
+    carries less noise than the node's own plan for that shape needs (``required_local_sigma``);
+    with privacy on and no mechanism, refused rather than trained without noise."""
     if instruction.local_steps < 1 or instruction.batch_size < 1:
         raise NoiseRefused(
             f"the server's train message carries no plan ({LOCAL_STEPS} = {instruction.local_steps}, "
@@ -507,5 +511,6 @@ def client_plan(cfg: RunConfig, n_train: int, instruction: TrainInstruction) -> 
     settings = cfg.privacy
     if not settings.enabled:
         return shape, 0.0
-    local = cfg.spec.local_dp(cfg)
-    return shape, required_local_sigma(settings, local, shape, cfg.num_server_rounds, instruction.local_sigma)
+    if local_dp is None:
+        raise NoiseRefused("privacy is on but this method has no local-DP mechanism; refusing to train without noise")
+    return shape, required_local_sigma(settings, local_dp(cfg), shape, cfg.num_server_rounds, instruction.local_sigma)

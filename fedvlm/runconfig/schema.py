@@ -694,13 +694,13 @@ class RunConfig:
     replies: RepliesConfig = field(kw_only=True)
     secure_aggregation: SecureAggregationConfig = field(kw_only=True)
     tracking: TrackingConfig = field(kw_only=True)
-    # the method's registry entry, a spec.MethodSpec. Typed Any: spec.py types against this
-    # module, and even a type-only import back would make the one import cycle the layering
-    # test forbids (tests/unit/test_imports.py); callers that need its fields import MethodSpec
-    spec: Any = field(kw_only=True, compare=False, repr=False)
+    # the method's registry entry, a ``spec.MethodSpec``. The config sits below the spec (the layer
+    # map, tests/unit/test_layers.py), so it cannot name that type and holds it opaque: as
+    # ``object`` no caller reads a field of it unchecked; ``spec.spec_of`` is the one typed door
+    spec: object = field(kw_only=True, compare=False, repr=False)
 
     @classmethod
-    def from_flat(cls, values: dict[str, Any], spec: Any) -> RunConfig:
+    def from_flat(cls, values: dict[str, Any], spec: object) -> RunConfig:
         """The typed config of resolved flat values; a numeric key still 'auto' is a registry bug."""
         unresolved = [k.name for k in KEYS if k.auto and values[k.name] == AUTO]
         if unresolved:

@@ -19,6 +19,7 @@ from fedvlm.server_app.loop import RoundHooks, run_rounds
 from fedvlm.server_app.results import RunRecorder, make_run_dir, summary_table
 from fedvlm.server_app.resume import clear_refused, hold_run_dir, note_refused, resume_point
 from fedvlm.server_app.tracking import Trackers
+from fedvlm.spec import spec_of
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.layers import wrap
 from fedvlm.strategies.parts import RunParts
@@ -41,7 +42,7 @@ def _setup_logging() -> None:
 
 def _run_info(cfg: RunConfig, backbone, run_id: int | str) -> dict:
     """results.json's ``run`` section of a new run: the method, Flower, the backbone it loaded."""
-    spec = cfg.spec
+    spec = spec_of(cfg)
     return {
         "method": spec.name,
         "family": spec.family.name,
@@ -57,7 +58,7 @@ def _run_info(cfg: RunConfig, backbone, run_id: int | str) -> dict:
 def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     """Run a validated config on a grid (Flower's, or an in-process one) and write the run
     folder; returns the recorder holding everything that was written."""
-    spec = cfg.spec
+    spec = spec_of(cfg)
     try:
         point = resume_point(cfg)
         held = hold_run_dir(point.run_dir) if point is not None else None

@@ -35,6 +35,7 @@ from fedvlm.server_app.observer import record_round
 from fedvlm.server_app.post import Post
 from fedvlm.server_app.results import RunRecorder, progress_line
 from fedvlm.server_app.resume import ResumePoint, charge_abandoned, save_checkpoint, save_inflight
+from fedvlm.spec import spec_of
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.records import RoundRecord, RunOutputs, with_evaluation
 
@@ -312,7 +313,7 @@ def run_rounds(
     for rnd in range(resume.round + 1 if resume else 1, total + 1):
         run.started[rnd] = t0 = time.time()
         strategy.admit(grid)
-        train, note = _train_messages(strategy, run, rnd, arrays) if cfg.spec.trains else ([], "")
+        train, note = _train_messages(strategy, run, rnd, arrays) if spec_of(cfg).trains else ([], "")
         if note:  # the budget's stop
             rnd -= 1
             break

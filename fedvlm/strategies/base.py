@@ -67,6 +67,7 @@ from fedvlm.protocol import (
     TrainInstruction,
 )
 from fedvlm.runconfig import ConfigError
+from fedvlm.spec import spec_of
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
@@ -106,7 +107,7 @@ class FederatedStrategy(Strategy):
     def __init__(self, parts: RunParts):
         self.parts = parts  # the run's parts, which the loop owns (strategies.parts)
         self.cfg = parts.cfg
-        self.spec = parts.cfg.spec
+        self.spec = spec_of(parts.cfg)
         self.privacy = parts.cfg.privacy
 
     # the run's parts, as the hooks read them

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fedvlm.runconfig import RunConfig
+from fedvlm.spec import spec_of
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.global_noise import GlobalNoise
 from fedvlm.strategies.layer import Layer
@@ -17,7 +18,7 @@ from fedvlm.strategies.reply_bound import BoundedReplies
 from fedvlm.strategies.secure_aggregation import SecureAggregation
 
 LAYERS: tuple[tuple[Callable[[RunConfig], bool], type[Layer]], ...] = (
-    (lambda cfg: cfg.privacy.enabled and cfg.spec.global_dp is not None, GlobalNoise),
+    (lambda cfg: cfg.privacy.enabled and spec_of(cfg).global_dp is not None, GlobalNoise),
     (lambda cfg: True, BoundedReplies),  # every update, whatever else the run has
     (lambda cfg: cfg.secure_aggregation.enabled, SecureAggregation),
 )

@@ -42,7 +42,7 @@ class LoRAStrategy(FederatedStrategy):
     def __init__(self, parts: RunParts):
         super().__init__(parts)
         cfg = parts.cfg
-        _, initial, fp = load_vlm(cfg, "cpu")
+        _, initial, fp = load_vlm(cfg, self.spec.adapter, "cpu")
         self.registry.server_fingerprint = fp
         self.adapter_initial = {k: v.numpy() for k, v in initial.items()}
         self.shared_names = sorted(self.spec.shares(cfg, initial))

@@ -23,6 +23,7 @@ from fedvlm.metrics import LOCAL_N, NEIGHBOR_N, NOVEL_N, NUM_EXAMPLES
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.protocol import CONFIG_RECORD, SERVER_ROUND
 from fedvlm.runconfig import RunConfig
+from fedvlm.spec import spec_of
 from fedvlm.strategies.validation import ReplyRejected, bounded, check_hello
 from fedvlm.utils.rng import ServerStream, numpy_rng, server_key
 from fedvlm.utils.runtime import simulated_grid
@@ -163,7 +164,7 @@ class NodeRegistry:
                 "load the same weights"
             )
         # a VLM node's split label only describes its data (nothing trains on it): classes need not agree
-        if known is not None and not self.cfg.spec.family.image_text:
+        if known is not None and not spec_of(self.cfg).family.image_text:
             why = self._class_mismatch(node, known)
             if why:
                 return why

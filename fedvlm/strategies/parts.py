@@ -19,6 +19,7 @@ from fedvlm.privacy.budget import NoBudget, RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger
 from fedvlm.privacy.planner import Distributed
 from fedvlm.runconfig import RunConfig
+from fedvlm.spec import spec_of
 from fedvlm.strategies.nodes import NodeRegistry
 from fedvlm.strategies.plan import PhasePlan, RoundPlan
 
@@ -41,7 +42,7 @@ class RunParts:
 
     @classmethod
     def of(cls, cfg: RunConfig) -> RunParts:
-        ledger = PrivacyLedger(cfg.privacy, cfg.spec.name)
+        ledger = PrivacyLedger(cfg.privacy, spec_of(cfg).name)
         return cls(cfg, ledger, NodeRegistry(cfg, ledger))
 
     def phase(self, server_round: int, phase: str) -> PhasePlan:

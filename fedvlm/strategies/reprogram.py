@@ -35,7 +35,7 @@ class ReprogramStrategy(FederatedStrategy):
 
     def initial_arrays(self) -> dict[str, np.ndarray]:
         if self._initial is None:
-            model = initial_model(self.cfg, self.num_classes())
+            model = initial_model(self.cfg, self.spec.model_kind, self.num_classes())
             self._initial = {k: v.numpy().copy() for k, v in trainable_state(model).items()}
         return {k: v.copy() for k, v in self._initial.items()}
 

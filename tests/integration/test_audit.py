@@ -17,6 +17,7 @@ from fedvlm.methods.validation import validate
 from fedvlm.metrics import STEPS
 from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import execute
+from fedvlm.spec import spec_of
 from fedvlm.utils.inprocess import InProcessGrid
 
 # few records per node (4 per class) and 25 local steps: each canary is sampled several times
@@ -107,7 +108,7 @@ def _audited_case(name: str, cache, tmp_path) -> tuple[dict, object]:
 
 def _check_audited(data: dict, cfg) -> None:
     section = data["audit"]
-    assert section["mechanism"] == cfg.spec.local_dp(cfg).name
+    assert section["mechanism"] == spec_of(cfg).local_dp(cfg).name
     node = section["nodes"]["client-0"]
     steps = [r["clients"].get("client-0", {}).get(f"train/{STEPS}") for r in data["rounds"]]
     assert any(steps) and node["private_steps"] == sum(s for s in steps if s)  # every private step scored

@@ -13,6 +13,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.state import PRIVATE
 from fedvlm.protocol import EvaluateInstruction
+from fedvlm.spec import spec_of
 from fedvlm.tensor_names import CTX, GLOBAL_CTX
 
 NODE = {"partition-id": 0, "num-partitions": 2}
@@ -50,8 +51,8 @@ def test_evaluate_only_evaluates_and_the_handler_commits_and_publishes(method, m
 
     # the client alone, at its first contact: figures, and nothing kept or written
     state = RecordDict()
-    node = cfg.spec.family.node_data(cfg, dict(NODE))
-    client = cfg.spec.client(cfg, node, state, 1, None)
+    node = spec_of(cfg).family.node_data(cfg, dict(NODE))
+    client = spec_of(cfg).client(cfg, node, state, 1, None)
     reply = client.evaluate({SENT[method]: torch.from_numpy(ctx)}, instruction)
     assert reply.num_examples > 0 and 0.0 <= reply.metrics["local-acc"] <= 1.0
     assert _same(_snapshot(state), {}), "evaluate wrote the node's state"

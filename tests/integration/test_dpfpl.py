@@ -10,6 +10,7 @@ import fedvlm.privacy.budget as budget
 from fedvlm.client_app.app import app as client_app
 from fedvlm.privacy.accounting import BudgetError
 from fedvlm.server_app.app import execute
+from fedvlm.spec import spec_of
 from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -50,7 +51,7 @@ def test_private_parts_never_leave_and_server_noise_is_drawn_once_per_round(make
 
 def test_server_noise_std_matches_the_ledger(make_cfg, pretrained_clip):
     cfg = make_cfg(method="dpfpl", privacy__epsilon=0.05, dpfpl__server_lr=1.0)
-    spec = cfg.spec
+    spec = spec_of(cfg)
     strategy = spec.strategy(RunParts.of(cfg))
     from fedvlm.metrics import NUM_EXAMPLES
     from fedvlm.protocol import TrainReply

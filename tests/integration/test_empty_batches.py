@@ -13,6 +13,7 @@ import pytest
 from fedvlm.client_app import trainer
 from fedvlm.client_app.app import app as client_app
 from fedvlm.server_app.app import execute
+from fedvlm.spec import spec_of
 from fedvlm.tensor_names import GLOBAL_GRAD
 from fedvlm.utils.inprocess import InProcessGrid
 from tests.neighbours import one_record_batches
@@ -24,7 +25,9 @@ def _round(cfg, world: str) -> tuple[dict, dict[int, np.ndarray]]:
     """One round on two nodes (sizes 3:1). Partition 0's one local step samples its record 0
     alone (``world`` 'in') or nothing ('out'); the other node samples as usual. Returns the
     round's record and each node's uploaded global-prompt gradient, by node id."""
-    sizes = [len(cfg.spec.family.node_data(cfg, {"partition-id": i, "num-partitions": 2}).part.train) for i in (0, 1)]
+    sizes = [
+        len(spec_of(cfg).family.node_data(cfg, {"partition-id": i, "num-partitions": 2}).part.train) for i in (0, 1)
+    ]
     honest, batches = trainer.batches, one_record_batches(world, sizes[0], sizes[1:])
     uploads: dict[int, np.ndarray] = {}
 

@@ -14,6 +14,7 @@ from fedvlm.metrics import FEDRAND_CLIENTS
 from fedvlm.models.adapter_parts import lora_half
 from fedvlm.protocol import LOCAL_SIGMA, REPLY_KEYS, SERVER_ROUND, TrainInstruction
 from fedvlm.server_app.app import execute
+from fedvlm.spec import spec_of
 from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -228,7 +229,7 @@ def test_no_attack_is_scored_on_a_fedpara_model_the_server_cannot_rebuild(vlm_ca
 
     _, recorder = _run(_raw(vlm_cache, tmp_path, "fedpara-lora", **{"num-server-rounds": 2}))
     cfg = validate(recorder.data["config"])
-    _, initial, _ = load_vlm(cfg)
+    _, initial, _ = load_vlm(cfg, spec_of(cfg).adapter)
     w2_b = {k: v for k, v in initial.items() if ".hada_w2_b" in k}
     assert w2_b and all(not torch.as_tensor(v).any() for v in w2_b.values())  # the product's zero factor
     rebuilt = dict(load_saved(recorder.dir / "final_shared.pt", "test")["arrays"])

@@ -16,6 +16,7 @@ from fedvlm.client_app.app import app as client_app
 from fedvlm.protocol import SERVER_ROUND
 from fedvlm.server_app.app import execute
 from fedvlm.server_app.exchange import Exchanger
+from fedvlm.spec import spec_of
 from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -188,7 +189,7 @@ def test_a_restarted_nodes_answer_outweighs_the_superlinks_error_for_its_lost_co
     from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan
 
     cfg = make_cfg(method="promptfl")
-    strategy = cfg.spec.strategy(RunParts.of(cfg))
+    strategy = spec_of(cfg).strategy(RunParts.of(cfg))
     strategy.registry.nodes = {7: NodeInfo(7, "org-7", -1, 64, 24, 0, "x", 40)}
     ctx = np.zeros((4, 8), np.float32)
     copies = []

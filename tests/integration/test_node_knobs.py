@@ -26,6 +26,7 @@ from fedvlm.client_app import prompt_clients, trainer
 from fedvlm.client_app.app import app as client_app
 from fedvlm.privacy.planner import local_plan
 from fedvlm.protocol import SERVER_ROUND, TrainInstruction
+from fedvlm.spec import spec_of
 
 LIMIT, NODE_DELTA = 3.0, 1e-5
 NODE = {"partition-id": 0, "num-partitions": 2, "max-epsilon": LIMIT, "delta": NODE_DELTA}  # + its state-dir
@@ -121,9 +122,9 @@ class HostileServer:
         """The node's reply metrics, or the reason it refused (its exception, which Flower would
         send back as the error reply)."""
         cfg = self.cfg
-        shape = cfg.spec.family.local_shape(cfg, self.n_train)
+        shape = spec_of(cfg).family.local_shape(cfg, self.n_train)
         sigma = (
-            local_plan(cfg.privacy, cfg.spec.local_dp(cfg), shape, cfg.num_server_rounds).sigma
+            local_plan(cfg.privacy, spec_of(cfg).local_dp(cfg), shape, cfg.num_server_rounds).sigma
             if cfg.privacy.enabled
             else None
         )
@@ -220,7 +221,7 @@ def test_the_recorder_sees_every_release(make_cfg, pretrained_clip, monkeypatch,
     assert server.hello() is None
     assert isinstance(server.train(1), dict)
     (only,) = recorder.releases
-    shape = cfg.spec.family.local_shape(cfg, server.n_train)
+    shape = spec_of(cfg).family.local_shape(cfg, server.n_train)
     assert only.sampling_rate == pytest.approx(shape.batch_size / server.n_train)
     assert only.sensitivity == pytest.approx(cfg.privacy.clip / shape.batch_size)
     assert only.sigma > 0

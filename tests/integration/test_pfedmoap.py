@@ -12,6 +12,7 @@ from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.state import PRIVATE
 from fedvlm.protocol import SERVER_ROUND
 from fedvlm.server_app.app import execute
+from fedvlm.spec import spec_of
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.pfedmoap import nearest
@@ -129,12 +130,12 @@ def test_aggregate_is_the_weighted_mean_and_a_dropped_reply_keeps_the_old_pool_e
 
 def test_random_selection_is_seeded_and_differs_per_node_and_round(make_cfg, pretrained_clip):
     cfg = make_cfg(method="pfedmoap", pfedmoap__k=3, pfedmoap__selection="random")
-    strategy = cfg.spec.strategy(RunParts.of(cfg))
+    strategy = spec_of(cfg).strategy(RunParts.of(cfg))
     nodes = [NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(8)]
     pool = {n.name: np.full((2, 2), i, np.float32) for i, n in enumerate(nodes)}
     draws = {(n.name, r): tuple(strategy.experts(n, pool, r)) for n in nodes for r in (1, 2, 3)}
     assert all(len(d) == 3 and name not in d for (name, _), d in draws.items())
-    again = cfg.spec.strategy(RunParts.of(cfg))
+    again = spec_of(cfg).strategy(RunParts.of(cfg))
     assert draws == {(n.name, r): tuple(again.experts(n, pool, r)) for n in nodes for r in (1, 2, 3)}
     assert len({d for (name, _), d in draws.items() if name == "c0"}) > 1  # per round
     assert len({d for (_, r), d in draws.items() if r == 1}) > 1  # per node
@@ -144,7 +145,7 @@ def test_k_bounds_what_a_node_receives_not_how_many_nodes_receive_a_prompt(make_
     """docs/privacy.md's threat model: one prompt can be every other node's nearest (here the centre of
     the pool), so with K = 1 it reaches all of them in one round."""
     cfg = make_cfg(method="pfedmoap", pfedmoap__k=1)
-    strategy = cfg.spec.strategy(RunParts.of(cfg))
+    strategy = spec_of(cfg).strategy(RunParts.of(cfg))
     nodes = [NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(5)]
     axes = np.eye(4, dtype=np.float32).reshape(4, 2, 2)  # c0, c1, c3, c4 on four axes, c2 at the centre
     pool = {n.name: (np.zeros((2, 2), np.float32) if i == 2 else axes[i - (i > 2)]) for i, n in enumerate(nodes)}
@@ -161,7 +162,7 @@ def test_config_errors_name_the_key(make_cfg):
         make_cfg(method="pfedmoap", pfedmoap__k=-1)
     cfg = make_cfg(method="pfedmoap", pfedmoap__gating_dim=96, pfedmoap__gating_heads=8)
     with pytest.raises(ConfigError, match="must divide the embedding dimension"):
-        cfg.spec.strategy(RunParts.of(cfg))
+        spec_of(cfg).strategy(RunParts.of(cfg))
 
 
 def _dp_run(make_cfg, placement: str, **extra):

@@ -17,6 +17,7 @@ from fedvlm.privacy.budget import RunBudget
 from fedvlm.protocol import SERVER_ROUND, TrainInstruction
 from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import execute
+from fedvlm.spec import spec_of
 from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -178,7 +179,7 @@ def test_aggregate_divides_by_the_planned_denominator(make_cfg, pretrained_clip)
     from fedvlm.tensor_names import GLOBAL_GRAD
 
     cfg = make_cfg(method="dpfpl", privacy__epsilon=1.0, dpfpl__server_lr=1.0, dpfpl__server_optimizer="sgd")
-    strategy = cfg.spec.strategy(RunParts.of(cfg))
+    strategy = spec_of(cfg).strategy(RunParts.of(cfg))
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(4)}
     strategy.prepare()
     # the strategy's own step, without the noise the layer around it adds (strategies.global_noise)

@@ -16,6 +16,7 @@ import pytest
 
 from fedvlm.metrics import NUM_EXAMPLES
 from fedvlm.protocol import TrainReply
+from fedvlm.spec import spec_of
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.plan import Outgoing, Payload, PhasePlan, RoundPlan
@@ -39,7 +40,7 @@ def _strategy(make_cfg, **replies):
         num_server_rounds=3,
         **{k.replace(".", "__").replace("-", "_"): v for k, v in replies.items()},
     )
-    strategy = cfg.spec.strategy(RunParts.of(cfg))
+    strategy = spec_of(cfg).strategy(RunParts.of(cfg))
     for i in range(N):
         strategy.registry.nodes[1000 + i] = NodeInfo(1000 + i, f"client-{i}", i, 200, 50, 0, "fp", 40)
     strategy.prepare()
@@ -118,7 +119,7 @@ def test_the_server_noised_tensor_is_bounded_at_the_clip_norm_and_the_ledger_say
 
 def test_without_server_noise_the_relative_rule_still_applies(make_cfg, pretrained_clip):
     cfg = make_cfg(method="promptfl", privacy__epsilon=1.0, **{"replies__norm_ratio": 2.0})
-    strategy = cfg.spec.strategy(RunParts.of(cfg))
+    strategy = spec_of(cfg).strategy(RunParts.of(cfg))
     strategy.registry.nodes = {i: NodeInfo(i, f"c{i}", i, 64, 24, 0, "x", 40) for i in range(N)}
     strategy.prepare()
     assert [b.tensors for b in BoundedReplies(strategy).bounds()] == [

@@ -15,6 +15,7 @@ from fedvlm.client_app.privacy_floor import RunLedger
 from fedvlm.methods.validation import validate
 from fedvlm.models.reprogram import InputProgram, build_model, load_source, trainable_state
 from fedvlm.runconfig import ConfigError
+from fedvlm.spec import spec_of
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +248,8 @@ def test_each_method_federates_and_shares_only_what_trains(make_cfg, method):
     sent = {k for m in grid.replies if not m.has_error() and "arrays" in m.content for k in m.content["arrays"].keys()}
     from fedvlm.models.reprogram import initial_model
 
-    expected = set(trainable_state(initial_model(make_cfg(method=method, dataset="digits"), 10)))
+    cfg = make_cfg(method=method, dataset="digits")
+    expected = set(trainable_state(initial_model(cfg, spec_of(cfg).model_kind, 10)))
     assert sent == expected
     assert rec.data["privacy"]["rounds"][-1]["epsilon"] > 0
 

@@ -12,6 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from fedvlm.client_app.app import app as client_app
 from fedvlm.methods.validation import validate
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR, SECURE_SUM
+from fedvlm.spec import spec_of
 from fedvlm.strategies.layers import wrap
 from fedvlm.strategies.parts import RunParts
 from fedvlm.strategies.secure_aggregation import SecureAggregation
@@ -66,7 +67,7 @@ def test_configure_builds_messages_from_its_inputs_and_changes_nothing(method, v
         raw.update({"secure-aggregation.enabled": True, "replies.max-norm": 100.0})
     cfg = validate(raw)
     grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": N} for i in range(N)], raw)
-    method_strategy = cfg.spec.strategy(RunParts.of(cfg))
+    method_strategy = spec_of(cfg).strategy(RunParts.of(cfg))
     hooks = wrap(method_strategy)  # the layers the run's config calls for, as the ServerApp wraps it
     strategy = method_strategy  # the parts the test reads; the hooks go through the layer
     hooks.begin(grid)
@@ -116,7 +117,7 @@ def test_the_run_config_decides_the_layers_around_a_method(make_cfg, pretrained_
     from fedvlm.strategies.layer import Layer
 
     cfg = make_cfg(**overrides)
-    method = cfg.spec.strategy(RunParts.of(cfg))
+    method = spec_of(cfg).strategy(RunParts.of(cfg))
     hooks, found = wrap(method), []
     while isinstance(hooks, Layer):
         found.append(type(hooks).__name__)
@@ -129,4 +130,4 @@ def test_global_noise_wraps_only_a_strategy_that_steps_along_an_average(make_cfg
 
     cfg = make_cfg(method="promptfl")
     with pytest.raises(TypeError, match="no global noise can go on it"):
-        GlobalNoise(cfg.spec.strategy(RunParts.of(cfg)))
+        GlobalNoise(spec_of(cfg).strategy(RunParts.of(cfg)))

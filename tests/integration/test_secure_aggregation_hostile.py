@@ -42,6 +42,7 @@ from fedvlm.secagg import server as secagg_server
 from fedvlm.secagg import stages
 from fedvlm.secagg.roster import Identity
 from fedvlm.server_app.app import execute
+from fedvlm.spec import spec_of
 from fedvlm.strategies.nodes import FederationError
 from fedvlm.tensor_names import CTX
 from fedvlm.utils.inprocess import InProcessGrid
@@ -262,7 +263,9 @@ def test_what_a_node_says_is_the_same_for_neighbouring_datasets(make_cfg, pretra
     leaves as its class name alone."""
     skew = {"partitioner": "quantity-skew", "quantity_ratios": "4:1:1:1:1"}  # partition 0's size is its own
     cfg = make_cfg(method="promptfl", max_per_class=6, **skew)
-    sizes = [len(cfg.spec.family.node_data(cfg, {"partition-id": i, "num-partitions": N}).part.train) for i in range(N)]
+    sizes = [
+        len(spec_of(cfg).family.node_data(cfg, {"partition-id": i, "num-partitions": N}).part.train) for i in range(N)
+    ]
     if case == "leaking error":
         _leaking_training(monkeypatch)
     said = {}

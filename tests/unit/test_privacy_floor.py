@@ -24,6 +24,7 @@ from fedvlm.methods.validation import validate
 from fedvlm.privacy.planner import ClientShape, NoiseRefused, local_plan
 from fedvlm.protocol import TrainInstruction
 from fedvlm.runconfig import ConfigError
+from fedvlm.spec import spec_of
 
 N_TRAIN, BATCH, ROUNDS = 200, 32, 10
 
@@ -32,7 +33,7 @@ def _plan(rounds=ROUNDS, **overrides):
     """A run config and the train instruction its server would send (the sigma it plans)."""
     cfg = validate({"method": "promptfl", "num-server-rounds": rounds, "prompt.batch-size": BATCH, **overrides})
     shape = ClientShape(N_TRAIN, BATCH, 1)
-    sigma = local_plan(cfg.privacy, cfg.spec.local_dp(cfg), shape, rounds).sigma if cfg.privacy.enabled else None
+    sigma = local_plan(cfg.privacy, spec_of(cfg).local_dp(cfg), shape, rounds).sigma if cfg.privacy.enabled else None
     return cfg, TrainInstruction(1, ("ctx",), 1, BATCH, N_TRAIN, sigma, run_dir="/runs/a")
 
 

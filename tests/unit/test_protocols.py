@@ -8,6 +8,7 @@ import pytest
 from fedvlm.experiments.protocols import LAST10, PROTOCOLS, Headline, scale_of, verdict
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import parse_value
+from fedvlm.spec import spec_of
 
 
 @pytest.mark.parametrize("name", sorted(PROTOCOLS))
@@ -21,7 +22,7 @@ def test_every_run_of_a_protocol_is_a_valid_config_of_its_family(name):
             raw = {k: parse_value(v) for k, v in sets.items()} | overrides | {"method": method}
             raw["privacy.epsilon"] = 0.0 if eps == "none" else float(eps)
             cfg = validate(raw)
-            assert cfg.spec.family.name == protocol.family, (label, eps)
+            assert spec_of(cfg).family.name == protocol.family, (label, eps)
     for h in protocol.headlines:  # every headline compares rows the protocol makes
         assert {h.better, h.worse} <= set(labels) and h.epsilon in protocol.epsilons and h.claim, h
 

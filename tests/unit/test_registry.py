@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from fedvlm.methods.registry import FAMILIES, METHODS
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import ConfigError
+from fedvlm.spec import spec_of
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fedvlm"
 NAMES = set(METHODS) | set(FAMILIES)
@@ -54,7 +56,14 @@ def test_every_entry_names_real_classes_and_a_family(name):
     assert isinstance(spec.strategy, type) and issubclass(spec.strategy, FederatedStrategy), spec.server
     assert FAMILIES[spec.family.name] is spec.family
     cfg = validate({"method": name})
-    assert cfg.spec is spec
+    assert spec_of(cfg) is spec
+
+
+def test_a_config_carrying_no_method_spec_is_refused_not_read_blind():
+    # RunConfig holds its spec as ``object`` (it sits below spec.py); spec_of is the typed door
+    cfg = validate({"method": "promptfl"})
+    with pytest.raises(TypeError, match="MethodSpec belongs.*validate"):
+        spec_of(dataclasses.replace(cfg, spec={"name": "promptfl"}))
 
 
 def test_fedpgp_has_its_own_rank_key():

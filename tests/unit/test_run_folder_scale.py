@@ -14,6 +14,7 @@ from fedvlm.methods.validation import validate
 from fedvlm.privacy.budget import RunBudget
 from fedvlm.privacy.ledger import PrivacyLedger, final_spent, round_spread, spent_after_rounds
 from fedvlm.privacy.planner import ClientShape
+from fedvlm.spec import spec_of
 from fedvlm.utils import files
 from fedvlm.utils.files import PartsKeptJson, json_text
 
@@ -23,10 +24,10 @@ def _budget(clients: int) -> RunBudget:
     shapes = {f"c{i:03d}": ClientShape(40 + i % 7, 32, 1) for i in range(clients)}
     return RunBudget.planned(
         cfg.privacy,
-        PrivacyLedger(cfg.privacy, cfg.spec.name),
+        PrivacyLedger(cfg.privacy, spec_of(cfg).name),
         cfg.num_server_rounds,
-        cfg.spec.local_dp(cfg),
-        cfg.spec.global_dp(cfg, 5),
+        spec_of(cfg).local_dp(cfg),
+        spec_of(cfg).global_dp(cfg, 5),
         shapes,
         dict.fromkeys(shapes, "os"),
     )
