@@ -196,6 +196,19 @@ PATCHES: tuple[Patch, ...] = (
         "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
     ),
     Patch(
+        "scoped-middlewares",
+        "fedvlm.deploy.scoped_middlewares",
+        "flwr.superlink.main",
+        "_get_middleware's six middlewares that act on one API (the Control API's four, the Fleet API's node "
+        "authentication and event log) each sit behind a pure-ASGI gate that hands a request it does not act on "
+        "to the next layer without entering it",
+        ("fedvlm/deploy/superlink.py",),
+        "runs unchanged, with a warning (every request enters all eight layers)",
+        "a SuperLink app whose API-specific middlewares are mounted on their API's router (or written as pure "
+        "ASGI), so that a Fleet call does not pass the Control API's layers",
+        "docs/results/deployment.md, 'The SuperLink's middlewares, entered where they act'",
+    ),
+    Patch(
         "task-claims",
         "fedvlm.deploy.task_claims",
         "flwr.supercore.corestate",

@@ -60,7 +60,15 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import link_lookups, log_beside_flower, long_pulls, object_batches, task_claims, whole_messages
+from fedvlm.deploy import (
+    link_lookups,
+    log_beside_flower,
+    long_pulls,
+    object_batches,
+    scoped_middlewares,
+    task_claims,
+    whole_messages,
+)
 from fedvlm.deploy.instruction_signing import SIGNING_KEY_ENV, load_private
 from fedvlm.utils.processes import tcp_sockets
 
@@ -296,6 +304,7 @@ def _install_patches(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         object_batches.serve()
         whole_messages.serve()
         link_lookups.install()
+        scoped_middlewares.install()
     except ValueError as err:
         p.error(str(err))
 
