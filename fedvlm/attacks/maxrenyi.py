@@ -54,6 +54,7 @@ from fedvlm.attacks import NoAttackApplies
 from fedvlm.attacks.likelihood import bootstrap, rmia
 from fedvlm.attacks.reports import ATTACKED, HEADLINE, MAXRENYI, maxrenyi_pooled
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
+from fedvlm.runconfig import RunConfig
 from fedvlm.server_app.observer import FOLDER as UPLOADS
 from fedvlm.spec import spec_of
 from fedvlm.utils.files import UnreadableFile, atomic_write_json, load_saved, read_results
@@ -286,7 +287,7 @@ def pooled_attacks(run_dir: Path, shadows: int = 0, online: int = 0) -> dict[str
     return found
 
 
-def upload_attacks(cfg, run_dir: Path, nodes: list[dict], samples: int, seed: int) -> dict:
+def upload_attacks(cfg: RunConfig, run_dir: Path, nodes: list[dict], samples: int, seed: int) -> dict:
     """The honest-but-curious server's attacks on every LoRA upload it saw (``attacks.server``):
     alignment and decomposition, per client and pooled, with intervals."""
     from fedvlm.attacks.membership import interval_summary

@@ -30,6 +30,7 @@ from fedvlm.client_app.state import optimizer_tensors, restore_optimizer
 from fedvlm.client_app.trainer import StepOutput
 from fedvlm.models.gating import AttentionGate, moe_logits
 from fedvlm.models.prompt_learner import clip_logits
+from fedvlm.runconfig import RunConfig
 from fedvlm.tensor_names import CTX, EXPERTS
 from fedvlm.utils.rng import NodeStream, generator_for, node_key
 
@@ -37,7 +38,7 @@ GATE = "gate."  # the gate's weights, in the node's private state and in a publi
 GATE_OPT = "gate-opt."  # the gate's optimiser state (private only)
 
 
-def build_gate(embed_dim: int, cfg) -> AttentionGate:
+def build_gate(embed_dim: int, cfg: RunConfig) -> AttentionGate:
     m = cfg.pfedmoap
     return AttentionGate(embed_dim, m.gating_dim, m.gating_heads, m.attention_scale)
 

@@ -16,7 +16,7 @@ from fedvlm.models.clip_loader import ClipBundle
 from fedvlm.models.feature_cache import image_features
 from fedvlm.models.optimal_transport import unbalanced_sinkhorn
 from fedvlm.models.prompt_learner import PromptEncoder, TextTower, clip_logits
-from fedvlm.runconfig import ConfigError
+from fedvlm.runconfig import ConfigError, RunConfig
 from fedvlm.tensor_names import CTX
 
 _ENCODERS: dict[tuple, PromptEncoder] = {}
@@ -33,7 +33,7 @@ def prompt_encoder(bundle: ClipBundle, classnames: list[str], n_ctx: int) -> Pro
 class PromptScorer:
     """Single-context methods: logits = scale * cos(image, text(ctx))."""
 
-    def __init__(self, bundle: ClipBundle, classnames: list[str], cfg):
+    def __init__(self, bundle: ClipBundle, classnames: list[str], cfg: RunConfig):
         self.bundle = bundle
         self.classnames = list(classnames)
         self.cfg = cfg
@@ -57,7 +57,7 @@ class PromptScorer:
 class TemplateScorer(PromptScorer):
     """Zero-shot CLIP: the hand-written template instead of a learned context."""
 
-    def __init__(self, bundle: ClipBundle, classnames: list[str], cfg):
+    def __init__(self, bundle: ClipBundle, classnames: list[str], cfg: RunConfig):
         super().__init__(bundle, classnames, cfg)
         self._text: torch.Tensor | None = None
 

@@ -27,11 +27,11 @@ from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.client_app.vlm_node import vlm_node_data
 from fedvlm.data.vlm_data import FOLDER_FILE, FOLDER_LABELS
 from fedvlm.methods.validation import validate
-from fedvlm.runconfig import ConfigError, parse_value
+from fedvlm.runconfig import ConfigError, RunConfig, parse_value
 from fedvlm.spec import spec_of
 
 
-def export_vlm_partitions(cfg, out: Path, num_partitions: int) -> list[Path]:
+def export_vlm_partitions(cfg: RunConfig, out: Path, num_partitions: int) -> list[Path]:
     """The run's captioning partitions as own-data VLM folders (the module docstring)."""
     written = []
     for pid in range(num_partitions):

@@ -285,7 +285,7 @@ def input_size(kind: str, source: SourceModel, image_size: int) -> int:
     return image_size if kind == "mr" else source.input_size
 
 
-def source_model(cfg) -> SourceModel:
+def source_model(cfg: RunConfig) -> SourceModel:
     """The run config's source model (cached per process)."""
     return cached_source(cfg.reprogram.source_model, cfg.reprogram.source_weights, cfg.cache_path)
 
