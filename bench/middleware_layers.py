@@ -9,7 +9,7 @@ load on the machine falls on both. Probes: a node's signed Fleet heartbeat (answ
 shape of every Fleet call: node authentication, then the handler) and a runtime call without a
 task token (refused by Flower's token check, the shape of the ServerApp's and SuperExec's calls).
 
-    python -m bench.middleware_layers --requests 400 --repeats 3 --out docs/results/middleware_layers.json
+    python -m bench.middleware_layers --requests 400 --repeats 3 --out docs/results/scoped_middlewares/per_request.json
 """
 
 from __future__ import annotations
