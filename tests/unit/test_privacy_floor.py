@@ -21,7 +21,7 @@ from fedvlm.client_app.privacy_floor import (
     run_history,
 )
 from fedvlm.methods.validation import validate
-from fedvlm.privacy.planner import ClientShape, NoiseRefused, local_plan
+from fedvlm.privacy.planner import ClientShape, NoiseRefused, client_plan, local_plan
 from fedvlm.protocol import TrainInstruction
 from fedvlm.runconfig import ConfigError
 from fedvlm.spec import spec_of
@@ -257,3 +257,12 @@ def test_a_damaged_ledger_is_refused_not_forgotten(tmp_path):
     path.write_text(path.read_text()[:40])
     with pytest.raises(ConfigError, match="privacy ledger .* cannot be read.*restore it from a backup; do not delete"):
         hello_check(node, RecordDict(), cfg, N_TRAIN)
+
+
+def test_a_client_with_privacy_on_and_no_mechanism_refuses_rather_than_trains_without_noise():
+    # validate refuses such a method; client_plan, handed the mechanism, still fails closed on its own
+    cfg, instruction = _plan(**{"privacy.epsilon": 8.0})
+    shape, sigma = client_plan(cfg, spec_of(cfg).local_dp, N_TRAIN, instruction)
+    assert shape == ClientShape(N_TRAIN, BATCH, 1) and sigma > 0
+    with pytest.raises(NoiseRefused, match="no local-DP mechanism; refusing to train without noise"):
+        client_plan(cfg, None, N_TRAIN, instruction)
