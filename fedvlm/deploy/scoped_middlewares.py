@@ -18,8 +18,8 @@ eight act on one API only and hand every other request straight to ``call_next``
 layer without entering it. Nothing a layer decides changes: where it acts, it runs as Flower wrote
 it; where it would have called ``call_next`` at once, the next layer gets the same scope, receive
 and send. The error translator and the protobuf translation act on every request and stay as they
-are. A Fleet call (a node's pull, push, heartbeat) passes four layers instead of eight; a ServerApp's
-or SuperExec's runtime call two.
+are. A Fleet call (a node's pull, push, heartbeat) passes three layers instead of eight (four with a
+Fleet event-log plugin); a ServerApp's or SuperExec's runtime call two.
 
 The guard (``check_flower``) reads each of the six dispatch methods and finds the early hand-on
 this relies on, and finds every Control auth route under ``/v1/control/``. A Flower that reads
