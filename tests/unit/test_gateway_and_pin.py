@@ -153,3 +153,33 @@ def test_hash_refuses_a_file_that_is_not_an_app(tmp_path, capsys, body):
     with pytest.raises(SystemExit):
         pinned_app.main(["hash", str(tmp_path / "nowhere")])
     assert "neither a .fab file nor an app folder" in capsys.readouterr().err
+
+
+def test_the_project_app_is_its_code_alone_and_its_pin_ignores_docs_and_results(tmp_path):
+    """Every node receives the FAB with every message, and organisations pin its hash: it holds
+    the package's Python files and Flower's two own entries, so committing results or docs (the
+    FAB once carried docs/results, tests and benchmarks: 3.0 MB) neither grows it nor moves a pin."""
+    import io
+    import shutil
+    import subprocess
+    import zipfile
+    from pathlib import Path
+
+    from flwr.cli.build import build_fab_from_disk
+
+    root = Path(__file__).resolve().parents[2]
+    names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(root))).namelist())
+    tracked = subprocess.run(["git", "ls-files", "fedvlm"], cwd=root, capture_output=True, text=True).stdout.split()
+    code = {n for n in tracked if n.endswith(".py")}
+    assert code and code <= names  # an app that runs: all of the package
+    assert names - code == {"pyproject.toml", ".info/CONTENT"}  # and nothing else
+    copy = tmp_path / "app"
+    shutil.copytree(root / "fedvlm", copy / "fedvlm", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", copy)
+    pin = build_hash(copy)[0]
+    (copy / "docs" / "results").mkdir(parents=True)
+    (copy / "docs" / "results" / "new.json").write_text('{"accuracy": 0.5}\n')
+    (copy / "README.md").write_text("# changed\n")
+    assert build_hash(copy)[0] == pin
+    (copy / "fedvlm" / "extra.py").write_text("x = 1\n")
+    assert build_hash(copy)[0] != pin  # the code is still what the pin covers
