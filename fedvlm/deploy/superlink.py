@@ -122,16 +122,12 @@ def account_protocol(uids: Collection[int]):
     """uvicorn's HTTP/1.1 protocol, serving a connection only when the socket that opened it belongs
     to one of ``uids``: the owner is read once per connection, when it is made (the kernel's
     table costs milliseconds to read, too much for every request of a keep-alive connection);
-    a refused connection's first bytes are answered 403 without being parsed, and it is closed.
-    The protocol is the one uvicorn picks by default (httptools' C parser where installed, as it
-    is with this project's constraints; h11 otherwise): h11, pure Python, was 8% of a busy
-    SuperLink's CPU. The network's front door is the Fleet gateway, which keeps h11's strict
-    parsing; the SuperLink is reached only by the accounts named here."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    a refused connection's first bytes are answered 403 without being parsed, and it is closed."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
     allowed = frozenset(uids)
 
-    class AccountGuarded(AutoHTTPProtocol):  # type: ignore[valid-type,misc]  # the class uvicorn picked
+    class AccountGuarded(H11Protocol):
         _refused = False
 
         def connection_made(self, transport) -> None:
