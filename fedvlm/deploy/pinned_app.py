@@ -75,15 +75,20 @@ def fab_hash(fab: bytes) -> str:
     return hashlib.sha256(fab).hexdigest()
 
 
-def fab_name(fab: bytes) -> str:
-    """'publisher/name version' from the FAB's pyproject.toml, read from the zip without running
-    anything; '(unnamed app)' when it has none that parses."""
-    from flwr.common.config import get_fab_config  # parses the FAB's pyproject.toml (a zip entry)
+def fab_identity(fab: bytes) -> tuple[str, str]:
+    """('publisher/name', version) from the FAB's ``pyproject.toml``, read from the zip without
+    running anything and without Flower's validation; raises where the FAB names no app."""
+    import tomli  # Flower's own TOML reader (Python 3.10 has no tomllib)
+    from flwr.common.config import get_metadata_from_config
 
+    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+        return get_metadata_from_config(tomli.loads(archive.read("pyproject.toml").decode("utf-8")))
+
+
+def fab_name(fab: bytes) -> str:
+    """'publisher/name version', or '(unnamed app)' when the FAB names none that parses."""
     try:
-        meta = get_fab_config(fab)
-        project, publisher = meta["project"], meta["tool"]["flwr"]["app"]["publisher"]
-        return f"{publisher}/{project['name']} {project['version']}"
+        return " ".join(fab_identity(fab))
     except Exception:  # noqa: BLE001 - a name for the refusal message only
         return "(unnamed app)"
 
@@ -130,14 +135,10 @@ def installed_app(fab: bytes, digest: str | None = None) -> Path | None:
     against the node's pins first, and the folder exists only because Flower's install validated
     a FAB of that publisher, name, version and hash prefix (Flower's own folder name; a FAB it
     would refuse finds no folder, and Flower's install then reports it)."""
-    import tomli  # Flower's own TOML reader (Python 3.10 has no tomllib)
-    from flwr.common.config import get_metadata_from_config, get_project_dir
+    from flwr.common.config import get_project_dir
 
     try:
-        with zipfile.ZipFile(io.BytesIO(fab)) as archive:
-            config = tomli.loads(archive.read("pyproject.toml").decode("utf-8"))
-        fab_id, version = get_metadata_from_config(config)
-        path = get_project_dir(fab_id, version, digest or fab_hash(fab))
+        path = get_project_dir(*fab_identity(fab), digest or fab_hash(fab))
     except Exception:  # noqa: BLE001 - a FAB Flower cannot name: let Flower's install report it
         return None
     return path if path.is_dir() else None
