@@ -12,6 +12,7 @@ only sums of at least t nodes in reach, whatever the server told each node.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ from fedvlm.secagg import shamir
 from fedvlm.secagg.graph import degree
 from fedvlm.secagg.masks import decode, encode, expand, reduce
 from fedvlm.secagg.node import (
+    PREKEYED,
     NodeRound,
+    Prekey,
     SecAggRefused,
     key_from_scalar,
     majority_threshold,
@@ -53,9 +56,15 @@ class Round:
     def t(self) -> int:
         return self.plan.threshold
 
-    def start(self, ids=None, floor: int = 0) -> None:
+    def start(self, ids=None, floor: int = 0, prekeyed: bool = False) -> None:
+        """Each node keys the round: with a fresh advert signed over the plan, or with its prekey."""
         for u in self.ids if ids is None else ids:
-            self.nodes[u], self.adverts[u] = NodeRound.start(u, self.plan, self.roster, self.identities[u], floor)
+            if prekeyed:
+                key = Prekey.new(u, self.identities[u])
+                self.nodes[u] = NodeRound.from_prekey(u, self.plan, self.roster, self.identities[u], key, floor)
+                self.adverts[u] = key.advert
+            else:
+                self.nodes[u], self.adverts[u] = NodeRound.start(u, self.plan, self.roster, self.identities[u], floor)
 
     def vector(self, u: int) -> np.ndarray:
         return encode(self.values[u], self.plan.bits)
@@ -87,14 +96,16 @@ def make_round(n: int, k: int = 0, seed: int = 0, threshold: int | None = None, 
     return Round(ids, SumPlan(**fields), roster, identities, values)
 
 
-def run_honest(n, k=0, drop=None, tamper=None, seed=0):
+def run_honest(n, k=0, drop=None, tamper=None, seed=0, prekeyed=False):
     """The whole protocol with an honest server; ``drop``: stage -> nodes that stop answering
-    before it; ``tamper``: (stage, node id, reply) -> a changed reply."""
+    before it; ``tamper``: (stage, node id, reply) -> a changed reply; ``prekeyed``: the nodes
+    key the round with their prekeys (``secagg.node.Prekey``), which the server relays."""
     drop, tamper = drop or {}, tamper or (lambda stage, u, r: r)
     r = make_round(n, k, seed)
-    r.start([u for u in r.ids if u not in drop.get("keys", ())])
+    r.start([u for u in r.ids if u not in drop.get("keys", ())], prekeyed=prekeyed)
     server = ServerRound(r.plan, SIZE, r.roster)
-    adverts = server.take_adverts({u: tamper("keys", u, a) for u, a in r.adverts.items()})
+    signed_over = PREKEYED if prekeyed else b""
+    adverts = server.take_adverts({u: tamper("keys", u, a) for u, a in r.adverts.items()}, signed_over)
     dealt = {
         u: tamper("shares", u, r.nodes[u].share(adverts, r.roster)) for u in adverts if u not in drop.get("shares", ())
     }
@@ -305,4 +316,48 @@ def split_attack(n: int, k: int, rng: np.random.Generator):
     return r, masked, sign_and_reveal(r, masked, lambda u: [x for x in stories[u][1] if x in masked])
 
 
-ATTACKS = {"groups": group_attack, "split": split_attack}
+def plans_attack(n: int, k: int, rng: np.random.Generator):
+    """One round keyed with prekeys (``secagg.node.Prekey``: signed before any plan) against a
+    server that holds every node's prekey and hands each group of nodes a plan of its own (its
+    own participants, and so its own quorum), shows each group the prekeys of some of its plan's
+    participants, routes every ciphertext a node dealt to the holder its graph names (across
+    sessions too, where it cannot decrypt) and random bytes where none was dealt, tells each
+    group its own dealers and survivors, and shows every node every signature: the attack a
+    plan-bound advert rules out, which a prekey does not."""
+    r = make_round(n, k, seed=int(rng.integers(1 << 30)))
+    prekeys = {u: Prekey.new(u, r.identities[u]) for u in r.ids}
+    r.adverts = {u: p.advert for u, p in prekeys.items()}
+    group = dict(zip(r.ids, rng.integers(0, int(rng.integers(1, 4)), n).tolist(), strict=True))
+    stories = {}
+    for g in set(group.values()):
+        members = {u for u in r.ids if group[u] == g}
+        parts = sorted(members | {u for u in r.ids if rng.random() < 0.6})
+        shown = sorted(members | {u for u in parts if rng.random() < 0.8})
+        dealers = sorted(members | {u for u in shown if rng.random() < 0.8})
+        stories[g] = (dataclasses.replace(r.plan, participants=tuple(parts)), shown, dealers, rng.random(n))
+    shared = {}
+    for u in r.ids:
+        plan, shown = stories[group[u]][:2]
+        node = attempt(lambda u=u, plan=plan: NodeRound.from_prekey(u, plan, r.roster, r.identities[u], prekeys[u]))
+        if node is None:
+            continue
+        r.nodes[u] = node
+        dealt = attempt(lambda node=node, shown=shown: node.share({v: r.adverts[v] for v in shown}, r.roster))
+        if dealt is not None:
+            shared[u] = dealt
+    masked = {}
+    for u in shared:
+        dealers = [v for v in stories[group[u]][2] if v in stories[group[u]][1]]
+        node = r.nodes[u]
+        cts = {j: shared[j][1].get(u, os.urandom(300)) if j in shared else os.urandom(300)
+               for j in node.graph()[u] if j in dealers}  # fmt: skip
+        if not refuses(lambda node=node, dealers=dealers, cts=cts: node.receive(dealers, cts)):
+            masked[u] = node.mask(r.vector(u))
+    told = {
+        u: [v for i, v in enumerate(r.ids) if v == u or (v in masked and stories[group[u]][3][i] < 0.8)]
+        for u in r.nodes
+    }
+    return r, masked, sign_and_reveal(r, masked, told.__getitem__)
+
+
+ATTACKS = {"groups": group_attack, "split": split_attack, "plans": plans_attack}

@@ -71,8 +71,9 @@ from fedvlm.protocol import (
 from fedvlm.runconfig import ConfigError
 from fedvlm.secagg import stages
 from fedvlm.secagg.masks import wire_dtype
-from fedvlm.secagg.node import NodeRound, SecAggRefused
+from fedvlm.secagg.node import NodeRound, Prekey, SecAggRefused
 from fedvlm.secagg.roster import Identity, Roster, RosterError
+from fedvlm.secagg.stages import Advert
 from fedvlm.spec import spec_of
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ ENABLED = "secure-aggregation.enabled"  # the run config's key
 # what the node keeps of its secure round: its secrets, its encoded vector, the masked vector it
 # sent, and (per stage) a digest of the request it answered
 ROUND, VECTOR, MASKED, ASKED = "round", "vector", "masked", "asked"
+PREKEY = f"{SECURE_ROUND}-prekey"  # the node's keys for its next round (secagg.node.Prekey), in memory only
 PLAN = "plan"  # the digest of the plan the node keyed its last round under (``SECURE_KEYED``)
 CARRIED = (EVALUATION, FAILED)  # a train reply's records a keys reply carries back as they were
 
@@ -178,10 +180,13 @@ def _first_stage(msg: Message, context: Context, inner: Handler) -> Message:
     if again is not None:
         return secure_reply(msg, again[0], again[1], carried=again[2])
     roster, identity = member(context)
-    secure, advert = NodeRound.start(context.node_id, plan, roster, identity, min_clients(context.node_config))
+    prekeys = stages.read_peer_keys(dict(msg.content[SECURE_SUM]))
+    secure, advert, prekey = _key(context, plan, roster, identity, prekeys)
     check_share(node.cfg, instruction, plan)
     save_meta(context.state, {ROUND: plan.server_round, PLAN: plan.digest.hex()}, SECURE_KEYED)
     clear_secure(context.state)  # a round left unfinished is over: its secrets go
+    context.state[PREKEY] = ConfigRecord(dict(prekey.to_config()))  # memory only (state.SECURE_ROUND's prefix)
+    dealt = secure.share(prekeys, roster) if advert is None else (b"", {})  # U1 checked before any training
     reply = inner(msg, context)
     record = reply.content.get(ARRAYS_RECORD) if not reply.has_error() else None
     if not isinstance(record, ArrayRecord) or not record:
@@ -198,14 +203,39 @@ def _first_stage(msg: Message, context: Context, inner: Handler) -> Message:
     randomness = share_randomness(node.cfg, node.node.noise_source, node.node.seed, plan.server_round)
     weight = int(TrainReply.from_records({}, figures).num_examples) if plan.weighted else 1
     vector = Summand(plan).encode(update, weight, randomness)
+    answer = stages.keys_reply(advert) if advert is not None else stages.prekeyed_reply(*dealt)
+    answer.update(stages.prekey_fields(prekey.advert))
     save_secure(context.state, {ROUND: secure.to_bytes(), VECTOR: vector.tobytes()})
-    answer = stages.keys_reply(advert)
     save_secure(context.state, answer, f"/{stages.KEYS}")
     save_secure(context.state, figures, f"/{stages.KEYS}/{METRICS_RECORD}")
     for key in CARRIED:
         if key in reply.content:
             context.state[f"{SECURE_ROUND}/{stages.KEYS}/{key}"] = reply.content[key]
     return secure_reply(msg, figures, answer, carried=reply.content)
+
+
+def _key(
+    context: Context, plan: stages.SumPlan, roster: Roster, identity: Identity, prekeys: Mapping[int, Advert]
+) -> tuple[NodeRound, Advert | None, Prekey]:
+    """The node's round under ``plan``: keyed with its prekey where the plan lists every
+    participant's (``prekeys``; no advert to send), else with fresh keys and their advert; and the
+    prekey its reply sends for its next round. The held prekey leaves the node's state before
+    anything else happens, so that it keys one session at most, whatever the server asks next."""
+    held = context.state.get(PREKEY)
+    if held is not None:
+        del context.state[PREKEY]
+    prekey = Prekey.from_config(dict(held)) if isinstance(held, ConfigRecord) else None
+    floor = min_clients(context.node_config)
+    if not prekeys:
+        secure, advert = NodeRound.start(context.node_id, plan, roster, identity, floor)
+        return secure, advert, prekey or Prekey.new(context.node_id, identity)
+    if prekey is None or prekeys.get(context.node_id) != prekey.advert:
+        raise SecAggRefused(
+            "the round's plan lists keys for this node that it does not hold unused (made for another run, used "
+            "already, or never its own): a prekey keys one session at most"
+        )
+    secure = NodeRound.from_prekey(context.node_id, plan, roster, identity, prekey, floor)
+    return secure, None, Prekey.new(context.node_id, identity)
 
 
 def keyed(context: Context, plan: stages.SumPlan, rounds: int) -> tuple[dict, dict, RecordDict] | None:

@@ -521,6 +521,12 @@ class SecureAggregationConfig:
         max=1.0,
         min_exclusive=True,
     )
+    prekeys: bool = opt(
+        True,
+        "Key a round with the keys each client sent with its previous train reply, where every client of the "
+        "round has sent some: the clients deal their shares with the training, four exchanges a round instead of "
+        "five (docs/privacy.md, 'Keys made a round ahead'); false = every round's keys are made in it.",
+    )
     roster: str = opt(
         "",
         "The federation's member roster (roster.json from python -m fedvlm.deploy.credentials), as a path on the "

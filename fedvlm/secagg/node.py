@@ -68,6 +68,8 @@ SESSION_DOMAIN = b"fedvlm secure aggregation session v3"
 STORY_DOMAIN = b"fedvlm secure aggregation story v3"
 PAIR_DOMAIN = b"fedvlm secure aggregation pairwise mask v3"
 SHARE_DOMAIN = b"fedvlm secure aggregation share encryption v3"
+# what a prekey's signature covers in place of a plan's digest: a prekey is made before its round's plan
+PREKEYED = hashlib.sha256(b"fedvlm secure aggregation prekey v1").digest()
 
 
 class SecAggRefused(PublicError, RuntimeError):
@@ -87,6 +89,47 @@ def _node(node: int) -> bytes:
 def advert_message(plan_digest: bytes, node: int, encryption: bytes, mask: bytes) -> bytes:
     """What a node's identity key signs of its advert."""
     return hashlib.sha256(ADVERT_DOMAIN + _framed(plan_digest, _node(node), encryption, mask)).digest()
+
+
+@dataclass(frozen=True)
+class Prekey:
+    """A node's keys for the next secure round it takes part in, made and signed (over
+    ``PREKEYED``, not a plan) before that round exists, and sent with its train reply. A round
+    whose every participant has one on file needs no keys stage: its train message carries them
+    (U1) and the node deals its shares in its train reply, four exchanges instead of five.
+
+    Why the guarantees still hold (docs/privacy.md, "Keys made a round ahead"): a node uses a
+    prekey in one session at most (``client_app.secure_aggregation`` takes it out of the node's
+    state before the round's first step, and never signs another), so each of its secrets is
+    dealt in one session, readable only there (a share's key is derived from the session, which
+    names the plan); every node that can reveal a share of it answers a story of that session,
+    whose quorum is over that one plan's participants, as with keys signed over the plan."""
+
+    encryption_key: bytes
+    mask_key: bytes
+    advert: Advert
+
+    @classmethod
+    def new(cls, node_id: int, identity: Identity) -> Prekey:
+        (enc_sk, enc), (mask_sk, mask) = new_key(), new_key()
+        signature = identity.sign(advert_message(PREKEYED, node_id, enc, mask))
+        return cls(enc_sk, mask_sk, Advert(enc, mask, identity.public, signature))
+
+    def to_config(self) -> dict[str, bytes]:
+        a = self.advert
+        return {
+            "encryption_key": self.encryption_key,
+            "mask_key": self.mask_key,
+            "encryption": a.encryption,
+            "mask": a.mask,
+            "identity": a.identity,
+            "signature": a.signature,
+        }
+
+    @classmethod
+    def from_config(cls, d: Mapping) -> Prekey:
+        advert = Advert(d["encryption"], d["mask"], d["identity"], d["signature"])
+        return cls(d["encryption_key"], d["mask_key"], advert)
 
 
 def session(plan_digest: bytes, adverts: Mapping[int, Advert]) -> bytes:
@@ -243,6 +286,7 @@ class NodeRound:
     survivors: tuple[int, ...] = ()  # U3, as the server told it
     signature: bytes = b""  # this node's signature on its story
     stage: str = "keys"
+    signed_over: bytes = b""  # what the round's adverts are signed over: PREKEYED, or (empty) the plan's digest
 
     # ---- stage 1: keys ------------------------------------------------------------------------
     @classmethod
@@ -259,6 +303,19 @@ class NodeRound:
         advert = Advert(enc, mask, identity.public, identity.sign(advert_message(plan.digest, node_id, enc, mask)))
         node.adverts[node_id] = advert
         return node, advert
+
+    @classmethod
+    def from_prekey(
+        cls, node_id: int, plan: SumPlan, roster: Roster, identity: Identity, prekey: Prekey, floor: int = 0
+    ) -> NodeRound:
+        """A round under ``plan`` keyed with the node's ``prekey`` (``Prekey``: the caller has taken
+        it out of the node's state, so that it keys no other session); the same checks as ``start``."""
+        check_plan(plan, node_id, roster, floor)
+        if prekey.advert.identity != identity.public or roster.member(identity.public) is None:
+            raise SecAggRefused("this node's prekey is not signed by its identity key on the roster it pins")
+        node = cls(node_id, plan, prekey.encryption_key, prekey.mask_key, signed_over=PREKEYED)
+        node.adverts[node_id] = prekey.advert
+        return node
 
     # ---- stage 2: shares ----------------------------------------------------------------------
     def share(self, adverts: Mapping[int, Advert], roster: Roster) -> tuple[bytes, dict[int, bytes]]:
@@ -304,9 +361,12 @@ class NodeRound:
             if advert.identity in members:
                 raise SecAggRefused(f"nodes {members[advert.identity]} and {node} speak for one member")
             members[advert.identity] = node
-            if not verify(advert.identity, advert_message(self.plan.digest, node, advert.encryption, advert.mask),
-                          advert.signature):  # fmt: skip
-                raise SecAggRefused(f"node {node}'s keys do not carry its member's signature over this round's plan")
+            signed = advert_message(self.signed_over or self.plan.digest, node, advert.encryption, advert.mask)
+            if not verify(advert.identity, signed, advert.signature):
+                raise SecAggRefused(
+                    f"node {node}'s keys do not carry its member's signature over this round's plan"
+                    + (" (or over its prekey)" if self.signed_over else "")
+                )
             if not (usable_key(advert.encryption) and usable_key(advert.mask)):
                 raise SecAggRefused(f"node {node}'s advertised key is not an X25519 public key of full order")
         keys = [k for a in adverts.values() for k in (a.encryption, a.mask)]
@@ -473,4 +533,4 @@ class NodeRound:
         )
 
 
-_BYTES = ("encryption_key", "mask_key", "session", "seed", "signature")
+_BYTES = ("encryption_key", "mask_key", "session", "seed", "signature", "signed_over")

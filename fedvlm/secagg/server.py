@@ -79,12 +79,13 @@ class ServerRound:
         modulus(self.plan.bits)
 
     # ---- stage 1 -> 2 ---------------------------------------------------------------------------
-    def take_adverts(self, replies: Mapping[int, Advert]) -> dict[int, Advert]:
+    def take_adverts(self, replies: Mapping[int, Advert], signed_over: bytes = b"") -> dict[int, Advert]:
         """U1: the well-formed, signed adverts (every node of U1 is shown all of them); the graph
-        and the session follow from them."""
+        and the session follow from them. ``signed_over``: ``PREKEYED`` for the nodes' prekeys
+        (``secagg.node.Prekey``), else the adverts are signed over the plan's digest."""
         digest = self.plan.digest
         for node, advert in replies.items():
-            why = _advert_problem(node, advert, self.plan, digest, self.roster)
+            why = _advert_problem(node, advert, self.plan, signed_over or digest, self.roster)
             if why:
                 self._exclude(node, why)
             else:
@@ -317,7 +318,7 @@ def _pieces(graph: Mapping[int, tuple[int, ...]], members: Mapping[int, object])
     return sorted(pieces, key=lambda p: (-len(p), p[0]))
 
 
-def _advert_problem(node: int, advert: object, plan: SumPlan, digest: bytes, roster: Roster | None) -> str:
+def _advert_problem(node: int, advert: object, plan: SumPlan, signed_over: bytes, roster: Roster | None) -> str:
     """Why ``advert`` cannot be relayed ("" if it can): what every node would refuse of it."""
     if node not in plan.participants:
         return "it was not asked to take part"
@@ -331,8 +332,8 @@ def _advert_problem(node: int, advert: object, plan: SumPlan, digest: bytes, ros
         return "its identity key is not on the roster"
     if not (usable_key(advert.encryption) and usable_key(advert.mask)):
         return f"an advertised key is not an X25519 public key ({DH_BYTES} bytes) of full order"
-    if not verify(advert.identity, advert_message(digest, node, advert.encryption, advert.mask), advert.signature):
-        return "its keys do not carry its identity key's signature over the round's plan"
+    if not verify(advert.identity, advert_message(signed_over, node, advert.encryption, advert.mask), advert.signature):
+        return "its keys do not carry its identity key's signature over the round's plan (or its prekey)"
     return ""
 
 

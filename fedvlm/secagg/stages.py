@@ -1,6 +1,11 @@
 """The five stages of a secure round on the wire, typed: what the server's message carries in its
 ``protocol.SECURE_SUM`` record at each stage, and what the node's reply carries back.
 
+A round whose every participant sent a prekey with an earlier train reply (``secagg.node.Prekey``)
+skips the second: its train message carries the plan and every participant's prekey (U1), and
+the node's train reply its shares (``prekeyed_reply``); every train reply carries the node's
+next prekey (``prekey_fields``).
+
 1. ``keys``: the train message itself, plus the round's ``SumPlan`` (the participants, the graph's
    degree, the threshold, the vector's layout, encoding and noise, the roster's digest): one plan,
    the same for every node. The node trains, encodes its update (``secagg.summand``) and keeps
@@ -46,6 +51,7 @@ from fedvlm.protocol import (
     SECAGG_NODES,
     SECAGG_NORM_BOUND,
     SECAGG_PARTICIPANTS,
+    SECAGG_PREKEY,
     SECAGG_ROSTER,
     SECAGG_ROUND,
     SECAGG_SEED_SHARES,
@@ -206,6 +212,36 @@ def read_keys_reply(config: Mapping) -> Advert:
 
 
 _ADVERT_KEYS = (SECAGG_ENCRYPTION_KEYS, SECAGG_MASK_KEYS, SECAGG_IDENTITY_KEYS, SECAGG_SIGNATURES)
+
+
+def prekey_fields(advert: Advert) -> dict:
+    """A train reply's prekey: the node's keys for its next secure round."""
+    return {SECAGG_PREKEY: [advert.encryption, advert.mask, advert.identity, advert.signature]}
+
+
+def read_prekey(config: Mapping) -> Advert | None:
+    """The prekey a train reply carries (None: none, or not four byte strings)."""
+    try:
+        fields = _list(config.get(SECAGG_PREKEY), bytes)
+    except MalformedStage:
+        return None
+    return Advert(*fields) if len(fields) == 4 else None
+
+
+def prekeyed_plan(plan: SumPlan, adverts: Mapping[int, Advert]) -> dict:
+    """Stage ``keys`` of a round keyed with prekeys: the plan and every participant's prekey (U1)."""
+    return {**peer_keys(adverts), **plan.to_config()}
+
+
+def prekeyed_reply(commitment: bytes, ciphertexts: Mapping[int, bytes]) -> dict:
+    """A node's train reply in a round keyed with prekeys: its shares, as a shares reply has them."""
+    return {**shares_reply(commitment, ciphertexts), SECAGG_STAGE: KEYS}
+
+
+def after(stage: str, prekeyed: bool) -> str:
+    """The stage that follows ``stage``: a round keyed with prekeys deals its shares with the training."""
+    following = STAGES[STAGES.index(stage) + 1]
+    return MASKED if prekeyed and following == SHARES else following
 
 
 def peer_keys(adverts: Mapping[int, Advert]) -> dict:

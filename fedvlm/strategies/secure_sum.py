@@ -37,9 +37,10 @@ from fedvlm.protocol import CONFIG_RECORD, SECAGG_MASKED, SECAGG_STAGE, SECURE_S
 from fedvlm.runconfig.schema import SecureAggregationConfig
 from fedvlm.secagg import stages
 from fedvlm.secagg.graph import degree
-from fedvlm.secagg.node import majority_threshold
+from fedvlm.secagg.node import PREKEYED, majority_threshold
 from fedvlm.secagg.roster import Roster
 from fedvlm.secagg.server import SecAggError, ServerRound
+from fedvlm.secagg.stages import Advert
 from fedvlm.secagg.summand import Summand, plain_gamma
 from fedvlm.strategies.nodes import NodeInfo
 from fedvlm.strategies.plan import PhasePlan
@@ -62,6 +63,7 @@ class SecureRound:
 
     server: ServerRound
     summand: Summand
+    prekeyed: bool = False  # keyed with the participants' prekeys: the shares come with the training
     stage: str = stages.KEYS
     accepted: dict[int, ClientUpdate] = field(default_factory=dict)  # node id -> its validated train reply
     total: tuple[dict[str, np.ndarray], dict[str, float]] | None = None
@@ -81,6 +83,7 @@ class SecureSum:
         self.weighted = weighted  # each update weighted by its node's examples (else a plain sum)
         self.rounds: dict[int, SecureRound] = {}
         self._roster = Roster.load(Path(settings.roster)) if settings.roster else None
+        self.prekeys: dict[int, Advert] = {}  # node -> the prekey its latest train reply carried, unused
 
     def roster(self, nodes: Iterable[NodeInfo]) -> Roster | None:
         """The roster the server relays for: the federation's (``secure-aggregation.roster``), or,
@@ -134,10 +137,27 @@ class SecureSum:
             n_min,
             roster.digest if roster is not None else "",
         )
+        prekeys = self._prekeys_for(plan, roster)
+        record = stages.prekeyed_plan(plan, prekeys) if prekeys else plan.to_config()
         for msg in messages:
-            msg.content[SECURE_SUM] = ConfigRecord(plan.to_config())
+            msg.content[SECURE_SUM] = ConfigRecord(record)
         kept.secure = _plan_report(plan)
         return plan
+
+    def _prekeys_for(self, plan: stages.SumPlan, roster: Roster | None) -> dict[int, Advert]:
+        """U1 from the participants' prekeys, where every one of them has one on file that every
+        honest node will accept (else none: the round keys afresh); each is used once."""
+        held = {u: self.prekeys[u] for u in plan.participants if u in self.prekeys}
+        if not self.settings.prekeys or len(held) != len(plan.participants):
+            return {}
+        trial = ServerRound(plan, 0, roster)
+        try:
+            accepted = trial.take_adverts(held, PREKEYED)
+        except SecAggError:
+            return {}
+        for u in held:
+            del self.prekeys[u]  # its node takes it out of its own state as the round begins
+        return accepted if not trial.excluded else {}
 
     def advance(
         self,
@@ -167,7 +187,7 @@ class SecureSum:
         kept.secure = self.report(server_round)
         if not out:
             return []
-        secure.stage = stages.STAGES[stages.STAGES.index(secure.stage) + 1]
+        secure.stage = stages.after(secure.stage, secure.prekeyed)
         messages = []
         for node, record in out.items():
             content = RecordDict(
@@ -180,10 +200,15 @@ class SecureSum:
 
     def _start(self, kept: PhasePlan) -> SecureRound:
         """The round's protocol state, from the plan its train messages carry."""
-        plan = stages.SumPlan.from_config(kept.messages[0].content[SECURE_SUM])
+        record = dict(kept.messages[0].content[SECURE_SUM])
+        plan = stages.SumPlan.from_config(record)
         summand = Summand(plan)
         roster = self.roster(o.node for o in kept.outgoing.values())
-        return SecureRound(ServerRound(plan, summand.length, roster), summand)
+        server = ServerRound(plan, summand.length, roster)
+        prekeys = stages.read_peer_keys(record)
+        if prekeys:
+            server.take_adverts(prekeys, PREKEYED)
+        return SecureRound(server, summand, prekeyed=bool(prekeys))
 
     def _take(self, secure: SecureRound, replies: list[Message], kept: PhasePlan, validate) -> dict[int, dict]:
         """This stage's answers taken into the protocol; the next stage's record for each node."""
@@ -191,15 +216,17 @@ class SecureSum:
         if secure.stage == stages.KEYS:
             secure.accepted = {u.node.node_id: u for u in validate(replies, kept)}
             answers = self._answers(secure, replies, kept.messages)
+            self._keep_prekeys(answers)
             for node in sorted(set(answers) - set(secure.accepted)):
                 server.excluded.setdefault(node, "its train reply was dropped (the round's dropped list says why)")
                 del answers[node]
+            if secure.prekeyed:
+                return self._routed(secure, self._read(secure, answers, stages.read_shares_reply))
             adverts = server.take_adverts(self._read(secure, answers, stages.read_keys_reply))
             return {u: stages.peer_keys(adverts) for u in adverts}
         answers = self._answers(secure, replies, kept.stage_messages)
         if secure.stage == stages.SHARES:
-            routed = server.take_shares(self._read(secure, answers, stages.read_shares_reply))
-            return {u: stages.dealt(server.dealt, c) for u, c in routed.items()}
+            return self._routed(secure, self._read(secure, answers, stages.read_shares_reply))
         if secure.stage == stages.MASKED:
             vectors = self._read(secure, answers, lambda reply: _masked_vector(reply, server.size), whole=True)
             complaints = self._read(secure, {n: answers[n] for n in vectors}, stages.read_complaints)
@@ -211,6 +238,20 @@ class SecureSum:
         total = server.unmask(self._read(secure, answers, stages.read_shares_back))
         secure.total = secure.summand.decode(total)
         return {}
+
+    @staticmethod
+    def _routed(secure: SecureRound, dealt: dict) -> dict[int, dict]:
+        """U2 from the nodes' shares; each dealer's next message routes it the shares dealt to it."""
+        routed = secure.server.take_shares(dealt)
+        return {u: stages.dealt(secure.server.dealt, c) for u, c in routed.items()}
+
+    def _keep_prekeys(self, answers: Mapping[int, Message]) -> None:
+        """Each train reply's prekey, kept for the node's next round (checked when a plan uses it)."""
+        for node, reply in answers.items():
+            record = reply.content.get(SECURE_SUM)
+            prekey = stages.read_prekey(dict(record)) if isinstance(record, ConfigRecord) else None
+            if prekey is not None:
+                self.prekeys[node] = prekey
 
     def total(self, server_round: int) -> RoundSum | None:
         """The round's sum over its survivors, or None if it failed."""
@@ -243,6 +284,7 @@ class SecureSum:
         out = {
             **_plan_report(secure.summand.plan),
             **secure.server.report(),
+            "prekeyed": secure.prekeyed,
             "stage": secure.stage,
             "stage_seconds": dict(secure.seconds),
             "bytes_up": secure.bytes_up,

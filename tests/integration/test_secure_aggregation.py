@@ -50,6 +50,9 @@ def test_promptfl_under_secure_aggregation_aggregates_what_the_clear_run_does(ma
     for r in data["rounds"]:
         protocol = r["secure_aggregation"]
         assert protocol["masked"] == N and protocol["revealed"] == N and not protocol["excluded"]
+        # round 1 keys afresh; round 2 is keyed with the prekeys round 1's replies carried: no shares stage
+        assert protocol["prekeyed"] is (r["round"] > 1)
+        assert ("shares" in protocol["stage_seconds"]) is (r["round"] == 1), protocol["stage_seconds"]
         assert r["bytes"]["train_up"] == 0  # no tensor in clear: the masked vectors are secure_up
         assert r["bytes"]["secure_up"] > 0
     a = torch.load(clear.dir / "final_shared.pt", weights_only=True)["arrays"][CTX].numpy()

@@ -393,7 +393,7 @@ class RekeyingGrid(HostileGrid):
         self._again("same", copy.deepcopy(msg))
         other = copy.deepcopy(msg)
         fewer = dataclasses.replace(plan, participants=plan.participants[:-1])
-        other.content[SECURE_SUM] = ConfigRecord(fewer.to_config())
+        other.content[SECURE_SUM] = ConfigRecord({**msg.content[SECURE_SUM], **fewer.to_config()})  # U1 kept
         self._again("other plan", other)
         if plan.server_round == 1:
             self.first = copy.deepcopy(msg)
@@ -401,7 +401,8 @@ class RekeyingGrid(HostileGrid):
             assert self.first is not None
             self._again("earlier round", copy.deepcopy(self.first))
             later = copy.deepcopy(msg)
-            later.content[SECURE_SUM] = ConfigRecord(dataclasses.replace(plan, server_round=3).to_config())
+            past = dataclasses.replace(plan, server_round=3).to_config()
+            later.content[SECURE_SUM] = ConfigRecord({**msg.content[SECURE_SUM], **past})
             later.content[CONFIG_RECORD][SERVER_ROUND] = 3
             self._again("past the run", later)
         return replies
@@ -409,7 +410,8 @@ class RekeyingGrid(HostileGrid):
 
 def test_a_node_keys_each_round_once_and_answers_a_copy_as_it_did(make_cfg, pretrained_clip, monkeypatch):
     """The difference attack (a second sum of one update is that update minus nothing new): the
-    node trains once per round; a copy of the keys message gets the very advert it sent (no new
+    node trains once per round; a copy of the keys message gets the very reply it sent (its advert
+    in round 1, its shares in round 2, keyed with the prekey round 1's reply carried: no new
     session, no new training, so no second vector with fresh noise); a second plan for the round,
     an earlier round and a round past the run's last are refused. The run itself is unharmed."""
     trained = _trained(monkeypatch)
@@ -438,10 +440,40 @@ def test_a_node_keys_each_round_once_and_answers_a_copy_as_it_did(make_cfg, pret
             continue
         assert label == "same"
         original = first[reply.metadata.reply_to_message_id]
-        assert stages.read_keys_reply(reply.content[SECURE_SUM]) == stages.read_keys_reply(original.content[SECURE_SUM])
+        assert dict(reply.content[SECURE_SUM]) == dict(original.content[SECURE_SUM])
         assert not reply.content[ARRAYS_RECORD]
-        answers.setdefault(label, []).append("the same advert")
-    assert answers["same"] == ["the same advert"] * 2
+        answers.setdefault(label, []).append("the same reply")
+    assert answers["same"] == ["the same reply"] * 2
+    assert [r["secure_aggregation"]["prekeyed"] for r in data["rounds"]] == [False, True]
     assert len(answers["other plan"]) == 2 and all("under another plan" in e for e in answers["other plan"])
     assert len(answers["earlier round"]) == 1 and "under an earlier round" in answers["earlier round"][0]
     assert len(answers["past the run"]) == 1 and "of a run of 2 rounds" in answers["past the run"][0]
+
+
+def test_a_used_prekey_handed_back_is_refused_before_training(make_cfg, pretrained_clip, monkeypatch):
+    """Round 3's train message to node 1001 lists the prekey round 2 keyed it with (its U1 of
+    round 2): the server would have the node mask a second vector under secrets already shared
+    with it. The node took that prekey out of its state when round 2 began, so it refuses before
+    training, and the round sums the other nodes' updates."""
+    trained = _trained(monkeypatch)
+    used: dict[int, dict] = {}
+
+    def reuse(msg):
+        if msg.metadata.dst_node_id != 1001 or _stage(msg) != "keys":
+            return msg
+        record = dict(msg.content[SECURE_SUM])
+        keyed_with = stages.read_peer_keys(record)
+        server_round = stages.SumPlan.from_config(record).server_round
+        if server_round == 2 and keyed_with:
+            used[1001] = stages.peer_keys(keyed_with)
+        elif server_round == 3:
+            msg.content[SECURE_SUM] = ConfigRecord({**record, **used[1001], SECAGG_STAGE: stages.KEYS})
+        return msg
+
+    rec, data, grid = _federation(make_cfg, "reused-prekey", reuse, num_server_rounds=3)
+    (why,) = _errors(grid, 1001)
+    assert "a prekey keys one session at most" in why
+    assert trained.count(1001) == 2
+    last = data["rounds"][2]["secure_aggregation"]
+    assert [r["secure_aggregation"]["prekeyed"] for r in data["rounds"]] == [False, True, True]
+    assert "failed" not in last and last["masked"] == N - 1  # a dropout: its error reply is all it sent

@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 
 from fedvlm.secagg.masks import decode, encode, expand
-from fedvlm.secagg.server import SecAggError
+from fedvlm.secagg.node import PREKEYED, SecAggRefused
+from fedvlm.secagg.server import SecAggError, ServerRound
 from fedvlm.secagg.stages import Advert
-from tests.secagg_harness import BITS, make_round, run_honest
+from tests.secagg_harness import BITS, SIZE, make_round, run_honest
 
 
+@pytest.mark.parametrize("prekeyed", [False, True])
 @pytest.mark.parametrize("n,k", [(5, 0), (12, 6)])
-def test_the_sum_is_exact_and_only_the_sum(n, k):
-    got, expected, server, _ = run_honest(n, k)
+def test_the_sum_is_exact_and_only_the_sum(n, k, prekeyed):
+    got, expected, server, _ = run_honest(n, k, prekeyed=prekeyed)
     np.testing.assert_array_equal(got, expected)
     assert len(server.masked) == n and len(server.signatures) == n and not server.excluded
     # what the server holds of one node is uniform modulo 2^bits, whatever the node's values
@@ -27,9 +29,10 @@ def test_the_sum_is_exact_and_only_the_sum(n, k):
     assert abs(float(one.mean()) / 2**BITS - 0.5) < 0.1
 
 
+@pytest.mark.parametrize("prekeyed", [False, True])
 @pytest.mark.parametrize("stage", ["keys", "shares", "masked", "consistency", "unmask"])
-def test_dropouts_at_every_stage_leave_the_sum_of_the_survivors(stage):
-    got, expected, server, _ = run_honest(7, drop={stage: [101, 108]})
+def test_dropouts_at_every_stage_leave_the_sum_of_the_survivors(stage, prekeyed):
+    got, expected, server, _ = run_honest(7, drop={stage: [101, 108]}, prekeyed=prekeyed)
     np.testing.assert_array_equal(got, expected)
     assert len(server.masked) == (7 if stage in ("consistency", "unmask") else 5)
 
@@ -198,3 +201,20 @@ def test_a_forger_among_many_holders_is_found_whichever_it_is():
 
         got, expected, server, _ = run_honest(20, tamper=forge)
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_prekey_and_an_advert_are_not_interchangeable():
+    """A prekey is signed over ``PREKEYED``, an advert over its plan's digest: neither passes for
+    the other, at the server and at every node, so keys made for one round's plan are never used
+    as a prekey, nor a prekey where the plan's own signature is due."""
+    for prekeyed in (False, True):
+        r = make_round(5)
+        r.start(prekeyed=prekeyed)
+        server = ServerRound(r.plan, SIZE, r.roster)
+        with pytest.raises(SecAggError, match="0 nodes advertised keys"):
+            server.take_adverts(dict(r.adverts), b"" if prekeyed else PREKEYED)  # the other kind's check
+        assert len(server.excluded) == 5 and all("signature" in w for w in server.excluded.values())
+        other = make_round(5)
+        other.start(prekeyed=not prekeyed)
+        with pytest.raises(SecAggRefused, match="signature over this round's plan"):
+            r.nodes[101].share({u: other.adverts[u] if u != 101 else r.adverts[u] for u in r.ids}, r.roster)
