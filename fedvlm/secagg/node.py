@@ -110,9 +110,11 @@ class Prekey:
     advert: Advert
 
     @classmethod
-    def new(cls, node_id: int, identity: Identity) -> Prekey:
+    def new(cls, node_id: int, identity: Identity, over: bytes = PREKEYED) -> Prekey:
+        """Two fresh key pairs, their advert signed by ``identity`` over ``over``: ``PREKEYED``
+        for a prekey, a plan's digest for keys made in their round (``NodeRound.start``)."""
         (enc_sk, enc), (mask_sk, mask) = new_key(), new_key()
-        signature = identity.sign(advert_message(PREKEYED, node_id, enc, mask))
+        signature = identity.sign(advert_message(over, node_id, enc, mask))
         return cls(enc_sk, mask_sk, Advert(enc, mask, identity.public, signature))
 
     def to_config(self) -> dict[str, bytes]:
@@ -295,25 +297,28 @@ class NodeRound:
     ) -> tuple[NodeRound, Advert]:
         """A fresh round under ``plan`` (checked: ``check_plan``), and the advert it sends: two
         public keys signed with the plan's digest by ``identity``, which must be on ``roster``."""
-        check_plan(plan, node_id, roster, floor)
-        if roster.member(identity.public) is None:
-            raise SecAggRefused("this node's identity key is not on the roster it pins: fix its node config")
-        (enc_sk, enc), (mask_sk, mask) = new_key(), new_key()
-        node = cls(node_id, plan, enc_sk, mask_sk)
-        advert = Advert(enc, mask, identity.public, identity.sign(advert_message(plan.digest, node_id, enc, mask)))
-        node.adverts[node_id] = advert
-        return node, advert
+        keys = Prekey.new(node_id, identity, over=plan.digest)
+        return cls.from_prekey(node_id, plan, roster, identity, keys, floor, signed_over=b""), keys.advert
 
     @classmethod
     def from_prekey(
-        cls, node_id: int, plan: SumPlan, roster: Roster, identity: Identity, prekey: Prekey, floor: int = 0
+        cls,
+        node_id: int,
+        plan: SumPlan,
+        roster: Roster,
+        identity: Identity,
+        prekey: Prekey,
+        floor: int = 0,
+        signed_over: bytes = PREKEYED,
     ) -> NodeRound:
-        """A round under ``plan`` keyed with the node's ``prekey`` (``Prekey``: the caller has taken
-        it out of the node's state, so that it keys no other session); the same checks as ``start``."""
+        """A round under ``plan`` (checked: ``check_plan``) keyed with ``prekey``, signed by
+        ``identity`` (on ``roster``) over ``signed_over`` (empty: the plan's digest). A prekey
+        made ahead (``Prekey``) must be out of the node's state already, so that it keys no other
+        session."""
         check_plan(plan, node_id, roster, floor)
         if prekey.advert.identity != identity.public or roster.member(identity.public) is None:
-            raise SecAggRefused("this node's prekey is not signed by its identity key on the roster it pins")
-        node = cls(node_id, plan, prekey.encryption_key, prekey.mask_key, signed_over=PREKEYED)
+            raise SecAggRefused("this node's identity key is not on the roster it pins, or its keys are another's")
+        node = cls(node_id, plan, prekey.encryption_key, prekey.mask_key, signed_over=signed_over)
         node.adverts[node_id] = prekey.advert
         return node
 

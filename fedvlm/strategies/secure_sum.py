@@ -7,7 +7,7 @@ survivors' vectors, never one node's update.
 degree, the threshold, the vector's layout, the noise shares, the roster's digest) and adds it to
 every train message; it changes nothing here. ``advance`` takes one stage's replies and returns
 the next stage's messages, until the last stage's replies give the sum (``total``); the round's
-protocol state is made from the plan when its train replies come back. The train replies are
+protocol state is made with its plan, keyed already where the plan carries the nodes' prekeys. The train replies are
 those the strategy accepts (``validate``: the reply checks every reply passes): a node whose
 reply is dropped never enters the sum, so the sum and the round's record agree on who is in it.
 A stage reply that is an error, comes from another node than the one asked, answers another
@@ -137,27 +137,28 @@ class SecureSum:
             n_min,
             roster.digest if roster is not None else "",
         )
-        prekeys = self._prekeys_for(plan, roster)
-        record = stages.prekeyed_plan(plan, prekeys) if prekeys else plan.to_config()
+        secure = self.rounds[server_round] = self._keyed(plan, roster)
+        record = stages.prekeyed_plan(plan, secure.server.adverts) if secure.prekeyed else plan.to_config()
         for msg in messages:
             msg.content[SECURE_SUM] = ConfigRecord(record)
         kept.secure = _plan_report(plan)
         return plan
 
-    def _prekeys_for(self, plan: stages.SumPlan, roster: Roster | None) -> dict[int, Advert]:
-        """U1 from the participants' prekeys, where every one of them has one on file that every
-        honest node will accept (else none: the round keys afresh); each is used once."""
-        held = {u: self.prekeys[u] for u in plan.participants if u in self.prekeys}
+    def _keyed(self, plan: stages.SumPlan, roster: Roster | None) -> SecureRound:
+        """The round's protocol state, keyed already (U1) from the participants' prekeys where
+        every one of them has one on file that every honest node will accept (else the round
+        keys afresh); a prekey is tried once (its node sends it again while it stays unused)."""
+        summand = Summand(plan)
+        fresh = SecureRound(ServerRound(plan, summand.length, roster), summand)
+        held = {u: self.prekeys.pop(u) for u in plan.participants if u in self.prekeys}
         if not self.settings.prekeys or len(held) != len(plan.participants):
-            return {}
-        trial = ServerRound(plan, 0, roster)
+            return fresh
+        keyed = ServerRound(plan, summand.length, roster)
         try:
-            accepted = trial.take_adverts(held, PREKEYED)
+            keyed.take_adverts(held, PREKEYED)
         except SecAggError:
-            return {}
-        for u in held:
-            del self.prekeys[u]  # its node takes it out of its own state as the round begins
-        return accepted if not trial.excluded else {}
+            return fresh
+        return fresh if keyed.excluded else SecureRound(keyed, summand, prekeyed=True)
 
     def advance(
         self,
@@ -168,9 +169,7 @@ class SecureSum:
     ) -> list[Message]:
         """The next stage's messages, from this stage's ``replies`` (none once the sum is known or
         the round failed); ``validate``: the strategy's checks of the train replies."""
-        secure = self.rounds.get(server_round)
-        if secure is None:
-            secure = self.rounds[server_round] = self._start(kept)
+        secure = self.rounds[server_round]
         if secure.total is not None or secure.failed:
             return []
         if secure.stage != stages.KEYS:
@@ -197,18 +196,6 @@ class SecureSum:
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         secure.mark = time.perf_counter()
         return messages
-
-    def _start(self, kept: PhasePlan) -> SecureRound:
-        """The round's protocol state, from the plan its train messages carry."""
-        record = dict(kept.messages[0].content[SECURE_SUM])
-        plan = stages.SumPlan.from_config(record)
-        summand = Summand(plan)
-        roster = self.roster(o.node for o in kept.outgoing.values())
-        server = ServerRound(plan, summand.length, roster)
-        prekeys = stages.read_peer_keys(record)
-        if prekeys:
-            server.take_adverts(prekeys, PREKEYED)
-        return SecureRound(server, summand, prekeyed=bool(prekeys))
 
     def _take(self, secure: SecureRound, replies: list[Message], kept: PhasePlan, validate) -> dict[int, dict]:
         """This stage's answers taken into the protocol; the next stage's record for each node."""
