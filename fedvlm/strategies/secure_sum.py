@@ -7,9 +7,10 @@ survivors' vectors, never one node's update.
 degree, the threshold, the vector's layout, the noise shares, the roster's digest) and adds it to
 every train message; it changes nothing here. ``advance`` takes one stage's replies and returns
 the next stage's messages, until the last stage's replies give the sum (``total``); the round's
-protocol state is made with its plan, keyed already where the plan carries the nodes' prekeys. The train replies are
-those the strategy accepts (``validate``: the reply checks every reply passes): a node whose
-reply is dropped never enters the sum, so the sum and the round's record agree on who is in it.
+protocol state is made with its plan, keyed already where the plan carries the nodes' prekeys.
+The train replies are those the strategy accepts (``validate``: the reply checks every reply
+passes): a node whose reply is dropped never enters the sum, so the sum and the round's record
+agree on who is in it.
 A stage reply that is an error, comes from another node than the one asked, answers another
 stage, or is malformed in any way (bytes that are not an array, a wrong size or type, shares of
 nodes it holds none of) leaves its node out of the round with the reason
