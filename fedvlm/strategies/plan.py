@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,9 +62,11 @@ class PhasePlan:
     # under masks, in later stages): then the replies carry figures only
     tensors_in_replies: bool = True
     # a secure round's later stages (strategies.secure_aggregation): their messages, copies
-    # included, and the protocol's account of the round
+    # included, the protocol's account of the round, and its state as the plan made it (taken
+    # up when the train replies come: a round dropped unsent takes it away with its plan)
     stage_messages: list[Message] = field(default_factory=list)
     secure: dict | None = None
+    protocol: Any = None
     bytes_down: int = 0
     bytes_up: int | None = None  # None until a reply is accepted
 

@@ -3,14 +3,14 @@ the strategy (``strategies.secure_aggregation``) drives: each train round become
 messages (``secagg.stages``), and what the strategy aggregates is the unmasked sum of the
 survivors' vectors, never one node's update.
 
-``plan`` builds a round's one plan from its train messages (the participants, the graph's
-degree, the threshold, the vector's layout, the noise shares, the roster's digest) and adds it to
-every train message; it changes nothing here. ``advance`` takes one stage's replies and returns
-the next stage's messages, until the last stage's replies give the sum (``total``); the round's
-protocol state is made with its plan, keyed already where the plan carries the nodes' prekeys.
-The train replies are those the strategy accepts (``validate``: the reply checks every reply
-passes): a node whose reply is dropped never enters the sum, so the sum and the round's record
-agree on who is in it.
+``plan`` builds a round's one plan from its train messages (the participants, the graph's degree,
+the threshold, the vector's layout, the noise shares, the roster's digest) and adds it to every
+train message; it changes nothing here. ``advance`` takes one stage's replies and returns the
+next stage's messages, until the last stage's replies give the sum (``total``); the round's
+protocol state is made with its plan (keyed already where the plan carries the nodes' prekeys)
+and kept with it, to be taken up when the train replies come. The train replies are those the
+strategy accepts (``validate``: the reply checks every reply passes): a node whose reply is
+dropped never enters the sum, so the sum and the round's record agree on who is in it.
 A stage reply that is an error, comes from another node than the one asked, answers another
 stage, or is malformed in any way (bytes that are not an array, a wrong size or type, shares of
 nodes it holds none of) leaves its node out of the round with the reason
@@ -138,7 +138,7 @@ class SecureSum:
             n_min,
             roster.digest if roster is not None else "",
         )
-        secure = self.rounds[server_round] = self._keyed(plan, roster)
+        secure = kept.protocol = self._keyed(plan, roster)
         record = stages.prekeyed_plan(plan, secure.server.adverts) if secure.prekeyed else plan.to_config()
         for msg in messages:
             msg.content[SECURE_SUM] = ConfigRecord(record)
@@ -148,10 +148,10 @@ class SecureSum:
     def _keyed(self, plan: stages.SumPlan, roster: Roster | None) -> SecureRound:
         """The round's protocol state, keyed already (U1) from the participants' prekeys where
         every one of them has one on file that every honest node will accept (else the round
-        keys afresh); a prekey is tried once (its node sends it again while it stays unused)."""
+        keys afresh). The prekeys stay on file until the round begins (``advance``)."""
         summand = Summand(plan)
         fresh = SecureRound(ServerRound(plan, summand.length, roster), summand)
-        held = {u: self.prekeys.pop(u) for u in plan.participants if u in self.prekeys}
+        held = {u: self.prekeys[u] for u in plan.participants if u in self.prekeys}
         if not self.settings.prekeys or len(held) != len(plan.participants):
             return fresh
         keyed = ServerRound(plan, summand.length, roster)
@@ -170,7 +170,11 @@ class SecureSum:
     ) -> list[Message]:
         """The next stage's messages, from this stage's ``replies`` (none once the sum is known or
         the round failed); ``validate``: the strategy's checks of the train replies."""
-        secure = self.rounds[server_round]
+        secure = self.rounds.get(server_round)
+        if secure is None:  # the round begins: its participants' prekeys on file are tried once
+            secure = self.rounds[server_round] = kept.protocol
+            for u in secure.server.plan.participants:
+                self.prekeys.pop(u, None)  # each node sends its unused prekey again with its reply
         if secure.total is not None or secure.failed:
             return []
         if secure.stage != stages.KEYS:

@@ -12,6 +12,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from fedvlm.client_app.app import app as client_app
 from fedvlm.methods.validation import validate
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR, SECURE_SUM
+from fedvlm.secagg.node import Prekey
+from fedvlm.secagg.roster import Identity
+from fedvlm.secagg.stages import read_peer_keys
 from fedvlm.spec import spec_of
 from fedvlm.strategies.layers import wrap
 from fedvlm.strategies.parts import RunParts
@@ -76,6 +79,12 @@ def test_configure_builds_messages_from_its_inputs_and_changes_nothing(method, v
             n.name: np.full_like(strategy.global_arrays["ctx"], i) for i, n in enumerate(strategy.nodes.values())
         }
     hooks.admit(grid)
+    if secure:  # every node's prekey on file: the plan keys the round with them, and uses up none
+        hooks.sums.prekeys = {
+            n.node_id: Prekey.new(n.node_id, Identity.simulated(cfg.seed, i)).advert
+            for i, n in enumerate(sorted(strategy.nodes.values(), key=lambda n: n.node_id))
+        }
+        on_file = dict(hooks.sums.prekeys)
     before = hooks.state_dict()
     arrays = ArrayRecord({k: Array(np.ascontiguousarray(v + 1.0)) for k, v in strategy.global_arrays.items()})
     built = []
@@ -89,11 +98,13 @@ def test_configure_builds_messages_from_its_inputs_and_changes_nothing(method, v
         assert _same(hooks.state_dict(), before), "configure changed the strategy's state"
         if secure:  # the protocol's state is made when the round's replies come, never by configuring
             assert isinstance(hooks, SecureAggregation) and hooks.sums.rounds == {}
+            assert hooks.sums.prekeys == on_file, "configure used up the prekeys of a round never sent"
     assert built[0] == built[1]
     train, evaluate = built[0]
     assert len(train) == N and all(config[RUN_DIR] == "/runs/x" for _, _, config, _ in train)
     assert all(config[FINAL_ROUND] is True for _, _, config, _ in evaluate)
     assert all((plan is not None) == secure for *_, plan in train)
+    assert all(read_peer_keys(plan).keys() == on_file.keys() for *_, plan in train if secure)
     # what was sent is the global arrays it was given, not the strategy's own copy
     given = {k: v.numpy().tobytes() for k, v in arrays.items()}
     assert any(sent.get(k) == given[k] for _, sent, _, _ in train for k in given)
