@@ -45,7 +45,7 @@ import numpy as np
 from fedvlm.experiments import stats, sweep
 from fedvlm.experiments.attack_report import ENDS
 from fedvlm.experiments.sweep import MB, whole_numbers
-from fedvlm.experiments.sweep_report import LAST10, read_summary, utility_columns
+from fedvlm.experiments.sweep_report import LAST10, keep_earlier, read_summary, summary_rows, utility_columns
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
 from fedvlm.metrics import AUDIT_METRICS, METRICS, per_client
 from fedvlm.strategies.records import TRAFFIC_KEYS
@@ -117,17 +117,23 @@ def matched(methods: list[str]) -> list[tuple[str, str, dict]]:
 
 def run_family(family: str, methods: list[str], scale: Scale, out: Path, quick: bool) -> list[dict]:
     """Every run of ``methods`` through the sweep (resumed where it stopped), and their no-DP
-    runs at DP compute (in ``<family>/dp-compute``); the summaries' rows."""
+    runs at DP compute (in ``<family>/dp-compute``); the summaries' rows, with those of the
+    folder's earlier calls (more seeds for a family, ``--seeds``) that this one did not plan."""
     folder = out / family
     sets = [*scale.sets, *(QUICK_FAMILY.get(family, ()) if quick else ())]
     tail = ["--set", *sets] if sets else []
-    sweep.main([*sweep_argv(folder, methods, scale, scale.epsilons), *tail])
-    rows = read_summary(folder / "summary.csv")
+    calls = [(folder, [*sweep_argv(folder, methods, scale, scale.epsilons), *tail])]
     extra = matched(methods) if any(e != "none" for e in scale.epsilons) else []
     if extra:
         variants = [arg for label, method, o in extra for arg in ("--variant", label, method, *pairs(o))]
-        sweep.main([*sweep_argv(folder / MATCHED_DIR, [], scale, ("none",)), *variants, *tail])
-        rows += read_summary(folder / MATCHED_DIR / "summary.csv")
+        matched_folder = folder / MATCHED_DIR
+        calls.append((matched_folder, [*sweep_argv(matched_folder, [], scale, ("none",)), *variants, *tail]))
+    rows = []
+    for where, argv in calls:
+        earlier = summary_rows(where / "summary.csv")
+        sweep.main(argv)
+        keep_earlier(where / "summary.csv", earlier, [], scale.epsilons)
+        rows += read_summary(where / "summary.csv")
     return [{**r, "family": family} for r in rows]
 
 

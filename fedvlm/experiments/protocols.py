@@ -18,16 +18,13 @@ for an attack's figure, when the attack is at its chance level in every run of b
 
 from __future__ import annotations
 
-import csv
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedvlm.experiments import stats
 from fedvlm.experiments.presets import COMPARISONS
-from fedvlm.experiments.sweep_report import LAST10  # a utility figure's key in a sweep row
+from fedvlm.experiments.sweep_report import LAST10, keep_earlier, summary_rows  # LAST10: a figure's key in a row
 from fedvlm.metrics import ACC, METRICS, SERVER_MODEL, vlm_score
-from fedvlm.utils.files import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -591,37 +588,6 @@ def _selection(p, args, protocol: Protocol) -> dict[str, list]:
     return {e: variants for e in protocol.epsilons if not asked or e in asked}
 
 
-def _summary_rows(path: Path) -> list[dict[str, str]]:
-    """summary.csv's rows as the text it holds (none before a first run)."""
-    if not path.exists():
-        return []
-    with open(path, newline="", encoding="utf-8") as fh:
-        return list(csv.DictReader(fh))
-
-
-def _keep_earlier(path: Path, earlier: list[dict[str, str]], protocol: Protocol) -> None:
-    """summary.csv after this call's sweeps, each of which wrote only its own runs: theirs, and every
-    row of the folder's earlier calls that this call did not run again, in the protocol's order,
-    so that the protocol's runs made part by part all reach its page."""
-    now = _summary_rows(path)
-    ran = {(r["variant"], r["epsilon"], r["seed"]) for r in now}
-    rows = now + [r for r in earlier if (r["variant"], r["epsilon"], r["seed"]) not in ran]
-    labels = [label for label, _, _ in protocol.variants]
-    rank = {e: i for i, e in enumerate(protocol.epsilons)}
-    rows.sort(
-        key=lambda r: (
-            labels.index(r["variant"]) if r["variant"] in labels else len(labels),
-            rank.get(r["epsilon"], len(rank)),
-            float(r["seed"]),
-        )
-    )
-    out = io.StringIO()
-    w = csv.DictWriter(out, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
-    w.writeheader()
-    w.writerows(rows)
-    atomic_write_text(out.getvalue(), path)
-
-
 def _parser():
     import argparse
 
@@ -693,11 +659,12 @@ def _run(protocol: Protocol, cells: dict[str, list], scale, folder: Path) -> Non
     summary.csv left with every row of the folder's calls, these and the earlier ones."""
     from fedvlm.experiments import leaderboard, sweep
 
+    labels = [label for label, _, _ in protocol.variants]
     for epsilons, variants in _calls(cells):
-        earlier = _summary_rows(folder / "summary.csv")
+        earlier = summary_rows(folder / "summary.csv")
         labelled = [a for label, method, o in variants for a in ("--variant", label, method, *leaderboard.pairs(o))]
         sweep.main([*leaderboard.sweep_argv(folder, [], scale, epsilons), *labelled, "--set", *scale.sets])
-        _keep_earlier(folder / "summary.csv", earlier, protocol)
+        keep_earlier(folder / "summary.csv", earlier, labels, protocol.epsilons)
 
 
 def _calls(cells: dict[str, list]) -> list[tuple[tuple[str, ...], list]]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from fedvlm.experiments import stats
 from fedvlm.metrics import ACC, AUDIT_METRICS, CIDER, METRICS, PER_CLIENT, PROPORTION
-from fedvlm.utils.files import UnreadableFile, read_utf8
+from fedvlm.utils.files import UnreadableFile, atomic_write_text, read_utf8
 
 LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
 UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
@@ -49,6 +49,32 @@ TEXT_COLUMNS = (
     "machine",
     "accountant",
 )
+
+
+def summary_rows(path: Path) -> list[dict[str, str]]:
+    """summary.csv's rows as the text it holds (none before a first run)."""
+    if not path.exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def keep_earlier(path: Path, earlier: list[dict[str, str]], labels: list[str], epsilons: tuple[str, ...]) -> None:
+    """summary.csv after a sweep, which writes only its own runs: theirs, and every row of the
+    folder's ``earlier`` calls that this one did not run again, ordered by variant (``labels``),
+    privacy level and seed, so that a folder's runs made call by call (a protocol's parts, a
+    family's later seeds) all reach its page."""
+    now = summary_rows(path)
+    ran = {(r["variant"], r["epsilon"], r["seed"]) for r in now}
+    rows = now + [r for r in earlier if (r["variant"], r["epsilon"], r["seed"]) not in ran]
+    labels = [*labels, *dict.fromkeys(r["variant"] for r in rows if r["variant"] not in labels)]
+    rank = {e: i for i, e in enumerate(epsilons)}
+    rows.sort(key=lambda r: (labels.index(r["variant"]), rank.get(r["epsilon"], len(rank)), float(r["seed"])))
+    out = io.StringIO()
+    w = csv.DictWriter(out, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(out.getvalue(), path)
 
 
 def read_summary(path: Path) -> list[dict]:

@@ -76,3 +76,31 @@ def test_a_damaged_reused_run_is_a_failed_row_naming_its_file(tmp_path, monkeypa
     assert sweep.main(["--out", str(out), "--methods", "zeroshot", "--epsilons", "none"]) == 1  # nothing finished
     (row,) = read_summary(out / "summary.csv")
     assert row["status"] == "failed" and "results.json" in row["error"] and "KeyError" in row["error"]
+
+
+def test_a_familys_later_seeds_stay_on_its_board(tmp_path, monkeypatch):
+    """Each sweep writes summary.csv with its own runs only: a family run again at five seeds, then
+    the whole board at its three, once published the family at three seeds again."""
+
+    def fake_sweep(argv):  # a sweep writes its own runs' rows only
+        out = tmp_path / argv[argv.index("--out") + 1]
+        flag = "--methods" if "--methods" in argv else "--variant"
+        labels = [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+        seeds = argv[argv.index("--seeds") + 1].split(",")
+        epsilons = argv[argv.index("--epsilons") + 1].split(",")
+        rows = [f"{v},m,{e},{s},finished" for v in labels for e in epsilons for s in seeds]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.csv").write_text("variant,method,epsilon,seed,status\n" + "\n".join(rows) + "\n")
+        return 0
+
+    monkeypatch.setattr(sweep, "main", fake_sweep)
+    five = leaderboard.dataclasses.replace(leaderboard.FULL, seeds=(0, 1, 2, 3, 4))
+    for scale in (five, leaderboard.FULL):  # the family's later seeds first, then the board
+        rows = leaderboard.run_family("prompt", ["promptfl"], scale, tmp_path, quick=False)
+    got: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        got.setdefault((r["variant"], r["epsilon"]), []).append(int(r["seed"]))
+    assert got == {
+        **{("promptfl", e): [0, 1, 2, 3, 4] for e in ("none", "8", "1")},
+        ("promptfl-dpcompute", "none"): [0, 1, 2, 3, 4],
+    }

@@ -115,16 +115,17 @@ def test_a_page_is_the_whole_protocol_or_its_headline_rows(capsys):
 def test_a_part_of_the_protocol_keeps_the_rows_its_earlier_parts_made(tmp_path):
     """Each sweep writes summary.csv with its own runs only: a call of FedOTP's seeds 3-4 once
     left the folder's other 32 rows out of it, and with them out of the next page."""
-    from fedvlm.experiments.protocols import _calls, _keep_earlier, _summary_rows
+    from fedvlm.experiments.protocols import _calls
+    from fedvlm.experiments.sweep_report import keep_earlier, summary_rows
 
     protocol = PROTOCOLS["paper-dpfpl"]
     path = tmp_path / "summary.csv"
     header = "variant,method,epsilon,seed,status,local-acc\n"
     path.write_text(header + "fedotp,fedotp,0.1,0,ok,20\npromptfl,promptfl,0.1,0,ok,23\n")
-    earlier = _summary_rows(path)
+    earlier = summary_rows(path)
     path.write_text("variant,method,epsilon,seed,status,local-acc,extra\nfedotp,fedotp,0.1,0,ok,21,x\n")
-    _keep_earlier(path, earlier, protocol)
-    rows = _summary_rows(path)
+    keep_earlier(path, earlier, [label for label, _, _ in protocol.variants], protocol.epsilons)
+    rows = summary_rows(path)
     assert [(r["variant"], r["local-acc"], r["extra"]) for r in rows] == [("promptfl", "23", ""), ("fedotp", "21", "x")]
     assert _calls({"0.1": ["a", "b"], "0.4": ["a", "b"], "0.01": ["a"]}) == [
         (("0.1", "0.4"), ["a", "b"]),
@@ -138,6 +139,7 @@ def test_every_call_of_a_headline_page_keeps_the_rows_of_the_calls_before_it(tmp
     call's were merged with the rows from before the first."""
     from fedvlm.experiments import protocols, sweep
     from fedvlm.experiments.protocols import headline_cells
+    from fedvlm.experiments.sweep_report import summary_rows
 
     def fake_sweep(argv):  # a sweep writes its own runs' rows only
         epsilons = argv[argv.index("--epsilons") + 1].split(",")
@@ -151,5 +153,5 @@ def test_every_call_of_a_headline_page_keeps_the_rows_of_the_calls_before_it(tmp
     protocol = PROTOCOLS["paper-dpfpl"]
     cells = {e: [v for v in protocol.variants if v[0] in labels] for e, labels in headline_cells(protocol).items()}
     protocols._run(protocol, cells, protocols.scale_of(protocol, True, (0,), False), tmp_path)
-    got = {(r["variant"], r["epsilon"]) for r in protocols._summary_rows(tmp_path / "summary.csv")}
+    got = {(r["variant"], r["epsilon"]) for r in summary_rows(tmp_path / "summary.csv")}
     assert got == {("promptfl", "none")} | {(v[0], e) for e, variants in cells.items() for v in variants}
