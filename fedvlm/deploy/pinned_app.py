@@ -61,8 +61,17 @@ CLIENTAPP_ENTRY = "fedvlm.deploy.pinned_app:clientapp_main"  # what that script 
 # node here). The code that runs is the same: a child's ``fedvlm.*`` import resolves through the
 # ``fedvlm`` package the fork server imported already (this module is in it), never the FAB's copy.
 # With it, the Flower module whose Runtime API calls a child's object batches check before they
-# replace them (``object_batches.install_clients``; 0.016 s of a child's CPU under a profiler).
-WARM = ("fedvlm.client_app.app", "flwr.superlink.grid.http_grid")
+# replace them (``object_batches.install_clients``; 0.016 s of a child's CPU under a profiler),
+# and what a child still imported under a profiler (2026-12-04, 4 secure nodes: 4 ms of its
+# 124): the signature check, the protobuf descriptors Flower's serde loads late, and the code
+# page zipfile decodes the FAB's names with.
+WARM = (
+    "fedvlm.client_app.app",
+    "flwr.superlink.grid.http_grid",
+    "fedvlm.deploy.instruction_signing",
+    "google.protobuf.descriptor_pb2",
+    "encodings.cp437",
+)
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads it (seconds, default 1)
 _SHA256 = re.compile(r"^(sha256:)?([0-9a-f]{64})$")
 
@@ -169,9 +178,17 @@ def build_hash(app: Path) -> tuple[str, str]:
 
 def server_keys_from_env() -> list:
     """The ServerApp keys ``exec --server-key`` pinned (none: messages are not verified)."""
+    return list(_server_keys(os.environ.get(SERVER_KEYS_ENV, "")))
+
+
+@functools.cache  # read once by the fork server (``prepare``): its children start with the keys parsed
+def _server_keys(paths: str) -> tuple:
+    """The keys at ``paths``, as they were when the SuperExec's ClientApps began: a key file
+    replaced later takes effect when the operator restarts ``exec``, as its ``--server-key``
+    list does (that list is this cache's key)."""
     from fedvlm.deploy.instruction_signing import load_public
 
-    return [load_public(Path(p)) for p in os.environ.get(SERVER_KEYS_ENV, "").split(os.pathsep) if p]
+    return tuple(load_public(Path(p)) for p in paths.split(os.pathsep) if p)
 
 
 @functools.cache  # Flower's code in this process does not change; the fork server's answer is its children's
@@ -205,14 +222,16 @@ def prepare() -> None:
     """What every ClientApp process would otherwise do again with the same result, done once by
     the fork server before it forks (``clientapp_forks``): the check of Flower's runtime (it reads
     Flower's source, and imports the SuperExec's plugins) and the digest of this package's source
-    the node worker compares (it reads every file). A child runs the code the server holds, so
-    both answers are the child's own; they cost a third of a forked ClientApp's CPU. The pin still
+    the node worker compares (it reads every file), and the pinned ServerApp keys parsed (3.5 ms
+    a child). A child runs the code the server holds, so these answers are the child's own; they
+    cost a third of a forked ClientApp's CPU. The pin still
     fails closed: a server whose Flower fails the check exits before its first fork, and the
     SuperExec's ClientApps then start as new processes, each of which checks and refuses."""
     from fedvlm.client_app.worker import code_digest
 
     _require_flower()
     code_digest()
+    server_keys_from_env()
 
 
 def _require_flower() -> None:
