@@ -502,7 +502,13 @@ PROTOCOLS.update(
                         "under 4); PromptFL's and pFedMoAP's seeds 3 and 4 (`--variants promptfl,pfedmoap --seeds "
                         "0,1,2,3,4`) 50 to 61 s each on 2026-12-04, alone on the machine",
                     ),
-                    (100, "not yet measured"),
+                    (
+                        100,
+                        "measured 2026-12-04 on the 2-core machine: 0.8 h of rounds for the 30 runs at three seeds "
+                        "(FedOTP's 2.5 to 3.6 min each, CoOp's and PromptFL's 0.7 to 7 min beside a benchmark, the "
+                        "others under 1.6 min); PromptFL's and pFedMoAP's seeds 3 and 4 (`--variants promptfl,pfedmoap "
+                        "--seeds 0,1,2,3,4`) 60 to 101 s each, alone on the machine",
+                    ),
                 )
             ),
         )
