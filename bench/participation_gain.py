@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from fedvlm.experiments.sweep import run_name
+from fedvlm.utils.files import read_results
 
 FIGURE = "eval/local-acc"
 
 
-def per_client(results: Path) -> tuple[dict[str, float], Counter]:
+def per_client(run: Path) -> tuple[dict[str, float], Counter]:
     """Each client's figure, mean of the last 10 rounds, and how many rounds it trained."""
-    rounds = json.loads(results.read_text())["rounds"]
+    rounds = read_results(run, "run the sweep again with the same --out")["rounds"]
     trained: Counter = Counter()
     for r in rounds:
         trained.update(c for c, v in r.get("clients", {}).items() if "train/num-examples" in v)
@@ -39,8 +40,8 @@ def per_client(results: Path) -> tuple[dict[str, float], Counter]:
 def gains(folder: Path, better: str, worse: str, seeds: list[int], cap: int) -> dict:
     groups: dict[int, list[float]] = defaultdict(list)
     for seed in seeds:
-        a, trained = per_client(folder / "runs" / run_name(better, "none", seed) / "results.json")
-        b, trained_b = per_client(folder / "runs" / run_name(worse, "none", seed) / "results.json")
+        a, trained = per_client(folder / "runs" / run_name(better, "none", seed))
+        b, trained_b = per_client(folder / "runs" / run_name(worse, "none", seed))
         if trained != trained_b:
             raise SystemExit(f"seed {seed}: the two runs trained different clients; their groups would differ")
         for client in a.keys() & b.keys():
