@@ -158,6 +158,19 @@ PATCHES: tuple[Patch, ...] = (
         ("install_clients",),
     ),
     Patch(
+        "held-fabs",
+        "fedvlm.deploy.held_fabs",
+        "flwr.supernode.runtime.run_clientapp",
+        "the SuperNode's Runtime router gains /pull-task-input-held (Flower's pull-task-input answer, its FAB's "
+        "content left out when the SHA-256 of that content is one the ClientApp names as installed), and a "
+        "ClientApp's client pulls its task input there, naming the pinned FABs installed on its node",
+        ("fedvlm/deploy/supernode_polling.py", "fedvlm/deploy/pinned_app.py"),
+        "runs unchanged, with a warning (every ClientApp receives the whole FAB)",
+        "a task-input pull that leaves out a FAB the ClientApp process holds already",
+        "docs/results/deployment.md, 'A ClientApp's task without the FAB'",
+        ("serve", "Puller"),
+    ),
+    Patch(
         "whole-messages-served",
         "fedvlm.deploy.whole_messages",
         "flwr.superlink.routers.fleet.router",

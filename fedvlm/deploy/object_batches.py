@@ -82,6 +82,8 @@ KINDS = {  # the messages these calls add: name -> (field, Flower's message type
         ("confirms", "ConfirmMessageReceivedRequest", True),
     ),
     "PushedMessage": (("pushed", "PushMessagesResponse", False), ("objects", "PushObjectResponse", True)),
+    # deploy.held_fabs: a ClientApp's task input, without the FABs its node has installed
+    "PullTaskInputHeldRequest": (("task", "PullTaskInputRequest", False), ("held", "Fab", True)),
 }
 
 
@@ -89,7 +91,7 @@ KINDS = {  # the messages these calls add: name -> (field, Flower's message type
 def kinds() -> dict[str, Any]:
     """The classes of ``KINDS``, built from a descriptor at first use (no generated code to keep in
     step): each holds Flower's own requests and responses."""
-    from flwr.proto import fleet_pb2, message_pb2, node_pb2  # noqa: F401  (their files must be in the pool first)
+    from flwr.proto import fab_pb2, fleet_pb2, message_pb2, node_pb2, runtime_pb2  # noqa: F401  (in the pool first)
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
     field = descriptor_pb2.FieldDescriptorProto
@@ -97,7 +99,7 @@ def kinds() -> dict[str, Any]:
         name="fedvlm/object_batches.proto",
         package="fedvlm.fleet",
         syntax="proto3",
-        dependency=["flwr/proto/fleet.proto", "flwr/proto/message.proto", "flwr/proto/node.proto"],
+        dependency=[f"flwr/proto/{m}.proto" for m in ("fab", "fleet", "message", "node", "runtime")],
     )
     for name, fields in KINDS.items():
         kind = spec.message_type.add(name=name)
@@ -295,21 +297,26 @@ def serve(fleet_api: bool = True) -> bool:
     """Serve ``pull-objects`` and ``push-objects`` in this process (the SuperLink: on its Fleet and
     Runtime APIs; a SuperNode, ``fleet_api=False``: on its Runtime API, for its ClientApps), before
     it builds its app; False, with a warning, where Flower's routers are not the ones this extends."""
-    from flwr.supercore.dependencies import runtime as depends
-
     if not flower_patches.applies("object-batches-served"):
         return False
     fleet, handlers, runtime, translation = server_parts()
     table = translation.PROTOBUF_REQUEST_TYPES
     if fleet_api:
         route(fleet.router, PREFIX, _fleet_endpoints(handlers), {"state": fleet.LinkStateDependency}, table)
-    runtime_depends = {
+    route(runtime.router, RUNTIME, _runtime_endpoints(), runtime_depends(), table)
+    return True
+
+
+def runtime_depends() -> dict[str, Any]:
+    """What a Runtime API handler is given, as Flower's own routes declare it: the state, the
+    component's handlers and the task the caller's token names."""
+    from flwr.supercore.dependencies import runtime as depends
+
+    return {
         "state": depends.RuntimeStateDependency,
         "handlers": depends.RuntimeHandlersDependency,
         "task": depends.TaskDependency,
     }
-    route(runtime.router, RUNTIME, _runtime_endpoints(), runtime_depends, table)
-    return True
 
 
 # ---- the SuperNode -------------------------------------------------------------------------------

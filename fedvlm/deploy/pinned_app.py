@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import flower_patches, log_beside_flower, object_batches, task_reaping
+from fedvlm.deploy import flower_patches, held_fabs, log_beside_flower, object_batches, task_reaping
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 SERVER_KEYS_ENV = "FEDVLM_SERVER_KEYS"  # and the ServerApp keys whose signatures they accept
@@ -123,11 +123,25 @@ def pinned_from_env() -> frozenset[str]:
 
 def check_fab(fab: bytes, pins: frozenset[str]) -> str:
     """``fab``'s SHA-256; ``AppNotPinned`` unless it is one of ``pins``."""
-    digest = fab_hash(fab)
+    return check_digest(fab_hash(fab), pins, fab_name(fab))
+
+
+def check_task_fab(fab: bytes, withheld: str | None, pins: frozenset[str], name: str) -> str:
+    """The SHA-256 of a task's FAB (``AppNotPinned`` unless it is one of ``pins``): of ``fab``'s
+    bytes, or ``withheld``, the digest the node's SuperNode computed of the bytes it left out
+    (``held_fabs``) when ``fab`` came without them."""
+    if withheld and not fab:
+        return check_digest(withheld, pins, name)
+    return check_fab(fab, pins)
+
+
+def check_digest(digest: str, pins: frozenset[str], name: str) -> str:
+    """``digest`` (a FAB's SHA-256, computed from its bytes on this node); ``AppNotPinned`` unless
+    it is one of ``pins``."""
     if digest not in pins:
         raise AppNotPinned(
             f"this node runs only the app(s) its organisation pinned (sha256 {', '.join(sorted(pins))}); this run's "
-            f"app {fab_name(fab)} has sha256 {digest}: refused before any of its code was unpacked or run"
+            f"app {name} has sha256 {digest}: refused before any of its code was unpacked or run"
         )
     return digest
 
@@ -232,6 +246,7 @@ def prepare() -> None:
     _require_flower()
     code_digest()
     server_keys_from_env()
+    held_fabs.check_flower()
 
 
 def _require_flower() -> None:
@@ -259,19 +274,24 @@ def clientapp_main() -> None:
     install, pull = runtime.install_from_fab, runtime.pull_task_input
     from fedvlm.deploy.instruction_signing import Served
 
-    keys, pulled = server_keys_from_env(), {}
+    keys = server_keys_from_env()
+    pulled: dict[str, Any] = {}
     served = Served(Path(os.environ[SERVED_ENV])) if os.environ.get(SERVED_ENV) else None
 
     def pull_kept(client):
+        client.PullTaskInput = puller = held_fabs.Puller(client, pinned_from_env())  # no FAB installed here
         message, context, run, fab = pull(client)
-        pulled["message"] = message
+        pulled.update(message=message, run=run, withheld=puller.withheld)
         return message, context, run, fab
 
     def install_pinned(fab_file: Path | bytes, install_dir: Path | None = None, skip_prompt: bool = False) -> Path:
         fab = fab_file.read_bytes() if isinstance(fab_file, Path) else fab_file
-        digest = check_fab(fab, pinned_from_env())
+        run, withheld = pulled["run"], None if fab else pulled["withheld"]
+        digest = check_task_fab(fab, withheld, pinned_from_env(), f"{run.fab_id} {run.fab_version}")
         if keys:
             verify(pulled["message"], keys, served)
+        if withheld:
+            return held_fabs.installed(run.fab_id, run.fab_version, digest)
         installed = installed_app(fab, digest) if install_dir is None and skip_prompt else None
         return installed if installed is not None else install(fab_file, install_dir, skip_prompt)
 

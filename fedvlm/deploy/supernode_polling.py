@@ -55,6 +55,7 @@ from types import ModuleType
 
 from fedvlm.deploy import (
     flower_patches,
+    held_fabs,
     log_beside_flower,
     long_pulls,
     object_batches,
@@ -253,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     whole_messages.install()  # with the message itself, the reply with its objects
     long_pulls.install_tasks()  # its SuperExec's look for a ClientApp to start, held until one is there
     object_batches.serve(fleet_api=False)  # as its ClientApps ask for theirs
+    held_fabs.serve()  # their task input without the FAB this node has installed
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args
