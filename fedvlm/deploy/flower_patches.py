@@ -158,16 +158,18 @@ PATCHES: tuple[Patch, ...] = (
         ("install_clients",),
     ),
     Patch(
-        "held-fabs",
-        "fedvlm.deploy.held_fabs",
+        "task-input",
+        "fedvlm.deploy.task_input",
         "flwr.supernode.runtime.run_clientapp",
-        "the SuperNode's Runtime router gains /pull-task-input-held (Flower's pull-task-input answer, its FAB's "
-        "content left out when the SHA-256 of that content is one the ClientApp names as installed), and a "
-        "ClientApp's client pulls its task input there, naming the pinned FABs installed on its node",
+        "the SuperNode's Runtime router gains /pull-task (Flower's pull-task-input answer, its FAB's content left "
+        "out when the SHA-256 of that content is one the ClientApp names as installed, then Flower's pull-messages "
+        "answer and the message's pull-object answers), and a ClientApp pulls its task there, naming the pinned "
+        "FABs installed on its node, and hands the parts to Flower's next calls",
         ("fedvlm/deploy/supernode_polling.py", "fedvlm/deploy/pinned_app.py"),
-        "runs unchanged, with a warning (every ClientApp receives the whole FAB)",
-        "a task-input pull that leaves out a FAB the ClientApp process holds already",
-        "docs/results/deployment.md, 'A ClientApp's task without the FAB'",
+        "runs unchanged, with a warning (three calls per ClientApp, each receiving the whole FAB)",
+        "one Runtime call for a ClientApp's task, message and objects, and a task input that leaves out a FAB the "
+        "ClientApp process holds already",
+        "docs/results/deployment.md, 'A ClientApp's task in one call, without the FAB'",
         ("serve", "Puller"),
     ),
     Patch(

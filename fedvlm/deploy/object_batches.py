@@ -82,8 +82,13 @@ KINDS = {  # the messages these calls add: name -> (field, Flower's message type
         ("confirms", "ConfirmMessageReceivedRequest", True),
     ),
     "PushedMessage": (("pushed", "PushMessagesResponse", False), ("objects", "PushObjectResponse", True)),
-    # deploy.held_fabs: a ClientApp's task input, without the FABs its node has installed
-    "PullTaskInputHeldRequest": (("task", "PullTaskInputRequest", False), ("held", "Fab", True)),
+    # deploy.task_input: a ClientApp's task in one call, without the FABs its node has installed
+    "TaskInputRequest": (("task", "PullTaskInputRequest", False), ("held", "Fab", True)),
+    "TaskInput": (
+        ("task", "PullTaskInputResponse", False),
+        ("messages", "PullAppMessagesResponse", False),
+        ("objects", "PullObjectResponse", True),
+    ),
 }
 
 

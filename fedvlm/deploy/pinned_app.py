@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import flower_patches, held_fabs, log_beside_flower, object_batches, task_reaping
+from fedvlm.deploy import flower_patches, log_beside_flower, object_batches, task_input, task_reaping
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 SERVER_KEYS_ENV = "FEDVLM_SERVER_KEYS"  # and the ServerApp keys whose signatures they accept
@@ -129,7 +129,7 @@ def check_fab(fab: bytes, pins: frozenset[str]) -> str:
 def check_task_fab(fab: bytes, withheld: str | None, pins: frozenset[str], name: str) -> str:
     """The SHA-256 of a task's FAB (``AppNotPinned`` unless it is one of ``pins``): of ``fab``'s
     bytes, or ``withheld``, the digest the node's SuperNode computed of the bytes it left out
-    (``held_fabs``) when ``fab`` came without them."""
+    (``task_input``) when ``fab`` came without them."""
     if withheld and not fab:
         return check_digest(withheld, pins, name)
     return check_fab(fab, pins)
@@ -246,7 +246,7 @@ def prepare() -> None:
     _require_flower()
     code_digest()
     server_keys_from_env()
-    held_fabs.check_flower()
+    task_input.check_flower()
 
 
 def _require_flower() -> None:
@@ -279,7 +279,7 @@ def clientapp_main() -> None:
     served = Served(Path(os.environ[SERVED_ENV])) if os.environ.get(SERVED_ENV) else None
 
     def pull_kept(client):
-        client.PullTaskInput = puller = held_fabs.Puller(client, pinned_from_env())  # no FAB installed here
+        client.PullTaskInput = puller = task_input.Puller(client, pinned_from_env())  # the task in one call
         message, context, run, fab = pull(client)
         pulled.update(message=message, run=run, withheld=puller.withheld)
         return message, context, run, fab
@@ -291,7 +291,7 @@ def clientapp_main() -> None:
         if keys:
             verify(pulled["message"], keys, served)
         if withheld:
-            return held_fabs.installed(run.fab_id, run.fab_version, digest)
+            return task_input.installed(run.fab_id, run.fab_version, digest)
         installed = installed_app(fab, digest) if install_dir is None and skip_prompt else None
         return installed if installed is not None else install(fab_file, install_dir, skip_prompt)
 

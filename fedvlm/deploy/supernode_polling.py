@@ -55,11 +55,11 @@ from types import ModuleType
 
 from fedvlm.deploy import (
     flower_patches,
-    held_fabs,
     log_beside_flower,
     long_pulls,
     object_batches,
     supernode_gate,
+    task_input,
     whole_messages,
 )
 from fedvlm.deploy.pinned_app import parse_pin
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     whole_messages.install()  # with the message itself, the reply with its objects
     long_pulls.install_tasks()  # its SuperExec's look for a ClientApp to start, held until one is there
     object_batches.serve(fleet_api=False)  # as its ClientApps ask for theirs
-    held_fabs.serve()  # their task input without the FAB this node has installed
+    task_input.serve()  # and their task in one call, without the FAB this node has installed
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args
