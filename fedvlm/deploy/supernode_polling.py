@@ -186,9 +186,6 @@ def install(idle: float, reply: float, reply_timeout: float = 3600.0) -> bool:
     replied = threading.Event()
     clock = PollingClock(idle, reply, replied)
     InMemoryNodeState.store_message = noting_replies(InMemoryNodeState.store_message, replied)  # type: ignore[method-assign]
-    # Flower's loop sends a reply as soon as the message is stored and waits (the second sleep(0.5))
-    # for each of its objects the ClientApp has not pushed yet: their store ends that wait too
-    object_batches.STORED.append(replied.set)
     loop.time = clock  # type: ignore[assignment]  # a stand-in for the module
     loop._push_messages = bound_replies(loop._push_messages, clock, reply_timeout)
     return True

@@ -8,7 +8,6 @@ import types
 
 import pytest
 
-from fedvlm.deploy import object_batches
 from fedvlm.deploy import supernode_polling as polling
 
 
@@ -27,7 +26,6 @@ def _undone_after(monkeypatch):
     monkeypatch.setattr(loop, "time", time)
     monkeypatch.setattr(loop, "_push_messages", loop._push_messages)
     monkeypatch.setattr(InMemoryNodeState, "store_message", InMemoryNodeState.store_message)
-    monkeypatch.setattr(object_batches, "STORED", list(object_batches.STORED))
     return loop
 
 
@@ -82,20 +80,6 @@ def test_a_stored_reply_ends_the_reply_wait_at_once(monkeypatch):
     assert [m.metadata.reply_to_message_id for m in state.get_messages_legacy(is_reply=True)] == [
         instruction.metadata.message_id
     ]
-
-
-def test_a_replys_objects_stored_end_the_wait_for_them(monkeypatch):
-    """Flower's loop sends a reply once its message is stored, and waits (its second sleep(0.5),
-    --reply-poll here) for each object the ClientApp has not pushed yet: the ClientApp's push of
-    them through the Runtime API's batch (``object_batches``' stored hooks) ends that wait."""
-    import threading
-
-    loop = _undone_after(monkeypatch)
-    assert polling.install(0.5, 0.5)
-    threading.Timer(0.05, lambda: [stored() for stored in object_batches.STORED]).start()
-    t0 = time.monotonic()
-    loop.time.sleep(0.5)
-    assert 0.04 <= time.monotonic() - t0 < 0.3
 
 
 def test_a_flower_loop_that_changed_runs_unchanged(monkeypatch, caplog):
