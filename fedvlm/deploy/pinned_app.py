@@ -17,7 +17,8 @@ cannot pin this project's app. This module is the project-side layer:
   server on Linux (``deploy.clientapp_forks``; ``--clientapp-start spawn``: a new process, as
   Flower starts it), and it looks for tasks every ``--task-poll`` seconds (Flower: 1 s);
 - ``fedvlm-clientapp`` is Flower's ``flwr-clientapp`` with two checks first: the SHA-256 of the
-  run's FAB, computed here from its bytes (never the hash the run claims), must be one the
+  run's FAB, computed from its bytes (never the hash the run claims: here, or by the node's own
+  SuperNode when it left out a FAB installed on the node, ``deploy.task_input``), must be one the
   organisation pinned; and, with ``exec --server-key``, the message must carry the signature of
   the federation's ServerApp (``deploy.instruction_signing``). Otherwise the task ends with an
   error reply naming what failed, before the FAB is unpacked; nothing of the app ran.
