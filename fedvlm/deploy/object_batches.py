@@ -291,11 +291,12 @@ def check_server() -> str | None:
 def route(router, prefix: str, endpoints: dict[str, tuple[Callable, Any, Any]], depends: dict, table: dict) -> None:
     """Each of ``endpoints`` (path -> endpoint, request kind, answer kind) as a protobuf route of
     ``router``, in Flower's table of protobuf routes (which its node and task authentication read)."""
-    if any(r.path == prefix + next(iter(endpoints)) for r in router.routes):  # served already in this process
-        return
+    served = {r.path for r in router.routes}  # a route served already in this process is not added twice
     for path, (endpoint, kind, answer) in endpoints.items():
-        router.add_api_route(path, _annotate(endpoint, kind, answer, depends), methods=["POST"], name=endpoint.__name__)
-        table[("POST", prefix + path)] = kind
+        if prefix + path not in served:
+            handler = _annotate(endpoint, kind, answer, depends)
+            router.add_api_route(path, handler, methods=["POST"], name=endpoint.__name__)
+        table[("POST", prefix + path)] = kind  # and is in the table however that was changed since
 
 
 def serve(fleet_api: bool = True) -> bool:

@@ -24,6 +24,8 @@ def served():
     from flwr.superlink.routers.fleet import router
 
     routes, table = list(router.router.routes), dict(translation.PROTOBUF_REQUEST_TYPES)
+    runtime = object_batches.server_parts()[2].router  # the Runtime API's, which serve() extends too
+    runtime_routes = list(runtime.routes)
     try:
         assert object_batches.serve()
         from flwr.superlink.main import create_app
@@ -31,6 +33,7 @@ def served():
         yield create_app()
     finally:
         router.router.routes[:] = routes
+        runtime.routes[:] = runtime_routes
         translation.PROTOBUF_REQUEST_TYPES.clear()
         translation.PROTOBUF_REQUEST_TYPES.update(table)
 
