@@ -269,6 +269,13 @@ def compute_row(data: dict) -> dict:
     }
 
 
+def idle_rounds(data: dict) -> list[int]:
+    """The rounds of a finished run in which no node it sampled trained: every reply lost (a machine
+    paused or overloaded past the round's timeout), which no config asks for. Such a run trained less
+    than its row's compute says, so a sweep does not reuse it as finished."""
+    return [r["round"] for r in data["rounds"] if r.get("sampled") and not r["metrics"].get(TRAIN_CLIENTS, 1)]
+
+
 def attack_columns(run_dir: Path, family, shadows: int, online: int, trains: bool = True) -> dict:
     """A run's membership-attack columns: the family's attacks, pooled over clients with their
     intervals (``Family.membership_attack``), and Shokri's and the loss threshold's accuracy and
@@ -438,6 +445,14 @@ class Sweep:
             if differ:  # a finished run of another config under this name: not this run
                 log.warning("%s holds a run of another config (%s)", name, "; ".join(differ))
                 set_aside(run_dir, "other-config")
+                reused, prior, fresh = None, None, True
+            elif reused is not None and idle_rounds(reused):
+                log.warning(
+                    "%s: no node trained in round(s) %s; its row would not be the run's compute",
+                    name,
+                    ", ".join(map(str, idle_rounds(reused))),
+                )
+                set_aside(run_dir, "idle-round")  # kept beside it; the run is made afresh
                 reused, prior, fresh = None, None, True
             elif reused is not None and self.args.mia and self.old_attacks(method, run_dir):
                 set_aside(run_dir, "old-attacks")  # its attacks need the run again: kept beside it, run afresh

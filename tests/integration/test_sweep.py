@@ -7,6 +7,7 @@ import csv
 import json
 
 from fedvlm.experiments.sweep import main
+from fedvlm.metrics import TRAIN_CLIENTS
 
 
 def test_labelled_variants_sweep_and_resume(tmp_path, cache_dir, pretrained_clip):
@@ -147,6 +148,16 @@ def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(tmp_path,
     longer = sweep(out, 3)
     assert [r["round"] for r in longer["rounds"]] == [1, 2, 3] and "resumed" not in longer["run"]
     assert len([p for p in (out / "runs").iterdir() if p.name.startswith("p-epsnone-seed0-other-config-")]) == 1
+
+    # a finished run in which one round trained no node (every reply lost to a paused or overloaded
+    # machine) trained less than its row would say: kept aside, and the run is made afresh
+    path = out / "runs" / "p-epsnone-seed0" / "results.json"
+    idle = json.loads(path.read_text())
+    idle["rounds"][1]["metrics"][TRAIN_CLIENTS] = 0
+    path.write_text(json.dumps(idle))
+    again = sweep(out, 3)
+    assert [r["metrics"][TRAIN_CLIENTS] > 0 for r in again["rounds"]] == [True] * 3
+    assert len([p for p in (out / "runs").iterdir() if p.name.startswith("p-epsnone-seed0-idle-round-")]) == 1
 
     # a cut-off run already past the rounds now asked for has nothing to resume to: kept aside too
     cut_off(out)
