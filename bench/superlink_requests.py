@@ -40,15 +40,11 @@ PROMPT = (60, 512)  # PromptFL's context vectors on the embedded CLIP, as the de
 
 def _app(database: Path):
     """Flower's SuperLink app on ``database``, patched as the deployed SuperLink is."""
-    from fedvlm.deploy import link_lookups, long_pulls, object_batches, scoped_middlewares, task_claims, whole_messages
-
-    task_claims.install(task_claims.START_WINDOW_S, task_claims.MAX_STARTS)
-    long_pulls.install(long_pulls.HOLD_S)
-    object_batches.serve()
-    whole_messages.serve()
-    link_lookups.install()
-    scoped_middlewares.install()
     from flwr.superlink.main import create_app
+
+    from fedvlm.deploy import long_pulls, superlink, task_claims
+
+    superlink.install_patches(task_claims.START_WINDOW_S, task_claims.MAX_STARTS, long_pulls.HOLD_S)
 
     os.environ["FLWR_DATABASE"] = str(database)
     app = create_app()

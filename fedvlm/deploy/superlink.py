@@ -296,15 +296,20 @@ def _use_signing_key(p: argparse.ArgumentParser, key: Path) -> None:
     os.environ[SIGNING_KEY_ENV] = str(key.resolve())  # the SuperExec's and ServerApps' environment
 
 
+def install_patches(task_start_window: float, task_starts: int, pull_hold: float) -> None:
+    """This SuperLink's changes to Flower (``deploy.flower_patches``), before it builds its app;
+    ValueError for a setting out of range."""
+    task_claims.install(task_start_window, task_starts)
+    long_pulls.install(pull_hold)
+    object_batches.serve()
+    whole_messages.serve()
+    link_lookups.install()
+    scoped_middlewares.install()
+
+
 def _install_patches(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """This SuperLink's changes to Flower (``deploy.flower_patches``), before it builds its app."""
     try:
-        task_claims.install(args.task_start_window, args.task_starts)
-        long_pulls.install(args.pull_hold)
-        object_batches.serve()
-        whole_messages.serve()
-        link_lookups.install()
-        scoped_middlewares.install()
+        install_patches(args.task_start_window, args.task_starts, args.pull_hold)
     except ValueError as err:
         p.error(str(err))
 
