@@ -17,8 +17,8 @@ std over seeds for utility, the mean for the rest):
   ``privacy.accountant``, RDP by default), the one-run audit's lower bound (``privacy.audit-canaries``
   canaries on one node), and the best membership attack's TPR at 0.1% FPR and AUC (the attack with
   the highest TPR, named);
-- cost: megabytes each client sent and received, seconds per round, on the machine named in the
-  table's header.
+- cost: megabytes each client sent and received, seconds per round (each run's median), on the
+  machine named in the table's header.
 
 Writes ``leaderboard.md``, ``.csv``, ``.json`` and ``leaderboard_pareto.png`` (utility against
 accounted epsilon and against the best attack's TPR, a bar for the spread over seeds, the
@@ -420,8 +420,8 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         "(floor(0.001 n) + 1) / (n + 1), which is 1 / (n + 1), the TPR at zero false positives, below 1000 "
         "non-members (so never 0.1% here); * marks an interval wholly above it. Cost: tensor megabytes per "
         "client, sent (up) and received (down), for training (its secure-aggregation stages included) and for "
-        "evaluation, over the run; seconds per round. `-`: not measured for that row (no mechanism to audit, no "
-        "attack that applies, no reference).",
+        "evaluation, over the run; seconds per round (each run's median round, averaged over seeds). `-`: not "
+        "measured for that row (no mechanism to audit, no attack that applies, no reference).",
     ]
     for family in dict.fromkeys(e["family"] for e in entries):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]

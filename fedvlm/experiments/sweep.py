@@ -240,7 +240,7 @@ def machine(data: dict) -> str:
 
 def cost_row(data: dict) -> dict:
     """What a run cost and how much it computed: tensor megabytes each node sent and received for
-    training and for evaluation (the run's totals over the nodes that joined), the mean seconds
+    training and for evaluation (the run's totals over the nodes that joined), the median seconds
     per round and the rounds' seconds in total, the machine they were measured on, and its compute
     (``compute_row``)."""
     nodes = max(1, len((data.get("run") or {}).get("nodes") or []))
@@ -248,7 +248,8 @@ def cost_row(data: dict) -> dict:
     return {
         "machine": machine(data),
         **{MB[key]: final.get(key, 0) / nodes / 1e6 for key in TRAFFIC_KEYS},
-        "seconds-per-round": sum(r["seconds"] for r in rounds) / len(rounds) if rounds else None,
+        # the median: one round a paused or busy machine held up does not set the run's figure
+        "seconds-per-round": float(np.median([r["seconds"] for r in rounds])) if rounds else None,
         "seconds-total": sum(r["seconds"] for r in rounds),
         **compute_row(data),
     }

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from fedvlm.experiments.presets import COMPARISONS, PRESETS
-from fedvlm.experiments.sweep import _labelled
+from fedvlm.experiments.sweep import _labelled, cost_row, idle_rounds
 from fedvlm.experiments.sweep_report import audit_row, plot_audit, write_audit, write_tables
 from fedvlm.methods.validation import validate
+from fedvlm.metrics import TRAIN_CLIENTS
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -187,3 +188,16 @@ def test_a_finished_run_whose_attack_report_predates_chance_levels_is_run_again(
     assert Sweep.old_attacks("promptfl", tmp_path / "old")
     assert not Sweep.old_attacks("promptfl", tmp_path / "current")
     assert not Sweep.old_attacks("promptfl", tmp_path / "never-attacked")  # no report: attacked as usual
+
+
+def test_a_round_held_up_by_a_paused_machine_sets_neither_the_speed_nor_passes_for_training():
+    def round_(n: int, seconds: float, trained: int) -> dict:
+        return {"round": n, "sampled": 10, "seconds": seconds, "metrics": {TRAIN_CLIENTS: trained}, "clients": {}}
+
+    data = {"run": {"nodes": [{"info": {"device": "cpu"}}] * 10}, "final": {}, "config": {}}
+    data["rounds"] = [round_(1, 1.0, 10), round_(2, 900.0, 10), round_(3, 1.2, 10)]
+    row = cost_row(data)
+    assert row["seconds-per-round"] == 1.2 and row["seconds-total"] == pytest.approx(902.2)
+    assert idle_rounds(data) == []  # held up, but every sampled node trained: the run is whole
+    data["rounds"][1]["metrics"][TRAIN_CLIENTS] = 0  # every reply of round 2 lost
+    assert idle_rounds(data) == [2]
