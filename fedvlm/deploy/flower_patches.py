@@ -211,6 +211,18 @@ PATCHES: tuple[Patch, ...] = (
         "docs/results/deployment.md, 'The message path, by CPU seconds per program'",
     ),
     Patch(
+        "object-rows",
+        "fedvlm.deploy.object_rows",
+        "flwr.supercore.object_store.sql_object_store",
+        "SqlObjectStore.preregister, get_object_tree and delete work on a message's objects as sets: one read of "
+        "the objects a tree names and four writes, one recursive read of a tree, one read of a subtree's counts "
+        "and links then two writes, instead of a few statements per object",
+        ("fedvlm/deploy/superlink.py",),
+        "runs unchanged, with a warning (a few SQL statements per object of every message)",
+        "a SQL object store that registers, reads and deletes a message's object tree in set statements",
+        "docs/results/deployment.md, 'A message's objects in set statements'",
+    ),
+    Patch(
         "scoped-middlewares",
         "fedvlm.deploy.scoped_middlewares",
         "flwr.superlink.main",

@@ -35,7 +35,8 @@ Flower's SuperExec otherwise starts one ServerApp after another and the run neve
 holds a SuperNode's empty pull up to ``--pull-hold`` seconds, answering as soon as work for the node
 is stored (``deploy.long_pulls``), instead of answering empty and being asked again; and reads a
 node's key and sweeps expired task tokens when they change, not on every request
-(``deploy.link_lookups``).
+(``deploy.link_lookups``); and stores, reads and deletes a message's objects in set statements
+rather than a few per object (``deploy.object_rows``).
 
 The ServerApp's task token is on its process's command line (Flower's executor puts it there):
 another account can read it with ``ps``, but cannot use it, since its requests are refused here.
@@ -65,6 +66,7 @@ from fedvlm.deploy import (
     log_beside_flower,
     long_pulls,
     object_batches,
+    object_rows,
     scoped_middlewares,
     task_claims,
     whole_messages,
@@ -305,6 +307,7 @@ def install_patches(task_start_window: float, task_starts: int, pull_hold: float
     whole_messages.serve()
     link_lookups.install()
     scoped_middlewares.install()
+    object_rows.install()
 
 
 def _install_patches(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
