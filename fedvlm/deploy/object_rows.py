@@ -34,18 +34,32 @@ from typing import Any
 
 from fedvlm.deploy.flower_patches import lacking
 
-_UNDER = """
+# the objects under a root (the root too), through the links
+_UNDER_ROOT = """
 WITH RECURSIVE under(id) AS (
     SELECT :root UNION SELECT c.child_id FROM object_children c JOIN under u ON c.parent_id = u.id
 )
-SELECT u.id, o.object_id IS NOT NULL FROM under u LEFT JOIN objects o ON o.object_id = u.id
 """
-_LINKS = """
-WITH RECURSIVE under(id) AS (
-    SELECT :root UNION SELECT c.child_id FROM object_children c JOIN under u ON c.parent_id = u.id
+_UNDER = (
+    _UNDER_ROOT
+    + """SELECT u.id, o.object_id IS NOT NULL FROM under u LEFT JOIN objects o ON o.object_id = u.id
+"""
 )
-SELECT c.parent_id, c.child_id FROM object_children c JOIN under u ON c.parent_id = u.id
+_LINKS = (
+    _UNDER_ROOT
+    + """SELECT c.parent_id, c.child_id FROM object_children c JOIN under u ON c.parent_id = u.id
 """
+)
+
+
+def _links(session, root: str) -> dict[str, list[str]]:
+    """Each object under ``root`` and the children it links to."""
+    from sqlalchemy import text
+
+    children: dict[str, list[str]] = {}
+    for parent, child in session.execute(text(_LINKS), {"root": root}).all():
+        children.setdefault(parent, []).append(child)
+    return children
 
 
 def get_object_tree(self, object_id: str):
@@ -63,9 +77,7 @@ def get_object_tree(self, object_id: str):
                 f"Object tree for object ID '{object_id}' contains missing "
                 "children. This may indicate a corrupted object store."
             )
-        children: dict[str, list[str]] = {}
-        for parent, child in session.execute(text(_LINKS), {"root": object_id}).all():
-            children.setdefault(parent, []).append(child)
+        children = _links(session, object_id)
 
     def tree(node: str) -> Any:
         return ObjectTree(object_id=node, children=[tree(c) for c in sorted(children.get(node, ()))])
@@ -73,12 +85,11 @@ def get_object_tree(self, object_id: str):
     return tree(object_id)
 
 
-_COUNTS = """
-WITH RECURSIVE under(id) AS (
-    SELECT :root UNION SELECT c.child_id FROM object_children c JOIN under u ON c.parent_id = u.id
-)
-SELECT o.object_id, o.ref_count FROM objects o JOIN under u ON o.object_id = u.id
+_COUNTS = (
+    _UNDER_ROOT
+    + """SELECT o.object_id, o.ref_count FROM objects o JOIN under u ON o.object_id = u.id
 """
+)
 
 
 def delete(self, object_id: str) -> None:
@@ -91,9 +102,7 @@ def delete(self, object_id: str) -> None:
         counts = dict(session.execute(text(_COUNTS), {"root": object_id}).all())
         if counts.get(object_id, 1) != 0:
             return
-        children: dict[str, list[str]] = {}
-        for parent, child in session.execute(text(_LINKS), {"root": object_id}).all():
-            children.setdefault(parent, []).append(child)
+        children = _links(session, object_id)
         gone, todo, changed = [object_id], [object_id], set()
         while todo:  # a deleted object takes one reference from each child, never below zero
             for child in children.get(todo.pop(), ()):
