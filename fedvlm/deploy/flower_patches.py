@@ -223,6 +223,18 @@ PATCHES: tuple[Patch, ...] = (
         "docs/results/deployment.md, 'A message's objects in set statements'",
     ),
     Patch(
+        "object-uploads",
+        "fedvlm.deploy.object_uploads",
+        "flwr.supercore.corestate.sql_corestate",
+        "SqlCoreState gains store_objects: store_object for a request's objects of one push session in one "
+        "transaction (one claim of their pending rows, one write of their contents, one count-down), which the "
+        "batched Fleet and Runtime routes use for the items their handler stores one after another",
+        ("fedvlm/deploy/superlink.py",),
+        "runs unchanged, with a warning (a transaction of a few SQL statements per uploaded object)",
+        "a core state that stores a batch of one push session's objects in one transaction",
+        "docs/results/deployment.md, 'A request's uploaded objects in one transaction'",
+    ),
+    Patch(
         "scoped-middlewares",
         "fedvlm.deploy.scoped_middlewares",
         "flwr.superlink.main",

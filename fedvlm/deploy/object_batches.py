@@ -44,6 +44,7 @@ Nothing anyone stores or sends changes, only how many requests carry it. Each si
 
 import contextlib
 import functools
+import itertools
 import logging
 import time
 import weakref
@@ -147,12 +148,26 @@ class RequestState:
     every other call is the state's own. What a handler decides is unchanged: the status read at
     the request's first item is the one Flower would read a few milliseconds later at its last
     (a run that ends during a request is refused from the next request on, as a single call after
-    the end would be), and the traffic stored is the same sum. Never used across a held pull."""
+    the end would be), and the traffic stored is the same sum. Never used across a held pull.
 
-    def __init__(self, state: Any):
+    ``pushes``: the request's objects as its handler will store them, in order (run, push session,
+    object id, content). Where the state has ``store_objects`` (``deploy.object_uploads``), the first
+    ``store_object`` of one stores it and the items after it of the same run and session in one
+    transaction, and their own calls get their answers: the handler passes the same checks for each
+    of them (the run's status read once, the request's one node), so Flower would have stored them
+    one after another."""
+
+    def __init__(self, state: Any, pushes: Iterable[tuple[int, str, str, bytes]] = ()):
         self._state = state
         self._status: dict[int, Any] = {}
         self._traffic: dict[int, tuple[int, int]] = {}
+        self._pushes: list[tuple[int, str, str, bytes]] = []
+        self._stored: dict[tuple[int, str, str], bool] = {}
+        self.expect(pushes)
+
+    def expect(self, pushes: Iterable[tuple[int, str, str, bytes]]) -> None:
+        """The objects the request's handler stores next, in order (``pushes``)."""
+        self._pushes = list(pushes) if hasattr(self._state, "store_objects") else []
 
     def get_run_status(self, run_ids: set[int]) -> dict[int, Any]:
         missing = set(run_ids) - set(self._status)
@@ -164,6 +179,17 @@ class RequestState:
         sent, received = self._traffic.get(run_id, (0, 0))
         self._traffic[run_id] = (sent + bytes_sent, received + bytes_recv)
 
+    def store_object(self, run_id: int, session_id: str, object_id: str, content: bytes) -> bool:
+        key = (run_id, session_id, object_id)
+        if key not in self._stored:
+            at = next((n for n, push in enumerate(self._pushes) if push[:3] == key and push[3] == content), None)
+            if at is None:  # not one the request holds: Flower's own call
+                return self._state.store_object(run_id, session_id, object_id, content)
+            group = list(itertools.takewhile(lambda push: push[:2] == key[:2], self._pushes[at:]))
+            answers = self._state.store_objects(run_id, session_id, [(push[2], push[3]) for push in group])
+            self._stored.update(zip([push[:3] for push in group], answers, strict=True))
+        return self._stored.pop(key)
+
     def flush(self) -> None:
         for run_id, (sent, received) in self._traffic.items():
             self._state.store_traffic(run_id, bytes_sent=sent, bytes_recv=received)
@@ -174,9 +200,9 @@ class RequestState:
 
 
 @contextlib.contextmanager
-def one_request(state: Any) -> Iterator[RequestState]:
+def one_request(state: Any, pushes: Iterable[tuple[int, str, str, bytes]] = ()) -> Iterator[RequestState]:
     """``state`` for the items of one request; their traffic stored when they are done, or fail."""
-    items = RequestState(state)
+    items = RequestState(state, pushes)
     try:
         yield items
     finally:
@@ -203,6 +229,11 @@ def _refuse(request) -> None:
         raise HTTPException(status_code=403, detail=why)
 
 
+def pushes(items: Iterable[Any], run_id: int | None = None) -> list[tuple[int, str, str, bytes]]:
+    """Push-object items as their handler stores them: the item's run (the task's, on the Runtime API)."""
+    return [(run_id if run_id is not None else i.run_id, i.session_id, i.object_id, i.object_content) for i in items]
+
+
 def _fleet_endpoints(handlers) -> dict[str, tuple[Callable, Any, Any]]:
     """The Fleet API's handlers (a SuperNode's calls to the SuperLink): path -> (endpoint, request, answer)."""
     from flwr.proto.message_pb2 import PullObjectResponse, PushObjectResponse
@@ -214,7 +245,7 @@ def _fleet_endpoints(handlers) -> dict[str, tuple[Callable, Any, Any]]:
 
     def fleet_push_objects(request, state):
         _refuse(request)
-        with one_request(state) as items:
+        with one_request(state, pushes(request.items)) as items:
             return iter([handlers.push_object(request=item, state=items) for item in request.items])
 
     pull, push = requests()
@@ -235,7 +266,8 @@ def _runtime_endpoints() -> dict[str, tuple[Callable, Any, Any]]:
 
     def runtime_push_objects(request, state, handlers, task):
         _refuse(request)
-        answers = [handlers.push_object(item, state, task) for item in request.items]
+        with one_request(state, pushes(request.items, task.run_id)) as items:
+            answers = [handlers.push_object(item, items, task) for item in request.items]
         for stored in STORED:  # after the store: what it stored is committed
             stored()
         return iter(answers)

@@ -67,6 +67,7 @@ from fedvlm.deploy import (
     long_pulls,
     object_batches,
     object_rows,
+    object_uploads,
     scoped_middlewares,
     task_claims,
     whole_messages,
@@ -308,6 +309,7 @@ def install_patches(task_start_window: float, task_starts: int, pull_hold: float
     link_lookups.install()
     scoped_middlewares.install()
     object_rows.install()
+    object_uploads.install()
 
 
 def _install_patches(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

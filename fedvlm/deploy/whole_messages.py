@@ -61,6 +61,7 @@ from fedvlm.deploy.object_batches import (
     batch_problem,
     kinds,
     one_request,
+    pushes,
 )
 
 log = logging.getLogger("fedvlm.deploy")
@@ -177,6 +178,8 @@ def fleet_endpoints(handlers) -> dict[str, tuple[Callable, Any, Any]]:
             wanted, stored = set(pushed.objects_to_push), []
             for item in request.items:
                 item.session_id = pushed.session_id
+            items.expect(pushes(item for item in request.items if item.object_id in wanted))
+            for item in request.items:
                 wants = item.object_id in wanted
                 stored.append(handlers.push_object(request=item, state=items) if wants else PushObjectResponse())
         return kinds()["PushedMessage"](pushed=pushed, objects=stored)
