@@ -235,18 +235,6 @@ PATCHES: tuple[Patch, ...] = (
         "docs/results/deployment.md, 'A request's uploaded objects in one transaction'",
     ),
     Patch(
-        "quiet-telemetry",
-        "fedvlm.deploy.quiet_telemetry",
-        "flwr.supercore.telemetry",
-        "create_event answers 'disabled' at once in a ClientApp process where FLWR_TELEMETRY_ENABLED and "
-        "FLWR_TELEMETRY_LOGGING are both off, as Flower's answers there after building the event (its source id "
-        "read, the platform described by running `file` on the interpreter); with either on, Flower's stays",
-        ("fedvlm/deploy/pinned_app.py",),
-        "runs unchanged, with a warning (each ClientApp builds an event nobody receives)",
-        "telemetry that builds an event only where it sends or logs it",
-        "docs/results/deployment.md, 'A ClientApp's telemetry event, built for nobody'",
-    ),
-    Patch(
         "scoped-middlewares",
         "fedvlm.deploy.scoped_middlewares",
         "flwr.superlink.main",

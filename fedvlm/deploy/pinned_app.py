@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedvlm.deploy import flower_patches, log_beside_flower, object_batches, quiet_telemetry, task_input, task_reaping
+from fedvlm.deploy import flower_patches, log_beside_flower, object_batches, task_input, task_reaping
 
 PINS_ENV = "FEDVLM_PINNED_APPS"  # how exec hands the pins to the ClientApp processes it starts
 SERVER_KEYS_ENV = "FEDVLM_SERVER_KEYS"  # and the ServerApp keys whose signatures they accept
@@ -248,7 +248,6 @@ def prepare() -> None:
     code_digest()
     server_keys_from_env()
     task_input.check_flower()
-    quiet_telemetry.install()  # a telemetry event that is neither sent nor logged is not built
 
 
 def _require_flower() -> None:
@@ -300,7 +299,6 @@ def clientapp_main() -> None:
     runtime.pull_task_input = pull_kept
     runtime.install_from_fab = install_pinned
     object_batches.install_clients()  # a message's objects in one request to the SuperNode
-    quiet_telemetry.install()  # done already in a forked child (prepare)
     flwr_clientapp()
 
 
