@@ -155,7 +155,8 @@ def test_the_servers_push_of_an_instructions_objects_wakes_the_nodes_pulls():
     )
     object_batches.STORED.append(lambda: calls.append("woken"))
     try:
-        assert [a.stored for a in endpoint(request, None, handlers, None)] == [True, True]
+        task = SimpleNamespace(run_id=3)  # the authenticated task: its run is the one the items are stored under
+        assert [a.stored for a in endpoint(request, None, handlers, task)] == [True, True]
     finally:
         object_batches.STORED.clear()
     assert calls == ["a", "b", "woken"]  # after the store
