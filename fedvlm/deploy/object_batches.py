@@ -229,9 +229,10 @@ def _refuse(request) -> None:
         raise HTTPException(status_code=403, detail=why)
 
 
-def pushes(items: Iterable[Any], run_id: int | None = None) -> list[tuple[int, str, str, bytes]]:
-    """Push-object items as their handler stores them: the item's run (the task's, on the Runtime API)."""
-    return [(run_id if run_id is not None else i.run_id, i.session_id, i.object_id, i.object_content) for i in items]
+def pushes(items: Iterable[Any], run_id: int | None = None) -> Iterator[tuple[int, str, str, bytes]]:
+    """Push-object items as their handler stores them: the item's run (the task's, on the Runtime API).
+    Lazy: a state without ``store_objects`` never reads (copies) the contents."""
+    return ((run_id if run_id is not None else i.run_id, i.session_id, i.object_id, i.object_content) for i in items)
 
 
 def _fleet_endpoints(handlers) -> dict[str, tuple[Callable, Any, Any]]:

@@ -46,13 +46,13 @@ def store_objects(self, run_id: int, session_id: str, contents: list[tuple[str, 
     """Flower's ``store_object(run_id, session_id, id, content)`` for each of ``contents`` (distinct
     ids, one session), in one transaction."""
     shared = getattr(self.object_store, "_session_scope", None) == getattr(self, "_session_scope", ())
-    if not session_id or not shared:  # a legacy node's objects (Flower finds each one's session); objects elsewhere
-        return [self.store_object(run_id, session_id, i, c) for i, c in contents]
-    try:
-        stored = _store(self, run_id, session_id, dict(contents))
-    except Exception:  # noqa: BLE001 - rolled back: Flower's own call answers each, and logs its failure
-        return [self.store_object(run_id, session_id, i, c) for i, c in contents]
-    return [i in stored for i, _ in contents]
+    if session_id and shared:  # else a legacy node's objects (Flower finds each one's session), or objects elsewhere
+        try:
+            stored = _store(self, run_id, session_id, dict(contents))
+            return [i in stored for i, _ in contents]
+        except Exception:  # noqa: BLE001 - rolled back: Flower's own call answers each, and logs its failure
+            pass
+    return [self.store_object(run_id, session_id, i, c) for i, c in contents]  # Flower's own call answers each
 
 
 def _verified(store: Any, object_id: str, content: bytes) -> bool:
