@@ -3,11 +3,13 @@ in the README and docs/ resolves, and docs/configuration.md's key table is the s
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
+from fedvlm.experiments.leaderboard import MATCHED, MATCHED_DIR
 from fedvlm.runconfig.__main__ import with_keys_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,3 +150,28 @@ def test_the_stale_name_rule_sees_one(tmp_path):
     page = tmp_path / "p.md"
     page.write_text("`fedvlm/nope.py`, `fedvlm.privacy.nope`, `RunBudget.nope`, `RunBudget.charge_round`\n")
     assert len(_stale_names([page])) == 3
+
+
+def _board_runs(board: dict) -> list[Path]:
+    """The run folders a published board's rows were made of, where the board's command put them:
+    ``<family>/runs/<variant>-eps<epsilon>-seed<s>``, a ``-dpcompute`` row's in ``<family>/dp-compute``."""
+    home = ROOT / "docs" / "results" / "leaderboard-runs"
+    runs = []
+    for row in board["entries"]:
+        family = home / row["family"] / (MATCHED_DIR if row["variant"].endswith(MATCHED) else "")
+        runs += [family / "runs" / f"{row['variant']}-eps{row['epsilon']}-seed{s}" for s in row["seed-list"]]
+    return runs
+
+
+def test_every_run_the_published_board_is_made_of_is_in_the_checkout():
+    """Issue 62's review: the board's `-dpcompute` references (``prompt/dp-compute``) were kept out
+    of git by a .gitignore that kept results one folder deep, so every PromptFL and pFedMoAP
+    private row's difference rested on runs a fresh clone did not have (and would make again at
+    other seeds). Run on a clean checkout, this sees only what is committed."""
+    board = json.loads((ROOT / "docs" / "results" / "leaderboard.json").read_text())
+    runs = _board_runs(board)
+    assert len(runs) >= 180 and any(MATCHED_DIR in run.parts for run in runs)
+    missing = [str(run.relative_to(ROOT)) for run in runs if not (run / "results.json").is_file()]
+    assert missing == []
+    summaries = {run.parents[1] / "summary.csv" for run in runs}
+    assert [str(s.relative_to(ROOT)) for s in summaries if not s.is_file()] == []
