@@ -339,7 +339,8 @@ def per_client_cell(e: dict, u: str) -> str:
 
 
 def attack_cell(e: dict) -> str:
-    """The named attack's TPR at FPR <= 0.1% (%): mean over seeds [95% interval], '*' where the
+    """The named attack's TPR at FPR <= 0.1% (%): mean over seeds [95% interval, its low end at
+    least 0: a rate is not negative, a t interval over few seeds of few hits may be], '*' where the
     whole interval lies above its chance level."""
     if e.get(ATTACK_TPR) is None:
         return "-"
@@ -347,7 +348,7 @@ def attack_cell(e: dict) -> str:
     text = f"{100 * e[ATTACK_TPR]:.2f}"
     if low is None or high is None:
         return text
-    return text + f" [{100 * low:.2f}, {100 * high:.2f}]" + (" *" if low > e[ATTACK_TPR + CHANCE] else "")
+    return text + f" [{100 * max(low, 0.0):.2f}, {100 * high:.2f}]" + (" *" if low > e[ATTACK_TPR + CHANCE] else "")
 
 
 def family_tables(mine: list[dict]) -> list[str]:
@@ -375,7 +376,8 @@ def family_tables(mine: list[dict]) -> list[str]:
         cells += [per_client_cell(e, u) for u in spread]
         cells += [delta_cell(e, u) for u in utility] + [e.get("reference", "-")]
         lines.append("| " + " | ".join(cells) + " |")
-    head = ["variant", "target eps", "accounted eps", "audit lower bound", "attack", "TPR at FPR <= 0.1% (%)"]
+    tpr = "TPR at FPR <= 0.1%: 0 FP below 1000 non-members (%)"
+    head = ["variant", "target eps", "accounted eps", "audit lower bound", "attack", tpr]
     head += ["its chance (%)", "AUC", "MB train up", "MB train down", "MB eval up", "MB eval down", "s/round"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in mine:
@@ -415,13 +417,18 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         "Privacy: the target epsilon, the epsilon the run's ledger accounted per record (every mechanism composed; "
         f"the most any client spent, under {accounting(entries)}), the one-run audit's lower bound (one node, its "
         "local mechanism), and one membership attack per row, named: of the attacks every seed ran, the one with "
-        "the highest mean TPR at FPR <= 0.1%; its mean over seeds [95% t interval over seeds] and AUC. Its chance "
-        "is the TPR a score that ignores the model expects from the same counts: with n non-members, "
-        "(floor(0.001 n) + 1) / (n + 1), which is 1 / (n + 1), the TPR at zero false positives, below 1000 "
-        "non-members (so never 0.1% here); * marks an interval wholly above it. Cost: tensor megabytes per "
+        "the highest mean TPR at FPR <= 0.1% (the best of several: a figure that favours the attacker, not corrected "
+        "for the choice); its mean over seeds [95% t interval over seeds, its low end shown at 0 where it is below] "
+        "and AUC. Below 1000 non-members FPR <= 0.1% allows no false positive, so the figure is the TPR at zero "
+        "false positives. Its chance is the TPR a score that ignores the model expects from the same counts: "
+        "with n non-members, "
+        "(floor(0.001 n) + 1) / (n + 1): 1 / (n + 1) below 1000 non-members, above 0.1% whatever n is, "
+        "and each row prints its own; * marks an interval wholly above it. Cost: tensor megabytes per "
         "client, sent (up) and received (down), for training (its secure-aggregation stages included) and for "
-        "evaluation, over the run; seconds per round (each run's median round, averaged over seeds). `-`: not "
-        "measured for that row (no mechanism to audit, no attack that applies, no reference).",
+        "evaluation (an evaluation reply carries metrics, no tensor: its up is 0), over the run; seconds per round "
+        "(each run's median round, averaged over seeds). `-`: not "
+        "measured for that row (no mechanism to audit, no attack that applies, no reference, traffic a run made "
+        "before training and evaluation were counted apart recorded only as totals).",
     ]
     for family in dict.fromkeys(e["family"] for e in entries):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]

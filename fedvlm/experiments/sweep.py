@@ -247,7 +247,8 @@ def cost_row(data: dict) -> dict:
     final, rounds = data["final"], data["rounds"]
     return {
         "machine": machine(data),
-        **{MB[key]: final.get(key, 0) / nodes / 1e6 for key in TRAFFIC_KEYS},
+        # a run made before traffic was split by purpose holds only its totals: its split is unknown, not 0
+        **{MB[key]: final[key] / nodes / 1e6 if key in final else None for key in TRAFFIC_KEYS},
         # the median: one round a paused or busy machine held up does not set the run's figure
         "seconds-per-round": float(np.median([r["seconds"] for r in rounds])) if rounds else None,
         "seconds-total": sum(r["seconds"] for r in rounds),

@@ -45,9 +45,12 @@ SAMPLED = "sampled"
 FILES = ("results.json", "rounds.csv", "partition.json", "status.json")  # and every *.png
 PARAM_CHUNK = 100  # MLflow takes at most 100 parameters per batch
 INSTALL = "pip install 'fedvlm[tracking]'"
-MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "FINISHED", "interrupted": "KILLED"}  # else FAILED
+# a run the privacy budget stopped before its rounds ended short of them on purpose: KILLED, as
+# MLflow has no status for it, never FINISHED (``python -m fedvlm.status`` exits 3 for it)
+MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "interrupted": "KILLED"}  # else FAILED
 STATUS_TAG, NOTE_TAG = "ended", "note"  # how the run ended, in fedvlm's words
 VERDICT_TAG = "verdict"  # what python -m fedvlm.status says of the run as it ends
+ACCEPTED = "accepted"  # TensorBoard hparams: 1 where fedvlm.status accepts the run (MLflow: FINISHED), else 0
 RUN_FIGURE = "run/"  # a run-level summary figure (results.json's final) beside the per-round ones
 
 
@@ -63,8 +66,9 @@ def run_figures(data: dict) -> dict[str, float]:
 
 
 def ended_as(data: dict) -> tuple[str, str]:
-    """(MLflow's status, the verdict) of a run as it ends: a run ``fedvlm.status`` rejects (one
-    that finished but lost most of its last round's clients) is FAILED, not FINISHED."""
+    """(MLflow's status, the verdict) of a run as it ends: a run ``fedvlm.status`` rejects is never
+    FINISHED: one that finished but lost most of its last round's clients is FAILED, one its
+    privacy budget stopped early KILLED."""
     found = verdict(data, MAX_LOST, 0.0, alive=True)
     status = data["run"]["status"]
     state = MLFLOW_STATUS.get(status, "FAILED")
@@ -119,10 +123,14 @@ class TensorBoard:
         self.writer.flush()
 
     def finish(self, data: dict, run_dir: Path) -> None:
-        """The run's config and summary figures in TensorBoard's HParams view (its ``hparams`` run)."""
+        """The run's config, how it ended (its status, ``fedvlm.status``'s reason, and whether that
+        accepts it: the column a rejected run is filtered out by) and summary figures in TensorBoard's HParams view
+        (its ``hparams`` run)."""
         if self.writer is None:
             return
         params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in data["config"].items()}
+        state, reason = ended_as(data)
+        params |= {STATUS_TAG: data["run"]["status"], VERDICT_TAG: reason[:500], ACCEPTED: int(state == "FINISHED")}
         self.writer.add_hparams(params, run_figures(data), run_name=HPARAMS_RUN)
         self.writer.close()
 
@@ -195,8 +203,6 @@ class MLflow:
         run, (state, reason) = data["run"], ended_as(data)
         now, step = int(time.time() * 1000), len(data["rounds"])
         summary = [Metric(k, v, now, step) for k, v in run_figures(data).items()]
-        # MLflow has no status for a run the privacy budget stopped: it ended as it should, so
-        # FINISHED, and the tags say how
         ended = [
             RunTag(STATUS_TAG, run["status"]),
             RunTag(NOTE_TAG, str(run.get("note", ""))[:5000]),

@@ -19,6 +19,7 @@ from fedvlm.client_app.app import app as client_app
 from fedvlm.protocol import FINAL_ROUND
 from fedvlm.server_app.app import execute
 from fedvlm.server_app.tracking import (
+    ACCEPTED,
     HPARAMS_RUN,
     ROUND_FIGURES,
     RUN_FIGURE,
@@ -71,6 +72,7 @@ def _flat(expected: dict[int, dict[str, float]], names=None) -> dict[tuple[int, 
 def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_folder(every, make_cfg, pretrained_clip):
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
 
     data, cfg = _run(
         make_cfg,
@@ -128,7 +130,10 @@ def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_f
     hparams = EventAccumulator(str(Path(data["run"]["tracking"]["tensorboard"]["dir"]) / HPARAMS_RUN))
     hparams.Reload()
     assert {k: hparams.Scalars(k)[-1].value for k in hparams.Tags()["scalars"]} == pytest.approx(summary, rel=1e-6)
-    assert "_hparams_/session_start_info" in hparams.PluginTagToContent("hparams")  # the HParams view
+    start = hparams.PluginTagToContent("hparams")["_hparams_/session_start_info"]  # the HParams view
+    ended = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
+    assert ended[STATUS_TAG].string_value == "finished" and ended[ACCEPTED].number_value == 1
+    assert ended[VERDICT_TAG].string_value == run.data.tags[VERDICT_TAG]
     # the local store keeps its artifacts beside it, not in the working directory
     assert (Path(cfg.output_dir) / "mlartifacts").is_dir()
 

@@ -1,11 +1,16 @@
 """A tracker never fails a run: one that breaks while logging a round, or at the end, or whose
-package is missing, is dropped with its reason recorded, and the others go on."""
+package is missing, is dropped with its reason recorded, and the others go on; and only a run
+``fedvlm.status`` accepts ends FINISHED in one."""
 
 from __future__ import annotations
 
 import sys
 
-from fedvlm.server_app.tracking import INSTALL, TensorBoard, Trackers
+import pytest
+
+from fedvlm.metrics import TRAIN_CLIENTS
+from fedvlm.server_app.tracking import INSTALL, TensorBoard, Trackers, ended_as
+from fedvlm.status import OK, verdict
 
 
 class Recording:
@@ -67,3 +72,17 @@ def test_a_missing_tracker_package_costs_the_tracker_and_says_how_to_install_it(
     info = trackers.start({"run": {}, "config": {}, "rounds": []}, resumed=False)
     assert info["tensorboard"]["failed"].startswith("start: RuntimeError: tracking.tensorboard needs")
     assert INSTALL in info["tensorboard"]["failed"] and not trackers.live
+
+
+@pytest.mark.parametrize(
+    ("status", "tracked"),
+    [("finished", "FINISHED"), ("stopped", "KILLED"), ("interrupted", "KILLED"), ("failed", "FAILED")],
+)
+def test_only_a_run_fedvlm_status_accepts_ends_finished_in_the_tracker(status, tracked):
+    """Issue 62: a run the privacy budget stopped early (``fedvlm.status`` exits 3) was FINISHED in
+    MLflow, beside the runs that did all their rounds."""
+    rounds = [{"round": 1, "sampled": 2, "metrics": {TRAIN_CLIENTS: 2}}]
+    data = {"config": {"num-server-rounds": 3}, "run": {"status": status, "note": "why"}, "rounds": rounds}
+    state, reason = ended_as(data)
+    assert state == tracked and reason == verdict(data, 0.5, 0.0, alive=True).reason
+    assert (state == "FINISHED") == (verdict(data, 0.5, 0.0, alive=True).code == OK)
