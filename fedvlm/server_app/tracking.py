@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedvlm.metrics import EPSILON_SPENT
 from fedvlm.runconfig import RunConfig
 from fedvlm.status import MAX_LOST, OK, verdict
 from fedvlm.strategies.records import TRAFFIC_KEYS, complete
@@ -56,12 +57,13 @@ RUN_FIGURE = "run/"  # a run-level summary figure (results.json's final) beside 
 
 def run_figures(data: dict) -> dict[str, float]:
     """What a researcher sorts runs by: results.json's ``final`` (the headline figures' last
-    round and mean of the last 10, the traffic totals) and the epsilon a record spent, each under
-    ``run/``, a name of its own (a run's total is not a round's figure)."""
+    round and mean of the last 10, the traffic totals) and the epsilon a record spent (the ledger's
+    last, under the rounds' name for it), each under ``run/``, a name of its own (a run's total is
+    not a round's figure)."""
     final = {k: v for k, v in (data.get("final") or {}).items() if isinstance(v, (int, float))}
     spent = ((data.get("privacy") or {}).get("rounds") or [{}])[-1].get("epsilon")
     if spent is not None:
-        final["epsilon"] = spent
+        final[EPSILON_SPENT] = spent
     return {RUN_FIGURE + k: float(v) for k, v in final.items() if not isinstance(v, bool)}
 
 

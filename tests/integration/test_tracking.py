@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from fedvlm.client_app.app import app as client_app
+from fedvlm.metrics import EPSILON_SPENT
 from fedvlm.protocol import FINAL_ROUND
 from fedvlm.server_app.app import execute
 from fedvlm.server_app.tracking import (
@@ -124,7 +125,8 @@ def test_tensorboard_and_mlflow_hold_every_round_figure_the_config_and_the_run_f
     # what a researcher sorts runs by: the run's summary, under names of its own, in both trackers
     summary = run_figures(data)
     assert summary[RUN_FIGURE + "local-acc-last10-mean"] == pytest.approx(data["final"]["local-acc-last10-mean"])
-    assert summary[RUN_FIGURE + "epsilon"] == pytest.approx(data["privacy"]["rounds"][-1]["epsilon"])
+    assert summary[RUN_FIGURE + EPSILON_SPENT] == pytest.approx(data["privacy"]["rounds"][-1]["epsilon"])
+    assert summary[RUN_FIGURE + EPSILON_SPENT] == pytest.approx(expected[max(expected)][EPSILON_SPENT])  # one name
     assert {k: v for k, v in run.data.metrics.items() if k.startswith(RUN_FIGURE)} == pytest.approx(summary)
     assert run.data.tags[VERDICT_TAG].startswith("finished 3 of 3 rounds")
     hparams = EventAccumulator(str(Path(data["run"]["tracking"]["tensorboard"]["dir"]) / HPARAMS_RUN))
