@@ -12,10 +12,12 @@ false positives, whose chance is 1 / (non-members + 1) (``likelihood.chance``).
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import numpy as np
+
+from fedvlm.experiments.sweep_report import write_table
+from fedvlm.utils.files import atomic_savefig
 
 METRICS = ("auc", "tpr@1%fpr", "tpr@0.1%fpr")
 ENDS = {"value": "", "low": "-lo", "high": "-hi", "chance": "-chance"}  # a flat row's keys of one figure
@@ -67,8 +69,7 @@ def write_attack_table(rows: list[dict], out: Path, label: str, keys: tuple[str,
     names = attacks_in(rows)
     if not names:
         return
-    head = [*keys, "accounted eps"] + [f"{n} {m}" for n in names for m in METRICS]
-    table = [head]
+    table = [[*keys, "accounted eps"] + [f"{n} {m}" for n in names for m in METRICS]]
     for r in rows:
         spent = r.get("epsilon-spent")
         table.append(
@@ -76,15 +77,12 @@ def write_attack_table(rows: list[dict], out: Path, label: str, keys: tuple[str,
             + [f"{spent:.3f}" if spent is not None else "no DP"]
             + [_cell(r, n, m) for n in names for m in METRICS]
         )
-    with open(out / "table_attacks.csv", "w", newline="") as fh:
-        csv.writer(fh).writerows(table)
-    md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
-    md += ["| " + " | ".join(row) + " |" for row in table[1:]]
-    (out / "table_attacks.md").write_text(
+    title = (
         f"Membership attacks on {label}, pooled over clients: value [bootstrap 95% interval]; "
         "chance = what a score ignoring the model expects from the same counts (AUC 0.5; TPR at FPR <= x: "
-        "(floor(x n) + 1) / (n + 1) with n non-members); * = the whole interval above it\n\n" + "\n".join(md) + "\n"
+        "(floor(x n) + 1) / (n + 1) with n non-members); * = the whole interval above it"
     )
+    write_table(out, "attacks", title, table)
 
 
 STYLES = ("-", "--", ":", "-.")
@@ -162,5 +160,5 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
         fig.suptitle("each point: the mean over seeds (bar: the mean of their 95% bootstrap intervals)", fontsize=9)
     rows_of_legend = -(-len(handles) // min(len(handles), 5))
     fig.tight_layout(rect=(0, 0.05 * rows_of_legend + 0.02, 1, 1))
-    fig.savefig(out / "attack_tpr_vs_epsilon.png", dpi=110)
+    atomic_savefig(fig, out / "attack_tpr_vs_epsilon.png", 110)
     plt.close(fig)

@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
-import io
 import logging
-import shutil
 import sys
 import time
 from collections import Counter
@@ -49,7 +46,15 @@ from fedvlm.experiments.sweep_report import LAST10, keep_earlier, read_summary, 
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
 from fedvlm.metrics import AUDIT_METRICS, METRICS, per_client
 from fedvlm.strategies.records import TRAFFIC_KEYS
-from fedvlm.utils.files import UnreadableFile, atomic_write_json, atomic_write_text, read_results
+from fedvlm.utils.files import (
+    UnreadableFile,
+    atomic_copy,
+    atomic_savefig,
+    atomic_write_json,
+    atomic_write_records,
+    atomic_write_text,
+    read_results,
+)
 from fedvlm.utils.progress import time_left
 
 log = logging.getLogger("leaderboard")
@@ -456,19 +461,16 @@ def write_outputs(entries: list[dict], out: Path, stem: str, lines: list[str], c
     atomic_write_json(
         {"command": command, "machines": machines(entries), "entries": entries, **extra}, out / f"{stem}.json"
     )
-    table = io.StringIO()
-    writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for e in entries for k in e)))
-    writer.writeheader()
-    writer.writerows(entries)
-    atomic_write_text(table.getvalue(), out / f"{stem}.csv")
+    atomic_write_records(entries, out / f"{stem}.csv")
     atomic_write_text(
         "\n".join([*lines, "", f"![utility against accounted epsilon and the attack]({plot})", ""]), out / f"{stem}.md"
     )
 
 
 def copy_to_docs(out: Path, stem: str) -> None:
-    for end in (".md", "_pareto.png", ".json"):
-        shutil.copy(out / f"{stem}{end}", DOCS / f"{stem}{end}")
+    """The board's files into docs/results/, each whole (a reader of the docs never sees half)."""
+    for end in (".md", ".csv", "_pareto.png", ".json"):
+        atomic_copy(out / f"{stem}{end}", DOCS / f"{stem}{end}")
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -509,7 +511,7 @@ def plot_pareto(entries: list[dict], path: Path) -> None:
     for (left, right), family in zip(axes, families, strict=False):
         _family_panels(left, right, family, [e for e in entries if e["family"] == family and "failed" not in e])
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_savefig(fig, path, 110)
     plt.close(fig)
 
 

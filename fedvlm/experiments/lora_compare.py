@@ -21,7 +21,6 @@ FPR against the accounted epsilon (``--epsilons``). Finished runs are reused.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import logging
@@ -35,7 +34,7 @@ from fedvlm.experiments.sweep import DAMAGED, run_one
 from fedvlm.methods.registry import VLM, methods_of
 from fedvlm.metrics import CLIENT_MODEL, OOD, SERVER_MODEL, TASK_LOSS, VLM_MODELS, VQA_SCORES, vlm_score
 from fedvlm.runconfig import parse_value
-from fedvlm.utils.files import RESULTS, read_results
+from fedvlm.utils.files import RESULTS, atomic_savefig, atomic_write_csv, atomic_write_text, read_results
 
 METHODS = tuple(m.name for m in methods_of(VLM))
 BOUNDS = ("-lo", "-hi")  # interval attacks go to table_attacks, not the main table
@@ -91,13 +90,10 @@ def _fmt(v) -> str:
 def write_table(rows: list[dict], out: Path) -> None:
     every = list(dict.fromkeys(k for r in rows for k in r))
     cols = [c for c in every if not c.endswith(BOUNDS) and f"{c}-lo" not in every]  # attacks: table_attacks
-    with open(out / "lora_compare.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    atomic_write_csv([cols, *([r.get(c, "") for c in cols] for r in rows)], out / "lora_compare.csv")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    (out / "lora_compare.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text("\n".join(lines) + "\n", out / "lora_compare.md")
 
 
 def plot(runs: dict[str, dict], out: Path) -> None:
@@ -123,7 +119,7 @@ def plot(runs: dict[str, dict], out: Path) -> None:
     ax.set_xlabel("round")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "lora_compare.png", dpi=120)
+    atomic_savefig(fig, out / "lora_compare.png", 120)
     plt.close(fig)
 
 

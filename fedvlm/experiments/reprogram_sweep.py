@@ -29,7 +29,7 @@ from fedvlm.experiments.sweep import DAMAGED, run_one, whole_numbers
 from fedvlm.methods.registry import REPROGRAM, methods_of
 from fedvlm.metrics import ACC, ACC_WEIGHTED
 from fedvlm.runconfig import parse_value
-from fedvlm.utils.files import RESULTS, read_results
+from fedvlm.utils.files import RESULTS, atomic_savefig, read_results
 
 METHODS = tuple(m.name for m in methods_of(REPROGRAM))
 
@@ -72,7 +72,7 @@ def plot(curves: dict[tuple, list[dict]], out: Path, every: int) -> None:
         ax.set_ylabel("test accuracy (%)")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "figure3.png", dpi=120)
+    atomic_savefig(fig, out / "figure3.png", 120)
     plt.close(fig)
 
 

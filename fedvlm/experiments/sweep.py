@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import io
 import itertools
 import json
@@ -69,7 +68,7 @@ from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
 from fedvlm.server_app.resume import CHECKPOINT, config_differences
 from fedvlm.status import RUN_LOCK
 from fedvlm.strategies.records import TRAFFIC_KEYS, TRAIN_ROW, complete
-from fedvlm.utils.files import RESULTS, UnreadableFile, read_results, try_hold
+from fedvlm.utils.files import RESULTS, UnreadableFile, atomic_write_records, read_results, try_hold
 from fedvlm.utils.progress import each, time_left
 
 log = logging.getLogger("sweep")
@@ -148,13 +147,15 @@ def set_aside(run_dir: Path, why: str) -> None:
             f"{run_dir.name} is being run now by another process ({pid} holds its {RUN_LOCK}): left as it is; run "
             "this sweep again once that run ended, or give this one another --out"
         )
-    if held is not None:
-        held.close()
     base = f"{run_dir.name}-{why}-{time.strftime('%Y%m%d-%H%M%S')}"
     aside, k = run_dir.with_name(base), 1
     while aside.exists():  # two folders set aside in one second
         aside, k = run_dir.with_name(f"{base}-{k}"), k + 1
-    run_dir.rename(aside)
+    try:  # renamed while held: a ServerApp starting that run now cannot take the folder in between
+        run_dir.rename(aside)
+    finally:
+        if held is not None:
+            held.close()
     log.warning("%s: kept as %s, the run starts afresh", run_dir.name, aside.name)
 
 
@@ -407,10 +408,7 @@ class Sweep:
                 log.error("%s cannot run: %s", raw["run-name"], err)
 
     def report(self) -> None:
-        with open(self.out / "summary.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in self.rows for k in r)))
-            w.writeheader()
-            w.writerows(self.rows)
+        atomic_write_records(self.rows, self.out / "summary.csv")  # a board reading it never sees half
         done = [r for r in self.rows if r["status"] != "failed"]
         write_tables(self.rows, self.out, self.epsilons, self.reference)
         write_failures(self.rows, self.out)

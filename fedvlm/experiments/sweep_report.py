@@ -12,7 +12,14 @@ import numpy as np
 
 from fedvlm.experiments import stats
 from fedvlm.metrics import ACC, AUDIT_METRICS, CIDER, METRICS, PER_CLIENT, PROPORTION
-from fedvlm.utils.files import UnreadableFile, atomic_write_text, read_utf8
+from fedvlm.utils.files import (
+    UnreadableFile,
+    atomic_savefig,
+    atomic_write_csv,
+    atomic_write_records,
+    atomic_write_text,
+    read_utf8,
+)
 
 LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
 UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
@@ -70,11 +77,7 @@ def keep_earlier(path: Path, earlier: list[dict[str, str]], labels: list[str], e
     labels = [*labels, *dict.fromkeys(r["variant"] for r in rows if r["variant"] not in labels)]
     rank = {e: i for i, e in enumerate(epsilons)}
     rows.sort(key=lambda r: (labels.index(r["variant"]), rank.get(r["epsilon"], len(rank)), float(r["seed"])))
-    out = io.StringIO()
-    w = csv.DictWriter(out, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
-    w.writeheader()
-    w.writerows(rows)
-    atomic_write_text(out.getvalue(), path)
+    atomic_write_records(rows, path)
 
 
 def read_summary(path: Path) -> list[dict]:
@@ -112,15 +115,15 @@ def write_failures(rows: list[dict], out: Path) -> None:
         return
     lines = ["| variant | epsilon | seed | why |", "|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['epsilon']} | {r['seed']} | {r['error'].replace('|', '/')} |" for r in failed]
-    path.write_text("Runs that failed (the sweep went on without them)\n\n" + "\n".join(lines) + "\n")
+    atomic_write_text("Runs that failed (the sweep went on without them)\n\n" + "\n".join(lines) + "\n", path)
 
 
-def _write_table(out: Path, tag: str, head: str, table: list[list[str]]) -> None:
-    with open(out / f"table_{tag}.csv", "w", newline="") as fh:
-        csv.writer(fh).writerows(table)
+def write_table(out: Path, tag: str, head: str, table: list[list[str]]) -> None:
+    """``table_<tag>.csv`` and ``.md`` (``head`` above the table), each written whole."""
+    atomic_write_csv(table, out / f"table_{tag}.csv")
     md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
     md += ["| " + " | ".join(r) + " |" for r in table[1:]]
-    (out / f"table_{tag}.md").write_text(f"{head}, mean ± std over seeds\n\n" + "\n".join(md) + "\n")
+    atomic_write_text(head + "\n\n" + "\n".join(md) + "\n", out / f"table_{tag}.md")
 
 
 # the prompt family's accuracy tables keep the names DP-FPL's tables had (table_local.md, ...)
@@ -180,7 +183,7 @@ def write_tables(rows: list[dict], out: Path, epsilons: list[str], reference: di
             "mia_loss_auc": "Membership inference on the published personalised prompts: loss-threshold MIA AUC "
             "(x100, chance 50)",
         }[tag]
-        _write_table(out, tag, what, table)
+        write_table(out, tag, f"{what}, mean ± std over seeds", table)
     return [tag for tag, _, _ in metrics]
 
 
@@ -201,7 +204,7 @@ def _bars(plt, rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="upper left", ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_savefig(fig, path, 110)
     plt.close(fig)
 
 
@@ -244,12 +247,8 @@ def write_audit(rows: list[dict], out: Path) -> None:
                 r["audit-status"],
             ]
         )
-    with open(out / "table_audit.csv", "w", newline="") as fh:
-        csv.writer(fh).writerows(table)
-    md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
-    md += ["| " + " | ".join(r) + " |" for r in table[1:]]
     head = "One-run privacy audit (privacy.audit-canaries): accounted epsilon vs the audit's 95% lower bound"
-    (out / "table_audit.md").write_text(head + "\n\n" + "\n".join(md) + "\n")
+    write_table(out, "audit", head, table)
 
 
 def plot_audit(rows: list[dict], out: Path) -> None:
@@ -276,7 +275,7 @@ def plot_audit(rows: list[dict], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "audit_vs_accounted.png", dpi=110)
+    atomic_savefig(fig, out / "audit_vs_accounted.png", 110)
     plt.close(fig)
 
 
@@ -341,5 +340,5 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / fname, dpi=110)
+        atomic_savefig(fig, out / fname, 110)
         plt.close(fig)

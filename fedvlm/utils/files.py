@@ -9,13 +9,15 @@ wait and then read).
 from __future__ import annotations
 
 import contextlib
+import csv
 import fcntl
 import hashlib
+import io
 import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +269,27 @@ class PartsKeptJson:
 
 def atomic_write_text(text: str, path: Path, durable: bool = False) -> None:
     _atomic_write(path, lambda fh: fh.write(text.encode()), durable)
+
+
+def atomic_write_csv(rows: Iterable[Sequence[Any]], path: Path) -> None:
+    table = io.StringIO()
+    csv.writer(table).writerows(rows)
+    atomic_write_text(table.getvalue(), path)
+
+
+def atomic_write_records(records: list[dict], path: Path) -> None:
+    """``records`` as a CSV whose columns are every key any of them has, in first-seen order."""
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    atomic_write_csv([columns, *([r.get(k, "") for k in columns] for r in records)], path)
+
+
+def atomic_savefig(fig: Any, path: Path, dpi: int) -> None:
+    """A matplotlib figure as a PNG, written whole: a board redrawn while a reader opens it."""
+    _atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=dpi))
+
+
+def atomic_copy(source: Path, target: Path) -> None:
+    _atomic_write(target, lambda fh: fh.write(Path(source).read_bytes()))
 
 
 def overwrite_in_place(path: Path, text: str, size: int) -> None:

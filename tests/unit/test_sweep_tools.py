@@ -201,3 +201,67 @@ def test_a_round_held_up_by_a_paused_machine_sets_neither_the_speed_nor_passes_f
     assert idle_rounds(data) == []  # held up, but every sampled node trained: the run is whole
     data["rounds"][1]["metrics"][TRAIN_CLIENTS] = 0  # every reply of round 2 lost
     assert idle_rounds(data) == [2]
+
+
+def test_a_table_is_written_whole_and_reads_as_the_records_it_holds(tmp_path):
+    """Issue 62's review: summary.csv (a board's input), the sweep's tables and plots were written in
+    place, so a board reading one while a sweep rewrote it could see half a file. Every key any
+    record has is a column, a missing or None value an empty cell, and a write that fails half-way
+    leaves the file before it as it was, and no temporary file."""
+    import csv
+
+    from fedvlm.utils import files
+
+    path = tmp_path / "summary.csv"
+    records = [{"variant": "a", "eps": 8, "tpr": None}, {"variant": "b", "seed": 2}]
+    files.atomic_write_records(records, path)
+    with open(path, newline="") as fh:
+        assert list(csv.DictReader(fh)) == [
+            {"variant": "a", "eps": "8", "tpr": "", "seed": ""},
+            {"variant": "b", "eps": "", "tpr": "", "seed": "2"},
+        ]
+    before = path.read_bytes()
+
+    class Figure:  # a plot that fails half-way through its PNG
+        def savefig(self, fh, **kwargs):
+            fh.write(b"\x89PNG half")
+            raise OSError("disk full")
+
+    plot = tmp_path / "plot.png"
+    plot.write_bytes(before)
+    with pytest.raises(OSError):
+        files.atomic_savefig(Figure(), plot, 110)
+    assert plot.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "summary.csv"]
+
+
+def test_a_folder_set_aside_is_held_until_renamed_and_a_live_runs_is_refused(tmp_path, monkeypatch):
+    """Issue 62's review: ``set_aside`` let go of a run folder's lock before renaming it, so a
+    ServerApp starting that run in between could take the folder and have it renamed under it."""
+    from pathlib import Path
+
+    from fedvlm.experiments import sweep
+    from fedvlm.utils.files import try_hold
+
+    run = tmp_path / "runs" / "p-eps8-seed0"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text("{}")
+    live = try_hold(run / sweep.RUN_LOCK)  # another board's ServerApp running it now
+    with pytest.raises(RuntimeError, match="being run now"):
+        sweep.set_aside(run, "other-config")
+    assert (run / "results.json").exists()
+    live.close()
+
+    rename = Path.rename
+    free_during_rename = []
+
+    def watched(self, target):
+        other = try_hold(self / sweep.RUN_LOCK)  # what a ServerApp starting the run now would try
+        free_during_rename.append(other is not None)
+        if other is not None:
+            other.close()
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", watched)
+    sweep.set_aside(run, "other-config")
+    assert free_during_rename == [False] and not run.exists()
+    assert [p.name.startswith("p-eps8-seed0-other-config-") for p in run.parent.iterdir()] == [True]
