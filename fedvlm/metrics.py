@@ -175,10 +175,15 @@ def _per_client(name: str, kind: Kind) -> tuple[str, str]:
     """The round figures that spread ``name`` (a higher-is-better node figure) over the nodes:
     its std over the nodes and the worst node's, both in results.json's summary."""
     std = _metric(
-        f"{name}-std", kind, f"spread over nodes of {name}", SERVER, combine=Combine("std", name), headline=True
+        f"{name}-std",
+        kind,
+        f"std over the round's nodes of {name} (ddof 0: all of them)",
+        SERVER,
+        combine=Combine("std", name),
+        headline=True,
     )
     worst = _metric(
-        f"{name}-worst", kind, f"the worst node's {name}", SERVER, combine=Combine("min", name), headline=True
+        f"{name}-worst", kind, f"the round's worst node's {name}", SERVER, combine=Combine("min", name), headline=True
     )
     return std, worst
 

@@ -413,8 +413,9 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         "and it is the private rows' reference where it exists, so that their difference is the noise's alone.",
         "",
         "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their sample standard deviation "
-        "(ddof 1); per client: the worst node's figure and the standard deviation over the nodes (each the mean of "
-        "the last 10 rounds, averaged over seeds). Δ: the private row minus its reference (the same method "
+        "(ddof 1); per client: each round's worst node's figure and the standard deviation over that round's "
+        "nodes (ddof 0: every node of the federation, not a sample of them), each the mean of the last 10 rounds, "
+        "averaged over seeds. Δ: the private row minus its reference (the same method "
         "without noise), paired by seed, with the 95% Student-t interval of the per-seed differences; † marks a "
         "difference within two standard "
         f"deviations measured on fewer than {FEW_SEEDS} seeds.",
