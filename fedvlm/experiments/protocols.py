@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from fedvlm.experiments import stats
 from fedvlm.experiments.presets import COMPARISONS
 from fedvlm.experiments.sweep_report import LAST10, keep_earlier, summary_rows  # LAST10: a figure's key in a row
@@ -50,6 +52,7 @@ class Protocol:
     sets: tuple[str, ...]  # the protocol's run config, for every run
     budget: str  # the CPU time it takes on the 2-core machine, measured
     headlines: tuple[Headline, ...]
+    floor: str = ""  # a variant that trains nothing (zero-shot): a utility neither row beats is no learning
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,10 @@ class Verdict:
     why: str
 
 
-def verdict(headline: Headline, rows: list[dict]) -> Verdict:
-    """The headline judged on a protocol's sweep rows (finished runs, their seeds paired)."""
+def verdict(headline: Headline, rows: list[dict], floor: str = "") -> Verdict:
+    """The headline judged on a protocol's sweep rows (finished runs, their seeds paired); ``floor``:
+    the protocol's variant that trains nothing, whose utility neither row beating means there is no
+    learning to compare, whatever the difference's interval."""
     pick = {
         label: {int(r["seed"]): r.get(headline.figure) for r in rows if r["variant"] == label and r["epsilon"] == eps}
         for label, eps in ((headline.better, headline.epsilon), (headline.worse, headline.epsilon))
@@ -81,6 +86,9 @@ def verdict(headline: Headline, rows: list[dict]) -> Verdict:
         why = "the attack is at its chance level in every run of both rows (each run's interval covers it): "
         why += "no leak to compare"
         return Verdict(headline, "not measurable", diff, why)
+    if (level := _floor(headline, rows, floor)) is not None and max(_mean(a), _mean(b)) <= level:
+        why = f"neither row is above {floor} ({level:.4g}), which trains nothing: no learning to compare"
+        return Verdict(headline, "not measurable", diff, why)
     sign = 1.0 if headline.higher else -1.0
     line = -headline.within if headline.within else 0.0
     low, high = sorted((sign * diff.low, sign * diff.high))
@@ -89,6 +97,19 @@ def verdict(headline: Headline, rows: list[dict]) -> Verdict:
     if high < line:
         return Verdict(headline, "reversed", diff, "the whole interval lies on the other side")
     return Verdict(headline, "not measurable", diff, "the interval covers the line: more seeds, or no difference")
+
+
+def _mean(by_seed: dict[int, float | None]) -> float:
+    return float(np.mean([v for v in by_seed.values() if v is not None]))
+
+
+def _floor(headline: Headline, rows: list[dict], floor: str) -> float | None:
+    """The mean over seeds of ``floor``'s figure, for a utility headline (higher is better, not a
+    share of its base row); None where there is none to hold the rows to."""
+    if not floor or not headline.higher or headline.within:
+        return None
+    found = [r[headline.figure] for r in rows if r["variant"] == floor and r.get(headline.figure) is not None]
+    return float(np.mean(found)) if found else None
 
 
 def _at_chance(headline: Headline, rows: list[dict]) -> bool:
@@ -160,6 +181,7 @@ PROTOCOLS: dict[str, Protocol] = {
             "accountant with per-sample clipping (the paper's closed form and per-batch clipping do not give the "
             "epsilon they claim: docs/methods.md).",
             (
+                ("zeroshot", "zeroshot", {}),  # the floor: what CLIP scores with no prompt learned
                 ("promptfl", "promptfl", {}),
                 ("dpfpl-r8", "dpfpl", {"dpfpl.rank": 8}),
                 ("dpfpl-r8-nores", "dpfpl", {"dpfpl.rank": 8, "dpfpl.residual": False}),
@@ -256,6 +278,7 @@ PROTOCOLS: dict[str, Protocol] = {
                     "0.01",
                 ),
             ),
+            "zeroshot",
         ),
         Protocol(
             "paper-fedrand",
@@ -579,6 +602,8 @@ def headline_cells(protocol: Protocol) -> dict[str, set[str]]:
     cells: dict[str, set[str]] = {e: set() for e in protocol.epsilons}
     for h in protocol.headlines:
         cells[h.epsilon] |= {h.better, h.worse}
+    if protocol.floor:  # it trains nothing: it runs without noise only
+        cells["none"].add(protocol.floor)
     return {e: labels for e, labels in cells.items() if labels}
 
 
@@ -588,8 +613,9 @@ def left_out(protocol: Protocol) -> str:
     ran = "; ".join(f"{', '.join(sorted(labels))} at epsilon {e}" for e, labels in cells.items())
     rest = []
     for e in protocol.epsilons:
-        missing = [label for label, _, _ in protocol.variants if label not in cells.get(e, set())]
-        if len(missing) == len(protocol.variants):
+        runs = runs_at(list(protocol.variants), e)
+        missing = [label for label, _, _ in runs if label not in cells.get(e, set())]
+        if len(missing) == len(runs):
             rest.append(f"epsilon {e} (all)")
         elif missing:
             rest.append(f"{', '.join(missing)} at epsilon {e}")
@@ -619,7 +645,14 @@ def _selection(p, args, protocol: Protocol) -> dict[str, list]:
             "--docs with part of the protocol (--variants or --epsilons) would publish a page of that part only: "
             "run the part without --docs, then the whole protocol (or --headline-rows) with --docs"
         )
-    return {e: variants for e in protocol.epsilons if not asked or e in asked}
+    return {e: runs_at(variants, e) for e in protocol.epsilons if not asked or e in asked}
+
+
+def runs_at(variants: list, epsilon: str) -> list:
+    """Those of ``variants`` a privacy level runs: a method without a DP mechanism only at 'none'."""
+    from fedvlm.methods.registry import get_method
+
+    return [v for v in variants if epsilon == "none" or get_method(v[1]).supports_dp]
 
 
 def _parser():
@@ -673,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         p.error(f"no run of these variants and epsilons in {folder / 'summary.csv'}: the report is left as it was")
     entries = leaderboard.board(rows)
-    verdicts = [verdict(h, [r for r in rows if r["status"] != "failed"]) for h in protocol.headlines]
+    verdicts = [verdict(h, [r for r in rows if r["status"] != "failed"], protocol.floor) for h in protocol.headlines]
     command = "python -m fedvlm.experiments.protocols " + " ".join(argv if argv is not None else sys.argv[1:])
     title = f"Protocol {protocol.name}: the paper's setup on the embedded default"
     board = leaderboard.board_markdown(entries, command.strip(), time.time() - t0, title)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedvlm.experiments.protocols import LAST10, PROTOCOLS, Headline, scale_of, verdict
+from fedvlm.experiments.protocols import LAST10, PROTOCOLS, Headline, runs_at, scale_of, verdict
 from fedvlm.methods.validation import validate
 from fedvlm.runconfig import parse_value
 from fedvlm.spec import spec_of
@@ -17,8 +17,8 @@ def test_every_run_of_a_protocol_is_a_valid_config_of_its_family(name):
     sets = dict(item.split("=", 1) for item in scale_of(protocol, False, (), True).sets)
     labels = [label for label, _, _ in protocol.variants]
     assert len(set(labels)) == len(labels)
-    for label, method, overrides in protocol.variants:
-        for eps in protocol.epsilons:
+    for eps in protocol.epsilons:
+        for label, method, overrides in runs_at(list(protocol.variants), eps):
             raw = {k: parse_value(v) for k, v in sets.items()} | overrides | {"method": method}
             raw["privacy.epsilon"] = 0.0 if eps == "none" else float(eps)
             cfg = validate(raw)
@@ -96,7 +96,8 @@ def test_a_page_is_the_whole_protocol_or_its_headline_rows(capsys):
     assert "drop --variants and --epsilons" in capsys.readouterr().err
     protocol = PROTOCOLS["paper-dpfpl"]
     cells = headline_cells(protocol)
-    assert list(cells) == ["0.1", "0.01"]  # the protocol's order, and only the levels a headline reads
+    assert list(cells) == ["none", "0.1", "0.01"]  # the protocol's order, and only the levels a headline reads
+    assert cells["none"] == {"zeroshot"}  # the floor every utility headline is held to
     assert cells["0.1"] == {
         "promptfl",
         "dpfpl-r8",
@@ -108,7 +109,9 @@ def test_a_page_is_the_whole_protocol_or_its_headline_rows(capsys):
     }
     assert cells["0.01"] == {"promptfl", "dpfpl-r8", "dpfpl-r8-nores"}  # not every row at every level
     note = left_out(protocol)
-    assert all(f"epsilon {e} (all)" in note for e in ("none", "0.4"))
+    assert "epsilon 0.4 (all)" in note and "zeroshot" not in note.split("Not run")[1]  # it runs without noise only
+    trained = "promptfl, dpfpl-r8, dpfpl-r8-nores, fedotp, fedpgp, promptfl-lr0.01, dpfpl-r8-lr0.01"
+    assert f"{trained} at epsilon none" in note
     assert "fedotp, fedpgp, promptfl-lr0.01, dpfpl-r8-lr0.01 at epsilon 0.01" in note
 
 
@@ -155,3 +158,22 @@ def test_every_call_of_a_headline_page_keeps_the_rows_of_the_calls_before_it(tmp
     protocols._run(protocol, cells, protocols.scale_of(protocol, True, (0,), False), tmp_path)
     got = {(r["variant"], r["epsilon"]) for r in summary_rows(tmp_path / "summary.csv")}
     assert got == {("promptfl", "none")} | {(v[0], e) for e, variants in cells.items() for v in variants}
+
+
+def test_a_utility_neither_row_lifts_above_what_trains_nothing_settles_nothing():
+    """Issue 62's review: DP-FPL's page called 'the residual term helps' reproduced between two rows
+    that both scored below zero-shot: the residual hurt less, nothing was learned. A utility
+    headline whose rows both sit at or below the protocol's floor is not measurable; one row above
+    it is judged by its interval as before, and an attack or a within-share headline ignores it."""
+    h = Headline("a above b", "local-acc" + LAST10, "a", "b", "0.1")
+    rows = _rows([0.235, 0.236, 0.234], [0.214, 0.215, 0.213])
+    floor = [{"variant": "z", "epsilon": "none", "seed": s, "local-acc" + LAST10: 0.241} for s in range(3)]
+    assert verdict(h, rows).outcome == "reproduced"
+    judged = verdict(h, rows + floor, "z")
+    assert judged.outcome == "not measurable" and "trains nothing" in judged.why
+    assert judged.difference is not None and judged.difference.low > 0  # the interval is still shown
+    lifted = _rows([0.30, 0.31, 0.29], [0.214, 0.215, 0.213])
+    assert verdict(h, lifted + floor, "z").outcome == "reproduced"
+    assert verdict(h, rows, "z").outcome == "reproduced"  # no floor row run: judged as before
+    lower = Headline("a leaks less", "local-acc" + LAST10, "a", "b", "0.1", higher=False)
+    assert verdict(lower, _rows([0.21, 0.21, 0.20], [0.235, 0.236, 0.234]) + floor, "z").outcome == "reproduced"
