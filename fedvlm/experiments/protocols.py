@@ -1,6 +1,6 @@
 """Each seed paper's own protocol, and its headlines as claims the board's runs can settle.
 
-    python -m fedvlm.experiments.leaderboard --protocol paper-dpfpl --docs
+    python -m fedvlm.experiments.protocols paper-dpfpl --docs
 
 A protocol is what the paper ran, as docs/methods.md records it: its
 methods and baselines, rounds, local training, clients, sampling, rank and privacy levels. It runs
@@ -13,7 +13,8 @@ privacy level (or, with ``within``, not below it by more than that share). Its v
 (``verdict``) rests on the difference paired by seed and its 95% interval
 (``experiments.stats``): reproduced when the interval lies wholly on the paper's side, reversed
 when it lies wholly on the other, not measurable when it covers the line or a row is missing, or,
-for an attack's figure, when the attack is at its chance level in every run of both rows.
+for an attack's figure, when the attack is at its chance level in every run of both rows, or, for
+a utility, when neither row is above the protocol's ``floor`` (a variant that trains nothing).
 """
 
 from __future__ import annotations
@@ -284,7 +285,9 @@ PROTOCOLS: dict[str, Protocol] = {
             "paper-fedrand",
             "vlm",
             "FedRand (seed: fedrand.txt): TinyLLaVA-OpenELM-450M, LoRA rank 8, 12 clients, 30% a round, 30 rounds, "
-            "Dirichlet 0.5 on COCO and ScienceQA; here the embedded VLM and captions, no DP (the paper has none).",
+            "Dirichlet 0.5 on COCO and ScienceQA; here the embedded VLM and captions, no DP (the paper has none). "
+            "MaxRényi asks for the paper's 300 members and 300 non-members a model and takes as many as the data "
+            "has: on the embedded default 100 for the server model (its held-out split), per client what it holds.",
             (
                 ("fedrand", "fedrand", {}),
                 ("fedavg-lora", "fedavg-lora", {}),
