@@ -88,7 +88,9 @@ def verdict(headline: Headline, rows: list[dict], floor: str = "") -> Verdict:
         why += "no leak to compare"
         return Verdict(headline, "not measurable", diff, why)
     if (level := _floor(headline, rows, floor)) is not None and max(_mean(a), _mean(b)) <= level:
-        why = f"neither row is above {floor} ({level:.4g}), which trains nothing: no learning to compare"
+        name = headline.figure.removesuffix(LAST10)
+        shown = level * (METRICS[name].kind.scale if name in METRICS else 1.0)  # as the page's tables show it
+        why = f"neither row is above {floor} ({shown:.2f}), which trains nothing: no learning to compare"
         return Verdict(headline, "not measurable", diff, why)
     sign = 1.0 if headline.higher else -1.0
     line = -headline.within if headline.within else 0.0
