@@ -124,14 +124,25 @@ def fleet_calls(gateway_log: str, node_rounds: int) -> dict[str, float]:
 
 
 def _wait_online(fed: LocalFederation, n: int, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
+    deadline, online, why = time.time() + timeout, 0, ""
     while time.time() < deadline:
         proc = fed.flwr("supernode", "list", "loopback", "--format", "json", timeout=60)
         nodes = json.loads(proc.stdout)["nodes"] if proc.returncode == 0 else []
-        if sum(node["status"] == "online" for node in nodes) >= n:
+        why = "" if proc.returncode == 0 else f"; `flwr supernode list` said: {proc.stderr.strip()[-300:]}"
+        online = sum(node["status"] == "online" for node in nodes)
+        if online >= n:
             return
         time.sleep(1)
-    raise SystemExit(f"fewer than {n} SuperNodes online after {timeout:.0f} s")
+    errors = [  # the bench's folder goes with it: what the programs' logs said, before it does
+        f"{log.stem}: {line.strip()[:200]}"
+        for log in sorted((fed.dir / "logs").glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "ERROR" in line or "Error" in line
+    ]
+    raise SystemExit(
+        f"{online} of {n} SuperNodes online after {timeout:.0f} s{why}; the programs' logs said: "
+        + ("; ".join(errors[:5]) or "no error (too slow to start: the machine's load, or its memory)")
+    )
 
 
 def summary(run: dict, round_timeout: float) -> dict:
