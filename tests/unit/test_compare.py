@@ -1,0 +1,46 @@
+"""``python -m fedvlm.experiments.compare``: two rows of a sweep folder, paired by seed, with the
+interval the board would give a headline; a row or figure the folder lacks is named, not guessed."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from fedvlm.experiments import stats
+from fedvlm.experiments.compare import main
+
+A = {0: 0.33, 1: 0.34, 2: 0.325, 3: 0.331}
+B = {0: 0.22, 1: 0.21, 2: 0.225, 3: 0.20}
+
+
+def _folder(tmp_path):
+    rows = [("a", "8", s, "finished", v) for s, v in A.items()] + [("b", "8", s, "finished", v) for s, v in B.items()]
+    rows += [("b", "8", 4, "failed", ""), ("b", "none", 0, "finished", 0.9)]  # neither counts against a@8
+    with open(tmp_path / "summary.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["variant", "epsilon", "seed", "status", "neighbor-acc-last10-mean"])
+        w.writerows(rows)
+    return tmp_path
+
+
+def test_two_rows_are_paired_by_seed_with_the_boards_interval(tmp_path, capsys):
+    assert main([str(_folder(tmp_path)), "a@8", "b@8", "neighbor-acc"]) == 0
+    d = stats.difference(A, B)
+    said = capsys.readouterr().out
+    assert d.interval(100.0) in said and "paired by seed, 4 seeds" in said
+    assert d.low > 0  # a real lead, here
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["a8", "b@8", "neighbor-acc"], "a row is variant@epsilon"),
+        (["a@8", "c@8", "neighbor-acc"], "c@8: no finished run"),
+        (["a@8", "b@8", "local-acc"], "its figures are neighbor-acc"),
+    ],
+)
+def test_a_row_or_figure_the_folder_lacks_is_named(tmp_path, capsys, argv, named):
+    with pytest.raises(SystemExit):
+        main([str(_folder(tmp_path)), *argv])
+    assert named in capsys.readouterr().err
