@@ -415,9 +415,10 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their sample standard deviation "
         "(ddof 1); per client: each round's worst node's figure and the standard deviation over that round's "
         "nodes (ddof 0: every node of the federation, not a sample of them), each the mean of the last 10 rounds, "
-        "averaged over seeds. Δ: the private row minus its reference (the same method "
-        "without noise), paired by seed, with the 95% Student-t interval of the per-seed differences; † marks a "
-        "difference within two standard "
+        "averaged over seeds. Δ: the private row minus its reference (the same method without a privacy target: "
+        "without noise, or, where the family's own setup fixes its noise, as Reprogrammable-FL's z = 1.1, that "
+        "row, itself private: the difference is then the target's noise beyond it), paired by seed, with the 95% "
+        "Student-t interval of the per-seed differences; † marks a difference within two standard "
         f"deviations measured on fewer than {FEW_SEEDS} seeds.",
         "",
         "Privacy: the target epsilon, the epsilon the run's ledger accounted per record (every mechanism composed; "
