@@ -410,7 +410,10 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         "Compute, as the runs recorded it: rounds, the local steps a trained node ran per round, the local steps "
         f"each node ran over the run, and the nodes trained per round. A `{MATCHED}` row is the method without "
         "noise at the compute its private rows train with (PromptFL's and pFedMoAP's one local step under DP), "
-        "and it is the private rows' reference where it exists, so that their difference is the noise's alone.",
+        "and it is the private rows' reference where it exists, so that their difference is the noise's alone. "
+        "A private run's audited node trains on its records and the audit's canaries "
+        "(`privacy.audit-canaries`), so where a method trains in epochs its steps are a little above the same "
+        "method's without noise.",
         "",
         "Utility: mean of the last 10 rounds, averaged over the row's seeds, ± their sample standard deviation "
         "(ddof 1); per client: each round's worst node's figure and the standard deviation over that round's "
