@@ -533,7 +533,10 @@ def _family_panels(left, right, family: str, mine: list[dict]) -> None:
     none_x = 2 * finite[-1] if finite else 1.0  # where runs without noise sit: right of every private one
     for ax, xkey in ((left, "epsilon-accounted"), (right, ATTACK_TPR)):
         pts = _points(ax, mine, u, xkey, none_x, colours, markers, attack=ax is right)
-        if pts:
+        # a front over attacks with different chance levels (the VLM server's and clients') compares
+        # figures on different scales: drawn only where every row's attack has the same chance
+        levels = {round(e[ATTACK_TPR + CHANCE], 9) for e in mine if e.get(ATTACK_TPR + CHANCE) is not None}
+        if pts and (ax is left or len(levels) <= 1):
             fx, fy = zip(*pareto_front(pts), strict=True)
             ax.step(fx, fy, where="post", color="gray", ls="--", lw=1)
         if ax is left:
@@ -541,9 +544,11 @@ def _family_panels(left, right, family: str, mine: list[dict]) -> None:
             ax.set_title(f"{family} family: {u} against privacy spent")
         else:
             chances = [100 * e[ATTACK_TPR + CHANCE] for e in mine if e.get(ATTACK_TPR) is not None]
-            top = max([*(2.5 * c for c in chances), *(x for x, _ in pts), 0.1])
+            intervals = [e.get(ATTACK_TPR + CI) or (None, None) for e in mine]
+            highs = [100 * high for _, high in intervals if high is not None]
+            top = max([*(2.5 * c for c in chances), *(x for x, _ in pts), *highs, 0.1])
             ax.set_xlim(-0.04 * top, 1.08 * top)  # a TPR of 0 (nothing found at that FPR) must show
-            ax.set_xlabel("the row's named attack: TPR at FPR <= 0.1% (%)")
+            ax.set_xlabel("the named attack's TPR at FPR <= 0.1% (%), 95% interval over seeds")
             ax.set_title(f"{family} family: {u} against privacy measured")
         several = any(e.get(u + STD) is not None for e in mine)
         ax.set_ylabel(f"{u} ({METRICS[u].kind.axis})" + (", mean ± std over seeds" if several else ""))
@@ -552,8 +557,9 @@ def _family_panels(left, right, family: str, mine: list[dict]) -> None:
 
 
 def _points(ax, mine, u: str, xkey: str, none_x: float, colours, markers, attack: bool) -> list[tuple[float, float]]:
-    """Each row's point (its spread over seeds as an error bar) and, on the attack panel, its own
-    chance level at its height: below 1000 non-members it is not 0.1%."""
+    """Each row's point (its spread over seeds as an error bar; on the attack panel its TPR's 95%
+    interval too, its low end at 0) and, on the attack panel, its own chance level at its height:
+    below 1000 non-members it is not 0.1%."""
     scale, xscale = METRICS[u].kind.scale, 100.0 if attack else 1.0
     pts = []
     for e in mine:
@@ -563,11 +569,12 @@ def _points(ax, mine, u: str, xkey: str, none_x: float, colours, markers, attack
         if y is None or x is None:
             continue
         pts.append((x * xscale, y * scale))
-        spread = e.get(u + STD)
+        spread, (low, high) = e.get(u + STD), (e.get(xkey + CI) or (None, None)) if attack else (None, None)
         ax.errorbar(
             x * xscale,
             y * scale,
             yerr=None if spread is None else spread * scale,
+            xerr=None if low is None or high is None else [[(x - max(low, 0.0)) * xscale], [(high - x) * xscale]],
             fmt=markers[e["target"]],
             color=colours[e["variant"]],
             ms=7,
