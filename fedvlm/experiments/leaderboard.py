@@ -394,19 +394,9 @@ def family_tables(mine: list[dict]) -> list[str]:
     return lines
 
 
-def board_markdown(entries: list[dict], command: str, seconds: float, title: str = TITLE) -> list[str]:
-    """The board's page: its header (how it was measured, what each column means) and each
-    family's tables."""
-    runs = sum(e["seeds"] for e in entries if "failed" not in e)
-    spent = sum(e["seconds-total"] for e in entries if "failed" not in e)
-    lines = [
-        f"# {title}",
-        "",
-        f"Measured with `{command}`: {runs} runs, whose rounds took {spent / 3600:.1f} h in total (the sum of "
-        "their own per-round seconds; the audits and attacks after each run add to it). This call took "
-        f"{seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran. "
-        f"Machine, as the runs recorded it: {machines(entries)}.",
-        "",
+def legend(entries: list[dict]) -> list[str]:
+    """What each column of a board's tables means: its compute, utility, privacy and cost."""
+    return [
         "Compute, as the runs recorded it: rounds, the local steps a trained node ran per round, the local steps "
         f"each node ran over the run, and the nodes trained per round. A `{MATCHED}` row is the method without "
         "noise at the compute its private rows train with (PromptFL's and pFedMoAP's one local step under DP), "
@@ -439,6 +429,23 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         "(each run's median round, averaged over seeds). `-`: not "
         "measured for that row (no mechanism to audit, no attack that applies, no reference, traffic a run made "
         "before training and evaluation were counted apart recorded only as totals).",
+    ]
+
+
+def board_markdown(entries: list[dict], command: str, seconds: float, title: str = TITLE) -> list[str]:
+    """The board's page: its header (how it was measured, what each column means) and each
+    family's tables."""
+    runs = sum(e["seeds"] for e in entries if "failed" not in e)
+    spent = sum(e["seconds-total"] for e in entries if "failed" not in e)
+    lines = [
+        f"# {title}",
+        "",
+        f"Measured with `{command}`: {runs} runs, whose rounds took {spent / 3600:.1f} h in total (the sum of "
+        "their own per-round seconds; the audits and attacks after each run add to it). This call took "
+        f"{seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran. "
+        f"Machine, as the runs recorded it: {machines(entries)}.",
+        "",
+        *legend(entries),
     ]
     for family in dict.fromkeys(e["family"] for e in entries):
         mine = [e for e in entries if e["family"] == family and "failed" not in e]
