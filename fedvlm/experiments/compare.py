@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from fedvlm.experiments import stats
-from fedvlm.experiments.sweep_report import LAST10, read_summary
+from fedvlm.experiments.sweep_report import LAST10, read_summary, shown_scale
 from fedvlm.metrics import METRICS
 
 
@@ -52,10 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{row[0]}@{row[1]}: no finished run with a {column} in {args.folder / 'summary.csv'}")
     d = stats.difference(a, b)
     assert d is not None  # both rows have a finite figure
-    scale = METRICS[args.figure].kind.scale if args.figure in METRICS else 1.0
     paired = "paired by seed" if set(a) == set(b) else "unpaired (Welch)"
     print(
-        f"{'@'.join(args.a)} - {'@'.join(args.b)}, {column}: {d.interval(scale)} "
+        f"{'@'.join(args.a)} - {'@'.join(args.b)}, {column}: {d.interval(shown_scale(column))} "
         f"(95% t interval, {paired}, {d.n} seeds: {sorted(a)} and {sorted(b)})"
     )
     return 0

@@ -22,12 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from fedvlm.experiments import stats
 from fedvlm.experiments.presets import COMPARISONS
-from fedvlm.experiments.sweep_report import LAST10, keep_earlier, summary_rows  # LAST10: a figure's key in a row
-from fedvlm.metrics import ACC, METRICS, SERVER_MODEL, vlm_score
+from fedvlm.experiments.sweep_report import (  # LAST10: a figure's key in a row
+    LAST10,
+    keep_earlier,
+    shown_scale,
+    summary_rows,
+)
+from fedvlm.metrics import ACC, SERVER_MODEL, vlm_score
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,9 @@ def verdict(headline: Headline, rows: list[dict], floor: str = "") -> Verdict:
         why = "the attack is at its chance level in every run of both rows (each run's interval covers it): "
         why += "no leak to compare"
         return Verdict(headline, "not measurable", diff, why)
-    if (level := _floor(headline, rows, floor)) is not None and max(_mean(a), _mean(b)) <= level:
-        name = headline.figure.removesuffix(LAST10)
-        shown = level * (METRICS[name].kind.scale if name in METRICS else 1.0)  # as the page's tables show it
+    means = [spread.mean for spread in (stats.spread(a.values()), stats.spread(b.values())) if spread is not None]
+    if (level := _floor(headline, rows, floor)) is not None and max(means) <= level:
+        shown = level * shown_scale(headline.figure)  # as the page's tables show it
         why = f"neither row is above {floor} ({shown:.2f}), which trains nothing: no learning to compare"
         return Verdict(headline, "not measurable", diff, why)
     sign = 1.0 if headline.higher else -1.0
@@ -102,17 +105,13 @@ def verdict(headline: Headline, rows: list[dict], floor: str = "") -> Verdict:
     return Verdict(headline, "not measurable", diff, "the interval covers the line: more seeds, or no difference")
 
 
-def _mean(by_seed: dict[int, float | None]) -> float:
-    return float(np.mean([v for v in by_seed.values() if v is not None]))
-
-
 def _floor(headline: Headline, rows: list[dict], floor: str) -> float | None:
     """The mean over seeds of ``floor``'s figure, for a utility headline (higher is better, not a
     share of its base row); None where there is none to hold the rows to."""
     if not floor or not headline.higher or headline.within:
         return None
-    found = [r[headline.figure] for r in rows if r["variant"] == floor and r.get(headline.figure) is not None]
-    return float(np.mean(found)) if found else None
+    found = stats.spread(r.get(headline.figure) for r in rows if r["variant"] == floor)
+    return None if found is None else found.mean
 
 
 def _at_chance(headline: Headline, rows: list[dict]) -> bool:
@@ -564,8 +563,7 @@ def markdown(protocol: Protocol, verdicts: list[Verdict], board_lines: list[str]
     ]
     for v in verdicts:
         h, d = v.headline, v.difference
-        name = h.figure.removesuffix(LAST10)
-        scale = 100.0 if h.within else METRICS[name].kind.scale if name in METRICS else 1.0
+        scale = 100.0 if h.within else shown_scale(h.figure)
         delta = "-" if d is None else d.interval(scale) + (" % of the worse row" if h.within else "")
         pair = f"{h.better} - {h.worse} at epsilon {h.epsilon}"
         head.append(f"| {h.claim} | {h.figure} | {pair} | {delta} | **{v.outcome}**: {v.why} |")
@@ -579,8 +577,7 @@ def _figures(protocol: Protocol, rows: list[dict]) -> list[str]:
     on the last round's figure is read beside the board's means of the last 10 rounds."""
     out: list[str] = []
     for figure in dict.fromkeys(h.figure for h in protocol.headlines):
-        name = figure.removesuffix(LAST10)
-        scale = METRICS[name].kind.scale if name in METRICS else 1.0
+        scale = shown_scale(figure)
         read = {h.epsilon for h in protocol.headlines if h.figure == figure}
         epsilons = [e for e in protocol.epsilons if e in read and any(r["epsilon"] == e for r in rows)]
         if not epsilons:  # no row of this call at a level the figure is read at

@@ -22,6 +22,15 @@ from fedvlm.utils.files import (
 )
 
 LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
+
+
+def shown_scale(column: str) -> float:
+    """What a row's ``column`` (a figure, or its ``LAST10`` mean) is multiplied by in a table:
+    its kind's (a proportion shown as a percentage), 1 for a column that is no declared figure."""
+    name = column.removesuffix(LAST10)
+    return METRICS[name].kind.scale if name in METRICS else 1.0
+
+
 UTILITY_KINDS = (PROPORTION, CIDER)  # what a family's utility columns are: its headline accuracies or CIDEr
 
 
