@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import math
 import sys
 import time
 from collections import Counter
@@ -593,11 +594,26 @@ def _points(ax, mine, u: str, xkey: str, none_x: float, colours, markers, attack
     return pts
 
 
+def _epsilon_ticks(finite: list[float], apart: float = 1.4) -> tuple[list[float], list[str]]:
+    """One tick per group of accounted epsilons within a factor ``apart`` of their neighbour (the
+    rows of one target land a little apart, and their labels would print over each other),
+    labelled with the group's range (one figure where its ends print alike) and placed at its
+    geometric middle."""
+    groups: list[list[float]] = []
+    for value in sorted(finite):
+        if groups and value <= groups[-1][-1] * apart:
+            groups[-1].append(value)
+        else:
+            groups.append([value])
+    ends = [dict.fromkeys(f"{v:.3g}" if len(g) == 1 else f"{v:.2g}" for v in (g[0], g[-1])) for g in groups]
+    return [math.sqrt(g[0] * g[-1]) for g in groups], ["-".join(e) for e in ends]
+
+
 def _epsilon_axis(ax, mine: list[dict], finite: list[float], none_x: float) -> None:
     ax.set_xscale("log")
     unaccounted = any(not e.get("epsilon-accounted") for e in mine)  # a family with fixed noise has none
-    ticks = [*finite, none_x] if unaccounted else finite
-    ax.set_xticks(ticks, [f"{t:.3g}" for t in finite] + (["no DP"] if unaccounted else []))
+    ticks, labels = _epsilon_ticks(finite)
+    ax.set_xticks([*ticks, none_x] if unaccounted else ticks, labels + (["no DP"] if unaccounted else []))
     ax.minorticks_off()
     ax.set_xlabel("accounted epsilon (log scale)")
 

@@ -125,3 +125,13 @@ def test_only_the_prompt_family_takes_base_to_novel():
     assert validate({"method": "promptfl", "class-split": "base-to-novel"}).class_split == "base-to-novel"
     with pytest.raises(ConfigError, match="'class-split' = 'base-to-novel' is not an evaluation the vlm family"):
         validate({"method": "fedrand", "class-split": "base-to-novel"})
+
+
+def test_epsilon_ticks_that_would_print_over_each_other_share_one_labelled_range():
+    """The VLM rows of one target land at 0.69 and 0.94 (and 5.7, 7.7): one tick each pair,
+    labelled with its range, between them on the log axis; epsilons far apart keep their own."""
+    ticks, labels = leaderboard._epsilon_ticks([0.69, 0.94, 5.7, 7.7])
+    assert labels == ["0.69-0.94", "5.7-7.7"]
+    assert 0.69 < ticks[0] < 0.94 and 5.7 < ticks[1] < 7.7
+    assert leaderboard._epsilon_ticks([1.0, 5.24, 8.0]) == ([1.0, 5.24, 8.0], ["1", "5.24", "8"])
+    assert leaderboard._epsilon_ticks([0.998, 1.003])[1] == ["1"]  # the ends print alike: one figure
