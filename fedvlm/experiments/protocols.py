@@ -67,6 +67,7 @@ class Protocol:
     budget: str  # the CPU time it takes on the 2-core machine, measured
     headlines: tuple[Headline, ...]
     floor: str = ""  # a variant that trains nothing (zero-shot): a utility neither row beats is no learning
+    private: tuple[str, ...] = ()  # the variants its targets run (the paper's private table); () = all that can
 
 
 @dataclass(frozen=True)
@@ -469,6 +470,7 @@ PROTOCOLS: dict[str, Protocol] = {
                     "25",
                 ),
             ),
+            private=("promptfl", "promptfl+fedprox", "pfedmoap"),  # Table 6's rows
         ),
     )
 }
@@ -682,7 +684,8 @@ def _selection(p, args, protocol: Protocol) -> dict[str, list]:
 
 
 def runs_at(protocol: Protocol, variants: list, epsilon: str) -> list:
-    """Those of ``variants`` a privacy level runs: all at 'none'; at a target, those whose config
+    """Those of ``variants`` a privacy level runs: all at 'none'; at a target, those of the
+    protocol's ``private`` (where it names them) whose config
     (the protocol's, the variant's overrides, the target) the validation accepts. A method without
     a DP mechanism, or a variant without privacy accounting (FedOTP's global prompt stepped on the
     node), is refused there, as a user asking for it would be."""
@@ -691,6 +694,7 @@ def runs_at(protocol: Protocol, variants: list, epsilon: str) -> list:
 
     if epsilon == "none":
         return list(variants)
+    variants = [v for v in variants if not protocol.private or v[0] in protocol.private]
     base = {k: parse_value(v) for k, v in (item.split("=", 1) for item in protocol.sets)}
     kept = []
     for v in variants:

@@ -199,3 +199,14 @@ def test_a_utility_neither_row_lifts_above_what_trains_nothing_settles_nothing()
     assert verdict(h, rows, "z").outcome == "reproduced"  # no floor row run: judged as before
     lower = Headline("a leaks less", "local-acc" + LAST10, "a", "b", "0.1", higher=False)
     assert verdict(lower, _rows([0.21, 0.21, 0.20], [0.235, 0.236, 0.234]) + floor, "z").outcome == "reproduced"
+
+
+def test_a_protocols_targets_run_only_its_private_rows_and_only_where_accounting_exists():
+    """pFedMoAP's Table 6 has PromptFL, PromptFL+FedProx and pFedMoAP under DP; FedOTP's
+    node-stepped global prompt (fedotp-fedavg) has no accounting and is never run private."""
+    moap = PROTOCOLS["paper-pfedmoap"]
+    assert [v[0] for v in runs_at(moap, list(moap.variants), "25")] == ["promptfl", "promptfl+fedprox", "pfedmoap"]
+    assert len(runs_at(moap, list(moap.variants), "none")) == len(moap.variants)
+    dpfpl = PROTOCOLS["paper-dpfpl"]
+    private = [v[0] for v in runs_at(dpfpl, list(dpfpl.variants), "0.4")]
+    assert "zeroshot" not in private and private and "fedotp-fedavg" not in private
