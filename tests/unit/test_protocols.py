@@ -205,8 +205,9 @@ def test_a_protocols_targets_run_only_its_private_rows_and_only_where_accounting
     """pFedMoAP's Table 6 has PromptFL, PromptFL+FedProx and pFedMoAP under DP; FedOTP's
     node-stepped global prompt (fedotp-fedavg) has no accounting and is never run private."""
     moap = PROTOCOLS["paper-pfedmoap"]
-    assert [v[0] for v in runs_at(moap, list(moap.variants), "25")] == ["promptfl", "promptfl+fedprox", "pfedmoap"]
+    private = [v[0] for v in runs_at(moap, list(moap.variants), "25")]
+    assert private == ["promptfl", "promptfl+fedprox", "pfedmoap", "pfedmoap-upload"]
     assert len(runs_at(moap, list(moap.variants), "none")) == len(moap.variants)
     dpfpl = PROTOCOLS["paper-dpfpl"]
-    private = [v[0] for v in runs_at(dpfpl, list(dpfpl.variants), "0.4")]
+    private = [v[0] for v in runs_at(dpfpl, list(dpfpl.variants), "0.4")]  # zero-shot has no DP
     assert "zeroshot" not in private and private and "fedotp-fedavg" not in private
