@@ -76,8 +76,8 @@ def summary_rows(path: Path) -> list[dict[str, str]]:
 
 
 def keep_earlier(path: Path, earlier: list[dict[str, str]], labels: list[str], epsilons: tuple[str, ...]) -> None:
-    """summary.csv after a sweep, which writes only its own runs: theirs, and every row of the
-    folder's ``earlier`` calls that this one did not run again, ordered by variant (``labels``),
+    """summary.csv after a sweep (or anything that wrote only its own runs there): its rows, and
+    every row of the folder's ``earlier`` calls that it did not run again, ordered by variant (``labels``),
     privacy level and seed, so that a folder's runs made call by call (a protocol's parts, a
     family's later seeds) all reach its page."""
     now = summary_rows(path)

@@ -265,3 +265,27 @@ def test_a_folder_set_aside_is_held_until_renamed_and_a_live_runs_is_refused(tmp
     sweep.set_aside(run, "other-config")
     assert free_during_rename == [False] and not run.exists()
     assert [p.name.startswith("p-eps8-seed0-other-config-") for p in run.parent.iterdir()] == [True]
+
+
+def test_a_sweep_stopped_half_way_leaves_the_folders_earlier_rows_in_its_summary(tmp_path):
+    """A protocol's call killed after its first run (before its caller merged the rows back) once
+    left summary.csv with that run's row alone: the folder's 45 earlier rows were gone from it.
+    The sweep now writes back, with every report, the rows it found that it does not plan; a row
+    it plans is its own to replace."""
+    from fedvlm.experiments.sweep import _parser, _prepare
+    from fedvlm.experiments.sweep_report import summary_rows
+
+    (tmp_path / "summary.csv").write_text(
+        "variant,method,epsilon,seed,status,local-acc\n"
+        "coop,coop,none,0,finished,0.7\n"  # another call's: kept
+        "promptfl,promptfl,none,1,finished,0.3\n"  # planned again below: the sweep's to replace
+    )
+    p = _parser()
+    argv = ["--out", str(tmp_path), "--methods", "promptfl", "--epsilons", "none", "--seeds", "1,2"]
+    sweep = _prepare(p, p.parse_args(argv))
+    sweep.report()  # as after a first run that failed, or before any finished
+    assert [(r["variant"], r["seed"]) for r in summary_rows(tmp_path / "summary.csv")] == [("coop", "0")]
+    sweep.rows.append({"variant": "promptfl", "method": "promptfl", "epsilon": "none", "seed": 1, "status": "ok"})
+    sweep.report()
+    rows = summary_rows(tmp_path / "summary.csv")
+    assert [(r["variant"], r["seed"], r["status"]) for r in rows] == [("promptfl", "1", "ok"), ("coop", "0", "finished")]
