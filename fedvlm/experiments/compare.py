@@ -5,7 +5,8 @@ name as a headline.
     python -m fedvlm.experiments.compare docs/results/leaderboard-runs/prompt promptfl@8 dpfpl-r8@8 neighbor-acc
 
 A row is ``variant@epsilon`` ('none' for no noise); the figure is a utility's mean of the last 10
-rounds (``local-acc``: its ``-last10-mean`` column) or any column of the folder's summary.csv.
+rounds (``local-acc``: its ``-last10-mean`` column), with ``--final`` its last round's (the figure
+pFedMoAP's, FedRand's and Reprogrammable-FL's headlines read), or any column of the folder's summary.csv.
 Only finished runs count; the seeds both rows ran are paired (Welch's interval otherwise,
 ``experiments.stats.difference``).
 """
@@ -40,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("a", type=_row, help="variant@epsilon")
     p.add_argument("b", type=_row, help="variant@epsilon, subtracted from a")
     p.add_argument("figure", help="local-acc, neighbor-acc, server-cider, ... or any summary.csv column")
+    p.add_argument("--final", action="store_true", help="the figure's last round, not its mean of the last 10")
     args = p.parse_args(argv)
     rows = read_summary(args.folder / "summary.csv")
-    column = args.figure + LAST10 if args.figure in METRICS else args.figure
+    column = args.figure + LAST10 if args.figure in METRICS and not args.final else args.figure
     if rows and column not in rows[0]:
         figures = ", ".join(c.removesuffix(LAST10) for c in rows[0] if c.endswith(LAST10))
         p.error(f"{args.figure}: not in {args.folder / 'summary.csv'}: its figures are {figures}, or name a column")

@@ -19,8 +19,8 @@ def _folder(tmp_path):
     rows += [("b", "8", 4, "failed", ""), ("b", "none", 0, "finished", 0.9)]  # neither counts against a@8
     with open(tmp_path / "summary.csv", "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["variant", "epsilon", "seed", "status", "neighbor-acc-last10-mean"])
-        w.writerows(rows)
+        w.writerow(["variant", "epsilon", "seed", "status", "neighbor-acc-last10-mean", "neighbor-acc"])
+        w.writerows([(*r, 0.5 if r[0] == "a" else 0.4) for r in rows])  # the last round's: a leads by 10
     return tmp_path
 
 
@@ -30,6 +30,8 @@ def test_two_rows_are_paired_by_seed_with_the_boards_interval(tmp_path, capsys):
     said = capsys.readouterr().out
     assert d.interval(100.0) in said and "paired by seed, 4 seeds" in said
     assert d.low > 0  # a real lead, here
+    assert main([str(tmp_path), "a@8", "b@8", "neighbor-acc", "--final"]) == 0  # the last round's column
+    assert "neighbor-acc: +10.00 [+10.00, +10.00]" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
