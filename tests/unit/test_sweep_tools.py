@@ -288,4 +288,7 @@ def test_a_sweep_stopped_half_way_leaves_the_folders_earlier_rows_in_its_summary
     sweep.rows.append({"variant": "promptfl", "method": "promptfl", "epsilon": "none", "seed": 1, "status": "ok"})
     sweep.report()
     rows = summary_rows(tmp_path / "summary.csv")
-    assert [(r["variant"], r["seed"], r["status"]) for r in rows] == [("promptfl", "1", "ok"), ("coop", "0", "finished")]
+    assert [(r["variant"], r["seed"], r["status"]) for r in rows] == [
+        ("promptfl", "1", "ok"),
+        ("coop", "0", "finished"),
+    ]
