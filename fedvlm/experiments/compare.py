@@ -42,16 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("b", type=_row, help="variant@epsilon, subtracted from a")
     p.add_argument("figure", help="local-acc, neighbor-acc, server-cider, ... or any summary.csv column")
     p.add_argument("--final", action="store_true", help="the figure's last round, not its mean of the last 10")
+    p.add_argument("--b-folder", type=Path, help="b's sweep folder where it is not a's (a board's dp-compute rows)")
     args = p.parse_args(argv)
-    rows = read_summary(args.folder / "summary.csv")
     column = args.figure + LAST10 if args.figure in METRICS and not args.final else args.figure
-    if rows and column not in rows[0]:
-        figures = ", ".join(c.removesuffix(LAST10) for c in rows[0] if c.endswith(LAST10))
-        p.error(f"{args.figure}: not in {args.folder / 'summary.csv'}: its figures are {figures}, or name a column")
-    a, b = by_seed(rows, args.a, column), by_seed(rows, args.b, column)
-    for row, got in ((args.a, a), (args.b, b)):
-        if not stats.finite(got.values()):
-            p.error(f"{row[0]}@{row[1]}: no finished run with a {column} in {args.folder / 'summary.csv'}")
+    got = []
+    for row, folder in ((args.a, args.folder), (args.b, args.b_folder or args.folder)):
+        rows = read_summary(folder / "summary.csv")
+        if rows and column not in rows[0]:
+            figures = ", ".join(c.removesuffix(LAST10) for c in rows[0] if c.endswith(LAST10))
+            p.error(f"{args.figure}: not in {folder / 'summary.csv'}: its figures are {figures}, or name a column")
+        got.append(by_seed(rows, row, column))
+        if not stats.finite(got[-1].values()):
+            p.error(f"{row[0]}@{row[1]}: no finished run with a {column} in {folder / 'summary.csv'}")
+    a, b = got
     d = stats.difference(a, b)
     assert d is not None  # both rows have a finite figure
     paired = "paired by seed" if set(a) == set(b) else "unpaired (Welch)"

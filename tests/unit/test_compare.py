@@ -46,3 +46,18 @@ def test_a_row_or_figure_the_folder_lacks_is_named(tmp_path, capsys, argv, named
     with pytest.raises(SystemExit):
         main([str(_folder(tmp_path)), *argv])
     assert named in capsys.readouterr().err
+
+
+def test_b_may_come_from_another_folder(tmp_path, capsys):
+    """A board's reference rows live in its dp-compute folder: b read there, paired with a."""
+    _folder(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    with open(other / "summary.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["variant", "epsilon", "seed", "status", "neighbor-acc-last10-mean"])
+        w.writerows(("c", "none", s, "finished", v) for s, v in B.items())
+    assert main([str(tmp_path), "a@8", "c@none", "neighbor-acc", "--b-folder", str(other)]) == 0
+    assert stats.difference(A, B).interval(100.0) in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # c is not in a's folder
+        main([str(tmp_path), "a@8", "c@none", "neighbor-acc"])
