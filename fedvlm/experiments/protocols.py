@@ -402,8 +402,9 @@ PROTOCOLS: dict[str, Protocol] = {
                 ),
                 # the experiment behind Table 6's "no loss under DP": its mechanism is not stated; the
                 # prompt's update noised once a round as it leaves (METHODS.md's 'upload' placement,
-                # which leaves the node's own gate and model outside the guarantee) against DP-SGD
-                ("pfedmoap-upload", "pfedmoap", {"pfedmoap.dp-placement": "upload"}),
+                # which leaves the node's own gate and model outside the guarantee) against DP-SGD; a
+                # once-a-round release has no per-record step for the audit's canaries to enter
+                ("pfedmoap-upload", "pfedmoap", {"pfedmoap.dp-placement": "upload", "privacy.audit-canaries": 0}),
             ),
             ("none", "50", "25"),
             (0, 1, 2),

@@ -354,7 +354,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="M",
-        help="audit every private run with M canaries (privacy.audit-canaries): table_audit.md, audit_vs_accounted.png",
+        help="audit every private run with M canaries (privacy.audit-canaries, unless a variant or --set names "
+        "its own): table_audit.md, audit_vs_accounted.png",
     )
     p.add_argument("--shadows", type=int, default=2)
     p.add_argument(
@@ -396,7 +397,8 @@ class Sweep:
             "output-dir": str(self.out / "runs"),
             "run-name": run_name(variant, eps, seed),
         }
-        if self.args.audit and (eps != "none" or get_method(method).family.noise_multiplier > 0):  # a private run
+        private = eps != "none" or get_method(method).family.noise_multiplier > 0
+        if self.args.audit and private and "privacy.audit-canaries" not in raw:  # a variant's own setting wins
             raw["privacy.audit-canaries"] = self.args.audit
         return raw
 

@@ -292,3 +292,18 @@ def test_a_sweep_stopped_half_way_leaves_the_folders_earlier_rows_in_its_summary
         ("promptfl", "1", "ok"),
         ("coop", "0", "finished"),
     ]
+
+
+def test_a_variants_own_audit_setting_wins_over_the_sweeps(tmp_path):
+    """pFedMoAP's 'upload' placement noises a round's update once, with no per-record step for a
+    canary to enter, so its config refuses canaries; the sweep's --audit used to overwrite the
+    variant's privacy.audit-canaries = 0 and every such run was refused."""
+    from fedvlm.experiments.sweep import _parser, _prepare
+
+    p = _parser()
+    argv = ["--epsilons", "8", "--audit", "100", "--variant", "up", "pfedmoap", "pfedmoap.dp-placement=upload"]
+    argv += ["privacy.audit-canaries=0", "--variant", "step", "pfedmoap"]
+    sweep = _prepare(p, p.parse_args(["--out", str(tmp_path), *argv]))
+    raws = {e[0]: sweep.raw(*e) for e in sweep.plan}
+    assert raws["up"]["privacy.audit-canaries"] == 0 and raws["step"]["privacy.audit-canaries"] == 100
+    validate(raws["up"])  # accepted: the refusal the sweep once caused is gone
