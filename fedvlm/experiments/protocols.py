@@ -383,7 +383,7 @@ PROTOCOLS: dict[str, Protocol] = {
             "prompt",
             "pFedMoAP (seed: pfedmoap_slides.md, Table 1): RN50 on Flowers102, OxfordPets, Food101, Caltech101, "
             "DTD, 10 clients with disjoint classes, 16 shots; Table 6 at epsilon 50 and 25 (its DP mechanism not "
-            "stated: here client DP-SGD on the prompt and the gating at every local step, METHODS.md, with the "
+            "stated: here client DP-SGD on the prompt and the gating at every local step, docs/methods.md, with the "
             "rows' local epochs unchanged); here the embedded CLIP and its dataset. This project's CoOp trains "
             "every round (the paper's trains once): a stronger baseline.",
             (
@@ -401,7 +401,7 @@ PROTOCOLS: dict[str, Protocol] = {
                     {"prompt.local-steps": 0, "dpfpl.global-update": "local", "dpfpl.server-lr": 1.0},
                 ),
                 # the experiment behind Table 6's "no loss under DP": its mechanism is not stated; the
-                # prompt's update noised once a round as it leaves (METHODS.md's 'upload' placement,
+                # prompt's update noised once a round as it leaves (docs/methods.md's 'upload' placement,
                 # which leaves the node's own gate and model outside the guarantee) against DP-SGD; a
                 # once-a-round release has no per-record step for the audit's canaries to enter
                 ("pfedmoap-upload", "pfedmoap", {"pfedmoap.dp-placement": "upload", "privacy.audit-canaries": 0}),
@@ -413,7 +413,9 @@ PROTOCOLS: dict[str, Protocol] = {
             "measured 2026-12-02 on the 2-core machine, alone: 25 min for the 35 runs of the paper's variants at 5 "
             "seeds (0.4 h of rounds; FedOTP's runs 83 to 240 s each, the others 13 to 31 s), 8 min more for the "
             "FedOTP server-step experiment's 5 runs, 15 min for the fedotp-fedavg row's 5 (other jobs sharing "
-            "the cores)",
+            "the cores); measured 2026-12-05, alone: a private run 215 to 246 s for PromptFL, 324 to 343 s for "
+            "pFedMoAP through DP-SGD, 31 to 46 s with the upload placement (36 runs at epsilon 50 and 25 over "
+            "five seeds: about 2 h)",
             (
                 Headline(
                     "pFedMoAP above FedOTP on local accuracy (Flowers102: 98.41 vs 96.23)",
