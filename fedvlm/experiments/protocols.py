@@ -414,8 +414,8 @@ PROTOCOLS: dict[str, Protocol] = {
             "seeds (0.4 h of rounds; FedOTP's runs 83 to 240 s each, the others 13 to 31 s), 8 min more for the "
             "FedOTP server-step experiment's 5 runs, 15 min for the fedotp-fedavg row's 5 (other jobs sharing "
             "the cores); measured 2026-12-05, alone: a private run 215 to 246 s for PromptFL, 324 to 343 s for "
-            "pFedMoAP through DP-SGD, 31 to 46 s with the upload placement (36 runs at epsilon 50 and 25 over "
-            "five seeds: about 2 h)",
+            "pFedMoAP through DP-SGD, 31 to 46 s with the upload placement (the 40 runs at epsilon 50 and 25 over "
+            "five seeds: about 2.3 h)",
             (
                 Headline(
                     "pFedMoAP above FedOTP on local accuracy (Flowers102: 98.41 vs 96.23)",
