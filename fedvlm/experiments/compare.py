@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--final", action="store_true", help="the figure's last round, not its mean of the last 10")
     p.add_argument("--b-folder", type=Path, help="b's sweep folder where it is not a's (a board's dp-compute rows)")
     args = p.parse_args(argv)
+    if args.final and args.figure not in METRICS:
+        p.error(f"--final: {args.figure} is a column, not a figure of the rounds: name a figure, or drop --final")
     column = args.figure + LAST10 if args.figure in METRICS and not args.final else args.figure
     got = []
     for row, folder in ((args.a, args.folder), (args.b, args.b_folder or args.folder)):

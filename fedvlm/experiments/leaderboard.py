@@ -605,7 +605,7 @@ def _epsilon_ticks(finite: list[float], apart: float = 1.4) -> tuple[list[float]
             groups[-1].append(value)
         else:
             groups.append([value])
-    ends = [dict.fromkeys(f"{v:.3g}" if len(g) == 1 else f"{v:.2g}" for v in (g[0], g[-1])) for g in groups]
+    ends = [dict.fromkeys(f"{v:.3g}" if len(g) == 1 or v >= 10 else f"{v:.2g}" for v in (g[0], g[-1])) for g in groups]
     return [math.sqrt(g[0] * g[-1]) for g in groups], ["-".join(e) for e in ends]
 
 

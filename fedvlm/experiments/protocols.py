@@ -384,8 +384,10 @@ PROTOCOLS: dict[str, Protocol] = {
             "pFedMoAP (seed: pfedmoap_slides.md, Table 1): RN50 on Flowers102, OxfordPets, Food101, Caltech101, "
             "DTD, 10 clients with disjoint classes, 16 shots; Table 6 at epsilon 50 and 25 (its DP mechanism not "
             "stated: here client DP-SGD on the prompt and the gating at every local step, docs/methods.md, with the "
-            "rows' local epochs unchanged); here the embedded CLIP and its dataset. This project's CoOp trains "
-            "every round (the paper's trains once): a stronger baseline.",
+            "rows' local epochs unchanged; the pfedmoap-upload row noises only the uploaded prompt, and its "
+            "epsilon covers only that, not the personalised model its local accuracy is measured on); here the "
+            "embedded CLIP and its dataset. This project's CoOp trains every round (the paper's trains once): a "
+            "stronger baseline.",
             (
                 *COMPARISONS["pfedmoap"],
                 # the experiment behind FedOTP's shortfall: this project's FedOTP moves its global
@@ -413,7 +415,7 @@ PROTOCOLS: dict[str, Protocol] = {
             "measured 2026-12-02 on the 2-core machine, alone: 25 min for the 35 runs of the paper's variants at 5 "
             "seeds (0.4 h of rounds; FedOTP's runs 83 to 240 s each, the others 13 to 31 s), 8 min more for the "
             "FedOTP server-step experiment's 5 runs, 15 min for the fedotp-fedavg row's 5 (other jobs sharing "
-            "the cores); measured 2026-12-05, alone: a private run 215 to 246 s for PromptFL, 324 to 343 s for "
+            "the cores); measured 2026-12-05, alone: a private run 215 to 252 s for PromptFL, 323 to 360 s for "
             "pFedMoAP through DP-SGD, 31 to 46 s with the upload placement (the 40 runs at epsilon 50 and 25 over "
             "five seeds: about 2.3 h)",
             (
@@ -688,7 +690,10 @@ def _selection(p, args, protocol: Protocol) -> dict[str, list]:
             "--docs with part of the protocol (--variants or --epsilons) would publish a page of that part only: "
             "run the part without --docs, then the whole protocol (or --headline-rows) with --docs"
         )
-    return {e: runs_at(protocol, variants, e) for e in protocol.epsilons if not asked or e in asked}
+    # a level none of the chosen variants runs at is left out: a sweep given no variant would run
+    # every DP method of the family in the protocol's folder
+    levels = [e for e in protocol.epsilons if not asked or e in asked]
+    return {e: runs for e in levels if (runs := runs_at(protocol, variants, e))}
 
 
 def runs_at(protocol: Protocol, variants: list, epsilon: str) -> list:

@@ -381,9 +381,9 @@ class Sweep:
     plan: list[Entry]
     refused: dict[str, ConfigError] = field(default_factory=dict)
     rows: list[dict] = field(default_factory=list)
-    # summary.csv's rows of the folder's earlier calls that this one does not plan: written back
-    # with every report, so that a sweep stopped half-way leaves none of them out of the file
-    kept: list[dict] = field(default_factory=list)
+    # summary.csv's rows when this call began: each written back with every report until this call
+    # has a row of its own for that run, so that a sweep stopped half-way loses none of them
+    earlier: list[dict] = field(default_factory=list)
     ran: int = 0  # the runs this invocation trained (a reused one costs nothing), for the estimate
     ran_seconds: float = 0.0
 
@@ -414,7 +414,9 @@ class Sweep:
                 log.error("%s cannot run: %s", raw["run-name"], err)
 
     def report(self) -> None:
-        atomic_write_records(self.rows + self.kept, self.out / "summary.csv")  # a reader never sees half
+        mine = {(str(r["variant"]), str(r["epsilon"]), str(r["seed"])) for r in self.rows}
+        kept = [r for r in self.earlier if (r.get("variant"), r.get("epsilon"), r.get("seed")) not in mine]
+        atomic_write_records(self.rows + kept, self.out / "summary.csv")  # a reader never sees half
         done = [r for r in self.rows if r["status"] != "failed"]
         write_tables(self.rows, self.out, self.epsilons, self.reference)
         write_failures(self.rows, self.out)
@@ -540,9 +542,7 @@ def _prepare(p: argparse.ArgumentParser, args: argparse.Namespace) -> Sweep:
         p.error(f"nothing to run: no method here has a privacy mechanism for --epsilons {args.epsilons}")
     out = args.out.expanduser().resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    planned = {(v, e, str(seed)) for v, _, _, e, seed in plan}
-    kept = [r for r in summary_rows(out / "summary.csv") if (r["variant"], r["epsilon"], r["seed"]) not in planned]
-    return Sweep(args, out, base, clients, reference, epsilons, plan, kept=kept)
+    return Sweep(args, out, base, clients, reference, epsilons, plan, earlier=summary_rows(out / "summary.csv"))
 
 
 def main(argv: list[str] | None = None) -> int:

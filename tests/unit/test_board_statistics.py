@@ -135,3 +135,4 @@ def test_epsilon_ticks_that_would_print_over_each_other_share_one_labelled_range
     assert 0.69 < ticks[0] < 0.94 and 5.7 < ticks[1] < 7.7
     assert leaderboard._epsilon_ticks([1.0, 5.24, 8.0]) == ([1.0, 5.24, 8.0], ["1", "5.24", "8"])
     assert leaderboard._epsilon_ticks([0.998, 1.003])[1] == ["1"]  # the ends print alike: one figure
+    assert leaderboard._epsilon_ticks([97.0, 100.0])[1] == ["97-100"]  # not "97-1e+02"

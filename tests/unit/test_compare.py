@@ -40,6 +40,7 @@ def test_two_rows_are_paired_by_seed_with_the_boards_interval(tmp_path, capsys):
         (["a8", "b@8", "neighbor-acc"], "a row is variant@epsilon"),
         (["a@8", "c@8", "neighbor-acc"], "c@8: no finished run"),
         (["a@8", "b@8", "local-acc"], "its figures are neighbor-acc"),
+        (["a@8", "b@8", "neighbor-acc-last10-mean", "--final"], "--final: neighbor-acc-last10-mean is a column"),
     ],
 )
 def test_a_row_or_figure_the_folder_lacks_is_named(tmp_path, capsys, argv, named):

@@ -3,6 +3,8 @@ runs, as the sweep checks), and a headline's verdict follows its paired interval
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fedvlm.experiments.protocols import LAST10, PROTOCOLS, Headline, runs_at, scale_of, verdict
@@ -208,6 +210,23 @@ def test_a_protocols_targets_run_only_its_private_rows_and_only_where_accounting
     private = [v[0] for v in runs_at(moap, list(moap.variants), "25")]
     assert private == ["promptfl", "promptfl+fedprox", "pfedmoap", "pfedmoap-upload"]
     assert len(runs_at(moap, list(moap.variants), "none")) == len(moap.variants)
-    dpfpl = PROTOCOLS["paper-dpfpl"]
-    private = [v[0] for v in runs_at(dpfpl, list(dpfpl.variants), "0.4")]  # zero-shot has no DP
-    assert "zeroshot" not in private and private and "fedotp-fedavg" not in private
+    every = dataclasses.replace(moap, private=())  # no list: every variant its validation accepts there
+    ran = [v[0] for v in runs_at(every, list(moap.variants), "25")]
+    assert "fedotp-server-lr0.1" in ran and "fedotp-fedavg" not in ran and "zeroshot" not in ran
+    for protocol in PROTOCOLS.values():  # a name in `private` is a variant every target runs
+        labels = [v[0] for v in protocol.variants]
+        for eps in (e for e in protocol.epsilons if e != "none"):
+            ran = [v[0] for v in runs_at(protocol, list(protocol.variants), eps)]
+            assert set(protocol.private) <= set(labels) and set(protocol.private) <= set(ran), (protocol.name, eps)
+
+
+def test_a_part_of_a_protocol_never_hands_the_sweep_a_level_without_variants():
+    """`--variants fedotp-server-lr0.1` names a variant without DP: its privacy levels have no
+    row to run, and a sweep given no variant would run every DP method of the family there."""
+    from fedvlm.experiments.protocols import _parser, _selection
+
+    p = _parser()
+    args = p.parse_args(["paper-pfedmoap", "--variants", "fedotp-server-lr0.1,coop"])
+    assert {e: [v[0] for v in vs] for e, vs in _selection(p, args, PROTOCOLS["paper-pfedmoap"]).items()} == {
+        "none": ["coop", "fedotp-server-lr0.1"]
+    }

@@ -270,8 +270,8 @@ def test_a_folder_set_aside_is_held_until_renamed_and_a_live_runs_is_refused(tmp
 def test_a_sweep_stopped_half_way_leaves_the_folders_earlier_rows_in_its_summary(tmp_path):
     """A protocol's call killed after its first run (before its caller merged the rows back) once
     left summary.csv with that run's row alone: the folder's 45 earlier rows were gone from it.
-    The sweep now writes back, with every report, the rows it found that it does not plan; a row
-    it plans is its own to replace."""
+    The sweep now writes back, with every report, every row it found, until it has its own row
+    for that run (a call that runs a folder's seeds again, stopped half-way, keeps the rest)."""
     from fedvlm.experiments.sweep import _parser, _prepare
     from fedvlm.experiments.sweep_report import summary_rows
 
@@ -284,7 +284,10 @@ def test_a_sweep_stopped_half_way_leaves_the_folders_earlier_rows_in_its_summary
     argv = ["--out", str(tmp_path), "--methods", "promptfl", "--epsilons", "none", "--seeds", "1,2"]
     sweep = _prepare(p, p.parse_args(argv))
     sweep.report()  # as after a first run that failed, or before any finished
-    assert [(r["variant"], r["seed"]) for r in summary_rows(tmp_path / "summary.csv")] == [("coop", "0")]
+    assert [(r["variant"], r["seed"]) for r in summary_rows(tmp_path / "summary.csv")] == [
+        ("coop", "0"),
+        ("promptfl", "1"),
+    ]
     sweep.rows.append({"variant": "promptfl", "method": "promptfl", "epsilon": "none", "seed": 1, "status": "ok"})
     sweep.report()
     rows = summary_rows(tmp_path / "summary.csv")
