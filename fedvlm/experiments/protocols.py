@@ -209,8 +209,9 @@ PROTOCOLS: dict[str, Protocol] = {
             "230 s alone (1.4 to 2.3 s a round, private or not; 300 to 1,100 s while another job shares the two "
             "cores), DP-FPL without its residual 170 to 238 s, FedPGP 270 s (437 to 465 s beside a loopback "
             "deployment), FedOTP 620 to 760 s; so the headline rows (7 variants at epsilon 0.1, 3 at 0.01) are "
-            "about 40 min a seed, 3.2 h for five; epsilons none and 0.4 and the membership attacks are not run "
-            "under this protocol",
+            "about 40 min a seed, 3.2 h for five; measured 2026-12-04 and 05, with the membership attacks: a run "
+            "without noise 80 s, a private one 9 to 13 min (PromptFL and DP-FPL at epsilons none and 0.4, "
+            "seeds 0-2)",
             (
                 Headline(
                     "DP-FPL keeps more local accuracy than PromptFL under DP (epsilon 0.1, Caltech101: 92.71 vs 80.42)",
