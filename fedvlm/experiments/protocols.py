@@ -703,13 +703,14 @@ def runs_at(protocol: Protocol, variants: list, epsilon: str) -> list:
     (the protocol's, the variant's overrides, the target) the validation accepts. A method without
     a DP mechanism, or a variant without privacy accounting (FedOTP's global prompt stepped on the
     node), is refused there, as a user asking for it would be."""
+    from fedvlm.experiments.presets import setup
     from fedvlm.methods.validation import validate
-    from fedvlm.runconfig import ConfigError, parse_value
+    from fedvlm.runconfig import ConfigError
 
     if epsilon == "none":
         return list(variants)
     variants = [v for v in variants if not protocol.private or v[0] in protocol.private]
-    base = {k: parse_value(v) for k, v in (item.split("=", 1) for item in protocol.sets)}
+    base = setup(None, list(protocol.sets), None)[0]  # the protocol's sets, parsed as the sweep parses them
     kept = []
     for v in variants:
         try:
