@@ -43,7 +43,7 @@ import numpy as np
 from fedvlm.experiments import stats, sweep
 from fedvlm.experiments.attack_report import ENDS
 from fedvlm.experiments.sweep import MB, whole_numbers
-from fedvlm.experiments.sweep_report import LAST10, keep_earlier, read_summary, summary_rows, utility_columns
+from fedvlm.experiments.sweep_report import LAST10, order_summary, read_summary, utility_columns
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
 from fedvlm.metrics import AUDIT_METRICS, METRICS, per_client
 from fedvlm.strategies.records import TRAFFIC_KEYS
@@ -136,9 +136,8 @@ def run_family(family: str, methods: list[str], scale: Scale, out: Path, quick: 
         calls.append((matched_folder, [*sweep_argv(matched_folder, [], scale, ("none",)), *variants, *tail]))
     rows = []
     for where, argv in calls:
-        earlier = summary_rows(where / "summary.csv")
         sweep.main(argv)
-        keep_earlier(where / "summary.csv", earlier, [], scale.epsilons)
+        order_summary(where / "summary.csv", [], scale.epsilons)
         rows += read_summary(where / "summary.csv")
     return [{**r, "family": family} for r in rows]
 

@@ -26,9 +26,8 @@ from fedvlm.experiments import stats
 from fedvlm.experiments.presets import COMPARISONS
 from fedvlm.experiments.sweep_report import (  # LAST10: a figure's key in a row
     LAST10,
-    keep_earlier,
+    order_summary,
     shown_scale,
-    summary_rows,
 )
 from fedvlm.metrics import ACC, SERVER_MODEL, vlm_score
 
@@ -794,10 +793,9 @@ def _run(protocol: Protocol, cells: dict[str, list], scale, folder: Path) -> Non
 
     labels = [label for label, _, _ in protocol.variants]
     for epsilons, variants in _calls(cells):
-        earlier = summary_rows(folder / "summary.csv")
         labelled = [a for label, method, o in variants for a in ("--variant", label, method, *leaderboard.pairs(o))]
         sweep.main([*leaderboard.sweep_argv(folder, [], scale, epsilons), *labelled, "--set", *scale.sets])
-        keep_earlier(folder / "summary.csv", earlier, labels, protocol.epsilons)
+        order_summary(folder / "summary.csv", labels, protocol.epsilons)
 
 
 def _calls(cells: dict[str, list]) -> list[tuple[tuple[str, ...], list]]:

@@ -75,14 +75,12 @@ def summary_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-def keep_earlier(path: Path, earlier: list[dict[str, str]], labels: list[str], epsilons: tuple[str, ...]) -> None:
-    """summary.csv after a sweep (or anything that wrote only its own runs there): its rows, and
-    every row of the folder's ``earlier`` calls that it did not run again, ordered by variant (``labels``),
-    privacy level and seed, so that a folder's runs made call by call (a protocol's parts, a
-    family's later seeds) all reach its page."""
-    now = summary_rows(path)
-    ran = {(r["variant"], r["epsilon"], r["seed"]) for r in now}
-    rows = now + [r for r in earlier if (r["variant"], r["epsilon"], r["seed"]) not in ran]
+def order_summary(path: Path, labels: list[str], epsilons: tuple[str, ...]) -> None:
+    """summary.csv ordered by variant (``labels`` first, then the rest as found), privacy level and
+    seed. A sweep keeps the rows of a folder's earlier calls (``sweep.Sweep.earlier``), so a
+    folder's runs made call by call (a protocol's parts, a family's later seeds) all reach its page;
+    this gives them one order whichever call ran last."""
+    rows = summary_rows(path)
     labels = [*labels, *dict.fromkeys(r["variant"] for r in rows if r["variant"] not in labels)]
     rank = {e: i for i, e in enumerate(epsilons)}
     rows.sort(key=lambda r: (labels.index(r["variant"]), rank.get(r["epsilon"], len(rank)), float(r["seed"])))

@@ -79,16 +79,20 @@ def test_a_damaged_reused_run_is_a_failed_row_naming_its_file(tmp_path, monkeypa
 
 
 def test_a_familys_later_seeds_stay_on_its_board(tmp_path, monkeypatch):
-    """Each sweep writes summary.csv with its own runs only: a family run again at five seeds, then
-    the whole board at its three, once published the family at three seeds again."""
+    """A family run again at five seeds, then the whole board at its three, once published the
+    family at three seeds again: the board now reads summary.csv as the sweep leaves it (the rows it
+    ran, and the folder's earlier ones it did not)."""
+    from fedvlm.experiments.sweep_report import summary_rows
 
-    def fake_sweep(argv):  # a sweep writes its own runs' rows only
+    def fake_sweep(argv):  # as a sweep does: its own runs' rows, then the earlier rows it did not run
         out = tmp_path / argv[argv.index("--out") + 1]
         flag = "--methods" if "--methods" in argv else "--variant"
         labels = [argv[i + 1] for i, a in enumerate(argv) if a == flag]
         seeds = argv[argv.index("--seeds") + 1].split(",")
         epsilons = argv[argv.index("--epsilons") + 1].split(",")
-        rows = [f"{v},m,{e},{s},finished" for v in labels for e in epsilons for s in seeds]
+        mine = [(v, e, s) for v in labels for e in epsilons for s in seeds]
+        kept = [r for r in summary_rows(out / "summary.csv") if (r["variant"], r["epsilon"], r["seed"]) not in mine]
+        rows = [f"{v},m,{e},{s},finished" for v, e, s in mine] + [",".join(r.values()) for r in kept]
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.csv").write_text("variant,method,epsilon,seed,status\n" + "\n".join(rows) + "\n")
         return 0

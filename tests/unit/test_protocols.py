@@ -139,21 +139,28 @@ def test_a_page_is_the_whole_protocol_or_its_headline_rows(capsys):
     assert "fedotp, fedpgp, promptfl-lr0.01, dpfpl-r8-lr0.01 at epsilon 0.01" in note
 
 
-def test_a_part_of_the_protocol_keeps_the_rows_its_earlier_parts_made(tmp_path):
-    """Each sweep writes summary.csv with its own runs only: a call of FedOTP's seeds 3-4 once
-    left the folder's other 32 rows out of it, and with them out of the next page."""
+def test_a_protocols_summary_is_ordered_by_its_variants_levels_and_seeds_whichever_call_ran_last(tmp_path):
+    """A protocol's folder fills call by call (FedOTP's seeds 3-4 after everything else); its
+    summary.csv reads in the protocol's order of variants, privacy levels and seeds, and keeps every
+    row and column the calls wrote."""
     from fedvlm.experiments.protocols import _calls
-    from fedvlm.experiments.sweep_report import keep_earlier, summary_rows
+    from fedvlm.experiments.sweep_report import order_summary, summary_rows
 
     protocol = PROTOCOLS["paper-dpfpl"]
     path = tmp_path / "summary.csv"
-    header = "variant,method,epsilon,seed,status,local-acc\n"
-    path.write_text(header + "fedotp,fedotp,0.1,0,ok,20\npromptfl,promptfl,0.1,0,ok,23\n")
-    earlier = summary_rows(path)
-    path.write_text("variant,method,epsilon,seed,status,local-acc,extra\nfedotp,fedotp,0.1,0,ok,21,x\n")
-    keep_earlier(path, earlier, [label for label, _, _ in protocol.variants], protocol.epsilons)
-    rows = summary_rows(path)
-    assert [(r["variant"], r["local-acc"], r["extra"]) for r in rows] == [("promptfl", "23", ""), ("fedotp", "21", "x")]
+    path.write_text(
+        "variant,method,epsilon,seed,status,extra\nfedotp,fedotp,0.1,0,ok,x\nother,m,none,0,ok,\n"
+        "promptfl,promptfl,0.1,1,ok,\npromptfl,promptfl,0.1,0,ok,\npromptfl,promptfl,none,0,ok,\n"
+    )
+    order_summary(path, [label for label, _, _ in protocol.variants], protocol.epsilons)
+    rows = [(r["variant"], r["epsilon"], r["seed"], r["extra"]) for r in summary_rows(path)]
+    assert rows == [
+        ("promptfl", "none", "0", ""),
+        ("promptfl", "0.1", "0", ""),
+        ("promptfl", "0.1", "1", ""),
+        ("fedotp", "0.1", "0", "x"),
+        ("other", "none", "0", ""),
+    ]
     assert _calls({"0.1": ["a", "b"], "0.4": ["a", "b"], "0.01": ["a"]}) == [
         (("0.1", "0.4"), ["a", "b"]),
         (("0.01",), ["a"]),
@@ -161,17 +168,20 @@ def test_a_part_of_the_protocol_keeps_the_rows_its_earlier_parts_made(tmp_path):
 
 
 def test_every_call_of_a_headline_page_keeps_the_rows_of_the_calls_before_it(tmp_path, monkeypatch):
-    """A page's cells run as one sweep per set of variants, each writing summary.csv with its own
-    runs: the first call's rows (FedOTP's seed 0, reused there) once vanished when the second
-    call's were merged with the rows from before the first."""
+    """A page's cells run as one sweep per set of variants: the first call's rows (FedOTP's seed 0,
+    reused there) once vanished when the second call's were merged with the rows from before the
+    first. Each call now leaves summary.csv as its sweep wrote it (the sweep keeps the rows it did
+    not run), only reordered."""
     from fedvlm.experiments import protocols, sweep
     from fedvlm.experiments.protocols import headline_cells
     from fedvlm.experiments.sweep_report import summary_rows
 
-    def fake_sweep(argv):  # a sweep writes its own runs' rows only
+    def fake_sweep(argv):  # as a sweep does: its own runs' rows, and the folder's earlier rows it did not run
         epsilons = argv[argv.index("--epsilons") + 1].split(",")
         labels = [argv[i + 1] for i, a in enumerate(argv) if a == "--variant"]
-        rows = [f"{v},m,{e},0,finished" for v in labels for e in epsilons]
+        mine = {(v, e) for v in labels for e in epsilons}
+        kept = [r for r in summary_rows(tmp_path / "summary.csv") if (r["variant"], r["epsilon"]) not in mine]
+        rows = [f"{v},m,{e},0,finished" for v, e in sorted(mine)] + [",".join(r.values()) for r in kept]
         (tmp_path / "summary.csv").write_text("variant,method,epsilon,seed,status\n" + "\n".join(rows) + "\n")
         return 0
 
