@@ -19,6 +19,8 @@ a utility, when neither row is above the protocol's ``floor`` (a variant that tr
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -667,7 +669,7 @@ def left_out(protocol: Protocol) -> str:
     return f"**Headline rows only**: {ran}. Not run for this page: {'; '.join(rest) or 'nothing'}."
 
 
-def _selection(p, args, protocol: Protocol) -> dict[str, list]:
+def _selection(p: argparse.ArgumentParser, args, protocol: Protocol) -> dict[str, list]:
     """The variants asked for at each privacy level; a page (--docs) is the whole protocol or its
     headline rows."""
     chosen = set(args.variants.split(",")) - {""}
@@ -692,8 +694,13 @@ def _selection(p, args, protocol: Protocol) -> dict[str, list]:
         )
     # a level none of the chosen variants runs at is left out: a sweep given no variant would run
     # every DP method of the family in the protocol's folder
+    from fedvlm.runconfig import ConfigError
+
     levels = [e for e in protocol.epsilons if not asked or e in asked]
-    return {e: runs for e in levels if (runs := runs_at(protocol, variants, e))}
+    try:
+        return {e: runs for e in levels if (runs := runs_at(protocol, variants, e))}
+    except ConfigError as err:
+        p.error(f"the protocol's config with --set {' '.join(args.set)} is refused: {err}")
 
 
 def runs_at(protocol: Protocol, variants: list, epsilon: str) -> list:
@@ -701,19 +708,24 @@ def runs_at(protocol: Protocol, variants: list, epsilon: str) -> list:
     protocol's ``private`` (where it names them) whose config
     (the protocol's, the variant's overrides, the target) the validation accepts. A method without
     a DP mechanism, or a variant without privacy accounting (FedOTP's global prompt stepped on the
-    node), is refused there, as a user asking for it would be."""
+    node), is refused there, as a user asking for it would be. A variant whose config is refused
+    without noise too (a mistyped ``--set``) raises ``ConfigError``: that is the user's to mend, not
+    a row to leave out."""
     from fedvlm.experiments.presets import setup
     from fedvlm.methods.validation import validate
     from fedvlm.runconfig import ConfigError
 
+    base = setup(None, list(protocol.sets), None)[0]  # the protocol's sets, parsed as the sweep parses them
+    for v in variants:
+        validate(base | v[2] | {"method": v[1], "privacy.epsilon": 0.0})
     if epsilon == "none":
         return list(variants)
     variants = [v for v in variants if not protocol.private or v[0] in protocol.private]
-    base = setup(None, list(protocol.sets), None)[0]  # the protocol's sets, parsed as the sweep parses them
     kept = []
     for v in variants:
+        raw = base | v[2] | {"method": v[1]}
         try:
-            validate(base | v[2] | {"method": v[1], "privacy.epsilon": float(epsilon)})
+            validate(raw | {"privacy.epsilon": float(epsilon)})
         except ConfigError:
             continue
         kept.append(v)
@@ -721,8 +733,6 @@ def runs_at(protocol: Protocol, variants: list, epsilon: str) -> list:
 
 
 def _parser():
-    import argparse
-
     from fedvlm.experiments.sweep import whole_numbers
 
     p = argparse.ArgumentParser(prog="python -m fedvlm.experiments.protocols", description=__doc__.split("\n\n")[0])
@@ -737,6 +747,13 @@ def _parser():
         "--headline-rows",
         action="store_true",
         help="only the variants and epsilons the headlines compare; with --docs the page names the cells left out",
+    )
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run-config overrides after the protocol's own, e.g. real weights and data: dataset=... clip.model=...",
     )
     p.add_argument("--docs", action="store_true", help="also write docs/results/<protocol>.md, its plot and JSON")
     return p
@@ -753,7 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    protocol = PROTOCOLS[args.protocol]
+    # the user's overrides come after the protocol's, so they win; every run's config is still validated
+    protocol = dataclasses.replace(PROTOCOLS[args.protocol], sets=(*PROTOCOLS[args.protocol].sets, *args.set))
     cells = _selection(p, args, protocol)
     scale = scale_of(protocol, args.quick, args.seeds, not args.no_attacks)
     cells = {e: v for e, v in cells.items() if e in scale.epsilons}
@@ -765,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {(v[0], e) for e, variants in cells.items() for v in variants}
     rows = [
         {**r, "family": protocol.family}
-        for r in read_summary(folder / "summary.csv")
+        for r in (read_summary(folder / "summary.csv") if (folder / "summary.csv").exists() else [])
         if (r["variant"], r["epsilon"]) in wanted
     ]
     if not rows:
@@ -773,7 +791,9 @@ def main(argv: list[str] | None = None) -> int:
     entries = leaderboard.board(rows)
     verdicts = [verdict(h, [r for r in rows if r["status"] != "failed"], protocol.floor) for h in protocol.headlines]
     command = "python -m fedvlm.experiments.protocols " + " ".join(argv if argv is not None else sys.argv[1:])
-    title = f"Protocol {protocol.name}: the paper's setup on the embedded default"
+    title = f"Protocol {protocol.name}: the paper's setup " + (
+        f"with {' '.join(args.set)}" if args.set else "on the embedded default"
+    )
     board = leaderboard.board_markdown(entries, command.strip(), time.time() - t0, title)
     lines = markdown(protocol, verdicts, board, [r for r in rows if r["status"] != "failed"])
     if args.headline_rows:

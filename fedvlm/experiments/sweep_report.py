@@ -81,6 +81,8 @@ def order_summary(path: Path, labels: list[str], epsilons: tuple[str, ...]) -> N
     folder's runs made call by call (a protocol's parts, a family's later seeds) all reach its page;
     this gives them one order whichever call ran last."""
     rows = summary_rows(path)
+    if not rows:  # a sweep that ran nothing leaves no summary to order (an empty file would not read back)
+        return
     labels = [*labels, *dict.fromkeys(r["variant"] for r in rows if r["variant"] not in labels)]
     rank = {e: i for i, e in enumerate(epsilons)}
     rows.sort(key=lambda r: (labels.index(r["variant"]), rank.get(r["epsilon"], len(rank)), float(r["seed"])))

@@ -240,3 +240,23 @@ def test_a_part_of_a_protocol_never_hands_the_sweep_a_level_without_variants():
     assert {e: [v[0] for v in vs] for e, vs in _selection(p, args, PROTOCOLS["paper-pfedmoap"]).items()} == {
         "none": ["coop", "fedotp-server-lr0.1"]
     }
+
+
+def test_a_protocol_runs_unchanged_with_the_users_overrides_and_refuses_a_mistyped_one(tmp_path, monkeypatch):
+    """Issue 62's review: a protocol could not be pointed at real weights and data (no --set). Its
+    overrides reach every sweep after the protocol's own sets; a mistyped one stops the call
+    with its name, where it once left every private row out without a word."""
+    from fedvlm.experiments import protocols, sweep
+
+    calls = []
+    monkeypatch.setattr(sweep, "main", lambda argv: calls.append(argv) or 0)
+    args = ["paper-pfedmoap", "--out", str(tmp_path), "--no-attacks", "--seeds", "0", "--epsilons", "25"]
+    with pytest.raises(SystemExit):  # the fake sweep ran nothing: no rows to report
+        protocols.main([*args, "--set", "prompt.lr=0.004"])
+    (argv,) = calls
+    sets = argv[argv.index("--set") + 1 :]
+    assert sets[-1] == "prompt.lr=0.004" and sets[:-1] == list(PROTOCOLS["paper-pfedmoap"].sets)
+    assert {argv[i + 1] for i, a in enumerate(argv) if a == "--variant"} == set(PROTOCOLS["paper-pfedmoap"].private)
+    with pytest.raises(SystemExit):
+        protocols.main([*args, "--set", "prompt.lrr=0.004"])
+    assert len(calls) == 1
