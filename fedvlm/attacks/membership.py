@@ -34,9 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import roc_auc_score, roc_curve
 
-from fedvlm.attacks.likelihood import bootstrap, lira_offline, lira_online, logit_confidence, rmia
+from fedvlm.attacks.likelihood import (
+    bootstrap,
+    chance,
+    lira_offline,
+    lira_online,
+    logit_confidence,
+    rmia,
+    roc_metrics,
+)
 from fedvlm.client_app.node import node_data
 from fedvlm.client_app.node_config import NUM_PARTITIONS, PARTITION_ID
 from fedvlm.client_app.prompt_clients import PromptClient
@@ -46,6 +53,7 @@ from fedvlm.models.clip_loader import load_clip
 from fedvlm.runconfig import RunConfig
 
 log = logging.getLogger(__name__)
+TPR1 = "tpr@1%fpr"  # a key of likelihood.roc_metrics
 
 
 @dataclass
@@ -145,14 +153,17 @@ def _score_mlp(model: AttackMLP, x: np.ndarray) -> np.ndarray:
 
 
 def attack_metrics(scores: np.ndarray, member: np.ndarray, threshold: float) -> dict:
-    """Accuracy at ``threshold``, ROC AUC and TPR at 1% FPR (higher score = member)."""
+    """Accuracy at ``threshold``, ROC AUC and TPR at FPR <= 1% (higher score = member), the last
+    with its chance level: a client's 16 non-members allow no false positive at 1%, so its chance
+    is 1/17, not 1% (``likelihood.chance``)."""
     if len(np.unique(member)) < 2:
-        return {"accuracy": float("nan"), "auc": float("nan"), "tpr@1%fpr": float("nan"), "n": int(len(member))}
-    fpr, tpr, _ = roc_curve(member, scores)
+        return {"accuracy": float("nan"), "auc": float("nan"), TPR1: float("nan"), TPR1 + "-chance": float("nan")}
+    roc = roc_metrics(scores, member)
     return {
         "accuracy": float(np.mean((scores >= threshold) == member)),
-        "auc": float(roc_auc_score(member, scores)),
-        "tpr@1%fpr": float(np.interp(0.01, fpr, tpr)),
+        "auc": roc["auc"],
+        TPR1: roc[TPR1],
+        TPR1 + "-chance": chance(TPR1, int((~np.asarray(member, bool)).sum())),
         "n": int(len(member)),
     }
 
@@ -207,7 +218,9 @@ class ShadowAttack:
         summary: dict[str, dict[str, Any]] = {}
         for name in ("shokri", "loss-threshold"):
             vals = [v[name] for v in per_client.values()]
-            summary[name] = {k: float(np.nanmean([v[k] for v in vals])) for k in ("accuracy", "auc", "tpr@1%fpr")}
+            summary[name] = {
+                k: float(np.nanmean([v[k] for v in vals])) for k in ("accuracy", "auc", TPR1, TPR1 + "-chance")
+            }
         summary["shokri"]["pooled"] = attack_metrics(self.scores(pooled), pooled.member, 0.5)
         summary["loss-threshold"]["pooled"] = attack_metrics(-pooled.losses, pooled.member, self.loss_threshold)
         return {"summary": summary, "per_client": per_client}

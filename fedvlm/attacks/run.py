@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("shokri", "loss-threshold"):
         print(
             f"  {name:20s} accuracy {100 * s[name]['accuracy']:.1f}%  AUC {s[name]['auc']:.3f}  "
-            f"TPR@1%FPR {100 * s[name]['tpr@1%fpr']:.1f}%"
+            f"TPR@1%FPR {100 * s[name]['tpr@1%fpr']:.1f}% (chance {100 * s[name]['tpr@1%fpr-chance']:.1f}%: "
+            "each client's non-members)"
         )
     for name in [a for a in OFFLINE_ATTACKS + ONLINE_ATTACKS + SERVER_ATTACKS if a in s]:
         pooled = s[name]["pooled"]

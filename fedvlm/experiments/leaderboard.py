@@ -185,13 +185,21 @@ def attack_names(row: dict) -> list[str]:
 
 
 def named_attack(runs: list[dict]) -> str | None:
-    """The one attack a row reports: of those every seed ran, the one whose TPR at 0.1% FPR is
-    highest on average over the seeds. One name for every seed, so that the figure is one
-    attack's, not the best of each seed's under one name."""
+    """The one attack a row reports: of those every seed ran, the one whose TPR at 0.1% FPR stands
+    highest over its own chance level, on average over the seeds (attacks on the server model and on
+    the clients face different numbers of non-members, so a raw TPR favours the one with more
+    chance). One name for every seed, so that the figure is one attack's, not the best of each
+    seed's under one name."""
     common = set.intersection(*(set(n for n in attack_names(r) if r[f"mia-{n}-{TPR}"] is not None) for r in runs))
     if not common:
         return None
-    return max(sorted(common), key=lambda n: float(np.mean([r[f"mia-{n}-{TPR}"] for r in runs])))
+
+    def lift(name: str) -> float:
+        tpr = float(np.mean([r[f"mia-{name}-{TPR}"] for r in runs]))
+        chance = _mean(r.get(f"mia-{name}-{TPR}{ENDS['chance']}") for r in runs)
+        return tpr / chance if chance else tpr
+
+    return max(sorted(common), key=lift)
 
 
 def _mean(values) -> float | None:
@@ -292,7 +300,9 @@ def entry(runs: list[dict], utility: list[str], ref: tuple[str, list[dict]] | No
         e[ATTACK_TPR] = tpr.mean if tpr else None
         e[ATTACK_TPR + CI] = [tpr.low, tpr.high] if tpr else None
         e[ATTACK_TPR + CHANCE] = _mean(r.get(f"mia-{attack}-{TPR}{ENDS['chance']}") for r in runs)
-        e[ATTACK_AUC] = _mean(r.get(f"mia-{attack}-{AUC}") for r in runs)
+        auc = stats.spread(r.get(f"mia-{attack}-{AUC}") for r in runs)
+        e[ATTACK_AUC] = auc.mean if auc else None
+        e[ATTACK_AUC + CI] = [auc.low, auc.high] if auc else None
     for key in (*MB.values(), "seconds-per-round"):
         e[key] = _mean(r.get(key) for r in runs)
     e["seconds-total"] = sum(r.get("seconds-total") or 0.0 for r in runs)
@@ -356,6 +366,16 @@ def attack_cell(e: dict) -> str:
     return text + f" [{100 * max(low, 0.0):.2f}, {100 * high:.2f}]" + (" *" if low > e[ATTACK_TPR + CHANCE] else "")
 
 
+def auc_cell(e: dict) -> str:
+    """The named attack's AUC: mean over seeds [95% interval], '*' where the whole interval lies
+    above its chance level, 0.5."""
+    if e.get(ATTACK_AUC) is None:
+        return "-"
+    low, high = e.get(ATTACK_AUC + CI) or (None, None)
+    text = f"{e[ATTACK_AUC]:.3f}"
+    return text if low is None or high is None else text + f" [{low:.3f}, {high:.3f}]" + (" *" if low > 0.5 else "")
+
+
 def family_tables(mine: list[dict]) -> list[str]:
     """A family's two tables: utility at its compute, and privacy and cost."""
     utility = utility_columns([{k + LAST10: v for k, v in e.items()} for e in mine])
@@ -388,7 +408,7 @@ def family_tables(mine: list[dict]) -> list[str]:
     for e in mine:
         cells = [e["variant"], e["target"], _fmt(e.get("epsilon-accounted"), digits=3)]
         cells += [_fmt(e.get("audit-lower-bound"), digits=3), e.get("attack", "-"), attack_cell(e)]
-        cells += [_fmt(e.get(ATTACK_TPR + CHANCE), 100.0), _fmt(e.get(ATTACK_AUC), digits=3)]
+        cells += [_fmt(e.get(ATTACK_TPR + CHANCE), 100.0), auc_cell(e)]
         cells += [_fmt(e.get(MB[k]), digits=3) for k in TRAFFIC_KEYS] + [_fmt(e.get("seconds-per-round"), digits=1)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -417,9 +437,10 @@ def legend(entries: list[dict]) -> list[str]:
         "Privacy: the target epsilon, the epsilon the run's ledger accounted per record (every mechanism composed; "
         f"the most any client spent, under {accounting(entries)}), the one-run audit's lower bound (one node, its "
         "local mechanism), and one membership attack per row, named: of the attacks every seed ran, the one with "
-        "the highest mean TPR at FPR <= 0.1% (the best of several: a figure that favours the attacker, not corrected "
-        "for the choice); its mean over seeds [95% t interval over seeds, its low end shown at 0 where it is below] "
-        "and AUC. Below 1000 non-members FPR <= 0.1% allows no false positive, so the figure is the TPR at zero "
+        "the highest mean TPR at FPR <= 0.1% over its own chance level (the best of several: a figure that favours "
+        "the attacker, not corrected for the choice); its mean over seeds [95% t interval over seeds, its low end "
+        "shown at 0 where it is below] and its AUC, mean over seeds [95% t interval; chance 0.5, * above it]. "
+        "Below 1000 non-members FPR <= 0.1% allows no false positive, so the figure is the TPR at zero "
         "false positives. Its chance is the TPR a score that ignores the model expects from the same counts: "
         "with n non-members, "
         "(floor(0.001 n) + 1) / (n + 1): 1 / (n + 1) below 1000 non-members, above 0.1% whatever n is, "

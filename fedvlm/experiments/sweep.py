@@ -41,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -134,6 +135,7 @@ def other_run(raw: dict, data: dict, finished: bool = True) -> list[str]:
     return differ
 
 
+SWEEP_LOCK = "sweep.lock"
 # what a sweep says of a run folder whose results.json it cannot read (it changes nothing there)
 DAMAGED = "move that run folder away (or restore the file from a backup) and run the sweep again to make the run afresh"
 
@@ -384,6 +386,7 @@ class Sweep:
     # summary.csv's rows when this call began: each written back with every report until this call
     # has a row of its own for that run, so that a sweep stopped half-way loses none of them
     earlier: list[dict] = field(default_factory=list)
+    lock: IO[str] | None = None  # the folder's SWEEP_LOCK, held for the sweep's life
     ran: int = 0  # the runs this invocation trained (a reused one costs nothing), for the estimate
     ran_seconds: float = 0.0
 
@@ -542,7 +545,14 @@ def _prepare(p: argparse.ArgumentParser, args: argparse.Namespace) -> Sweep:
         p.error(f"nothing to run: no method here has a privacy mechanism for --epsilons {args.epsilons}")
     out = args.out.expanduser().resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    return Sweep(args, out, base, clients, reference, epsilons, plan, earlier=summary_rows(out / "summary.csv"))
+    # one sweep a folder at a time: a second would write summary.csv over the first's rows, or set
+    # aside a run folder the first is still auditing or attacking (it holds no run.lock then)
+    lock = try_hold(out / SWEEP_LOCK)
+    if lock is None:
+        pid = (out / SWEEP_LOCK).read_text().strip() or "?"
+        p.error(f"another sweep (process {pid}) is writing to {out} now: wait for it to end, or use another --out")
+    earlier = summary_rows(out / "summary.csv")
+    return Sweep(args, out, base, clients, reference, epsilons, plan, earlier=earlier, lock=lock)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -552,10 +562,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("strategies", "server_app", "fedvlm", "models", "data", "alembic"):  # alembic: Flower's DB setup
         logging.getLogger(name).setLevel(logging.WARNING)
     sweep, started = _prepare(p, args), time.time()
-    sweep.check()
-    for i, entry in enumerate(each(sweep.plan, "sweep", "run"), 1):
-        sweep.run(i, entry)
-    return sweep.finish(started)
+    try:
+        sweep.check()
+        for i, entry in enumerate(each(sweep.plan, "sweep", "run"), 1):
+            sweep.run(i, entry)
+        return sweep.finish(started)
+    finally:
+        if sweep.lock is not None:
+            sweep.lock.close()
 
 
 def whole_numbers(text: str) -> tuple[int, ...]:

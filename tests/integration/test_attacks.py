@@ -21,6 +21,8 @@ def test_metrics_on_known_scores():
     rng = np.random.default_rng(0)
     chance = attack_metrics(rng.random(100_0)[:100], member, 0.5)
     assert 0.3 < chance["auc"] < 0.7
+    # 50 non-members allow no false positive at FPR <= 1%: its chance is 1/51, printed beside it
+    assert perfect["tpr@1%fpr-chance"] == chance["tpr@1%fpr-chance"] == pytest.approx(1 / 51)
 
 
 def _records(n, overfit, rng, client="c"):

@@ -136,3 +136,22 @@ def test_epsilon_ticks_that_would_print_over_each_other_share_one_labelled_range
     assert leaderboard._epsilon_ticks([1.0, 5.24, 8.0]) == ([1.0, 5.24, 8.0], ["1", "5.24", "8"])
     assert leaderboard._epsilon_ticks([0.998, 1.003])[1] == ["1"]  # the ends print alike: one figure
     assert leaderboard._epsilon_ticks([97.0, 100.0])[1] == ["97-100"]  # not "97-1e+02"
+
+
+def test_the_named_attack_is_the_one_highest_over_its_own_chance_and_its_auc_has_an_interval():
+    """Issue 62's review: FedAvg-LoRA at epsilon 1 named the server attack (TPR 3.00%, chance
+    0.99%: 3x) over a client attack nearer its own chance in raw TPR but further above it (2.0%
+    against 0.35%: 5.7x). Each AUC over seeds gets its interval, as the TPR does."""
+    rows = []
+    for seed, auc in enumerate((0.52, 0.55, 0.58)):
+        row = _row("fedavg-lora", "fedavg-lora", "1", seed, 0.3, {"server": 0.03, "clients": 0.02})
+        row |= {"mia-clients-tpr@0.1%fpr-chance": 0.0035, "mia-clients-auc": auc}
+        rows.append(row)
+    (entry,) = leaderboard.board(rows)
+    assert entry["attack"] == "clients" and entry["attack-tpr@0.1%fpr-chance"] == pytest.approx(0.0035)
+    assert entry["attack-auc"] == pytest.approx(0.55)
+    low, high = entry["attack-auc-ci95"]
+    half = scipy_stats.t.ppf(0.975, 2) * 0.03 / np.sqrt(3)
+    assert (low, high) == pytest.approx((0.55 - half, 0.55 + half))
+    assert leaderboard.auc_cell(entry) == f"0.550 [{low:.3f}, {high:.3f}]"
+    assert leaderboard.auc_cell(entry | {"attack-auc-ci95": [0.51, 0.6]}).endswith(" *")

@@ -4,6 +4,7 @@ tests/integration/test_sweep.py for one)."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -310,3 +311,23 @@ def test_a_variants_own_audit_setting_wins_over_the_sweeps(tmp_path):
     raws = {e[0]: sweep.raw(*e) for e in sweep.plan}
     assert raws["up"]["privacy.audit-canaries"] == 0 and raws["step"]["privacy.audit-canaries"] == 100
     validate(raws["up"])  # accepted: the refusal the sweep once caused is gone
+
+
+def test_a_second_sweep_into_a_folder_in_use_is_refused_before_it_touches_anything(tmp_path, capsys):
+    """Issue 62's review: two sweeps into one --out each wrote summary.csv with their own rows and
+    the rows they read at their start, so the last writer dropped the other's; and a second one
+    could set aside a run folder the first was still attacking. The folder is one sweep's at a time."""
+    from fedvlm.experiments import sweep
+    from fedvlm.utils.files import try_hold
+
+    (tmp_path / "summary.csv").write_text("variant,method,epsilon,seed,status\npromptfl,promptfl,none,0,finished\n")
+    before = (tmp_path / "summary.csv").read_bytes()
+    held = try_hold(tmp_path / sweep.SWEEP_LOCK)
+    try:
+        with pytest.raises(SystemExit):
+            sweep.main(["--out", str(tmp_path), "--methods", "zeroshot", "--epsilons", "none"])
+    finally:
+        held.close()
+    err = capsys.readouterr().err
+    assert f"another sweep (process {os.getpid()})" in err and "another --out" in err
+    assert (tmp_path / "summary.csv").read_bytes() == before and not list((tmp_path / "runs").iterdir())
