@@ -307,6 +307,7 @@ def entry(runs: list[dict], utility: list[str], ref: tuple[str, list[dict]] | No
         e[key] = _mean(r.get(key) for r in runs)
     e["seconds-total"] = sum(r.get("seconds-total") or 0.0 for r in runs)
     e["machines"] = dict(Counter(str(r.get("machine") or "not recorded") for r in runs))
+    e["code"] = dict(Counter(str(r.get("code") or sweep.CODE_NOT_RECORDED) for r in runs))
     accounted = {(r["accountant"], r["delta"]) for r in runs if r.get("accountant")}
     e["accounting"] = [{"accountant": a, "delta": d} for a, d in sorted(accounted)]
     return e
@@ -329,6 +330,15 @@ def machines(entries: list[dict]) -> str:
     for e in entries:
         count.update(e.get("machines") or {})
     return "; ".join(f"{m} ({n} runs)" if len(count) > 1 else m for m, n in count.items())
+
+
+def code_versions(entries: list[dict]) -> str:
+    """The code the runs were made with (``sweep.code``), and how many runs each: a board whose runs
+    span several commits says so, since a later change may move a figure."""
+    count: Counter[str] = Counter()
+    for e in entries:
+        count.update(e.get("code") or {})
+    return "; ".join(f"{c} ({n} run{'s' if n > 1 else ''})" for c, n in count.most_common())
 
 
 FEW_SEEDS = 5  # a difference within two std over fewer seeds than this asks for more
@@ -464,7 +474,8 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         f"Measured with `{command}`: {runs} runs, whose rounds took {spent / 3600:.1f} h in total (the sum of "
         "their own per-round seconds; the audits and attacks after each run add to it). This call took "
         f"{seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran. "
-        f"Machine, as the runs recorded it: {machines(entries)}.",
+        f"Machine, as the runs recorded it: {machines(entries)}. Code, as the runs recorded it: "
+        f"{code_versions(entries)}.",
         "",
         *legend(entries),
     ]
@@ -492,7 +503,14 @@ def write_outputs(entries: list[dict], out: Path, stem: str, lines: list[str], c
     plot = f"{stem}_pareto.png"
     plot_pareto(entries, out / plot)
     atomic_write_json(
-        {"command": command, "machines": machines(entries), "entries": entries, **extra}, out / f"{stem}.json"
+        {
+            "command": command,
+            "machines": machines(entries),
+            "code": code_versions(entries),
+            "entries": entries,
+            **extra,
+        },
+        out / f"{stem}.json",
     )
     atomic_write_records(entries, out / f"{stem}.csv")
     atomic_write_text(

@@ -242,6 +242,18 @@ def machine(data: dict) -> str:
     return f"{where}; nodes on {', '.join(devices) or '?'}"
 
 
+CODE_NOT_RECORDED = "not recorded (made before fedvlm recorded it)"
+
+
+def code(data: dict) -> str:
+    """The code a run was made with (``run.fedvlm``): its commit, '+changes' where the package
+    differed from it, else its version."""
+    made = (data.get("run") or {}).get("fedvlm") or {}
+    if made.get("commit"):
+        return made["commit"] + ("+changes" if made.get("changed") else "")
+    return f"fedvlm {made['version']}" if made.get("version") else CODE_NOT_RECORDED
+
+
 def cost_row(data: dict) -> dict:
     """What a run cost and how much it computed: tensor megabytes each node sent and received for
     training and for evaluation (the run's totals over the nodes that joined), the median seconds
@@ -251,6 +263,7 @@ def cost_row(data: dict) -> dict:
     final, rounds = data["final"], data["rounds"]
     return {
         "machine": machine(data),
+        "code": code(data),
         # a run made before traffic was split by purpose holds only its totals: its split is unknown, not 0
         **{MB[key]: final[key] / nodes / 1e6 if key in final else None for key in TRAFFIC_KEYS},
         # the median: one round a paused or busy machine held up does not set the run's figure

@@ -63,6 +63,7 @@ TEXT_COLUMNS = (
     "audit-node",
     "audit-status",
     "machine",
+    "code",
     "accountant",
 )
 

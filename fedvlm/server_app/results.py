@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib.metadata
 import io
 import json
 import logging
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -102,6 +104,30 @@ def host() -> dict:
     return {"system": platform.system(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu}
 
 
+def source() -> dict:
+    """The code a run is made with: fedvlm's installed version and, where the package is a git
+    checkout's own ``fedvlm/``, its commit and whether the package differs from it (a board that
+    mixes runs of several commits says so, ``experiments.leaderboard.code_versions``)."""
+    out: dict[str, Any] = {"version": None, "commit": None, "changed": None}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        out["version"] = importlib.metadata.version("fedvlm")
+    root = Path(__file__).resolve().parents[2]
+    git = ["git", "-C", str(root)]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # no git, or not a checkout: the version alone
+        top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10)
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root:
+            head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10)
+            changes = subprocess.run(
+                [*git, "status", "--porcelain", "--untracked-files=no", "--", "fedvlm"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if head.returncode == 0 and changes.returncode == 0:
+                out.update(commit=head.stdout.strip(), changed=bool(changes.stdout.strip()))
+    return out
+
+
 class RunRecorder:
     # inside how many one_write blocks, and whether they owe a write (class defaults: reopen and
     # left_running make a recorder without __init__)
@@ -120,6 +146,7 @@ class RunRecorder:
                 "python": platform.python_version(),
                 "torch": torch.__version__,
                 "host": host(),
+                "fedvlm": source(),
             },
             "rounds": [],
             "final": {},

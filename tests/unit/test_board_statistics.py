@@ -155,3 +155,24 @@ def test_the_named_attack_is_the_one_highest_over_its_own_chance_and_its_auc_has
     assert (low, high) == pytest.approx((0.55 - half, 0.55 + half))
     assert leaderboard.auc_cell(entry) == f"0.550 [{low:.3f}, {high:.3f}]"
     assert leaderboard.auc_cell(entry | {"attack-auc-ci95": [0.51, 0.6]}).endswith(" *")
+
+
+def test_a_run_records_the_commit_it_was_made_with_and_a_board_counts_them():
+    """Issue 62's review: the board's runs span a week of commits and no run said which; a later
+    change can move a figure (experiments.md measured up to 1.7 points). Each run now records its
+    code, and the board prints how many of its runs each commit made."""
+    import subprocess
+    from pathlib import Path
+
+    from fedvlm.experiments.sweep import code
+    from fedvlm.server_app.results import source
+
+    made = source()
+    root = Path(leaderboard.__file__).resolve().parents[2]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    assert made["version"] and made["commit"] == head.stdout.strip() and made["changed"] in (True, False)
+    assert code({"run": {"fedvlm": {**made, "changed": True}}}) == head.stdout.strip() + "+changes"
+    assert code({"run": {"fedvlm": {"version": "0.1.0", "commit": None}}}) == "fedvlm 0.1.0"
+    assert code({"run": {}}).startswith("not recorded")
+    rows = [_row("promptfl", "promptfl", "none", s, 0.4) | {"code": c} for s, c in enumerate(("a1", "a1", "b2"))]
+    assert leaderboard.code_versions(leaderboard.board(rows)) == "a1 (2 runs); b2 (1 run)"
