@@ -327,20 +327,21 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
         for ax, (key, label, scale) in zip(np.atleast_1d(axes), keys, strict=True):
             for i, v in enumerate(dict.fromkeys(r["variant"] for r in rows)):
                 colour = f"C{i % 10}"
-                pts = [
-                    (float(e), scale * np.mean([r[key] for r in _having(rows, v, e, key)]))
-                    for e in xs
-                    if _having(rows, v, e, key)
-                ]
+                # mean over seeds, with its 95% t interval where two or more seeds ran
+                found = [(float(e), stats.spread(r[key] for r in _having(rows, v, e, key))) for e in xs]
+                pts = [(x, f) for x, f in found if f is not None]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", color=colour, label=v)
+                    ys = [scale * f.mean for _, f in pts]
+                    bars = [[scale * (f.mean - f.low) if f.low is not None else 0.0 for _, f in pts]]
+                    bars.append([scale * (f.high - f.mean) if f.high is not None else 0.0 for _, f in pts])
+                    ax.errorbar([x for x, _ in pts], ys, yerr=bars, marker="o", color=colour, label=v, capsize=3)
                 clean = [r[key] for r in _having(rows, v, "none", key)]
                 if clean:  # a method without a target (zero-shot, CoOp) is its dotted line alone, labelled
                     ax.axhline(
                         scale * np.mean(clean), color=colour, ls=":", lw=1, label=None if pts else f"{v} ({untargeted})"
                     )
             if "mia" in key:
-                ax.axhline(50, color="gray", ls="--", lw=1)
+                ax.axhline(50, color="gray", ls="--", lw=1, label="chance (50%)")
             ax.set_xscale("log")
             ticks = sorted(float(e) for e in xs)
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
@@ -349,6 +350,7 @@ def plot(rows: list[dict], out: Path, epsilons: list[str]) -> None:
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
+        fig.suptitle("mean over seeds; bars: 95% Student-t interval over seeds", fontsize=9)
         fig.tight_layout()
         atomic_savefig(fig, out / fname, 110)
         plt.close(fig)

@@ -170,6 +170,11 @@ def test_the_utility_plot_leaves_out_a_seed_that_finished_no_round(tmp_path):
     ]
     plot(rows, tmp_path, ["none", "1"])
     assert (tmp_path / "accuracy_vs_epsilon.png").stat().st_size > 0
+    # two seeds of an attack: its point carries the seeds' interval, beside a labelled chance line
+    for r, acc in zip(rows[:2], (0.52, 0.56), strict=True):
+        r.update({"mia-shokri-acc": acc, "mia-loss-acc": acc, "local-acc-last10-mean": 0.4})
+    plot(rows, tmp_path, ["none", "1"])
+    assert (tmp_path / "mia_vs_epsilon.png").stat().st_size > 0
 
 
 def test_a_finished_run_whose_attack_report_predates_chance_levels_is_run_again(tmp_path):
