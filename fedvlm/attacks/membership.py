@@ -157,7 +157,8 @@ def attack_metrics(scores: np.ndarray, member: np.ndarray, threshold: float) -> 
     with its chance level: a client's 16 non-members allow no false positive at 1%, so its chance
     is 1/17, not 1% (``likelihood.chance``)."""
     if len(np.unique(member)) < 2:
-        return {"accuracy": float("nan"), "auc": float("nan"), TPR1: float("nan"), TPR1 + "-chance": float("nan")}
+        nan = float("nan")
+        return {"accuracy": nan, "auc": nan, TPR1: nan, TPR1 + "-chance": nan, "n": int(len(member))}
     roc = roc_metrics(scores, member)
     return {
         "accuracy": float(np.mean((scores >= threshold) == member)),
