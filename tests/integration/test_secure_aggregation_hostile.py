@@ -281,7 +281,7 @@ def test_what_a_node_says_is_the_same_for_neighbouring_datasets(make_cfg, pretra
 # ---- a hostile member ------------------------------------------------------------------------------
 def _replace_masked(data: bytes, dtype="uint64", shape=None):
     def corrupt(request, reply):
-        if request.metadata.dst_node_id == 1002 and _stage(request) == "masked" and not reply.has_error():
+        if request.metadata.dst_node_id == 1002 and _stage(request) == "shares" and not reply.has_error():
             real = reply.content[ARRAYS_RECORD][SECAGG_MASKED]
             fake = Array(dtype=dtype, shape=tuple(shape or real.shape), stype=real.stype, data=data)
             reply.content[ARRAYS_RECORD] = ArrayRecord({SECAGG_MASKED: fake})
@@ -306,7 +306,7 @@ def test_a_hostile_nodes_malformed_stage_reply_costs_that_node_only(make_cfg, pr
     else:
 
         def corrupt(request, reply):
-            if request.metadata.dst_node_id == 1002 and _stage(request) == "masked" and not reply.has_error():
+            if request.metadata.dst_node_id == 1002 and _stage(request) == "shares" and not reply.has_error():
                 reply.content[SECURE_SUM] = ConfigRecord({**reply.content[SECURE_SUM], SECAGG_STAGE: "keys"})
             return reply
 

@@ -69,8 +69,12 @@ CORRUPT = {
 FAIL = {("evaluate", 4): "RuntimeError: " + "a 5 MB reason " * 380_000}
 
 
-# server round -> the secure-aggregation stage the node drops out at
-SECURE_DROPS = {1: "keys", 2: "shares", 3: "masked", 4: "consistency", 5: "unmask"}
+# server round -> the secure-aggregation stage the node drops out at: round 1 before its advert, round
+# 2 (keyed afresh: its round-1 train reply never came, so it has no prekey) before its shares and
+# masked vector, round 3 (keyed with the prekey its round-2 train reply carried) before its train
+# reply, which would carry them: in both its neighbours return their own pairwise seeds with it;
+# then at the story and at the unmasking
+SECURE_DROPS = {1: "keys", 2: "shares", 3: "keys", 4: "consistency", 5: "unmask"}
 
 
 def _install(mode: str) -> None:
