@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedvlm.experiments.sweep_report import write_table
+from fedvlm.experiments.sweep_report import SPENT, write_table
 from fedvlm.utils.files import atomic_savefig
 
 METRICS = ("auc", "tpr@1%fpr", "tpr@0.1%fpr")
@@ -69,9 +69,9 @@ def write_attack_table(rows: list[dict], out: Path, label: str, keys: tuple[str,
     names = attacks_in(rows)
     if not names:
         return
-    table = [[*keys, "accounted eps"] + [f"{n} {m}" for n in names for m in METRICS]]
+    table = [[*keys, "eps spent"] + [f"{n} {m}" for n in names for m in METRICS]]
     for r in rows:
-        spent = r.get("epsilon-spent")
+        spent = r.get(SPENT)
         table.append(
             [str(r.get(k, "-")) for k in keys]
             + [f"{spent:.3f}" if spent is not None else "no DP"]
@@ -96,7 +96,7 @@ def target_points(rows: list[dict], key: str, no_dp_x: float) -> list[tuple[floa
     pts = []
     for target in dict.fromkeys(r["epsilon"] for r in mine):
         runs = [r for r in mine if r["epsilon"] == target]
-        x = float(np.mean([r.get("epsilon-spent") or no_dp_x for r in runs]))
+        x = float(np.mean([r.get(SPENT) or no_dp_x for r in runs]))
         value, low, high, luck = (float(np.mean([r[key + ENDS[end]] for r in runs])) for end in ENDS)
         pts.append((x, value, low, high, luck))
     return sorted(pts)
@@ -131,7 +131,7 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    spent = [r["epsilon-spent"] for r in rows if r.get("epsilon-spent")]
+    spent = [r[SPENT] for r in rows if r.get(SPENT)]
     no_dp_x = max(spent) * 4 if spent else 1.0  # where runs without noise are drawn
     attacked = [r for r in rows if any(r.get(f"mia-{n}-tpr@0.1%fpr") is not None for n in names)]
     groups = list(dict.fromkeys(r.get(series) for r in attacked))  # a method no attack applies to has no colour
@@ -147,7 +147,7 @@ def plot_attacks(rows: list[dict], out: Path, series: str = "variant") -> None:
             ax.axvline(no_dp_x / 2, color="gray", ls=":", lw=1)
             ax.text(no_dp_x, ax.get_ylim()[1], "no DP", ha="center", va="top", fontsize=8)
         ax.set_xscale("log")
-        ax.set_xlabel("accounted epsilon")
+        ax.set_xlabel("epsilon spent (per record)")
         ax.set_ylabel(f"TPR at {metric.split('@')[1].replace('fpr', '')} FPR (%)")
         ax.grid(alpha=0.3)
     several = any(len({r.get("seed") for r in rows if r.get(series) == g}) > 1 for g in groups)

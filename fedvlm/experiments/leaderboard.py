@@ -43,7 +43,7 @@ import numpy as np
 from fedvlm.experiments import stats, sweep
 from fedvlm.experiments.attack_report import ENDS
 from fedvlm.experiments.sweep import MB, whole_numbers
-from fedvlm.experiments.sweep_report import LAST10, order_summary, read_summary, utility_columns
+from fedvlm.experiments.sweep_report import LAST10, SPENT, order_summary, read_summary, utility_columns
 from fedvlm.methods.registry import FAMILIES, get_method, methods_of
 from fedvlm.metrics import AUDIT_METRICS, METRICS, per_client
 from fedvlm.strategies.records import TRAFFIC_KEYS
@@ -288,7 +288,7 @@ def entry(runs: list[dict], utility: list[str], ref: tuple[str, list[dict]] | No
             delta = stats.difference(_by_seed(runs, name + LAST10), _by_seed(base, name + LAST10))
             if delta is not None:
                 e[DELTA + name] = delta.as_dict()
-    e["epsilon-accounted"] = _mean(r.get("epsilon-spent") for r in runs)
+    e[SPENT] = _mean(r.get(SPENT) for r in runs)
     e["audit-lower-bound"] = _mean(r.get(AUDIT_METRICS["epsilon-lower"]) for r in runs)
     notes = [r["mia-error"] for r in runs if r.get("mia-error")]
     if notes:  # why the attack columns are empty (or rest on fewer seeds)
@@ -324,20 +324,13 @@ def accounting(entries: list[dict]) -> str:
     return " and ".join(f"{a.upper()} at delta {d:g}" for a, d in pairs) or "no accountant (no private run)"
 
 
-def machines(entries: list[dict]) -> str:
-    """Where the runs' seconds were measured (each run records its host and its nodes' devices)."""
+def provenance(entries: list[dict], key: str) -> str:
+    """Where (``machines``: each run's host and its nodes' devices) or with which code (``code``:
+    ``sweep.code``) the runs were made, and how many runs each: a board whose runs span several
+    machines or commits says so, since seconds and a later change may move a figure."""
     count: Counter[str] = Counter()
     for e in entries:
-        count.update(e.get("machines") or {})
-    return "; ".join(f"{m} ({n} runs)" if len(count) > 1 else m for m, n in count.items())
-
-
-def code_versions(entries: list[dict]) -> str:
-    """The code the runs were made with (``sweep.code``), and how many runs each: a board whose runs
-    span several commits says so, since a later change may move a figure."""
-    count: Counter[str] = Counter()
-    for e in entries:
-        count.update(e.get("code") or {})
+        count.update(e.get(key) or {})
     return "; ".join(f"{c} ({n} run{'s' if n > 1 else ''})" for c, n in count.most_common())
 
 
@@ -412,11 +405,11 @@ def family_tables(mine: list[dict]) -> list[str]:
         cells += [delta_cell(e, u) for u in utility] + [e.get("reference", "-")]
         lines.append("| " + " | ".join(cells) + " |")
     tpr = "TPR at FPR <= 0.1%: 0 FP below 1000 non-members (%)"
-    head = ["variant", "target eps", "accounted eps", "audit lower bound", "attack", tpr]
+    head = ["variant", "target eps", "eps spent", "audit lower bound", "attack", tpr]
     head += ["its chance (%)", "AUC", "MB train up", "MB train down", "MB eval up", "MB eval down", "s/round"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in mine:
-        cells = [e["variant"], e["target"], _fmt(e.get("epsilon-accounted"), digits=3)]
+        cells = [e["variant"], e["target"], _fmt(e.get(SPENT), digits=3)]
         cells += [_fmt(e.get("audit-lower-bound"), digits=3), e.get("attack", "-"), attack_cell(e)]
         cells += [_fmt(e.get(ATTACK_TPR + CHANCE), 100.0), auc_cell(e)]
         cells += [_fmt(e.get(MB[k]), digits=3) for k in TRAFFIC_KEYS] + [_fmt(e.get("seconds-per-round"), digits=1)]
@@ -444,7 +437,8 @@ def legend(entries: list[dict]) -> list[str]:
         "Student-t interval of the per-seed differences; † marks a difference within two standard "
         f"deviations measured on fewer than {FEW_SEEDS} seeds.",
         "",
-        "Privacy: the target epsilon, the epsilon the run's ledger accounted per record (every mechanism composed; "
+        "Privacy: the target epsilon, the epsilon the run's ledger spent per record (eps spent: every mechanism "
+        "composed; "
         f"the most any client spent, under {accounting(entries)}), the one-run audit's lower bound (one node, its "
         "local mechanism), and one membership attack per row, named: of the attacks every seed ran, the one with "
         "the highest mean TPR at FPR <= 0.1% over its own chance level (the best of several: a figure that favours "
@@ -474,8 +468,8 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         f"Measured with `{command}`: {runs} runs, whose rounds took {spent / 3600:.1f} h in total (the sum of "
         "their own per-round seconds; the audits and attacks after each run add to it). This call took "
         f"{seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran. "
-        f"Machine, as the runs recorded it: {machines(entries)}. Code, as the runs recorded it: "
-        f"{code_versions(entries)}.",
+        f"Machine, as the runs recorded it: {provenance(entries, 'machines')}. Code, as the runs recorded it: "
+        f"{provenance(entries, 'code')}.",
         "",
         *legend(entries),
     ]
@@ -505,8 +499,8 @@ def write_outputs(entries: list[dict], out: Path, stem: str, lines: list[str], c
     atomic_write_json(
         {
             "command": command,
-            "machines": machines(entries),
-            "code": code_versions(entries),
+            "machines": provenance(entries, "machines"),
+            "code": provenance(entries, "code"),
             "entries": entries,
             **extra,
         },
@@ -575,9 +569,9 @@ def _family_panels(left, right, family: str, mine: list[dict]) -> None:
     u = next((c for c in utility if all(e.get(c) is not None for e in mine)), utility[0])
     colours = {m: f"C{k % 10}" for k, m in enumerate(dict.fromkeys(e["variant"] for e in mine))}
     markers = {t: MARKERS[k % len(MARKERS)] for k, t in enumerate(dict.fromkeys(e["target"] for e in mine))}
-    finite = sorted({e["epsilon-accounted"] for e in mine if e.get("epsilon-accounted")})
+    finite = sorted({e[SPENT] for e in mine if e.get(SPENT)})
     none_x = 2 * finite[-1] if finite else 1.0  # where runs without noise sit: right of every private one
-    for ax, xkey in ((left, "epsilon-accounted"), (right, ATTACK_TPR)):
+    for ax, xkey in ((left, SPENT), (right, ATTACK_TPR)):
         pts = _points(ax, mine, u, xkey, none_x, colours, markers, attack=ax is right)
         # a front over attacks with different chance levels (the VLM server's and clients') compares
         # figures on different scales: drawn only where every row's attack has the same chance
@@ -610,7 +604,7 @@ def _points(ax, mine, u: str, xkey: str, none_x: float, colours, markers, attack
     pts = []
     for e in mine:
         y, x = e.get(u), e.get(xkey)
-        if x is None and xkey == "epsilon-accounted":
+        if x is None and xkey == SPENT:
             x = none_x
         if y is None or x is None:
             continue
@@ -649,11 +643,11 @@ def _epsilon_ticks(finite: list[float], apart: float = 1.4) -> tuple[list[float]
 
 def _epsilon_axis(ax, mine: list[dict], finite: list[float], none_x: float) -> None:
     ax.set_xscale("log")
-    unaccounted = any(not e.get("epsilon-accounted") for e in mine)  # a family with fixed noise has none
+    unaccounted = any(not e.get(SPENT) for e in mine)  # a family with fixed noise has none
     ticks, labels = _epsilon_ticks(finite)
     ax.set_xticks([*ticks, none_x] if unaccounted else ticks, labels + (["no DP"] if unaccounted else []))
     ax.minorticks_off()
-    ax.set_xlabel("accounted epsilon (log scale)")
+    ax.set_xlabel("epsilon spent, per record (log scale)")
 
 
 def _legends(left, right, colours: dict, markers: dict) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from fedvlm.attacks.reports import MAXRENYI, maxrenyi_pooled
 from fedvlm.experiments.attack_report import attack_row, plot_attacks, write_attack_table
 from fedvlm.experiments.sweep import DAMAGED, run_one
+from fedvlm.experiments.sweep_report import SPENT
 from fedvlm.methods.registry import VLM, methods_of
 from fedvlm.metrics import CLIENT_MODEL, OOD, SERVER_MODEL, TASK_LOSS, VLM_MODELS, VQA_SCORES, vlm_score
 from fedvlm.runconfig import parse_value
@@ -68,7 +69,7 @@ def summarise(method: str, data: dict, mia: dict | None) -> dict:
     row["down-vs-full-lora"] = comm.get("down_vs_full_lora")
     row["seconds"] = round(sum(r["seconds"] for r in data["rounds"]), 1)
     spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
-    row["epsilon-spent"] = spent.get("epsilon")
+    row[SPENT] = spent.get("epsilon")
     if mia:
         for threat in ("server", "client"):
             best = _best(mia["threats"].get(threat))

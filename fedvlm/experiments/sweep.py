@@ -53,6 +53,7 @@ from fedvlm.experiments.attack_report import attack_row, plot_attacks, predates_
 from fedvlm.experiments.presets import COMPARISONS, PRESETS, setup
 from fedvlm.experiments.sweep_report import (
     LAST10,
+    SPENT,
     audit_row,
     plot,
     plot_audit,
@@ -618,9 +619,9 @@ def result_row(variant: str, method: str, eps: str, seed: int, data: dict) -> di
     if row["status"] == "failed":  # the ServerApp stopped with an error and said why
         row["error"] = str(data["run"].get("note") or "the run failed").splitlines()[0][:300]
     spent = (data.get("privacy", {}).get("rounds") or [{}])[-1]
-    row["epsilon-spent"] = spent.get("epsilon")  # per record, every mechanism composed
+    row[SPENT] = spent.get("epsilon")  # per record, every mechanism composed
     settings = (data.get("privacy") or {}).get("settings") or {}
-    if row["epsilon-spent"] is not None:  # under which accountant, at which delta
+    if row[SPENT] is not None:  # under which accountant, at which delta
         row["accountant"], row["delta"] = settings.get("accountant"), settings.get("delta")
     row["noise-multiplier"] = data["config"].get("privacy.noise-multiplier")  # a family's fixed noise (z)
     row.update(cost_row(data))

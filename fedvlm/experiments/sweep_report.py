@@ -22,6 +22,7 @@ from fedvlm.utils.files import (
 )
 
 LAST10 = "-last10-mean"  # results.json's summary: a headline figure's mean over the last 10 rounds
+SPENT = "epsilon-spent"  # the epsilon a run's noise gives (per record, every mechanism composed): one name, every table
 
 
 def shown_scale(column: str) -> float:

@@ -112,16 +112,15 @@ def source() -> dict:
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         out["version"] = importlib.metadata.version("fedvlm")
     root = Path(__file__).resolve().parents[2]
-    git = ["git", "-C", str(root)]
+    # no optional locks: a run never takes the index lock a user's own git command may need; no
+    # timeout: git's wait is then a blocking waitpid, not subprocess's polling loop of sleeps
+    git = ["git", "--no-optional-locks", "-C", str(root)]
     with contextlib.suppress(OSError, subprocess.SubprocessError):  # no git, or not a checkout: the version alone
-        top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10)
+        top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True)
         if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root:
-            head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10)
+            head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
             changes = subprocess.run(
-                [*git, "status", "--porcelain", "--untracked-files=no", "--", "fedvlm"],
-                capture_output=True,
-                text=True,
-                timeout=30,
+                [*git, "status", "--porcelain", "--untracked-files=no", "--", "fedvlm"], capture_output=True, text=True
             )
             if head.returncode == 0 and changes.returncode == 0:
                 out.update(commit=head.stdout.strip(), changed=bool(changes.stdout.strip()))

@@ -45,10 +45,10 @@ def test_the_quick_board_is_made_of_its_runs_and_resumes(tmp_path, cache_dir, pr
             # the run's privacy picture, drawn again once the run was attacked, names the best attack
             assert "membership attack" in data["run"]["plots"]["privacy.png"]
             spent = data["privacy"]["rounds"][-1]["epsilon"]
-            assert entry["epsilon-accounted"] == pytest.approx(spent) and spent <= 1 + 1e-9
+            assert entry["epsilon-spent"] == pytest.approx(spent) and spent <= 1 + 1e-9
             assert entry["audit-lower-bound"] == pytest.approx(data["audit"]["nodes"]["client-0"]["epsilon_lower"])
         else:
-            assert entry["epsilon-accounted"] is None and entry["audit-lower-bound"] is None
+            assert entry["epsilon-spent"] is None and entry["audit-lower-bound"] is None
     board = (out / "leaderboard.md").read_text()
     assert "| dpfpl-r8 | 1 |" in board and "| dpfpl-r8 | none |" in board
     # the machine the runs' seconds were measured on, as each run recorded it
@@ -107,9 +107,9 @@ def test_the_pareto_plot_shows_each_row_spread_over_seeds(tmp_path, monkeypatch)
     common = {"family": "prompt", "neighbor-acc": 0.2, "attack-tpr@0.1%fpr": 0.002, "attack-tpr@0.1%fpr-chance": 0.01}
     entries = [
         {**common, "method": "dpfpl", "variant": "dpfpl-r8", "epsilon": "8", "target": "8", "seeds": 3}
-        | {"local-acc": 0.48, "local-acc" + leaderboard.STD: 0.02, "epsilon-accounted": 8.0},
+        | {"local-acc": 0.48, "local-acc" + leaderboard.STD: 0.02, "epsilon-spent": 8.0},
         {**common, "method": "coop", "variant": "coop", "epsilon": "none", "target": "none", "seeds": 1}
-        | {"local-acc": 0.85, "local-acc" + leaderboard.STD: None, "epsilon-accounted": None},
+        | {"local-acc": 0.85, "local-acc" + leaderboard.STD: None, "epsilon-spent": None},
     ]
     leaderboard.plot_pareto(entries, tmp_path / "pareto.png")
     assert (tmp_path / "pareto.png").stat().st_size > 10_000

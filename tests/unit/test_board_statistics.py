@@ -175,4 +175,4 @@ def test_a_run_records_the_commit_it_was_made_with_and_a_board_counts_them():
     assert code({"run": {"fedvlm": {"version": "0.1.0", "commit": None}}}) == "fedvlm 0.1.0"
     assert code({"run": {}}).startswith("not recorded")
     rows = [_row("promptfl", "promptfl", "none", s, 0.4) | {"code": c} for s, c in enumerate(("a1", "a1", "b2"))]
-    assert leaderboard.code_versions(leaderboard.board(rows)) == "a1 (2 runs); b2 (1 run)"
+    assert leaderboard.provenance(leaderboard.board(rows), "code") == "a1 (2 runs); b2 (1 run)"
