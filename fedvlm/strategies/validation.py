@@ -97,9 +97,7 @@ def _failed(msg: Message, part: str) -> None:
 
 
 def _records(
-    msg: Message,
-    expected: Mapping[str, tuple[int, ...]],
-    layers: set[str] = frozenset(),  # type: ignore[assignment]
+    msg: Message, expected: Mapping[str, tuple[int, ...]], layers: Collection[str] = ()
 ) -> tuple[dict[str, np.ndarray], dict]:
     """A reply's tensors (exactly ``expected``, each checked from its header before it is decoded)
     and its metrics record, or ``ReplyRejected``."""
@@ -170,7 +168,7 @@ def check_train_reply(
     round: not the round's batches), at most ``max_examples`` (> 0: the records it reported).
     ``layers``: tensors a layer around the strategy reads and checks itself (secure aggregation's
     masked vector), left out here."""
-    arrays, metrics = _records(msg, expected, set(layers))
+    arrays, metrics = _records(msg, expected, frozenset(layers))
     _count(metrics, 1)
     n = metrics[NUM_EXAMPLES]
     if max_examples and n > max_examples:
