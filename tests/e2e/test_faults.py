@@ -248,10 +248,10 @@ def test_hostile_organisations_through_a_real_superlink_are_dropped_and_the_run_
 
 def test_secure_aggregation_survives_a_node_dropping_out_at_each_stage(tmp_path, cache_dir):
     """A deployed federation of three real SuperNodes with secure aggregation, each pinning the
-    federation's roster with its own identity key: the third drops out of round r at the
-    protocol's r-th stage (keys, shares, masked vector, consistency, unmasking;
-    tests/e2e/hostile_node). Every round still releases the survivors' sum, and the node lost
-    after sending its masked vector is still in it."""
+    federation's roster with its own identity key: the third drops out of each round at one
+    stage (keys, shares with the masked vector, the prekeyed train reply that would carry them,
+    consistency, unmasking; tests/e2e/hostile_node). Every round still releases the survivors'
+    sum, and the node lost after sending its masked vector is still in it."""
     from fedvlm.deploy.local_federation import LocalFederation
 
     names = ("org-0", "org-1", "org-2")

@@ -3,8 +3,9 @@ organisation controls its own node, so it can change what its ClientApp sends (t
 pinned protects the organisation from the server, not the server from the organisation).
 
 ``FEDVLM_HOSTILE=hello``: the handshake reports no training records.
-``FEDVLM_HOSTILE=secure-dropout``: under secure aggregation the node drops out of round r at its
-r-th stage (``SECURE_DROPS``: keys, shares, masked, consistency, unmask), answering that stage with an error.
+``FEDVLM_HOSTILE=secure-dropout``: under secure aggregation the node drops out of round r at the
+stage ``SECURE_DROPS`` names (keys, shares, keys again once keyed a round ahead, consistency, unmask),
+answering that stage with an error.
 ``FEDVLM_HOSTILE=replies``: each train and evaluate reply is corrupted, one way per round (``CORRUPT``; in round 4 the
 final evaluation's reply is an error with a 5 MB reason, ``FAIL``), and so is each evaluation that travels
 with a train message. Python imports
