@@ -417,6 +417,30 @@ def family_tables(mine: list[dict]) -> list[str]:
     return lines
 
 
+CANARY_STEPS = 1.1  # an epoch-trained method's audited node adds its canaries' steps under DP: a few %, not 10
+
+
+def same_compute(entries: list[dict]) -> str:
+    """The variants with private rows and no ``MATCHED`` row whose local steps per round are the
+    same at every privacy level, as their runs recorded them (up to the audited node's canaries,
+    ``CANARY_STEPS``): their own no-noise row is already their matched reference. A variant whose
+    steps differ and that has no matched row is named too: its differences mix noise and compute."""
+    steps: dict[str, list[float]] = {}
+    for e in entries:
+        steps.setdefault(e["variant"], []).append(e.get("local-steps-per-round") or 0.0)
+    private = {e["variant"] for e in entries if e.get(SPENT)}
+    alone = sorted(v for v in private if v + MATCHED not in steps and not v.endswith(MATCHED))
+    same = [v for v in alone if 0 < min(steps[v]) and max(steps[v]) <= CANARY_STEPS * min(steps[v])]
+    differ = [v for v in alone if v not in same]
+    text = (
+        f"{', '.join(same)}: the same local steps a round at every privacy level, so each one's row without noise "
+        "is its matched reference. "
+        if same
+        else ""
+    )
+    return text + (f"{', '.join(differ)}: no matched row, and steps that differ by privacy level. " if differ else "")
+
+
 def legend(entries: list[dict]) -> list[str]:
     """What each column of a board's tables means: its compute, utility, privacy and cost."""
     return [
@@ -424,6 +448,7 @@ def legend(entries: list[dict]) -> list[str]:
         f"each node ran over the run, and the nodes trained per round. A `{MATCHED}` row is the method without "
         "noise at the compute its private rows train with (PromptFL's and pFedMoAP's one local step under DP), "
         "and it is the private rows' reference where it exists, so that their difference is the noise's alone. "
+        f"{same_compute(entries)}"
         "A private run's audited node trains on its records and the audit's canaries "
         "(`privacy.audit-canaries`), so where a method trains in epochs its steps are a little above the same "
         "method's without noise.",

@@ -289,6 +289,10 @@ def compute_row(data: dict) -> dict:
     }
 
 
+class IdleRound(RuntimeError):
+    """A run finished with a round in which no node it sampled trained (``idle_rounds``)."""
+
+
 def idle_rounds(data: dict) -> list[int]:
     """The rounds of a finished run in which no node it sampled trained: every reply lost (a machine
     paused or overloaded past the round's timeout), which no config asks for. Such a run trained less
@@ -450,6 +454,22 @@ class Sweep:
         log.error("[%d/%d] %s failed: %s", i, len(self.plan), run_name(variant, eps, seed), self.rows[-1]["error"])
         self.report()
 
+    def not_reusable(self, raw: dict, method: str, run_dir: Path, reused: dict) -> str:
+        """Why a finished run in this folder is not this run's row ("" if it is): a run of another
+        config under its name, a round no node trained in, or attacks older than the sweep's."""
+        differ = other_run(raw, reused)
+        if differ:
+            log.warning("%s holds a run of another config (%s)", run_dir.name, "; ".join(differ))
+            return "other-config"
+        if idle_rounds(reused):
+            log.warning(
+                "%s: no node trained in round(s) %s; its row would not be the run's compute",
+                run_dir.name,
+                ", ".join(map(str, idle_rounds(reused))),
+            )
+            return "idle-round"
+        return "old-attacks" if self.args.mia and self.old_attacks(method, run_dir) else ""
+
     def run(self, i: int, entry: Entry) -> None:
         """The ``i``-th planned run: reused where this folder finished it, else run (or resumed)."""
         variant, method, _, eps, seed = entry
@@ -466,27 +486,21 @@ class Sweep:
         reused = prior if prior is not None and prior["run"].get("status") in REUSED else None
         fresh = reused is None
         try:
-            differ = other_run(raw, reused) if reused is not None else []
-            if differ:  # a finished run of another config under this name: not this run
-                log.warning("%s holds a run of another config (%s)", name, "; ".join(differ))
-                set_aside(run_dir, "other-config")
-                reused, prior, fresh = None, None, True
-            elif reused is not None and idle_rounds(reused):
-                log.warning(
-                    "%s: no node trained in round(s) %s; its row would not be the run's compute",
-                    name,
-                    ", ".join(map(str, idle_rounds(reused))),
-                )
-                set_aside(run_dir, "idle-round")  # kept beside it; the run is made afresh
-                reused, prior, fresh = None, None, True
-            elif reused is not None and self.args.mia and self.old_attacks(method, run_dir):
-                set_aside(run_dir, "old-attacks")  # its attacks need the run again: kept beside it, run afresh
+            aside = self.not_reusable(raw, method, run_dir, reused) if reused is not None else ""
+            if aside:  # kept beside it under that reason; the run is made afresh
+                set_aside(run_dir, aside)
                 reused, prior, fresh = None, None, True
             data = (
                 reused
                 if reused is not None
                 else run_one(continued(raw, run_dir, prior), self.clients, self.args.engine, self.out)
             )
+            if idle_rounds(data):  # made (or resumed) just now with a round no node trained in: not its row
+                raise IdleRound(
+                    f"no node trained in round(s) {', '.join(map(str, idle_rounds(data)))} (every reply lost: the "
+                    "machine paused or overloaded past round-timeout); run the sweep again on a quieter machine: "
+                    "the run is then set aside and made afresh"
+                )
         except Exception as err:  # noqa: BLE001 - a failed variant is a row of the table, not the sweep's end
             return self.fail(i, entry, err)
         try:

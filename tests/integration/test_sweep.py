@@ -104,7 +104,9 @@ def test_the_papers_numbers_appear_only_for_the_papers_setup():
     assert setup("paper-pfedmoap-dtd", ["seed=3"], None)[2]  # a seed does not change the setup
 
 
-def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(tmp_path, cache_dir, pretrained_clip):
+def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(
+    tmp_path, cache_dir, pretrained_clip, monkeypatch
+):
     def sweep(out, rounds):
         argv = ["--out", str(out), "--variant", "p", "promptfl", "--epsilons", "none", "--clients", "3"]
         assert main([*argv, "--set", f"num-server-rounds={rounds}", "max-per-class=4", f"cache-dir={cache_dir}"]) == 0
@@ -158,6 +160,23 @@ def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(tmp_path,
     again = sweep(out, 3)
     assert [r["metrics"][TRAIN_CLIENTS] > 0 for r in again["rounds"]] == [True] * 3
     assert len([p for p in (out / "runs").iterdir() if p.name.startswith("p-epsnone-seed0-idle-round-")]) == 1
+    # ... and one made just now that lost a round (the machine paused mid-run) is not published as
+    # finished: its row fails, saying why and how to redo it; the next sweep sets it aside
+    from fedvlm.experiments import sweep as sweep_module
+
+    real = sweep_module.run_one
+
+    def losing_round_two(*args, **kwargs):
+        data = real(*args, **kwargs)
+        data["rounds"][1]["metrics"][TRAIN_CLIENTS] = 0
+        return data
+
+    monkeypatch.setattr(sweep_module, "run_one", losing_round_two)
+    argv = ["--out", str(tmp_path / "idle"), "--variant", "p", "promptfl", "--epsilons", "none", "--clients", "3"]
+    assert main([*argv, "--set", "num-server-rounds=2", "max-per-class=4", f"cache-dir={cache_dir}"]) == 1
+    row = next(csv.DictReader((tmp_path / "idle" / "summary.csv").open()))
+    assert row["status"] == "failed" and "no node trained in round(s) 2" in row["error"], row
+    monkeypatch.undo()
 
     # a cut-off run already past the rounds now asked for has nothing to resume to: kept aside too
     cut_off(out)

@@ -176,3 +176,22 @@ def test_a_run_records_the_commit_it_was_made_with_and_a_board_counts_them():
     assert code({"run": {}}).startswith("not recorded")
     rows = [_row("promptfl", "promptfl", "none", s, 0.4) | {"code": c} for s, c in enumerate(("a1", "a1", "b2"))]
     assert leaderboard.provenance(leaderboard.board(rows), "code") == "a1 (2 runs); b2 (1 run)"
+
+
+def test_the_board_says_which_rows_are_matched_in_compute_by_their_own_steps():
+    """Issue 62, item 2: a private row without a ``-dpcompute`` row is matched only where its
+    steps per round do not change with the privacy level; the legend says which, from the runs."""
+    entries = [
+        {"variant": "dpfpl", "local-steps-per-round": 1.0, "epsilon-spent": None},
+        {"variant": "dpfpl", "local-steps-per-round": 1.0, "epsilon-spent": 8.0},
+        {"variant": "fedrand", "local-steps-per-round": 15.7, "epsilon-spent": None},
+        {"variant": "fedrand", "local-steps-per-round": 16.7, "epsilon-spent": 8.0},  # the audited node's canaries
+        {"variant": "promptfl", "local-steps-per-round": 8.0, "epsilon-spent": None},
+        {"variant": "promptfl", "local-steps-per-round": 1.0, "epsilon-spent": 8.0},
+        {"variant": "pfedmoap", "local-steps-per-round": 8.0, "epsilon-spent": None},
+        {"variant": "pfedmoap", "local-steps-per-round": 1.0, "epsilon-spent": 8.0},
+        {"variant": "pfedmoap" + leaderboard.MATCHED, "local-steps-per-round": 1.0, "epsilon-spent": None},
+    ]
+    said = leaderboard.same_compute(entries)
+    assert said.startswith("dpfpl, fedrand: the same local steps")
+    assert "promptfl: no matched row, and steps that differ" in said and "pfedmoap" not in said
