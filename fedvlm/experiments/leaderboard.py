@@ -308,6 +308,7 @@ def entry(runs: list[dict], utility: list[str], ref: tuple[str, list[dict]] | No
     e["seconds-total"] = sum(r.get("seconds-total") or 0.0 for r in runs)
     e["machines"] = dict(Counter(str(r.get("machine") or "not recorded") for r in runs))
     e["code"] = dict(Counter(str(r.get("code") or sweep.CODE_NOT_RECORDED) for r in runs))
+    e["backbones"] = dict(Counter(str(r.get("backbone") or "not recorded") for r in runs))
     accounted = {(r["accountant"], r["delta"]) for r in runs if r.get("accountant")}
     e["accounting"] = [{"accountant": a, "delta": d} for a, d in sorted(accounted)]
     return e
@@ -420,6 +421,19 @@ def family_tables(mine: list[dict]) -> list[str]:
 CANARY_STEPS = 1.1  # an epoch-trained method's audited node adds its canaries' steps under DP: a few %, not 10
 
 
+def mixed_backbones(entries: list[dict]) -> str:
+    """A warning naming the rows whose runs started from different weights (``sweep.backbone``:
+    the embedded default pretrained on another CPU): their seeds, and a difference paired by seed
+    with a row on other weights, mix the weights with the method."""
+    mixed = [f"{e['variant']} at {e['target']}" for e in entries if len(e.get("backbones") or {}) > 1]
+    if not mixed:
+        return ""
+    return (
+        f" **Rows whose runs started from different backbone weights: {', '.join(mixed)}.** Their spread and "
+        "any difference paired with them mix the weights with the method: compare seeds made on one backbone."
+    )
+
+
 def same_compute(entries: list[dict]) -> str:
     """The variants with private rows and no ``MATCHED`` row whose local steps per round are the
     same at every privacy level, as their runs recorded them (up to the audited node's canaries,
@@ -494,7 +508,8 @@ def board_markdown(entries: list[dict], command: str, seconds: float, title: str
         "their own per-round seconds; the audits and attacks after each run add to it). This call took "
         f"{seconds / 60:.0f} min: finished runs are reused, so a resumed board counts only what it ran. "
         f"Machine, as the runs recorded it: {provenance(entries, 'machines')}. Code, as the runs recorded it: "
-        f"{provenance(entries, 'code')}.",
+        f"{provenance(entries, 'code')}. Backbone weights, as the runs recorded them: "
+        f"{provenance(entries, 'backbones')}.{mixed_backbones(entries)}",
         "",
         *legend(entries),
     ]
@@ -526,6 +541,7 @@ def write_outputs(entries: list[dict], out: Path, stem: str, lines: list[str], c
             "command": command,
             "machines": provenance(entries, "machines"),
             "code": provenance(entries, "code"),
+            "backbones": provenance(entries, "backbones"),
             "entries": entries,
             **extra,
         },

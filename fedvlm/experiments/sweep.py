@@ -255,6 +255,14 @@ def code(data: dict) -> str:
     return f"fedvlm {made['version']}" if made.get("version") else CODE_NOT_RECORDED
 
 
+def backbone(data: dict) -> str:
+    """The weights a run's model started from (``run.backbone.fingerprint``: a hash of them). The
+    embedded default is pretrained on the machine that first needs it, and two CPUs' float kernels
+    give two sets of weights: runs on different weights are not one method's seeds."""
+    made = ((data.get("run") or {}).get("backbone") or {}).get("fingerprint")
+    return str(made) if made else "not recorded (the family's runs do not record one)"
+
+
 def cost_row(data: dict) -> dict:
     """What a run cost and how much it computed: tensor megabytes each node sent and received for
     training and for evaluation (the run's totals over the nodes that joined), the median seconds
@@ -265,6 +273,7 @@ def cost_row(data: dict) -> dict:
     return {
         "machine": machine(data),
         "code": code(data),
+        "backbone": backbone(data),
         # a run made before traffic was split by purpose holds only its totals: its split is unknown, not 0
         **{MB[key]: final[key] / nodes / 1e6 if key in final else None for key in TRAFFIC_KEYS},
         # the median: one round a paused or busy machine held up does not set the run's figure

@@ -65,6 +65,7 @@ TEXT_COLUMNS = (
     "audit-status",
     "machine",
     "code",
+    "backbone",
     "accountant",
 )
 

@@ -195,3 +195,19 @@ def test_the_board_says_which_rows_are_matched_in_compute_by_their_own_steps():
     said = leaderboard.same_compute(entries)
     assert said.startswith("dpfpl, fedrand: the same local steps")
     assert "promptfl: no matched row, and steps that differ" in said and "pfedmoap" not in said
+
+
+def test_a_board_names_rows_whose_seeds_started_from_different_backbone_weights():
+    """Issue 62: the embedded default is pretrained on the machine that first needs it, and an
+    Intel and an AMD CPU gave two sets of weights (pFedMoAP's seed 0 without noise: 87.50% on
+    one, 92.81% on the other). A row mixing them is named, and the board counts each backbone."""
+    from fedvlm.experiments.sweep import backbone
+
+    assert backbone({"run": {"backbone": {"fingerprint": "embedded-tiny:gelu:sha256:ab"}}}).endswith("sha256:ab")
+    assert backbone({"run": {}}).startswith("not recorded")
+    rows = [_row("promptfl", "promptfl", "none", s, 0.4) | {"backbone": b} for s, b in enumerate(("a", "a", "b"))]
+    entries = leaderboard.board(rows)
+    assert leaderboard.provenance(entries, "backbones") == "a (2 runs); b (1 run)"
+    assert "promptfl at none" in leaderboard.mixed_backbones(entries)
+    same = leaderboard.board([_row("promptfl", "promptfl", "none", s, 0.4) | {"backbone": "a"} for s in range(2)])
+    assert leaderboard.mixed_backbones(same) == ""
