@@ -147,15 +147,15 @@ def protocol_round(plan, roster, identities, size: int) -> dict[str, float]:
         started = {u: NodeRound.start(u, plan, roster, identities[u]) for u in ids}
         shown = server.take_adverts({u: advert for u, (_, advert) in started.items()})
     nodes = {u: node for u, (node, _) in started.items()}
-    with stage("shares"):
-        routed = server.take_shares({u: nodes[u].share(shown, roster) for u in shown})
-    with stage("masked"):
+    with stage("shares"):  # the masked vector goes with the shares
         zeros = encode(np.zeros(size, dtype=np.int64), plan.bits)
+        routed = server.take_shares({u: (*nodes[u].share(shown, roster), nodes[u].mask(zeros)) for u in shown})
+    with stage("consistency"):
+        survivors = sorted(server.masked)
         for u, ciphertexts in routed.items():
             nodes[u].receive(server.dealt, ciphertexts)
-        survivors = server.take_masked({u: nodes[u].mask(zeros) for u in routed})
-    with stage("consistency"):
-        signatures = server.take_signatures({u: nodes[u].sign_story(survivors, identities[u]) for u in survivors})
+        story = {u: (nodes[u].sign_story(survivors, identities[u]), sorted(nodes[u].complaints)) for u in survivors}
+        signatures = server.take_signatures(story)
     with stage("unmask"):
         server.unmask({u: nodes[u].reveal(signatures) for u in signatures})
     return clock

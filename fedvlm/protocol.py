@@ -104,6 +104,8 @@ SECAGG_SURVIVORS = "secagg.survivors"  # every node whose masked vector is in th
 SECAGG_SEED_SHARES = "secagg.seed-shares"
 SECAGG_KEY_SHARES = "secagg.key-shares"
 SECAGG_KEY_OWNERS = "secagg.key-owners"  # the dropped nodes the key shares are of
+SECAGG_PAIR_SEEDS = "secagg.pair-seeds"  # a node's pairwise mask seeds with neighbours that never dealt
+SECAGG_PAIR_OWNERS = "secagg.pair-owners"  # those neighbours, in the seeds' order
 # a node's keys for its next secure round, made before that round's plan: its encryption key, mask key,
 # identity key and signature (secagg.node.Prekey), in a train reply
 SECAGG_PREKEY = "secagg.prekey"

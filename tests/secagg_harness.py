@@ -98,30 +98,29 @@ def make_round(n: int, k: int = 0, seed: int = 0, threshold: int | None = None, 
 
 def run_honest(n, k=0, drop=None, tamper=None, seed=0, prekeyed=False):
     """The whole protocol with an honest server; ``drop``: stage -> nodes that stop answering
-    before it; ``tamper``: (stage, node id, reply) -> a changed reply; ``prekeyed``: the nodes
-    key the round with their prekeys (``secagg.node.Prekey``), which the server relays."""
+    before it; ``tamper``: (stage, node id, reply) -> a changed reply (the shares stage's reply is
+    (commitment, ciphertexts, masked vector), the consistency stage's (signature, complaints));
+    ``prekeyed``: the nodes key the round with their prekeys (``secagg.node.Prekey``), which the
+    server relays."""
     drop, tamper = drop or {}, tamper or (lambda stage, u, r: r)
     r = make_round(n, k, seed)
     r.start([u for u in r.ids if u not in drop.get("keys", ())], prekeyed=prekeyed)
     server = ServerRound(r.plan, SIZE, r.roster)
     signed_over = PREKEYED if prekeyed else b""
     adverts = server.take_adverts({u: tamper("keys", u, a) for u, a in r.adverts.items()}, signed_over)
-    dealt = {
-        u: tamper("shares", u, r.nodes[u].share(adverts, r.roster)) for u in adverts if u not in drop.get("shares", ())
-    }
+    dealt = {}
+    for u in adverts:
+        if u not in drop.get("shares", ()):
+            commitment, ciphertexts = r.nodes[u].share(adverts, r.roster)
+            dealt[u] = tamper("shares", u, (commitment, ciphertexts, r.nodes[u].mask(r.vector(u))))
     routed = server.take_shares(dealt)
-    masked = {}
+    signed = {}
     for u, ciphertexts in routed.items():
-        if u in drop.get("masked", ()):
+        if u in drop.get("consistency", ()):
             continue
         r.nodes[u].receive(server.dealt, ciphertexts)
-        masked[u] = tamper("masked", u, r.nodes[u].mask(r.vector(u)))
-    survivors = server.take_masked(masked, {u: sorted(r.nodes[u].complaints) for u in masked})
-    signed = {
-        u: tamper("consistency", u, r.nodes[u].sign_story(survivors, r.identities[u]))
-        for u in survivors
-        if u not in drop.get("consistency", ())
-    }
+        signature = r.nodes[u].sign_story(sorted(server.masked), r.identities[u])
+        signed[u] = tamper("consistency", u, (signature, sorted(r.nodes[u].complaints)))
     signatures = server.take_signatures(signed)
     revealed = {
         u: tamper("unmask", u, r.nodes[u].reveal(signatures)) for u in signatures if u not in drop.get("unmask", ())
@@ -132,23 +131,26 @@ def run_honest(n, k=0, drop=None, tamper=None, seed=0, prekeyed=False):
 
 
 # ---- what a server can unmask ------------------------------------------------------------------
-def rebuilt(r: Round, revealed: dict[int, tuple[dict[int, bytes], dict[int, bytes]]]) -> tuple[set[int], set[int]]:
+def rebuilt(r: Round, revealed: dict[int, tuple[dict[int, bytes], ...]]) -> tuple[set[int], set[int], set]:
     """The nodes whose self-mask seed, and whose mask key, the server can rebuild from every
-    share any node revealed (holder -> (seed shares, key shares), each by owner)."""
+    share any node revealed (holder -> (seed shares, key shares, pairwise seeds), shares by
+    owner), and the (holder, neighbour) pairs whose pairwise seed the holder revealed."""
     seeds: dict[int, list[bytes]] = {}
     keys: dict[int, list[bytes]] = {}
-    for seed_shares, key_shares in revealed.values():
+    pairs = set()
+    for holder, (seed_shares, key_shares, pair_seeds) in revealed.items():
         for owner, share in seed_shares.items():
             seeds.setdefault(owner, []).append(share)
         for owner, share in key_shares.items():
             keys.setdefault(owner, []).append(share)
+        pairs |= {(holder, j) for j, seed in pair_seeds.items() if seed == r.nodes[holder]._pair_seed(j)}
     got_seeds = {
         u
         for u, s in seeds.items()
         if _opens(s, r.t, lambda x, u=u: seed_commitment(x) == seed_commitment(r.nodes[u].seed))
     }
     got_keys = {u for u, s in keys.items() if _opens(s, r.t, lambda x, u=u: x == r.nodes[u].mask_key)}
-    return got_seeds, got_keys
+    return got_seeds, got_keys, pairs
 
 
 def _opens(shares: list[bytes], t: int, fits) -> bool:
@@ -164,42 +166,43 @@ def _opens(shares: list[bytes], t: int, fits) -> bool:
     return False
 
 
-def _cancels(r: Round, u: int, j: int, members: set[int]) -> bool:
+def _same_pair(r: Round, u: int, j: int) -> bool:
+    """Whether u and j agree on their pairwise seed: one session, each holding the other's real key."""
     a, b = r.nodes[u], r.nodes.get(j)
-    return (
-        j in members
-        and b is not None
-        and u in b.peers
-        and a.session == b.session
-        and a.adverts[j] == b.adverts[j]
-        and b.adverts[u] == a.adverts[u]
-    )
+    return b is not None and a.session == b.session and a.adverts[j] == b.adverts[j] and b.adverts[u] == a.adverts[u]
 
 
-def _removable(r: Round, u: int, j: int, keys: set[int]) -> bool:
-    """Whether the server can compute u's pairwise mask term with j: from u's mask key, or from
-    the key j really holds when u masked with j's real public key."""
-    if u in keys:
+def _cancels(r: Round, u: int, j: int, members: set[int]) -> bool:
+    return j in members and u in r.nodes[j].peers and _same_pair(r, u, j)
+
+
+def _removable(r: Round, u: int, j: int, keys: set[int], pairs: set) -> bool:
+    """Whether the server can compute u's pairwise mask term with j: from u's mask key or its
+    revealed seed with j, or from the key j really holds (or j's revealed seed with u) when both
+    agree on the pair."""
+    if u in keys or (u, j) in pairs:
         return True
     b = r.nodes.get(j)
-    return j in keys and b is not None and r.nodes[u].adverts[j].mask == b.adverts[j].mask
+    if j in keys and b is not None and r.nodes[u].adverts[j].mask == b.adverts[j].mask:
+        return True
+    return (j, u) in pairs and _same_pair(r, u, j)
 
 
 def unmaskable(r: Round, sent: set[int], revealed) -> list[frozenset[int]]:
     """Every set of the nodes that sent masked vectors (``sent``) whose sum the server can unmask."""
-    seeds, keys = rebuilt(r, revealed)
+    seeds, keys, pairs = rebuilt(r, revealed)
     out = []
     for size in range(1, len(sent) + 1):
         for members in itertools.combinations(sorted(sent & seeds), size):
             s = set(members)
-            if all(_cancels(r, u, j, s) or _removable(r, u, j, keys) for u in s for j in r.nodes[u].peers):
+            if all(_cancels(r, u, j, s) or _removable(r, u, j, keys, pairs) for u in s for j in r.nodes[u].peers):
                 out.append(frozenset(s))
     return out
 
 
 def unmask_numerically(r: Round, members: frozenset[int], masked: dict[int, np.ndarray], revealed) -> np.ndarray:
     """The sum over ``members`` as a server computes it from what it was given (to check the oracle)."""
-    seeds, keys = rebuilt(r, revealed)
+    seeds, keys, pairs = rebuilt(r, revealed)
     assert members <= seeds
     total = np.zeros(SIZE, dtype=np.uint64)
     for u in members:
@@ -208,12 +211,13 @@ def unmask_numerically(r: Round, members: frozenset[int], masked: dict[int, np.n
         for j in node.peers:
             if _cancels(r, u, j, set(members)):
                 continue
-            key = node.mask_key if u in keys else None
-            if key is not None:
-                m = expand(pair_seed(key, node.adverts[j].mask, node.session), SIZE, BITS)
+            if u in keys or (u, j) in pairs:
+                seed = pair_seed(node.mask_key, node.adverts[j].mask, node.session)
+            elif (j, u) in pairs:
+                seed = r.nodes[j]._pair_seed(u)
             else:
-                other = key_from_scalar(r.nodes[j].mask_key)
-                m = expand(pair_seed(other, node.adverts[u].mask, node.session), SIZE, BITS)
+                seed = pair_seed(key_from_scalar(r.nodes[j].mask_key), node.adverts[u].mask, node.session)
+            m = expand(seed, SIZE, BITS)
             total = reduce(total - m if pair_sign(u, j) > 0 else total + m, BITS)
     return decode(total, BITS)
 
@@ -226,12 +230,19 @@ def attempt(call):
         return None
 
 
-def sign_and_reveal(r: Round, masked, survivors_of) -> dict:
-    """Every node that sent a masked vector signs the survivors it is told (``survivors_of``: node
-    -> survivors), and every signer is shown every signature: what each one then revealed."""
+def sign_and_reveal(r: Round, masked, story_of) -> dict:
+    """Every node that sent a masked vector is told a story (``story_of``: node -> (dealers, the
+    ciphertexts routed to it, survivors)), takes its shares and signs it where it goes along, and
+    every signer is shown every signature: what each one then revealed."""
     signatures = {}
     for u in masked:
-        signature = attempt(lambda u=u: r.nodes[u].sign_story(survivors_of(u), r.identities[u]))
+        dealers, ciphertexts, survivors = story_of(u)
+
+        def sign(u=u, dealers=dealers, ciphertexts=ciphertexts, survivors=survivors):
+            r.nodes[u].receive(dealers, ciphertexts)
+            return r.nodes[u].sign_story(survivors, r.identities[u])
+
+        signature = attempt(sign)
         if signature is not None:
             signatures[u] = signature
     revealed = {}
@@ -259,45 +270,50 @@ def group_attack(n: int, k: int, rng: np.random.Generator):
     Returns the round, the nodes that sent masked vectors, those vectors, and what was revealed."""
     r = make_round(n, k, seed=int(rng.integers(1 << 30)))
     r.start()
-    groups = rng.integers(0, int(rng.integers(1, 4)), n)
+    groups = dict(zip(r.ids, rng.integers(0, int(rng.integers(1, 4)), n).tolist(), strict=True))
     stories = {}
-    for g in set(groups.tolist()):
-        members = {u for u, gu in zip(r.ids, groups, strict=True) if gu == g}
+    for g in set(groups.values()):
+        members = {u for u in r.ids if groups[u] == g}
         shown = members | {u for u in r.ids if rng.random() < 0.7}
         dealers = members | {u for u in shown if rng.random() < 0.8}
         stories[g] = (sorted(shown), sorted(dealers), rng.random(n))
-    shared = {}
-    for u, g in zip(r.ids, groups, strict=True):
-        shown = stories[g][0]
-        if not refuses(
-            lambda u=u, shown=shown: shared.__setitem__(u, r.nodes[u].share({v: r.adverts[v] for v in shown}, r.roster))
-        ):
-            continue
-    masked = {}
-    for u, g in zip(r.ids, groups, strict=True):
-        if u not in shared:
-            continue
-        dealers = [v for v in stories[g][1] if v in stories[g][0]]
-        node = r.nodes[u]
-        expect = [j for j in node.graph()[u] if j in dealers]
-        cts = {j: shared[j][1][u] if j in shared and u in shared[j][1] else os.urandom(300) for j in expect}
-        if not refuses(lambda u=u, node=node, dealers=dealers, cts=cts: node.receive(dealers, cts)):
-            masked[u] = node.mask(r.vector(u))
-    group = dict(zip(r.ids, groups, strict=True))
-    told = {
-        u: [v for i, v in enumerate(r.ids) if v == u or (v in masked and stories[group[u]][2][i] < 0.8)] for u in r.ids
-    }
-    return r, masked, sign_and_reveal(r, masked, told.__getitem__)
+    shared, masked = _deal(r, lambda u: {v: r.adverts[v] for v in stories[groups[u]][0]})
+
+    def story(u):
+        shown, dealers, draws = stories[groups[u]]
+        dealers = [v for v in dealers if v in shown]
+        survivors = [v for i, v in enumerate(r.ids) if v == u or (v in masked and draws[i] < 0.8)]
+        return dealers, _routed(r, u, shared, dealers), survivors
+
+    return r, masked, sign_and_reveal(r, masked, story)
+
+
+def _deal(r: Round, shown_to) -> tuple[dict, dict]:
+    """Each node deals to the adverts it is shown (``shown_to``: node -> adverts) and masks its
+    vector with every neighbour, as a shares reply carries both; a node that refuses sends nothing."""
+    shared, masked = {}, {}
+    for u, node in r.nodes.items():
+        dealt = attempt(lambda node=node, u=u: node.share(shown_to(u), r.roster))
+        if dealt is not None:
+            shared[u], masked[u] = dealt, node.mask(r.vector(u))
+    return shared, masked
+
+
+def _routed(r: Round, u: int, shared: dict, dealers) -> dict[int, bytes]:
+    """The ciphertexts a server routes to u from its neighbours among ``dealers``: the ones dealt to
+    u where there are any (across sessions too, where u cannot decrypt them), random bytes else."""
+    return {j: shared[j][1].get(u, os.urandom(300)) if j in shared else os.urandom(300)
+            for j in r.nodes[u].peers if j in dealers}  # fmt: skip
 
 
 def split_attack(n: int, k: int, rng: np.random.Generator):
     """One round against a server that targets one node v with two stories: v and t - 1 of its
-    neighbours (P) are told that v's other neighbours did not deal, so that v masks with P alone;
-    everyone else is told that P dropped, so that they reveal P's mask keys, and that v survived,
-    so that they reveal shares of v's seed. Every node is shown every signature."""
+    neighbours (P) are told that v's other neighbours did not deal, so that v reveals its pairwise
+    seeds with them; everyone else is told that P dropped, so that they reveal P's mask keys, and
+    that v survived, so that they reveal shares of v's seed. Every node is shown every signature."""
     r = make_round(n, k, seed=int(rng.integers(1 << 30)))
     r.start()
-    shared = {u: r.nodes[u].share(dict(r.adverts), r.roster) for u in r.ids}
+    shared, masked = _deal(r, lambda u: dict(r.adverts))
     graph = r.nodes[r.ids[0]].graph()
     v = r.ids[int(rng.integers(n))]
     # the neighbours sharing the fewest holders with v: their mask keys are easiest to collect elsewhere
@@ -307,13 +323,8 @@ def split_attack(n: int, k: int, rng: np.random.Generator):
     stories = {
         u: (told_a, told_a) if u in peers | {v} else (r.ids, [x for x in r.ids if x not in peers]) for u in r.ids
     }
-    masked = {}
-    for u in r.ids:
-        dealers = stories[u][0]
-        cts = {j: shared[j][1][u] for j in graph[u] if j in dealers}
-        if not refuses(lambda u=u, dealers=dealers, cts=cts: r.nodes[u].receive(dealers, cts)):
-            masked[u] = r.nodes[u].mask(r.vector(u))
-    return r, masked, sign_and_reveal(r, masked, lambda u: [x for x in stories[u][1] if x in masked])
+    return r, masked, sign_and_reveal(r, masked, lambda u: (stories[u][0], _routed(r, u, shared, stories[u][0]),
+                                                            stories[u][1]))  # fmt: skip
 
 
 def plans_attack(n: int, k: int, rng: np.random.Generator):
@@ -335,29 +346,20 @@ def plans_attack(n: int, k: int, rng: np.random.Generator):
         shown = sorted(members | {u for u in parts if rng.random() < 0.8})
         dealers = sorted(members | {u for u in shown if rng.random() < 0.8})
         stories[g] = (dataclasses.replace(r.plan, participants=tuple(parts)), shown, dealers, rng.random(n))
-    shared = {}
     for u in r.ids:
-        plan, shown = stories[group[u]][:2]
+        plan = stories[group[u]][0]
         node = attempt(lambda u=u, plan=plan: NodeRound.from_prekey(u, plan, r.roster, r.identities[u], prekeys[u]))
-        if node is None:
-            continue
-        r.nodes[u] = node
-        dealt = attempt(lambda node=node, shown=shown: node.share({v: r.adverts[v] for v in shown}, r.roster))
-        if dealt is not None:
-            shared[u] = dealt
-    masked = {}
-    for u in shared:
-        dealers = [v for v in stories[group[u]][2] if v in stories[group[u]][1]]
-        node = r.nodes[u]
-        cts = {j: shared[j][1].get(u, os.urandom(300)) if j in shared else os.urandom(300)
-               for j in node.graph()[u] if j in dealers}  # fmt: skip
-        if not refuses(lambda node=node, dealers=dealers, cts=cts: node.receive(dealers, cts)):
-            masked[u] = node.mask(r.vector(u))
-    told = {
-        u: [v for i, v in enumerate(r.ids) if v == u or (v in masked and stories[group[u]][3][i] < 0.8)]
-        for u in r.nodes
-    }
-    return r, masked, sign_and_reveal(r, masked, told.__getitem__)
+        if node is not None:
+            r.nodes[u] = node
+    shared, masked = _deal(r, lambda u: {v: r.adverts[v] for v in stories[group[u]][1]})
+
+    def story(u):
+        _, shown, dealers, draws = stories[group[u]]
+        dealers = [v for v in dealers if v in shown]
+        survivors = [v for i, v in enumerate(r.ids) if v == u or (v in masked and draws[i] < 0.8)]
+        return dealers, _routed(r, u, shared, dealers), survivors
+
+    return r, masked, sign_and_reveal(r, masked, story)
 
 
 ATTACKS = {"groups": group_attack, "split": split_attack, "plans": plans_attack}

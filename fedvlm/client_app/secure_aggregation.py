@@ -22,10 +22,10 @@ The stages (``secagg.stages``):
   (``secagg.summand``: projected onto the plan's bound, noised and self-checked) and keeps it
   with the round's secrets, in memory only (``client_app.state.SECURE_ROUND``). The reply
   carries the training's figures and the node's signed advert, no tensor.
-- ``shares``, ``masked``, ``consistency`` and ``unmask`` run on what the node kept
-  (``secagg.node.NodeRound`` makes the protocol's checks), need neither the model nor torch, and
-  so start fast in a ClientApp process of their own. The masked vector is the one tensor that
-  leaves (``send_guard.secure_reply``).
+- ``shares``, ``consistency`` and ``unmask`` run on what the node kept (``secagg.node.NodeRound``
+  makes the protocol's checks), need neither the model nor torch, and so start fast in a ClientApp
+  process of their own. The masked vector, sent with the shares (with the train reply where the
+  round was keyed a round ahead), is the one tensor that leaves (``send_guard.secure_reply``).
 
 A message asked again (``server_app.post``) gets the answer the node gave the
 first copy, if it asks the same; one that asks something else is judged afresh by
@@ -178,7 +178,7 @@ def _first_stage(msg: Message, context: Context, inner: Handler) -> Message:
     node = NodeMessage.open(context)
     again = keyed(context, plan, node.cfg.num_server_rounds)
     if again is not None:
-        return secure_reply(msg, again[0], again[1], carried=again[2])
+        return secure_reply(msg, again[0], again[1], masked=again[3], carried=again[2])
     roster, identity = member(context)
     prekeys = stages.read_peer_keys(dict(msg.content[SECURE_SUM]))
     secure, advert, prekey = _key(context, plan, roster, identity, prekeys)
@@ -203,15 +203,18 @@ def _first_stage(msg: Message, context: Context, inner: Handler) -> Message:
     randomness = share_randomness(node.cfg, node.node.noise_source, node.node.seed, plan.server_round)
     weight = int(TrainReply.from_records({}, figures).num_examples) if plan.weighted else 1
     vector = Summand(plan).encode(update, weight, randomness)
+    held = {VECTOR: vector.tobytes()}
+    if advert is None:  # keyed a round ahead: the masked vector goes with the shares, in this reply
+        held[MASKED] = secure.mask(vector).astype(wire_dtype(plan.bits)).tobytes()
     answer = stages.keys_reply(advert) if advert is not None else stages.prekeyed_reply(*dealt)
     answer.update(stages.prekey_fields(prekey.advert))
-    save_secure(context.state, {ROUND: secure.to_bytes(), VECTOR: vector.tobytes()})
+    save_secure(context.state, {ROUND: secure.to_bytes(), **held})
     save_secure(context.state, answer, f"/{stages.KEYS}")
     save_secure(context.state, figures, f"/{stages.KEYS}/{METRICS_RECORD}")
     for key in CARRIED:
         if key in reply.content:
             context.state[f"{SECURE_ROUND}/{stages.KEYS}/{key}"] = reply.content[key]
-    return secure_reply(msg, figures, answer, carried=reply.content)
+    return secure_reply(msg, figures, answer, masked=_masked(held, plan.bits), carried=reply.content)
 
 
 def _key(
@@ -238,7 +241,9 @@ def _key(
     return secure, None, Prekey.new(context.node_id, identity)
 
 
-def keyed(context: Context, plan: stages.SumPlan, rounds: int) -> tuple[dict, dict, RecordDict] | None:
+def keyed(
+    context: Context, plan: stages.SumPlan, rounds: int
+) -> tuple[dict, dict, RecordDict, np.ndarray | None] | None:
     """Whether this node may key a secure sum of ``plan``'s round: the run's rounds at most, once
     each, in order. The same round under the same plan again (a copy of the message, or the same
     round resumed) gets the node's first answer (None: the node keys it now); anything else is
@@ -273,7 +278,7 @@ def keyed(context: Context, plan: stages.SumPlan, rounds: int) -> tuple[dict, di
         found = context.state.get(f"{SECURE_ROUND}/{stages.KEYS}/{key}")
         if found is not None:
             carried[key] = found
-    return figures, answer, carried
+    return figures, answer, carried, _masked(load_secure(context.state), plan.bits)
 
 
 def check_share(cfg: RunConfig, instruction: TrainInstruction, plan: stages.SumPlan) -> None:
@@ -322,7 +327,7 @@ def share_randomness(cfg: RunConfig, noise_source: str, node_seed: int, server_r
 
 
 def _next_stage(msg: Message, context: Context, stage: str) -> Message:
-    """Stages ``shares``, ``masked``, ``consistency`` and ``unmask``, on what the node kept."""
+    """Stages ``shares``, ``consistency`` and ``unmask``, on what the node kept."""
     config = dict(msg.content[SECURE_SUM])
     held = load_secure(context.state)
     if ROUND not in held:
@@ -335,15 +340,13 @@ def _next_stage(msg: Message, context: Context, stage: str) -> Message:
     answer: dict
     if stage == stages.SHARES:
         answer = stages.shares_reply(*secure.share(stages.read_peer_keys(config), member(context)[0]))
-    elif stage == stages.MASKED:
-        secure.receive(*stages.read_dealt(config))
         masked = secure.mask(np.frombuffer(held[VECTOR], dtype=np.uint64))
         held[MASKED] = masked.astype(wire_dtype(secure.plan.bits)).tobytes()
-        answer = stages.masked_reply(secure.complaints)
     elif stage == stages.CONSISTENCY:
-        identity = member(context)[1]
-        survivors = stages.read_survivors(config)
-        answer = stages.story_signature(secure.sign_story(survivors, identity, min_clients(context.node_config)))
+        dealers, survivors, ciphertexts = stages.read_story(config)
+        secure.receive(dealers, ciphertexts)
+        signature = secure.sign_story(survivors, member(context)[1], min_clients(context.node_config))
+        answer = stages.story_signature(signature, secure.complaints)
     else:
         answer = stages.shares_back(*secure.reveal(stages.read_unmask(config)))
     held[ROUND] = secure.to_bytes()
@@ -353,6 +356,11 @@ def _next_stage(msg: Message, context: Context, stage: str) -> Message:
 
 
 def _reply(msg: Message, stage: str, answer: dict, held: dict) -> Message:
-    bits = NodeRound.from_bytes(held[ROUND]).plan.bits
-    masked = np.frombuffer(held[MASKED], dtype=wire_dtype(bits)) if stage == stages.MASKED else None
+    masked = _masked(held, NodeRound.from_bytes(held[ROUND]).plan.bits) if stage == stages.SHARES else None
     return secure_reply(msg, {}, {k: v for k, v in answer.items() if k != ASKED}, masked=masked)
+
+
+def _masked(held: Mapping, bits: int) -> np.ndarray | None:
+    """The masked vector the node sent in this round (None: not yet), as it went on the wire."""
+    raw = held.get(MASKED)
+    return np.frombuffer(raw, dtype=wire_dtype(bits)) if isinstance(raw, bytes) else None

@@ -4,7 +4,9 @@ it lets anything of them go.
 The node draws two key pairs (one to agree encryption keys with its neighbours, one to agree
 pairwise mask seeds) and a self-mask seed b, deals Shamir shares of b and of its mask key to
 its neighbours (t of them rebuild either), and sends ``x + PRG(b) + sum_j +-PRG(s_ij)`` modulo
-2^bits. Everything secret comes from the operating system's generator, whatever the run's noise
+2^bits with its shares, masked with every neighbour of the round's graph: a neighbour that then
+never deals has its pairwise mask removed with the seed the node itself reveals for it, once the
+story is signed (``reveal``). Everything secret comes from the operating system's generator, whatever the run's noise
 source: a seeded mask would hide nothing.
 
 What binds a round together, so that a server that deviates learns no more than one that
@@ -29,8 +31,16 @@ survivors (docs/privacy.md gives the argument); the server learns the sum over t
 at least t nodes, one connected piece of the graph.
 
 A share whose ciphertext does not decrypt, or was meant for another node, is kept out and
-reported (``complaints``); the pairwise mask with its dealer is added all the same, since it
+reported (``complaints``); the pairwise mask with its dealer was added all the same, since it
 depends only on the dealer's public key, so the server's sum stays consistent.
+
+Why a pairwise seed may be revealed: the node reveals its seed with neighbour j only for a j the
+signed story says never dealt (U1 minus U2). The server then has j's pairwise masks with the
+nodes that reveal, which a rebuilt mask key of j would give it too (Bell et al.'s own recovery of a
+dropped node), and never j's self-mask: j dealt no share of it that a node accepted, and no node
+reveals a seed share of a node outside the story's survivors. A quorum signs one story, so no node
+reveals j's seed share under a story that counts j in. A survivor's own masks with the nodes that
+stay in the sum are untouched: its update stays hidden by the masks it shares with them.
 """
 
 from __future__ import annotations
@@ -283,7 +293,7 @@ class NodeRound:
     seed_shares: dict[int, bytes] = field(default_factory=dict)  # dealer -> this node's share of its seed
     key_shares: dict[int, bytes] = field(default_factory=dict)  # dealer -> this node's share of its mask key
     dealers: tuple[int, ...] = ()  # U2, as the server told it
-    peers: tuple[int, ...] = ()  # the neighbours whose pairwise masks this node added
+    peers: tuple[int, ...] = ()  # the neighbours whose pairwise masks this node added: all of its graph's
     complaints: dict[int, str] = field(default_factory=dict)  # dealer -> why its share was kept out
     survivors: tuple[int, ...] = ()  # U3, as the server told it
     signature: bytes = b""  # this node's signature on its story
@@ -322,7 +332,7 @@ class NodeRound:
         node.adverts[node_id] = prekey.advert
         return node
 
-    # ---- stage 2: shares ----------------------------------------------------------------------
+    # ---- stage 2: shares, and the masked vector with them ----------------------------------------
     def share(self, adverts: Mapping[int, Advert], roster: Roster) -> tuple[bytes, dict[int, bytes]]:
         """The commitment to this node's self-mask seed, and its shares for each of its neighbours
         in the graph the round's adverts (U1, ``adverts``, all of them) determine, each encrypted
@@ -382,16 +392,40 @@ class NodeRound:
         """The round's graph, as every node that saw the same adverts derives it."""
         return neighbours(sorted(self.adverts), self.plan.degree, self.session)
 
-    # ---- stage 3: the masked vector -----------------------------------------------------------
+    def mask(self, vector: np.ndarray) -> np.ndarray:
+        """``vector`` (residues modulo 2^bits, uint64) plus this node's self mask and its pairwise
+        masks with every neighbour of the round's graph, sent with its shares: who deals is not
+        known yet, and a neighbour that never deals gets its mask removed with this node's own
+        seed for it (``reveal``)."""
+        self._expect("shares")
+        self.peers = tuple(sorted(self.graph()[self.node_id]))
+        v = np.asarray(vector, dtype=np.uint64)
+        out = v + expand(self.seed, v.size, self.plan.bits)
+        for peer in self.peers:
+            out = (
+                out + self._pair_mask(peer, v.size)
+                if pair_sign(self.node_id, peer) > 0
+                else out - self._pair_mask(peer, v.size)
+            )
+        self.stage = "masked"
+        return reduce(out, self.plan.bits)
+
+    def _pair_mask(self, peer: int, size: int) -> np.ndarray:
+        return expand(self._pair_seed(peer), size, self.plan.bits)
+
+    def _pair_seed(self, peer: int) -> bytes:
+        return pair_seed(self.mask_key, self.adverts[peer].mask, self.session)
+
+    # ---- stage 3: consistency -------------------------------------------------------------------
     def receive(self, dealers: Iterable[int], ciphertexts: Mapping[int, bytes]) -> None:
         """Keep the shares dealt to this node (``ciphertexts``: dealer -> ciphertext); ``dealers``:
         every node the server says dealt its shares (U2). The node must get one from each of its
-        neighbours among them, and no other: it then masks with exactly those."""
-        self._expect("shares")
+        neighbours among them, and no other, and at least t - 1 of them."""
+        self._expect("masked")
         dealers = tuple(sorted(set(dealers)))
         if not set(dealers) <= set(self.adverts) or self.node_id not in dealers:
             raise SecAggRefused("the server's dealers include nodes that advertised no keys, or leave this node out")
-        mine = set(self.graph()[self.node_id]) & set(dealers)
+        mine = set(self.peers) & set(dealers)
         if set(ciphertexts) != mine:
             raise SecAggRefused(
                 f"the server delivers shares from {sorted(ciphertexts)}, not from this node's neighbours among the "
@@ -411,28 +445,15 @@ class NodeRound:
                 self.complaints[dealer] = f"its ciphertext carries a share from {src} meant for {dst}"
                 continue
             self.seed_shares[dealer], self.key_shares[dealer] = s_share, k_share
-        self.dealers, self.peers = dealers, tuple(sorted(mine))
+        self.dealers = dealers
         self.stage = "dealt"
 
-    def mask(self, vector: np.ndarray) -> np.ndarray:
-        """``vector`` (residues modulo 2^bits, uint64) plus this node's self mask and its pairwise
-        masks with every neighbour that dealt shares."""
-        self._expect("dealt")
-        v = np.asarray(vector, dtype=np.uint64)
-        out = v + expand(self.seed, v.size, self.plan.bits)
-        for peer in self.peers:
-            m = expand(pair_seed(self.mask_key, self.adverts[peer].mask, self.session), v.size, self.plan.bits)
-            out = out + m if pair_sign(self.node_id, peer) > 0 else out - m
-        self.stage = "masked"
-        return reduce(out, self.plan.bits)
-
-    # ---- stage 4: consistency -------------------------------------------------------------------
     def sign_story(self, survivors: Iterable[int], identity: Identity, floor: int = 0) -> bytes:
         """This node's signature on its story (the dealers it was told, and ``survivors``), once
         it checked that the survivors hold at least t of its own neighbourhood, are at least
         ``max(t, floor)`` and one connected piece of the graph. A node signs one story a round:
         asked again, it signs the same one and refuses any other."""
-        self._expect("masked", "signed")
+        self._expect("dealt", "signed")
         survivors = tuple(sorted(set(survivors)))
         if self.signature:
             if survivors != self.survivors:
@@ -459,12 +480,13 @@ class NodeRound:
     def story(self) -> bytes:
         return story_message(self.session, self.dealers, self.survivors)
 
-    # ---- stage 5: unmasking ---------------------------------------------------------------------
-    def reveal(self, signatures: Mapping[int, bytes]) -> tuple[dict[int, bytes], dict[int, bytes]]:
-        """The shares the server needs to remove the masks (dealer -> share): of each surviving
-        neighbour's seed and its own, of each dropped neighbour's mask key; only once a strict
-        majority of the participants (``quorum``) and t of this node's neighbourhood signed the
-        story it signed (``signatures``: signer -> signature)."""
+    # ---- stage 4: unmasking ---------------------------------------------------------------------
+    def reveal(self, signatures: Mapping[int, bytes]) -> tuple[dict[int, bytes], dict[int, bytes], dict[int, bytes]]:
+        """What the server needs to remove the masks: shares (dealer -> share) of each surviving
+        neighbour's seed and its own, of the mask key of each neighbour that dealt and dropped, and
+        this node's own pairwise seed with each neighbour that never dealt (neighbour -> seed);
+        only once a strict majority of the participants (``quorum``) and t of this node's
+        neighbourhood signed the story it signed (``signatures``: signer -> signature)."""
         self._expect("signed", "revealed")
         story = self.story()
         signed = {self.node_id} | {
@@ -487,7 +509,8 @@ class NodeRound:
         own = {self.node_id, *self.peers}
         seeds = {n: self.seed_shares[n] for n in sorted(own & alive) if n in self.seed_shares}
         keys = {n: self.key_shares[n] for n in sorted(own & gone) if n in self.key_shares}
-        return seeds, keys
+        pairs = {j: self._pair_seed(j) for j in self.peers if j not in self.dealers}
+        return seeds, keys, pairs
 
     def _agreed(self, peer_public: bytes) -> bytes:
         """The key (Fernet's form) this node encrypts shares with, to and from a peer, in this

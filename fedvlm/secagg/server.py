@@ -6,9 +6,12 @@ mask stays (its vector is not in the sum).
 
 Who takes part shrinks stage by stage (SecAgg+'s U1 ... U5): the nodes whose adverts are well
 formed and signed (by a member of the roster, where the server holds one); those that dealt a
-share to every neighbour; those that sent a well-formed masked vector and stay one connected
-piece of the graph with t - 1 neighbours each; those whose signature on that story verifies;
-those that returned shares. A node that sends something malformed (a key that is not a public
+share to every neighbour; those whose masked vector, sent with their shares, is well formed and
+stays one connected piece of the graph with t - 1 neighbours each; those whose signature on that
+story verifies; those that returned shares. A survivor masked with every neighbour of the graph:
+the mask with a neighbour that never dealt comes out with the survivor's own seed for it, which it
+returns once the story is signed; with one that dealt and dropped, with that node's rebuilt mask
+key. A node that sends something malformed (a key that is not a public
 key, a key or member another node uses, a share list that skips a neighbour, a vector of the
 wrong size or past the modulus, a signature that does not verify) is excluded with the reason, as
 a dropout is, and the round goes on while it can. A secret that cannot be rebuilt to match what
@@ -30,7 +33,7 @@ import numpy as np
 
 from fedvlm.secagg import shamir
 from fedvlm.secagg.graph import neighbours, reach
-from fedvlm.secagg.masks import expand, modulus, reduce
+from fedvlm.secagg.masks import SEED_BYTES, expand, modulus, reduce
 from fedvlm.secagg.node import (
     DH_BYTES,
     advert_message,
@@ -109,43 +112,41 @@ class ServerRound:
         return dict(self.adverts)
 
     # ---- stage 2 -> 3 ---------------------------------------------------------------------------
-    def take_shares(self, replies: Mapping[int, tuple[bytes, Mapping[int, bytes]]]) -> dict[int, dict[int, bytes]]:
-        """U2, and each of its nodes' ciphertexts for stage 3 (dealer -> ciphertext)."""
-        for node, (commitment, ciphertexts) in replies.items():
-            if node not in self.adverts:
-                self._exclude(node, "it dealt shares without having advertised keys")
-                continue
-            why = ""
-            if not (isinstance(commitment, bytes) and len(commitment) == 32):
-                why = "its seed commitment is not 32 bytes"
-            elif set(ciphertexts) != set(self.graph[node]):
-                why = f"it dealt shares to {sorted(ciphertexts)}, not to its neighbours {sorted(self.graph[node])}"
-            elif any(not isinstance(c, bytes) or len(c) > MAX_CIPHERTEXT_BYTES for c in ciphertexts.values()):
-                why = f"a ciphertext is not bytes or longer than {MAX_CIPHERTEXT_BYTES} bytes"
+    def take_shares(
+        self, replies: Mapping[int, tuple[bytes, Mapping[int, bytes], np.ndarray]]
+    ) -> dict[int, dict[int, bytes]]:
+        """U2 (the nodes that dealt a share to every neighbour) and U3 (those of them whose
+        well-formed masked vectors go into the sum, kept to one connected piece of the graph with
+        t - 1 neighbours each: what every node checks before it signs), from each node's
+        commitment, ciphertexts and masked vector; each survivor's ciphertexts for stage 3
+        (dealer -> ciphertext)."""
+        for node, (commitment, ciphertexts, _) in replies.items():
+            why = self._dealing_problem(node, commitment, ciphertexts)
             if why:
                 self._exclude(node, why)
                 continue
             self.commitments[node] = commitment
             self.dealt[node] = dict(ciphertexts)
         self._prune(self.dealt, "dealt shares")
-        return {v: {u: self.dealt[u][v] for u in self.graph[v] if u in self.dealt} for v in self.dealt}
+        self._take_vectors({u: vector for u, (_, _, vector) in replies.items() if u in self.dealt})
+        return {v: {u: self.dealt[u][v] for u in self.graph[v] if u in self.dealt} for v in self.masked}
 
-    # ---- stage 3 -> 4 ---------------------------------------------------------------------------
-    def take_masked(
-        self, replies: Mapping[int, np.ndarray], complaints: Mapping[int, list[int]] | None = None
-    ) -> list[int]:
-        """U3: the nodes whose well-formed masked vectors go into the sum, kept to one connected
-        piece of the graph with t - 1 neighbours each (what every node checks before it signs).
-        ``complaints``: holder -> the dealers whose shares it could not decrypt
-        (``NodeRound.complaints``), named if their secrets then cannot be rebuilt."""
-        for holder, dealers in (complaints or {}).items():
-            for dealer in dealers:
-                self.complaints.setdefault(dealer, []).append(holder)
+    def _dealing_problem(self, node: int, commitment: object, ciphertexts: Mapping[int, bytes]) -> str:
+        """Why ``node``'s shares cannot be routed ("" if they can)."""
+        if node not in self.adverts:
+            return "it dealt shares without having advertised keys"
+        if not (isinstance(commitment, bytes) and len(commitment) == 32):
+            return "its seed commitment is not 32 bytes"
+        if set(ciphertexts) != set(self.graph[node]):
+            return f"it dealt shares to {sorted(ciphertexts)}, not to its neighbours {sorted(self.graph[node])}"
+        if any(not isinstance(c, bytes) or len(c) > MAX_CIPHERTEXT_BYTES for c in ciphertexts.values()):
+            return f"a ciphertext is not bytes or longer than {MAX_CIPHERTEXT_BYTES} bytes"
+        return ""
+
+    def _take_vectors(self, replies: Mapping[int, np.ndarray]) -> None:
         for node, vector in replies.items():
             v = np.asarray(vector)
-            if node not in self.dealt:
-                self._exclude(node, "it sent a masked vector without having dealt shares")
-            elif v.dtype != np.uint64 or v.shape != (self.size,):
+            if v.dtype != np.uint64 or v.shape != (self.size,):
                 self._exclude(node, f"its masked vector is {v.dtype} {v.shape}, not uint64 ({self.size},)")
             elif v.size and int(v.max()) >= modulus(self.plan.bits):
                 self._exclude(node, f"its masked vector holds values past the modulus 2^{self.plan.bits}")
@@ -164,15 +165,19 @@ class ServerRound:
                 f"{least} (the threshold, and a strict majority of the round's {len(self.plan.participants)} "
                 "participants, who must sign it)"
             )
-        return sorted(self.masked)
 
-    # ---- stage 4 -> 5 ---------------------------------------------------------------------------
-    def take_signatures(self, replies: Mapping[int, bytes]) -> dict[int, bytes]:
+    # ---- stage 3 -> 4 ---------------------------------------------------------------------------
+    def take_signatures(self, replies: Mapping[int, tuple[bytes, list[int]]]) -> dict[int, bytes]:
         """U4: the survivors whose signature on the story verifies; what each of them is shown.
         A node reveals only with a strict majority of the participants and t of its own
-        neighbourhood among the signers: the server checks both as the node will."""
+        neighbourhood among the signers: the server checks both as the node will. Each reply also
+        names the dealers whose shares its node could not decrypt (``NodeRound.complaints``),
+        named if their secrets then cannot be rebuilt."""
         story = story_message(self.session, self.dealt, self.masked)
-        for node, signature in replies.items():
+        for node, (_, dealers) in replies.items():
+            for dealer in dealers if node in self.masked else ():
+                self.complaints.setdefault(dealer, []).append(node)
+        for node, (signature, _) in replies.items():
             if node not in self.masked:
                 self._exclude(node, "it signed a story without being among the survivors")
             elif not verify(self.adverts[node].identity, story, signature):
@@ -187,18 +192,52 @@ class ServerRound:
             )
         return dict(self.signatures)
 
-    # ---- stage 5: the sum -------------------------------------------------------------------------
-    def unmask(self, replies: Mapping[int, tuple[Mapping[int, bytes], Mapping[int, bytes]]]) -> np.ndarray:
-        """The sum of the surviving nodes' vectors modulo 2^bits (uint64), from the shares they
-        returned (holder -> (seed shares, key shares), each dealer -> share)."""
+    # ---- stage 4: the sum -------------------------------------------------------------------------
+    def unmask(self, replies: Mapping[int, tuple[Mapping[int, bytes], ...]]) -> np.ndarray:
+        """The sum of the surviving nodes' vectors modulo 2^bits (uint64), from what they returned
+        (holder -> (seed shares, key shares, its pairwise seeds with neighbours that never dealt))."""
+        seeds, keys, pairs = self._returned(replies)
+        total = np.zeros(self.size, dtype=np.uint64)
+        for u, vector in self.masked.items():
+            seed = self._recover(u, seeds.get(u, {}), SEED)
+            total = reduce(total + vector - expand(seed, self.size, self.plan.bits), self.plan.bits)
+        for v in set(self.adverts) - set(self.masked):
+            mask_key = key_from_scalar(self._recover(v, keys.get(v, {}), MASK_KEY)) if v in self.dealt else None
+            for u in self.graph[v]:
+                if u not in self.masked:
+                    continue
+                if mask_key is not None:
+                    seed = pair_seed(mask_key, self.adverts[u].mask, self.session)
+                elif v in pairs.get(u, {}):
+                    seed = pairs[u][v]
+                else:
+                    raise SecAggError(
+                        f"round {self.plan.server_round}: node {u} did not return its pairwise seed with node {v}, "
+                        "which never dealt its shares: the mask between them cannot be removed; the round is discarded"
+                    )
+                m = expand(seed, self.size, self.plan.bits)  # u added sign(u, v) * PRG(s_uv): take it out
+                total = total - m if pair_sign(u, v) > 0 else total + m
+            total = reduce(total, self.plan.bits)
+        return total
+
+    def _returned(self, replies: Mapping[int, tuple[Mapping[int, bytes], ...]]) -> tuple[dict, dict, dict]:
+        """The signers' returns, by owner (seed and key shares: owner -> holder -> share) and by
+        holder (pairwise seeds: holder -> neighbour -> seed); a holder that returns what it cannot
+        hold is left out."""
         seeds: dict[int, dict[int, bytes]] = {}
         keys: dict[int, dict[int, bytes]] = {}
-        gone = set(self.dealt) - set(self.masked)
-        for holder, (seed_shares, key_shares) in replies.items():
+        pairs: dict[int, dict[int, bytes]] = {}
+        gone, never = set(self.dealt) - set(self.masked), set(self.adverts) - set(self.dealt)
+        for holder, (seed_shares, key_shares, pair_seeds) in replies.items():
             if holder not in self.signatures:
                 continue  # it did not sign the story: its word is not needed
             holds = {holder, *self.graph[holder]}
-            if not set(seed_shares) <= holds & set(self.masked) or not set(key_shares) <= holds & gone:
+            if (
+                not set(seed_shares) <= holds & set(self.masked)
+                or not set(key_shares) <= holds & gone
+                or not set(pair_seeds) <= set(self.graph[holder]) & never
+                or any(not isinstance(x, bytes) or len(x) != SEED_BYTES for x in pair_seeds.values())
+            ):
                 self._exclude(holder, "it returned shares of nodes it holds none of, or of the wrong secret")
                 continue
             self.revealers.append(holder)
@@ -206,20 +245,8 @@ class ServerRound:
                 seeds.setdefault(dealer, {})[holder] = share
             for dealer, share in key_shares.items():
                 keys.setdefault(dealer, {})[holder] = share
-        total = np.zeros(self.size, dtype=np.uint64)
-        for u, vector in self.masked.items():
-            seed = self._recover(u, seeds.get(u, {}), SEED)
-            total = reduce(total + vector - expand(seed, self.size, self.plan.bits), self.plan.bits)
-        for v in self.dealt:
-            if v in self.masked:
-                continue
-            mask_key = key_from_scalar(self._recover(v, keys.get(v, {}), MASK_KEY))
-            for u in self.graph[v]:
-                if u in self.masked:  # u added sign(u, v) * PRG(s_uv): take it out
-                    m = expand(pair_seed(mask_key, self.adverts[u].mask, self.session), self.size, self.plan.bits)
-                    total = total - m if pair_sign(u, v) > 0 else total + m
-            total = reduce(total, self.plan.bits)
-        return total
+            pairs[holder] = dict(pair_seeds)
+        return seeds, keys, pairs
 
     def report(self) -> dict:
         """What results.json records of the round's protocol."""

@@ -1,10 +1,10 @@
-"""The five stages of a secure round on the wire, typed: what the server's message carries in its
+"""The four stages of a secure round on the wire, typed: what the server's message carries in its
 ``protocol.SECURE_SUM`` record at each stage, and what the node's reply carries back.
 
 A round whose every participant sent a prekey with an earlier train reply (``secagg.node.Prekey``)
 skips the second: its train message carries the plan and every participant's prekey (U1), and
-the node's train reply its shares (``prekeyed_reply``); every train reply carries the node's
-next prekey (``prekey_fields``).
+the node's train reply its shares and its masked vector (``prekeyed_reply``); every train reply
+carries the node's next prekey (``prekey_fields``).
 
 1. ``keys``: the train message itself, plus the round's ``SumPlan`` (the participants, the graph's
    degree, the threshold, the vector's layout, encoding and noise, the roster's digest): one plan,
@@ -12,14 +12,14 @@ next prekey (``prekey_fields``).
    it; its reply holds the training's metrics and its ``Advert``: two public keys signed, with
    the plan's digest and its node id, by its member's identity key (``secagg.roster``).
 2. ``shares``: every advert the server accepted (U1); the node checks them all and derives the
-   graph; the reply, its seed commitment and one ciphertext of shares per neighbour.
-3. ``masked``: who dealt shares (U2) and the ciphertexts dealt to the node; the reply, its masked
-   vector (the one tensor of a secure round, ``SECAGG_MASKED``) and the dealers whose shares it
-   could not decrypt.
-4. ``consistency``: whose masked vectors are in the sum (U3); the reply, the node's signature
-   on that survivor story.
-5. ``unmask``: the signatures the server collected; the reply, the node's shares of the
-   survivors' seeds and of the dropped nodes' mask keys.
+   graph; the reply, its seed commitment, one ciphertext of shares per neighbour, and its masked
+   vector (the one tensor of a secure round, ``SECAGG_MASKED``), masked with every neighbour.
+3. ``consistency``: who dealt (U2), whose masked vectors are in the sum (U3), and the ciphertexts
+   dealt to the node; the reply, the dealers whose shares it could not decrypt and the node's
+   signature on that story.
+4. ``unmask``: the signatures the server collected; the reply, the node's shares of the
+   survivors' seeds and of the mask keys of the nodes that dealt and dropped, and its own pairwise
+   seeds with the neighbours that never dealt.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ from fedvlm.protocol import (
     SECAGG_NAMES,
     SECAGG_NODES,
     SECAGG_NORM_BOUND,
+    SECAGG_PAIR_OWNERS,
+    SECAGG_PAIR_SEEDS,
     SECAGG_PARTICIPANTS,
     SECAGG_PREKEY,
     SECAGG_ROSTER,
@@ -63,8 +65,8 @@ from fedvlm.protocol import (
     SECAGG_WEIGHTED,
 )
 
-KEYS, SHARES, MASKED, CONSISTENCY, UNMASK = "keys", "shares", "masked", "consistency", "unmask"
-STAGES = (KEYS, SHARES, MASKED, CONSISTENCY, UNMASK)
+KEYS, SHARES, CONSISTENCY, UNMASK = "keys", "shares", "consistency", "unmask"
+STAGES = (KEYS, SHARES, CONSISTENCY, UNMASK)
 PLAN_DOMAIN = b"fedvlm secure aggregation plan v2"
 
 
@@ -234,14 +236,15 @@ def prekeyed_plan(plan: SumPlan, adverts: Mapping[int, Advert]) -> dict:
 
 
 def prekeyed_reply(commitment: bytes, ciphertexts: Mapping[int, bytes]) -> dict:
-    """A node's train reply in a round keyed with prekeys: its shares, as a shares reply has them."""
+    """A node's train reply in a round keyed with prekeys: its shares, as a shares reply has them
+    (its masked vector travels as the reply's tensor)."""
     return {**shares_reply(commitment, ciphertexts), SECAGG_STAGE: KEYS}
 
 
 def after(stage: str, prekeyed: bool) -> str:
     """The stage that follows ``stage``: a round keyed with prekeys deals its shares with the training."""
     following = STAGES[STAGES.index(stage) + 1]
-    return MASKED if prekeyed and following == SHARES else following
+    return CONSISTENCY if prekeyed and following == SHARES else following
 
 
 def peer_keys(adverts: Mapping[int, Advert]) -> dict:
@@ -274,47 +277,36 @@ def read_shares_reply(config: Mapping) -> tuple[bytes, dict[int, bytes]]:
     return commitment, _by_node(config, SECAGG_CIPHERTEXTS)
 
 
-def dealt(dealers: Iterable[int], ciphertexts: Mapping[int, bytes]) -> dict:
-    """Stage ``masked``: who dealt shares (U2), and the ciphertexts dealt to the node (dealer ->
-    ciphertext)."""
+def story(dealers: Iterable[int], survivors: Iterable[int], ciphertexts: Mapping[int, bytes]) -> dict:
+    """Stage ``consistency``: who dealt shares (U2), whose masked vectors are in the sum (U3), and
+    the ciphertexts dealt to the node (dealer -> ciphertext)."""
     return {
-        SECAGG_STAGE: MASKED,
+        SECAGG_STAGE: CONSISTENCY,
         SECAGG_DEALERS: _texts(sorted(dealers)),
+        SECAGG_SURVIVORS: _texts(sorted(survivors)),
         SECAGG_NODES: _texts(list(ciphertexts)),
         SECAGG_CIPHERTEXTS: list(ciphertexts.values()),
     }
 
 
-def read_dealt(config: Mapping) -> tuple[tuple[int, ...], dict[int, bytes]]:
-    return _ids(config.get(SECAGG_DEALERS, [])), _by_node(config, SECAGG_CIPHERTEXTS)
+def read_story(config: Mapping) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, bytes]]:
+    return (
+        _ids(config.get(SECAGG_DEALERS, [])),
+        _ids(config.get(SECAGG_SURVIVORS, [])),
+        _by_node(config, SECAGG_CIPHERTEXTS),
+    )
 
 
-def masked_reply(complaints: Iterable[int]) -> dict:
-    return {SECAGG_STAGE: MASKED, SECAGG_COMPLAINTS: _texts(sorted(complaints))}
+def story_signature(signature: bytes, complaints: Iterable[int]) -> dict:
+    return {SECAGG_STAGE: CONSISTENCY, SECAGG_SIGNATURES: [signature], SECAGG_COMPLAINTS: _texts(sorted(complaints))}
 
 
-def read_complaints(config: Mapping) -> list[int]:
-    return list(_ids(config.get(SECAGG_COMPLAINTS, [])))
-
-
-def survivors(nodes: Iterable[int]) -> dict:
-    """Stage ``consistency``: whose masked vectors are in the sum (U3)."""
-    return {SECAGG_STAGE: CONSISTENCY, SECAGG_SURVIVORS: _texts(sorted(nodes))}
-
-
-def read_survivors(config: Mapping) -> tuple[int, ...]:
-    return _ids(config.get(SECAGG_SURVIVORS, []))
-
-
-def story_signature(signature: bytes) -> dict:
-    return {SECAGG_STAGE: CONSISTENCY, SECAGG_SIGNATURES: [signature]}
-
-
-def read_story_signature(config: Mapping) -> bytes:
+def read_story_signature(config: Mapping) -> tuple[bytes, list[int]]:
+    """A consistency reply's signature and the dealers whose shares the node could not decrypt."""
     signatures = _list(config.get(SECAGG_SIGNATURES), bytes)
     if len(signatures) != 1:
         raise MalformedStage("a consistency reply holds one signature")
-    return signatures[0]
+    return signatures[0], list(_ids(config.get(SECAGG_COMPLAINTS, [])))
 
 
 def unmask(signatures: Mapping[int, bytes]) -> dict:
@@ -326,15 +318,21 @@ def read_unmask(config: Mapping) -> dict[int, bytes]:
     return _by_node(config, SECAGG_SIGNATURES)
 
 
-def shares_back(seeds: Mapping[int, bytes], keys: Mapping[int, bytes]) -> dict:
+def shares_back(seeds: Mapping[int, bytes], keys: Mapping[int, bytes], pairs: Mapping[int, bytes]) -> dict:
     return {
         SECAGG_STAGE: UNMASK,
         SECAGG_NODES: _texts(list(seeds)),
         SECAGG_SEED_SHARES: list(seeds.values()),
         SECAGG_KEY_OWNERS: _texts(list(keys)),
         SECAGG_KEY_SHARES: list(keys.values()),
+        SECAGG_PAIR_OWNERS: _texts(list(pairs)),
+        SECAGG_PAIR_SEEDS: list(pairs.values()),
     }
 
 
-def read_shares_back(config: Mapping) -> tuple[dict[int, bytes], dict[int, bytes]]:
-    return _by_node(config, SECAGG_SEED_SHARES), _by_node(config, SECAGG_KEY_SHARES, SECAGG_KEY_OWNERS)
+def read_shares_back(config: Mapping) -> tuple[dict[int, bytes], dict[int, bytes], dict[int, bytes]]:
+    return (
+        _by_node(config, SECAGG_SEED_SHARES),
+        _by_node(config, SECAGG_KEY_SHARES, SECAGG_KEY_OWNERS),
+        _by_node(config, SECAGG_PAIR_SEEDS, SECAGG_PAIR_OWNERS),
+    )

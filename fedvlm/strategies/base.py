@@ -445,7 +445,7 @@ class FederatedStrategy(Strategy):
                 carried = answered is not None and answered.metadata.message_type == MessageType.TRAIN
                 expected = out.payload.expected if out and kept.tensors_in_replies else {}
                 reply, refused = (
-                    check_train_reply(msg, expected, node.num_train)
+                    check_train_reply(msg, expected, node.num_train, kept.layer_tensors)
                     if kept.phase == "train"
                     else check_evaluate_reply(msg, carried, node.evaluation_counts())
                 )

@@ -61,6 +61,9 @@ class PhasePlan:
     # a layer around the strategy may carry the replies' tensors elsewhere (secure aggregation:
     # under masks, in later stages): then the replies carry figures only
     tensors_in_replies: bool = True
+    # tensors of the replies the layer reads and checks itself (a prekeyed secure round's masked
+    # vector, sent with the train reply), not the strategy's
+    layer_tensors: frozenset[str] = frozenset()
     # a secure round's later stages (strategies.secure_aggregation): their messages, copies
     # included, the protocol's account of the round, and its state as the plan made it (taken
     # up when the train replies come: a round dropped unsent takes it away with its plan)

@@ -28,6 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from fedvlm.privacy.planner import Distributed
+from fedvlm.protocol import SECAGG_MASKED
 from fedvlm.secagg.server import SecAggError
 from fedvlm.strategies.base import FederatedStrategy
 from fedvlm.strategies.layer import Layer
@@ -67,6 +68,8 @@ class SecureAggregation(Layer):
             kept.secure, kept.outgoing = {"failed": str(why)}, {}
             return []
         kept.tensors_in_replies = False
+        if kept.protocol.prekeyed:  # the masked vector comes with the train reply: the protocol checks it
+            kept.layer_tensors = frozenset({SECAGG_MASKED})
         return messages
 
     def next_stage(self, server_round: int, replies: Iterable[Message]) -> Iterable[Message]:

@@ -1,7 +1,7 @@
 """The server's side of secure aggregation for a run, the protocol's runner that the layer around
-the strategy (``strategies.secure_aggregation``) drives: each train round becomes five stages of
-messages (``secagg.stages``), and what the strategy aggregates is the unmasked sum of the
-survivors' vectors, never one node's update.
+the strategy (``strategies.secure_aggregation``) drives: each train round becomes four stages of
+messages (``secagg.stages``; three where the nodes keyed it a round ahead), and what the strategy
+aggregates is the unmasked sum of the survivors' vectors, never one node's update.
 
 ``plan`` builds a round's one plan from its train messages (the participants, the graph's degree,
 the threshold, the vector's layout, the noise shares, the roster's digest) and adds it to every
@@ -213,17 +213,12 @@ class SecureSum:
                 server.excluded.setdefault(node, "its train reply was dropped (the round's dropped list says why)")
                 del answers[node]
             if secure.prekeyed:
-                return self._routed(secure, self._read(secure, answers, stages.read_shares_reply))
+                return self._routed(secure, answers)
             adverts = server.take_adverts(self._read(secure, answers, stages.read_keys_reply))
             return {u: stages.peer_keys(adverts) for u in adverts}
         answers = self._answers(secure, replies, kept.stage_messages)
         if secure.stage == stages.SHARES:
-            return self._routed(secure, self._read(secure, answers, stages.read_shares_reply))
-        if secure.stage == stages.MASKED:
-            vectors = self._read(secure, answers, lambda reply: _masked_vector(reply, server.size), whole=True)
-            complaints = self._read(secure, {n: answers[n] for n in vectors}, stages.read_complaints)
-            survivors = server.take_masked(vectors, complaints)
-            return {u: stages.survivors(survivors) for u in survivors}
+            return self._routed(secure, answers)
         if secure.stage == stages.CONSISTENCY:
             signatures = server.take_signatures(self._read(secure, answers, stages.read_story_signature))
             return {u: stages.unmask(signatures) for u in signatures}
@@ -231,11 +226,18 @@ class SecureSum:
         secure.total = secure.summand.decode(total)
         return {}
 
-    @staticmethod
-    def _routed(secure: SecureRound, dealt: dict) -> dict[int, dict]:
-        """U2 from the nodes' shares; each dealer's next message routes it the shares dealt to it."""
-        routed = secure.server.take_shares(dealt)
-        return {u: stages.dealt(secure.server.dealt, c) for u, c in routed.items()}
+    def _routed(self, secure: SecureRound, answers: Mapping[int, Message]) -> dict[int, dict]:
+        """U2 and U3 from the nodes' shares and masked vectors (one reply each); each survivor's
+        next message, the story and the shares dealt to it."""
+        server = secure.server
+
+        def dealing(reply: Message) -> tuple[bytes, dict[int, bytes], np.ndarray]:
+            record = reply.content[SECURE_SUM]
+            assert isinstance(record, ConfigRecord)  # _read checked it
+            return (*stages.read_shares_reply(dict(record)), _masked_vector(reply, server.size))
+
+        routed = server.take_shares(self._read(secure, answers, dealing, whole=True))
+        return {u: stages.story(server.dealt, server.masked, c) for u, c in routed.items()}
 
     def _keep_prekeys(self, answers: Mapping[int, Message]) -> None:
         """Each train reply's prekey, kept for the node's next round (checked when a plan uses it)."""

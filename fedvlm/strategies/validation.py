@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -96,7 +96,9 @@ def _failed(msg: Message, part: str) -> None:
         raise ReplyRejected(f"the client failed: {short_reason(str(failed[part]))}")
 
 
-def _records(msg: Message, expected: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, np.ndarray], dict]:
+def _records(
+    msg: Message, expected: Mapping[str, tuple[int, ...]], layers: Collection[str] = ()
+) -> tuple[dict[str, np.ndarray], dict]:
     """A reply's tensors (exactly ``expected``, each checked from its header before it is decoded)
     and its metrics record, or ``ReplyRejected``."""
     _failed(msg, "train")
@@ -107,7 +109,7 @@ def _records(msg: Message, expected: Mapping[str, tuple[int, ...]]) -> tuple[dic
         if not isinstance(record, ArrayRecord):
             raise ReplyRejected(f"{ARRAYS_RECORD!r} is a {type(record).__name__}, expected an ArrayRecord")
         tensors = record
-    names = set(tensors.keys())
+    names = set(tensors.keys()) - set(layers)
     missing = set(expected) - names
     extra = names - set(expected)
     if missing or extra:
@@ -158,13 +160,15 @@ def _figures(metrics: Mapping, message: str, most: Mapping[str, int] | None = No
 
 
 def check_train_reply(
-    msg: Message, expected: Mapping[str, tuple[int, ...]], max_examples: int = 0
+    msg: Message, expected: Mapping[str, tuple[int, ...]], max_examples: int = 0, layers: Iterable[str] = ()
 ) -> tuple[TrainReply, dict[str, str]]:
     """(the train reply as a ``TrainReply``, its tensors decoded and its unacceptable metrics left
     out; {refused metric: why}), or ``ReplyRejected``: it must hold exactly the ``expected``
     tensors and a positive integer ``num-examples`` (the node's training records, the same every
-    round: not the round's batches), at most ``max_examples`` (> 0: the records it reported)."""
-    arrays, metrics = _records(msg, expected)
+    round: not the round's batches), at most ``max_examples`` (> 0: the records it reported).
+    ``layers``: tensors a layer around the strategy reads and checks itself (secure aggregation's
+    masked vector), left out here."""
+    arrays, metrics = _records(msg, expected, frozenset(layers))
     _count(metrics, 1)
     n = metrics[NUM_EXAMPLES]
     if max_examples and n > max_examples:

@@ -7,6 +7,7 @@ folder to the end."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -205,7 +206,7 @@ def test_hostile_organisations_through_a_real_superlink_are_dropped_and_the_run_
     names = ("org-0", "org-1", "org-2")
     configs = {n: f"partition-id={i} num-partitions=3 name='{n}'" for i, n in enumerate(names)}
     modes = {"org-1": "replies", "org-2": "hello"}
-    hostile = {n: {"PYTHONPATH": str(HOSTILE), "FEDVLM_HOSTILE": mode} for n, mode in modes.items()}
+    hostile = {n: {"PYTHONPATH": _hostile_path(), "FEDVLM_HOSTILE": mode} for n, mode in modes.items()}
     out = tmp_path / "runs"
     with LocalFederation(tmp_path / "fed", list(names), configs, node_env=hostile, cache_dir=cache_dir) as fed:
         _wait_online(fed, 3)
@@ -246,17 +247,23 @@ def test_hostile_organisations_through_a_real_superlink_are_dropped_and_the_run_
     assert ok.returncode == 0, ok.stdout
 
 
+def _hostile_path() -> str:
+    """The hostile node's PYTHONPATH: the folder whose sitecustomize makes it hostile, before the
+    test's own path (a checkout run with PYTHONPATH set keeps its fedvlm on every node alike)."""
+    return os.pathsep.join(p for p in (str(HOSTILE), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def test_secure_aggregation_survives_a_node_dropping_out_at_each_stage(tmp_path, cache_dir):
     """A deployed federation of three real SuperNodes with secure aggregation, each pinning the
-    federation's roster with its own identity key: the third drops out of round r at the
-    protocol's r-th stage (keys, shares, masked vector, consistency, unmasking;
-    tests/e2e/hostile_node). Every round still releases the survivors' sum, and the node lost
-    after sending its masked vector is still in it."""
+    federation's roster with its own identity key: the third drops out of each round at one
+    stage (keys, shares with the masked vector, the prekeyed train reply that would carry them,
+    consistency, unmasking; tests/e2e/hostile_node). Every round still releases the survivors'
+    sum, and the node lost after sending its masked vector is still in it."""
     from fedvlm.deploy.local_federation import LocalFederation
 
     names = ("org-0", "org-1", "org-2")
     configs = {n: f"partition-id={i} num-partitions=3 name='{n}'" for i, n in enumerate(names)}
-    hostile = {"org-2": {"PYTHONPATH": str(HOSTILE), "FEDVLM_HOSTILE": "secure-dropout"}}
+    hostile = {"org-2": {"PYTHONPATH": _hostile_path(), "FEDVLM_HOSTILE": "secure-dropout"}}
     out = tmp_path / "runs"
     with LocalFederation(tmp_path / "fed", list(names), configs, node_env=hostile, cache_dir=cache_dir) as fed:
         _wait_online(fed, 3)

@@ -281,7 +281,7 @@ def test_what_a_node_says_is_the_same_for_neighbouring_datasets(make_cfg, pretra
 # ---- a hostile member ------------------------------------------------------------------------------
 def _replace_masked(data: bytes, dtype="uint64", shape=None):
     def corrupt(request, reply):
-        if request.metadata.dst_node_id == 1002 and _stage(request) == "masked" and not reply.has_error():
+        if request.metadata.dst_node_id == 1002 and _stage(request) == "shares" and not reply.has_error():
             real = reply.content[ARRAYS_RECORD][SECAGG_MASKED]
             fake = Array(dtype=dtype, shape=tuple(shape or real.shape), stype=real.stype, data=data)
             reply.content[ARRAYS_RECORD] = ArrayRecord({SECAGG_MASKED: fake})
@@ -306,7 +306,7 @@ def test_a_hostile_nodes_malformed_stage_reply_costs_that_node_only(make_cfg, pr
     else:
 
         def corrupt(request, reply):
-            if request.metadata.dst_node_id == 1002 and _stage(request) == "masked" and not reply.has_error():
+            if request.metadata.dst_node_id == 1002 and _stage(request) == "shares" and not reply.has_error():
                 reply.content[SECURE_SUM] = ConfigRecord({**reply.content[SECURE_SUM], SECAGG_STAGE: "keys"})
             return reply
 
@@ -411,9 +411,10 @@ class RekeyingGrid(HostileGrid):
 def test_a_node_keys_each_round_once_and_answers_a_copy_as_it_did(make_cfg, pretrained_clip, monkeypatch):
     """The difference attack (a second sum of one update is that update minus nothing new): the
     node trains once per round; a copy of the keys message gets the very reply it sent (its advert
-    in round 1, its shares in round 2, keyed with the prekey round 1's reply carried: no new
-    session, no new training, so no second vector with fresh noise); a second plan for the round,
-    an earlier round and a round past the run's last are refused. The run itself is unharmed."""
+    in round 1, its shares and masked vector in round 2, keyed with the prekey round 1's reply
+    carried: no new session, no new training, so no second vector with fresh noise); a second plan
+    for the round, an earlier round and a round past the run's last are refused. The run itself is
+    unharmed."""
     trained = _trained(monkeypatch)
     cfg = make_cfg(
         method="promptfl",
@@ -441,9 +442,12 @@ def test_a_node_keys_each_round_once_and_answers_a_copy_as_it_did(make_cfg, pret
         assert label == "same"
         original = first[reply.metadata.reply_to_message_id]
         assert dict(reply.content[SECURE_SUM]) == dict(original.content[SECURE_SUM])
-        assert not reply.content[ARRAYS_RECORD]
-        answers.setdefault(label, []).append("the same reply")
-    assert answers["same"] == ["the same reply"] * 2
+        # round 1's reply carries no tensor, round 2's (prekeyed) the masked vector: the very bytes
+        # the node first sent, not a second vector under fresh masks
+        sent, again = original.content[ARRAYS_RECORD], reply.content[ARRAYS_RECORD]
+        assert list(again.keys()) == list(sent.keys()) and all(again[k].data == sent[k].data for k in sent)
+        answers.setdefault(label, []).append(f"the same reply, {len(sent)} tensor(s)")
+    assert answers["same"] == ["the same reply, 0 tensor(s)", "the same reply, 1 tensor(s)"]
     assert [r["secure_aggregation"]["prekeyed"] for r in data["rounds"]] == [False, True]
     assert len(answers["other plan"]) == 2 and all("under another plan" in e for e in answers["other plan"])
     assert len(answers["earlier round"]) == 1 and "under an earlier round" in answers["earlier round"][0]

@@ -30,16 +30,31 @@ def test_the_sum_is_exact_and_only_the_sum(n, k, prekeyed):
 
 
 @pytest.mark.parametrize("prekeyed", [False, True])
-@pytest.mark.parametrize("stage", ["keys", "shares", "masked", "consistency", "unmask"])
+@pytest.mark.parametrize("stage", ["keys", "shares", "consistency", "unmask"])
 def test_dropouts_at_every_stage_leave_the_sum_of_the_survivors(stage, prekeyed):
     got, expected, server, _ = run_honest(7, drop={stage: [101, 108]}, prekeyed=prekeyed)
     np.testing.assert_array_equal(got, expected)
     assert len(server.masked) == (7 if stage in ("consistency", "unmask") else 5)
 
 
+def test_a_neighbour_that_never_dealt_is_unmasked_with_the_survivors_own_seeds_and_nothing_else():
+    """A node that drops before it deals (its shares and masked vector are one reply) leaves its
+    pairwise masks in its neighbours' vectors; each survivor returns its own seed with it, and
+    only once the story that says it never dealt is signed. A survivor that then drops too
+    leaves a mask nobody can remove: the round fails rather than release a wrong sum."""
+    got, expected, server, r = run_honest(7, k=4, drop={"shares": [101]})
+    np.testing.assert_array_equal(got, expected)
+    neighbours = set(r.nodes[108].graph()[101])
+    assert {u for u in server.revealers if u in neighbours} == neighbours
+    assert server.masked.keys() == set(r.ids) - {101}
+    # every node a neighbour of every other (k = 0): 108 drops at the unmasking, its seed with 101 with it
+    with pytest.raises(SecAggError, match="node 108 did not return its pairwise seed with node 101"):
+        run_honest(7, drop={"shares": [101], "unmask": [108]})
+
+
 def test_too_many_dropouts_fail_loudly_instead_of_releasing_a_smaller_sum():
     with pytest.raises(SecAggError, match="fewer than"):
-        run_honest(5, drop={"masked": [101, 108, 115]})
+        run_honest(5, drop={"shares": [101, 108, 115]})
     # the survivors hold the threshold, but fewer than a majority of the participants sign
     with pytest.raises(SecAggError, match="fewer than the 4"):
         run_honest(7, drop={"consistency": [101, 108, 115, 122]})
@@ -53,8 +68,8 @@ def _forged(share: bytes) -> bytes:
 def test_a_forged_share_is_left_out_and_its_holder_named():
     def forge(stage, u, reply):
         if stage == "unmask" and u == 115:
-            seeds, keys = reply
-            return {d: _forged(s) for d, s in seeds.items()}, keys
+            seeds, keys, pairs = reply
+            return {d: _forged(s) for d, s in seeds.items()}, keys, pairs
         return reply
 
     got, expected, server, _ = run_honest(7, tamper=forge)
@@ -65,8 +80,8 @@ def test_a_forged_share_is_left_out_and_its_holder_named():
 def test_shares_forged_past_repair_discard_the_round():
     def forge(stage, u, reply):
         if stage == "unmask" and u != 101:
-            seeds, keys = reply
-            return {d: _forged(s) if d == 101 else s for d, s in seeds.items()}, keys
+            seeds, keys, pairs = reply
+            return {d: _forged(s) if d == 101 else s for d, s in seeds.items()}, keys, pairs
         return reply
 
     with pytest.raises(SecAggError, match="cannot be rebuilt"):
@@ -77,10 +92,10 @@ def test_malformed_keys_vectors_and_signatures_exclude_their_sender_with_the_rea
     def forge(stage, u, reply):
         if stage == "keys" and u == 108:
             return Advert(b"not a key", reply.mask, reply.identity, reply.signature)
-        if stage == "masked" and u == 115:
-            return reply[:-1]
+        if stage == "shares" and u == 115:
+            return reply[0], reply[1], reply[2][:-1]
         if stage == "consistency" and u == 129:
-            return bytes(64)
+            return bytes(64), reply[1]
         return reply
 
     got, expected, server, _ = run_honest(7, tamper=forge)
@@ -148,8 +163,8 @@ def test_a_node_copying_anothers_key_or_advert_is_excluded_and_the_rest_go_on():
 def test_shares_of_nodes_a_holder_holds_none_of_cost_that_holder_only():
     def forge(stage, u, reply):
         if stage == "unmask" and u == 115:
-            seeds, keys = reply
-            return seeds, {**keys, 101: next(iter(seeds.values()))}  # a key share of a survivor
+            seeds, keys, pairs = reply
+            return seeds, {**keys, 101: next(iter(seeds.values()))}, pairs  # a key share of a survivor
         return reply
 
     got, expected, server, _ = run_honest(7, tamper=forge)
@@ -160,8 +175,9 @@ def test_shares_of_nodes_a_holder_holds_none_of_cost_that_holder_only():
 def _garbled(victims):
     def forge(stage, u, reply):
         if stage == "shares" and u == 108:
-            commitment, ciphertexts = reply
-            return commitment, {h: c[:-3] + b"AAA" if h in victims else c for h, c in ciphertexts.items()}
+            commitment, ciphertexts, masked = reply
+            garbled = {h: c[:-3] + b"AAA" if h in victims else c for h, c in ciphertexts.items()}
+            return commitment, garbled, masked
         return reply
 
     return forge
@@ -195,8 +211,8 @@ def test_a_forger_among_many_holders_is_found_whichever_it_is():
 
         def forge(stage, u, reply, forger=forger):
             if stage == "unmask" and u == forger:
-                seeds, keys = reply
-                return {d: _forged(s) for d, s in seeds.items()}, keys
+                seeds, keys, pairs = reply
+                return {d: _forged(s) for d, s in seeds.items()}, keys, pairs
             return reply
 
         got, expected, server, _ = run_honest(20, tamper=forge)

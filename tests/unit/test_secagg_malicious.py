@@ -25,15 +25,15 @@ from tests.secagg_harness import ATTACKS, make_round, refuses, split_attack, unm
 
 
 def _dealt_and_masked(r, view, drop_dealers=()):
-    """Every node of ``r`` shown ``view`` (all adverts) deals; each receives from its neighbours."""
+    """Every node of ``r`` shown ``view`` (all adverts) deals and masks; each dealer then receives
+    from its neighbours among the dealers."""
     shared = {u: r.nodes[u].share(view, r.roster) for u in view}
+    masked = {u: r.nodes[u].mask(r.vector(u)) for u in view}
     dealers = sorted(u for u in view if u not in drop_dealers)
-    masked = {}
     for u in dealers:
         graph = r.nodes[u].graph()
         r.nodes[u].receive(dealers, {j: shared[j][1][u] for j in graph[u] if j in dealers})
-        masked[u] = r.nodes[u].mask(r.vector(u))
-    return shared, dealers, masked
+    return shared, dealers, {u: masked[u] for u in dealers}
 
 
 def _advert(plan, node: int, identity: Identity) -> Advert:
@@ -110,6 +110,7 @@ def test_per_node_graphs_never_gather_a_quorum_and_nothing_is_revealed():
     for i, u in enumerate(r.ids):
         views[u] = {v: r.adverts[v] for v in r.ids if v == u or (i + r.ids.index(v)) % 3}  # a view of its own
         shared[u] = r.nodes[u].share(views[u], r.roster)
+        r.nodes[u].mask(r.vector(u))
     assert len({r.nodes[u].session for u in r.ids}) > 1
     signatures = {}
     for u in r.ids:
@@ -117,7 +118,6 @@ def test_per_node_graphs_never_gather_a_quorum_and_nothing_is_revealed():
         mine = [j for j in node.graph()[u] if u in shared[j][1]]
         forged = {j: os.urandom(200) for j in node.graph()[u] if j not in mine}  # what the server cannot make
         node.receive(sorted(views[u]), {**{j: shared[j][1][u] for j in mine}, **forged})
-        node.mask(r.vector(u))
         signatures[u] = node.sign_story(sorted(views[u]), r.identities[u])
     for u in r.ids:
         assert "signed the survivors this node signed" in refuses(lambda u=u: r.nodes[u].reveal(signatures))
@@ -150,8 +150,8 @@ def test_a_node_signs_one_story_and_counts_only_valid_signatures_on_it():
     strangers = {u + 1: s for u, s in others.items()}  # valid signatures under the wrong node ids
     for shown in (forged, replayed, strangers):
         assert "reveals only once" in refuses(lambda shown=shown: r.nodes[me].reveal(shown))
-    seeds, keys = r.nodes[me].reveal(others)
-    assert set(seeds) == set(dealers) and not keys  # every neighbour survived: seeds only
+    seeds, keys, pairs = r.nodes[me].reveal(others)
+    assert set(seeds) == set(dealers) and not keys and not pairs  # every neighbour survived: seeds only
 
 
 def test_a_node_refuses_survivors_it_cannot_stand_behind():
@@ -172,6 +172,7 @@ def test_dealers_the_node_was_not_shown_or_missing_neighbours_are_refused():
     r.start()
     shared = {u: r.nodes[u].share(dict(r.adverts), r.roster) for u in r.ids}
     me = r.ids[0]
+    r.nodes[me].mask(r.vector(me))
     cts = {j: shared[j][1][me] for j in r.ids[1:]}
     assert "not from this node's neighbours" in refuses(
         lambda: r.nodes[me].receive(r.ids, dict(list(cts.items())[:-1]))
@@ -220,3 +221,20 @@ def test_without_the_consistency_rounds_quorum_the_same_attacker_unmasks_single_
         r, masked, revealed = split_attack(9, 4, rng)
         small += [m for m in unmaskable(r, set(masked), revealed) if len(m) < r.t]
     assert any(len(m) == 1 for m in small), small
+
+
+def test_a_node_revealing_its_pairwise_seeds_with_dealers_too_lets_the_same_attacker_unmask_single_nodes(monkeypatch):
+    """The oracle sees what the new reveal would give away if it were wider: a node that returned
+    its pairwise seed with every neighbour, and not only with those the signed story says never
+    dealt, hands the server every mask of its own vector but the self-mask, which the survivors'
+    seed shares remove: single nodes come out."""
+    honest = NodeRound.reveal
+
+    def every_seed(self, signatures):
+        seeds, keys, _ = honest(self, signatures)
+        return seeds, keys, {j: self._pair_seed(j) for j in self.peers}
+
+    monkeypatch.setattr(NodeRound, "reveal", every_seed)
+    rng = np.random.default_rng(11)
+    r, masked, revealed = ATTACKS["groups"](7, 0, rng)
+    assert any(len(m) == 1 for m in unmaskable(r, set(masked), revealed))

@@ -3,8 +3,9 @@ organisation controls its own node, so it can change what its ClientApp sends (t
 pinned protects the organisation from the server, not the server from the organisation).
 
 ``FEDVLM_HOSTILE=hello``: the handshake reports no training records.
-``FEDVLM_HOSTILE=secure-dropout``: under secure aggregation the node drops out of round r at its
-r-th stage (``SECURE_DROPS``: keys, shares, masked, consistency, unmask), answering that stage with an error.
+``FEDVLM_HOSTILE=secure-dropout``: under secure aggregation the node drops out of round r at the
+stage ``SECURE_DROPS`` names (keys, shares, keys again once keyed a round ahead, consistency, unmask),
+answering that stage with an error.
 ``FEDVLM_HOSTILE=replies``: each train and evaluate reply is corrupted, one way per round (``CORRUPT``; in round 4 the
 final evaluation's reply is an error with a 5 MB reason, ``FAIL``), and so is each evaluation that travels
 with a train message. Python imports
@@ -69,8 +70,12 @@ CORRUPT = {
 FAIL = {("evaluate", 4): "RuntimeError: " + "a 5 MB reason " * 380_000}
 
 
-# server round -> the secure-aggregation stage the node drops out at
-SECURE_DROPS = {1: "keys", 2: "shares", 3: "masked", 4: "consistency", 5: "unmask"}
+# server round -> the secure-aggregation stage the node drops out at: round 1 before its advert, round
+# 2 (keyed afresh: its round-1 train reply never came, so it has no prekey) before its shares and
+# masked vector, round 3 (keyed with the prekey its round-2 train reply carried) before its train
+# reply, which would carry them: in both its neighbours return their own pairwise seeds with it;
+# then at the story and at the unmasking
+SECURE_DROPS = {1: "keys", 2: "shares", 3: "keys", 4: "consistency", 5: "unmask"}
 
 
 def _install(mode: str) -> None:
