@@ -326,9 +326,9 @@ def accounting(entries: list[dict]) -> str:
 
 
 def provenance(entries: list[dict], key: str) -> str:
-    """Where (``machines``: each run's host and its nodes' devices) or with which code (``code``:
-    ``sweep.code``) the runs were made, and how many runs each: a board whose runs span several
-    machines or commits says so, since seconds and a later change may move a figure."""
+    """Where (``machines``: each run's host and its nodes' devices), with which code (``code``:
+    ``sweep.code``) or from which weights (``backbones``: ``sweep.backbone``) the runs were made,
+    and how many runs each: a board whose runs span several says so, since each may move a figure."""
     count: Counter[str] = Counter()
     for e in entries:
         count.update(e.get(key) or {})
@@ -418,9 +418,6 @@ def family_tables(mine: list[dict]) -> list[str]:
     return lines
 
 
-CANARY_STEPS = 1.1  # an epoch-trained method's audited node adds its canaries' steps under DP: a few %, not 10
-
-
 def mixed_backbones(entries: list[dict]) -> str:
     """A warning naming the rows whose runs started from different weights (``sweep.backbone``:
     the embedded default pretrained on another CPU): their seeds, and a difference paired by seed
@@ -432,6 +429,9 @@ def mixed_backbones(entries: list[dict]) -> str:
         f" **Rows whose runs started from different backbone weights: {', '.join(mixed)}.** Their spread and "
         "any difference paired with them mix the weights with the method: compare seeds made on one backbone."
     )
+
+
+CANARY_STEPS = 1.1  # an epoch-trained method's audited node adds its canaries' steps under DP: a few %, not 10
 
 
 def same_compute(entries: list[dict]) -> str:

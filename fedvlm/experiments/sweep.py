@@ -470,11 +470,10 @@ class Sweep:
         if differ:
             log.warning("%s holds a run of another config (%s)", run_dir.name, "; ".join(differ))
             return "other-config"
-        if idle_rounds(reused):
+        idle = idle_rounds(reused)
+        if idle:
             log.warning(
-                "%s: no node trained in round(s) %s; its row would not be the run's compute",
-                run_dir.name,
-                ", ".join(map(str, idle_rounds(reused))),
+                "%s: no node trained in round(s) %s; its row would not be the run's compute", run_dir.name, idle
             )
             return "idle-round"
         return "old-attacks" if self.args.mia and self.old_attacks(method, run_dir) else ""
@@ -504,9 +503,10 @@ class Sweep:
                 if reused is not None
                 else run_one(continued(raw, run_dir, prior), self.clients, self.args.engine, self.out)
             )
-            if idle_rounds(data):  # made (or resumed) just now with a round no node trained in: not its row
+            idle = [] if reused is not None else idle_rounds(data)  # a reused run was checked above
+            if idle:  # made (or resumed) just now with a round no node trained in: not its row
                 raise IdleRound(
-                    f"no node trained in round(s) {', '.join(map(str, idle_rounds(data)))} (every reply lost: the "
+                    f"no node trained in round(s) {', '.join(map(str, idle))} (every reply lost: the "
                     "machine paused or overloaded past round-timeout); run the sweep again on a quieter machine: "
                     "the run is then set aside and made afresh"
                 )
