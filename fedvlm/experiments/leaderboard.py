@@ -421,8 +421,10 @@ def family_tables(mine: list[dict]) -> list[str]:
 def mixed_backbones(entries: list[dict]) -> str:
     """A warning naming the rows whose runs started from different weights (``sweep.backbone``:
     the embedded default pretrained on another CPU): their seeds, and a difference paired by seed
-    with a row on other weights, mix the weights with the method."""
-    mixed = [f"{e['variant']} at {e['target']}" for e in entries if len(e.get("backbones") or {}) > 1]
+    with a row on other weights, mix the weights with the method. A run that recorded neither its
+    weights nor its CPU differs from none: the tally counts it, the warning names what is known."""
+    known = [{b for b in e.get("backbones") or {} if b != sweep.BACKBONE_UNKNOWN} for e in entries]
+    mixed = [f"{e['variant']} at {e['target']}" for e, made in zip(entries, known, strict=True) if len(made) > 1]
     if not mixed:
         return ""
     return (

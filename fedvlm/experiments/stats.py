@@ -52,6 +52,11 @@ def finite(values: Iterable[float | None]) -> list[float]:
     return [float(v) for v in values if v is not None and np.isfinite(float(v))]
 
 
+def finite_keys(values: Mapping[int, float | None]) -> set[int]:
+    """The seeds with a finite figure: those a difference counts (and pairs, where both rows have them)."""
+    return {s for s, v in values.items() if finite([v])}
+
+
 def spread(values: Iterable[float | None]) -> Spread | None:
     """Mean, ddof-1 std and t interval of the finite values (None when there are none)."""
     vals = np.asarray(finite(values))
@@ -68,7 +73,7 @@ def spread(values: Iterable[float | None]) -> Spread | None:
 def difference(a: Mapping[int, float | None], b: Mapping[int, float | None]) -> Spread | None:
     """a - b over seeds. Paired (the per-seed differences' t interval) when both ran the same
     seeds; else Welch's interval with the Welch-Satterthwaite degrees of freedom."""
-    a, b = {s: v for s, v in a.items() if finite([v])}, {s: v for s, v in b.items() if finite([v])}
+    a, b = {s: a[s] for s in finite_keys(a)}, {s: b[s] for s in finite_keys(b)}
     if not a or not b:
         return None
     if set(a) == set(b):

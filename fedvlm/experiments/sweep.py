@@ -255,12 +255,19 @@ def code(data: dict) -> str:
     return f"fedvlm {made['version']}" if made.get("version") else CODE_NOT_RECORDED
 
 
+BACKBONE_UNKNOWN = "not recorded (nor the CPU it ran on)"
+
+
 def backbone(data: dict) -> str:
     """The weights a run's model started from (``run.backbone.fingerprint``: a hash of them). The
     embedded default is pretrained on the machine that first needs it, and two CPUs' float kernels
-    give two sets of weights: runs on different weights are not one method's seeds."""
-    made = ((data.get("run") or {}).get("backbone") or {}).get("fingerprint")
-    return str(made) if made else "not recorded (the family's runs do not record one)"
+    give two sets of weights: runs on different weights are not one method's seeds. A run made
+    before its family recorded them is named by the CPU its ServerApp ran on: for an embedded
+    default, pretrained where it runs, the CPU that decided its weights."""
+    run = data.get("run") or {}
+    made = (run.get("backbone") or {}).get("fingerprint")
+    cpu = (run.get("host") or {}).get("cpu")
+    return str(made) if made else f"not recorded (run on {cpu})" if cpu else BACKBONE_UNKNOWN
 
 
 def cost_row(data: dict) -> dict:

@@ -88,6 +88,11 @@ def tensor_fingerprint(model: nn.Module, activation: str) -> str:
     return f"{activation}:sha256:{h.hexdigest()[:16]}"
 
 
+def weights_fingerprint(name: str, model: nn.Module, activation: str) -> str:
+    """A loaded CLIP's fingerprint, as every node reports it and results.json records it."""
+    return f"{name}:{tensor_fingerprint(model, activation)}"
+
+
 def _tiny_preprocess(img: Image.Image) -> torch.Tensor:
     if img.size != (tiny_clip.embedded.IMAGE_SIZE,) * 2:
         img = img.resize((tiny_clip.embedded.IMAGE_SIZE,) * 2, Image.Resampling.BICUBIC)
@@ -331,7 +336,7 @@ def load_clip(name: str, pretrained: str, cache_dir: Path, device: str = "auto")
     else:
         model, preprocess, tok, act = _load_open_clip(name, pretrained, Path(cache_dir))
         augment = _open_clip_augment(model, preprocess)
-    fp = f"{name}:{tensor_fingerprint(model, act)}"
+    fp = weights_fingerprint(name, model, act)
     model = model.to(dev).eval().requires_grad_(False)
     with torch.no_grad():
         embed_dim = int(model.encode_text(tok(["a"]).to(dev)).shape[-1])

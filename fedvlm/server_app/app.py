@@ -40,7 +40,7 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
-def _run_info(cfg: RunConfig, backbone, run_id: int | str) -> dict:
+def _run_info(cfg: RunConfig, backbone: dict | None, run_id: int | str) -> dict:
     """results.json's ``run`` section of a new run: the method, Flower, the backbone it loaded."""
     spec = spec_of(cfg)
     return {
@@ -49,9 +49,7 @@ def _run_info(cfg: RunConfig, backbone, run_id: int | str) -> dict:
         "summary": spec.summary,
         "run_id": str(run_id),
         "flwr": flwr.__version__,
-        "backbone": {"name": backbone.name, "pretrained": backbone.pretrained, "fingerprint": backbone.fingerprint}
-        if backbone
-        else None,
+        "backbone": backbone,
     }
 
 
@@ -77,7 +75,7 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
         run_dir = make_run_dir(cfg.output_dir, cfg.run_name, spec.name, cfg.dataset, run_id)
         held = hold_run_dir(run_dir)
         log.info("run folder: %s", run_dir)
-        recorder = RunRecorder(run_dir, cfg.as_dict(), _run_info(cfg, getattr(method, "bundle", None), run_id))
+        recorder = RunRecorder(run_dir, cfg.as_dict(), _run_info(cfg, method.backbone(), run_id))
     trackers = Trackers.of(cfg, recorder.dir)
     if trackers.make:
         # a folder still 'running' was left by a ServerApp that never ended it (killed outright)

@@ -110,6 +110,13 @@ class FederatedStrategy(Strategy):
         self.spec = spec_of(parts.cfg)
         self.privacy = parts.cfg.privacy
 
+    def backbone(self) -> dict | None:
+        """results.json's record of the weights the run started from: the fingerprint every node
+        must match (set by each family's strategy). Runs on two sets of weights are not one
+        method's seeds, so every family records it (``sweep.backbone``)."""
+        fp = self.registry.server_fingerprint
+        return {"fingerprint": fp} if fp else None
+
     # the run's parts, as the hooks read them
     @property
     def ledger(self) -> PrivacyLedger:
@@ -198,8 +205,10 @@ class FederatedStrategy(Strategy):
     # ---- state across rounds (a checkpoint, a resumed run) -----------------------------------
     def state_dict(self) -> dict:
         """What the next round depends on: the shared arrays, the privacy spent and its ledger,
-        and each known node's reported size (a resumed run must find the same nodes)."""
+        each known node's reported size (a resumed run must find the same nodes) and the weights
+        every node loads (a resumed run must continue on them)."""
         return {
+            "backbone": self.registry.server_fingerprint,
             "global_arrays": to_tensors(self.global_arrays),
             "nodes": {n.name: n.num_train for n in self.nodes.values()},
             "budget": self.budget.state_dict(),
@@ -208,7 +217,16 @@ class FederatedStrategy(Strategy):
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (called after ``start``, with the nodes known and planned).
-        A node whose size changed would make the spent privacy wrong: ``ResumeError``."""
+        A node whose size changed would make the spent privacy wrong, and other weights would make
+        the rounds so far another model's (an embedded default pretrained again on another CPU):
+        ``ResumeError``."""
+        began = state.get("backbone")  # a checkpoint written before it was kept has none to compare
+        if began and began != self.registry.server_fingerprint:
+            raise ResumeError(
+                f"the run began on backbone weights {began} and this server loads {self.registry.server_fingerprint}: "
+                "its rounds so far trained on other weights; resume it where those weights are (the same cache or "
+                "model files), or start it afresh"
+            )
         changed = [
             f"{n.name} ({state['nodes'][n.name]} -> {n.num_train} records)"
             for n in self.nodes.values()

@@ -29,6 +29,12 @@ class PromptStrategy(FederatedStrategy):
         super().__init__(parts)
         self.registry.server_fingerprint = self.bundle.fingerprint
 
+    def backbone(self) -> dict | None:
+        """Also the CLIP's name and where its weights came from (``clip.model``, ``clip.pretrained``):
+        one name can stand for several sets of weights, which only the fingerprint tells apart."""
+        b = self.bundle
+        return {"name": b.name, "pretrained": b.pretrained, "fingerprint": b.fingerprint}
+
     def initial_context(self) -> np.ndarray:
         c = self.cfg
         n_classes = self.num_classes() if c.prompt.class_specific else 0

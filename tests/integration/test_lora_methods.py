@@ -147,6 +147,9 @@ def test_fedrand_loss_falls_and_caption_metrics_are_written(fedrand_run):
     ):
         assert key in m and np.isfinite(m[key])
     assert rounds[-1]["metrics"]["server-loss"] < rounds[0]["metrics"]["server-loss"]
+    # the run names the base weights it started from (a sweep's `backbone` column): those every node loaded
+    run = recorder.data["run"]
+    assert {n["backbone"] for n in run["nodes"]} == {run["backbone"]["fingerprint"]}
     # each node's own model: the worst node's CIDEr and the spread over the nodes beside the weighted mean
     own = [c["eval/client-cider"] for c in rounds[-1]["clients"].values() if "eval/client-cider" in c]
     assert m["client-cider-worst"] == pytest.approx(min(own)) and m["client-cider-std"] == pytest.approx(np.std(own))

@@ -82,6 +82,10 @@ def _of(seen, phase, rnd):
 def test_first_participation_is_plain_and_later_rounds_get_knn_experts_from_the_snapshot(moap_run):
     rec, seen, _ = moap_run
     assert rec.data["run"]["status"] == "finished" and len(rec.data["rounds"]) == ROUNDS
+    # the run names the CLIP it loaded, its pretrained tag and the weights every node reported loading
+    backbone = rec.data["run"]["backbone"]
+    assert backbone["name"] == "embedded-tiny" and backbone["pretrained"].startswith("embedded")
+    assert {n["backbone"] for n in rec.data["run"]["nodes"]} == {backbone["fingerprint"]}
     first = _of(seen, "train", 1)
     assert len(first) == N and all(set(m["down"]) == {"ctx"} for m in first.values())
     assert not any(k.startswith("gate") for m in first.values() for k in m["private"])  # no gate yet

@@ -262,6 +262,8 @@ def test_the_default_motifs_task_federates_on_the_motif_architecture(make_cfg):
     )
     node = rec.data["run"]["nodes"][0]
     assert node["num_train"] in (666, 667) and node["num_test"] == 200
+    # the run names the source weights it started from: those every node reported loading
+    assert {n["backbone"] for n in rec.data["run"]["nodes"]} == {rec.data["run"]["backbone"]["fingerprint"]}
     shapes = {
         k: tuple(a.shape)
         for m in grid.replies

@@ -15,7 +15,7 @@ from fedvlm.client_app.app import app as client_app
 from fedvlm.protocol import FINAL_ROUND, SERVER_ROUND
 from fedvlm.server_app.app import execute
 from fedvlm.strategies.base import ResumeError
-from fedvlm.utils.files import UnreadableFile
+from fedvlm.utils.files import UnreadableFile, atomic_torch_save, load_saved
 from fedvlm.utils.inprocess import InProcessGrid
 
 
@@ -263,8 +263,16 @@ def test_resuming_refuses_what_it_cannot_continue_exactly(make_cfg, pretrained_c
         with pytest.raises(ResumeError, match=words):
             execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")
     (done / "results.json").write_text(original)
-    # a damaged checkpoint is named, with what to do, instead of torch's unpickling error
+    # a run that began on other weights (its embedded default pretrained on another CPU) is not continued on these
     checkpoint = done / "checkpoint.pt"
+    saved = load_saved(checkpoint, "")
+    other = {**saved["state"], "backbone": "embedded-tiny:gelu:sha256:0"}
+    atomic_torch_save({**saved, "state": other}, checkpoint, digest=True)
+    with pytest.raises(ResumeError, match="began on backbone weights embedded-tiny:gelu:sha256:0 and this server"):
+        again = make_cfg(resume=str(done), num_server_rounds=2, **same)
+        execute(again, _grid(again, nodes), "b")
+    assert json.loads((done / "results.json").read_text())["run"]["status"] == "finished"
+    # a damaged checkpoint is named, with what to do, instead of torch's unpickling error
     checkpoint.write_bytes(checkpoint.read_bytes()[:200])
     with pytest.raises(UnreadableFile, match=r"checkpoint\.pt cannot be read.*restore it from a backup"):
         execute(make_cfg(resume=str(done), num_server_rounds=2, **same), None, "b")

@@ -201,13 +201,20 @@ def test_a_board_names_rows_whose_seeds_started_from_different_backbone_weights(
     """Issue 62: the embedded default is pretrained on the machine that first needs it, and an
     Intel and an AMD CPU gave two sets of weights (pFedMoAP's seed 0 without noise: 87.50% on
     one, 92.81% on the other). A row mixing them is named, and the board counts each backbone."""
+    from fedvlm.experiments import sweep
     from fedvlm.experiments.sweep import backbone
 
     assert backbone({"run": {"backbone": {"fingerprint": "embedded-tiny:gelu:sha256:ab"}}}).endswith("sha256:ab")
-    assert backbone({"run": {}}).startswith("not recorded")
+    # a run from before its family recorded them: named by its CPU (which decided the embedded weights)
+    assert backbone({"run": {"host": {"cpu": "AMD EPYC"}}}) == "not recorded (run on AMD EPYC)"
+    assert backbone({"run": {}}) == sweep.BACKBONE_UNKNOWN
     rows = [_row("promptfl", "promptfl", "none", s, 0.4) | {"backbone": b} for s, b in enumerate(("a", "a", "b"))]
     entries = leaderboard.board(rows)
     assert leaderboard.provenance(entries, "backbones") == "a (2 runs); b (1 run)"
     assert "promptfl at none" in leaderboard.mixed_backbones(entries)
     same = leaderboard.board([_row("promptfl", "promptfl", "none", s, 0.4) | {"backbone": "a"} for s in range(2)])
     assert leaderboard.mixed_backbones(same) == ""
+    # a seed that recorded neither its weights nor its CPU is counted, and named mixed with nothing
+    unknown = [_row("promptfl", "promptfl", "none", s, 0.4) | {"backbone": b} for s, b in enumerate(("a", "a"))]
+    unknown.append(_row("promptfl", "promptfl", "none", 2, 0.4) | {"backbone": sweep.BACKBONE_UNKNOWN})
+    assert leaderboard.mixed_backbones(leaderboard.board(unknown)) == ""

@@ -62,3 +62,35 @@ def test_b_may_come_from_another_folder(tmp_path, capsys):
     assert stats.difference(A, B).interval(100.0) in capsys.readouterr().out
     with pytest.raises(SystemExit):  # c is not in a's folder
         main([str(tmp_path), "a@8", "c@none", "neighbor-acc"])
+
+
+def test_a_figure_after_a_given_round_is_read_from_the_runs_themselves(tmp_path, capsys):
+    """``--round N``: a longer run read at a shorter protocol's last round (FedRand's 50-round runs at
+    round 30), each seed's figure from its own results.json; a round a run never reached, or did not
+    evaluate, is named."""
+    import json
+
+    from fedvlm.experiments.sweep import run_name
+
+    _folder(tmp_path)
+    at_two = {"a": {s: v + 0.05 for s, v in A.items()}, "b": B}
+    for variant, seeds in at_two.items():
+        for seed, value in seeds.items():
+            run = tmp_path / "runs" / run_name(variant, "8", seed)
+            run.mkdir(parents=True)
+            # round 3 was not evaluated (evaluate-every): no figure
+            rounds = [{"round": k, "metrics": {"neighbor-acc": value if k == 2 else 0.0}} for k in (1, 2)]
+            rounds.append({"round": 3, "metrics": {}})
+            (run / "results.json").write_text(json.dumps({"run": {}, "config": {}, "rounds": rounds}))
+    assert main([str(tmp_path), "a@8", "b@8", "neighbor-acc", "--round", "2"]) == 0
+    said = capsys.readouterr().out
+    assert f"neighbor-acc after round 2: {stats.difference(at_two['a'], B).interval(100.0)}" in said
+    for argv, named in (
+        (["--round", "4"], "has 3 rounds"),
+        (["--round", "3"], "not evaluated"),
+        (["--round", "0"], "a round from 1 on"),
+        (["--round", "2", "--final"], "without --final"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main([str(tmp_path), "a@8", "b@8", "neighbor-acc", *argv])
+        assert named in str(stop.value) + capsys.readouterr().err
