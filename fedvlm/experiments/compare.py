@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     a, b = got
     d = stats.difference(a, b)
     assert d is not None  # both rows have a finite figure
-    paired = "paired by seed" if stats.finite_keys(a) == stats.finite_keys(b) else "unpaired (Welch)"
+    paired = "paired by seed" if stats.paired(a, b) else "unpaired (Welch)"
     print(
         f"{'@'.join(args.a)} - {'@'.join(args.b)}, {label}: {d.interval(shown_scale(column))} "
         f"(95% t interval, {paired}, {d.n} seeds: {sorted(stats.finite_keys(a))} and {sorted(stats.finite_keys(b))})"

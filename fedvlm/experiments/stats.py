@@ -57,6 +57,11 @@ def finite_keys(values: Mapping[int, float | None]) -> set[int]:
     return {s for s, v in values.items() if finite([v])}
 
 
+def paired(a: Mapping[int, float | None], b: Mapping[int, float | None]) -> bool:
+    """Whether ``difference`` pairs a and b by seed: both have a finite figure at the same seeds."""
+    return finite_keys(a) == finite_keys(b)
+
+
 def spread(values: Iterable[float | None]) -> Spread | None:
     """Mean, ddof-1 std and t interval of the finite values (None when there are none)."""
     vals = np.asarray(finite(values))
@@ -76,7 +81,7 @@ def difference(a: Mapping[int, float | None], b: Mapping[int, float | None]) -> 
     a, b = {s: a[s] for s in finite_keys(a)}, {s: b[s] for s in finite_keys(b)}
     if not a or not b:
         return None
-    if set(a) == set(b):
+    if paired(a, b):
         return spread(float(a[s]) - float(b[s]) for s in a)  # type: ignore[arg-type]
     xa, xb = np.asarray(list(a.values()), float), np.asarray(list(b.values()), float)
     mean = float(xa.mean() - xb.mean())
