@@ -21,7 +21,6 @@ node's private state is restored before a part and persisted after it through
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -49,6 +48,7 @@ from fedvlm.protocol import (
 )
 from fedvlm.runconfig import RunConfig
 from fedvlm.spec import MethodSpec, NodeClient, spec_of
+from fedvlm.utils.floats import compute_report, flush_denormals
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +65,7 @@ class NodeMessage:
 
     @classmethod
     def open(cls, context: Context) -> NodeMessage:
+        flush_denormals()  # before the backbone loads and the compute threads start (utils.floats)
         check_node_config(context.node_config)  # the node's own settings, before anything of the run
         # a real node decides for itself what it loads and where it writes (client_app.node_policy)
         cfg = for_node(validate(context.run_config), dict(context.node_config))
@@ -89,10 +90,7 @@ class NodeMessage:
         # a run the node's own limit cannot take is refused before it starts, not at its first round
         privacy_floor.hello_check(self.node, self.context.state, self.cfg, records)
         partitions = int(self.node.config.get(NUM_PARTITIONS, 0) or 0) if report.partition_id >= 0 else 0
-        import torch  # loaded with the node's model by now
-
-        compute = f"{torch.get_num_threads()} threads, nice {os.getpriority(os.PRIO_PROCESS, 0)}"
-        return replace(report, num_train=records, num_partitions=partitions, compute=compute)
+        return replace(report, num_train=records, num_partitions=partitions, compute=compute_report())
 
     def evaluate(self, config: Mapping[str, Any], arrays: dict[str, torch.Tensor]) -> EvaluateReply:
         t0 = time.time()

@@ -24,6 +24,7 @@ from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.layers import wrap
 from fedvlm.strategies.parts import RunParts
 from fedvlm.utils.files import UnreadableFile
+from fedvlm.utils.floats import compute_report, flush_denormals
 from fedvlm.utils.runtime import simulated_grid
 
 log = logging.getLogger("fedvlm")
@@ -50,6 +51,7 @@ def _run_info(cfg: RunConfig, backbone: dict | None, run_id: int | str) -> dict:
         "run_id": str(run_id),
         "flwr": flwr.__version__,
         "backbone": backbone,
+        "compute": compute_report(),  # the ServerApp's own (each node's is in its handshake)
     }
 
 
@@ -57,6 +59,7 @@ def execute(cfg: RunConfig, grid, run_id: int | str) -> RunRecorder:
     """Run a validated config on a grid (Flower's, or an in-process one) and write the run
     folder; returns the recorder holding everything that was written."""
     spec = spec_of(cfg)
+    flush_denormals()  # before the server's backbone loads (utils.floats)
     try:
         point = resume_point(cfg)
         held = hold_run_dir(point.run_dir) if point is not None else None

@@ -36,6 +36,9 @@ def test_flwr_run_embedded_default_learns(flwr_env, tmp_path, cache_dir):
     assert "Starting local SuperLink" not in log
     assert [p for p in local_superlinks(Path(flwr_env["FLWR_HOME"])) if "fedvlm.deploy.superlink" in cmdline(p)]
     assert (out / "e2e" / "accuracy.png").exists()
+    # every process that computed flushed denormals on all its threads (utils.floats), and says so
+    computes = [n["info"]["compute"] for n in data["run"]["nodes"]] + [data["run"]["compute"]]
+    assert all(c.endswith(", denormals flushed") for c in computes), computes
     # flwr run exits 0 whatever the ServerApp did; the status command is what a script tests
     assert status.main(["--runs", str(out)]) == status.OK
 

@@ -130,13 +130,16 @@ def test_a_page_is_the_whole_protocol_or_its_headline_rows(capsys):
         "fedotp",
         "promptfl-lr0.01",
         "dpfpl-r8-lr0.01",
+        "dpfpl-r1-lr0.01",  # the rank ablation's ends
     }
     assert cells["0.01"] == {"promptfl", "dpfpl-r8", "dpfpl-r8-nores"}  # not every row at every level
     note = left_out(protocol)
     assert "epsilon 0.4 (all)" in note and "zeroshot" not in note.split("Not run")[1]  # it runs without noise only
-    trained = "promptfl, dpfpl-r8, dpfpl-r8-nores, fedotp, fedpgp, promptfl-lr0.01, dpfpl-r8-lr0.01"
+    ranks = "dpfpl-r8-lr0.01, dpfpl-r4-lr0.01, dpfpl-r2-lr0.01, dpfpl-r1-lr0.01"
+    trained = f"promptfl, dpfpl-r8, dpfpl-r8-nores, fedotp, fedpgp, promptfl-lr0.01, {ranks}"
     assert f"{trained} at epsilon none" in note
-    assert "fedotp, fedpgp, promptfl-lr0.01, dpfpl-r8-lr0.01 at epsilon 0.01" in note
+    assert f"fedotp, fedpgp, promptfl-lr0.01, {ranks} at epsilon 0.01" in note
+    assert "dpfpl-r4-lr0.01, dpfpl-r2-lr0.01 at epsilon 0.1" in note  # no headline reads the middle ranks
 
 
 def test_a_protocols_summary_is_ordered_by_its_variants_levels_and_seeds_whichever_call_ran_last(tmp_path):
