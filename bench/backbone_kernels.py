@@ -5,9 +5,10 @@ beside the weights the published runs started from (and the CPU each was made on
 The embedded default is pretrained on the machine that first needs it (``models.tiny_clip``), and
 an AMD EPYC and an Intel Xeon gave two sets of weights (docs/results/experiments.md, "Two
 backbones"). PyTorch, MKL and oneDNN each let one cap the instruction set their kernels use by an
-environment variable; the thread count sets how reductions split. This asks whether a cap makes
-this CPU give another CPU's weights, that is whether one setting would make the backbone the same
-on every machine.
+environment variable; the thread count sets how reductions split, so the loader pretrains on a
+pinned count (``models.prepare.PRETRAIN_THREADS``), which the one-thread setting checks. This asks
+whether a cap makes this CPU give another CPU's weights, that is whether one setting would make the
+backbone the same on every machine.
 
     python bench/backbone_kernels.py --runs docs/results --out docs/results/backbone-kernels.json
 """
@@ -36,15 +37,18 @@ SETTINGS: dict[str, dict[str, str]] = {
     "one-thread": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
 }
 
-# run in the child: pretrain with the recipe every run uses, print what the weights are
+# run in the child: pretrain with the recipe every run uses, as the loader does, print what the weights are
 CHILD = """
 import json, time, torch
 from fedvlm.models import tiny_clip
 from fedvlm.models.clip_loader import GELU, weights_fingerprint
+from fedvlm.models.prepare import pretraining
 t = time.time()
-model = tiny_clip.pretrain(progress=False)
+with pretraining("prompt", tiny_clip.EMBEDDED_MODEL_NAME):  # as the loader pretrains: threads pinned
+    model = tiny_clip.pretrain(progress=False)
+    threads = torch.get_num_threads()
 print(json.dumps({"fingerprint": weights_fingerprint(tiny_clip.EMBEDDED_MODEL_NAME, model, GELU),
-                  "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+                  "capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
                   "seconds": round(time.time() - t, 1)}))
 """
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedvlm.data import embedded, motifs
-from fedvlm.models.prepare import check_may_pretrain
+from fedvlm.models.prepare import pretraining
 from fedvlm.utils.files import atomic_torch_save, file_lock, load_saved
 from fedvlm.utils.paths import default_cache_dir
 from fedvlm.utils.progress import each
@@ -218,9 +218,9 @@ def load_pretrained(name: str, cache_dir: Path) -> tuple[EmbeddedResNet, str, di
     if not path.exists():
         with file_lock(path):
             if not path.exists():
-                check_may_pretrain("reprogram", name)
-                log.info("pretraining %s once (cached at %s)", name, path)
-                model, report = pretrain(recipe)
+                with pretraining("reprogram", name):
+                    log.info("pretraining %s once (cached at %s)", name, path)
+                    model, report = pretrain(recipe)
                 atomic_torch_save({"recipe": asdict(recipe), "report": report, "state_dict": model.state_dict()}, path)
     saved = load_saved(path, f"delete it; {name} is pretrained again on next use")
     model = architecture(name)

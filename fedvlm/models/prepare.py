@@ -19,12 +19,13 @@ names the build argument that bakes it in, not a pretraining that outlasts every
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 # family -> the module whose ``embedded_models(cache_dir, everything)`` names and makes its models
@@ -37,21 +38,38 @@ FAMILY_MODELS = {
 # the build argument of docker/Dockerfile that bakes each family's models into the image
 BUILD_ARGS = {family: f"EMBEDDED_{family.upper()}" for family in FAMILY_MODELS}
 REFUSE = "refuse"  # FEDVLM_PRETRAINING's value in an image
+# the threads every pretraining computes with: the count the published embedded weights were made
+# with (both machines that made them had two cores)
+PRETRAIN_THREADS = 2
 
 
 class NotInImage(RuntimeError):
     """An embedded model the image was built without."""
 
 
-def check_may_pretrain(family: str, model: str) -> None:
-    """Called by each embedded model's loader before it pretrains: in an image that baked its
-    models in (``FEDVLM_PRETRAINING=refuse``), a missing one is an error with the fix."""
+@contextlib.contextmanager
+def pretraining(family: str, model: str) -> Iterator[None]:
+    """Around each embedded model's pretraining. In an image that baked its models in
+    (``FEDVLM_PRETRAINING=refuse``) a missing one is an error with the fix. Elsewhere the
+    pretraining runs on ``PRETRAIN_THREADS`` threads, whatever the process was given (a simulated
+    client has one): the thread count decides how reductions split, and one thread gives other
+    weights than two on the same CPU (docs/results/backbone-kernels.json), so without the pin a
+    cache's weights would depend on which process happened to pretrain first, and two machines of
+    one CPU model on their core counts."""
     if os.environ.get("FEDVLM_PRETRAINING") == REFUSE:
         raise NotInImage(
             f"the embedded model {model!r} (method family {family!r}) is not in this image, and pretraining it "
             f"here would take minutes on every node: rebuild the image with --build-arg {BUILD_ARGS[family]}=1 "
             "(docs/deployment.md, 'Docker'), or run a method of a family the image was built for"
         )
+    import torch  # only where a model is pretrained: this module stays light for the image's stages
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(PRETRAIN_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def models_of(family: str, everything: bool = False) -> dict[str, Callable[[Path], object]]:

@@ -26,7 +26,7 @@ from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
 
 from fedvlm.data import embedded
-from fedvlm.models.prepare import check_may_pretrain
+from fedvlm.models.prepare import pretraining
 from fedvlm.models.prompt_learner import TextTower
 from fedvlm.utils.files import atomic_torch_save, file_lock, load_saved
 from fedvlm.utils.progress import each
@@ -183,9 +183,9 @@ def load_embedded_clip(cache_dir: Path, recipe: PretrainRecipe = PretrainRecipe(
     if not path.exists():
         with file_lock(path):
             if not path.exists():
-                check_may_pretrain("prompt", EMBEDDED_MODEL_NAME)
-                log.info("pretraining the embedded tiny CLIP once (cached at %s)", path)
-                model = pretrain(recipe)
+                with pretraining("prompt", EMBEDDED_MODEL_NAME):
+                    log.info("pretraining the embedded tiny CLIP once (cached at %s)", path)
+                    model = pretrain(recipe)
                 atomic_torch_save({"recipe": asdict(recipe), "state_dict": model.state_dict()}, path)
     blob = load_saved(path, "delete it; the embedded model is pretrained again on next use")
     model = build_tiny_clip(recipe)

@@ -29,7 +29,7 @@ from PIL import Image
 
 from fedvlm.data import scenes
 from fedvlm.data.embedded import IMAGE_SIZE, domain_version
-from fedvlm.models.prepare import check_may_pretrain
+from fedvlm.models.prepare import pretraining
 from fedvlm.utils.files import file_lock
 from fedvlm.utils.progress import each
 
@@ -187,22 +187,27 @@ def pretrain(recipe: VLMRecipe, out_dir: Path) -> None:
     log.info("tiny VLM pretrained in %.1fs", time.time() - t0)
 
 
+def _pretrain_into(recipe: VLMRecipe, path: Path) -> None:
+    """Pretrain into a temporary sibling, then move it to ``path``: a reader never sees half a model."""
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        pretrain(recipe, tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def ensure_pretrained(cache_dir: Path, recipe: VLMRecipe = VLMRecipe()) -> Path:
     """The directory of the pretrained embedded VLM, pretraining it on first use."""
     path = Path(cache_dir) / "models" / f"{EMBEDDED_VLM_NAME}-{recipe.key()}"
     if not (path / "recipe.json").exists():
         with file_lock(path):
             if not (path / "recipe.json").exists():
-                check_may_pretrain("vlm", EMBEDDED_VLM_NAME)
-                log.info("pretraining the embedded tiny VLM once (cached at %s)", path)
-                tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-                try:
-                    pretrain(recipe, tmp)
-                    if path.exists():
-                        shutil.rmtree(path)
-                    tmp.rename(path)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                with pretraining("vlm", EMBEDDED_VLM_NAME):
+                    log.info("pretraining the embedded tiny VLM once (cached at %s)", path)
+                    _pretrain_into(recipe, path)
     return path
 
 

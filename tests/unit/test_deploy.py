@@ -305,3 +305,39 @@ def test_export_folder_names_each_folder_as_a_node_must_be_given_it(tmp_path, mo
     assert main(["--out", "parts", "--num-partitions", "2", "--set", "max-per-class=2", f"cache-dir={cache_dir}"]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if "data-dir=" in line]
     assert len(said) == 2 and all(f"data-dir='{tmp_path / 'parts'}/" in line for line in said)
+
+
+def test_every_pretraining_runs_on_the_pinned_threads_whatever_the_process_has(tmp_path, monkeypatch):
+    """The thread count decides how reductions split, and so the weights (one thread and two gave
+    two fingerprints, docs/results/backbone-kernels.json): a simulated client with one thread that
+    pretrains first must make the weights a two-thread server would. Each family's pretraining runs
+    on ``PRETRAIN_THREADS``, and the process gets its own count back after."""
+    import torch
+
+    from fedvlm.models import embedded_resnet, tiny_clip, tiny_vlm
+
+    seen: dict[str, int] = {}
+
+    def recorder(name, made):
+        def fake(*args, **kwargs):
+            seen[name] = torch.get_num_threads()
+            return made(*args)
+
+        return fake
+
+    monkeypatch.setattr(tiny_clip, "pretrain", recorder("prompt", lambda recipe: tiny_clip.build_tiny_clip(recipe)))
+    monkeypatch.setattr(tiny_vlm, "pretrain", recorder("vlm", lambda recipe, out: (out / "recipe.json").write_text("{}")))
+    resnet = next(iter(embedded_resnet.SOURCES))
+    made = embedded_resnet.architecture(resnet)
+    monkeypatch.setattr(embedded_resnet, "pretrain", recorder("reprogram", lambda recipe: (made, {})))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tiny_clip.load_embedded_clip(tmp_path)
+        tiny_vlm.ensure_pretrained(tmp_path)
+        embedded_resnet.load_pretrained(resnet, tmp_path)
+        assert torch.get_num_threads() == 1  # the process's own count, given back
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"prompt": prepare.PRETRAIN_THREADS, "vlm": prepare.PRETRAIN_THREADS, "reprogram": prepare.PRETRAIN_THREADS}
+    assert prepare.PRETRAIN_THREADS == 2  # the count the published weights were made with
