@@ -38,8 +38,8 @@ FAMILY_MODELS = {
 # the build argument of docker/Dockerfile that bakes each family's models into the image
 BUILD_ARGS = {family: f"EMBEDDED_{family.upper()}" for family in FAMILY_MODELS}
 REFUSE = "refuse"  # FEDVLM_PRETRAINING's value in an image
-# the threads every pretraining computes with: the count the published embedded weights were made
-# with (both machines that made them had two cores)
+# the threads every pretraining computes with: the Intel machine's published weights were made on
+# two (its default; bench/backbone_kernels.py), and the AMD machine had two cores as well
 PRETRAIN_THREADS = 2
 
 
