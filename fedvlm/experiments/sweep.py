@@ -115,6 +115,15 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
 
 
 RANK = "8"  # a low-rank method's rank where --ranks names none
+AUDIT_KEY = "privacy.audit-canaries"
+
+
+def without_noise(raw: dict) -> dict:
+    """A variant's config for its run without noise: the audit count a variant sets is that of its
+    private runs (a run without noise has no mechanism to audit)."""
+    return {k: v for k, v in raw.items() if k != AUDIT_KEY}
+
+
 # a run's traffic in a row: megabytes per node, e.g. 'mb-train-up-per-client'
 MB = {key: "mb-" + key.replace("_bytes_", "-").replace("_", "-") + "-per-client" for key in TRAFFIC_KEYS}
 REUSED = ("finished", "stopped")  # a run folder's statuses the sweep takes as they are
@@ -435,8 +444,10 @@ class Sweep:
             "run-name": run_name(variant, eps, seed),
         }
         private = eps != "none" or get_method(method).family.noise_multiplier > 0
-        if self.args.audit and private and "privacy.audit-canaries" not in raw:  # a variant's own setting wins
-            raw["privacy.audit-canaries"] = self.args.audit
+        if not private:
+            return without_noise(raw)
+        if self.args.audit and AUDIT_KEY not in raw:  # a variant's own setting wins
+            raw[AUDIT_KEY] = self.args.audit
         return raw
 
     def check(self) -> None:

@@ -326,7 +326,8 @@ def test_every_pretraining_runs_on_the_pinned_threads_whatever_the_process_has(t
         return fake
 
     monkeypatch.setattr(tiny_clip, "pretrain", recorder("prompt", lambda recipe: tiny_clip.build_tiny_clip(recipe)))
-    monkeypatch.setattr(tiny_vlm, "pretrain", recorder("vlm", lambda recipe, out: (out / "recipe.json").write_text("{}")))
+    fake_vlm = recorder("vlm", lambda recipe, out: (out / "recipe.json").write_text("{}"))
+    monkeypatch.setattr(tiny_vlm, "pretrain", fake_vlm)
     resnet = next(iter(embedded_resnet.SOURCES))
     made = embedded_resnet.architecture(resnet)
     monkeypatch.setattr(embedded_resnet, "pretrain", recorder("reprogram", lambda recipe: (made, {})))
@@ -339,5 +340,5 @@ def test_every_pretraining_runs_on_the_pinned_threads_whatever_the_process_has(t
         assert torch.get_num_threads() == 1  # the process's own count, given back
     finally:
         torch.set_num_threads(before)
-    assert seen == {"prompt": prepare.PRETRAIN_THREADS, "vlm": prepare.PRETRAIN_THREADS, "reprogram": prepare.PRETRAIN_THREADS}
+    assert seen == dict.fromkeys(("prompt", "vlm", "reprogram"), prepare.PRETRAIN_THREADS)
     assert prepare.PRETRAIN_THREADS == 2  # the count the published weights were made with
