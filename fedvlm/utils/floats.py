@@ -9,16 +9,18 @@ zero, so results change in their last bits: ``FEDVLM_FLUSH_DENORMALS=0`` in a pr
 environment keeps them, as every run made before this did.
 
 The mode is a property of each CPU thread, inherited by a thread when it is started: it is set
-where a process starts computing (a node's message, the ServerApp's run, the pretraining CLI),
-before the backbone loads and the compute threads exist. A process whose compute threads were
-started earlier keeps their mode on those threads: ``denormals()`` probes what the threads
-actually do, and every node's handshake and the run's record say it (``compute_report``).
+where a process starts computing (a node's message, the ServerApp's run), before the backbone
+loads and the compute threads exist. Pretraining the embedded CLIP gives the same weights in both
+modes (``bench/denormals.py --pretrain``), so a cache does not depend on which process filled
+it. A process whose compute threads were started earlier keeps their mode on those threads:
+``denormals()`` probes what the threads actually do, and every node's handshake and the run's
+record say it (``compute_report``).
 
 Why every privacy guarantee still holds: flushing only replaces a value of magnitude below
 2^-126 by zero. A clipped per-record update can only shrink, so its norm stays within the clip;
 the accountant's noise scale is unchanged; a Gaussian draw lands below 2^-126 with probability
 about 1e-38, which changes the mechanism's output distribution by far less than any delta the
-planner accepts; secure aggregation and the discrete noise work on integers, which it leaves alone.
+planner accepts, wherever the noise is drawn; secure aggregation masks integers, which it leaves alone.
 """
 
 from __future__ import annotations
