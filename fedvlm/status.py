@@ -15,7 +15,9 @@ happened (``server_app.results``). Exit status:
 - 4: finished, but lost too many nodes: in the last training round more than ``--max-lost``
   (a fraction, default 0.5) of the sampled clients sent no usable reply;
 - 5: not finished: interrupted (stopped from outside; ``resume`` continues it), still running,
-  or killed (``results.json`` says when it was last written).
+  or killed (``results.json`` says when it was last written);
+- 6: finished, but the one-run privacy audit it asked for (``privacy.audit-canaries``) is missing
+  or proves a larger epsilon than the ledger accounts (results.json's ``audit``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 from fedvlm.metrics import TRAIN_CLIENTS
 from fedvlm.utils.files import RESULTS, UnreadableFile, read_results
 
-OK, FAILED, UNREADABLE, STOPPED, LOST_NODES, UNFINISHED = 0, 1, 2, 3, 4, 5
+OK, FAILED, UNREADABLE, STOPPED, LOST_NODES, UNFINISHED, AUDIT = 0, 1, 2, 3, 4, 5, 6
 DEFAULT_RUNS = Path.home() / "fedvlm-runs"
 # the lock a ServerApp holds on its run folder while it runs (server_app.resume.hold_run_dir); the
 # kernel drops it when the process ends, however it ends
@@ -116,11 +118,30 @@ def verdict(data: dict, max_lost: float, written_ago: float, alive: bool | None 
             f"finished {done}, but {len(over)} round(s) lost more than --max-lost {max_lost:g} of the clients they "
             f"sampled ({'; '.join(lossy)}); see each round's 'dropped' in results.json",
         )
+    failed_audit = audit_problem(data.get("audit"))
+    if failed_audit:
+        return Verdict(AUDIT, f"finished {done}, but its privacy audit failed: {failed_audit}")
     _, sampled, lost = trained[-1] if trained else (0, 0, 0)
     excluded = run.get("excluded_nodes") or {}
     extra = f"; {len(excluded)} node(s) excluded: {', '.join(excluded.values())}" if excluded else ""
     extra += f"; clients lost: {'; '.join(lossy)}" if lossy else ""
     return Verdict(OK, f"finished {done}, last training round heard from {sampled - lost} of {sampled}{extra}")
+
+
+def audit_problem(section: object) -> str:
+    """What in results.json's audit section fails the run ("" if nothing): an audit asked for that
+    never came, or a node whose audit proves more epsilon than its ledger accounts."""
+    if not isinstance(section, dict):
+        return ""
+    nodes = section.get("nodes")
+    nodes = nodes if isinstance(nodes, dict) else {}
+    found = [str(section["status"])] if str(section.get("status", "")).startswith("MISSING") else []
+    found += [
+        f"{name}: {node['status']}"
+        for name, node in nodes.items()
+        if isinstance(node, dict) and str(node.get("status", "")).startswith("BROKEN")
+    ]
+    return "; ".join(found)
 
 
 MAX_LOST = 0.5  # the share of a last round's sampled clients a run may lose and still pass (--max-lost)

@@ -26,8 +26,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 from scipy.stats import binom
 
+from fedvlm.errors import PublicError
+
 if TYPE_CHECKING:
     from fedvlm.privacy.planner import LocalDP
+
+
+class CanaryError(PublicError, ValueError):
+    """An audit the audited node cannot run as configured; the message names the fix. Its text is
+    built from the run config and the model's tensor names and sizes, never from a record, so it
+    reaches the server (``fedvlm.errors``), which ends the run on it (``refused``)."""
+
+
+class AuditRefused(RuntimeError):
+    """The run asked for an audit (``privacy.audit-canaries``) that its audited node refuses."""
 
 
 class AuditInputError(ValueError):
@@ -171,6 +183,34 @@ def _node_audit(name: str, rnd: int, found: dict, spent: dict, mechanism: LocalD
         "accounted_epsilon_audited_mechanism": alone,
         "status": status,
     }
+
+
+def refused(record: dict, node: str | None, settings) -> None:
+    """Raise ``AuditRefused`` where round ``record``'s audited ``node`` (None: it is not among the
+    run's nodes) refused its canaries (``CanaryError``). The run then ends: its settings make the
+    refusal repeat every round, and a run that trained on without the audit it was asked for would
+    publish an epsilon no audit checked, after spending every round's compute and privacy."""
+    for dropped in record.get("dropped", ()):
+        if node is not None and dropped.get("client") == node and f"{CanaryError.__name__}: " in dropped["reason"]:
+            raise AuditRefused(
+                f"the one-run audit (privacy.audit-canaries = {settings.audit_canaries}) cannot run on its node "
+                f"{node} (privacy.audit-node = {settings.audit_node}), which refused it in round {record['round']}: "
+                f"{dropped['reason']}; the run stops rather than train without the audit it asked for"
+            )
+
+
+def missing_section(rounds: list[dict], node: str | None, settings, last_round: int) -> dict | None:
+    """The audit section of a run that reached ``last_round`` with no audit reported (None before
+    then): its status names the audit asked for and why none came, and ``fedvlm.status`` fails it."""
+    if not rounds or max(r["round"] for r in rounds) < last_round:
+        return None
+    who = (
+        f"no node of partition id {settings.audit_node} is among the run's nodes (privacy.audit-node): it never "
+        "joined, or its handshake was refused (run.excluded_nodes)"
+        if node is None
+        else f"node {node} was never sampled for training, or each of its train replies was dropped (rounds' dropped)"
+    )
+    return {"status": f"MISSING: privacy.audit-canaries = {settings.audit_canaries} asked for an audit, but {who}"}
 
 
 def audit_section(

@@ -35,13 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedvlm.privacy.audit import AuditResult, audit_guesses
+from fedvlm.privacy.audit import AuditResult, CanaryError, audit_guesses
 
 _INCLUDED, _SCORES, _STEPS, _COORD = "included", "scores", "steps", "coord."
-
-
-class CanaryError(ValueError):
-    """An audit the node cannot run as configured; the message names the fix."""
 
 
 def os_rng() -> np.random.Generator:

@@ -28,7 +28,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from fedvlm.metrics import EPSILON_MEAN, EPSILON_SPENT, undeclared
-from fedvlm.privacy.audit import audit_section
+from fedvlm.privacy.audit import audit_section, missing_section, refused
 from fedvlm.protocol import FINAL_ROUND, RUN_DIR
 from fedvlm.server_app.exchange import Exchanger
 from fedvlm.server_app.observer import record_round
@@ -109,18 +109,28 @@ def _record_ledger(parts: RunParts, recorder: RunRecorder) -> None:
 
 def _record_audit(parts: RunParts, recorder: RunRecorder, last_round: int | None = None) -> None:
     """The one-run audit's section, beside the ledger, once the audited node reported one; its
-    verdict is ``last_round``'s (the run's planned last, or the round a budget stop ended it at)."""
-    inputs = parts.budget.audit_inputs()
-    if inputs is None or not parts.cfg.privacy.audit_canaries:
+    verdict is ``last_round``'s (the run's planned last, or the round a budget stop ended it at).
+    The run ends where the audited node refuses its canaries (``privacy.audit.refused``), and one
+    that ends with no audit says so (``missing_section``)."""
+    inputs, settings = parts.budget.audit_inputs(), parts.cfg.privacy
+    if inputs is None or not settings.audit_canaries:
         return
+    rounds = recorder.data["rounds"]
+    audited = next((n.name for n in parts.registry.nodes.values() if n.partition_id == settings.audit_node), None)
+    if rounds:
+        refused(rounds[-1], audited, settings)
     local, global_name = inputs
     end = parts.cfg.num_server_rounds if last_round is None else last_round
-    section = audit_section(recorder.data["rounds"], parts.budget.current(), local, global_name, end)
+    section = audit_section(rounds, parts.budget.current(), local, global_name, end) or missing_section(
+        rounds, audited, settings, end
+    )
     if section is None:
         return
-    for name, node in section["nodes"].items():
+    for name, node in section.get("nodes", {}).items():
         if node["status"].startswith("BROKEN"):
             log.error("privacy audit of %s: %s", name, node["status"])
+    if "status" in section:
+        log.error("privacy audit: %s", section["status"])
     recorder.add_section("audit", section)
 
 

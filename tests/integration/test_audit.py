@@ -7,14 +7,19 @@ same audit stays at or below what the ledger accounts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from regression import CASES
 
 import fedvlm.privacy.dpsgd as dpsgd
+from fedvlm import status
+from fedvlm.client_app import node_round
 from fedvlm.client_app.app import app as client_app
 from fedvlm.client_app.state import AUDIT
 from fedvlm.methods.validation import validate
 from fedvlm.metrics import STEPS
+from fedvlm.privacy.audit import AuditRefused
 from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import execute
 from fedvlm.spec import spec_of
@@ -128,3 +133,36 @@ def test_every_prompt_and_reprogramming_method_can_be_audited(name, cache_dir, p
 @pytest.mark.parametrize("name", VLM_DP_CASES)
 def test_every_lora_method_can_be_audited(name, vlm_cache, tmp_path):
     _check_audited(*_audited_case(name, vlm_cache, tmp_path))
+
+
+def test_an_audit_its_node_cannot_hold_ends_the_run_at_its_first_round(make_cfg, pretrained_clip):
+    """More canaries than the noised context has coordinates: the audited node refuses each round
+    (its reason names the fix); the run ends at round 1 with that reason instead of training on
+    without the audit, and ``fedvlm.status`` says why."""
+    cfg = make_cfg(**{**SMALL, "privacy__audit_canaries": 5000})
+    grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": 3} for i in range(3)], cfg.as_dict())
+    with pytest.raises(AuditRefused, match=r"privacy.audit-canaries <= \d+"):
+        execute(cfg, grid, run_id="audit")
+    run_dir = next(Path(cfg.output_dir).glob("*/results.json")).parent
+    found = status.check(run_dir)
+    assert found.code == status.FAILED and "AuditRefused" in found.reason and "client-0" in found.reason
+    assert "1 of 5 rounds" in found.reason
+
+
+def test_an_audit_never_reported_is_missing_and_fails_the_status(make_cfg, pretrained_clip, monkeypatch):
+    """The audited node's every train reply fails for another reason than its canaries: the run
+    trains on without it, its audit section says the audit asked for is missing and why, and
+    ``fedvlm.status`` fails it (exit 6); a run whose audit came passes."""
+
+    def fails(*args):
+        raise RuntimeError("the audited node's disk is full")
+
+    monkeypatch.setattr(node_round, "finish_round", fails)
+    data, _ = _run(make_cfg, privacy__audit_canaries=20, num_server_rounds=2)
+    assert data["audit"]["status"].startswith("MISSING") and "node client-0" in data["audit"]["status"]
+    assert [r.get("dropped", [{}])[0].get("client") for r in data["rounds"]] == ["client-0", "client-0"]
+    found = status.verdict(data, status.MAX_LOST, 0.0)
+    assert found.code == status.AUDIT and "MISSING" in found.reason
+    monkeypatch.undo()
+    data, _ = _run(make_cfg, privacy__audit_canaries=20, num_server_rounds=2)
+    assert status.verdict(data, status.MAX_LOST, 0.0).code == status.OK

@@ -4,13 +4,22 @@ what the step released, and the guesses turn scores into the paper's bound."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from fedvlm.client_app.trainer import Learner, StepOutput, local_round
-from fedvlm.privacy.audit import GUESS_FRACTIONS, audit_guesses, epsilon_lower_bound
+from fedvlm.privacy.audit import (
+    GUESS_FRACTIONS,
+    AuditRefused,
+    audit_guesses,
+    epsilon_lower_bound,
+    missing_section,
+    refused,
+)
 from fedvlm.privacy.canaries import Canaries, CanaryError
 from fedvlm.privacy.dpsgd import DPStep, privatize
 from fedvlm.privacy.planner import ClientShape
@@ -140,3 +149,27 @@ def test_guesses_are_fixed_in_advance_and_bonferroni_corrected():
     rng = np.random.default_rng(0)
     chance = [audit_guesses(rng.normal(size=m), rng.random(m) < 0.5, 1e-5).epsilon_lower for _ in range(40)]
     assert np.mean(np.asarray(chance) == 0.0) > 0.8  # scores that know nothing rarely claim anything
+
+
+def test_only_the_audited_nodes_canary_refusal_ends_the_run():
+    """``refused`` ends the run on the audited node's ``CanaryError`` alone: another node's error
+    text, however it reads, or the audited node's other failures, leave the run to go on."""
+    settings = SimpleNamespace(audit_canaries=100, audit_node=0)
+    why = "the client failed: CanaryError: ... use privacy.audit-canaries <= 96"
+    record = {"round": 1, "dropped": [{"client": "client-1", "phase": "train", "reason": why}]}
+    refused(record, "client-0", settings)  # another node's
+    refused(
+        {**record, "dropped": [{"client": "client-0", "reason": "the client failed: NodeError: disk"}]},
+        "client-0",
+        settings,
+    )
+    refused(record, None, settings)  # no audited node among the run's nodes: missing_section's case
+    with pytest.raises(AuditRefused, match=r"node client-0 \(privacy.audit-node = 0\).*round 1.*<= 96"):
+        refused({**record, "dropped": [{"client": "client-0", "reason": why}]}, "client-0", settings)
+
+
+def test_a_missing_audit_is_said_once_the_run_reached_its_end():
+    settings = SimpleNamespace(audit_canaries=20, audit_node=3)
+    assert missing_section([{"round": 1}], "client-3", settings, 2) is None  # not yet
+    assert "node client-3 was never sampled" in missing_section([{"round": 2}], "client-3", settings, 2)["status"]
+    assert "partition id 3" in missing_section([{"round": 2}], None, settings, 2)["status"]

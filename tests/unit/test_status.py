@@ -47,6 +47,33 @@ def test_each_outcome_has_its_exit_status_and_reason(tmp_path, capsys, run, roun
     assert words in capsys.readouterr().out
 
 
+_CONSISTENT = {"status": "consistent: the audited lower bound does not exceed the accounted epsilon"}
+
+
+@pytest.mark.parametrize(
+    "audit,code,words",
+    [
+        ({"nodes": {"client-0": _CONSISTENT}}, status.OK, "heard from 4 of 4"),
+        (
+            {"nodes": {"client-0": {"status": "BROKEN: the audit proves epsilon >= 3"}}},
+            status.AUDIT,
+            "client-0: BROKEN",
+        ),
+        ({"status": "MISSING: privacy.audit-canaries = 20 asked for an audit"}, status.AUDIT, "MISSING"),
+        # hand-edited or damaged sections fail nothing they do not say
+        ("MISSING", status.OK, "heard from"),
+        ({"nodes": ["BROKEN"]}, status.OK, "heard from"),
+        ({"nodes": {"client-0": "BROKEN"}}, status.OK, "heard from"),
+    ],
+)
+def test_a_finished_run_whose_audit_is_missing_or_broken_exits_6(tmp_path, capsys, audit, code, words):
+    folder = _write(tmp_path / "r", {"status": "finished"}, [_round(4, 4), _round(4, 4, 2)])
+    data = json.loads((folder / "results.json").read_text())
+    (folder / "results.json").write_text(json.dumps({**data, "audit": audit}))
+    assert status.main([str(folder)]) == code
+    assert words in capsys.readouterr().out
+
+
 def test_a_running_folder_whose_serverapp_is_gone_reads_interrupted_and_stop_records_it(tmp_path, capsys):
     """A folder saying "running" is running only while a process holds its lock (the ServerApp's
     hold_run_dir); once that process is gone (stopped, killed), status says interrupted, and
