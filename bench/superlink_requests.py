@@ -14,6 +14,11 @@ loop and Starlette's worker threads), so load elsewhere on the machine does not 
 repeat starts from a fresh database.
 
     python -m bench.superlink_requests --nodes 20 --rounds 6 --repeats 3 --out superlink_requests.json
+
+``--threads inline-dependencies`` runs FastAPI's synchronous dependencies (Flower's
+``get_linkstate``, its version check, the protobuf body parser) on the event loop instead of
+handing each to a worker thread, and ``inline`` also the routes and the node-auth check: what a
+patch that takes the thread hops away would save, measured before writing one.
 """
 
 from __future__ import annotations
@@ -36,6 +41,28 @@ from tests.unit.test_object_batches import _signed
 
 PB = {"content-type": "application/protobuf"}
 PROMPT = (60, 512)  # PromptFL's context vectors on the embedded CLIP, as the deployment sends them
+
+
+THREADS = ("flower", "inline-dependencies", "inline")
+
+
+def _inline_threads(setting: str) -> None:
+    """Run what ``setting`` names on the event loop rather than in Starlette's worker threads."""
+    if setting == "flower":
+        return
+    import fastapi.dependencies.utils
+    import fastapi.routing
+    import flwr.supercore.protobuf.routing
+    import flwr.superlink.routers.fleet.node_auth
+
+    async def inline(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    modules = [fastapi.dependencies.utils]
+    if setting == "inline":
+        modules += [fastapi.routing, flwr.supercore.protobuf.routing, flwr.superlink.routers.fleet.node_auth]
+    for module in modules:
+        setattr(module, "run_in_threadpool", inline)  # noqa: B010 - each module imported the name itself
 
 
 def _app(database: Path):
@@ -257,8 +284,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", choices=THREADS, default="flower", help="what runs in worker threads (docstring)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    _inline_threads(args.threads)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # the deployed SuperLink logs to a file; not measured here
     runs: list[dict] = []
 
@@ -272,7 +301,9 @@ def main() -> None:
         shown = ", ".join(f"{run['requests'][kind]['ms_mean']:.1f}" for run in runs)
         count, sql = runs[0]["requests"][kind]["per_round"], runs[0]["requests"][kind]["sql_statements_mean"]
         print(f"  {kind:34s} {count:5.1f} a round, {sql:6.1f} SQL statements, ms CPU each: {shown}")
-    report = bench_report({"nodes": args.nodes, "rounds": args.rounds, "warm": args.warm, "runs": runs})
+    report = bench_report(
+        {"nodes": args.nodes, "rounds": args.rounds, "warm": args.warm, "threads": args.threads, "runs": runs}
+    )
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
