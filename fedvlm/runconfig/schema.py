@@ -638,6 +638,12 @@ class RunConfig:
     device: str = opt(
         AUTO, "Client compute device ('auto' = cuda where the node has it).", choices=(AUTO, "cpu", "cuda")
     )
+    backbone_fingerprint: str = opt(
+        "",
+        "The backbone weights the run must start from: results.json's run.backbone.fingerprint, whole or its "
+        "16 hex digits. A server that loads other weights refuses the run before round 1 (every node must match "
+        "the server). Empty = whatever the server loads.",
+    )
     # --- data --------------------------------------------------------------------------------
     dataset: str = opt(
         AUTO,

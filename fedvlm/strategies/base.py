@@ -260,8 +260,22 @@ class FederatedStrategy(Strategy):
         """Before round 1: wait for the nodes, then ``prepare`` (``resumed``: the interrupted
         run's saved state)."""
         self.summary()
+        self.check_backbone()
         self.registry.wait(grid)
         self.prepare(resumed)
+
+    def check_backbone(self) -> None:
+        """Refuse a run whose pinned weights (``backbone-fingerprint``) are not the server's: the
+        embedded default is pretrained where it is first needed, and two CPUs pretrain it to two
+        sets of weights, whose runs are not one method's seeds (``sweep.backbone``)."""
+        pinned, found = self.cfg.backbone_fingerprint, self.registry.server_fingerprint or "none recorded"
+        if pinned and pinned not in (found, found.rsplit(":", 1)[-1]):
+            raise ConfigError(
+                f"run config 'backbone-fingerprint' = {pinned!r}, but this server loads {found}: put the weights that "
+                "give it where the server loads them (for the embedded default, the file of cache-dir's models/ "
+                "from the machine whose runs have that fingerprint; for real CLIP, the checkpoint clip.pretrained "
+                "names), or leave backbone-fingerprint empty"
+            )
 
     def prepare(self, resumed: dict | None = None) -> None:
         """Once the nodes are known: the initial arrays, and, with privacy on, the run's budget

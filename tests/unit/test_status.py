@@ -12,6 +12,7 @@ from flwr.app import Error, Message
 
 from fedvlm import status
 from fedvlm.client_app.app import app as client_app
+from fedvlm.runconfig import ConfigError
 from fedvlm.server_app.app import execute
 from fedvlm.utils.inprocess import InProcessGrid
 
@@ -198,6 +199,23 @@ def test_a_real_run_that_loses_its_clients_exits_non_zero(make_cfg, pretrained_c
     result = status.check(rec.dir)
     assert result.code == status.LOST_NODES and "lost 2 of 3" in result.reason
     assert status.check(rec.dir, max_lost=0.7).code == status.OK
+
+
+def test_a_run_pinned_to_other_backbone_weights_fails_before_round_1(make_cfg, pretrained_clip):
+    """``backbone-fingerprint``: a server on other weights refuses the run before any node trains,
+    naming both and the fix; the weights it loads, whole or by their 16 hex digits, pass."""
+    nodes = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
+    cfg = make_cfg(method="promptfl", num_server_rounds=1, max_per_class=1, backbone_fingerprint="0123456789abcdef")
+    with pytest.raises(ConfigError, match=r"'0123456789abcdef', but this server loads embedded-tiny:gelu:sha256:"):
+        execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id="pinned")
+    failed = status.check(next(Path(cfg.output_dir).glob("*pinned*")))
+    assert failed.code == status.FAILED and "cache-dir's models/" in failed.reason and "0 of 1 rounds" in failed.reason
+    loaded = json.loads((next(Path(cfg.output_dir).glob("*pinned*")) / "results.json").read_text())
+    whole = loaded["run"]["backbone"]["fingerprint"]
+    for pin in (whole, whole.rsplit(":", 1)[-1]):
+        cfg = make_cfg(method="promptfl", num_server_rounds=1, max_per_class=1, backbone_fingerprint=pin)
+        rec = execute(cfg, InProcessGrid(client_app, nodes, cfg.as_dict()), run_id="pinned-right")
+        assert status.check(rec.dir).code == status.OK
 
 
 def test_a_full_disk_at_the_start_or_the_end_fails_the_run_with_the_reason(make_cfg, pretrained_clip, monkeypatch):
