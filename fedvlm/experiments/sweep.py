@@ -11,7 +11,9 @@
 
 Every run is a full federation through the real strategies and ClientApp (in-process by
 default; ``--engine flwr`` runs each one through ``flwr run``). Finished runs are reused, so
-an interrupted sweep resumes. Outputs in ``--out``:
+an interrupted sweep resumes; under ``--set backbone-fingerprint=...`` only those that started
+from the pinned weights (one made on another CPU's embedded default is set aside and made again
+here, where the pin then has to hold). Outputs in ``--out``:
 - ``runs/<name>/``: each run's folder (results.json, plots, published prompts, mia.json);
 - ``summary.csv``: one row per run (method, variant, epsilon, seed, metrics, epsilon spent);
 - ``table_local.md/.csv``, ``table_neighbor.md/.csv``: mean of the last 10 rounds, mean ± std
@@ -67,7 +69,7 @@ from fedvlm.methods.registry import PROMPT, get_method, methods_of
 from fedvlm.methods.validation import validate
 from fedvlm.metrics import METRICS, STEPS, TRAIN_CLIENTS
 from fedvlm.plots import redraw_run
-from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value
+from fedvlm.runconfig import KEY_BY_NAME, ConfigError, parse_value, pins
 from fedvlm.server_app.resume import CHECKPOINT, config_differences
 from fedvlm.status import RUN_LOCK
 from fedvlm.strategies.records import TRAFFIC_KEYS, TRAIN_ROW, complete
@@ -116,6 +118,7 @@ def run_one(raw: dict, clients: int, engine: str, out: Path) -> dict:
 
 RANK = "8"  # a low-rank method's rank where --ranks names none
 AUDIT_KEY = "privacy.audit-canaries"
+PIN_KEY = "backbone-fingerprint"  # a run reused under a pin must have started from those weights
 
 
 def without_noise(raw: dict) -> dict:
@@ -488,6 +491,9 @@ class Sweep:
         if differ:
             log.warning("%s holds a run of another config (%s)", run_dir.name, "; ".join(differ))
             return "other-config"
+        if not pins(str(raw.get(PIN_KEY, "")), backbone(reused)):
+            log.warning("%s ran on weights %s, not the pinned %s", run_dir.name, backbone(reused), raw[PIN_KEY])
+            return "other-backbone"
         idle = idle_rounds(reused)
         if idle:
             log.warning(

@@ -37,6 +37,12 @@ def weights_path(value: str) -> Path | None:
     return None
 
 
+def pins(pin: str, fingerprint: str | None) -> bool:
+    """Whether run config 'backbone-fingerprint' = ``pin`` admits weights of ``fingerprint``:
+    no pin admits any; a pin is the whole fingerprint or its last part (the hash's hex digits)."""
+    return not pin or (fingerprint is not None and pin in (fingerprint, fingerprint.rsplit(":", 1)[-1]))
+
+
 def parse_value(text: str):
     """A command-line ``KEY=VALUE``'s value: an int, a float, true/false, else the string."""
     for cast in (int, float):

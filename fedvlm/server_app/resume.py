@@ -67,6 +67,7 @@ FREE_KEYS = frozenset(
         "cache-dir",
         "run-name",
         "round-timeout",
+        "backbone-fingerprint",  # a check of the weights, computing nothing: a checkpoint keeps its own
         *(k.name for k in KEYS if k.section == "tracking"),
     }
 )

@@ -66,7 +66,7 @@ from fedvlm.protocol import (
     EvaluateInstruction,
     TrainInstruction,
 )
-from fedvlm.runconfig import ConfigError
+from fedvlm.runconfig import ConfigError, pins
 from fedvlm.spec import spec_of
 from fedvlm.strategies.nodes import NodeInfo, NodeRegistry
 from fedvlm.strategies.parts import RunParts
@@ -268,13 +268,13 @@ class FederatedStrategy(Strategy):
         """Refuse a run whose pinned weights (``backbone-fingerprint``) are not the server's: the
         embedded default is pretrained where it is first needed, and two CPUs pretrain it to two
         sets of weights, whose runs are not one method's seeds (``sweep.backbone``)."""
-        pinned, found = self.cfg.backbone_fingerprint, self.registry.server_fingerprint or "none recorded"
-        if pinned and pinned not in (found, found.rsplit(":", 1)[-1]):
+        pinned, found = self.cfg.backbone_fingerprint, self.registry.server_fingerprint
+        if not pins(pinned, found):
             raise ConfigError(
-                f"run config 'backbone-fingerprint' = {pinned!r}, but this server loads {found}: put the weights that "
-                "give it where the server loads them (for the embedded default, the file of cache-dir's models/ "
-                "from the machine whose runs have that fingerprint; for real CLIP, the checkpoint clip.pretrained "
-                "names), or leave backbone-fingerprint empty"
+                f"run config 'backbone-fingerprint' = {pinned!r}, but this server loads {found or 'unrecorded weights'}"
+                ": put the weights that give it where the server loads them (for the embedded default, the file "
+                "of cache-dir's models/ from the machine whose runs have that fingerprint; for real CLIP, the "
+                "checkpoint clip.pretrained names), or leave backbone-fingerprint empty"
             )
 
     def prepare(self, resumed: dict | None = None) -> None:

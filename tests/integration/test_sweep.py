@@ -183,3 +183,23 @@ def test_a_cut_off_run_is_resumed_and_one_that_cannot_be_is_kept_aside(
     shorter = sweep(out, 2)
     assert [r["round"] for r in shorter["rounds"]] == [1, 2] and "resumed" not in shorter["run"]
     assert len([p for p in (out / "runs").iterdir() if p.name.startswith("p-epsnone-seed0-running-")]) == 2
+
+
+def test_a_pinned_sweep_reuses_runs_on_those_weights_and_sets_aside_the_others(tmp_path, cache_dir, pretrained_clip):
+    """``--set backbone-fingerprint=...``: the pin changes no computation, so a finished run on
+    those weights is reused as it is; one whose results say other weights (another CPU's
+    embedded default) is set aside and made again here, on the pinned ones."""
+    out, name = tmp_path / "pin", "p-epsnone-seed0"
+    argv = ["--out", str(out), "--variant", "p", "promptfl", "--epsilons", "none", "--clients", "3", "--set"]
+    base = ["num-server-rounds=1", "max-per-class=4", f"cache-dir={cache_dir}"]
+    assert main([*argv, *base]) == 0
+    path = out / "runs" / name / "results.json"
+    made = json.loads(path.read_text())
+    whole = made["run"]["backbone"]["fingerprint"]
+    assert main([*argv, *base, f"backbone-fingerprint={whole.rsplit(':', 1)[-1]}"]) == 0
+    assert json.loads(path.read_text())["run"]["started"] == made["run"]["started"]  # reused, not made again
+    made["run"]["backbone"]["fingerprint"] = "embedded-tiny:gelu:sha256:0123456789abcdef"
+    path.write_text(json.dumps(made))
+    assert main([*argv, *base, f"backbone-fingerprint={whole}"]) == 0
+    assert json.loads(path.read_text())["run"]["backbone"]["fingerprint"] == whole
+    assert len([p for p in (out / "runs").iterdir() if p.name.startswith(f"{name}-other-backbone-")]) == 1
