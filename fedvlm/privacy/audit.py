@@ -30,6 +30,7 @@ from fedvlm.errors import PublicError
 
 if TYPE_CHECKING:
     from fedvlm.privacy.planner import LocalDP
+    from fedvlm.runconfig.schema import PrivacyConfig
 
 
 class CanaryError(PublicError, ValueError):
@@ -185,7 +186,7 @@ def _node_audit(name: str, rnd: int, found: dict, spent: dict, mechanism: LocalD
     }
 
 
-def refused(record: dict, node: str | None, settings) -> None:
+def refused(record: dict, node: str | None, settings: PrivacyConfig) -> None:
     """Raise ``AuditRefused`` where round ``record``'s audited ``node`` (None: it is not among the
     run's nodes) refused its canaries (``CanaryError``). The run then ends: its settings make the
     refusal repeat every round, and a run that trained on without the audit it was asked for would
@@ -199,7 +200,7 @@ def refused(record: dict, node: str | None, settings) -> None:
             )
 
 
-def missing_section(rounds: list[dict], node: str | None, settings, last_round: int) -> dict | None:
+def missing_section(rounds: list[dict], node: str | None, settings: PrivacyConfig, last_round: int) -> dict | None:
     """The audit section of a run that reached ``last_round`` with no audit reported (None before
     then): its status names the audit asked for and why none came, and ``fedvlm.status`` fails it."""
     if not rounds or max(r["round"] for r in rounds) < last_round:
