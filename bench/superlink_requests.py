@@ -62,6 +62,7 @@ def _inline_threads(setting: str) -> None:
     if setting == "inline":
         modules += [fastapi.routing, flwr.supercore.protobuf.routing, flwr.superlink.routers.fleet.node_auth]
     for module in modules:
+        assert hasattr(module, "run_in_threadpool"), f"{module.__name__} no longer hands work to threads this way"
         setattr(module, "run_in_threadpool", inline)  # noqa: B010 - each module imported the name itself
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from scipy.stats import binom
 
 from fedvlm.errors import PublicError
+from fedvlm.metrics import AUDIT_FIGURES
 
 if TYPE_CHECKING:
     from fedvlm.privacy.planner import LocalDP
@@ -190,7 +191,10 @@ def refused(record: dict, node: str | None, settings: PrivacyConfig) -> None:
     """Raise ``AuditRefused`` where round ``record``'s audited ``node`` (None: it is not among the
     run's nodes) refused its canaries (``CanaryError``). The run then ends: its settings make the
     refusal repeat every round, and a run that trained on without the audit it was asked for would
-    publish an epsilon no audit checked, after spending every round's compute and privacy."""
+    publish an epsilon no audit checked, after spending every round's compute and privacy. Who the
+    audited node is rests on the node identities the SuperLink vouches for: without SuperNode
+    authentication, a node that takes a disconnected audited node's name (``NodeRegistry``'s
+    rejoin) can end the run this way, as it could leave the audit missing."""
     for dropped in record.get("dropped", ()):
         if node is not None and dropped.get("client") == node and f"{CanaryError.__name__}: " in dropped["reason"]:
             raise AuditRefused(
@@ -209,29 +213,36 @@ def missing_section(rounds: list[dict], node: str | None, settings: PrivacyConfi
         f"no node of partition id {settings.audit_node} is among the run's nodes (privacy.audit-node): it never "
         "joined, or its handshake was refused (run.excluded_nodes)"
         if node is None
-        else f"node {node} was never sampled for training, or each of its train replies was dropped (rounds' dropped)"
+        else f"node {node} was never sampled for training, or none of its train replies carried an accepted audit "
+        "(rounds' dropped)"
     )
     return {"status": f"MISSING: privacy.audit-canaries = {settings.audit_canaries} asked for an audit, but {who}"}
 
 
 def audit_section(
-    rounds: list[dict], spent: dict, mechanism: LocalDP, global_mechanism: str | None, last_round: int
+    rounds: list[dict], spent: dict, mechanism: LocalDP, global_mechanism: str | None, end: tuple[int, str | None]
 ) -> dict | None:
     """The audited node's latest audit (from its train replies in ``rounds``) beside what the
     ledger says its records spent (``spent``: ``privacy.budget.RunBudget.current``, after the last round).
-    ``mechanism``: the method's ``LocalDP``, the mechanism the canaries enter. None without an audit.
+    ``mechanism``: the method's ``LocalDP``, the mechanism the canaries enter. ``end``: the run's last
+    round and the audited node's name. None without an audit.
+
+    Only the audited node's figures are read, and only a whole set of them: another node's made-up
+    figures (a bound of 1e9, a partial set) would otherwise fail a sound run, or stand in for an
+    audit that never came.
 
     The audit is one test, of the run's last round (``last_round``): its 95% holds for one look.
     Read at every round, a bound that wanders above the accounted epsilon by chance would be seen
     at some round far more often than 5% of the time (a 100-round DP-FPL run at epsilon 0.1 crossed
     at rounds 26 to 60, and ended consistent), so before the last round the status is interim and
     no verdict."""
+    last_round, audited = end
     latest: dict[str, tuple[int, dict]] = {}
     for record in rounds:
-        for name, figures in record.get("clients", {}).items():
-            found = {k[len(AUDIT_PREFIX) :]: v for k, v in figures.items() if k.startswith(AUDIT_PREFIX)}
-            if found:
-                latest[name] = (record["round"], found)
+        figures = record.get("clients", {}).get(audited) or {}
+        found = {k[len(AUDIT_PREFIX) :]: v for k, v in figures.items() if k.startswith(AUDIT_PREFIX)}
+        if audited is not None and set(AUDIT_FIGURES) <= found.keys():
+            latest[audited] = (record["round"], found)
     if not latest:
         return None
     ended = max(r["round"] for r in rounds) >= last_round  # the node's latest audit is then its last

@@ -112,6 +112,14 @@ def _run_name(value: str) -> str | None:
     return "must be one folder name of 1-100 letters, digits or ._@+- (not '.' or '..'), such as 'promptfl-seed0'"
 
 
+def _pin(value: str) -> str | None:
+    """A fingerprint is one word as results.json records it: a pin with a space or a line in it
+    would be refused only at the server's start, against weights it can never match."""
+    if value == "" or (len(value) <= 200 and not any(c.isspace() for c in value)):
+        return None
+    return "must be a fingerprint as results.json's run.backbone.fingerprint records it (no spaces, at most 200 chars)"
+
+
 TEMPLATE_CHARS = 2000  # no text of CLIP's 77 tokens is longer; the exact check is the scorer's, per class
 
 
@@ -643,6 +651,7 @@ class RunConfig:
         "The backbone weights the run must start from: results.json's run.backbone.fingerprint, whole or its "
         "16 hex digits. A server that loads other weights refuses the run before round 1 (every node must match "
         "the server). Empty = whatever the server loads.",
+        check=_pin,
     )
     # --- data --------------------------------------------------------------------------------
     dataset: str = opt(

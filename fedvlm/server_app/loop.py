@@ -115,13 +115,13 @@ def _record_audit(parts: RunParts, recorder: RunRecorder, last_round: int | None
     inputs, settings = parts.budget.audit_inputs(), parts.cfg.privacy
     if inputs is None or not settings.audit_canaries:
         return
-    rounds = recorder.data["rounds"]
-    audited = next((n.name for n in parts.registry.nodes.values() if n.partition_id == settings.audit_node), None)
+    rounds, node = recorder.data["rounds"], parts.registry.audited()
+    audited = node.name if node is not None else None
     if rounds:
         refused(rounds[-1], audited, settings)
     local, global_name = inputs
     end = parts.cfg.num_server_rounds if last_round is None else last_round
-    section = audit_section(rounds, parts.budget.current(), local, global_name, end) or missing_section(
+    section = audit_section(rounds, parts.budget.current(), local, global_name, (end, audited)) or missing_section(
         rounds, audited, settings, end
     )
     if section is None:

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedvlm.runconfig import KEYS, RunConfig
+from fedvlm.runconfig import KEYS, RunConfig, pins
 from fedvlm.status import RUN_LOCK, damage
 from fedvlm.strategies.base import ResumeError
 from fedvlm.strategies.parts import RunParts
@@ -148,6 +148,12 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
     saved = load_saved(run_dir / CHECKPOINT, fix)
     if not isinstance(saved, dict) or "state" not in saved or "round" not in saved:
         raise ResumeError(f"{run_dir / CHECKPOINT} holds no strategy state (written by an older fedvlm): start afresh")
+    began = saved["state"].get("backbone") or (data["run"].get("backbone") or {}).get("fingerprint")
+    if not pins(cfg.backbone_fingerprint, began):
+        raise ResumeError(
+            f"{run_dir.name} began on weights {began or 'it did not record'}, not the pinned "
+            f"{cfg.backbone_fingerprint!r}: resume it without backbone-fingerprint where its weights are, or pin those"
+        )
     done = int(saved["round"])
     last = [r for r in data["rounds"] if r["round"] == done]
     owed = bool(last) and not complete(last[0])

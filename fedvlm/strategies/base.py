@@ -284,10 +284,9 @@ class FederatedStrategy(Strategy):
         self.global_arrays = {k: np.asarray(v) for k, v in self.initial_arrays().items()}
         if not self.privacy.enabled:
             return
-        audited = self.privacy.audit_node
-        if self.privacy.audit_canaries and all(n.partition_id != audited for n in self.nodes.values()):
+        if self.privacy.audit_canaries and self.registry.audited() is None:
             raise ConfigError(
-                f"run config 'privacy.audit-node' = {audited} names no connected node (partition ids: "
+                f"run config 'privacy.audit-node' = {self.privacy.audit_node} names no connected node (partition ids: "
                 f"{', '.join(str(n.partition_id) for n in self.nodes.values())}); pick one of them"
             )
         spec = self.spec

@@ -77,6 +77,12 @@ class NodeRegistry:
         self.server_fingerprint: str | None = None  # the backbone every node must load, where the server knows it
         self.connected: set[int] = set()  # the node ids connected at the last refresh (what a round samples from)
 
+    def audited(self) -> NodeInfo | None:
+        """The node that carries the one-run audit's canaries (partition id ``privacy.audit-node``),
+        if it is among the admitted nodes."""
+        wanted = self.cfg.privacy.audit_node
+        return next((n for n in self.nodes.values() if n.partition_id == wanted), None)
+
     def exclude(self, node_id: int, reason: str) -> None:
         node = self.nodes.pop(node_id, None)
         reason = bounded(reason)  # it may quote what the node sent

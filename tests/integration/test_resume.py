@@ -272,6 +272,13 @@ def test_resuming_refuses_what_it_cannot_continue_exactly(make_cfg, pretrained_c
         again = make_cfg(resume=str(done), num_server_rounds=2, **same)
         execute(again, _grid(again, nodes), "b")
     assert json.loads((done / "results.json").read_text())["run"]["status"] == "finished"
+    # a resume pinned to weights the run did not begin on is refused before anything is recorded
+    # (the pin may be added at a resume: it computes nothing), naming what the run began on
+    with pytest.raises(ResumeError, match=r"began on weights embedded-tiny:gelu:sha256:0, not the pinned 'ffff"):
+        execute(
+            make_cfg(resume=str(done), num_server_rounds=2, backbone_fingerprint="ffff0000ffff0000", **same), None, "b"
+        )
+    assert json.loads((done / "results.json").read_text())["run"]["status"] == "finished"
     # a damaged checkpoint is named, with what to do, instead of torch's unpickling error
     checkpoint.write_bytes(checkpoint.read_bytes()[:200])
     with pytest.raises(UnreadableFile, match=r"checkpoint\.pt cannot be read.*restore it from a backup"):

@@ -120,12 +120,24 @@ def test_the_audit_is_judged_once_at_the_runs_last_round():
 
     mechanism = SimpleNamespace(name="ldp-lowrank", where="client")
     spent = {"spent": {"client-0": 0.06}, "spent_components": {"ldp-lowrank": {"client-0": 0.048}}}
-    interim = audit_section([at(26, 0.078)], spent, mechanism, "gdp-global", last_round=100)
+    interim = audit_section([at(26, 0.078)], spent, mechanism, "gdp-global", end=(100, "client-0"))
     assert interim is not None and interim["nodes"]["client-0"]["status"].startswith("interim (round 26 of 100)")
-    final = audit_section([at(26, 0.078), at(100, 0.078)], spent, mechanism, "gdp-global", last_round=100)
+    final = audit_section([at(26, 0.078), at(100, 0.078)], spent, mechanism, "gdp-global", end=(100, "client-0"))
     assert final is not None and final["nodes"]["client-0"]["status"].startswith("BROKEN")
-    kept = audit_section([at(100, 0.03)], spent, mechanism, "gdp-global", last_round=100)
+    kept = audit_section([at(100, 0.03)], spent, mechanism, "gdp-global", end=(100, "client-0"))
     assert kept is not None and kept["nodes"]["client-0"]["status"].startswith("consistent")
     # the audited node not sampled in the last rounds: its latest audit is its last, and judged
-    unsampled = audit_section([at(90, 0.03), {"round": 100, "clients": {}}], spent, mechanism, "x", last_round=100)
+    unsampled = audit_section(
+        [at(90, 0.03), {"round": 100, "clients": {}}], spent, mechanism, "x", end=(100, "client-0")
+    )
     assert unsampled is not None and unsampled["nodes"]["client-0"]["status"].startswith("consistent")
+    # another node's made-up figures (a bound of 1e9) or a partial set are not the audit
+    forged = at(100, 0.03)
+    forged["clients"]["client-1"] = {**forged["clients"]["client-0"], AUDIT_PREFIX + "epsilon-lower": 1e9}
+    section = audit_section([forged], spent, mechanism, "x", end=(100, "client-0"))
+    assert section is not None and list(section["nodes"]) == ["client-0"]
+    assert section["nodes"]["client-0"]["status"].startswith("consistent")
+    assert audit_section([forged], spent, mechanism, "x", end=(100, "client-1")) is not None  # its own, if audited
+    partial = {"round": 100, "clients": {"client-0": {AUDIT_PREFIX + "epsilon-lower": 9.0}}}
+    assert audit_section([partial], spent, mechanism, "x", end=(100, "client-0")) is None
+    assert audit_section([at(100, 0.03)], spent, mechanism, "x", end=(100, None)) is None

@@ -204,6 +204,8 @@ def test_a_real_run_that_loses_its_clients_exits_non_zero(make_cfg, pretrained_c
 def test_a_run_pinned_to_other_backbone_weights_fails_before_round_1(make_cfg, pretrained_clip):
     """``backbone-fingerprint``: a server on other weights refuses the run before any node trains,
     naming both and the fix; the weights it loads, whole or by their 16 hex digits, pass."""
+    with pytest.raises(ConfigError, match="'backbone-fingerprint' = ' 37eb0eb99a459465': must be a fingerprint as"):
+        make_cfg(backbone_fingerprint=" 37eb0eb99a459465")  # refused as it is read, not at the server's start
     nodes = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
     cfg = make_cfg(method="promptfl", num_server_rounds=1, max_per_class=1, backbone_fingerprint="0123456789abcdef")
     with pytest.raises(ConfigError, match=r"'0123456789abcdef', but this server loads embedded-tiny:gelu:sha256:"):
