@@ -15,18 +15,28 @@ training. Both paths are the scorers the runs use, so nothing here is a second i
 With ``--runs``, it also reads finished FedOTP runs and scores each node's own test classes with
 the prompts it published, as the run pairs them (the federation's global prompt and its local
 one) and with its local prompt in both places: how much the averaged global prompt costs a node
-at the end of the run.
+at the end of the run. For each such run whose seed was fitted here, it prints the run's
+own-class accuracy less that of the same split's clients fitted alone on FedOTP's scoring, paired
+by seed with a 95% interval (``compared`` in the JSON).
+
+With ``--set`` (run-config items over the protocol's, e.g. ``partitioner=iid``) and ``--seeds``, the
+same fits run on another split and seeds; without ``--steps`` each client fits for the local steps it
+trains over the protocol's run (rounds x local epochs x its batches a epoch), as its federated run
+does. A federated run of the same config and seed beside it (``fedvlm.experiments.sweep`` with the
+same ``--set``) is the other arm: what federating the global prompt costs a node, on one backbone.
 
 Usage:
     python bench/fedotp_patch_signal.py                # clients 0..9, the protocol's 100 local steps
     python bench/fedotp_patch_signal.py --steps 400 --out fedotp_patch_signal.json
     python bench/fedotp_patch_signal.py --clients 0 --runs ~/fedvlm-protocols/paper-pfedmoap/runs/fedotp-*
+    python bench/fedotp_patch_signal.py --seeds 0,1,2 --set partitioner=iid --out iid.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -41,6 +51,7 @@ from fedvlm.client_app.node import NUM_PARTITIONS, PARTITION_ID, node_data
 from fedvlm.client_app.prompt_clients import PromptClient
 from fedvlm.client_app.scoring import OTScorer, PromptScorer
 from fedvlm.experiments.protocols import PROTOCOLS
+from fedvlm.experiments.stats import difference
 from fedvlm.methods.validation import validate
 from fedvlm.models.clip_loader import load_clip
 from fedvlm.models.prompt_learner import TextTower, clip_logits, init_context
@@ -74,7 +85,12 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float((logits.argmax(-1) == labels).float().mean())
 
 
-def one_client(cfg, pid: int, n: int, steps: int) -> dict:
+def run_steps(cfg, n_train: int) -> int:
+    """The local steps a client trains over the run: the federated runs' plan (``methods.registry``)."""
+    return cfg.num_server_rounds * cfg.prompt.local_epochs * math.ceil(n_train / cfg.prompt.batch_size)
+
+
+def one_client(cfg, pid: int, n: int, steps: int | None) -> dict:
     node = node_data(cfg, {"partition-id": pid, "num-partitions": n})
     bundle = load_clip(cfg.clip.model, cfg.clip.pretrained, cfg.cache_path, cfg.device)
     classnames = node.splits.classnames
@@ -82,6 +98,7 @@ def one_client(cfg, pid: int, n: int, steps: int) -> dict:
     train, test = node.part.train, node.part.test
     y_train = torch.from_numpy(node.splits.train.labels[train]).long()
     y_test = torch.from_numpy(node.splits.test.labels[test]).long()
+    steps = steps or run_steps(cfg, len(train))
     cache = cfg.cache_path
     feats = {
         "pooled": (
@@ -122,6 +139,7 @@ def one_client(cfg, pid: int, n: int, steps: int) -> dict:
         "classes": list(node.part.classes),
         "train": len(train),
         "test": len(test),
+        "steps": steps,
         "zero-shot": zero,
         "fitted": trained,
     }
@@ -154,44 +172,65 @@ def probe_run(run_dir: Path) -> dict:
             }
         )
     mean = {k: float(np.mean([r[k] for r in rows])) for k in ("paired", "local only", "global only")}
-    return {"run": run_dir.name, "mean": mean, "nodes": rows}
+    return {"run": run_dir.name, "seed": cfg.seed, "mean": mean, "nodes": rows}
+
+
+def federated_minus_alone(seeds: list[dict], probed: list[dict]) -> dict:
+    """Per seed, the federated run's own-class accuracy (its prompts as paired) less the same split's
+    clients fitted alone on FedOTP's scoring, and that difference over seeds (paired, 95% interval)."""
+    alone = {s["seed"]: s["mean"]["fitted-patches"] for s in seeds}
+    federated = {r["seed"]: r["mean"]["paired"] for r in probed if r["seed"] in alone}
+    diff = difference(federated, {s: alone[s] for s in federated})
+    return {
+        "federated": federated,
+        "alone": {s: alone[s] for s in federated},
+        "federated-minus-alone": diff.as_dict() if diff else None,
+        "text": f"federated - alone, {len(federated)} seeds: {diff.interval(100)} points" if diff else "no pair",
+    }
+
+
+def fit_seed(protocol, sets: dict, seed: int, clients: int, steps: int | None) -> dict:
+    """Every client of one seed's split fitted alone; the mean over clients of each path."""
+    cfg = validate({k: parse_value(v) for k, v in sets.items()} | {"seed": seed})
+    rows = []
+    for pid in range(clients):
+        r = one_client(cfg, pid, protocol.clients, steps)
+        rows.append(r)
+        z, f = r["zero-shot"], r["fitted"]
+        fits = " ".join(f"{k} {100 * v['test']:.1f}% (train {100 * v['train']:.1f}%)" for k, v in f.items())
+        print(
+            f"seed {seed} client {pid} ({r['steps']} steps): zero-shot pooled {100 * z['pooled']:.1f}% "
+            f"patches {100 * z['patches']:.1f}% | {fits}",
+            flush=True,
+        )
+    summary = {f"zero-shot-{k}": float(np.mean([r["zero-shot"][k] for r in rows])) for k in ("pooled", "patches")}
+    for k in rows[0]["fitted"] if rows else ():
+        summary[f"fitted-{k}"] = float(np.mean([r["fitted"][k]["test"] for r in rows]))
+    print(f"seed {seed}, mean over clients: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in summary.items()))
+    return {"seed": seed, "mean": summary, "clients": rows}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=10, help="clients 0..k-1 of the protocol's 10")
-    p.add_argument(
-        "--steps", type=int, default=100, help="local steps (the protocol's: 10 rounds x 5 epochs x 2 batches)"
-    )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="local steps (default: each client's over the run)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (each its own split and start)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config items over the protocol's")
     p.add_argument("--runs", type=Path, nargs="*", default=[], help="finished FedOTP runs to probe")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     protocol = PROTOCOLS["paper-pfedmoap"]
-    sets = dict(s.split("=", 1) for s in protocol.sets)
-    cfg = validate({k: parse_value(v) for k, v in sets.items()} | {"seed": args.seed})
-    rows = []
-    for pid in range(args.clients):
-        r = one_client(cfg, pid, protocol.clients, args.steps)
-        rows.append(r)
-        z, f = r["zero-shot"], r["fitted"]
-        fits = " ".join(f"{k} {100 * v['test']:.1f}% (train {100 * v['train']:.1f}%)" for k, v in f.items())
-        print(f"client {pid}: zero-shot pooled {100 * z['pooled']:.1f}% patches {100 * z['patches']:.1f}% | {fits}")
-    summary = {f"zero-shot-{k}": float(np.mean([r["zero-shot"][k] for r in rows])) for k in ("pooled", "patches")}
-    for k in rows[0]["fitted"] if rows else ():
-        summary[f"fitted-{k}"] = float(np.mean([r["fitted"][k]["test"] for r in rows]))
-    if rows:
-        print("mean over clients: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in summary.items()))
+    sets = dict(s.split("=", 1) for s in (*protocol.sets, *args.set))
+    seeds = [fit_seed(protocol, sets, int(s), args.clients, args.steps) for s in args.seeds.split(",")]
     probed = [probe_run(run_dir) for run_dir in args.runs]
     for r in probed:
         print(f"{r['run']}: own-class accuracy " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in r["mean"].items()))
+    compared = federated_minus_alone(seeds, probed) if probed else None
+    if compared:
+        print(compared["text"])
     if args.out:
-        args.out.write_text(
-            json.dumps(
-                {"argv": sys.argv[1:], "mean": summary, "clients": rows, "runs": probed},
-                indent=1,
-            )
-        )
+        out = {"argv": sys.argv[1:], "seeds": seeds, "runs": probed, "compared": compared}
+        args.out.write_text(json.dumps(out, indent=1))
     return 0
 
 
