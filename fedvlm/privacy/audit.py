@@ -237,19 +237,16 @@ def audit_section(
     at rounds 26 to 60, and ended consistent), so before the last round the status is interim and
     no verdict."""
     last_round, audited = end
-    latest: dict[str, tuple[int, dict]] = {}
+    latest: tuple[int, dict] | None = None
     for record in rounds:
         figures = record.get("clients", {}).get(audited) or {}
         found = {k[len(AUDIT_PREFIX) :]: v for k, v in figures.items() if k.startswith(AUDIT_PREFIX)}
-        if audited is not None and set(AUDIT_FIGURES) <= found.keys():
-            latest[audited] = (record["round"], found)
-    if not latest:
+        if set(AUDIT_FIGURES) <= found.keys():
+            latest = (record["round"], found)
+    if audited is None or latest is None:
         return None
     ended = max(r["round"] for r in rounds) >= last_round  # the node's latest audit is then its last
-    nodes = {
-        name: _node_audit(name, rnd, found, spent, mechanism, (last_round, ended))
-        for name, (rnd, found) in latest.items()
-    }
+    nodes = {audited: _node_audit(audited, *latest, spent, mechanism, (last_round, ended))}
     reach = (
         f"the canaries' gradient on the tensors the server noises ({global_mechanism}) is zero: the audit bounds the "
         "node's local mechanism alone, whose accounted epsilon is accounted_epsilon_audited_mechanism"
