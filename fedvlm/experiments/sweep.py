@@ -465,8 +465,11 @@ class Sweep:
                 log.error("%s cannot run: %s", raw["run-name"], err)
 
     def report(self) -> None:
-        mine = {(str(r["variant"]), str(r["epsilon"]), str(r["seed"])) for r in self.rows}
-        kept = [r for r in self.earlier if (r.get("variant"), r.get("epsilon"), r.get("seed")) not in mine]
+        def run_of(r: dict) -> tuple[str, ...]:  # a row read back holds text, one made here numbers
+            return str(r.get("variant")), str(r.get("epsilon")), str(r.get("seed"))
+
+        mine = {run_of(r) for r in self.rows}
+        kept = [r for r in self.earlier if run_of(r) not in mine]
         atomic_write_records(self.rows + kept, self.out / "summary.csv")  # a reader never sees half
         done = [r for r in self.rows if r["status"] != "failed"]
         write_tables(self.rows, self.out, self.epsilons, self.reference)
@@ -612,8 +615,25 @@ def _prepare(p: argparse.ArgumentParser, args: argparse.Namespace) -> Sweep:
     if lock is None:
         pid = (out / SWEEP_LOCK).read_text().strip() or "?"
         p.error(f"another sweep (process {pid}) is writing to {out} now: wait for it to end, or use another --out")
-    earlier = summary_rows(out / "summary.csv")
+    earlier = [reread(row, out) for row in summary_rows(out / "summary.csv")]
     return Sweep(args, out, base, clients, reference, epsilons, plan, earlier=earlier, lock=lock)
+
+
+def reread(row: dict, out: Path) -> dict:
+    """An earlier call's row of summary.csv, its run's columns read again from the run's
+    results.json where the run is finished: a row written before a column existed (the weights, the
+    code) kept that cell empty on every later page, which then read the empty cell as other weights
+    and named the row as mixing two backbones. The attack columns stay as written: they are the
+    attacks' reports, not run again. A row whose run is gone, failed or unreadable stays as written."""
+    try:
+        seed = int(float(row["seed"]))
+        run_dir = out / "runs" / run_name(row["variant"], row["epsilon"], seed)
+        data = read_results(run_dir, DAMAGED) if (run_dir / RESULTS).exists() else None
+        if data is None or data["run"].get("status") not in REUSED:
+            return row
+        return {**row, **result_row(row["variant"], row["method"], row["epsilon"], seed, data)}
+    except (UnreadableFile, KeyError, TypeError, AttributeError, ValueError, IndexError):
+        return row  # a damaged record: a call that plans its run says why
 
 
 def main(argv: list[str] | None = None) -> int:

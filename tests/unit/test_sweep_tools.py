@@ -303,6 +303,51 @@ def test_a_sweep_stopped_half_way_leaves_the_folders_earlier_rows_in_its_summary
     ]
 
 
+def test_an_earlier_calls_row_is_read_again_from_its_finished_run(tmp_path):
+    """clients-50's page named PromptFL's and pFedMoAP's rows as mixing two backbones, though every
+    run recorded one: their seeds 3-4 were made by an earlier call, whose rows predate the weights'
+    column, and each later call wrote them back as they were, that cell empty. A kept row's run
+    columns are now read again from its finished run; its attack columns, a failed row and a row
+    whose run is gone stay as written."""
+    import json
+
+    from fedvlm.experiments.sweep import _parser, _prepare
+    from fedvlm.experiments.sweep_report import LAST10, summary_rows
+
+    (tmp_path / "summary.csv").write_text(
+        "variant,method,epsilon,seed,status,local-acc,mia-auc\n"
+        "promptfl,promptfl,none,3,finished,0.3,0.51\n"  # its run below records its weights
+        "coop,coop,none,0,finished,0.7,\n"  # its run folder is gone: as written
+        "fedotp,fedotp,none,0,failed,,\n"
+    )
+    run = tmp_path / "runs" / "promptfl-epsnone-seed3"
+    run.mkdir(parents=True)
+    record = {
+        "run": {"status": "finished", "backbone": {"fingerprint": "embedded-tiny:gelu:sha256:ab"}, "nodes": [{}]},
+        "config": {},
+        "final": {"local-acc": 0.25, "local-acc" + LAST10: 0.2},
+        "rounds": [{"round": 1, "seconds": 2.0, "clients": {}, "metrics": {}}],
+    }
+    (run / "results.json").write_text(json.dumps(record))
+    p = _parser()
+    argv = ["--out", str(tmp_path), "--methods", "promptfl", "--epsilons", "none", "--seeds", "3"]
+    sweep = _prepare(p, p.parse_args(argv))
+    sweep.report()  # the call's own run has no row yet: every earlier row written back
+    rows = {r["variant"]: r for r in summary_rows(tmp_path / "summary.csv")}
+    assert rows["promptfl"]["backbone"] == "embedded-tiny:gelu:sha256:ab"
+    assert rows["promptfl"]["local-acc"] == "0.25" and rows["promptfl"]["mia-auc"] == "0.51"
+    assert rows["coop"]["backbone"] == "" and rows["coop"]["local-acc"] == "0.7"
+    assert rows["fedotp"]["status"] == "failed"
+    sweep.rows.append({"variant": "promptfl", "method": "promptfl", "epsilon": "none", "seed": 3, "status": "ok"})
+    sweep.report()  # the call's own row replaces the one read again: one row a run
+    rows = summary_rows(tmp_path / "summary.csv")
+    assert [(r["variant"], r["status"]) for r in rows] == [
+        ("promptfl", "ok"),
+        ("coop", "finished"),
+        ("fedotp", "failed"),
+    ]
+
+
 def test_a_variants_own_audit_setting_wins_over_the_sweeps(tmp_path):
     """pFedMoAP's 'upload' placement noises a round's update once, with no per-record step for a
     canary to enter, so its config refuses canaries; the sweep's --audit used to overwrite the
