@@ -434,12 +434,15 @@ PROTOCOLS: dict[str, Protocol] = {
             (0, 1, 2),
             10,
             _MOAP_SETS,
-            "measured 2026-12-02 on the 2-core machine, alone: 25 min for the 35 runs of the paper's variants at 5 "
+            "measured 2026-12-02 on the 2-core AMD machine, alone: 25 min for the 35 runs of the paper's variants at 5 "
             "seeds (0.4 h of rounds; FedOTP's runs 83 to 240 s each, the others 13 to 31 s), 8 min more for the "
             "FedOTP server-step experiment's 5 runs, 15 min for the fedotp-fedavg row's 5 (other jobs sharing "
             "the cores); measured 2026-12-05, alone: a private run 215 to 252 s for PromptFL, 323 to 360 s for "
             "pFedMoAP through DP-SGD, 31 to 46 s with the upload placement (the 40 runs at epsilon 50 and 25 over "
-            "five seeds: about 2.3 h)",
+            "five seeds: about 2.3 h); measured 2026-12-05 on the Intel machine whose weights the published page's "
+            "90 runs share, alone: 23 min for the 35 runs without noise, a private run's rounds 169 to 450 s for "
+            "PromptFL, 297 to 1016 s for pFedMoAP through DP-SGD (the slowest before denormal floats were "
+            "flushed), 31 to 35 s with the upload placement",
             (
                 Headline(
                     "pFedMoAP above FedOTP on local accuracy (Flowers102: 98.41 vs 96.23)",
